@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv and installs Transom with everything it needs (torch pinned to the CPU build
+# on this machine's disk). Does nothing when the environment is already up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.transom-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "setting up .venv (torch 2.13.0 CPU, etcd, test tools)..." >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 numpy
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+echo "$want" > "$stamp"

@@ -1,0 +1,134 @@
+"""Shared fixtures: run `transom` as a real subprocess, and prove that nothing of a job outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+def job_processes(marker: str) -> list[psutil.Process]:
+    """Processes whose command line or TRANSOM_JOB_ID mentions `marker` (a job id or run dir)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if marker in cmdline or p.environ().get("TRANSOM_JOB_ID") == marker:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy, or fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Job:
+    """One `transom run` subprocess with its own run directory and job id."""
+
+    def __init__(self, run_dir: Path, args: list[str], env: dict | None = None, job_id: str | None = None):
+        self.run_dir = run_dir
+        self.job_id = job_id or "t-" + uuid.uuid4().hex[:8]
+        self.argv = [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir),
+                     "--job-id", self.job_id, *args]
+        self.out_path = run_dir.parent / f"{run_dir.name}.out"
+        self._out = open(self.out_path, "wb")
+        self.process = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._out.flush()
+
+    @property
+    def output(self) -> str:
+        self._out.flush()
+        return self.out_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def worker(self, rank: int) -> psutil.Process | None:
+        for p in job_processes(self.job_id):
+            try:
+                env = p.environ()
+                if (env.get("RANK") == str(rank) and "TRANSOM_GENERATION" in env
+                        and p.status() != psutil.STATUS_ZOMBIE):
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return None
+
+    def log_text(self, pattern: str = "g*/rank*.log") -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.run_dir.glob(f"logs/{pattern}")))
+
+    def kill(self) -> None:
+        """End the launcher's whole session, then anything left of the job."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        for p in job_processes(self.job_id) + job_processes(str(self.run_dir)):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self._out.close()
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    """start_job(args...) -> Job; every job is ended after the test, and must leave no process."""
+    jobs: list[Job] = []
+
+    def start(*args: str, env: dict | None = None, job_id: str | None = None) -> Job:
+        job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id)
+        jobs.append(job)
+        return job
+
+    yield start
+    leftovers = []
+    for job in jobs:
+        if job.process.poll() is None:
+            job.kill()
+            continue
+        # The job ended by itself: nothing of it may remain (allow a moment for reaping).
+        try:
+            wait_for(lambda: not (job_processes(job.job_id) + job_processes(str(job.run_dir))),
+                     10, "the job's processes to exit")
+        except AssertionError:
+            leftovers += [" ".join(p.cmdline()) for p in job_processes(job.job_id)]
+        job.kill()
+    assert not leftovers, f"processes outlived their job: {leftovers}"

@@ -1,0 +1,49 @@
+"""An unmodified torchrun-style DDP script (no transom imports): a linear model, a few steps.
+
+Prints its world and resumes from a torch.save checkpoint in --ckpt-dir, so restarts are
+visible. --step-delay makes steps slow enough for a test to kill something mid-run.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--step-delay", type=float, default=0.0)
+parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+print(f"world rank={rank} world_size={world} local_rank={os.environ['LOCAL_RANK']} "
+      f"group_rank={os.environ['GROUP_RANK']} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+path = os.path.join(args.ckpt_dir, "toy.pt")
+start = 0
+if os.path.exists(path):
+    state = torch.load(path, weights_only=True)
+    model.module.load_state_dict(state["model"])
+    start = state["step"]
+print(f"resumed step={start} rank={rank}", flush=True)
+for step in range(start + 1, args.steps + 1):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 100 + rank))
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if rank == 0:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        torch.save({"model": model.module.state_dict(), "step": step}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    time.sleep(args.step_delay)
+dist.barrier()
+print(f"done rank={rank}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,134 @@
+"""End-to-end tests of `transom run` with real etcd, real agents, real DDP workers, real kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from conftest import TOY, job_processes, wait_for
+from transom.store import EmbeddedEtcd
+
+pytestmark = pytest.mark.slow
+
+
+def kinds(job) -> list[str]:
+    return [e["kind"] for e in job.events()]
+
+
+def test_healthy_job_completes_with_the_right_world(start_job):
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", TOY, "--steps", "5")
+    assert job.wait() == 0, job.output
+    logs = job.log_text()
+    for rank in range(4):
+        assert f"world rank={rank} world_size=4" in logs
+    assert "group_rank=1" in logs and "local_rank=1" in logs
+    assert logs.count("done rank=") == 4
+    status = job.status()
+    assert status["job"]["state"] == "SUCCEEDED"
+    assert status["job"]["generation"] == 1
+    assert "succeeded" in kinds(job)
+
+
+def test_killed_worker_restarts_and_job_completes(start_job):
+    job = start_job("--nnodes", "3", "--spares", "1", TOY, "--steps", "40", "--step-delay", "0.15")
+    wait_for(lambda: "step 5 " in job.log_text(), 60, "training to reach step 5")
+    victim = wait_for(lambda: job.worker(1), 10, "the rank 1 worker")
+    victim.send_signal(signal.SIGKILL)
+    assert job.wait() == 0, job.output
+    events = job.events()
+    diagnosis = next(e for e in events if e["kind"] == "diagnosis")
+    assert "SIGKILL" in diagnosis["message"] and diagnosis["blamed"] == ["node1"]
+    assert job.status()["job"]["generation"] == 2
+    assert job.status()["job"]["restarts_used"] == 1
+    assert "restart=1" in job.log_text("g002/rank1.log")
+    assert "done rank=1" in job.log_text("g002/rank1.log")
+    assert "evict" not in kinds(job)  # a first failure restarts in place
+
+
+def test_dead_node_is_replaced_by_the_spare(start_job):
+    job = start_job("--nnodes", "3", "--spares", "1", TOY, "--steps", "40", "--step-delay", "0.15")
+    wait_for(lambda: "step 5 " in job.log_text(), 60, "training to reach step 5")
+    agent = wait_for(lambda: next((p for p in job_processes(job.job_id)
+                                   if "--node-id node1" in " ".join(p.cmdline())), None), 10, "node1's agent")
+    agent.send_signal(signal.SIGKILL)
+    assert job.wait() == 0, job.output
+    job_record = job.status()["job"]
+    assert "node1" in job_record["evicted"]
+    assert "lease expired" in job_record["evicted"]["node1"]["reason"]
+    assert job_record["members"] == ["node0", "node2", "node3"]
+    assert job_record["restarts_used"] == 1  # one incident, one restart
+    assert "spare" in kinds(job)
+    out = subprocess.run([sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "evicted" in out.stdout and "lease expired" in out.stdout
+
+
+def test_killed_controller_leader_is_replaced(start_job):
+    job = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
+    wait_for(lambda: "step 3 " in job.log_text(), 60, "training to reach step 3")
+    leader = wait_for(lambda: job.status().get("leader"), 10, "a leader in status.json")
+    process = wait_for(lambda: next((p for p in job_processes(job.job_id)
+                                     if f"--candidate-id {leader}" in " ".join(p.cmdline())), None),
+                       10, "the leader's process")
+    process.send_signal(signal.SIGKILL)
+    assert job.wait() == 0, job.output
+    leaders = [e["controller"] for e in job.events() if e["kind"] == "leader"]
+    assert leaders[0] == leader and len(leaders) >= 2 and leaders[-1] != leader
+    assert job.status()["job"]["state"] == "SUCCEEDED"
+
+
+def test_same_error_on_every_rank_fails_fast(start_job, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("raise ValueError('bad config value')\n")
+    job = start_job("--nnodes", "2", "--max-restarts", "10", script)
+    assert job.wait() == 1
+    assert "ValueError: bad config value" in job.output.splitlines()[-1]
+    assert job.status()["job"]["restarts_used"] == 1  # one retry, not ten
+
+
+def test_restart_budget_is_enforced(start_job, tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
+    job = start_job("--nnodes", "2", "--max-restarts", "1", "--evict-window", "0", script)
+    assert job.wait() == 1
+    assert "restart budget spent" in job.output
+    assert job.status()["job"]["restarts_used"] == 2
+
+
+def test_without_spares_the_job_shrinks_to_its_minimum_or_fails(start_job):
+    elastic = start_job("--nnodes", "1:2", TOY, "--steps", "40", "--step-delay", "0.15")
+    rigid = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
+    for job in (elastic, rigid):
+        wait_for(lambda: "step 3 " in job.log_text(), 90, "training to reach step 3")
+        agent = next(p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline()))
+        agent.send_signal(signal.SIGKILL)
+    assert elastic.wait() == 0, elastic.output
+    assert "world_size=1" in elastic.log_text("g002/*.log")
+    assert rigid.wait() == 1
+    assert "not enough nodes" in rigid.output
+
+
+def test_ctrl_c_stops_everything(start_job):
+    job = start_job("--nnodes", "2", TOY, "--steps", "1000", "--step-delay", "0.2")
+    wait_for(lambda: "step 2 " in job.log_text(), 60, "training to start")
+    job.process.send_signal(signal.SIGINT)
+    assert job.wait(60) == 130
+    wait_for(lambda: not job_processes(job.job_id), 10, "every process of the job to end")
+
+
+def test_machines_of_one_job_organise_through_an_existing_etcd(start_job, tmp_path):
+    """Two `transom run --store` launchers (two "machines") form one 2-node job; one controller leads."""
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        common = ["--store", etcd.url, "--nnodes", "2", TOY, "--steps", "5"]
+        first = start_job("--node-id", "alpha", *common)
+        second = start_job("--node-id", "beta", *common, job_id=first.job_id)
+        assert first.wait() == 0, first.output
+        assert second.wait() == 0, second.output
+        assert "world_size=2" in first.log_text() + second.log_text()
+        leaders = {e["controller"] for e in first.events() if e["kind"] == "leader"}
+        assert len(leaders) == 1

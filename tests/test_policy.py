@@ -1,0 +1,202 @@
+"""Unit tests for transom/control/policy.py: blame, eviction and fail-fast rules."""
+
+from __future__ import annotations
+
+from transom.control.policy import Decision, common_signature, decide, root_cause
+
+WINDOW = 300.0
+
+
+def failure(rank: int, *, exitcode: int = 1, signal: str | None = None, signature: str | None = None,
+            peer_error: bool = False, time: float = 1000.0) -> dict:
+    """A failure dict as the agent reports it: WorkerFailure.to_dict() plus "describe"."""
+    how = f"killed by {signal}" if signal else f"exit code {exitcode}"
+    detail = f": {signature}" if signature else ""
+    return {
+        "rank": rank, "local_rank": 0, "exitcode": exitcode, "signal": signal, "signature": signature,
+        "peer_error": peer_error, "time": time, "log": f"/tmp/rank{rank}.log",
+        "describe": f"rank {rank} {how}{detail}",
+    }
+
+
+def report(*failures: dict, generation: int = 1) -> dict:
+    return {"state": "failed", "generation": generation, "failures": list(failures)}
+
+
+def preflight_report(problem: str) -> dict:
+    return report({"kind": "preflight", "describe": problem})
+
+
+PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+
+
+def _decide(members, lost=(), failed=None, history=None, last_signature=None, now=1000.0,
+            window=WINDOW) -> Decision:
+    return decide(list(members), list(lost), failed or {}, {} if history is None else history,
+                  last_signature, window, now)
+
+
+# -- root cause -------------------------------------------------------------------------------
+
+def test_lone_sigkilled_worker_is_blamed_not_its_peers():
+    failed = {
+        "node0": report(failure(0, signature=PEER, peer_error=True, time=1001.0)),
+        "node1": report(failure(1, exitcode=-9, signal="SIGKILL", time=1002.0)),
+        "node2": report(failure(2, signature=PEER, peer_error=True, time=1000.5)),
+    }
+    assert root_cause(failed) == ["node1"]
+    d = _decide(["node0", "node1", "node2"], failed=failed)
+    assert d.blamed == ["node1"]
+    assert d.evict == {}  # first failure of node1: restart, no eviction
+    assert d.fail is None
+    assert d.signature is None
+    assert "node1" in d.summary and "SIGKILL" in d.summary
+
+
+def test_all_peer_errors_blame_the_earliest_node():
+    failed = {
+        "node0": report(failure(0, signature=PEER, peer_error=True, time=1003.0)),
+        "node1": report(failure(1, signature=PEER, peer_error=True, time=1001.0),
+                        failure(2, signature=PEER, peer_error=True, time=1005.0)),
+        "node2": report(failure(3, signature=PEER, peer_error=True, time=1002.0)),
+    }
+    assert root_cause(failed) == ["node1"]
+    d = _decide(["node0", "node1", "node2"], failed=failed)
+    assert d.blamed == ["node1"]
+
+
+def test_root_cause_of_nothing_is_nobody():
+    assert root_cause({}) == []
+
+
+def test_several_own_failures_are_all_blamed():
+    failed = {
+        "node1": report(failure(1, signature="ValueError: x")),
+        "node0": report(failure(0, exitcode=-11, signal="SIGSEGV")),
+        "node2": report(failure(2, signature=PEER, peer_error=True)),
+    }
+    assert root_cause(failed) == ["node0", "node1"]
+
+
+# -- lost nodes and pre-flight ----------------------------------------------------------------
+
+def test_lost_node_is_evicted_with_a_lease_reason():
+    history: dict[str, list[float]] = {}
+    failed = {"node0": report(failure(0, signature=PEER, peer_error=True))}
+    d = _decide(["node0", "node1"], lost=["node1"], failed=failed, history=history)
+    assert d.blamed == ["node1"]  # the survivors' peer errors are not blamed
+    assert set(d.evict) == {"node1"}
+    assert "lease" in d.evict["node1"]
+    assert "node1 lost" in d.summary
+    assert d.fail is None
+
+
+def test_preflight_failure_evicts_the_node():
+    failed = {"node2": preflight_report("only 12 MiB of disk free")}
+    d = _decide(["node0", "node1", "node2"], failed=failed)
+    assert set(d.evict) == {"node2"}
+    assert "pre-flight" in d.evict["node2"]
+    assert "only 12 MiB of disk free" in d.evict["node2"]
+    assert d.signature is None
+    assert d.fail is None
+
+
+# -- repeated failures and the eviction window ------------------------------------------------
+
+def test_same_node_failing_again_within_the_window_is_evicted():
+    history: dict[str, list[float]] = {}
+    members = ["node0", "node1"]
+    failed = {"node1": report(failure(1, exitcode=-9, signal="SIGKILL")),
+              "node0": report(failure(0, signature=PEER, peer_error=True))}
+
+    first = _decide(members, failed=failed, history=history, now=1000.0)
+    assert first.blamed == ["node1"] and first.evict == {}
+    assert history == {"node1": [1000.0]}  # updated in place
+
+    second = _decide(members, failed=failed, history=history, now=1100.0)
+    assert second.blamed == ["node1"]
+    assert set(second.evict) == {"node1"}
+    assert "again" in second.evict["node1"]
+    assert history["node1"] == [1000.0, 1100.0]
+
+
+def test_same_node_failing_again_outside_the_window_is_not_evicted():
+    history: dict[str, list[float]] = {"node1": [1000.0]}
+    failed = {"node1": report(failure(1, exitcode=-9, signal="SIGKILL"))}
+    d = _decide(["node0", "node1"], failed=failed, history=history, now=1000.0 + WINDOW + 1)
+    assert d.blamed == ["node1"]
+    assert d.evict == {}
+    assert history == {"node1": [1000.0 + WINDOW + 1]}  # the old failure was forgotten
+
+
+def test_history_of_other_nodes_does_not_evict():
+    history: dict[str, list[float]] = {"node0": [990.0]}
+    failed = {"node1": report(failure(1, exitcode=-9, signal="SIGKILL"))}
+    d = _decide(["node0", "node1"], failed=failed, history=history, now=1000.0)
+    assert d.evict == {}
+    assert history["node0"] == [990.0]
+    assert history["node1"] == [1000.0]
+
+
+# -- common signature and fail-fast -----------------------------------------------------------
+
+def _same_error_everywhere(signature: str = "ValueError: bad shape") -> dict:
+    return {
+        "node0": report(failure(0, signature=signature), failure(1, signature=signature)),
+        "node1": report(failure(2, signature=signature), failure(3, signature=signature)),
+    }
+
+
+def test_same_exception_on_every_member_once_does_not_fail():
+    d = _decide(["node0", "node1"], failed=_same_error_everywhere(), last_signature=None)
+    assert d.signature == "ValueError: bad shape"
+    assert d.fail is None
+
+
+def test_same_exception_on_every_member_twice_in_a_row_fails():
+    history: dict[str, list[float]] = {}
+    members = ["node0", "node1"]
+    first = _decide(members, failed=_same_error_everywhere(), history=history, now=1000.0)
+    assert first.fail is None
+    second = _decide(members, failed=_same_error_everywhere(), history=history,
+                     last_signature=first.signature, now=1001.0)
+    assert second.fail is not None
+    assert "ValueError: bad shape" in second.fail
+
+
+def test_a_different_exception_the_second_time_does_not_fail():
+    d = _decide(["node0", "node1"], failed=_same_error_everywhere("KeyError: 'x'"),
+                last_signature="ValueError: bad shape")
+    assert d.signature == "KeyError: 'x'"
+    assert d.fail is None
+
+
+def test_different_signatures_give_no_common_signature():
+    failed = {"node0": report(failure(0, signature="ValueError: a")),
+              "node1": report(failure(1, signature="ValueError: b"))}
+    assert common_signature(["node0", "node1"], failed) is None
+
+
+def test_a_signal_gives_no_common_signature():
+    sig = "ValueError: bad shape"
+    failed = {"node0": report(failure(0, signature=sig)),
+              "node1": report(failure(1, signature=sig, exitcode=-9, signal="SIGKILL"))}
+    assert common_signature(["node0", "node1"], failed) is None
+
+
+def test_a_peer_error_gives_no_common_signature():
+    failed = {"node0": report(failure(0, signature=PEER, peer_error=True)),
+              "node1": report(failure(1, signature=PEER, peer_error=True))}
+    assert common_signature(["node0", "node1"], failed) is None
+    d = _decide(["node0", "node1"], failed=failed, last_signature=PEER)
+    assert d.fail is None
+
+
+def test_a_missing_member_or_signature_gives_no_common_signature():
+    sig = "ValueError: bad shape"
+    only_one = {"node0": report(failure(0, signature=sig))}
+    assert common_signature(["node0", "node1"], only_one) is None
+    no_sig = {"node0": report(failure(0, signature=sig)), "node1": report(failure(1))}
+    assert common_signature(["node0", "node1"], no_sig) is None
+    preflight = {"node0": report(failure(0, signature=sig)), "node1": preflight_report("disk full")}
+    assert common_signature(["node0", "node1"], preflight) is None

@@ -1,0 +1,204 @@
+"""Tests for transom/store against a real (embedded) etcd, and controller leader election on it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from transom.config import JobSpec
+from transom.control.controller import Controller
+from transom.store import EmbeddedEtcd, Store, StoreError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("store") / "etcd")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store(etcd):
+    """A Store for a job of its own, so tests sharing the server do not see each other's keys."""
+    s = Store(etcd.url, f"test-{uuid.uuid4().hex[:8]}")
+    yield s
+    try:
+        s.delete_job()
+    except StoreError:
+        pass
+
+
+# -- plain access ---------------------------------------------------------------------------------
+
+def test_get_missing_is_none(store):
+    assert store.get("nothing") is None
+    assert store.get_prefix("nothing/") == {}
+
+
+def test_put_get_json_values(store):
+    value = {"state": "RUNNING", "members": ["node0", "node1"], "n": 3, "x": 0.5, "none": None}
+    store.put("job", value)
+    assert store.get("job") == value
+    store.put("job", "replaced")
+    assert store.get("job") == "replaced"
+    store.delete("job")
+    assert store.get("job") is None
+
+
+def test_get_prefix_strips_the_prefix_and_sorts(store):
+    store.put("nodes/node2", {"n": 2})
+    store.put("nodes/node0", {"n": 0})
+    store.put("nodes/node1", {"n": 1})
+    store.put("nodesX", "not under nodes/")
+    store.put("status/node0", "other")
+    got = store.get_prefix("nodes/")
+    assert list(got) == ["node0", "node1", "node2"]
+    assert got["node1"] == {"n": 1}
+
+
+def test_jobs_are_isolated(etcd, store):
+    store.put("spec", {"a": 1})
+    other = Store(etcd.url, store.job_id + "-other")
+    assert other.get("spec") is None
+    store.delete_job()
+    assert store.get("spec") is None
+
+
+def test_create_only_once(store):
+    assert store.create("leader", "a") is True
+    assert store.create("leader", "b") is False
+    assert store.get("leader") == "a"
+
+
+def test_put_if_leader(store):
+    assert store.put_if_leader("ctl-a", {"job": {"g": 1}}) is False  # nobody leads yet
+    assert store.get("job") is None
+    assert store.create("leader", "ctl-a")
+    assert store.put_if_leader("ctl-a", {"job": {"g": 2}, "plan": {"members": ["n0"]}}) is True
+    assert store.get("job") == {"g": 2}
+    assert store.get("plan") == {"members": ["n0"]}
+    assert store.put_if_leader("ctl-b", {"job": {"g": 3}, "plan": {"members": []}}) is False
+    assert store.get("job") == {"g": 2}  # nothing of the failed transaction was written
+    assert store.get("plan") == {"members": ["n0"]}
+
+
+def test_key_under_a_lease_disappears_after_revoke(store):
+    lease = store.lease(30)
+    store.put("nodes/node0", {"host": "h"}, lease=lease)
+    assert store.create("leader", "me", lease=lease)
+    store.put("kept", 1)
+    assert store.refresh(lease) is True
+    store.revoke(lease)
+    assert store.get("nodes/node0") is None
+    assert store.get("leader") is None
+    assert store.get("kept") == 1
+    assert store.refresh(lease) is False  # an expired lease cannot be kept alive
+
+
+def test_unreachable_store_raises():
+    s = Store("http://127.0.0.1:1", "j", timeout=1.0)
+    assert s.healthy() is False
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="cannot reach etcd"):
+        s.wait_healthy(0.5)
+    assert time.monotonic() - start < 5
+    with pytest.raises(StoreError, match="cannot reach etcd"):
+        s.get("spec")
+
+
+@pytest.mark.parametrize("url", ["ftp://host:1", "http://", "http://:2379"])
+def test_bad_url(url):
+    with pytest.raises(StoreError, match="bad store URL"):
+        Store(url, "j")
+
+
+# -- leader election ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def controllers(store):
+    store.put("spec", JobSpec(script=__file__).to_dict())
+    made: list[Controller] = []
+
+    def make(candidate_id: str) -> Controller:
+        c = Controller(Store(store.url, store.job_id), candidate_id)
+        c.spec = JobSpec.from_dict(c.store.get("spec"))
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stopping.set()
+        if c.leading.is_set() and c.lease is not None:
+            try:
+                c.store.revoke(c.lease)
+            except StoreError:
+                pass
+
+
+def test_exactly_one_controller_leads_and_the_successor_resumes(store, controllers):
+    a, b = controllers("ctl-a"), controllers("ctl-b")
+    assert a.spec.script == __file__
+    won = [a._try_lead(), b._try_lead()]
+    assert won == [True, False]
+    assert a.leading.is_set() and not b.leading.is_set()
+    assert store.get("leader") == "ctl-a"
+    assert b._try_lead() is False  # still held: the keep-alive refreshes it
+
+    # The leader makes progress; it is in etcd, fenced on its leadership.
+    a.job["generation"] = 4
+    a.job["members"] = ["node0", "node1"]
+    a.job["restarts_used"] = 3
+    a.job["state"] = "RUNNING"
+    a._commit({"generation": 4})
+    written = store.get("job")
+    assert written["generation"] == 4
+
+    # The leader goes away.
+    a.stopping.set()
+    store.revoke(a.lease)
+    assert store.get("leader") is None
+
+    assert b._try_lead() is True
+    assert b.leading.is_set()
+    assert store.get("leader") == "ctl-b"
+    for key in ("generation", "members", "restarts_used", "state", "since"):
+        assert b.job[key] == written[key]
+
+    # The deposed leader's writes are refused and it notices it lost the lead.
+    a.job["generation"] = 99
+    a._commit()
+    assert not a.leading.is_set()
+    assert store.get("job")["generation"] == 4
+
+    events = store.get_prefix("events/")
+    leads = [e for e in events.values() if e["kind"] == "leader"]
+    assert [e["controller"] for e in leads] == ["ctl-a", "ctl-b"]
+
+
+def test_leadership_race_has_one_winner(store, controllers):
+    import threading
+
+    candidates = [controllers(f"ctl-{i}") for i in range(4)]
+    results: dict[str, bool] = {}
+    barrier = threading.Barrier(len(candidates))
+
+    def race(c: Controller) -> None:
+        barrier.wait()
+        results[c.candidate_id] = c._try_lead()
+
+    threads = [threading.Thread(target=race, args=(c,)) for c in candidates]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results.values()) == [False, False, False, True]
+    winner = next(c for c in candidates if results[c.candidate_id])
+    assert store.get("leader") == winner.candidate_id
+    assert store.get("job")["generation"] == 0

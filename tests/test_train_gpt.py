@@ -1,0 +1,116 @@
+"""Tests for examples/train_gpt.py: it trains, and resuming from a checkpoint is bit-exact."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+# Small model and batch so that three torchrun jobs fit in well under a minute on two cores.
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TRANSOM_CHECKPOINT_DIR", "TRANSOM_MONITOR_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill `pid` and everything under it (torchrun starts its workers in sessions of their own)."""
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 60) -> str:
+    """Run a command to completion and return its output; no process outlives this call."""
+    proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        pytest.fail(f"{args} ran past {timeout}s:\n{out}")
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out}"
+    return out
+
+
+def _torchrun(nproc: int, *args: str, cwd: Path) -> str:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                 str(SCRIPT), *SMALL, *args], cwd=cwd)
+
+
+def test_single_process_trains(tmp_path: Path) -> None:
+    out = _run([sys.executable, str(SCRIPT), "--steps", "12", "--log-every", "1",
+                "--ckpt-dir", str(tmp_path / "ckpt")], cwd=tmp_path)
+    assert re.search(r"^\[train_gpt\] start rank=0 world=1 t=\d+\.\d{3}$", out, re.M), out
+    assert re.search(r"^\[train_gpt\] resumed step=0 rank=0 t=\d+\.\d{3}$", out, re.M), out
+    losses = [float(m) for m in re.findall(r"^step \d+ loss (\d+\.\d{4}) t=\d+\.\d{3}$", out, re.M)]
+    assert len(losses) == 12, out
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    assert re.search(r"^\[train_gpt\] done step=12 rank=0 t=\d+\.\d{3}$", out, re.M), out
+    assert not (tmp_path / "ckpt").exists()  # --ckpt-every defaults to 20: no checkpoint yet
+
+
+def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = [sys.executable, str(SCRIPT), *SMALL, "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--keep", "3"]
+    _run(args + ["--steps", "6"], cwd=tmp_path)
+    assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [f"step_0000000{s}.pt" for s in (2, 4, 6)]
+    (ckpt / "step_00000006.pt").write_bytes(b"truncated")
+    out = _run(args + ["--steps", "7"], cwd=tmp_path)
+    assert "cannot load checkpoint" in out, out
+    assert "[train_gpt] resumed step=4 rank=0" in out, out
+    assert "[train_gpt] done step=7 rank=0" in out, out
+
+
+def test_resume_is_bit_exact(tmp_path: Path) -> None:
+    steps, every = 12, 3
+    common = ["--ckpt-every", str(every), "--log-every", "3", "--seed", "7"]
+
+    # Uninterrupted run.
+    out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "a"),
+                    "--save-final", str(tmp_path / "a.pt"), *common, cwd=tmp_path)
+    assert "[train_gpt] done step=12 rank=0" in out and "[train_gpt] done step=12 rank=1" in out, out
+    assert (tmp_path / "a" / "latest").read_text().strip() == "12"
+    assert sorted(p.name for p in (tmp_path / "a").glob("step_*.pt")) == ["step_00000009.pt", "step_00000012.pt"]
+
+    # The same job, stopped halfway and started again on the same checkpoint directory.
+    out = _torchrun(2, "--steps", str(steps // 2), "--ckpt-dir", str(tmp_path / "b"), *common, cwd=tmp_path)
+    assert "[train_gpt] done step=6 rank=0" in out, out
+    out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "b"),
+                    "--save-final", str(tmp_path / "b.pt"), *common, cwd=tmp_path)
+    assert "[train_gpt] resumed step=6 rank=0" in out and "[train_gpt] resumed step=6 rank=1" in out, out
+    assert re.search(r"^step 7 loss ", out, re.M), out  # the first step after a resume is logged
+    assert "[train_gpt] done step=12 rank=0" in out, out
+
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"weights differ after resume: {different}"

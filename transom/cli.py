@@ -1,0 +1,203 @@
+"""The `transom` command: run | agent | controller | status | events.
+
+Every refusal or failure exits non-zero with a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from transom.config import ConfigError, JobSpec, parse_nnodes, prepare_run_dir
+
+EXIT_BAD_INPUT = 2
+DEFAULT_RUNS = Path("transom-runs")
+
+
+def _add_store_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--store", required=required, metavar="URL",
+                   help="etcd to use, e.g. http://10.0.0.1:2379" +
+                        ("" if required else " (default: start a private etcd on this machine)"))
+    p.add_argument("--job-id", required=required, metavar="J",
+                   help="job name in etcd; every machine of one job uses the same")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="active nodes; with MIN:MAX the job goes on with as few as MIN (default 1)")
+    p.add_argument("--spares", type=int, default=0, help="hot spare nodes that replace evicted ones (default 0)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts allowed for the whole job, counted once per incident (default 3)")
+    p.add_argument("--evict-window", type=float, default=300.0, metavar="SECONDS",
+                   help="a node whose workers fail twice within this window is evicted (default 300)")
+    p.add_argument("--node-ttl", type=int, default=4, metavar="SECONDS",
+                   help="node lease time-to-live: how long a dead node goes unnoticed at most (default 4)")
+    p.add_argument("--join-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for more than MIN nodes before starting (default 30)")
+    p.add_argument("script", help="the training script, run like torchrun runs it")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="transom",
+        description="Fault-tolerant launcher for PyTorch training: restarts, evicts bad nodes, swaps in spares.")
+    parser.add_argument("--log-level", default="warning", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a training script fault-tolerantly (like torchrun)",
+                         description="Start a job: on one machine a private etcd, controllers and "
+                                     "nnodes+spares simulated node agents; with --store, this machine's "
+                                     "agent and a controller candidate of a multi-machine job.")
+    _add_store_args(run, required=False)
+    run.add_argument("--run-dir", type=Path, help="logs, events and status (default ./transom-runs/JOB_ID)")
+    run.add_argument("--local-nodes", type=int, help="node agents on this machine "
+                                                     "(default: all nodes without --store, else 1)")
+    run.add_argument("--node-id", help="this machine's node name with --store (default: host name)")
+    run.add_argument("--host", help="address other nodes reach this one at (default: 127.0.0.1 without "
+                                    "--store, else this machine's address)")
+    _add_spec_args(run)
+
+    agent = sub.add_parser("agent", help="run one node agent of a job",
+                           description="Register this node in the job and run its workers as the controller plans.")
+    _add_store_args(agent, required=True)
+    agent.add_argument("--node-id", default=socket.gethostname(), help="node name (default: host name)")
+    agent.add_argument("--run-dir", type=Path, help="where worker logs go (default ./transom-runs/JOB_ID)")
+    agent.add_argument("--host", help="address other nodes reach this one at (default: this machine's)")
+
+    ctl = sub.add_parser("controller", help="run a controller candidate of a job",
+                         description="Stand for leadership of the job and drive its state machine when elected. "
+                                     "With a script it also writes the job spec.")
+    _add_store_args(ctl, required=True)
+    ctl.add_argument("--candidate-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    ctl.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="as for run, when writing the spec")
+    ctl.add_argument("--spares", type=int, default=0)
+    ctl.add_argument("--nproc-per-node", type=int, default=1)
+    ctl.add_argument("--max-restarts", type=int, default=3)
+    ctl.add_argument("--evict-window", type=float, default=300.0)
+    ctl.add_argument("--node-ttl", type=int, default=4)
+    ctl.add_argument("--join-timeout", type=float, default=30.0)
+    ctl.add_argument("script", nargs="?", help="training script (only to write the spec)")
+    ctl.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    for name, what in (("status", "the job's state, generation, nodes and restarts left"),
+                       ("events", "every decision with its reason and time")):
+        p = sub.add_parser(name, help=f"show {what}", description=f"Show {what}, from etcd "
+                           "(--store and --job-id) or from a run directory after the job ended.")
+        p.add_argument("--store", metavar="URL")
+        p.add_argument("--job-id", metavar="J")
+        p.add_argument("--run-dir", type=Path, help="a run directory")
+        p.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSpec:
+    low, high = parse_nnodes(args.nnodes)
+    script = os.path.abspath(args.script) if check_script and args.store is None else args.script
+    spec = JobSpec(
+        script=script, script_args=list(args.script_args), nnodes_min=low, nnodes_max=high,
+        spares=args.spares, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
+        evict_window_s=args.evict_window, node_ttl_s=args.node_ttl, join_timeout_s=args.join_timeout,
+    )
+    if getattr(args, "job_id", None):
+        spec.job_id = args.job_id
+    return spec.validate(check_script=check_script)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from transom.launcher import Launch, Launcher
+    from transom.utils.net import host_address
+
+    if args.store is not None and not args.job_id:
+        raise ConfigError("--store needs --job-id: every machine of the job must name the same job")
+    if args.local_nodes is not None and args.local_nodes < 1:
+        raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
+    spec = spec_from_args(args)
+    run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / spec.job_id)
+    host = args.host or ("127.0.0.1" if args.store is None else host_address())
+    launch = Launch(spec=spec, run_dir=run_dir, store_url=args.store, local_nodes=args.local_nodes,
+                    node_prefix=args.node_id, host=host)
+    if args.store is None and spec.nnodes_max + spec.spares > 64:
+        raise ConfigError(f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many (64 at most)")
+    return Launcher(launch).run()
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from transom.control.agent import NodeAgent
+    from transom.store import Store
+    from transom.utils.net import host_address
+
+    store = Store(args.store, args.job_id)
+    run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / args.job_id)
+    return NodeAgent(store, args.node_id, run_dir, host=args.host or host_address()).run()
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from transom.control.controller import Controller
+    from transom.store import Store
+
+    store = Store(args.store, args.job_id)
+    if args.script:
+        store.create("spec", spec_from_args(args).to_dict())
+    return Controller(store, args.candidate_id).run()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from transom.store import Store
+    from transom.view import read_events, read_snapshot, render_status, snapshot, status_summary, format_event
+
+    if args.store and args.job_id:
+        store = Store(args.store, args.job_id)
+        store.wait_healthy(3.0)
+        if store.get("spec") is None:
+            raise ConfigError(f"no job {args.job_id} in etcd at {args.store}")
+        if args.command == "events":
+            data = read_events(store=store)
+        else:
+            data = status_summary(snapshot(store))
+    elif args.run_dir:
+        if not Path(args.run_dir).is_dir():
+            raise ConfigError(f"run directory {args.run_dir} does not exist")
+        snap = read_snapshot(args.run_dir)
+        if snap is None:
+            raise ConfigError(f"{args.run_dir} holds no status.json: not a transom run directory")
+        data = read_events(run_dir=args.run_dir) if args.command == "events" else status_summary(snap)
+    else:
+        raise ConfigError("give --run-dir DIR, or --store URL and --job-id J")
+    if args.json:
+        print(json.dumps(data, indent=1))
+    elif args.command == "events":
+        for event in data:
+            print(format_event(event))
+    else:
+        Console().print(render_status(data))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "agent": cmd_agent, "controller": cmd_controller,
+            "status": cmd_status, "events": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `transom events | head` ends quietly
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from transom.store import StoreError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, StoreError) as e:
+        print(f"transom: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,106 @@
+"""The job spec: what to run, on how many nodes, with which fault-tolerance budget.
+
+`JobSpec.validate()` turns every bad input into a `ConfigError` with a one-line message
+before anything is started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MAX_SIMULATED_NODES = 64
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is shown as is."""
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'3' -> (3, 3); '2:4' -> (2, 4), like torchrun's --nnodes."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
+    if not m:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) is not None else low
+    if low < 1:
+        raise ConfigError(f"--nnodes {text!r}: at least 1 node is needed")
+    if high < low:
+        raise ConfigError(f"--nnodes {text!r}: MAX is smaller than MIN")
+    return low, high
+
+
+def new_job_id() -> str:
+    return "job-" + uuid.uuid4().hex[:8]
+
+
+@dataclass
+class JobSpec:
+    """Everything a controller and its agents need to know about one job."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    job_id: str = field(default_factory=new_job_id)
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    spares: int = 0
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    # A node whose workers fail twice within this many seconds is evicted.
+    evict_window_s: float = 300.0
+    # A node agent's lease time-to-live: how long a dead node goes unnoticed at most.
+    node_ttl_s: int = 4
+    # In PENDING, how long to wait for more than the minimum number of nodes.
+    join_timeout_s: float = 30.0
+
+    def validate(self, check_script: bool = True) -> "JobSpec":
+        if check_script:
+            if not os.path.isfile(self.script):
+                raise ConfigError(f"script not found: {self.script}")
+            if not os.access(self.script, os.R_OK):
+                raise ConfigError(f"script is not readable: {self.script}")
+        if self.nnodes_min < 1 or self.nnodes_max < self.nnodes_min:
+            raise ConfigError(f"--nnodes {self.nnodes_min}:{self.nnodes_max}: need 1 <= MIN <= MAX")
+        if self.spares < 0:
+            raise ConfigError(f"--spares {self.spares}: cannot be negative")
+        if self.spares > self.nnodes_max:
+            raise ConfigError(
+                f"--spares {self.spares}: more spares than active nodes ({self.nnodes_max}) makes no sense"
+            )
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: at least 1 worker per node is needed")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: cannot be negative")
+        if self.node_ttl_s < 2:
+            raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
+            raise ConfigError(f"--job-id {self.job_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes_max * self.nproc_per_node
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobSpec":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def prepare_run_dir(path: str | os.PathLike) -> Path:
+    """Create the run directory and prove it is writable, or raise ConfigError."""
+    run_dir = Path(path).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir} cannot be written: {e.strerror or e}") from e
+    return run_dir

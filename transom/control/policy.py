@@ -1,0 +1,89 @@
+"""The controller's policy: from an incident's reports to evictions, blame and fail-fast.
+
+Pure functions of the reports and the job's history, so each rule is tested on its own:
+- a node whose lease expired is evicted (it is dead or cut off);
+- a node that fails its pre-flight checks is evicted;
+- the root cause of a worker failure is a node whose worker failed by itself, not one whose
+  worker only saw its peer go away (`peer_error`); the same node failing again within the
+  eviction window is evicted;
+- the same exception on every rank twice in a row is a bug in the script: fail fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Decision:
+    """What to do about one incident."""
+
+    blamed: list[str] = field(default_factory=list)
+    evict: dict[str, str] = field(default_factory=dict)  # node -> reason
+    fail: str | None = None  # non-None: the job must FAIL, for this reason
+    signature: str | None = None  # the error every rank raised, if they all raised the same
+    summary: str = ""
+
+
+def _worker_failures(report: dict) -> list[dict]:
+    return [f for f in report.get("failures", []) if f.get("kind") != "preflight"]
+
+
+def root_cause(failed: dict[str, dict]) -> list[str]:
+    """Nodes whose workers failed by themselves; if every failure is a peer error, the earliest."""
+    own = [node for node, report in failed.items()
+           if any(not f.get("peer_error") for f in report.get("failures", []))]
+    if own or not failed:
+        return sorted(own)
+    earliest = min(failed, key=lambda n: min(f.get("time", 0) for f in failed[n]["failures"]))
+    return [earliest]
+
+
+def common_signature(members: list[str], failed: dict[str, dict]) -> str | None:
+    """The exception every member's workers raised, when all raised the same one by themselves."""
+    if set(members) != set(failed):
+        return None
+    signatures = set()
+    for report in failed.values():
+        failures = _worker_failures(report)
+        if not failures:
+            return None
+        for f in failures:
+            if f.get("peer_error") or f.get("signal") or not f.get("signature"):
+                return None
+            signatures.add(f["signature"])
+    return signatures.pop() if len(signatures) == 1 else None
+
+
+def decide(members: list[str], lost: list[str], failed: dict[str, dict], history: dict[str, list[float]],
+           last_signature: str | None, evict_window_s: float, now: float) -> Decision:
+    """Decide an incident. `history` (node -> times of past failures) is updated in place."""
+    d = Decision()
+    parts = []
+    for node in lost:
+        d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
+        parts.append(f"{node} lost")
+    for node, report in failed.items():
+        if any(f.get("kind") == "preflight" for f in report.get("failures", [])):
+            reason = "; ".join(f["describe"] for f in report["failures"] if f.get("kind") == "preflight")
+            d.evict[node] = f"pre-flight check failed: {reason}"
+            parts.append(f"{node} failed pre-flight")
+    worker_failed = {n: r for n, r in failed.items() if _worker_failures(r)}
+    d.blamed = sorted(set(lost) | set(root_cause(worker_failed) if not lost else []))
+    for node in d.blamed:
+        if node in d.evict:
+            continue
+        recent = [t for t in history.get(node, []) if now - t <= evict_window_s]
+        if recent:
+            d.evict[node] = (f"workers failed again {now - recent[-1]:.0f} s after the previous failure "
+                             f"(window {evict_window_s:.0f} s)")
+        history[node] = recent + [now]
+    for node in d.blamed:
+        if node in worker_failed:
+            first = _worker_failures(worker_failed[node])[0]
+            parts.append(f"{node}: {first.get('describe', 'worker failed')}")
+    d.signature = common_signature(members, failed)
+    if d.signature is not None and d.signature == last_signature:
+        d.fail = f"every rank failed with the same error twice in a row (a bug in the script?): {d.signature}"
+    d.summary = "; ".join(parts) or "generation stopped"
+    return d

@@ -1,0 +1,128 @@
+"""One node's workers for one generation: start them torchrun-style, watch them, stop them.
+
+Each worker is `python SCRIPT ARGS` in its own process group with the environment torchrun
+gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its stdout and
+stderr in one log file per rank and generation. Workers die with their agent
+(PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from transom.control.failures import WorkerFailure, classify_exit
+from transom.utils.procs import new_session_dying_with_parent, stop_tree
+
+STOP_GRACE_S = 5.0
+
+
+@dataclass
+class Assignment:
+    """Where this node's workers sit in the generation's world."""
+
+    job_id: str
+    node_id: str
+    generation: int
+    restart_count: int
+    max_restarts: int
+    group_rank: int
+    group_world_size: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return self.group_world_size * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.group_rank * self.nproc_per_node + local_rank
+
+
+def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[str, str]:
+    """The environment torchrun would give this worker, plus Transom's own variables."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update({
+        "RANK": str(a.global_rank(local_rank)),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(a.world_size),
+        "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
+        "GROUP_RANK": str(a.group_rank),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_RANK": str(a.global_rank(local_rank)),
+        "ROLE_WORLD_SIZE": str(a.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
+        "TORCHELASTIC_RUN_ID": a.job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TRANSOM_JOB_ID": a.job_id,
+        "TRANSOM_NODE_ID": a.node_id,
+        "TRANSOM_GENERATION": str(a.generation),
+    })
+    env.update(extra)
+    return env
+
+
+class WorkerGroup:
+    """The `nproc_per_node` worker processes of one node in one generation."""
+
+    def __init__(self, assignment: Assignment, script: str, script_args: list[str],
+                 log_dir: Path, extra_env: dict[str, str]):
+        self.assignment = assignment
+        self.script = script
+        self.script_args = list(script_args)
+        self.log_dir = Path(log_dir)
+        self.extra_env = extra_env
+        self.processes: list[subprocess.Popen] = []
+        self.log_paths: list[Path] = []
+
+    def start(self) -> None:
+        """Spawn the workers. Call from the agent's main thread (PDEATHSIG follows the forking thread)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        a = self.assignment
+        for local_rank in range(a.nproc_per_node):
+            path = self.log_dir / f"rank{a.global_rank(local_rank)}.log"
+            with open(path, "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-u", self.script, *self.script_args],
+                    env=worker_env(a, local_rank, self.extra_env),
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=new_session_dying_with_parent,
+                )
+            self.processes.append(proc)
+            self.log_paths.append(path)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def poll(self) -> tuple[str, list[WorkerFailure]]:
+        """('running' | 'succeeded' | 'failed', failures so far)."""
+        codes = [p.poll() for p in self.processes]
+        failures = [
+            classify_exit(self.assignment.global_rank(i), i, code, self.log_paths[i])
+            for i, code in enumerate(codes) if code not in (None, 0)
+        ]
+        if failures:
+            return "failed", failures
+        if all(code == 0 for code in codes):
+            return "succeeded", []
+        return "running", []
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """End every worker's process tree (SIGTERM, then SIGKILL) and reap them."""
+        stop_tree([p.pid for p in self.processes if p.poll() is None], grace_s)
+        for p in self.processes:
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

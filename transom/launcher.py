@@ -1,0 +1,227 @@
+"""`transom run`: start a job's control plane, controller candidates and node agents, and watch it.
+
+On one machine (no --store) it starts a private etcd and simulates `nnodes + spares` nodes,
+each a separate agent process. With --store it joins a job on an existing etcd and runs one
+agent (or --local-nodes of them) and one controller candidate on this machine; every machine
+runs the same command. It mirrors the job's events into the run directory, keeps `status.json`
+current, shows a live view, replaces a controller candidate that died while the job goes on,
+and when the job ends (or on Ctrl-C) stops everything it started, etcd included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from transom.config import ConfigError, JobSpec
+from transom.control.states import JobState
+from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.utils.procs import die_with_parent, stop_process
+from transom.view import (EVENTS_FILE, STATUS_FILE, format_event, render_status, snapshot,
+                          status_summary)
+
+log = logging.getLogger("transom.run")
+
+POLL_S = 0.5
+STORE_CONNECT_TIMEOUT_S = 5.0
+SHUTDOWN_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    """A process this launcher started: a controller candidate or a node agent."""
+
+    name: str
+    kind: str  # "controller" | "agent"
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+@dataclass
+class Launch:
+    """How this machine takes part in the job."""
+
+    spec: JobSpec
+    run_dir: Path
+    store_url: str | None = None  # None: start a private etcd
+    local_nodes: int | None = None  # None: all nodes here without --store, else 1
+    controllers: int | None = None  # controller candidates here: 2 without --store, else 1
+    node_prefix: str | None = None
+    host: str = "127.0.0.1"
+    children: list[Child] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, launch: Launch, console: Console | None = None):
+        self.launch = launch
+        self.console = console or Console(soft_wrap=True)
+        self.etcd: EmbeddedEtcd | None = None
+        self.store: Store | None = None
+        self.children: list[Child] = []
+        self._events_seen: set[str] = set()
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _connect(self) -> Store:
+        L = self.launch
+        if L.store_url is None:
+            self.etcd = EmbeddedEtcd(L.run_dir / "etcd", log_path=L.run_dir / "logs" / "etcd.log").start()
+            url = self.etcd.url
+        else:
+            url = L.store_url
+        store = Store(url, L.spec.job_id)
+        try:
+            store.wait_healthy(STORE_CONNECT_TIMEOUT_S)
+        except StoreError as e:
+            raise ConfigError(f"--store {url}: cannot reach etcd there") from e
+        return store
+
+    def _publish_spec(self) -> None:
+        job = self.store.get("job")
+        if job and JobState(job["state"]).terminal:
+            raise ConfigError(f"job {self.launch.spec.job_id} already ended ({job['state']}); "
+                              f"choose another --job-id")
+        if not self.store.create("spec", self.launch.spec.to_dict()):
+            theirs = JobSpec.from_dict(self.store.get("spec"))
+            log.info("joining job %s (spec written by another machine)", theirs.job_id)
+
+    def _children(self) -> list[Child]:
+        L, spec = self.launch, self.launch.spec
+        base = [sys.executable, "-m", "transom", "--log-level", "info"]
+        common = ["--store", self.store.url, "--job-id", spec.job_id]
+        simulated = L.store_url is None
+        n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
+        n_controllers = L.controllers or (2 if simulated else 1)
+        prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
+        logs = L.run_dir / "logs"
+        children = []
+        for i in range(n_controllers):
+            name = f"controller-{socket.gethostname()}-{i}"
+            children.append(Child(name, "controller", base + ["controller", *common, "--candidate-id", name],
+                                  logs / f"{name}.log"))
+        for i in range(n_agents):
+            name = f"{prefix}{i}" if (simulated or n_agents > 1) else prefix
+            children.append(Child(name, "agent", base + ["agent", *common, "--node-id", name, "--run-dir",
+                                                         str(L.run_dir), "--host", L.host],
+                                  logs / f"agent-{name}.log"))
+        return children
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job to its end; the exit code is 0 if it succeeded."""
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+        try:
+            self.store = self._connect()
+            self._publish_spec()
+            self.children = self._children()
+            for child in self.children:
+                child.start()
+            job = self._watch()
+            if job["state"] == JobState.SUCCEEDED.value:
+                self.console.print(f"[green]job {self.launch.spec.job_id} succeeded[/]: {job['reason']}")
+                return 0
+            print(f"transom: job {self.launch.spec.job_id} failed: {job['reason']}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            self._shutdown(wait_for_exit=False)
+            print("transom: interrupted; stopped every process of the job", file=sys.stderr)
+            return 130
+        finally:
+            self._shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _watch(self) -> dict:
+        """Mirror events and status until the job is over; return the final job record."""
+        live = None
+        if self.console.is_terminal:
+            live = Live(console=self.console, refresh_per_second=4, transient=False)
+            live.start()
+        try:
+            while True:
+                snap = snapshot(self.store)
+                self._mirror(snap, live)
+                job = snap.get("job")
+                if job and JobState(job["state"]).terminal:
+                    return job
+                self._keep_controllers()
+                if not any(c.process.poll() is None for c in self.children if c.kind == "agent") \
+                        and self.launch.store_url is None:
+                    raise ConfigError("every node agent exited before the job ended; see the logs in "
+                                      f"{self.launch.run_dir / 'logs'}")
+                time.sleep(POLL_S)
+        finally:
+            if live is not None:
+                live.stop()
+
+    def _mirror(self, snap: dict, live: Live | None) -> None:
+        run_dir = self.launch.run_dir
+        (run_dir / STATUS_FILE).write_text(json.dumps(snap, indent=1))
+        new = []
+        for key, event in self.store.get_prefix("events/").items():
+            if key not in self._events_seen:
+                self._events_seen.add(key)
+                new.append(event)
+        if new:
+            with open(run_dir / EVENTS_FILE, "a") as f:
+                for event in new:
+                    f.write(json.dumps(event) + "\n")
+        for event in new:
+            self.console.print(format_event(event), highlight=False, markup=False)
+        if live is not None:
+            live.update(render_status(status_summary(snap)))
+
+    def _keep_controllers(self) -> None:
+        """A controller candidate that died while the job goes on is replaced."""
+        for child in self.children:
+            if child.kind == "controller" and child.process.poll() is not None:
+                # A new incarnation gets a new id: fencing compares ids, so ids are never reused.
+                base = child.name.split(".")[0]
+                incarnation = int(child.name.split(".")[1]) + 1 if "." in child.name else 1
+                log.info("controller candidate %s exited (%s); starting a new one", child.name,
+                         child.process.returncode)
+                child.name = f"{base}.{incarnation}"
+                child.argv[child.argv.index("--candidate-id") + 1] = child.name
+                child.start()
+
+    def _shutdown(self, wait_for_exit: bool = True) -> None:
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for child in self.children:  # they exit by themselves once the job has ended
+            if wait_for_exit and child.process is not None:
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for child in self.children:
+            if child.process is not None:
+                stop_process(child.process)
+        if self.store is not None and self.etcd is not None and self.children:
+            try:
+                (self.launch.run_dir / STATUS_FILE).write_text(json.dumps(snapshot(self.store), indent=1))
+            except StoreError:
+                pass
+        self.children = []
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None

@@ -1,0 +1,1 @@
+"""Small helpers shared by several subsystems: processes and networking."""

@@ -1,0 +1,72 @@
+"""Process-tree supervision: start children that die with their parent, stop whole trees.
+
+Stopping is SIGTERM to the child's process group and every descendant, then SIGKILL for
+what is still alive after a grace period, so no worker, data-loader child or shell wrapper
+outlives the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGKILL this child when the thread that forked it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def new_session_dying_with_parent() -> None:
+    """preexec_fn: own process group (so the tree can be signalled at once) + die with parent."""
+    os.setsid()
+    die_with_parent()
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants that exist now."""
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_tree(pids: list[int], grace_s: float = 5.0) -> None:
+    """SIGTERM every process in the trees rooted at `pids`, SIGKILL survivors after `grace_s`."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        procs.extend(process_tree(pid))
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) process cannot handle SIGTERM
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a Popen child and its descendants, and reap it."""
+    if process.poll() is None:
+        stop_tree([process.pid], grace_s)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,120 @@
+"""What a person sees: the job snapshot, `transom status` and `transom events` rendering, the live view.
+
+A snapshot is a plain dict read from etcd (or from `status.json` in the run directory after the
+job ended), so the same rendering serves a live job and a finished one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from transom.control.controller import natural_key
+from transom.store import Store
+
+STATUS_FILE = "status.json"
+EVENTS_FILE = "events.jsonl"
+
+
+def snapshot(store: Store) -> dict:
+    """Everything `transom status` shows, read from etcd in a few requests."""
+    return {
+        "job_id": store.job_id,
+        "spec": store.get("spec"),
+        "job": store.get("job"),
+        "leader": store.get("leader"),
+        "nodes": store.get_prefix("nodes/"),
+        "statuses": store.get_prefix("status/"),
+        "time": time.time(),
+    }
+
+
+def read_events(store: Store | None = None, run_dir: Path | None = None) -> list[dict]:
+    if store is not None:
+        return list(store.get_prefix("events/").values())
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_snapshot(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / STATUS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def node_rows(snap: dict) -> list[dict]:
+    """One row per node ever seen: role, health, generation, step."""
+    job = snap.get("job") or {}
+    members = job.get("members", [])
+    evicted = job.get("evicted", {})
+    names = set(snap.get("nodes", {})) | set(snap.get("statuses", {})) | set(evicted) | set(members)
+    rows = []
+    for name in sorted(names, key=natural_key):
+        status = snap.get("statuses", {}).get(name, {})
+        alive = name in snap.get("nodes", {})
+        if name in evicted:
+            role, health = "evicted", evicted[name]["reason"]
+        elif name in members:
+            ended = job.get("state") in ("SUCCEEDED", "FAILED")
+            role, health = "member", status.get("state", "?") if alive or ended else "lost"
+        else:
+            role, health = "spare", "ready" if alive else "gone"
+        rows.append({"node": name, "role": role, "health": health, "alive": alive,
+                     "generation": status.get("generation"), "step": status.get("step")})
+    return rows
+
+
+def status_summary(snap: dict) -> dict:
+    job = snap.get("job") or {}
+    spec = snap.get("spec") or {}
+    steps = [s.get("step") for s in snap.get("statuses", {}).values() if s.get("step") is not None]
+    return {
+        "job_id": snap.get("job_id"),
+        "state": job.get("state", "UNKNOWN"),
+        "reason": job.get("reason"),
+        "generation": job.get("generation", 0),
+        "restarts_used": job.get("restarts_used", 0),
+        "restarts_left": max(0, spec.get("max_restarts", 0) - job.get("restarts_used", 0)),
+        "newest_step": max(steps) if steps else None,
+        "leader": snap.get("leader"),
+        "nodes": node_rows(snap),
+    }
+
+
+_STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "RECOVERING": "yellow", "RUNNING": "cyan"}
+_HEALTH_STYLE = {"running": "green", "succeeded": "green", "ready": "blue", "failed": "red", "lost": "red"}
+
+
+def render_status(summary: dict) -> Group:
+    head = Text.assemble(
+        ("job ", "bold"), (summary["job_id"] or "?", "bold"), "  ",
+        (summary["state"], _STATE_STYLE.get(summary["state"], "white")),
+        f"  generation {summary['generation']}",
+        f"  restarts left {summary['restarts_left']}",
+        f"  newest step {summary['newest_step'] if summary['newest_step'] is not None else '-'}",
+        f"  leader {summary['leader'] or '-'}",
+    )
+    table = Table(box=None, pad_edge=False)
+    for column in ("node", "role", "health", "generation", "step"):
+        table.add_column(column)
+    for r in summary["nodes"]:
+        style = "red" if r["role"] == "evicted" else _HEALTH_STYLE.get(r["health"], "white")
+        table.add_row(r["node"], r["role"], Text(str(r["health"]), style=style),
+                      str(r["generation"] if r["generation"] is not None else "-"),
+                      str(r["step"] if r["step"] is not None else "-"))
+    parts = [head, table]
+    if summary.get("reason"):
+        parts.append(Text(f"reason: {summary['reason']}", style="dim"))
+    return Group(*parts)
+
+
+def format_event(event: dict) -> str:
+    stamp = dt.datetime.fromtimestamp(event["time"]).strftime("%H:%M:%S.%f")[:-3]
+    return f"{stamp}  g{event.get('generation', 0):<3} {event['kind']:<10} {event['message']}"
