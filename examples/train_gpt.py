@@ -472,6 +472,11 @@ def main(argv=None):
         atomic_write(os.path.abspath(args.save_final), lambda f: torch.save(final_state, f))
     log(f"[train_gpt] done step={final_step} rank={rank} t={time.time():.3f}")
     if distributed:
+        # Free DDP before the process group. DDP's C++ reducer holds a reference to the group; if
+        # it were the last one, the gloo group would be destroyed (joining its worker threads) while
+        # this thread holds the GIL, and a worker thread that needs the GIL to drop its last work
+        # item deadlocks the exit. Seen about once in 10-20 runs on a loaded machine.
+        del ddp_model
         dist.destroy_process_group()
     return 0
 

@@ -70,10 +70,6 @@ def test_qualified_exception_name(tmp_path):
     assert f.signature == "torch.OutOfMemoryError: CUDA out of memory."
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: once torch.distributed is initialised, torch's excepthook prefixes every traceback line "
-    "with '[rankN]: ', and _EXCEPTION_LINE (anchored at ^) misses the exception, so signature is None "
-    "for any error raised after init_process_group and the fail-fast rule never fires"))
 def test_rank_prefixed_traceback_gives_the_exception_line(tmp_path):
     # Exactly what torch 2.x writes for `raise ValueError("bad shape")` after init_process_group.
     text = "".join(f"[rank0]: {line}\n" for line in TRACEBACK.splitlines()[2:])

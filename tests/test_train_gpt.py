@@ -41,7 +41,7 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 60) -> str:
+def _run(args: list[str], cwd: Path, timeout: float = 120) -> str:
     """Run a command to completion and return its output; no process outlives this call."""
     proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -98,7 +98,7 @@ def prepare_run_dir(path: str | os.PathLike) -> Path:
     run_dir = Path(path).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
+        probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

@@ -29,8 +29,10 @@ PEER_ERROR_PATTERNS = [
     r"Sending data failed",
 ]
 _PEER_ERROR = re.compile("|".join(PEER_ERROR_PATTERNS))
-# The last "SomethingError: message" line of a Python traceback.
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b.*)$", re.M)
+# The last "SomethingError: message" line of a Python traceback; once a process group exists,
+# torch.distributed prefixes every traceback line with "[rankN]: ".
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b.*)$", re.M)
 
 
 @dataclass

@@ -1,0 +1,212 @@
+"""Recovery benchmark: from a fault to the first completed training step afterwards.
+
+Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training is under way:
+  transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
+  transom_node_death     SIGKILL of node1's agent (its workers die with it; the spare replaces it)
+  torchrun_worker_crash  SIGKILL of rank 1's worker under `torchrun --nproc-per-node 3 --max-restarts 3`
+and splits the time from the fault to the first step completed afterwards into
+  detection_s   fault -> the controller's incident event (transom only; torchrun does not say)
+  restart_s     detection (or the fault, for torchrun) -> the first new worker process started
+  reload_s      new worker started -> every rank has loaded the checkpoint (imports included)
+  first_step_s  checkpoint loaded -> the first step completed (process group set-up, one step)
+  total_s       fault -> the first completed step
+
+    python benchmarks/recovery.py            # a table
+    python benchmarks/recovery.py --json     # the table, then one JSON object on the last line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from transom.utils.net import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "examples" / "train_gpt.py"
+RUN_TIMEOUT_S = 300
+# torchrun's restarts can fail to rendezvous (stale keys in its agent store); give up after this.
+TORCHRUN_TIMEOUT_S = 120
+FAULT_AT_STEP = 12
+LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b.*?|step (?P<step>\d+) .*?)"
+                  r"t=(?P<t>\d+\.\d+)", re.M)
+
+
+def parse(text: str) -> list[tuple[str, float]]:
+    """('start' | 'resumed' | 'done' | 'step', time) for every progress line."""
+    return [(m.group("what") or "step", float(m.group("t"))) for m in LINE.finditer(text)]
+
+
+def split(lines: list[tuple[str, float]], fault: float, detected: float | None) -> dict:
+    after = [(what, t) for what, t in lines if t > fault]
+    started = min(t for what, t in after if what == "start")
+    resumed = max(t for what, t in after if what == "resumed")
+    first_step = min(t for what, t in after if what == "step" and t > resumed)
+    return {
+        "detection_s": None if detected is None else detected - fault,
+        "restart_s": started - (detected if detected is not None else fault),
+        "reload_s": resumed - started,
+        "first_step_s": first_step - resumed,
+        "total_s": first_step - fault,
+    }
+
+
+def find_process(predicate, timeout: float = 30) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in psutil.process_iter():
+            try:
+                if predicate(p):
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        time.sleep(0.05)
+    raise RuntimeError("the process to inject the fault into was not found")
+
+
+def wait_for_step(text_of, step: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not re.search(rf"^(?:\[\w+\]: )?step {step} ", text_of(), re.M):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the job ended or stalled before step {step}")
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, marker: str, timeout: float = RUN_TIMEOUT_S) -> bool:
+    """Wait for the job; kill it and every process naming `marker` after `timeout`. True if it succeeded."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for p in psutil.process_iter():  # torchrun starts workers in sessions of their own
+            try:
+                if marker in " ".join(p.cmdline()):
+                    p.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+    return process.returncode == 0
+
+
+def train_args(steps: int) -> list[str]:
+    return [str(SCRIPT), "--steps", str(steps), "--ckpt-every", "5", "--log-every", "1"]
+
+
+def run_transom(fault: str, steps: int, work: Path) -> dict:
+    job_id = "bench-" + uuid.uuid4().hex[:6]
+    run_dir = work / job_id
+    out = open(work / f"{job_id}.out", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", job_id,
+         "--nnodes", "3", "--spares", "1", *train_args(steps)],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    logs = lambda: "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log")))
+    try:
+        wait_for_step(logs, FAULT_AT_STEP, process)
+        if fault == "worker_crash":
+            victim = find_process(lambda p: p.environ().get("TRANSOM_JOB_ID") == job_id
+                                  and p.environ().get("RANK") == "1")
+        else:
+            victim = find_process(lambda p: job_id in " ".join(p.cmdline())
+                                  and "--node-id node1" in " ".join(p.cmdline()))
+        fault_time = time.time()
+        victim.send_signal(signal.SIGKILL)
+        if not finish(process, job_id):
+            raise RuntimeError(f"transom job {job_id} failed after the {fault}")
+    finally:
+        finish(process, job_id, timeout=0)
+        out.close()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
+    return split(parse(logs()), fault_time, detected)
+
+
+def run_torchrun(steps: int, work: Path) -> dict:
+    ckpt = work / ("torchrun-" + uuid.uuid4().hex[:6])
+    out_path = ckpt.with_suffix(".out")
+    out = open(out_path, "wb")
+    env = {**os.environ, "TRANSOM_CHECKPOINT_DIR": str(ckpt), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
+         "--max-restarts", "3", "--master-port", str(free_port()),
+         *train_args(steps), "--ckpt-dir", str(ckpt)],
+        stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    text = lambda: out_path.read_text(errors="replace")
+    try:
+        wait_for_step(text, FAULT_AT_STEP, process)
+        victim = find_process(lambda p: p.environ().get("TORCHELASTIC_RUN_ID") is not None
+                              and p.environ().get("RANK") == "1" and str(ckpt) in " ".join(p.cmdline()))
+        fault_time = time.time()
+        victim.send_signal(signal.SIGKILL)
+        succeeded = finish(process, str(ckpt), TORCHRUN_TIMEOUT_S)
+    finally:
+        finish(process, str(ckpt), timeout=0)
+        out.close()
+    try:
+        return split(parse(text()), fault_time, None) | {"recovered": succeeded}
+    except ValueError:  # no step after the fault: torchrun never recovered
+        return {"detection_s": None, "restart_s": None, "reload_s": None, "first_step_s": None,
+                "total_s": None, "recovered": False}
+
+
+def mean(rows: list[dict]) -> dict:
+    """Means over the trials that recovered; `recovered` counts them."""
+    ok = [r for r in rows if r.get("recovered", True)]
+    keys = [k for k in rows[0] if k != "recovered"]
+    means = {k: (statistics.mean(r[k] for r in ok) if ok and ok[0][k] is not None else None) for k in keys}
+    return means | {"recovered": len(ok)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=2, help="runs per scenario, averaged (default 2)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args()
+    scenarios = {
+        "transom_worker_crash": lambda w: run_transom("worker_crash", args.steps, w),
+        "transom_node_death": lambda w: run_transom("node_death", args.steps, w),
+        "torchrun_worker_crash": lambda w: run_torchrun(args.steps, w),
+    }
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
+        for name, run in scenarios.items():
+            rows = []
+            for trial in range(args.trials):
+                print(f"{name}: trial {trial + 1}/{args.trials} ...", file=sys.stderr, flush=True)
+                rows.append(run(Path(tmp)))
+            results[name] = mean(rows) | {"trials": args.trials}
+    torchrun_total = results["torchrun_worker_crash"]["total_s"]
+    results["worker_crash_speedup_x"] = (None if torchrun_total is None
+                                         else torchrun_total / results["transom_worker_crash"]["total_s"])
+    columns = ["detection_s", "restart_s", "reload_s", "first_step_s", "total_s"]
+    print(f"{'scenario':<24}" + "".join(f"{c:>14}" for c in columns))  # means over recovered trials
+    for name in scenarios:
+        r = results[name]
+        print(f"{name:<24}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.2f}':>14}" for c in columns))
+    for name in scenarios:
+        print(f"{name}: recovered in {results[name]['recovered']} of {args.trials} trials")
+    speedup = results["worker_crash_speedup_x"]
+    print("worker crash, torchrun total / transom total: " + ("-" if speedup is None else f"{speedup:.2f}x"))
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
