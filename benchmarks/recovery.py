@@ -37,7 +37,7 @@ from transom.utils.net import free_port
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 300
-# torchrun's restarts can fail to rendezvous (stale keys in its agent store); give up after this.
+# A torchrun run that has not finished by then counts as not recovered.
 TORCHRUN_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
 LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b.*?|step (?P<step>\d+) .*?)"
@@ -140,7 +140,10 @@ def run_torchrun(steps: int, work: Path) -> dict:
     ckpt = work / ("torchrun-" + uuid.uuid4().hex[:6])
     out_path = ckpt.with_suffix(".out")
     out = open(out_path, "wb")
-    env = {**os.environ, "TRANSOM_CHECKPOINT_DIR": str(ckpt), "OMP_NUM_THREADS": "1"}
+    # Without this, torch 2.13's torchrun restarts reuse stale gloo addresses from the previous
+    # attempt and fail or hang (pytorch issue 135712); with it torchrun recovers cleanly.
+    env = {**os.environ, "TRANSOM_CHECKPOINT_DIR": str(ckpt), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
          "--max-restarts", "3", "--master-port", str(free_port()),

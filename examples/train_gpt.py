@@ -248,7 +248,8 @@ def make_ddp(model):
     an order that depends on where it sits in its bucket, so with three or more ranks the first
     step after a resume (old layout) could differ in the last bit from the same step of an
     uninterrupted run (rebuilt layout). DDP does not rebuild buckets when find_unused_parameters
-    is set; the price is one walk over the (small) autograd graph per step.
+    is set; the price is one walk over the (small) autograd graph per step, and a one-time warning
+    from each rank that no unused parameters were found (expected, harmless).
     """
     return DDP(model, find_unused_parameters=True)
 
