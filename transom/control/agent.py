@@ -86,7 +86,7 @@ class NodeAgent:
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
-        self.spec = self._wait_for_spec()
+        self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
         log.info("node %s registered", self.node_id)
@@ -106,16 +106,6 @@ class NodeAgent:
                     self.store.revoke(self.lease)
                 except StoreError:
                     pass
-
-    def _wait_for_spec(self) -> JobSpec:
-        deadline = time.monotonic() + SPEC_WAIT_S
-        while True:
-            spec = self.store.get("spec")
-            if spec is not None:
-                return JobSpec.from_dict(spec)
-            if time.monotonic() > deadline:
-                raise StoreError(f"job {self.store.job_id} has no spec in etcd after {SPEC_WAIT_S:.0f} s")
-            time.sleep(TICK_S)
 
     def _tick(self) -> int | None:
         assert self.spec is not None

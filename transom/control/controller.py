@@ -123,7 +123,7 @@ class Controller:
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Lead or stand by until the job ends; 0 if it succeeded."""
-        self.spec = self._wait_for_spec()
+        self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
         try:
             while not self.stopping.is_set():
                 try:
@@ -150,14 +150,6 @@ class Controller:
                     self.store.revoke(self.lease)
                 except StoreError:
                     pass
-
-    def _wait_for_spec(self) -> JobSpec:
-        deadline = time.monotonic() + SPEC_WAIT_S
-        while (spec := self.store.get("spec")) is None:
-            if time.monotonic() > deadline:
-                raise StoreError(f"job {self.store.job_id} has no spec in etcd")
-            time.sleep(TICK_S)
-        return JobSpec.from_dict(spec)
 
     def _step(self) -> None:
         nodes = self.store.get_prefix("nodes/")

@@ -81,6 +81,15 @@ class Store:
         values = self._call(self.client.get, self.key(name))
         return json.loads(values[0]) if values else None
 
+    def wait_for(self, name: str, timeout_s: float, poll_s: float = 0.2) -> Any:
+        """The value of `name` once it exists; StoreError if it does not appear within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self.get(name)) is None:
+            if time.monotonic() > deadline:
+                raise StoreError(f"job {self.job_id} has no {name} in etcd after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        return value
+
     def get_prefix(self, name: str) -> dict[str, Any]:
         """Values under `name` keyed by the rest of their key, in key order."""
         start = self.key(name)
