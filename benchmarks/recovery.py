@@ -32,7 +32,6 @@ from pathlib import Path
 
 import psutil
 
-from transom.utils.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -146,7 +145,7 @@ def run_torchrun(steps: int, work: Path) -> dict:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
-         "--max-restarts", "3", "--master-port", str(free_port()),
+         "--max-restarts", "3", "--standalone",
          *train_args(steps), "--ckpt-dir", str(ckpt)],
         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     text = lambda: out_path.read_text(errors="replace")
