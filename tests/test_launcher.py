@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from conftest import TOY, job_processes, wait_for

@@ -27,7 +27,8 @@ class ProgressListener:
             try:
                 data, _ = self.sock.recvfrom(65536)
                 message = json.loads(data)
-                rank, step = int(message["rank"]), int(message["step"])
+                rank = int(message["rank"])
+                message["step"] = int(message["step"])
             except (socket.timeout, ValueError, KeyError, TypeError):
                 continue
             except OSError:

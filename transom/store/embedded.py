@@ -7,7 +7,6 @@ directory, and is stopped (SIGTERM, then SIGKILL) by `stop()`. It dies with its 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
