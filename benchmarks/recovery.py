@@ -1,6 +1,8 @@
 """Recovery benchmark: from a fault to the first completed training step afterwards.
 
-Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training is under way:
+Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training is in a steady
+state (past step 12 and, under Transom, every agent's warm interpreter ready, as it is hours into
+a real job):
   transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
   transom_node_death     SIGKILL of node1's agent (its workers die with it; the spare replaces it)
   torchrun_worker_crash  SIGKILL of rank 1's worker under `torchrun --nproc-per-node 3 --max-restarts 3`
@@ -10,6 +12,7 @@ and splits the time from the fault to the first step completed afterwards into
   reload_s      new worker started -> every rank has loaded the checkpoint (imports included)
   first_step_s  checkpoint loaded -> the first step completed (process group set-up, one step)
   total_s       fault -> the first completed step
+A run stops as soon as that first step after the fault is done (or after a timeout: not recovered).
 
     python benchmarks/recovery.py            # a table
     python benchmarks/recovery.py --json     # the table, then one JSON object on the last line
@@ -36,9 +39,11 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 300
-# A torchrun run that has not finished by then counts as not recovered.
-TORCHRUN_TIMEOUT_S = 120
+# A run that has not completed a step this long after the fault counts as not recovered.
+RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
+# Long enough that no run finishes before its fault and recovery.
+STEPS = 1_000_000
 LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b.*?|step (?P<step>\d+) .*?)"
                   r"t=(?P<t>\d+\.\d+)", re.M)
 
@@ -83,6 +88,18 @@ def wait_for_step(text_of, step: int, process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def recovered(text_of, fault: float, process: subprocess.Popen) -> bool:
+    """Wait until a training step completes after the fault (True), or the job ends or times out."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        lines = [(what, t) for what, t in parse(text_of()) if t > fault]
+        resumed = [t for what, t in lines if what == "resumed"]
+        if resumed and any(what == "step" and t > max(resumed) for what, t in lines):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def finish(process: subprocess.Popen, marker: str, timeout: float = RUN_TIMEOUT_S) -> bool:
     """Wait for the job; kill it and every process naming `marker` after `timeout`. True if it succeeded."""
     try:
@@ -102,31 +119,57 @@ def finish(process: subprocess.Popen, marker: str, timeout: float = RUN_TIMEOUT_
     return process.returncode == 0
 
 
-def train_args(steps: int) -> list[str]:
-    return [str(SCRIPT), "--steps", str(steps), "--ckpt-every", "5", "--log-every", "1"]
+def train_args() -> list[str]:
+    return [str(SCRIPT), "--steps", str(STEPS), "--ckpt-every", "5", "--log-every", "1"]
 
 
-def run_transom(fault: str, steps: int, work: Path) -> dict:
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank`'s worker, as its agent reports it in the run's status.json."""
+    try:
+        snapshot = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for status in snapshot.get("statuses", {}).values():
+        if str(rank) in status.get("pids", {}):
+            return status["pids"][str(rank)]
+    return None
+
+
+def wait_until_warm(run_dir: Path, timeout: float = 90) -> None:
+    """Steady state, as hours into a real job: every agent has its warm interpreter ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            statuses = json.loads((run_dir / "status.json").read_text()).get("statuses", {})
+        except (OSError, ValueError):
+            statuses = {}
+        if len(statuses) >= 4 and all(s.get("warm", 0) >= 1 for s in statuses.values()):
+            return
+        time.sleep(0.2)
+    raise RuntimeError("the agents' warm interpreters were not ready in time")
+
+
+def run_transom(fault: str, work: Path) -> dict:
     job_id = "bench-" + uuid.uuid4().hex[:6]
     run_dir = work / job_id
     out = open(work / f"{job_id}.out", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", job_id,
-         "--nnodes", "3", "--spares", "1", *train_args(steps)],
+         "--nnodes", "3", "--spares", "1", *train_args()],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     logs = lambda: "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log")))
     try:
         wait_for_step(logs, FAULT_AT_STEP, process)
+        wait_until_warm(run_dir)
         if fault == "worker_crash":
-            victim = find_process(lambda p: p.environ().get("TRANSOM_JOB_ID") == job_id
-                                  and p.environ().get("RANK") == "1")
+            victim = find_process(lambda p: p.pid == rank_pid(run_dir, 1))
         else:
             victim = find_process(lambda p: job_id in " ".join(p.cmdline())
                                   and "--node-id node1" in " ".join(p.cmdline()))
         fault_time = time.time()
         victim.send_signal(signal.SIGKILL)
-        if not finish(process, job_id):
-            raise RuntimeError(f"transom job {job_id} failed after the {fault}")
+        if not recovered(logs, fault_time, process):
+            raise RuntimeError(f"transom job {job_id} did not recover from the {fault}")
     finally:
         finish(process, job_id, timeout=0)
         out.close()
@@ -135,7 +178,7 @@ def run_transom(fault: str, steps: int, work: Path) -> dict:
     return split(parse(logs()), fault_time, detected)
 
 
-def run_torchrun(steps: int, work: Path) -> dict:
+def run_torchrun(work: Path) -> dict:
     ckpt = work / ("torchrun-" + uuid.uuid4().hex[:6])
     out_path = ckpt.with_suffix(".out")
     out = open(out_path, "wb")
@@ -146,7 +189,7 @@ def run_torchrun(steps: int, work: Path) -> dict:
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
          "--max-restarts", "3", "--standalone",
-         *train_args(steps), "--ckpt-dir", str(ckpt)],
+         *train_args(), "--ckpt-dir", str(ckpt)],
         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     text = lambda: out_path.read_text(errors="replace")
     try:
@@ -155,7 +198,7 @@ def run_torchrun(steps: int, work: Path) -> dict:
                               and p.environ().get("RANK") == "1" and str(ckpt) in " ".join(p.cmdline()))
         fault_time = time.time()
         victim.send_signal(signal.SIGKILL)
-        succeeded = finish(process, str(ckpt), TORCHRUN_TIMEOUT_S)
+        succeeded = recovered(text, fault_time, process)
     finally:
         finish(process, str(ckpt), timeout=0)
         out.close()
@@ -177,13 +220,12 @@ def mean(rows: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=2, help="runs per scenario, averaged (default 2)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     scenarios = {
-        "transom_worker_crash": lambda w: run_transom("worker_crash", args.steps, w),
-        "transom_node_death": lambda w: run_transom("node_death", args.steps, w),
-        "torchrun_worker_crash": lambda w: run_torchrun(args.steps, w),
+        "transom_worker_crash": lambda w: run_transom("worker_crash", w),
+        "transom_node_death": lambda w: run_transom("node_death", w),
+        "torchrun_worker_crash": lambda w: run_torchrun(w),
     }
     results = {}
     with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:

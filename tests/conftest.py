@@ -79,14 +79,22 @@ class Job:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def worker(self, rank: int) -> psutil.Process | None:
-        for p in job_processes(self.job_id):
-            try:
-                env = p.environ()
-                if (env.get("RANK") == str(rank) and "TRANSOM_GENERATION" in env
-                        and p.status() != psutil.STATUS_ZOMBIE):
-                    return p
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+        """The live worker process of `rank` in the current generation, as its agent reports it.
+
+        (A worker in a warm interpreter keeps the agent's environment in /proc, so the agents'
+        pid reports, not environments, say which process is which rank.)"""
+        snapshot = self.status()
+        generation = snapshot.get("job", {}).get("generation")
+        for status in snapshot.get("statuses", {}).values():
+            pid = status.get("pids", {}).get(str(rank))
+            if pid is None or status.get("generation") != generation:
                 continue
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    return p
+            except psutil.NoSuchProcess:
+                pass
         return None
 
     def log_text(self, pattern: str = "g*/rank*.log") -> str:

@@ -41,6 +41,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="node lease time-to-live: how long a dead node goes unnoticed at most (default 4)")
     p.add_argument("--join-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for more than MIN nodes before starting (default 30)")
+    p.add_argument("--no-warm-workers", dest="warm_workers", action="store_false",
+                   help="start every worker in a fresh interpreter (default: each agent keeps one per "
+                        "local rank ready with torch imported, which saves seconds on every restart)")
     p.add_argument("script", help="the training script, run like torchrun runs it")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -105,6 +108,7 @@ def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSp
         script=script, script_args=list(args.script_args), nnodes_min=low, nnodes_max=high,
         spares=args.spares, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
         evict_window_s=args.evict_window, node_ttl_s=args.node_ttl, join_timeout_s=args.join_timeout,
+        warm_workers=getattr(args, "warm_workers", True),
     )
     if getattr(args, "job_id", None):
         spec.job_id = args.job_id

@@ -55,6 +55,8 @@ class JobSpec:
     node_ttl_s: int = 4
     # In PENDING, how long to wait for more than the minimum number of nodes.
     join_timeout_s: float = 30.0
+    # Keep interpreters with torch already imported ready for each local rank (faster restarts).
+    warm_workers: bool = True
 
     def validate(self, check_script: bool = True) -> "JobSpec":
         if check_script:

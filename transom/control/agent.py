@@ -19,6 +19,7 @@ from pathlib import Path
 from transom.config import JobSpec
 from transom.control.preflight import preflight
 from transom.control.progress import ProgressListener
+from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, WorkerGroup
 from transom.store import Store, StoreError
 from transom.utils.net import free_port
@@ -48,8 +49,10 @@ class NodeAgent:
         self.preflight_done = False
         self.progress = ProgressListener()
         self.last_store_ok = time.monotonic()
-        self._published_step: int | None = None
+        self._published: tuple = (None, 0)  # (step, warm interpreters) last published
         self._published_at = 0.0
+        self._published_extra: dict = {}
+        self.warm: WarmPool | None = None
 
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
@@ -76,17 +79,25 @@ class NodeAgent:
 
     def _report(self, state: str, **extra) -> None:
         self.group_state = state
+        self._published_extra = extra
         value = {"node": self.node_id, "generation": self.generation, "state": state,
-                 "time": time.time(), "step": self.progress.newest_step(), **extra}
+                 "time": time.time(), "step": self.progress.newest_step(),
+                 "warm": self.warm.warm_count() if self.warm else 0, **extra}
         # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
         self.store.put(f"status/{self.node_id}", value)
-        self._published_step = value["step"]
+        self._published = (value["step"], value["warm"])
         self._published_at = time.monotonic()
 
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
         self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
+        if self.spec.warm_workers:
+            # The job id makes warm interpreters findable as the job's own processes.
+            env = {"OMP_NUM_THREADS": "1", **os.environ, "TRANSOM_JOB_ID": self.spec.job_id}
+            self.warm = WarmPool(self.spec.nproc_per_node, env,
+                                 self.run_dir / "logs" / f"warm-{self.node_id}.log")
+            self.warm.fill()
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
         log.info("node %s registered", self.node_id)
@@ -100,6 +111,8 @@ class NodeAgent:
         finally:
             self.stopping.set()
             self._stop_group()
+            if self.warm is not None:
+                self.warm.close()
             self.progress.close()
             if self.lease is not None:
                 try:
@@ -136,6 +149,8 @@ class NodeAgent:
         elif self.group is not None and self.group_state == "running":
             self._watch_group()
         self._publish_progress()
+        if self.warm is not None and self.waiting_for_master is None:
+            self.warm.fill(workers_progressing=self.group is None or self.progress.newest_step() is not None)
         return None
 
     # -- generations --------------------------------------------------------------------------
@@ -180,7 +195,7 @@ class NodeAgent:
         }
         self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
                                  self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
-        self.group.start()
+        self.group.start(self.warm)
         log.info("generation %d: started ranks %s", self.generation,
                  [assignment.global_rank(i) for i in range(assignment.nproc_per_node)])
         self._report("running", pids=self.group.pids)
@@ -203,7 +218,8 @@ class NodeAgent:
             self.group = None
 
     def _publish_progress(self) -> None:
-        step = self.progress.newest_step()
-        if (step != self._published_step and self.group_state == "running"
+        """Re-publish this node's status when its newest step or warm interpreters changed."""
+        now = (self.progress.newest_step(), self.warm.warm_count() if self.warm else 0)
+        if (now != self._published and self.group_state in ("running", "spare")
                 and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S):
-            self._report("running", pids=self.group.pids if self.group else [])
+            self._report(self.group_state, **self._published_extra)

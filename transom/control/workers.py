@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.control.failures import WorkerFailure, classify_exit
+from transom.control.warm import WarmPool
 from transom.utils.procs import new_session_dying_with_parent, stop_tree
 
 STOP_GRACE_S = 5.0
@@ -84,25 +85,31 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen] = []
         self.log_paths: list[Path] = []
 
-    def start(self) -> None:
-        """Spawn the workers. Call from the agent's main thread (PDEATHSIG follows the forking thread)."""
+    def start(self, pool: WarmPool | None = None) -> None:
+        """Spawn the workers, in warm interpreters from `pool` where it has them.
+
+        Call from the agent's main thread (PDEATHSIG follows the forking thread)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         a = self.assignment
+        argv = [self.script, *self.script_args]
         for local_rank in range(a.nproc_per_node):
             path = self.log_dir / f"rank{a.global_rank(local_rank)}.log"
-            with open(path, "ab") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-u", self.script, *self.script_args],
-                    env=worker_env(a, local_rank, self.extra_env),
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=new_session_dying_with_parent,
-                )
+            env = worker_env(a, local_rank, self.extra_env)
+            proc = pool.launch(argv, env, path) if pool is not None else None
+            if proc is None:
+                with open(path, "ab") as log:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-u", *argv], env=env,
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        preexec_fn=new_session_dying_with_parent,
+                    )
             self.processes.append(proc)
             self.log_paths.append(path)
 
     @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+    def pids(self) -> dict[str, int]:
+        """Global rank (as a string, JSON-ready) -> worker pid."""
+        return {str(self.assignment.global_rank(i)): p.pid for i, p in enumerate(self.processes)}
 
     def poll(self) -> tuple[str, list[WorkerFailure]]:
         """('running' | 'succeeded' | 'failed', failures so far)."""

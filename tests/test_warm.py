@@ -1,0 +1,76 @@
+"""Warm worker interpreters run a script exactly as `python -u SCRIPT ARGS` would."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import wait_for
+from transom.control.warm import WarmPool
+
+SCRIPT = """
+import json, os, sys
+print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
+                  "rank": os.environ.get("RANK"), "path0": sys.path[0],
+                  "torch_loaded": "torch" in sys.modules}), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def pool(tmp_path):
+    pool = WarmPool(1, {**os.environ, "TRANSOM_WARM_IMPORTS": "json"}, tmp_path / "warm.log")
+    pool.fill()
+    yield pool
+    pool.close()
+
+
+def run_warm(pool: WarmPool, tmp_path, arg: str):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+    log = tmp_path / f"rank-{arg}.log"
+    proc = pool.launch([str(script), arg], {**os.environ, "RANK": "7"}, log)
+    assert proc is not None
+    code = proc.wait(timeout=30)
+    return code, log.read_text()
+
+
+def test_runs_the_script_as_main_with_its_env_argv_and_output(pool, tmp_path):
+    code, text = run_warm(pool, tmp_path, "0")
+    assert code == 0
+    first = json.loads(text.splitlines()[0])
+    assert first["name"] == "__main__"
+    assert first["file"] == str(tmp_path / "job.py")
+    assert first["argv"] == [str(tmp_path / "job.py"), "0"]
+    assert first["rank"] == "7" and first["cwd"] == os.getcwd()
+    assert first["path0"] == str(tmp_path)
+    assert "to stderr" in text
+
+
+def test_exit_codes_and_tracebacks_are_those_of_a_plain_interpreter(pool, tmp_path):
+    code, _ = run_warm(pool, tmp_path, "3")
+    assert code == 3
+    pool.fill(workers_progressing=True)
+    code, text = run_warm(pool, tmp_path, "raise")
+    assert code == 1
+    assert "Traceback" in text and "ValueError: boom" in text
+
+
+def test_pool_refills_only_when_workers_are_under_way(pool, tmp_path):
+    run_warm(pool, tmp_path, "0")
+    pool.fill()  # just used: the replacement waits so it does not slow the restart
+    assert pool.ready == []
+    pool.fill(workers_progressing=True)
+    assert len(pool.ready) == 1
+
+
+def test_an_empty_pool_hands_out_nothing(tmp_path):
+    pool = WarmPool(1, dict(os.environ), tmp_path / "warm.log")
+    assert pool.launch([sys.executable], dict(os.environ), tmp_path / "x.log") is None

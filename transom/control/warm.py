@@ -1,0 +1,136 @@
+"""Warm worker interpreters: Python processes that have already imported torch, waiting for a job.
+
+Starting a worker costs seconds before the script runs its first line of its own (the
+interpreter, then `import torch`), and a restart pays it again, on the critical path. The
+agent therefore keeps one warm interpreter per local rank ready: a child started with the
+agent's environment that imports the heavy modules and then blocks reading one line on stdin.
+When a generation starts, the agent sends it the worker's environment, argv and log file; the
+child takes on that environment, sends its output to the log and runs the script as
+`__main__`, exactly as `python -u SCRIPT ARGS` would. Each warm interpreter serves one worker
+and is then gone; the agent starts replacements once the new workers are under way, so their
+imports do not compete with the restart they are meant to speed up.
+
+What it must never do: run anything before the job arrives except imports, or outlive the
+agent (they are started like workers, dying with their parent). Environment variables that a
+library reads at import time (e.g. OMP_NUM_THREADS) come from the agent's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transom.utils.procs import new_session_dying_with_parent, stop_tree
+
+# Modules every warm interpreter imports before it waits (torch._inductor.config: what
+# torch.compile and torch.use_deterministic_algorithms import, 1.7 s here); TRANSOM_WARM_IMPORTS
+# overrides.
+DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._inductor.config"
+# Warm replacements once the new workers report progress, or at the latest this long after
+# they started (for scripts that never report).
+REFILL_DELAY_S = 30.0
+READY = b"R"
+
+
+class WarmPool:
+    """Up to `size` warm interpreters for one agent; call every method from the agent's main thread
+    (PR_SET_PDEATHSIG follows the thread that forks)."""
+
+    def __init__(self, size: int, env: dict[str, str], log_path: Path):
+        self.size = size
+        self.env = env
+        self.log_path = Path(log_path)
+        self.ready: list[subprocess.Popen] = []
+        self._imported: set[int] = set()  # pids whose imports are done
+        self._used_at = 0.0
+
+    def fill(self, workers_progressing: bool = False) -> None:
+        """Start interpreters until `size` are waiting, unless workers have just been started
+        from the pool and are not yet under way."""
+        if not workers_progressing and time.monotonic() - self._used_at < REFILL_DELAY_S:
+            return
+        self.ready = [p for p in self.ready if p.poll() is None]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        while len(self.ready) < self.size:
+            with open(self.log_path, "ab") as log:
+                self.ready.append(subprocess.Popen(
+                    [sys.executable, "-u", "-m", "transom.control.warm"],
+                    env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    preexec_fn=new_session_dying_with_parent,
+                ))
+
+    def warm_count(self) -> int:
+        """How many interpreters have finished their imports and wait for a worker."""
+        for p in self.ready:
+            if p.pid not in self._imported and select.select([p.stdout], [], [], 0)[0]:
+                if p.stdout.read(1) == READY:
+                    self._imported.add(p.pid)
+        return sum(1 for p in self.ready if p.pid in self._imported and p.poll() is None)
+
+    def launch(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+        """Hand a worker to a waiting interpreter; None when none is alive (start it cold)."""
+        self._used_at = time.monotonic()
+        while self.ready:
+            proc = self.ready.pop(0)
+            self._imported.discard(proc.pid)
+            proc.stdout.close()
+            if proc.poll() is not None:
+                continue
+            job = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+            try:
+                proc.stdin.write(json.dumps(job).encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                continue  # it died between poll and write
+            return proc
+        return None
+
+    def close(self) -> None:
+        stop_tree([p.pid for p in self.ready if p.poll() is None], grace_s=1.0)
+        for p in self.ready:
+            p.wait()
+            p.stdout.close()
+        self.ready = []
+        self._imported.clear()
+
+
+def _serve() -> int:
+    """The warm interpreter itself: import, wait for one job, become that worker."""
+    import importlib
+    import runpy
+
+    for name in os.environ.get("TRANSOM_WARM_IMPORTS", DEFAULT_IMPORTS).split(","):
+        if name.strip():
+            importlib.import_module(name.strip())
+    try:  # tell the pool we are ready (it stops listening once it has handed us a job)
+        os.write(1, READY)
+    except OSError:
+        pass
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 0  # the pool was closed before a job came
+    job = json.loads(line)
+    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    script = job["argv"][0]
+    sys.argv = list(job["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
