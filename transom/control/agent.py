@@ -10,6 +10,7 @@ its workers itself (self-fencing), and an evicted agent stops and exits.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -18,8 +19,11 @@ from pathlib import Path
 
 from transom.config import JobSpec
 from transom.control.preflight import preflight
-from transom.control.progress import ProgressListener
 from transom.control.workers import Assignment, WorkerGroup
+from transom.monitor import detectors
+from transom.monitor.faults import FaultInjector
+from transom.monitor.node import NodeMonitor
+from transom.monitor.reporter import FAULTS_ENV
 from transom.store import Store, StoreError
 from transom.utils.net import free_port
 
@@ -46,7 +50,8 @@ class NodeAgent:
         self.group_state = "idle"
         self.waiting_for_master: dict | None = None  # the plan whose master address we await
         self.preflight_done = False
-        self.progress = ProgressListener()
+        self.monitor = NodeMonitor(node_id)
+        self.faults: FaultInjector | None = None
         self.last_store_ok = time.monotonic()
         self._published_step: int | None = None
         self._published_at = 0.0
@@ -77,7 +82,7 @@ class NodeAgent:
     def _report(self, state: str, **extra) -> None:
         self.group_state = state
         value = {"node": self.node_id, "generation": self.generation, "state": state,
-                 "time": time.time(), "step": self.progress.newest_step(), **extra}
+                 "time": time.time(), "step": self.monitor.newest_step(), **extra}
         # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
         self.store.put(f"status/{self.node_id}", value)
         self._published_step = value["step"]
@@ -87,6 +92,7 @@ class NodeAgent:
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
         self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
+        self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
         log.info("node %s registered", self.node_id)
@@ -100,7 +106,7 @@ class NodeAgent:
         finally:
             self.stopping.set()
             self._stop_group()
-            self.progress.close()
+            self.monitor.close()
             if self.lease is not None:
                 try:
                     self.store.revoke(self.lease)
@@ -135,6 +141,7 @@ class NodeAgent:
             self._start_group(plan)
         elif self.group is not None and self.group_state == "running":
             self._watch_group()
+        self._monitor_tick()
         self._publish_progress()
         return None
 
@@ -143,7 +150,7 @@ class NodeAgent:
         """A new generation: stop the old workers, then start ours if this node is a member."""
         self._stop_group()
         self.generation = plan["generation"]
-        self.progress.reset()
+        self.monitor.new_generation(self.generation)
         if self.node_id not in plan["members"]:
             self._report("spare")
             return
@@ -172,11 +179,15 @@ class NodeAgent:
             nproc_per_node=self.spec.nproc_per_node,
             master_addr=master["addr"], master_port=int(master["port"]),
         )
+        self.faults.refresh_fired()
+        self.faults.generation = plan["generation"]
+        local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {
+            FAULTS_ENV: json.dumps(self.faults.worker_faults(local_ranks)),
             "TRANSOM_STORE": self.store.url,
             "TRANSOM_RUN_DIR": str(self.run_dir),
             "TRANSOM_CHECKPOINT_DIR": str(self.run_dir / "checkpoints"),
-            "TRANSOM_MONITOR_PORT": str(self.progress.port),
+            "TRANSOM_MONITOR_PORT": str(self.monitor.port),
         }
         self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
                                  self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
@@ -191,10 +202,33 @@ class NodeAgent:
             return
         if state == "failed":
             # The first failure decides; the rest of this node's workers cannot go on alone.
+            self.monitor.raise_anomaly(detectors.crash(self.node_id, [f.to_dict() | {"describe": f.describe()}
+                                                                      for f in failures]))
+            self._monitor_tick()
             self._report("failed", failures=[f.to_dict() | {"describe": f.describe()} for f in failures])
             self._stop_group()
         else:
             self._report("succeeded")
+
+    def _monitor_tick(self) -> None:
+        """Fire due faults, run the node's detectors, publish the summary and new anomalies."""
+        g = self.group
+        if g is not None and self.group_state == "running":
+            ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]
+            pids = dict(zip(ranks, g.pids))
+            logs = dict(zip(ranks, g.log_paths))
+            steps = self.monitor.steps()
+            self.faults.fire_due({r: steps.get(r) for r in ranks}, pids, logs)
+            self.monitor.check(pids, logs)
+        for fault, rank, step, when in self.monitor.take_fired_faults():
+            self.faults.record(fault, rank, step, when)
+        if not self.monitor.due(time.monotonic()):
+            return
+        summary, events = self.monitor.collect()
+        for e in events:
+            self.store.put(f"events/{int(e['time'] * 1e9):020d}-{self.node_id}-{e['id']}", e)
+        if g is not None or events:
+            self.store.put(f"monitor/{self.node_id}", summary)
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None
@@ -203,7 +237,7 @@ class NodeAgent:
             self.group = None
 
     def _publish_progress(self) -> None:
-        step = self.progress.newest_step()
+        step = self.monitor.newest_step()
         if (step != self._published_step and self.group_state == "running"
                 and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S):
             self._report("running", pids=self.group.pids if self.group else [])
