@@ -124,9 +124,8 @@ def render_status(summary: dict) -> Group:
         f"  leader {summary['leader'] or '-'}",
     )
     table = Table(box=None, pad_edge=False)
-    for column in ("node", "role", "health", "generation", "step", "step s", "compute s", "tokens/s",
-                   "anomalies"):
-        table.add_column(column)
+    for column in ("node", "role", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
+        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=36 if column == "health" else None)
 
     def show(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)

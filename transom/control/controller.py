@@ -38,6 +38,8 @@ SPEC_WAIT_S = 120.0
 # A member whose monitor summary is older than this (while its agent lives) has a telemetry gap.
 SUMMARY_GAP_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# After the first NaN report, wait this long for the other nodes' (the first bad step may be elsewhere).
+NUMERICS_SETTLE_S = 0.5
 
 
 def natural_key(name: str) -> list:
@@ -305,6 +307,7 @@ class Controller:
         handled = set(j.get("handled_anomalies", []))
         found = [a for s in summaries.values() if s.get("generation") == j["generation"]
                  for a in s.get("anomalies", []) if a["id"] not in handled]
+        found = self._earliest_numerics(found, now)
         views = detectors.rank_views(summaries, j["generation"], now)
         for anomaly in (detectors.hang(views), self._stragglers.update(views)):
             if anomaly is not None:
@@ -325,6 +328,21 @@ class Controller:
                 return
         if any(not a.get("repeat") for a in found):
             self._commit()
+
+    def _earliest_numerics(self, found: list[dict], now: float) -> list[dict]:
+        """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the one of the earliest step.
+
+        A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
+        must go before the first bad step, which the slowest reporter may hold.
+        """
+        nans = [a for a in found if a["type"] == "nan"]
+        if not nans:
+            return found
+        if now - min(a.get("time", now) for a in nans) < NUMERICS_SETTLE_S:
+            return [a for a in found if a["type"] != "nan"]
+        first = min(nans, key=lambda a: (a.get("step") is None, a.get("step") or 0, a.get("time", 0)))
+        self.job.setdefault("handled_anomalies", []).extend(a["id"] for a in nans if a is not first)
+        return [a for a in found if a["type"] != "nan" or a is first]
 
     def _controller_anomaly(self, anomaly: detectors.Anomaly, now: float) -> dict:
         """An anomaly the controller found itself: give it an id and write its event."""
