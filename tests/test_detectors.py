@@ -172,3 +172,14 @@ def test_policy_for_hardware_hangs_and_warnings():
     assert on_anomaly(anomaly("crash", ["node1"]), MEMBERS, 1, 3, [], []).kind == "none"
     for kind in ("loss_spike", "throughput_drop", "telemetry_gap", "cuda_error"):
         assert on_anomaly(anomaly(kind, ["node1"]), MEMBERS, 1, 3, [], []).kind == "warn"
+
+
+def test_crash_suspects_only_workers_that_failed_by_themselves():
+    killed = {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "peer_error": False, "time": 5.0,
+              "describe": "rank 1 killed by SIGKILL"}
+    peer = {"rank": 0, "exitcode": 1, "signal": None, "peer_error": True, "time": 5.1,
+            "describe": "rank 0 exit code 1: Connection closed by peer"}
+    a = detectors.crash("node1", [killed])
+    assert (a.type, a.severity, a.ranks, a.time) == ("crash", "critical", [1], 5.0)
+    b = detectors.crash("node0", [peer])
+    assert (b.type, b.severity) == ("peer_exit", "info")

@@ -125,7 +125,10 @@ def render_status(summary: dict) -> Group:
     )
     table = Table(box=None, pad_edge=False)
     for column in ("node", "role", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
-        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=36 if column == "health" else None)
+        if column == "health":
+            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=20)
+        else:
+            table.add_column(column, no_wrap=True, min_width=len(column))
 
     def show(value, fmt="{}"):
         return "-" if value is None else fmt.format(value)

@@ -111,8 +111,10 @@ def on_anomaly(anomaly: dict, members: list[str], free_spares: int, nnodes_min: 
     kind, nodes, step = anomaly["type"], [n for n in anomaly.get("nodes", []) if n in members], anomaly.get("step")
     what = f"{kind} ({anomaly.get('message', '')})"
     replaceable = len(nodes) <= free_spares or len(members) - len(nodes) >= nnodes_min
-    if kind == "crash":
+    if kind in ("crash", "peer_exit"):
         return Action("none", "worker failures are decided when the incident's reports are in")
+    if anomaly.get("severity") == "info":
+        return Action("none", "for the record only")
     if kind == "nan":
         if step is not None and step in numerics_history:
             return Action("fail", f"loss became NaN/Inf at step {step} again after rolling back before it: "

@@ -71,10 +71,15 @@ def median_mad(values: list[float]) -> tuple[float, float]:
 # -- per rank (agent) ---------------------------------------------------------------------------
 
 def crash(node: str, failures: list[dict]) -> Anomaly:
-    """Workers exited non-zero or by a signal (failures as transom.control.failures reports them)."""
-    own = [f for f in failures if not f.get("peer_error")] or failures
-    return Anomaly("crash", "critical", "; ".join(f.get("describe", "worker failed") for f in own),
-                   nodes=[node], ranks=[f["rank"] for f in own],
+    """Workers exited non-zero or by a signal (failures as transom.control.failures reports them).
+
+    Workers that only saw a peer go away (`peer_error`) are a consequence, not a cause: that is a
+    `peer_exit` of severity info, so only the node whose worker failed by itself is suspected.
+    """
+    own = [f for f in failures if not f.get("peer_error")]
+    type_, severity, shown = ("crash", "critical", own) if own else ("peer_exit", "info", failures)
+    return Anomaly(type_, severity, "; ".join(f.get("describe", "worker failed") for f in shown),
+                   nodes=[node], ranks=[f["rank"] for f in shown],
                    evidence={"failures": [{k: f.get(k) for k in ("rank", "exitcode", "signal", "signature",
                                                                  "peer_error")} for f in failures]},
                    time=min(f.get("time", time.time()) for f in failures))
