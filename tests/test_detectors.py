@@ -183,3 +183,13 @@ def test_crash_suspects_only_workers_that_failed_by_themselves():
     assert (a.type, a.severity, a.ranks, a.time) == ("crash", "critical", [1], 5.0)
     b = detectors.crash("node0", [peer])
     assert (b.type, b.severity) == ("peer_exit", "info")
+
+
+def test_preflight_outliers_are_nodes_far_below_the_median():
+    from transom.control.policy import slow_outliers
+
+    results = {"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0},
+               "node2": {"compute_gflops": 45.0}, "node3": {"compute_gflops": 40.0}}
+    assert list(slow_outliers(results)) == ["node1"]
+    assert slow_outliers({"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0}}) == {}
+    assert slow_outliers({n: {"compute_gflops": 30.0 + i} for i, n in enumerate(["a", "b", "c"])}) == {}

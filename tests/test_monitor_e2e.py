@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from conftest import REPO, wait_for
+from transom.control.preflight import TEST_HOOK_SLOW_ENV
 from transom.monitor.detectors import HANG_FLOOR_S
 
 pytestmark = pytest.mark.slow
@@ -113,3 +114,15 @@ def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
     out = subprocess.run([sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "compute_s" in out.stdout and "metrics: http://" in out.stdout
+
+
+def test_slow_node_is_excluded_by_the_preflight_before_training(start_job):
+    job = start_job("--nnodes", "3", "--spares", "1", TRAIN, "--steps", "10", *TRAIN_ARGS,
+                    env={TEST_HOOK_SLOW_ENV: "node1:5"})
+    assert job.wait() == 0, job.output
+    excluded = first(job, "evict", node="node1")
+    assert "excluded before training" in excluded["message"] and "compute benchmark" in excluded["message"]
+    assert excluded["time"] < first(job, "generation")["time"]
+    record = job.status()["job"]
+    assert record["members"] == ["node0", "node2", "node3"] and record["generation"] == 1
+    assert record["restarts_used"] == 0

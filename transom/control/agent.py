@@ -49,7 +49,7 @@ class NodeAgent:
         self.group: WorkerGroup | None = None
         self.group_state = "idle"
         self.waiting_for_master: dict | None = None  # the plan whose master address we await
-        self.preflight_done = False
+        self.preflight_result: tuple[bool, dict] | None = None
         self.monitor = NodeMonitor(node_id)
         self.faults: FaultInjector | None = None
         self.last_store_ok = time.monotonic()
@@ -95,6 +95,7 @@ class NodeAgent:
         self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
+        self._preflight()
         log.info("node %s registered", self.node_id)
         try:
             while not self.stopping.is_set():
@@ -154,18 +155,22 @@ class NodeAgent:
         if self.node_id not in plan["members"]:
             self._report("spare")
             return
-        if not self.preflight_done:
-            passed, evidence = preflight(self.run_dir, self.spec.script)
-            if not passed:
-                self._report("failed", preflight=evidence,
-                             failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}])
-                return
-            self.preflight_done = True
+        passed, evidence = self.preflight_result
+        if not passed:
+            self._report("failed", preflight=evidence,
+                         failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}])
+            return
         if plan["members"][0] == self.node_id:
             self.store.put(f"master/{self.generation}", {"addr": self.host, "port": free_port(self.host)})
         self.waiting_for_master = plan
         self._report("starting")
         self._start_group(plan)
+
+    def _preflight(self) -> None:
+        """Check this node once, when it joins, and publish the result for the controller to compare."""
+        self.preflight_result = preflight(self.run_dir, self.spec.script, self.node_id)
+        passed, evidence = self.preflight_result
+        self.store.put(f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence})
 
     def _start_group(self, plan: dict) -> None:
         master = self.store.get(f"master/{plan['generation']}")

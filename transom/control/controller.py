@@ -19,7 +19,7 @@ import time
 from urllib.parse import urlparse
 
 from transom.config import JobSpec
-from transom.control.policy import decide, on_anomaly
+from transom.control.policy import decide, on_anomaly, slow_outliers
 from transom.control.states import JobState
 from transom.monitor import detectors
 from transom.monitor.exporter import MonitorExporter
@@ -35,6 +35,8 @@ SETTLE_S = 0.5
 # A generation whose members have not all started workers by then is an incident.
 WARMUP_TIMEOUT_S = 120.0
 SPEC_WAIT_S = 120.0
+# How long to wait for a node's pre-flight result before starting without comparing it.
+PREFLIGHT_WAIT_S = 30.0
 # A member whose monitor summary is older than this (while its agent lives) has a telemetry gap.
 SUMMARY_GAP_S = 5.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -193,11 +195,31 @@ class Controller:
         return sorted((n for n in nodes if n not in self.job["evicted"]), key=natural_key)
 
     def _pending(self, nodes: dict, now: float) -> None:
-        spec, healthy = self.spec, self._healthy_nodes(nodes)
+        spec = self.spec
         waited = now - self.job["since"]
+        checked = self.store.get_prefix("preflight/")
+        if any(n not in checked for n in self._healthy_nodes(nodes)) and waited < PREFLIGHT_WAIT_S:
+            return  # WARMUP of the job: every node's pre-flight result first
+        if self._exclude_outliers(nodes, checked, now):
+            self._commit()
+        healthy = self._healthy_nodes(nodes)
         if len(healthy) >= spec.nnodes_max + spec.spares or (
                 len(healthy) >= spec.nnodes_min and waited >= spec.join_timeout_s):
             self._start_generation(healthy[:spec.nnodes_max], "start")
+
+    def _exclude_outliers(self, nodes: dict, checked: dict, now: float, keep: list[str] = ()) -> bool:
+        """Evict nodes (but not those in `keep`) that failed pre-flight or are far below their peers."""
+        j = self.job
+        results = {n: r for n, r in checked.items() if n in nodes and n not in j["evicted"]}
+        excluded = {n: "pre-flight check failed: " + "; ".join(r.get("problems", []))
+                    for n, r in results.items() if not r.get("passed", True)}
+        excluded.update({n: reason for n, reason in slow_outliers(results).items() if n not in excluded})
+        excluded = {n: reason for n, reason in excluded.items() if n not in keep}
+        for node, reason in excluded.items():
+            j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
+            self._event("evict", f"{node} excluded before training: {reason}", node=node,
+                        preflight=results[node])
+        return bool(excluded)
 
     def _start_generation(self, members: list[str], why: str) -> None:
         j = self.job
@@ -283,6 +305,7 @@ class Controller:
             j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
             self._event("evict", f"{node} evicted: {reason}", node=node)
         survivors = [m for m in members if m not in evict]
+        self._exclude_outliers(nodes, self.store.get_prefix("preflight/"), now, keep=survivors)
         spares = [n for n in self._healthy_nodes(nodes) if n not in survivors]
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)

@@ -138,3 +138,22 @@ def on_anomaly(anomaly: dict, members: list[str], free_spares: int, nnodes_min: 
                           evict={n: f"hang: {anomaly.get('message', '')}" for n in nodes})
         return Action("restart", f"{what}: restarting every worker")
     return Action("warn", what)
+
+
+# -- warm-up --------------------------------------------------------------------------------------
+
+# A node whose pre-flight compute score is below this fraction of the nodes' median is excluded.
+PREFLIGHT_SLOW_RATIO = 0.5
+PREFLIGHT_MIN_NODES = 3
+
+
+def slow_outliers(results: dict[str, dict]) -> dict[str, str]:
+    """Nodes far below their peers in the pre-flight compute benchmark -> the reason to exclude them."""
+    scores = {n: r["compute_gflops"] for n, r in results.items() if r.get("compute_gflops")}
+    if len(scores) < PREFLIGHT_MIN_NODES:
+        return {}
+    ordered = sorted(scores.values())
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+    return {n: (f"pre-flight compute benchmark {s:.1f} GFLOP/s is {s / median:.2f}x its peers' median "
+                f"{median:.1f} GFLOP/s (below {PREFLIGHT_SLOW_RATIO}x)")
+            for n, s in scores.items() if s < PREFLIGHT_SLOW_RATIO * median}
