@@ -30,14 +30,19 @@ def first(job, kind: str, **match) -> dict:
     return found[0]
 
 
-def test_crash_is_detected_within_two_seconds_and_blamed(start_job):
-    job = start_job("--nnodes", "3", "--faults", "crash@step=12:rank=1", TRAIN, "--steps", "30", *TRAIN_ARGS)
+def test_crash_is_detected_within_two_seconds_and_blamed_then_a_node_kill(start_job):
+    job = start_job("--nnodes", "3", "--spares", "1", "--faults", "crash@step=12:rank=1,kill@step=35:node=node2",
+                    TRAIN, "--steps", "45", *TRAIN_ARGS)
     assert job.wait() == 0, job.output
     fault = first(job, "fault", fault="crash")
     crash = first(job, "anomaly", type="crash")
     assert crash["nodes"] == ["node1"] and crash["ranks"] == [1] and "SIGKILL" in crash["message"]
     assert 0 <= crash["time"] - fault["time"] < 2.0
     assert first(job, "diagnosis")["blamed"] == ["node1"]
+    assert not events(job, "anomaly", type="crash", nodes=["node0"])  # peers' exits are not crashes
+    kill = first(job, "fault", fault="kill")
+    assert kill["node"] == "node2" and kill["step"] >= 35
+    assert "lease expired" in job.status()["job"]["evicted"]["node2"]["reason"]
 
 
 def test_hang_is_detected_blamed_on_the_stopped_rank_and_its_generation_replaced(start_job):
