@@ -1,8 +1,10 @@
 """Detection benchmark: how fast the monitor finds injected faults, whom it blames, what it costs.
 
 For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (3 nodes x 1
-worker, spares enough for the evictions) and injects --trials faults of that type into it one
-after another, each at a random rank and a random step (seeded), then reads the job's event log:
+worker) and injects --trials faults of that type into it one after another, each at a random
+rank and a random step (seeded); fault types whose answer is an eviction (hang, slow, log) need a
+spare per fault and a job has at most 3, so those run in jobs of 3 faults. Then it reads the
+jobs' event logs:
   detection latency   fault event -> the first anomaly of the matching type (p50, p95)
                       (and, for the slow node, in training steps)
   attribution         the controller's decision (or diagnosis, for crashes) blames the node the
@@ -82,10 +84,10 @@ def run_job(run_dir: Path, faults: str | None, spares: int, steps: int, extra: l
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def median_step_s(run_dir: Path) -> float | None:
+def median_step_s(run_dirs: list[Path]) -> float | None:
     """Median time between consecutive steps of rank 0, over every generation."""
     gaps = []
-    for log in sorted(run_dir.glob("logs/g*/rank0.log")):
+    for log in sorted(p for d in run_dirs for p in d.glob("logs/g*/rank0.log")):
         points = [(int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))]
         gaps += [t2 - t1 for (s1, t1), (s2, t2) in zip(points, points[1:]) if s2 == s1 + 1]
     return statistics.median(gaps) if gaps else None
@@ -218,10 +220,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
-            spec, steps = schedule(kind, args.trials, rng)
-            t0 = time.time()
-            events = run_job(tmp / kind, spec, args.trials if FAULTS[kind][1] else 0, steps, [])
-            result["transom"][kind] = score(kind, events, median_step_s(tmp / kind))
+            # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
+            per_job = NODES if FAULTS[kind][1] else args.trials
+            t0, events, dirs = time.time(), [], []
+            for i in range(0, args.trials, per_job):
+                n = min(per_job, args.trials - i)
+                spec, steps = schedule(kind, n, rng)
+                dirs.append(tmp / f"{kind}{i}")
+                events += run_job(dirs[-1], spec, n if FAULTS[kind][1] else 0, steps, [])
+            result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
         if args.fault_free_minutes > 0:

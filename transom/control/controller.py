@@ -186,7 +186,7 @@ class Controller:
         elif state in (JobState.WARMUP, JobState.RUNNING):
             self._watch_generation(nodes, statuses, now)
             if self.job["state"] == JobState.RUNNING.value:
-                self._watch_monitor(nodes, summaries, now)
+                self._watch_monitor(nodes, statuses, summaries, now)
         elif state is JobState.RECOVERING:
             self._recover(nodes, statuses, now)
 
@@ -320,7 +320,7 @@ class Controller:
         self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}")
 
     # -- the monitor ----------------------------------------------------------------------------
-    def _watch_monitor(self, nodes: dict, summaries: dict[str, dict], now: float) -> None:
+    def _watch_monitor(self, nodes: dict, statuses: dict, summaries: dict[str, dict], now: float) -> None:
         """Cross-node detectors on the agents' summaries; every anomaly goes through the policy."""
         j = self.job
         if self._monitored_generation != j["generation"]:
@@ -332,7 +332,8 @@ class Controller:
                  for a in s.get("anomalies", []) if a["id"] not in handled]
         found = self._earliest_numerics(found, now)
         views = detectors.rank_views(summaries, j["generation"], now)
-        for anomaly in (detectors.hang(views), self._stragglers.update(views)):
+        finishing = bool(self._reports(statuses, "succeeded"))  # ranks that are done make no progress
+        for anomaly in (None if finishing else detectors.hang(views), self._stragglers.update(views)):
             if anomaly is not None:
                 found.append(self._controller_anomaly(anomaly, now))
         for node in j["members"]:
