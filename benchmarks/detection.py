@@ -47,7 +47,7 @@ NODES = 3
 STEP_DELAY_S = 0.05
 CKPT_EVERY = 10
 FIRST_FAULT_STEP = 25
-FAULT_SPACING_STEPS = 35  # between faults: room for the restart and a checkpoint to resume from
+FAULT_SPACING_STEPS = 50  # between faults: room for detection, the restart and a checkpoint to resume from
 DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # fault type -> (the anomaly type that detects it, evictions it causes so spares are needed)
