@@ -98,7 +98,7 @@ def test_injected_xid_line_evicts_the_node(start_job):
 
 def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
     job = start_job("--nnodes", "3", TRAIN, "--steps", "60", "--ckpt-every", "5", "--eval-every", "30",
-                    "--eval-batches", "700", "--step-delay", "0.05", "--log-every", "30")
+                    "--eval-batches", "1400", "--step-delay", "0.05", "--log-every", "30")
     url = wait_for(lambda: (job.status().get("exporter") or {}).get("url"), 60, "the metrics endpoint")
     wait_for(lambda: "step 30 " in job.log_text(), 60, "training to reach step 30")
 
