@@ -139,6 +139,9 @@ def render_status(summary: dict) -> Group:
                       show(r["step"]), show(r.get("step_s"), "{:.3f}"), show(r.get("compute_s"), "{:.3f}"),
                       show(r.get("tokens_per_s"), "{:.0f}"), ", ".join(r.get("anomalies", [])) or "-")
     parts = [head, table]
+    for r in summary["nodes"]:
+        if r["role"] == "evicted":  # the table cuts long reasons short
+            parts.append(Text(f"{r['node']} evicted: {r['health']}", style="red"))
     if summary.get("metrics"):
         parts.append(Text(f"metrics: {summary['metrics']}", style="dim"))
     if summary.get("reason"):

@@ -52,7 +52,7 @@ class Fault:
         return asdict(self)
 
 
-def _parse_one(index: int, text: str) -> tuple[str, dict]:
+def _parse_one(text: str) -> tuple[str, dict]:
     if "@" not in text:
         raise ConfigError(f"--faults {text!r}: expected TYPE@step=N[:rank=R][:node=NODE][:factor=F]")
     kind, _, rest = text.partition("@")
@@ -88,7 +88,7 @@ def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[dict]:
                 faults.append(Fault(f"f{len(faults)}", rng.choice(RANDOM_TYPES), rng.randint(lo, hi),
                                     rank=rng.randrange(world_size)))
             continue
-        kind, fields = _parse_one(len(faults), item)
+        kind, fields = _parse_one(item)
         unknown = set(fields) - {"step", "rank", "node", "factor", "line"}
         if unknown or "step" not in fields:
             raise ConfigError(f"--faults {item!r}: needs step=N; unknown keys {sorted(unknown) or 'none'}")
