@@ -49,6 +49,7 @@ if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
     sys.stdout.flush()
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import math
@@ -254,6 +255,26 @@ def make_ddp(model):
     return DDP(model, find_unused_parameters=True)
 
 
+def average_gradients(params, world_size):
+    """All-reduce every gradient as one flat tensor (a fixed order: bit-exact across resumes)."""
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(world_size)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+@torch.no_grad()
+def evaluate(model, data, step, rank, args):
+    """Mean loss on --eval-batches held-out batches (seeded away from the training batches)."""
+    model.eval()
+    losses = [model(*get_batch(data, -step * 1000 - i, rank, args.seed, args.batch_size, args.block_size))[1]
+              for i in range(args.eval_batches)]
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
 # -----------------------------------------------------------------------------
 # Checkpoints
 
@@ -390,6 +411,9 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps; 0: only the first")
     p.add_argument("--save-final", metavar="PATH", help="rank 0 saves the final model state_dict here (torch.save)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="evaluate on held-out batches every K steps; 0 disables")
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="sleep this long after each step (makes a job last longer in tests)")
     return p.parse_args(argv)
@@ -440,28 +464,44 @@ def main(argv=None):
 
     ddp_model = make_ddp(model) if distributed else model
 
-    # Training loop
+    # Training loop. With DDP the gradient all-reduce would overlap backward, so the monitor could not
+    # tell compute from communication: backward runs under no_sync() and the gradients are averaged in
+    # the monitor's "sync" section, one flat all-reduce in a fixed order (deterministic on resume).
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens_per_step = args.batch_size * args.block_size
     for step in range(start_step + 1, args.steps + 1):
-        lr = lr_at(step, args.lr, args.warmup)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(data, step, rank, args.seed, args.batch_size, args.block_size)
-        _, loss = ddp_model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        loss_value = loss.item()  # this rank's loss; the gradients were averaged over all ranks
+        with monitor.step(step) as s:
+            lr = lr_at(step, args.lr, args.warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(data, step, rank, args.seed, args.batch_size, args.block_size)
+            with ddp_model.no_sync() if distributed else contextlib.nullcontext():
+                _, loss = ddp_model(x, y)
+                loss = s.inject(loss)  # fault injection hook: NaN when a test schedules it
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with s.section("sync"):
+                if distributed:
+                    average_gradients(params, world_size)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else math.inf)
+            optimizer.step()
+            loss_value = loss.item()  # this rank's loss; the gradients were averaged over all ranks
 
-        if rank == 0 and (step == start_step + 1 or (args.log_every > 0 and step % args.log_every == 0)):
-            log(f"step {step} loss {loss_value:.4f} t={time.time():.3f}")
-        if args.ckpt_every > 0 and step % args.ckpt_every == 0:
-            if rank == 0:
-                save_checkpoint(args.ckpt_dir, step, model, optimizer, args.seed, world_size, args.keep)
-            if distributed:
-                dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
-        monitor.report(step, loss=loss_value)
+            if rank == 0 and (step == start_step + 1 or (args.log_every > 0 and step % args.log_every == 0)):
+                log(f"step {step} loss {loss_value:.4f} t={time.time():.3f}")
+            # Never checkpoint poisoned weights (the gradient norm is the same on every rank).
+            if args.ckpt_every > 0 and step % args.ckpt_every == 0 and math.isfinite(grad_norm.item()):
+                with monitor.phase("checkpoint"):
+                    if rank == 0:
+                        save_checkpoint(args.ckpt_dir, step, model, optimizer, args.seed, world_size, args.keep)
+                    if distributed:
+                        dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
+            if args.eval_every > 0 and step % args.eval_every == 0:
+                with monitor.phase("eval"):
+                    val = evaluate(model, data, step, rank, args)
+                if rank == 0:
+                    log(f"eval step {step} loss {val:.4f} t={time.time():.3f}")
+            s.report(loss=loss_value, tokens=tokens_per_step)
         if args.step_delay > 0:
             time.sleep(args.step_delay)
 

@@ -44,6 +44,16 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm-workers", dest="warm_workers", action="store_false",
                    help="start every worker in a fresh interpreter (default: each agent keeps one per "
                         "local rank ready with torch imported, which saves seconds on every restart)")
+    p.add_argument("--faults", metavar="SPEC|FILE",
+                   help="inject faults (tests, demos): e.g. 'crash@step=40:rank=1,hang@step=80,"
+                        "slow@step=120:node=node2:factor=2,nan@step=30,log@step=20:rank=0,kill@step=50:node=node1'"
+                        " or 'random[:count=N][:steps=A-B]'; a file holds one fault a line")
+    p.add_argument("--fault-seed", type=int, default=0,
+                   help="seed for the ranks (and types and steps with 'random') the fault schedule leaves open "
+                        "(default 0)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="the leading controller's Prometheus endpoint: 0 picks a free port (shown by "
+                        "`transom status`), -1 turns it off (default 0)")
     p.add_argument("script", help="the training script, run like torchrun runs it")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -87,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--evict-window", type=float, default=300.0)
     ctl.add_argument("--node-ttl", type=int, default=4)
     ctl.add_argument("--join-timeout", type=float, default=30.0)
+    ctl.add_argument("--faults", help="as for run, when writing the spec")
+    ctl.add_argument("--fault-seed", type=int, default=0)
+    ctl.add_argument("--metrics-port", type=int, default=0)
     ctl.add_argument("script", nargs="?", help="training script (only to write the spec)")
     ctl.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -109,7 +122,12 @@ def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSp
         spares=args.spares, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts,
         evict_window_s=args.evict_window, node_ttl_s=args.node_ttl, join_timeout_s=args.join_timeout,
         warm_workers=getattr(args, "warm_workers", True),
+        metrics_port=args.metrics_port,
     )
+    if args.faults:
+        from transom.monitor.faults import parse_schedule
+
+        spec.faults = parse_schedule(args.faults, high * args.nproc_per_node, args.fault_seed)
     if getattr(args, "job_id", None):
         spec.job_id = args.job_id
     return spec.validate(check_script=check_script)

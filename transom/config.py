@@ -57,6 +57,10 @@ class JobSpec:
     join_timeout_s: float = 30.0
     # Keep interpreters with torch already imported ready for each local rank (faster restarts).
     warm_workers: bool = True
+    # Faults to inject (transom.monitor.faults), for tests, benchmarks and demos.
+    faults: list = field(default_factory=list)
+    # The leading controller's Prometheus endpoint port (0: any free one; -1: none).
+    metrics_port: int = 0
 
     def validate(self, check_script: bool = True) -> "JobSpec":
         if check_script:
@@ -76,6 +80,8 @@ class JobSpec:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: at least 1 worker per node is needed")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: cannot be negative")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: a port number, 0 for any, -1 for none")
         if self.node_ttl_s < 2:
             raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):

@@ -31,6 +31,8 @@ def snapshot(store: Store) -> dict:
         "leader": store.get("leader"),
         "nodes": store.get_prefix("nodes/"),
         "statuses": store.get_prefix("status/"),
+        "monitor": store.get_prefix("monitor/"),
+        "exporter": store.get("exporter"),
         "time": time.time(),
     }
 
@@ -67,8 +69,26 @@ def node_rows(snap: dict) -> list[dict]:
         else:
             role, health = "spare", "ready" if alive else "gone"
         rows.append({"node": name, "role": role, "health": health, "alive": alive,
-                     "generation": status.get("generation"), "step": status.get("step")})
+                     "generation": status.get("generation"), "step": status.get("step"),
+                     **monitor_columns(snap.get("monitor", {}).get(name), job.get("generation"))})
     return rows
+
+
+def monitor_columns(summary: dict | None, generation: int | None) -> dict:
+    """A node's monitor summary in a row: slowest rank's median step and compute time, throughput,
+    and its anomalies in the current generation."""
+    if not summary or summary.get("generation") != generation:
+        return {"step_s": None, "compute_s": None, "tokens_per_s": None, "anomalies": []}
+    ranks = summary.get("ranks", {}).values()
+
+    def worst(key):
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        return max(values) if values else None
+
+    tokens = [r["tokens_per_s"] for r in ranks if r.get("tokens_per_s") is not None]
+    return {"step_s": worst("step_s"), "compute_s": worst("compute_s"),
+            "tokens_per_s": round(sum(tokens), 1) if tokens else None,
+            "anomalies": [a["type"] for a in summary.get("anomalies", [])]}
 
 
 def status_summary(snap: dict) -> dict:
@@ -84,6 +104,8 @@ def status_summary(snap: dict) -> dict:
         "restarts_left": max(0, spec.get("max_restarts", 0) - job.get("restarts_used", 0)),
         "newest_step": max(steps) if steps else None,
         "leader": snap.get("leader"),
+        "metrics": (snap.get("exporter") or {}).get("url"),
+        "rollback_before": job.get("rollback_before"),
         "nodes": node_rows(snap),
     }
 
@@ -102,14 +124,26 @@ def render_status(summary: dict) -> Group:
         f"  leader {summary['leader'] or '-'}",
     )
     table = Table(box=None, pad_edge=False)
-    for column in ("node", "role", "health", "generation", "step"):
-        table.add_column(column)
+    for column in ("node", "role", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
+        if column == "health":
+            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=20)
+        else:
+            table.add_column(column, no_wrap=True, min_width=len(column))
+
+    def show(value, fmt="{}"):
+        return "-" if value is None else fmt.format(value)
+
     for r in summary["nodes"]:
         style = "red" if r["role"] == "evicted" else _HEALTH_STYLE.get(r["health"], "white")
-        table.add_row(r["node"], r["role"], Text(str(r["health"]), style=style),
-                      str(r["generation"] if r["generation"] is not None else "-"),
-                      str(r["step"] if r["step"] is not None else "-"))
+        table.add_row(r["node"], r["role"], Text(str(r["health"]), style=style), show(r["generation"]),
+                      show(r["step"]), show(r.get("step_s"), "{:.3f}"), show(r.get("compute_s"), "{:.3f}"),
+                      show(r.get("tokens_per_s"), "{:.0f}"), ", ".join(r.get("anomalies", [])) or "-")
     parts = [head, table]
+    for r in summary["nodes"]:
+        if r["role"] == "evicted":  # the table cuts long reasons short
+            parts.append(Text(f"{r['node']} evicted: {r['health']}", style="red"))
+    if summary.get("metrics"):
+        parts.append(Text(f"metrics: {summary['metrics']}", style="dim"))
     if summary.get("reason"):
         parts.append(Text(f"reason: {summary['reason']}", style="dim"))
     return Group(*parts)

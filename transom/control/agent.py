@@ -10,6 +10,7 @@ its workers itself (self-fencing), and an evicted agent stops and exits.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -18,9 +19,12 @@ from pathlib import Path
 
 from transom.config import JobSpec
 from transom.control.preflight import preflight
-from transom.control.progress import ProgressListener
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, WorkerGroup
+from transom.monitor import detectors
+from transom.monitor.faults import FaultInjector
+from transom.monitor.node import NodeMonitor
+from transom.monitor.reporter import FAULTS_ENV
 from transom.store import Store, StoreError
 from transom.utils.net import free_port
 
@@ -46,8 +50,9 @@ class NodeAgent:
         self.group: WorkerGroup | None = None
         self.group_state = "idle"
         self.waiting_for_master: dict | None = None  # the plan whose master address we await
-        self.preflight_done = False
-        self.progress = ProgressListener()
+        self.preflight_result: tuple[bool, dict] | None = None
+        self.monitor = NodeMonitor(node_id)
+        self.faults: FaultInjector | None = None
         self.last_store_ok = time.monotonic()
         self._published: tuple = (None, 0)  # (step, warm interpreters) last published
         self._published_at = 0.0
@@ -81,7 +86,7 @@ class NodeAgent:
         self.group_state = state
         self._published_extra = extra
         value = {"node": self.node_id, "generation": self.generation, "state": state,
-                 "time": time.time(), "step": self.progress.newest_step(),
+                 "time": time.time(), "step": self.monitor.newest_step(),
                  "warm": self.warm.warm_count() if self.warm else 0, **extra}
         # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
         self.store.put(f"status/{self.node_id}", value)
@@ -98,8 +103,10 @@ class NodeAgent:
             self.warm = WarmPool(self.spec.nproc_per_node, env,
                                  self.run_dir / "logs" / f"warm-{self.node_id}.log")
             self.warm.fill()
+        self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
+        self._preflight()
         log.info("node %s registered", self.node_id)
         try:
             while not self.stopping.is_set():
@@ -113,7 +120,7 @@ class NodeAgent:
             self._stop_group()
             if self.warm is not None:
                 self.warm.close()
-            self.progress.close()
+            self.monitor.close()
             if self.lease is not None:
                 try:
                     self.store.revoke(self.lease)
@@ -148,9 +155,10 @@ class NodeAgent:
             self._start_group(plan)
         elif self.group is not None and self.group_state == "running":
             self._watch_group()
+        self._monitor_tick()
         self._publish_progress()
         if self.warm is not None and self.waiting_for_master is None:
-            self.warm.fill(workers_progressing=self.group is None or self.progress.newest_step() is not None)
+            self.warm.fill(workers_progressing=self.group is None or self.monitor.newest_step() is not None)
         return None
 
     # -- generations --------------------------------------------------------------------------
@@ -158,22 +166,26 @@ class NodeAgent:
         """A new generation: stop the old workers, then start ours if this node is a member."""
         self._stop_group()
         self.generation = plan["generation"]
-        self.progress.reset()
+        self.monitor.new_generation(self.generation)
         if self.node_id not in plan["members"]:
             self._report("spare")
             return
-        if not self.preflight_done:
-            passed, evidence = preflight(self.run_dir, self.spec.script)
-            if not passed:
-                self._report("failed", preflight=evidence,
-                             failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}])
-                return
-            self.preflight_done = True
+        passed, evidence = self.preflight_result
+        if not passed:
+            self._report("failed", preflight=evidence,
+                         failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}])
+            return
         if plan["members"][0] == self.node_id:
             self.store.put(f"master/{self.generation}", {"addr": self.host, "port": free_port(self.host)})
         self.waiting_for_master = plan
         self._report("starting")
         self._start_group(plan)
+
+    def _preflight(self) -> None:
+        """Check this node once, when it joins, and publish the result for the controller to compare."""
+        self.preflight_result = preflight(self.run_dir, self.spec.script, self.node_id)
+        passed, evidence = self.preflight_result
+        self.store.put(f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence})
 
     def _start_group(self, plan: dict) -> None:
         master = self.store.get(f"master/{plan['generation']}")
@@ -187,11 +199,15 @@ class NodeAgent:
             nproc_per_node=self.spec.nproc_per_node,
             master_addr=master["addr"], master_port=int(master["port"]),
         )
+        self.faults.refresh_fired()
+        self.faults.generation = plan["generation"]
+        local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {
+            FAULTS_ENV: json.dumps(self.faults.worker_faults(local_ranks)),
             "TRANSOM_STORE": self.store.url,
             "TRANSOM_RUN_DIR": str(self.run_dir),
             "TRANSOM_CHECKPOINT_DIR": str(self.run_dir / "checkpoints"),
-            "TRANSOM_MONITOR_PORT": str(self.progress.port),
+            "TRANSOM_MONITOR_PORT": str(self.monitor.port),
         }
         self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
                                  self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
@@ -206,10 +222,33 @@ class NodeAgent:
             return
         if state == "failed":
             # The first failure decides; the rest of this node's workers cannot go on alone.
+            self.monitor.raise_anomaly(detectors.crash(self.node_id, [f.to_dict() | {"describe": f.describe()}
+                                                                      for f in failures]))
+            self._monitor_tick()
             self._report("failed", failures=[f.to_dict() | {"describe": f.describe()} for f in failures])
             self._stop_group()
         else:
             self._report("succeeded")
+
+    def _monitor_tick(self) -> None:
+        """Fire due faults, run the node's detectors, publish the summary and new anomalies."""
+        g = self.group
+        if g is not None and self.group_state == "running":
+            ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]
+            pids = {int(rank): pid for rank, pid in g.pids.items()}
+            logs = dict(zip(ranks, g.log_paths))
+            steps = self.monitor.steps()
+            self.faults.fire_due({r: steps.get(r) for r in ranks}, pids, logs)
+            self.monitor.check(pids, logs)
+        for fault, rank, step, when in self.monitor.take_fired_faults():
+            self.faults.record(fault, rank, step, when)
+        if not self.monitor.due(time.monotonic()):
+            return
+        summary, events = self.monitor.collect()
+        for e in events:
+            self.store.put(f"events/{int(e['time'] * 1e9):020d}-{self.node_id}-{e['id']}", e)
+        if g is not None or events:
+            self.store.put(f"monitor/{self.node_id}", summary)
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None
@@ -219,7 +258,7 @@ class NodeAgent:
 
     def _publish_progress(self) -> None:
         """Re-publish this node's status when its newest step or warm interpreters changed."""
-        now = (self.progress.newest_step(), self.warm.warm_count() if self.warm else 0)
+        now = (self.monitor.newest_step(), self.warm.warm_count() if self.warm else 0)
         if (now != self._published and self.group_state in ("running", "spare")
                 and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S):
             self._report(self.group_state, **self._published_extra)

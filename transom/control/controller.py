@@ -16,11 +16,15 @@ import logging
 import re
 import threading
 import time
+from urllib.parse import urlparse
 
 from transom.config import JobSpec
-from transom.control.policy import decide
+from transom.control.policy import decide, on_anomaly, slow_outliers
 from transom.control.states import JobState
+from transom.monitor import detectors
+from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
+from transom.utils.net import host_address
 
 log = logging.getLogger("transom.controller")
 
@@ -31,6 +35,13 @@ SETTLE_S = 0.5
 # A generation whose members have not all started workers by then is an incident.
 WARMUP_TIMEOUT_S = 120.0
 SPEC_WAIT_S = 120.0
+# How long to wait for a node's pre-flight result before starting without comparing it.
+PREFLIGHT_WAIT_S = 30.0
+# A member whose monitor summary is older than this (while its agent lives) has a telemetry gap.
+SUMMARY_GAP_S = 5.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# After the first NaN report, wait this long for the other nodes' (the first bad step may be elsewhere).
+NUMERICS_SETTLE_S = 0.5
 
 
 def natural_key(name: str) -> list:
@@ -43,6 +54,7 @@ def new_job_record(now: float) -> dict:
         "state": JobState.PENDING.value, "generation": 0, "members": [], "evicted": {},
         "restarts_used": 0, "failures": {}, "last_signature": None, "incident": None,
         "incident_open": False, "reason": "waiting for nodes", "since": now, "updated": now,
+        "handled_anomalies": [], "numerics_steps": [], "hang_steps": [], "rollback_before": None,
     }
 
 
@@ -62,6 +74,10 @@ class Controller:
         self.leading = threading.Event()
         self.stopping = threading.Event()
         self._pending_events: list[dict] = []
+        self.exporter = MonitorExporter()
+        self._stragglers = detectors.StragglerTracker()
+        self._monitored_generation = 0
+        self._warned: set[tuple[str, tuple]] = set()
 
     # -- leadership ---------------------------------------------------------------------------
     def _try_lead(self) -> bool:
@@ -73,6 +89,12 @@ class Controller:
         self.leading.set()
         threading.Thread(target=self._keep_leading, name="leader-keepalive", daemon=True).start()
         self.job = self.store.get("job") or new_job_record(time.time())
+        if self.exporter.port is None and self.spec.metrics_port >= 0:
+            port = self.exporter.serve(self.spec.metrics_port)
+            if port is not None:
+                host = "127.0.0.1" if urlparse(self.store.url).hostname in LOOPBACK else host_address()
+                self.store.put("exporter", {"url": f"http://{host}:{port}/metrics",
+                                            "controller": self.candidate_id})
         self._event("leader", f"controller {self.candidate_id} leads the job "
                               f"(state {self.job['state']}, generation {self.job['generation']})")
         self._commit()
@@ -144,6 +166,7 @@ class Controller:
             return 1
         finally:
             self.stopping.set()
+            self.exporter.stop()
             if self.leading.is_set():
                 self.leading.clear()
                 try:
@@ -154,12 +177,16 @@ class Controller:
     def _step(self) -> None:
         nodes = self.store.get_prefix("nodes/")
         statuses = self.store.get_prefix("status/")
+        summaries = {n: s for n, s in self.store.get_prefix("monitor/").items() if n in self.job["members"]}
+        self.exporter.update(self.job, summaries)
         state = JobState(self.job["state"])
         now = time.time()
         if state is JobState.PENDING:
             self._pending(nodes, now)
         elif state in (JobState.WARMUP, JobState.RUNNING):
             self._watch_generation(nodes, statuses, now)
+            if self.job["state"] == JobState.RUNNING.value:
+                self._watch_monitor(nodes, statuses, summaries, now)
         elif state is JobState.RECOVERING:
             self._recover(nodes, statuses, now)
 
@@ -168,11 +195,31 @@ class Controller:
         return sorted((n for n in nodes if n not in self.job["evicted"]), key=natural_key)
 
     def _pending(self, nodes: dict, now: float) -> None:
-        spec, healthy = self.spec, self._healthy_nodes(nodes)
+        spec = self.spec
         waited = now - self.job["since"]
+        checked = self.store.get_prefix("preflight/")
+        if any(n not in checked for n in self._healthy_nodes(nodes)) and waited < PREFLIGHT_WAIT_S:
+            return  # WARMUP of the job: every node's pre-flight result first
+        if self._exclude_outliers(nodes, checked, now):
+            self._commit()
+        healthy = self._healthy_nodes(nodes)
         if len(healthy) >= spec.nnodes_max + spec.spares or (
                 len(healthy) >= spec.nnodes_min and waited >= spec.join_timeout_s):
             self._start_generation(healthy[:spec.nnodes_max], "start")
+
+    def _exclude_outliers(self, nodes: dict, checked: dict, now: float, keep: list[str] = ()) -> bool:
+        """Evict nodes (but not those in `keep`) that failed pre-flight or are far below their peers."""
+        j = self.job
+        results = {n: r for n, r in checked.items() if n in nodes and n not in j["evicted"]}
+        excluded = {n: "pre-flight check failed: " + "; ".join(r.get("problems", []))
+                    for n, r in results.items() if not r.get("passed", True)}
+        excluded.update({n: reason for n, reason in slow_outliers(results).items() if n not in excluded})
+        excluded = {n: reason for n, reason in excluded.items() if n not in keep}
+        for node, reason in excluded.items():
+            j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
+            self._event("evict", f"{node} excluded before training: {reason}", node=node,
+                        preflight=results[node])
+        return bool(excluded)
 
     def _start_generation(self, members: list[str], why: str) -> None:
         j = self.job
@@ -180,6 +227,7 @@ class Controller:
         j["members"] = members
         self._set_state(JobState.WARMUP, f"generation {j['generation']} starting")
         j["generation_started"] = time.time()
+        j["handled_anomalies"] = []
         spares = [n for n in self._healthy_nodes(self.store.get_prefix("nodes/")) if n not in members]
         self._event("generation", f"generation {j['generation']} ({why}): members {', '.join(members)}; "
                                   f"spares {', '.join(spares) or 'none'}", members=members, spares=spares)
@@ -241,16 +289,23 @@ class Controller:
         if d.fail:
             self._finish(JobState.FAILED, d.fail)
             return
+        self._restart(nodes, d.evict, d.summary, now)
+
+    def _restart(self, nodes: dict, evict: dict[str, str], summary: str, now: float) -> None:
+        """Spend a restart (once per incident), evict, take spares, and start the next generation."""
+        j, spec = self.job, self.spec
+        members = j["members"]
         if not j["incident_open"]:
             j["restarts_used"] += 1
             if j["restarts_used"] > spec.max_restarts:
                 self._finish(JobState.FAILED, f"restart budget spent: {spec.max_restarts} restarts allowed "
-                                              f"(--max-restarts), another incident: {d.summary}")
+                                              f"(--max-restarts), another incident: {summary}")
                 return
-        for node, reason in d.evict.items():
+        for node, reason in evict.items():
             j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
             self._event("evict", f"{node} evicted: {reason}", node=node)
-        survivors = [m for m in members if m not in d.evict]
+        survivors = [m for m in members if m not in evict]
+        self._exclude_outliers(nodes, self.store.get_prefix("preflight/"), now, keep=survivors)
         spares = [n for n in self._healthy_nodes(nodes) if n not in survivors]
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)
@@ -263,6 +318,98 @@ class Controller:
         j["incident_open"] = True
         j["incident"] = None
         self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}")
+
+    # -- the monitor ----------------------------------------------------------------------------
+    def _watch_monitor(self, nodes: dict, statuses: dict, summaries: dict[str, dict], now: float) -> None:
+        """Cross-node detectors on the agents' summaries; every anomaly goes through the policy."""
+        j = self.job
+        if self._monitored_generation != j["generation"]:
+            self._monitored_generation = j["generation"]
+            self._stragglers = detectors.StragglerTracker()
+            self._warned.clear()
+        handled = set(j.get("handled_anomalies", []))
+        found = [a for s in summaries.values() if s.get("generation") == j["generation"]
+                 for a in s.get("anomalies", []) if a["id"] not in handled]
+        found = self._earliest_numerics(found, now)
+        views = detectors.rank_views(summaries, j["generation"], now)
+        finishing = bool(self._reports(statuses, "succeeded"))  # ranks that are done make no progress
+        for anomaly in (None if finishing else detectors.hang(views), self._stragglers.update(views)):
+            if anomaly is not None:
+                found.append(self._controller_anomaly(anomaly, now))
+        for node in j["members"]:
+            s = summaries.get(node)
+            if (node in nodes and s is not None and s.get("generation") == j["generation"]
+                    and now - s.get("t", now) > SUMMARY_GAP_S):
+                gap = detectors.Anomaly("telemetry_gap", "warning", f"{node}: no monitor summary for "
+                                        f"{now - s['t']:.1f} s while its agent is alive", [node])
+                found.append(self._controller_anomaly(gap, now))
+        for anomaly in found:
+            if anomaly.get("repeat"):
+                continue
+            j.setdefault("handled_anomalies", []).append(anomaly["id"])
+            self.exporter.count(anomaly)
+            if self._act(anomaly, nodes, now):
+                return
+        if any(not a.get("repeat") for a in found):
+            self._commit()
+
+    def _earliest_numerics(self, found: list[dict], now: float) -> list[dict]:
+        """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the one of the earliest step.
+
+        A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
+        must go before the first bad step, which the slowest reporter may hold.
+        """
+        nans = [a for a in found if a["type"] == "nan"]
+        if not nans:
+            return found
+        if now - min(a.get("time", now) for a in nans) < NUMERICS_SETTLE_S:
+            return [a for a in found if a["type"] != "nan"]
+        first = min(nans, key=lambda a: (a.get("step") is None, a.get("step") or 0, a.get("time", 0)))
+        self.job.setdefault("handled_anomalies", []).extend(a["id"] for a in nans if a is not first)
+        return [a for a in found if a["type"] != "nan" or a is first]
+
+    def _controller_anomaly(self, anomaly: detectors.Anomaly, now: float) -> dict:
+        """An anomaly the controller found itself: give it an id and write its event."""
+        a = anomaly.to_dict() | {"id": f"controller-{self.job['generation']}-{anomaly.type}-{now:.3f}",
+                                 "generation": self.job["generation"]}
+        key = (a["type"], tuple(a["nodes"]))
+        if a["severity"] != "critical" and key in self._warned:
+            return a | {"repeat": True}
+        self._event("anomaly", f"{a['type']}: {a['message']}", observed=a["time"],
+                    **{k: a[k] for k in ("id", "type", "severity", "nodes", "ranks", "evidence", "step", "hardware")})
+        return a
+
+    def _act(self, anomaly: dict, nodes: dict, now: float) -> bool:
+        """Apply the policy's action for one anomaly; True when it ended the generation."""
+        j, spec = self.job, self.spec
+        free = len([n for n in self._healthy_nodes(nodes) if n not in j["members"]])
+        action = on_anomaly(anomaly, j["members"], free, spec.nnodes_min, j.setdefault("numerics_steps", []),
+                            j.setdefault("hang_steps", []))
+        if action.kind == "none":
+            return False
+        key = (anomaly["type"], tuple(anomaly.get("nodes", [])))
+        if action.kind == "warn":
+            if key not in self._warned:
+                self._warned.add(key)
+                self._event("warning", action.reason, anomaly=anomaly["id"], nodes=anomaly.get("nodes", []))
+            return False
+        self._event("decision", f"{action.kind}: {action.reason}", action=action.kind, anomaly=anomaly["id"],
+                    anomaly_type=anomaly["type"], nodes=anomaly.get("nodes", []), detection=anomaly.get("time"))
+        if action.kind == "fail":
+            self._finish(JobState.FAILED, action.reason)
+            return True
+        if anomaly["type"] == "hang" and anomaly.get("step") is not None:
+            j["hang_steps"].append(anomaly["step"])
+        if action.rollback_before is not None:
+            j["numerics_steps"].append(action.rollback_before)
+            previous = j.get("rollback_before")
+            j["rollback_before"] = min(previous, action.rollback_before) if previous else action.rollback_before
+            self._event("rollback", f"next generation restores a checkpoint from before step "
+                                    f"{j['rollback_before']}", rollback_before=j["rollback_before"])
+        self._set_state(JobState.RECOVERING, action.reason)
+        self._event("incident", action.reason, detection=anomaly.get("time"), anomaly=anomaly["id"])
+        self._restart(nodes, action.evict, action.reason, now)
+        return True
 
     def _finish(self, state: JobState, reason: str) -> None:
         self._set_state(state, reason)

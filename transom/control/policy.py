@@ -87,3 +87,73 @@ def decide(members: list[str], lost: list[str], failed: dict[str, dict], history
         d.fail = f"every rank failed with the same error twice in a row (a bug in the script?): {d.signature}"
     d.summary = "; ".join(parts) or "generation stopped"
     return d
+
+
+# -- anomalies from the monitor -------------------------------------------------------------------
+
+@dataclass
+class Action:
+    """What to do about one anomaly: restart | evict | rollback | warn | fail | none."""
+
+    kind: str
+    reason: str
+    evict: dict[str, str] = field(default_factory=dict)  # node -> reason
+    rollback_before: int | None = None
+
+
+def on_anomaly(anomaly: dict, members: list[str], free_spares: int, nnodes_min: int,
+               numerics_history: list[int], hang_history: list[int]) -> Action:
+    """Decide an anomaly (a transom.monitor.detectors.Anomaly as a dict).
+
+    `numerics_history` and `hang_history` are the first bad steps of earlier NaN and hang
+    incidents; the same failure at the same step again means retrying will not help: fail.
+    """
+    kind, nodes, step = anomaly["type"], [n for n in anomaly.get("nodes", []) if n in members], anomaly.get("step")
+    what = f"{kind} ({anomaly.get('message', '')})"
+    replaceable = len(nodes) <= free_spares or len(members) - len(nodes) >= nnodes_min
+    if kind in ("crash", "peer_exit"):
+        return Action("none", "worker failures are decided when the incident's reports are in")
+    if anomaly.get("severity") == "info":
+        return Action("none", "for the record only")
+    if kind == "nan":
+        if step is not None and step in numerics_history:
+            return Action("fail", f"loss became NaN/Inf at step {step} again after rolling back before it: "
+                                  f"the data or the model is bad there ({anomaly.get('message', '')})")
+        return Action("rollback", f"{what}: roll back to a checkpoint before step {step}", rollback_before=step)
+    if anomaly.get("hardware"):
+        if nodes and replaceable:
+            return Action("evict", f"hardware error on {', '.join(nodes)}: {what}",
+                          evict={n: f"hardware error: {anomaly.get('message', kind)}" for n in nodes})
+        return Action("warn", f"{what}; no spare to replace {', '.join(nodes) or 'the node'}")
+    if kind == "straggler":
+        if nodes and len(nodes) <= free_spares:
+            return Action("evict", f"{what}: replacing it with a spare",
+                          evict={n: f"straggler: {anomaly.get('message', '')}" for n in nodes})
+        return Action("warn", f"{what}; no spare to replace it, training goes on at its pace")
+    if kind == "hang":
+        if step is not None and step in hang_history:
+            return Action("fail", f"the job hung at step {step} again: {anomaly.get('message', '')}")
+        if nodes and len(nodes) <= free_spares:
+            return Action("evict", f"{what}: evicting the blamed node(s) and restarting",
+                          evict={n: f"hang: {anomaly.get('message', '')}" for n in nodes})
+        return Action("restart", f"{what}: restarting every worker")
+    return Action("warn", what)
+
+
+# -- warm-up --------------------------------------------------------------------------------------
+
+# A node whose pre-flight compute score is below this fraction of the nodes' median is excluded.
+PREFLIGHT_SLOW_RATIO = 0.5
+PREFLIGHT_MIN_NODES = 3
+
+
+def slow_outliers(results: dict[str, dict]) -> dict[str, str]:
+    """Nodes far below their peers in the pre-flight compute benchmark -> the reason to exclude them."""
+    scores = {n: r["compute_gflops"] for n, r in results.items() if r.get("compute_gflops")}
+    if len(scores) < PREFLIGHT_MIN_NODES:
+        return {}
+    ordered = sorted(scores.values())
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+    return {n: (f"pre-flight compute benchmark {s:.1f} GFLOP/s is {s / median:.2f}x its peers' median "
+                f"{median:.1f} GFLOP/s (below {PREFLIGHT_SLOW_RATIO}x)")
+            for n, s in scores.items() if s < PREFLIGHT_SLOW_RATIO * median}

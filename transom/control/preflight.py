@@ -1,13 +1,20 @@
-"""Pre-flight checks a node runs before it first trains in a job.
+"""Pre-flight checks a node runs when it joins a job, before it first trains.
 
 Cheap checks that catch a node that would fail anyway: the run directory takes a write and an
 fsync, there is free disk and memory, and the training script is readable. A failed check is
-reported to the controller, which evicts the node before it costs a restart.
+reported to the controller, which evicts the node before it costs a restart. A short compute
+benchmark (best of a few timed matrix products) gives a score the controller compares across
+nodes: a node far below its peers is excluded before training starts (policy.slow_outliers).
+
+TEST HOOK: TRANSOM_TEST_HOOK_SLOW_PREFLIGHT="NODE:FACTOR" makes NODE's compute benchmark FACTOR
+times slower, so tests can simulate a slow node. Nothing else reads it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,11 +22,54 @@ import psutil
 
 MIN_FREE_DISK_BYTES = 256 << 20
 MIN_FREE_MEMORY_BYTES = 256 << 20
+BENCH_MATRIX = 256
+BENCH_REPEATS = 5  # timed runs; the best counts (other processes share the cores)
+BENCH_RUN_S = 0.05
+BENCH_TIMEOUT_S = 30.0
+TEST_HOOK_SLOW_ENV = "TRANSOM_TEST_HOOK_SLOW_PREFLIGHT"
 
 
-def preflight(run_dir: Path, script: str) -> tuple[bool, dict]:
+def compute_benchmark(node_id: str = "") -> float:
+    """GFLOP/s of float32 matrix products per CPU-second on this node (best of BENCH_REPEATS runs).
+
+    CPU time, not wall time: on a machine whose cores are shared (simulated nodes, noisy
+    neighbours) it measures how fast the node computes, not how long it waited for a core. It
+    runs in a child process with single-threaded BLAS (threads spinning on a busy machine would
+    count as CPU time); 0.0 if the child fails.
+    """
+    hook = os.environ.get(TEST_HOOK_SLOW_ENV, "")
+    name, _, factor = hook.partition(":")
+    slow = max(1, round(float(factor))) if hook and name == node_id else 1
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _BENCH_CODE, str(BENCH_MATRIX), str(BENCH_REPEATS),
+                              str(BENCH_RUN_S), str(slow)], env=env, capture_output=True, text=True,
+                             timeout=BENCH_TIMEOUT_S)
+        return round(float(out.stdout.strip()), 3)
+    except (subprocess.SubprocessError, ValueError, OSError):
+        return 0.0
+
+
+_BENCH_CODE = """
+import sys, time
+import numpy as np
+size, repeats, run_s, slow = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+best = 0.0
+for _ in range(repeats):
+    n, start = 0, time.process_time()
+    while (elapsed := time.process_time() - start) < run_s:
+        for _ in range(slow):  # the test hook: the same work counts once but costs `slow` times
+            a @ a
+        n += 1
+    best = max(best, n * 2 * size ** 3 / elapsed / 1e9)
+print(best)
+"""
+
+
+def preflight(run_dir: Path, script: str, node_id: str = "") -> tuple[bool, dict]:
     """(passed, evidence) for this node."""
-    evidence: dict = {}
+    evidence: dict = {"compute_gflops": compute_benchmark(node_id)}
     problems: list[str] = []
     start = time.perf_counter()
     try:

@@ -1,8 +1,10 @@
-"""Monitor (the paper's TEE): what workers tell their node agent about their progress.
+"""Monitor (the paper's TEE, "Eagle Eye"): multi-signal anomaly detection that names the node to blame.
 
-`from transom import monitor; monitor.report(step, loss=...)` is the worker-side API.
+Workers use `monitor.step`, `monitor.phase` and `monitor.report` (reporter.py); the node agent
+collects and runs per-rank detectors (node.py, collect.py, patterns.py); the controller runs the
+cross-node detectors (detectors.py) and exports metrics (exporter.py); faults.py injects faults.
 """
 
-from transom.monitor.reporter import report
+from transom.monitor.reporter import phase, report, step
 
-__all__ = ["report"]
+__all__ = ["phase", "report", "step"]

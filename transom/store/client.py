@@ -9,6 +9,10 @@ Key layout under /transom/<job-id>/ (all values JSON):
   plan              what every agent must run: generation, members, rank map, master node
   master/<gen>      the master address and port chosen by the master node's agent
   events/<seq>      the decision log, one event per key
+  monitor/<node>    the agent's monitor summary: per-rank step, ages, timings; its anomalies
+  preflight/<node>  the node's pre-flight result (checks, compute benchmark score)
+  faults/fired/<id> injected faults that already fired (each fires once per job)
+  exporter          the leading controller's Prometheus endpoint
 
 Writes that only the leader may make go through `put_if_leader`, a transaction that compares
 the leader key, so a deposed controller cannot overwrite its successor's decisions.

@@ -1,0 +1,271 @@
+"""Detection benchmark: how fast the monitor finds injected faults, whom it blames, what it costs.
+
+For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (3 nodes x 1
+worker) and injects --trials faults of that type into it one after another, each at a random
+rank and a random step (seeded); fault types whose answer is an eviction (hang, slow, log) need a
+spare per fault and a job has at most 3, so those run in jobs of 3 faults. Then it reads the
+jobs' event logs:
+  detection latency   fault event -> the first anomaly of the matching type (p50, p95)
+                      (and, for the slow node, in training steps)
+  attribution         the controller's decision (or diagnosis, for crashes) blames the node the
+                      fault was injected on
+  precision, recall   decisions that answer an injected fault / all decisions; faults detected
+                      within DETECTION_WINDOW_S / faults fired
+A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
+anomaly above info severity, any decision), and a single-process run of train_gpt with the
+monitor on and off (alternating, same steps) gives the step-time overhead of monitoring.
+
+Targets (issue 4): crash < 2 s; hang within max(10 s, 5 x median step); a 2x slower node within
+30 steps; NaN within 1 step; right node >= 95%; no false positive in 30 fault-free minutes;
+overhead < 1%.
+
+    python benchmarks/detection.py --trials 20 --fault-free-minutes 30      # the full run
+    python benchmarks/detection.py --json                                    # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "examples" / "train_gpt.py"
+sys.path.insert(0, str(REPO))
+
+NODES = 3
+STEP_DELAY_S = 0.05
+CKPT_EVERY = 10
+FIRST_FAULT_STEP = 25
+FAULT_SPACING_STEPS = 50  # between faults: room for detection, the restart and a checkpoint to resume from
+DETECTION_WINDOW_S = 60.0
+JOB_TIMEOUT_S = 1800
+# fault type -> (the anomaly type that detects it, evictions it causes so spares are needed)
+FAULTS = {"crash": ("crash", False), "hang": ("hang", True), "slow": ("straggler", True),
+          "nan": ("nan", False), "log": ("xid", True)}
+TARGETS = {"crash_s": 2.0, "hang_floor_s": 10.0, "hang_step_factor": 5.0, "slow_steps": 30, "nan_steps": 1,
+           "attribution": 0.95, "overhead": 0.01}
+STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=(\d+\.\d+)$", re.M)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def run_job(run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]) -> list[dict]:
+    """Run one job to its end; its events."""
+    argv = [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", "d-" + uuid.uuid4().hex[:6],
+            "--nnodes", str(NODES), "--spares", str(spares), "--max-restarts", "1000", "--evict-window", "0",
+            *(["--faults", faults] if faults else []), str(SCRIPT), "--steps", str(steps),
+            "--ckpt-every", str(CKPT_EVERY), "--step-delay", str(STEP_DELAY_S), "--log-every", "1", *extra]
+    with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def median_step_s(run_dirs: list[Path]) -> float | None:
+    """Median time between consecutive steps of rank 0, over every generation."""
+    gaps = []
+    for log in sorted(p for d in run_dirs for p in d.glob("logs/g*/rank0.log")):
+        points = [(int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))]
+        gaps += [t2 - t1 for (s1, t1), (s2, t2) in zip(points, points[1:]) if s2 == s1 + 1]
+    return statistics.median(gaps) if gaps else None
+
+
+def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
+    """A fault spec of `trials` faults of one type at random ranks and steps, and the steps to run."""
+    items, step = [], FIRST_FAULT_STEP
+    for _ in range(trials):
+        at = step + rng.randint(0, 9)
+        item = f"{kind}@step={at}:rank={rng.randrange(NODES)}"
+        items.append(item + (":factor=2" if kind == "slow" else ""))
+        step += FAULT_SPACING_STEPS
+    return ",".join(items), step + 15
+
+
+def score(kind: str, events: list[dict], step_s: float | None) -> dict:
+    anomaly_type, _ = FAULTS[kind]
+    faults = [e for e in events if e["kind"] == "fault"]
+    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") == anomaly_type]
+    if kind == "crash":
+        verdicts = [e for e in events if e["kind"] == "diagnosis"]
+        blamed = lambda v: v.get("blamed", [])  # noqa: E731
+    else:
+        verdicts = [e for e in events if e["kind"] == "decision"]
+        blamed = lambda v: v.get("nodes", [])  # noqa: E731
+    latencies, latency_steps, right, detected = [], [], 0, 0
+    answered: set[int] = set()
+    for i, f in enumerate(faults):
+        end = faults[i + 1]["time"] if i + 1 < len(faults) else f["time"] + DETECTION_WINDOW_S
+        hits = [a for a in anomalies if f["time"] - 0.5 <= a["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)]
+        if not hits:
+            continue
+        detected += 1
+        latencies.append(max(0.0, hits[0]["time"] - f["time"]))
+        if kind in ("slow", "nan") and hits[0].get("step") is not None and f.get("step") is not None:
+            latency_steps.append(hits[0]["step"] - f["step"])
+        verdict = next((j for j, v in enumerate(verdicts) if j not in answered and v["time"] >= hits[0]["time"] - 0.5
+                        and v["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)), None)
+        if verdict is not None:
+            answered.add(verdict)
+            if kind == "nan" or blamed(verdicts[verdict]) == [f["node"]]:
+                right += 1
+    out = {"faults": len(faults), "detected": detected,
+           "recall": detected / len(faults) if faults else None,
+           "precision": len(answered) / len(verdicts) if verdicts else None,
+           "attribution": right / detected if detected else None,
+           "latency_p50_s": percentile(latencies, 0.5), "latency_p95_s": percentile(latencies, 0.95),
+           "latency_max_s": max(latencies) if latencies else None, "median_step_s": step_s}
+    if latency_steps:
+        out["latency_p50_steps"] = percentile(latency_steps, 0.5)
+        out["latency_max_steps"] = max(latency_steps)
+    return out
+
+
+def fault_free(tmp: Path, minutes: float) -> dict:
+    """A job without faults, with checkpoints and an evaluation pass every 100 steps."""
+    per_step = 0.15  # about, on this machine; the job is sized to last `minutes`
+    steps = max(60, int(minutes * 60 / per_step))
+    t0 = time.time()
+    events = run_job(tmp / "fault-free", None, 0, steps, ["--eval-every", "100", "--eval-batches", "200"])
+    hours = (time.time() - t0) / 3600
+    false = [e for e in events if (e["kind"] == "anomaly" and e.get("severity") != "info")
+             or e["kind"] in ("decision", "warning", "incident")]
+    return {"duration_s": round(hours * 3600, 1), "steps": steps, "false_positives": len(false),
+            "false_positives_per_hour": len(false) / hours if hours else None,
+            "examples": [e["message"][:120] for e in false[:5]]}
+
+
+def overhead(tmp: Path, steps: int, rounds: int) -> dict:
+    """Step time of a one-process train_gpt with the monitor on (a live NodeMonitor) and off."""
+    from transom.monitor.node import NodeMonitor
+
+    monitor = NodeMonitor("bench")
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))}
+                env["OMP_NUM_THREADS"] = "1"
+                if mode == "on":
+                    env["TRANSOM_MONITOR_PORT"] = str(monitor.port)
+                out = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--ckpt-every", "0",
+                                      "--log-every", "1"], env=env, capture_output=True, text=True, cwd=tmp,
+                                     timeout=600).stdout
+                points = [float(t) for _, t in STEP_LINE.findall(out)][5:]  # leave out the first steps
+                times[mode].append((points[-1] - points[0]) / (len(points) - 1))
+    finally:
+        monitor.close()
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    call = api_call_s()
+    return {"step_on_s": on, "step_off_s": off, "overhead_x": on / off - 1.0, "rounds": rounds, "steps": steps,
+            "samples_on_s": times["on"], "samples_off_s": times["off"], "api_call_s": call,
+            "api_overhead_x": call / off}
+
+
+def api_call_s(calls: int = 20000) -> float:
+    """Seconds one step's monitor calls (step, sync section, report) cost, to a live listener."""
+    from transom.monitor import reporter
+    from transom.monitor.node import NodeMonitor
+
+    monitor = NodeMonitor("bench-api")
+    os.environ[reporter.MONITOR_PORT_ENV] = str(monitor.port)
+    try:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            with reporter.step(i) as s:
+                with s.section("sync"):
+                    pass
+                s.report(loss=1.0, tokens=768)
+        return (time.perf_counter() - t0) / calls
+    finally:
+        monitor.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=20, help="faults per type, all in one job per type (default 20)")
+    p.add_argument("--types", default=",".join(FAULTS), help="fault types to run (default: all)")
+    p.add_argument("--fault-free-minutes", type=float, default=30.0,
+                   help="length of the fault-free job for false positives (default 30; 0 skips)")
+    p.add_argument("--overhead-steps", type=int, default=300, help="steps per overhead run (default 300)")
+    p.add_argument("--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    result: dict = {"transom": {}, "trials": args.trials, "seed": args.seed, "targets": TARGETS}
+    with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
+        tmp = Path(tmp_name)
+        for kind in [t for t in args.types.split(",") if t]:
+            # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
+            per_job = NODES if FAULTS[kind][1] else args.trials
+            t0, events, dirs = time.time(), [], []
+            for i in range(0, args.trials, per_job):
+                n = min(per_job, args.trials - i)
+                spec, steps = schedule(kind, n, rng)
+                dirs.append(tmp / f"{kind}{i}")
+                events += run_job(dirs[-1], spec, n if FAULTS[kind][1] else 0, steps, [])
+            result["transom"][kind] = score(kind, events, median_step_s(dirs))
+            result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
+            print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
+        if args.fault_free_minutes > 0:
+            result["fault_free"] = fault_free(tmp, args.fault_free_minutes)
+            print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
+        if args.overhead_rounds > 0:
+            result["overhead"] = overhead(tmp, args.overhead_steps, args.overhead_rounds)
+            print(f"overhead: {json.dumps(result['overhead'])}", flush=True)
+    print_table(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def fmt(value, spec="{:.2f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} {'right node':>10} "
+          f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}")
+    for kind, r in result["transom"].items():
+        steps = (f"{fmt(r.get('latency_p50_steps'), '{:.0f}')}/{fmt(r.get('latency_max_steps'), '{:.0f}')}"
+                 if "latency_p50_steps" in r else "-")
+        print(f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} {fmt(r['precision']):>9} "
+              f"{fmt(r['attribution']):>10} {fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
+              f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}")
+    if "fault_free" in result:
+        f = result["fault_free"]
+        print(f"fault-free job: {f['duration_s'] / 60:.1f} min, {f['false_positives']} false positives "
+              f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)")
+    if "overhead" in result:
+        o = result["overhead"]
+        print(f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off "
+              f"= {o['overhead_x'] * 100:+.2f}% (median of {o['rounds']} runs of {o['steps']} steps each); "
+              f"the calls themselves: {o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The worker API talking to a real agent-side NodeMonitor over loopback UDP, log scanning,
+FakeNvml hardware signals, and the fault schedule parser."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from conftest import wait_for
+from transom.config import ConfigError
+from transom.monitor import reporter
+from transom.monitor.collect import FakeNvml
+from transom.monitor.faults import DEFAULT_LOG_LINE, parse_schedule
+from transom.monitor.node import WARMUP_STEPS, NodeMonitor
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """A NodeMonitor and a fresh worker-side channel pointed at it, as rank 3."""
+    monitor = NodeMonitor("nodeX", nvml=FakeNvml())
+    monkeypatch.setenv(reporter.MONITOR_PORT_ENV, str(monitor.port))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(reporter, "_channel", None)
+    yield monitor
+    monitor.close()
+
+
+def test_calls_are_no_ops_without_an_agent(monkeypatch):
+    monkeypatch.delenv(reporter.MONITOR_PORT_ENV, raising=False)
+    monkeypatch.setattr(reporter, "_channel", None)
+    with reporter.step(1) as s:
+        with s.section("sync"):
+            pass
+        s.report(loss=1.0, tokens=10)
+        assert s.inject(2.0) == 2.0
+    with reporter.phase("checkpoint"):
+        reporter.report(1, loss=float("nan"))
+    assert reporter._channel is None
+
+
+def test_steps_sections_and_heartbeats_reach_the_agent(node):
+    for step in range(1, WARMUP_STEPS + 8):
+        with reporter.step(step) as s:
+            time.sleep(0.004)
+            with s.section("sync"):
+                time.sleep(0.008)
+            s.report(loss=2.0, tokens=100)
+    wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 7, 5, "the last step to arrive")
+    summary, events = node.collect()
+    r = summary["ranks"]["3"]
+    assert events == [] and summary["anomalies"] == []
+    assert r["step_s"] >= 0.012 and 0.004 <= r["compute_s"] < r["step_s"] - 0.006  # sync kept apart
+    assert r["tokens_per_s"] > 0
+    wait_for(lambda: node.collect()[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5, 5,
+             "the background heartbeat")
+
+
+def test_phase_and_warm_up_steps_are_not_timed(node):
+    for step in range(1, WARMUP_STEPS + 3):
+        with reporter.step(step):
+            if step == WARMUP_STEPS + 1:
+                with reporter.phase("checkpoint"):
+                    time.sleep(0.05)
+    wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 2, 5, "the steps to arrive")
+    assert len(node.ranks[3].durations) == 1  # the warm-up steps and the checkpoint step are left out
+    assert node.ranks[3].durations[0] < 0.05
+
+
+def test_nan_loss_is_an_anomaly_at_once(node):
+    reporter.report(7, loss=2.0)
+    reporter.report(8, loss=float("nan"))
+    wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
+    summary, events = node.collect()
+    assert [e["type"] for e in events] == ["nan"] and events[0]["step"] == 8 and events[0]["ranks"] == [3]
+    assert events[0]["kind"] == "anomaly" and summary["anomalies"][0]["id"] == events[0]["id"]
+
+
+def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch):
+    faults = [{"id": "f0", "type": "nan", "step": 4, "rank": 3},
+              {"id": "f1", "type": "slow", "step": 6, "rank": 3, "factor": 3.0},
+              {"id": "f2", "type": "nan", "step": 1, "rank": 0}]  # another rank's: never fires here
+    monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(faults))
+    losses, computes = {}, {}
+    for step in range(1, 9):
+        with reporter.step(step) as s:
+            t0 = time.perf_counter()
+            loss = s.inject(torch.tensor(1.5))
+            time.sleep(0.01)
+            with s.section("sync"):
+                computes[step] = time.perf_counter() - t0
+            losses[step] = loss.item()
+    assert [s for s, v in losses.items() if math.isnan(v)] == [4]
+    assert computes[7] > 2.5 * 0.01 and computes[5] < 2 * 0.01 + 0.005
+    fired = wait_for(lambda: len(node.fired_faults) == 2 and node.take_fired_faults(), 5, "two fired faults")
+    assert sorted((f["id"], step) for f, rank, step, _ in fired) == [("f0", 4), ("f1", 6)]
+
+
+def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
+    log = tmp_path / "rank3.log"
+    log.write_text("step 1 loss 2.0\n")
+    node.check({}, {3: log})
+    with open(log, "a") as f:
+        f.write(DEFAULT_LOG_LINE + "\nTraceback (most recent call last):\n")
+    node.nvml.gpus[0]["ecc_uncorrected"] = 2
+    node._hardware_at = 0.0
+    node.check({}, {3: log})
+    _, events = node.collect()
+    found = {(e["type"], e["hardware"]) for e in events}
+    assert found == {("xid", True), ("ecc", True)}  # the traceback line is info: no anomaly event
+    node.check({}, {3: log})
+    assert node.collect()[1] == []  # each line is read once
+
+
+def test_fault_schedule_parsing():
+    faults = parse_schedule("crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2.5", 4, seed=1)
+    assert [(f["type"], f["step"], f["rank"], f["node"]) for f in faults][0] == ("crash", 40, 1, None)
+    assert faults[1]["rank"] in range(4) and faults[2]["node"] == "node2" and faults[2]["factor"] == 2.5
+    assert len({f["id"] for f in faults}) == 3
+    assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule("random:count=5:steps=10-20", 4, seed=3)
+    assert all(10 <= f["step"] <= 20 for f in parse_schedule("random:count=5:steps=10-20", 4, seed=3))
+    for bad in ("explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=3:rank=9", "slow@step=3:factor=0.5",
+                "crash"):
+        with pytest.raises(ConfigError):
+            parse_schedule(bad, 4)

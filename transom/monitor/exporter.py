@@ -1,0 +1,73 @@
+"""The controller's Prometheus endpoint: job state, generation, restarts, per-node and per-rank signals.
+
+The leading controller updates these gauges from the job record and the agents' monitor
+summaries each tick and serves them over HTTP (prometheus-client). It has its own registry, so
+nothing else in the process leaks into the endpoint. It only exports; it never decides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from transom.control.states import JobState
+
+log = logging.getLogger("transom.exporter")
+
+
+class MonitorExporter:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.state = Gauge("transom_job_state", "1 for the job's current state", ["state"], registry=r)
+        self.generation = Gauge("transom_generation", "current generation", registry=r)
+        self.restarts = Gauge("transom_restarts_used", "restarts used (one per incident)", registry=r)
+        self.step = Gauge("transom_rank_step", "newest step a rank finished", ["node", "rank"], registry=r)
+        self.step_s = Gauge("transom_rank_step_seconds", "median step time", ["node", "rank"], registry=r)
+        self.compute_s = Gauge("transom_rank_compute_seconds", "median compute time (step minus communication)",
+                               ["node", "rank"], registry=r)
+        self.tokens = Gauge("transom_rank_tokens_per_second", "throughput", ["node", "rank"], registry=r)
+        self.node_step_s = Gauge("transom_node_step_seconds", "slowest rank's median step time on the node",
+                                 ["node"], registry=r)
+        self.anomalies = Counter("transom_anomalies", "anomalies raised", ["type", "node"], registry=r)
+        self.port: int | None = None
+        self._server = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
+        """Start the HTTP endpoint; the port it listens on, or None if it cannot."""
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self.port = self._server.server_port
+        except OSError as e:
+            log.warning("metrics endpoint on port %s unavailable: %s", port, e)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def update(self, job: dict, summaries: dict[str, dict]) -> None:
+        for s in JobState:
+            self.state.labels(s.value).set(1 if job.get("state") == s.value else 0)
+        self.generation.set(job.get("generation", 0))
+        self.restarts.set(job.get("restarts_used", 0))
+        for g in (self.step, self.step_s, self.compute_s, self.tokens, self.node_step_s):
+            g.clear()
+        for node, s in summaries.items():
+            if s.get("generation") != job.get("generation"):
+                continue
+            times = []
+            for rank, r in s.get("ranks", {}).items():
+                for gauge, key in ((self.step, "step"), (self.step_s, "step_s"), (self.compute_s, "compute_s"),
+                                   (self.tokens, "tokens_per_s")):
+                    if r.get(key) is not None:
+                        gauge.labels(node, rank).set(r[key])
+                if r.get("step_s") is not None:
+                    times.append(r["step_s"])
+            if times:
+                self.node_step_s.labels(node).set(max(times))
+
+    def count(self, anomaly: dict) -> None:
+        for node in anomaly.get("nodes") or ["-"]:
+            self.anomalies.labels(anomaly["type"], node).inc()

@@ -1,0 +1,236 @@
+"""The node agent's monitor: receives its workers' reports, runs the per-rank detectors, publishes.
+
+Workers send step timings, metrics, phases, heartbeats and fired faults as UDP datagrams (see
+transom.monitor.reporter) to a loopback port; the raw samples stay here. The agent calls
+`tick()` every loop: it scans new worker log lines against the failure patterns, checks
+heartbeats and GPUs, writes an `anomaly` event for each new anomaly, and publishes a compact
+summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S, at once when there is a new
+anomaly): per rank the newest step, the ages of the last step and heartbeat, the phase, and
+median step and compute times. The controller compares nodes from these summaries.
+
+This module never stops or restarts anything: it reports, the controller decides.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import psutil
+
+from transom.monitor import detectors
+from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
+from transom.monitor.detectors import Anomaly
+
+SUMMARY_PERIOD_S = 1.0
+HARDWARE_PERIOD_S = 5.0
+WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
+TIMING_WINDOW = 8  # comparable steps in a rank's compute-time median
+MIN_TIMING_SAMPLES = 5
+BASELINE_STEPS = 20  # steps of a generation that set its throughput baseline
+RECENT_STEPS = 10
+ANOMALIES_KEPT = 20
+
+
+class RankTrack:
+    """What one rank reported in this generation."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.first_step: int | None = None
+        self.step_at: float | None = None  # monotonic time of the last step report
+        self.beat_at: float | None = None
+        self.phase: str | None = None
+        self.durations: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.computes: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
+        self.baseline: list[float] = []
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.tokens_per_s: float | None = None
+        self.gap_raised = False
+
+    def view(self, now: float) -> dict:
+        return {
+            "step": self.step, "phase": self.phase,
+            "step_age": round(now - self.step_at, 3) if self.step_at is not None else None,
+            "beat_age": round(now - self.beat_at, 3) if self.beat_at is not None else None,
+            "step_s": round(statistics.median(self.durations), 5) if self.durations else None,
+            "compute_s": (round(statistics.median(self.computes), 5)
+                          if len(self.computes) >= MIN_TIMING_SAMPLES else None),
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+class NodeMonitor:
+    """Per-node signal collection and per-rank detection; one per agent."""
+
+    def __init__(self, node_id: str, nvml=None) -> None:
+        self.node_id = node_id
+        self.nvml = nvml if nvml is not None else Nvml()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self.generation = 0
+        self.ranks: dict[int, RankTrack] = {}
+        self.anomalies: list[dict] = []  # this generation's, newest last
+        self.fired_faults: list[tuple[dict, int, int | None, float]] = []  # (fault, rank, step, time)
+        self._pending: list[Anomaly] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._scanner = LogScanner()
+        self._published_at = 0.0
+        self._hardware_at = 0.0
+        self._gpus: list[dict] = []
+        self._host: dict = {}
+        self._throughput_raised = False
+        self._seq = 0
+        threading.Thread(target=self._serve, name="monitor-listener", daemon=True).start()
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, _ = self.sock.recvfrom(65536)
+                message = json.loads(data)
+                rank = int(message["rank"])
+            except (socket.timeout, ValueError, KeyError, TypeError):
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self._receive(rank, message, time.monotonic())
+
+    def _receive(self, rank: int, m: dict, now: float) -> None:
+        r = self.ranks.setdefault(rank, RankTrack())
+        r.beat_at = now
+        kind = m.get("k", "step")
+        if kind == "beat":
+            r.phase = m.get("phase")
+        elif kind == "phase":
+            r.phase = m.get("phase")
+        elif kind == "fault":
+            self.fired_faults.append((m["fault"], rank, m.get("step"), m.get("t", time.time())))
+        elif kind == "step":
+            self._step(rank, r, m, now)
+
+    def _step(self, rank: int, r: RankTrack, m: dict, now: float) -> None:
+        step = int(m["step"])
+        r.step, r.step_at = step, now
+        if r.first_step is None:
+            r.first_step = step
+        loss = m.get("loss")
+        found = detectors.numerics(self.node_id, rank, step, loss, list(r.losses))
+        if found is not None:
+            self._pending.append(found)
+        elif loss is not None:
+            r.losses.append(loss)
+        duration = m.get("dur")
+        comparable = duration is not None and not m.get("phase") and step >= r.first_step + WARMUP_STEPS
+        if not comparable:
+            return
+        r.durations.append(duration)
+        r.computes.append(m.get("compute", duration))
+        if m.get("tokens"):
+            r.tokens_per_s = round(m["tokens"] / duration, 1) if duration > 0 else None
+        (r.baseline if len(r.baseline) < BASELINE_STEPS else r.recent).append(duration)
+        drop = detectors.throughput_drop(self.node_id, r.baseline, list(r.recent))
+        if drop is not None and not self._throughput_raised:
+            drop.ranks = [rank]
+            self._pending.append(drop)
+        self._throughput_raised = drop is not None or (self._throughput_raised and len(r.recent) < RECENT_STEPS)
+
+    # -- the agent's side ---------------------------------------------------------------------
+    def new_generation(self, generation: int) -> None:
+        with self._lock:
+            self.generation = generation
+            self.ranks.clear()
+            self.anomalies = []
+            self._pending.clear()
+            self._throughput_raised = False
+
+    def newest_step(self) -> int | None:
+        with self._lock:
+            steps = [r.step for r in self.ranks.values() if r.step is not None]
+        return max(steps) if steps else None
+
+    def steps(self) -> dict[int, int | None]:
+        with self._lock:
+            return {rank: r.step for rank, r in self.ranks.items()}
+
+    def raise_anomaly(self, anomaly: Anomaly) -> None:
+        with self._lock:
+            self._pending.append(anomaly)
+
+    def take_fired_faults(self) -> list[tuple[dict, int, int | None, float]]:
+        with self._lock:
+            fired, self.fired_faults = self.fired_faults, []
+        return fired
+
+    def check(self, pids: dict[int, int], logs: dict[int, Path]) -> None:
+        """Run the polling detectors: log lines, heartbeats of live workers, GPUs."""
+        for rank, pattern, line in self._scanner.poll(logs):
+            if pattern.severity != "info":
+                self.raise_anomaly(detectors.log_signature(self.node_id, rank, pattern, line))
+        now = time.monotonic()
+        with self._lock:
+            for rank, pid in pids.items():
+                r = self.ranks.get(rank)
+                if r is None or r.beat_at is None:
+                    continue
+                gap = detectors.telemetry_gap(self.node_id, rank, now - r.beat_at, _process_state(pid))
+                if gap is not None and not r.gap_raised:
+                    self._pending.append(gap)
+                r.gap_raised = gap is not None
+        if now - self._hardware_at >= HARDWARE_PERIOD_S:
+            self._hardware_at = now
+            self._host = host_metrics()
+            gpus = self.nvml.read()
+            for type_, message, hardware in gpu_problems(self._gpus, gpus):
+                self.raise_anomaly(Anomaly(type_, "critical" if hardware else "warning", message,
+                                           [self.node_id], [], {"gpus": gpus}, hardware=hardware))
+            self._gpus = gpus
+
+    def due(self, now: float) -> bool:
+        with self._lock:
+            return bool(self._pending) or now - self._published_at >= SUMMARY_PERIOD_S
+
+    def collect(self) -> tuple[dict, list[dict]]:
+        """(the summary to publish, the new anomalies as event values)."""
+        now_mono, now = time.monotonic(), time.time()
+        with self._lock:
+            new = []
+            for a in self._pending:
+                self._seq += 1
+                d = a.to_dict() | {"id": f"{self.node_id}-{self.generation}-{self._seq}",
+                                   "generation": self.generation}
+                new.append(d)
+            self._pending.clear()
+            self.anomalies = (self.anomalies + new)[-ANOMALIES_KEPT:]
+            summary = {"node": self.node_id, "generation": self.generation, "t": now,
+                       "ranks": {str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
+                       "anomalies": self.anomalies, "host": self._host,
+                       "gpus": [{k: g.get(k) for k in ("index", "util", "temperature", "memory_used")}
+                                for g in self._gpus]}
+        self._published_at = now_mono
+        events = [{"time": now, "kind": "anomaly", "message": f"{a['type']}: {a['message']}",
+                   "observed": a["time"], "writer": self.node_id,
+                   **{k: a[k] for k in ("id", "type", "severity", "nodes", "ranks", "evidence", "step",
+                                        "hardware", "generation")}} for a in new]
+        return summary, events
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
