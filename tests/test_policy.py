@@ -164,6 +164,14 @@ def test_same_exception_on_every_member_twice_in_a_row_fails():
     assert "ValueError: bad shape" in second.fail
 
 
+def test_the_same_exception_again_fails_before_the_slowest_node_reports():
+    members = ["node0", "node1"]
+    first = _decide(members, failed=_same_error_everywhere(), now=1000.0)
+    only_node0 = {"node0": _same_error_everywhere()["node0"]}
+    second = _decide(members, failed=only_node0, last_signature=first.signature, now=1001.0)
+    assert second.fail is not None and "ValueError: bad shape" in second.fail
+
+
 def test_a_different_exception_the_second_time_does_not_fail():
     d = _decide(["node0", "node1"], failed=_same_error_everywhere("KeyError: 'x'"),
                 last_signature="ValueError: bad shape")

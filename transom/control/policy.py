@@ -6,7 +6,8 @@ Pure functions of the reports and the job's history, so each rule is tested on i
 - the root cause of a worker failure is a node whose worker failed by itself, not one whose
   worker only saw its peer go away (`peer_error`); the same node failing again within the
   eviction window is evicted;
-- the same exception on every rank twice in a row is a bug in the script: fail fast.
+- the same exception on every rank twice in a row is a bug in the script: fail fast (the
+  second time it is enough that every node that has reported so far raised it).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ def decide(members: list[str], lost: list[str], failed: dict[str, dict], history
             first = _worker_failures(worker_failed[node])[0]
             parts.append(f"{node}: {first.get('describe', 'worker failed')}")
     d.signature = common_signature(members, failed)
-    if d.signature is not None and d.signature == last_signature:
-        d.fail = f"every rank failed with the same error twice in a row (a bug in the script?): {d.signature}"
+    # The second time, the nodes that reported first are enough: the others may still be starting.
+    repeated = d.signature or (common_signature(list(failed), failed) if failed else None)
+    if repeated is not None and repeated == last_signature:
+        d.fail = f"every rank failed with the same error twice in a row (a bug in the script?): {repeated}"
     d.summary = "; ".join(parts) or "generation stopped"
     return d
 
