@@ -358,7 +358,7 @@ def _make_tensor(entry: dict, storages: list[tuple[int, int]], data: torch.Tenso
         off, nbytes = storages[int(entry["storage"])]
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ShardError(f"shard tensor table entry is malformed: {e}") from e
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(shape) != len(stride) or any(n < 0 for n in shape) or any(s < 0 for s in stride) or byte < 0:
         raise ShardError("shard tensor has a bad shape or stride")
     numel = math.prod(shape)

@@ -237,27 +237,24 @@ class CheckpointServer:
                 self._evict(old)
             region = self._take_free(nbytes)
             if region is None:
-                while self.used + nbytes > self.cfg.budget_bytes:
-                    victim = self._victim()
-                    if victim is not None:
-                        self._evict(victim)
+                reclaimable = sum(r.nbytes for r in self.free) + sum(s.region.nbytes for s in self._victims())
+                if self.used - reclaimable + nbytes > self.cfg.budget_bytes:  # refuse before evicting anything
+                    held = sorted({s.step for s in self.shards.values()})
+                    raise BudgetExceeded(
+                        f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the checkpoint memory "
+                        f"budget of {self.cfg.budget_bytes} bytes on node {self.node} ({self.used} in use, "
+                        f"holding steps {held}); raise --ckpt-memory")
+                while region is None and self.used + nbytes > self.cfg.budget_bytes:
+                    victims = self._victims()
+                    if victims:
+                        self._evict(victims[0])
                         region = self._take_free(nbytes)
-                        if region is not None:
-                            break
-                    elif self.free:
-                        self._destroy(self.free.pop(0))
                     else:
-                        held = sorted({s.step for s in self.shards.values()})
-                        raise BudgetExceeded(
-                            f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the checkpoint memory "
-                            f"budget of {self.cfg.budget_bytes} bytes on node {self.node} ({self.used} in use, "
-                            f"holding steps {held}); raise --ckpt-memory")
-                if region is None:
-                    self.used += nbytes
-            shard = Shard(step, rank, world_size, region, origin) if region else None
-            if shard is not None:
-                self.shards[(step, rank)] = shard
+                        self._destroy(self.free.pop(0))
+            if region is not None:
+                self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
                 return region
+            self.used += nbytes
         try:
             region = self.regions.new(nbytes)  # slow (page population): outside the lock
         except OSError as e:
@@ -274,8 +271,8 @@ class CheckpointServer:
                 return self.free.pop(i)
         return None
 
-    def _victim(self) -> Shard | None:
-        """The oldest shard that may go: complete, idle, not its rank's newest, not the restore step."""
+    def _victims(self) -> list[Shard]:
+        """Shards that may go, oldest first: complete, idle, not their rank's newest, not the restore step."""
         newest: dict[int, int] = {}
         for s in self.shards.values():
             if s.state == "committed":
@@ -283,7 +280,7 @@ class CheckpointServer:
         candidates = [s for s in self.shards.values()
                       if s.state == "committed" and not s.pins and s.step != newest[s.rank]
                       and s.step != self.protected_step]
-        return min(candidates, key=lambda s: s.step, default=None)
+        return sorted(candidates, key=lambda s: s.step)
 
     def _evict(self, shard: Shard) -> None:
         """Drop a shard (lock held); its region goes to the free pool unless a worker loaded from it."""
