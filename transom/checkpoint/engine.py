@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -30,12 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from transom.checkpoint import layout, replication, storage
 from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
 from transom.checkpoint.server import CheckpointServer, ServerConfig, default_budget
-from transom.checkpoint.shm import MappingCache, anonymous_buffer, as_bytes, populated_map
+from transom.checkpoint.shm import SHM_ROOT, MappingCache, anonymous_buffer, as_bytes, populated_map
 
 log = logging.getLogger("transom.ckpt")
 
@@ -45,6 +47,7 @@ RESTORE_ENV = "TRANSOM_RESTORE_STEP"
 STORAGE_ENV = "TRANSOM_CHECKPOINT_DIR"
 DEFAULT_STORAGE = "checkpoints"
 CONNECT_TIMEOUT_S = 10.0
+EMBEDDED_PREFIX = "transom-local-"
 
 
 class CheckpointError(RuntimeError):
@@ -108,7 +111,8 @@ class Engine:
         self.last_load: dict = {}
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
-        shm_dir = Path(tempfile.mkdtemp(prefix=f"transom-local-{os.getpid()}-", dir="/dev/shm"))
+        _remove_stale_embedded_regions()
+        shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
         cfg = ServerConfig(node_id=f"local-{os.getpid()}", socket_path=shm_dir / "server.sock", shm_dir=shm_dir,
                            budget_bytes=memory_bytes or default_budget(), storage_dir=self.storage_dir,
                            replicas=0, storage_keep=keep or ServerConfig.storage_keep)
@@ -342,6 +346,14 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _remove_stale_embedded_regions() -> None:
+    """Region folders of embedded servers whose process died without cleaning up (SIGKILL)."""
+    for path in SHM_ROOT.glob(f"{EMBEDDED_PREFIX}*-*"):
+        pid = path.name[len(EMBEDDED_PREFIX):].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _to_device(value: Any, device) -> Any:
