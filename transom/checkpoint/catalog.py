@@ -51,16 +51,23 @@ def holders(store: Store, step: int, rank: int) -> dict[str, dict]:
     return store.get_prefix(prefix)
 
 
-def newest_restorable(store: Store, world_size: int, before: int | None = None) -> int | None:
-    """The newest step (strictly below `before` if given) whose every rank 0..world_size-1 is held
-    by at least one live tier (a live node's memory or storage), saved with this world size."""
+def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
+    """Steps whose every rank 0..world_size-1 is held by a live tier, saved with this world size,
+    newest first. Memory on a node in `lost` does not count (its lease may not have expired yet)."""
     catalog = shards(store)
-    for step in sorted(catalog, reverse=True):
-        if before is not None and step >= before:
-            continue
-        ranks = catalog[step]
-        if all(any(info.get("world_size") == world_size for info in ranks.get(r, {}).values())
-               for r in range(world_size)):
+
+    def usable(info: dict) -> bool:
+        return info.get("world_size") == world_size and not (info.get("tier") == "memory"
+                                                               and info.get("node") in lost)
+
+    return [step for step in sorted(catalog, reverse=True)
+            if all(any(usable(i) for i in catalog[step].get(r, {}).values()) for r in range(world_size))]
+
+
+def newest_restorable(store: Store, world_size: int, before: int | None = None, lost=()) -> int | None:
+    """The newest restorable step (see `restorable_steps`), strictly below `before` if given."""
+    for step in restorable_steps(store, world_size, lost):
+        if before is None or step < before:
             return step
     return None
 

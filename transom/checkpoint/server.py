@@ -585,10 +585,7 @@ class CheckpointServer:
         """Steps restorable for every rank of a world of `world_size`, newest first."""
         if self.store is not None:
             try:
-                found = catalog.shards(self.store)
-                return sorted((s for s, ranks in found.items()
-                               if all(any(i.get("world_size") == world_size for i in ranks.get(r, {}).values())
-                                      for r in range(world_size))), reverse=True)
+                return catalog.restorable_steps(self.store, world_size)
             except StoreError as e:
                 log.warning("cannot read the catalog, using local tiers only: %s", e)
         with self.lock:

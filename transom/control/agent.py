@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from transom.config import JobSpec
+from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.progress import ProgressListener
 from transom.control.workers import Assignment, WorkerGroup
@@ -50,6 +51,7 @@ class NodeAgent:
         self.last_store_ok = time.monotonic()
         self._published_step: int | None = None
         self._published_at = 0.0
+        self.ckpt: NodeCheckpointServer | None = None
 
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
@@ -87,6 +89,8 @@ class NodeAgent:
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
         self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
+        self.ckpt = NodeCheckpointServer(self.spec, self.store, self.node_id, self.run_dir, self.host)
+        self.ckpt.start()
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
         log.info("node %s registered", self.node_id)
@@ -100,6 +104,8 @@ class NodeAgent:
         finally:
             self.stopping.set()
             self._stop_group()
+            if self.ckpt is not None:
+                self.ckpt.stop()
             self.progress.close()
             if self.lease is not None:
                 try:
@@ -115,6 +121,7 @@ class NodeAgent:
                 self._register()
             plan = self.store.get("plan")
             self.last_store_ok = time.monotonic()
+            self.ckpt.ensure_running()
         except StoreError as e:
             if self.group and time.monotonic() - self.last_store_ok > self.spec.node_ttl_s:
                 log.warning("cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e)
@@ -175,9 +182,11 @@ class NodeAgent:
         extra_env = {
             "TRANSOM_STORE": self.store.url,
             "TRANSOM_RUN_DIR": str(self.run_dir),
-            "TRANSOM_CHECKPOINT_DIR": str(self.run_dir / "checkpoints"),
             "TRANSOM_MONITOR_PORT": str(self.progress.port),
+            **self.ckpt.worker_env(),
         }
+        if plan.get("restore_step") is not None:
+            extra_env["TRANSOM_RESTORE_STEP"] = str(plan["restore_step"])
         self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
                                  self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
         self.group.start()

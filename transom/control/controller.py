@@ -17,6 +17,7 @@ import re
 import threading
 import time
 
+from transom.checkpoint.catalog import newest_restorable
 from transom.config import JobSpec
 from transom.control.policy import decide
 from transom.control.states import JobState
@@ -114,6 +115,7 @@ class Controller:
         return {
             "generation": j["generation"], "members": j["members"], "evicted": j["evicted"],
             "restart_count": j["restarts_used"], "job_state": j["state"],
+            "restore_step": j.get("restore_step"),
         }
 
     def _set_state(self, state: JobState, reason: str) -> None:
@@ -174,15 +176,20 @@ class Controller:
                 len(healthy) >= spec.nnodes_min and waited >= spec.join_timeout_s):
             self._start_generation(healthy[:spec.nnodes_max], "start")
 
-    def _start_generation(self, members: list[str], why: str) -> None:
+    def _start_generation(self, members: list[str], why: str, lost: list[str] = ()) -> None:
         j = self.job
+        # The step every worker of the new generation resumes from (None: start fresh).
+        j["restore_step"] = newest_restorable(self.store, len(members) * self.spec.nproc_per_node,
+                                              before=j.get("rollback_before"), lost=[*lost, *j["evicted"]])
         j["generation"] += 1
         j["members"] = members
         self._set_state(JobState.WARMUP, f"generation {j['generation']} starting")
         j["generation_started"] = time.time()
         spares = [n for n in self._healthy_nodes(self.store.get_prefix("nodes/")) if n not in members]
+        restore = "fresh" if j["restore_step"] is None else f"from step {j['restore_step']}"
         self._event("generation", f"generation {j['generation']} ({why}): members {', '.join(members)}; "
-                                  f"spares {', '.join(spares) or 'none'}", members=members, spares=spares)
+                                  f"spares {', '.join(spares) or 'none'}; resuming {restore}",
+                    members=members, spares=spares, restore_step=j["restore_step"])
         self._commit(self._plan())
 
     def _reports(self, statuses: dict, state: str) -> dict[str, dict]:
@@ -262,7 +269,7 @@ class Controller:
             return
         j["incident_open"] = True
         j["incident"] = None
-        self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}")
+        self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}", lost=lost)
 
     def _finish(self, state: JobState, reason: str) -> None:
         self._set_state(state, reason)
