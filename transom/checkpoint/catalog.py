@@ -34,6 +34,14 @@ def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
     store.delete(shard_key(step, rank, holder))
 
 
+def withdraw_storage(store: Store, step: int) -> None:
+    """Forget the storage copies of every rank of `step` (retention removed its folder)."""
+    prefix = f"{SHARDS}{step:012d}/"
+    for key in store.get_prefix(prefix):
+        if key.endswith("/storage"):
+            store.delete(prefix + key)
+
+
 def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:
     """step -> rank -> holder -> info, for every shard some tier holds."""
     out: dict[int, dict[int, dict[str, dict]]] = {}

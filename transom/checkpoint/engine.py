@@ -36,7 +36,6 @@ import torch
 
 from transom.checkpoint import layout, replication, storage
 from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
-from transom.checkpoint.server import CheckpointServer, ServerConfig, default_budget
 from transom.checkpoint.shm import SHM_ROOT, MappingCache, anonymous_buffer, as_bytes, populated_map
 
 log = logging.getLogger("transom.ckpt")
@@ -99,7 +98,7 @@ class Engine:
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(SECRET_ENV, "").encode()
         self.socket_path = socket_path or os.environ.get(SOCKET_ENV)
-        self.server: CheckpointServer | None = None
+        self.server = None  # the embedded CheckpointServer, without a launcher
         if not self.socket_path:
             self.server = self._embedded_server(memory_bytes, keep)
             self.socket_path = str(self.server.cfg.socket_path)
@@ -110,7 +109,9 @@ class Engine:
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
 
-    def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
+    def _embedded_server(self, memory_bytes: int | None, keep: int | None):
+        from transom.checkpoint.server import CheckpointServer, ServerConfig, default_budget
+
         _remove_stale_embedded_regions()
         shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
         cfg = ServerConfig(node_id=f"local-{os.getpid()}", socket_path=shm_dir / "server.sock", shm_dir=shm_dir,
@@ -156,6 +157,15 @@ class Engine:
         raise AssertionError("unreachable")
 
     # -- save ------------------------------------------------------------------------------------
+    def prepare(self, state: Any) -> bool:
+        """Have the server populate a region for a save of `state`'s size ahead of time, so even the
+        first save is a plain memory copy. False when the budget has no room for a spare region."""
+        plan = layout.plan_state(state, 0, self.rank, self.world_size)
+        reply = self._request({"op": "prepare", "nbytes": plan.data_len})
+        if reply.get("ok") and reply.get("path") and plan.data_len:
+            self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
+        return bool(reply.get("ok"))
+
     def save(self, step: int, state: Any) -> SaveHandle:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the background.
 
@@ -240,16 +250,18 @@ class Engine:
             return [s for s in storage.complete_steps(self.storage_dir)
                     if (storage.read_manifest(self.storage_dir, s) or {}).get("world_size") == self.world_size]
 
-    def load(self, step: int | None = None, map_location: str | torch.device | None = None) -> Any:
+    def load(self, step: int | None = None, map_location: str | torch.device | None = None,
+             tier: str | None = None, rank: int | None = None) -> Any:
         """The state saved at `step` (default: the controller's restore step, else the newest
         restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
-        unless `map_location` says otherwise."""
+        unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
+        `rank` reads another rank's shard (resharding)."""
         step = step if step is not None else self.restore_step()
         candidates = [step] if step is not None else self.steps()
         errors = []
         for s in candidates:
             try:
-                state = self._load_step(s)
+                state = self._load_step(s, tier, self.rank if rank is None else rank)
             except CheckpointError as e:
                 errors.append(str(e))
                 if step is not None:
@@ -261,40 +273,42 @@ class Engine:
             raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
         return None
 
-    def _load_step(self, step: int) -> Any:
+    def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
         t0 = time.perf_counter()
         try:
-            sources = self._request({"op": "locate", "step": step, "rank": self.rank}).get("sources", [])
+            sources = self._request({"op": "locate", "step": step, "rank": rank}).get("sources", [])
         except CheckpointError:
             sources = []
-        path = storage.shard_path(self.storage_dir, step, self.rank)
+        path = storage.shard_path(self.storage_dir, step, rank)
         if not any(s["tier"] == "storage" for s in sources) and path.exists():
             sources.append({"tier": "storage", "path": str(path)})
+        if tier is not None:
+            sources = [s for s in sources if s["tier"] == tier]
         problems = []
         for source in sources:
             try:
-                header, data = self._read(source, step)
+                header, data = self._read(source, step, rank)
                 state = layout.rebuild(header, data)
             except (layout.ShardError, replication.ReplicationError, OSError) as e:
                 problems.append(f"{source['tier']}: {e}")
-                self._report("bad-copy", f"rank {self.rank} step {step}: bad copy in {source['tier']} "
-                                         f"({e}); trying the next tier", step=step, rank=self.rank,
+                self._report("bad-copy", f"rank {rank} step {step}: bad copy in {source['tier']} "
+                                         f"({e}); trying the next tier", step=step, rank=rank,
                              tier=source["tier"], error=str(e))
                 continue
             took = time.perf_counter() - t0
             self.last_load = {"step": step, "tier": source["tier"], "seconds": took}
-            self._report("restored", f"rank {self.rank} restored step {step} from {source['tier']} "
-                                     f"in {took:.3f} s", step=step, rank=self.rank, tier=source["tier"],
+            self._report("restored", f"rank {rank} restored step {step} from {source['tier']} "
+                                     f"in {took:.3f} s", step=step, rank=rank, tier=source["tier"],
                          duration_s=took)
             return state
-        raise CheckpointError(f"step {step} rank {self.rank}: no good copy in any tier "
+        raise CheckpointError(f"step {step} rank {rank}: no good copy in any tier "
                               f"({'; '.join(problems) or 'no tier holds it'})")
 
-    def _read(self, source: dict, step: int) -> tuple[dict, torch.Tensor]:
+    def _read(self, source: dict, step: int, rank: int) -> tuple[dict, torch.Tensor]:
         tier = source["tier"]
         if tier == "memory":
             header = source["header"]
-            layout.check_identity(header, step, self.rank)
+            layout.check_identity(header, step, rank)
             n = int(header["data_len"])
             if n == 0:
                 buf = anonymous_buffer(0)
@@ -306,8 +320,8 @@ class Engine:
             del view
             return header, as_bytes(m)
         if tier == "peer":
-            return replication.fetch(source["addr"], self.secret, step, self.rank)
-        return storage.read_shard(Path(source["path"]), step, self.rank)
+            return replication.fetch(source["addr"], self.secret, step, rank)
+        return storage.read_shard(Path(source["path"]), step, rank)
 
     def _report(self, action: str, message: str, **fields) -> None:
         log.info("%s", message)

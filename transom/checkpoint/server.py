@@ -44,6 +44,11 @@ DEFAULT_STORAGE_KEEP = 3
 CONTROL_TICK_S = 1.0
 REPLICATE_ATTEMPTS = 3
 PERSIST_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Background work (checksums, replication, persistence) waits this long at most for saves in
+# progress on this node to finish, so it does not compete with their copies for CPU and memory bandwidth.
+QUIET_WAIT_S = 5.0
+# A load of a shard whose checksums are still being computed waits this long for them.
+STAGED_WAIT_S = 30.0
 TIERS = ("memory", "replicated", "persisted")
 SOCKET_PATH_MAX = 100
 
@@ -88,6 +93,7 @@ class ServerConfig:
     store_url: str | None = None
     job_id: str | None = None
     lease_ttl_s: int = 4
+    peer: str | None = None  # a fixed peer "host:port" for replicas, instead of the plan's ring
 
 
 class CheckpointServer:
@@ -129,7 +135,7 @@ class CheckpointServer:
         path.unlink(missing_ok=True)
         socketserver.ThreadingUnixStreamServer.daemon_threads = True
         self._unix = socketserver.ThreadingUnixStreamServer(str(path), UnixHandler)
-        if self.cfg.replicas > 0 or self.store is not None:
+        if self.cfg.secret:  # peers authenticate with the secret: without one, no peer port
             socketserver.ThreadingTCPServer.allow_reuse_address = True
             socketserver.ThreadingTCPServer.daemon_threads = True
             self._tcp = socketserver.ThreadingTCPServer((self.cfg.host, self.cfg.port), TcpHandler)
@@ -339,10 +345,18 @@ class CheckpointServer:
             shard.header = header
             shard.state = "staged"
             shard.staged_at = time.time()
+            self.lock.notify_all()
         self.finalize_q.put(shard)
+
+    def _quiet(self) -> None:
+        """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S)."""
+        with self.lock:
+            self.lock.wait_for(lambda: not any(s.state == "reserved" for s in self.shards.values()),
+                               timeout=QUIET_WAIT_S)
 
     def _finalizer(self) -> None:
         while (shard := self.finalize_q.get()) is not None:
+            self._quiet()
             try:
                 data = shard.region.view()[:shard.header["data_len"]]
                 shard.header["chunks"] = layout.checksum_data(data)
@@ -400,6 +414,8 @@ class CheckpointServer:
 
     def _peer_addr(self) -> tuple[str | None, str]:
         """(peer address, its node) for this node's replicas, per the ring of the plan's members."""
+        if self.cfg.peer:
+            return self.cfg.peer, self.cfg.peer
         peer = replication.ring_peer(self.members, self.node)
         if peer is None or self.store is None:
             return None, "no peer node (a single node, or this node is not a member)"
@@ -410,6 +426,7 @@ class CheckpointServer:
 
     def _replicator(self) -> None:
         while (shard := self.replicate_q.get()) is not None:
+            self._quiet()
             if not self._pin(shard):
                 self._fail(shard, "replicated", "evicted before it was replicated")
                 continue
@@ -449,6 +466,7 @@ class CheckpointServer:
             if newer and not self.persist_q.empty():
                 self._fail(shard, "persisted", "skipped: storage is behind and a newer step is queued")
                 continue
+            self._quiet()
             if not self._pin(shard):
                 self._fail(shard, "persisted", "evicted before it was persisted")
                 continue
@@ -481,7 +499,7 @@ class CheckpointServer:
                         "world_size": shard.world_size, "node": self.node, "tier": "storage",
                         "path": str(path), "nbytes": shard.region.nbytes})
                     for step in removed:
-                        self.store.delete_prefix(f"{catalog.SHARDS}{step:012d}/")
+                        catalog.withdraw_storage(self.store, step)
                 except StoreError as e:
                     log.warning("cannot list a persisted shard in etcd: %s", e)
             self._reached(shard, "persisted")
@@ -530,6 +548,12 @@ class CheckpointServer:
             return self._wait(int(msg["step"]), int(msg["rank"]), msg["tier"], msg.get("timeout"))
         if op == "locate":
             return {"ok": True, "sources": self._locate(int(msg["step"]), int(msg["rank"]))}
+        if op == "prepare":
+            nbytes = int(msg["nbytes"])
+            self._prepare_spare(nbytes)
+            with self.lock:
+                spare = next((r for r in self.free if r.nbytes == nbytes), None)
+                return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
         if op == "steps":
             return {"ok": True, "steps": self._steps(int(msg["world_size"]))}
         if op == "event":
@@ -566,10 +590,14 @@ class CheckpointServer:
         sources = []
         with self.lock:
             shard = self.shards.get((step, rank))
+            if shard is not None and shard.state == "staged":  # saved a moment ago: checksums are coming
+                self.lock.wait_for(lambda: shard.state != "staged" or "memory" in shard.failed, timeout=STAGED_WAIT_S)
             if shard is not None and "memory" in shard.tiers:
                 shard.region.loaned = True  # the worker maps it: never write into it again
                 sources.append({"tier": "memory", "node": self.node, "path": str(shard.region.path),
                                 "header": shard.header})
+            if shard is not None and "replicated" in shard.tiers and self.cfg.peer:
+                sources.append({"tier": "peer", "node": self.cfg.peer, "addr": self.cfg.peer})
         if self.store is not None:
             try:
                 for holder, info in sorted(catalog.holders(self.store, step, rank).items()):
@@ -697,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-id", default="local", help="job name in etcd")
     p.add_argument("--host", default="127.0.0.1", help="address peers reach this server at")
     p.add_argument("--port", type=int, default=0, help="TCP port for peers (default: any free port)")
+    p.add_argument("--peer", metavar="HOST:PORT", help="send replicas to this server (default with --store: the "
+                                                       "next node in the plan's ring)")
     p.add_argument("--lease-ttl", type=int, default=4, help="seconds this server's etcd entries outlive it")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -709,15 +739,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shm_dir = args.shm_dir or default_shm_dir(args.job_id, args.node_id)
     secret = os.environ.get("TRANSOM_CKPT_SECRET", "").encode()
-    if args.store and not secret:
-        print("transom ckpt-server: TRANSOM_CKPT_SECRET must be set with --store (peers authenticate with it)",
+    if (args.store or args.peer) and not secret:
+        print("transom ckpt-server: TRANSOM_CKPT_SECRET must be set with --store or --peer (peers authenticate "
+              "with it)",
               file=sys.stderr)
         return 2
     server = CheckpointServer(ServerConfig(
         node_id=args.node_id, socket_path=args.socket or shm_dir / "server.sock", shm_dir=shm_dir,
         budget_bytes=budget, storage_dir=args.storage, memory_keep=args.memory_keep, storage_keep=args.keep,
-        replicas=args.replicas if args.store else 0, host=args.host, port=args.port, secret=secret,
-        store_url=args.store, job_id=args.job_id, lease_ttl_s=args.lease_ttl))
+        replicas=args.replicas if (args.store or args.peer) else 0, host=args.host, port=args.port, secret=secret,
+        store_url=args.store, job_id=args.job_id, lease_ttl_s=args.lease_ttl, peer=args.peer))
     stop = threading.Event()
     import signal
 

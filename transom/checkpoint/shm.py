@@ -25,8 +25,14 @@ SHM_ROOT = Path("/dev/shm")
 
 
 def populated_map(path: Path, nbytes: int, private: bool = False, create: bool = False) -> mmap.mmap:
-    """Map `path` (creating it with `nbytes` when `create`) with every page faulted in up front."""
-    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | getattr(mmap, "MAP_POPULATE", 0)
+    """Map `path` (creating it with `nbytes` when `create`).
+
+    A shared mapping has every page faulted in up front (MAP_POPULATE), ready for copies into it.
+    A private (copy-on-write) mapping is for reading: populating it would copy every page (the
+    kernel prefaults writable private pages for writing), so its pages fault in on first read
+    (checksum verification touches them all, on several threads).
+    """
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:

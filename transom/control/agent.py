@@ -121,7 +121,10 @@ class NodeAgent:
                 self._register()
             plan = self.store.get("plan")
             self.last_store_ok = time.monotonic()
-            self.ckpt.ensure_running()
+            try:
+                self.ckpt.ensure_running()
+            except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
+                log.warning("%s", e)
         except StoreError as e:
             if self.group and time.monotonic() - self.last_store_ok > self.spec.node_ttl_s:
                 log.warning("cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e)
