@@ -83,25 +83,36 @@ def timed(fn):
 
 
 def rank_main(args) -> None:
+    """One rank of one phase: "baselines" (floor, torch, DCP) or "transom"; results to args.out.
+
+    The phases run in separate processes: DCP's async_save keeps its staging copies until the
+    process exits, which would otherwise count against transom's phase (and the machine's memory).
+    """
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from transom import checkpoint
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     work = Path(args.work)
     r: dict = {}
-
-    def mark(phase: str) -> None:  # the machine's memory in use after each phase (to explain the peak)
-        r[f"mem_{phase}_gib"] = memory_in_use() / GIB
-
     state = make_state(args.bytes_per_rank, rank)
-    tensors = flat_tensors(state)
-    mark("state")
+    dist.barrier()
+    if args.phase == "baselines":
+        baselines(state, rank, work, args.bytes_per_rank, r)
+    else:
+        transom_phase(state, rank, world, work, args, r)
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(args.out).write_text(json.dumps(r))
 
+
+def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tensors = flat_tensors(state)
     # Floor: a copy into a preallocated buffer that has been touched before.
     buf = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
     buf.fill_(0)
@@ -114,26 +125,32 @@ def rank_main(args) -> None:
 
     floor_copy()
     r["floor_s"] = statistics.median(timed(floor_copy)[0] for _ in range(3))
-    del buf
-    mark("floor")
-
-    # Baselines on disk.
+    del buf, tensors
     dist.barrier()
     path = work / f"torch-rank{rank}.pt"
     r["torch_save_s"], _ = timed(lambda: torch.save(state, path))
-    mark("torch_save")
     dist.barrier()
     r["dcp_save_s"], _ = timed(lambda: dcp.save(dcp_view(state, rank), checkpoint_id=str(work / "dcp")))
-    mark("dcp_save")
     dist.barrier()
-    r["dcp_async_save_s"], future = timed(lambda: dcp.async_save(dcp_view(state, rank),
-                                                                 checkpoint_id=str(work / "dcp-async")))
+    template = dcp_view(make_state(nbytes, rank), rank)
+    del state  # loads below allocate their own memory
+    dist.barrier()
+    r["torch_load_s"], out = timed(lambda: torch.load(path, weights_only=True))
+    del out
+    dist.barrier()
+    r["dcp_load_s"], _ = timed(lambda: dcp.load(template, checkpoint_id=str(work / "dcp")))
+    dist.barrier()
+    # Last: async_save's staging copies stay until the process exits.
+    r["dcp_async_save_s"], future = timed(lambda: dcp.async_save(template, checkpoint_id=str(work / "dcp-async")))
     future.result()
-    del future
-    mark("dcp_async")
-    dist.barrier()
 
-    # Transom: the node's server is node0; it replicates to node1 and persists to work/storage.
+
+def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> None:
+    import torch.distributed as dist
+
+    from transom import checkpoint
+
+    # The node's server is node0; it replicates to node1 and persists to work/storage.
     engine = checkpoint.Engine(socket_path=args.socket, rank=rank, world_size=world, storage_dir=work / "storage",
                                secret=SECRET.encode())
     times = []
@@ -142,7 +159,6 @@ def rank_main(args) -> None:
         r["transom_first_save_s"] = dt
         h.wait("persisted")
         h.wait("replicated")
-    prepared = engine.prepare(state)
     for step in range(2, 2 + args.saves):
         engine.prepare(state)  # the region for this save is populated and mapped (a no-op when it is)
         dist.barrier()
@@ -156,12 +172,8 @@ def rank_main(args) -> None:
         r["transom_replicated_s"] = time.perf_counter() - t0
         dist.barrier()
     r["transom_save_s"] = statistics.median(times)
-    mark("transom_save")
-    r["transom_save_prepared"] = prepared
     last = 1 + args.saves
-    del state, tensors, h
-    dist.barrier()
-
+    del state, h
     # Loads, one at a time (each result freed before the next).
     for tier in ("memory", "peer", "storage"):
         dist.barrier()
@@ -169,30 +181,21 @@ def rank_main(args) -> None:
         assert engine.last_load["tier"] == tier, engine.last_load
         r[f"transom_load_{tier}_s"] = dt
         del out
-    dist.barrier()
-    mark("loads")
-    r["torch_load_s"], out = timed(lambda: torch.load(path, weights_only=True))
-    mark("torch_load")
-    del out
-    template = dcp_view(make_state(args.bytes_per_rank, rank), rank)
-    dist.barrier()
-    r["dcp_load_s"], _ = timed(lambda: dcp.load(template, checkpoint_id=str(work / "dcp")))
-    del template
     engine.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    Path(args.out).write_text(json.dumps(r))
 
 
 # -- orchestration -------------------------------------------------------------------------------
 
 def start_server(work: Path, node: str, budget: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    from transom.utils.procs import die_with_parent
+
     sock = str(work / f"{node}.sock")
     log = open(work / f"{node}.log", "w+")
     p = subprocess.Popen([sys.executable, "-m", "transom.checkpoint.server", "--node-id", node,
                           "--job-id", f"bench-{os.getpid()}", "--socket", sock, "--memory", str(budget),
                           "--port", "0", *extra],
-                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET})
+                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET},
+                         preexec_fn=die_with_parent)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = Path(log.name).read_text()
@@ -215,7 +218,7 @@ def memory_in_use() -> int:
 
 def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     from transom.utils.net import free_port
-    from transom.utils.procs import stop_process
+    from transom.utils.procs import die_with_parent, stop_process
 
     total = int(size_gib * GIB)
     per_rank = total // ranks
@@ -229,37 +232,43 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     peer, _, peer_addr = start_server(work, "node1", budget, ["--replicas", "0"])
     own, sock, _ = start_server(work, "node0", budget, ["--peer", peer_addr, "--storage", str(work / "storage"),
                                                         "--memory-keep", "1" if big else "2"])
-    port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(ranks),
            "OMP_NUM_THREADS": "1"}
-    procs = []
+    results: list[dict] = [{} for _ in range(ranks)]
+    peak = 0
     try:
-        for rank in range(ranks):
-            argv = [sys.executable, __file__, "--rank-worker", "--socket", sock, "--work", str(work),
-                    "--bytes-per-rank", str(per_rank), "--out", str(work / f"rank{rank}.json"),
-                    "--saves", "1" if big else str(WARM_SAVES)]
-            if not big:
-                argv.append("--first-save")
-            procs.append(subprocess.Popen(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-        peak = 0
-        while any(p.poll() is None for p in procs):
-            peak = max(peak, memory_in_use() - baseline)
-            time.sleep(0.05)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a rank failed in the {size_gib} GiB x {ranks} case")
-        results = [json.loads((work / f"rank{r}.json").read_text()) for r in range(ranks)]
+        for phase in ("baselines", "transom"):
+            procs = []
+            port = str(free_port())
+            for rank in range(ranks):
+                argv = [sys.executable, __file__, "--rank-worker", "--phase", phase, "--socket", sock,
+                        "--work", str(work), "--bytes-per-rank", str(per_rank),
+                        "--out", str(work / f"{phase}{rank}.json"), "--saves", "1" if big else str(WARM_SAVES)]
+                if not big:
+                    argv.append("--first-save")
+                procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent, env={**env, "MASTER_PORT": port, "RANK": str(rank),
+                                                         "LOCAL_RANK": str(rank)}))
+            try:
+                while any(p.poll() is None for p in procs):
+                    peak = max(peak, memory_in_use() - baseline)
+                    time.sleep(0.05)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            if any(p.returncode for p in procs):
+                raise RuntimeError(f"a rank failed in the {phase} phase of the {size_gib} GiB x {ranks} case")
+            for rank in range(ranks):
+                results[rank].update(json.loads((work / f"{phase}{rank}.json").read_text()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         stop_process(own)
         stop_process(peer)
         shutil.rmtree(work, ignore_errors=True)
     row = {"size_gib": size_gib, "ranks": ranks}
     for key in results[0]:
         values = [r[key] for r in results]
-        row[key] = max(values) if key.endswith(("_s", "_gib")) else (all(values) if isinstance(values[0], bool) else
-                                                            sum(values))
+        row[key] = max(values)
     row["peak_gib"] = peak / GIB
     row["transom_save_vs_torch_save_x"] = row["torch_save_s"] / row["transom_save_s"]
     row["transom_save_vs_floor_x"] = row["transom_save_s"] / row["floor_s"]
@@ -299,6 +308,7 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir on this disk)")
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("baselines", "transom"), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--bytes-per-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
