@@ -161,7 +161,7 @@ class Engine:
         """Have the server populate a region for a save of `state`'s size ahead of time, so even the
         first save is a plain memory copy. False when the budget has no room for a spare region."""
         plan = layout.plan_state(state, 0, self.rank, self.world_size)
-        reply = self._request({"op": "prepare", "nbytes": plan.data_len})
+        reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
         if reply.get("ok") and reply.get("path") and plan.data_len:
             self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
         return bool(reply.get("ok"))

@@ -241,7 +241,7 @@ class CheckpointServer:
                 if old.state != "committed" or old.pins:
                     raise BudgetExceeded(f"step {step} rank {rank} is being saved or transferred already")
                 self._evict(old)
-            region = self._take_free(nbytes)
+            region = self._take_free(nbytes, rank)
             if region is None:
                 reclaimable = sum(r.nbytes for r in self.free) + sum(s.region.nbytes for s in self._victims())
                 if self.used - reclaimable + nbytes > self.cfg.budget_bytes:  # refuse before evicting anything
@@ -254,7 +254,7 @@ class CheckpointServer:
                     victims = self._victims()
                     if victims:
                         self._evict(victims[0])
-                        region = self._take_free(nbytes)
+                        region = self._take_free(nbytes, rank)
                     else:
                         self._destroy(self.free.pop(0))
             if region is not None:
@@ -271,11 +271,15 @@ class CheckpointServer:
             self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
         return region
 
-    def _take_free(self, nbytes: int) -> Region | None:
-        for i, region in enumerate(self.free):
-            if region.nbytes == nbytes:
-                return self.free.pop(i)
-        return None
+    def _take_free(self, nbytes: int, rank: int) -> Region | None:
+        """A free region of exactly `nbytes`, the one prepared for `rank` first (its worker mapped it)."""
+        fits = [i for i, r in enumerate(self.free) if r.nbytes == nbytes]
+        mine = [i for i in fits if self.free[i].prepared_for == rank]
+        if not fits:
+            return None
+        region = self.free.pop((mine or fits)[0])
+        region.prepared_for = None
+        return region
 
     def _victims(self) -> list[Shard]:
         """Shards that may go, oldest first: complete, idle, not their rank's newest, not the restore step."""
@@ -320,20 +324,26 @@ class CheckpointServer:
             if not s.pins and s.step != self.protected_step:
                 self._evict(s)
 
-    def _prepare_spare(self, nbytes: int) -> None:
-        """Make a populated region of `nbytes` ready for the next save if the budget has room."""
+    def _prepare_spare(self, nbytes: int, rank: int) -> Region | None:
+        """Make a populated region of `nbytes` ready for `rank`'s next save if the budget has room."""
         with self.lock:
-            if any(r.nbytes == nbytes for r in self.free) or self.used + nbytes > self.cfg.budget_bytes:
-                return
+            spare = next((r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)), None)
+            if spare is not None:
+                spare.prepared_for = rank
+                return spare
+            if self.used + nbytes > self.cfg.budget_bytes:
+                return None
             self.used += nbytes
         try:
             region = self.regions.new(nbytes)
         except OSError:
             with self.lock:
                 self.used -= nbytes
-            return
+            return None
         with self.lock:
+            region.prepared_for = rank
             self.free.append(region)
+        return region
 
     # -- the save pipeline -----------------------------------------------------------------------
     def commit(self, step: int, rank: int, region: Region, header: dict) -> None:
@@ -380,7 +390,7 @@ class CheckpointServer:
                 self.persist_q.put(shard)
             else:
                 self._fail(shard, "persisted", "no storage directory configured")
-            self._prepare_spare(shard.region.nbytes)
+            self._prepare_spare(shard.region.nbytes, shard.rank)
 
     def _committed(self, shard: Shard) -> None:
         with self.lock:
@@ -550,10 +560,8 @@ class CheckpointServer:
             return {"ok": True, "sources": self._locate(int(msg["step"]), int(msg["rank"]))}
         if op == "prepare":
             nbytes = int(msg["nbytes"])
-            self._prepare_spare(nbytes)
-            with self.lock:
-                spare = next((r for r in self.free if r.nbytes == nbytes), None)
-                return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
+            spare = self._prepare_spare(nbytes, int(msg.get("rank", 0)))
+            return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
         if op == "steps":
             return {"ok": True, "steps": self._steps(int(msg["world_size"]))}
         if op == "event":

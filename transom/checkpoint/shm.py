@@ -69,6 +69,7 @@ class Region:
         self.path = Path(path)
         self.nbytes = nbytes
         self.loaned = False  # a worker mapped it for loading: never write into it again
+        self.prepared_for: int | None = None  # the rank whose next save gets it (its worker mapped it)
         self.map = populated_map(self.path, nbytes, create=True) if nbytes else None
 
     @property
