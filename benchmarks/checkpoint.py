@@ -19,7 +19,8 @@ machine had in use during the case beyond what it used before (shared memory inc
 not; sampled every 50 ms, so other processes on the machine count too). Run it alone:
 flock /tmp/transom-heavy.lock python benchmarks/checkpoint.py --json
 
-    python benchmarks/checkpoint.py                 # 0.25, 1 and 4 GiB; 1 and 2 ranks; a table
+    python benchmarks/checkpoint.py                 # 0.25 and 1 GiB; 1 and 2 ranks; a table
+    python benchmarks/checkpoint.py --sizes 0.25,1,4   # 4 GiB needs about 20 GiB of free memory
     python benchmarks/checkpoint.py --json          # ... and one JSON object on the last line
     python benchmarks/checkpoint.py --sizes 0.25 --ranks 1
 """
@@ -307,7 +308,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="0.25,1,4", help="total state sizes in GiB, comma-separated")
+    p.add_argument("--sizes", default="0.25,1", help="total state sizes in GiB, comma-separated (4 GiB needs "
+                                                     "about 20 GiB of free memory)")
     p.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--dir", default=None, help="where files are written (default: a temp dir on this disk)")
