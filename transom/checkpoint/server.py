@@ -104,6 +104,7 @@ class CheckpointServer:
         self.shards: dict[tuple[int, int], Shard] = {}
         self.free: list[Region] = []
         self.used = 0
+        self.preparing = 0  # spare regions being populated right now
         self.regions = RegionDir(config.shm_dir)
         self.store = Store(config.store_url, config.job_id) if config.store_url else None
         self.lease = None
@@ -242,6 +243,9 @@ class CheckpointServer:
                     raise BudgetExceeded(f"step {step} rank {rank} is being saved or transferred already")
                 self._evict(old)
             region = self._take_free(nbytes, rank)
+            if region is None and self.preparing:  # a spare is being populated: it is the region to use
+                self.lock.wait_for(lambda: not self.preparing, timeout=QUIET_WAIT_S)
+                region = self._take_free(nbytes, rank)
             if region is None:
                 reclaimable = sum(r.nbytes for r in self.free) + sum(s.region.nbytes for s in self._victims())
                 if self.used - reclaimable + nbytes > self.cfg.budget_bytes:  # refuse before evicting anything
@@ -334,15 +338,20 @@ class CheckpointServer:
             if self.used + nbytes > self.cfg.budget_bytes:
                 return None
             self.used += nbytes
+            self.preparing += 1
+        region = None
         try:
             region = self.regions.new(nbytes)
         except OSError:
-            with self.lock:
-                self.used -= nbytes
-            return None
+            pass
         with self.lock:
-            region.prepared_for = rank
-            self.free.append(region)
+            self.preparing -= 1
+            if region is None:
+                self.used -= nbytes
+            else:
+                region.prepared_for = rank
+                self.free.append(region)
+            self.lock.notify_all()
         return region
 
     # -- the save pipeline -----------------------------------------------------------------------
