@@ -6,6 +6,8 @@ a real job):
   transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
   transom_node_death     SIGKILL of node1's agent (its workers die with it; the spare replaces it)
   torchrun_worker_crash  SIGKILL of rank 1's worker under `torchrun --nproc-per-node 3 --max-restarts 3`
+The transom runs checkpoint with transom.checkpoint (in node memory, replicated, persisted in the
+background); the torchrun baseline with torch.save files (train_gpt.py --checkpoint torch).
 and splits the time from the fault to the first step completed afterwards into
   detection_s   fault -> the controller's incident event (transom only; torchrun does not say)
   restart_s     detection (or the fault, for torchrun) -> the first new worker process started
@@ -189,7 +191,7 @@ def run_torchrun(work: Path) -> dict:
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
          "--max-restarts", "3", "--standalone",
-         *train_args(), "--ckpt-dir", str(ckpt)],
+         *train_args(), "--checkpoint", "torch", "--ckpt-dir", str(ckpt)],
         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     text = lambda: out_path.read_text(errors="replace")
     try:

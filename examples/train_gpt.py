@@ -23,10 +23,18 @@ went through uninterrupted or was killed and resumed from a checkpoint. That hol
     summed in the same order on every step.
 
 Checkpoints: the checkpoint for step s holds the state after step s was applied; a run that finds
-it resumes at step s+1 (steps are numbered 1..--steps). Rank 0 writes ckpt_dir/step_{s:08d}.pt
-(temp file, fsync, os.replace) and then the text file ckpt_dir/latest holding s; older checkpoints
-beyond --keep are removed. At start every rank reads `latest` and loads the checkpoint it names,
-falling back to the newest older step_*.pt that loads when that one is missing or corrupt.
+it resumes at step s+1 (steps are numbered 1..--steps). Two implementations (--checkpoint):
+  transom (default)  every rank saves its state with transom.checkpoint every --ckpt-every steps: the
+                     save blocks only for a copy into its node's checkpoint memory, which replicates it
+                     to a peer node and persists it to --ckpt-dir in the background. At start every rank
+                     loads the step the controller chose (TRANSOM_RESTORE_STEP under `transom run`), else
+                     the newest step restorable for every rank, from the fastest tier with a good copy.
+                     Outside `transom run` the engine runs inside the process (memory + --ckpt-dir).
+  torch              rank 0 writes ckpt_dir/step_{s:08d}.pt with torch.save (temp file, fsync,
+                     os.replace), then the text file ckpt_dir/latest holding s, and all ranks wait for
+                     it; older checkpoints beyond --keep are removed. At start every rank reads `latest`
+                     and loads the checkpoint it names, falling back to the newest older step_*.pt that
+                     loads when that one is missing or corrupt. (The baseline benchmarks compare with.)
 
 Output lines (parsed by benchmarks; t is time.time()):
     [train_gpt] start rank=R world=W t=...       every rank, at process start
@@ -63,10 +71,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
-    from transom import monitor
+    from transom import checkpoint, monitor
 except ImportError:  # running from a checkout that is not installed: use the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from transom import monitor
+    from transom import checkpoint, monitor
 
 
 def log(msg):
@@ -386,6 +394,31 @@ def load_latest_checkpoint(ckpt_dir):
     return None
 
 
+def engine_load(engine):
+    """The state transom.checkpoint restores for this rank, or None to start fresh."""
+    try:
+        state = engine.load()
+    except checkpoint.CheckpointError as e:
+        if engine.restore_step() is not None:
+            raise  # the controller chose this step for every rank: resuming from another would diverge
+        log(f"[train_gpt] warning: rank={RANK} no usable checkpoint ({e}); starting fresh")
+        return None
+    if state is not None:
+        info = engine.last_load
+        log(f"[train_gpt] restored step={info['step']} rank={RANK} tier={info['tier']} seconds={info['seconds']:.3f}")
+    return state
+
+
+def engine_save(engine, step, model, optimizer, seed, world_size):
+    """Every rank: copy its state into checkpoint memory and go on; the rest is in the background."""
+    state = {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
+             "seed": seed, "world_size": world_size}
+    handle = engine.save(step, state)
+    if not handle.ok:
+        log(f"[train_gpt] warning: rank={RANK} checkpoint of step {step} refused: {handle.error}")
+    return handle
+
+
 # -----------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -396,10 +429,14 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="train until this step (steps are numbered from 1)")
     p.add_argument("--seed", type=int, default=0, help="seed for model init and batch sampling")
+    p.add_argument("--checkpoint", choices=("transom", "torch"), default="transom",
+                   help="transom: in-memory checkpoints of every rank, replicated and persisted in the "
+                        "background; torch: rank 0 writes torch.save files and every rank waits for it")
     p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps; 0 disables")
     p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR") or "./checkpoints",
-                   help="checkpoint directory; the default is $TRANSOM_CHECKPOINT_DIR if set, else ./checkpoints")
-    p.add_argument("--keep", type=int, default=2, help="number of checkpoints to keep")
+                   help="checkpoint directory (storage tier); the default is $TRANSOM_CHECKPOINT_DIR if set, "
+                        "else ./checkpoints")
+    p.add_argument("--keep", type=int, default=2, help="number of checkpoints to keep on disk")
     p.add_argument("--batch-size", type=int, default=12, help="sequences per rank per step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
     p.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
@@ -443,7 +480,13 @@ def main(argv=None):
     model = GPT(len(chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
-    state = load_latest_checkpoint(args.ckpt_dir)
+    engine = None
+    if args.checkpoint == "transom":
+        engine = checkpoint.Engine(storage_dir=args.ckpt_dir, keep=args.keep,
+                                   rank=rank, world_size=world_size)
+        state = engine_load(engine)
+    else:
+        state = load_latest_checkpoint(args.ckpt_dir)
     if state is not None:
         if state.get("seed") != args.seed or state.get("world_size") != world_size:
             log(f"[train_gpt] warning: rank={rank} checkpoint was written with seed={state.get('seed')} "
@@ -463,6 +506,7 @@ def main(argv=None):
     log(f"[train_gpt] resumed step={start_step} rank={rank} t={time.time():.3f}")
 
     ddp_model = make_ddp(model) if distributed else model
+    last_save = None
 
     # Training loop. With DDP the gradient all-reduce would overlap backward, so the monitor could not
     # tell compute from communication: backward runs under no_sync() and the gradients are averaged in
@@ -492,10 +536,14 @@ def main(argv=None):
             # Never checkpoint poisoned weights (the gradient norm is the same on every rank).
             if args.ckpt_every > 0 and step % args.ckpt_every == 0 and math.isfinite(grad_norm.item()):
                 with monitor.phase("checkpoint"):
-                    if rank == 0:
-                        save_checkpoint(args.ckpt_dir, step, model, optimizer, args.seed, world_size, args.keep)
-                    if distributed:
-                        dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
+                    if engine is not None:
+                        last_save = engine_save(engine, step, model, optimizer, args.seed, world_size)
+                    else:
+                        if rank == 0:
+                            save_checkpoint(args.ckpt_dir, step, model, optimizer, args.seed, world_size,
+                                            args.keep)
+                        if distributed:
+                            dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
             if args.eval_every > 0 and step % args.eval_every == 0:
                 with monitor.phase("eval"):
                     val = evaluate(model, data, step, rank, args)
@@ -511,6 +559,13 @@ def main(argv=None):
         os.makedirs(out_dir, exist_ok=True)
         final_state = model.state_dict()
         atomic_write(os.path.abspath(args.save_final), lambda f: torch.save(final_state, f))
+    if engine is not None:
+        if last_save is not None and last_save.ok:
+            try:
+                last_save.wait("persisted")  # the job's last checkpoint is on disk before it ends
+            except checkpoint.CheckpointError as e:
+                log(f"[train_gpt] warning: rank={rank} final checkpoint not persisted: {e}")
+        engine.close()
     log(f"[train_gpt] done step={final_step} rank={rank} t={time.time():.3f}")
     if distributed:
         # Free DDP before the process group. DDP's C++ reducer holds a reference to the group; if

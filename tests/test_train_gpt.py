@@ -79,7 +79,8 @@ def test_single_process_trains(tmp_path: Path) -> None:
 
 def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    args = [sys.executable, str(SCRIPT), *SMALL, "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--keep", "3"]
+    args = [sys.executable, str(SCRIPT), *SMALL, "--checkpoint", "torch", "--ckpt-dir", str(ckpt),
+            "--ckpt-every", "2", "--keep", "3"]
     _run(args + ["--steps", "6"], cwd=tmp_path)
     assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [f"step_0000000{s}.pt" for s in (2, 4, 6)]
     (ckpt / "step_00000006.pt").write_bytes(b"truncated")
@@ -89,16 +90,23 @@ def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
     assert "[train_gpt] done step=7 rank=0" in out, out
 
 
-def test_resume_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["transom", "torch"])
+def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     steps, every = 12, 3
-    common = ["--ckpt-every", str(every), "--log-every", "3", "--seed", "7"]
+    common = ["--checkpoint", mode, "--ckpt-every", str(every), "--log-every", "3", "--seed", "7"]
 
     # Uninterrupted run.
     out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "a"),
                     "--save-final", str(tmp_path / "a.pt"), *common, cwd=tmp_path)
     assert "[train_gpt] done step=12 rank=0" in out and "[train_gpt] done step=12 rank=1" in out, out
     assert (tmp_path / "a" / "latest").read_text().strip() == "12"
-    assert sorted(p.name for p in (tmp_path / "a").glob("step_*.pt")) == ["step_00000009.pt", "step_00000012.pt"]
+    kept = sorted(p.name for p in (tmp_path / "a").glob("step_*"))
+    if mode == "torch":
+        assert kept == ["step_00000009.pt", "step_00000012.pt"]
+    else:  # one folder per step, a shard per rank, the manifest written last
+        assert kept == ["step_000000000009", "step_000000000012"]
+        assert sorted(p.name for p in (tmp_path / "a" / kept[-1]).iterdir()) == [
+            "manifest.json", "rank_000000.shard", "rank_000001.shard"]
 
     # The same job, stopped halfway and started again on the same checkpoint directory.
     out = _torchrun(2, "--steps", str(steps // 2), "--ckpt-dir", str(tmp_path / "b"), *common, cwd=tmp_path)
@@ -106,6 +114,8 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "b"),
                     "--save-final", str(tmp_path / "b.pt"), *common, cwd=tmp_path)
     assert "[train_gpt] resumed step=6 rank=0" in out and "[train_gpt] resumed step=6 rank=1" in out, out
+    if mode == "transom":  # a new process: its memory tier is empty, storage has the shards
+        assert "[train_gpt] restored step=6 rank=1 tier=storage" in out, out
     assert re.search(r"^step 7 loss ", out, re.M), out  # the first step after a resume is logged
     assert "[train_gpt] done step=12 rank=0" in out, out
 

@@ -54,8 +54,31 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="the leading controller's Prometheus endpoint: 0 picks a free port (shown by "
                         "`transom status`), -1 turns it off (default 0)")
+    _add_ckpt_args(p)
     p.add_argument("script", help="the training script, run like torchrun runs it")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _size(text: str) -> int:
+    from transom.checkpoint.server import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _add_ckpt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt-memory", type=_size, metavar="SIZE",
+                   help="memory budget of each node's checkpoint server, e.g. 16G: its own shards, peers' "
+                        "replicas and reusable buffers (default: half of the node's memory)")
+    p.add_argument("--ckpt-storage", metavar="DIR",
+                   help="where checkpoint servers persist shards in the background; shared by all nodes "
+                        "(default: RUN_DIR/checkpoints)")
+    p.add_argument("--ckpt-keep", type=int, default=3, metavar="K",
+                   help="complete checkpoint steps kept in storage (default 3)")
+    p.add_argument("--ckpt-replicas", type=int, default=1, choices=(0, 1),
+                   help="copies of each shard in another node's memory (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--faults", help="as for run, when writing the spec")
     ctl.add_argument("--fault-seed", type=int, default=0)
     ctl.add_argument("--metrics-port", type=int, default=0)
+    _add_ckpt_args(ctl)
     ctl.add_argument("script", nargs="?", help="training script (only to write the spec)")
     ctl.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -111,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--job-id", metavar="J")
         p.add_argument("--run-dir", type=Path, help="a run directory")
         p.add_argument("--json", action="store_true", help="print JSON")
+
+    sub.add_parser("ckpt-server", help="run a node's checkpoint server on its own", add_help=False,
+                   description="Hold checkpoint shards in this node's memory (see `transom ckpt-server --help`).")
     return parser
 
 
@@ -123,6 +150,8 @@ def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSp
         evict_window_s=args.evict_window, node_ttl_s=args.node_ttl, join_timeout_s=args.join_timeout,
         warm_workers=getattr(args, "warm_workers", True),
         metrics_port=args.metrics_port,
+        ckpt_memory_bytes=args.ckpt_memory, ckpt_keep=args.ckpt_keep, ckpt_replicas=args.ckpt_replicas,
+        ckpt_storage=os.path.abspath(args.ckpt_storage) if args.ckpt_storage else None,
     )
     if args.faults:
         from transom.monitor.faults import parse_schedule
@@ -211,6 +240,11 @@ COMMANDS = {"run": cmd_run, "agent": cmd_agent, "controller": cmd_controller,
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `transom events | head` ends quietly
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ckpt-server"]:
+        from transom.checkpoint.server import main as ckpt_server
+
+        return ckpt_server(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -61,6 +61,12 @@ class JobSpec:
     faults: list = field(default_factory=list)
     # The leading controller's Prometheus endpoint port (0: any free one; -1: none).
     metrics_port: int = 0
+    # Checkpoint engine: each node's server memory budget (None: half the node's memory), the
+    # storage directory (None: RUN_DIR/checkpoints), complete steps kept there, replicas in peer memory.
+    ckpt_memory_bytes: int | None = None
+    ckpt_storage: str | None = None
+    ckpt_keep: int = 3
+    ckpt_replicas: int = 1
 
     def validate(self, check_script: bool = True) -> "JobSpec":
         if check_script:
@@ -84,6 +90,12 @@ class JobSpec:
             raise ConfigError(f"--metrics-port {self.metrics_port}: a port number, 0 for any, -1 for none")
         if self.node_ttl_s < 2:
             raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
+        if self.ckpt_memory_bytes is not None and self.ckpt_memory_bytes <= 0:
+            raise ConfigError(f"--ckpt-memory {self.ckpt_memory_bytes}: must be positive")
+        if self.ckpt_keep < 1:
+            raise ConfigError(f"--ckpt-keep {self.ckpt_keep}: at least 1 step must be kept in storage")
+        if self.ckpt_replicas not in (0, 1):
+            raise ConfigError(f"--ckpt-replicas {self.ckpt_replicas}: 0 or 1")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
             raise ConfigError(f"--job-id {self.job_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         return self

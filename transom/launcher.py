@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from transom.checkpoint.server import default_shm_dir
 from transom.config import ConfigError, JobSpec
 from transom.control.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreError
@@ -76,6 +78,7 @@ class Launcher:
         self.store: Store | None = None
         self.children: list[Child] = []
         self._events_seen: set[str] = set()
+        self._local_nodes: list[str] = []
 
     # -- set-up -------------------------------------------------------------------------------
     def _connect(self) -> Store:
@@ -120,6 +123,7 @@ class Launcher:
             children.append(Child(name, "agent", base + ["agent", *common, "--node-id", name, "--run-dir",
                                                          str(L.run_dir), "--host", L.host],
                                   logs / f"agent-{name}.log"))
+        self._local_nodes = [c.name for c in children if c.kind == "agent"]
         return children
 
     # -- running ------------------------------------------------------------------------------
@@ -222,6 +226,8 @@ class Launcher:
             except StoreError:
                 pass
         self.children = []
+        for node in self._local_nodes:  # a node agent killed with SIGKILL left its checkpoint memory behind
+            shutil.rmtree(default_shm_dir(self.launch.spec.job_id, node), ignore_errors=True)
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from transom.config import JobSpec
+from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, WorkerGroup
@@ -58,6 +59,7 @@ class NodeAgent:
         self._published_at = 0.0
         self._published_extra: dict = {}
         self.warm: WarmPool | None = None
+        self.ckpt: NodeCheckpointServer | None = None
 
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
@@ -104,6 +106,8 @@ class NodeAgent:
                                  self.run_dir / "logs" / f"warm-{self.node_id}.log")
             self.warm.fill()
         self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
+        self.ckpt = NodeCheckpointServer(self.spec, self.store, self.node_id, self.run_dir, self.host)
+        self.ckpt.start()
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
         self._preflight()
@@ -121,6 +125,8 @@ class NodeAgent:
             if self.warm is not None:
                 self.warm.close()
             self.monitor.close()
+            if self.ckpt is not None:
+                self.ckpt.stop()
             if self.lease is not None:
                 try:
                     self.store.revoke(self.lease)
@@ -135,6 +141,10 @@ class NodeAgent:
                 self._register()
             plan = self.store.get("plan")
             self.last_store_ok = time.monotonic()
+            try:
+                self.ckpt.ensure_running()
+            except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
+                log.warning("%s", e)
         except StoreError as e:
             if self.group and time.monotonic() - self.last_store_ok > self.spec.node_ttl_s:
                 log.warning("cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e)
@@ -206,9 +216,11 @@ class NodeAgent:
             FAULTS_ENV: json.dumps(self.faults.worker_faults(local_ranks)),
             "TRANSOM_STORE": self.store.url,
             "TRANSOM_RUN_DIR": str(self.run_dir),
-            "TRANSOM_CHECKPOINT_DIR": str(self.run_dir / "checkpoints"),
             "TRANSOM_MONITOR_PORT": str(self.monitor.port),
+            **self.ckpt.worker_env(),
         }
+        if plan.get("restore_step") is not None:
+            extra_env["TRANSOM_RESTORE_STEP"] = str(plan["restore_step"])
         self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
                                  self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
         self.group.start(self.warm)

@@ -18,6 +18,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from transom.checkpoint.catalog import newest_restorable
 from transom.config import JobSpec
 from transom.control.policy import decide, on_anomaly, slow_outliers
 from transom.control.states import JobState
@@ -136,6 +137,7 @@ class Controller:
         return {
             "generation": j["generation"], "members": j["members"], "evicted": j["evicted"],
             "restart_count": j["restarts_used"], "job_state": j["state"],
+            "restore_step": j.get("restore_step"),
         }
 
     def _set_state(self, state: JobState, reason: str) -> None:
@@ -221,16 +223,21 @@ class Controller:
                         preflight=results[node])
         return bool(excluded)
 
-    def _start_generation(self, members: list[str], why: str) -> None:
+    def _start_generation(self, members: list[str], why: str, lost: list[str] = ()) -> None:
         j = self.job
+        # The step every worker of the new generation resumes from (None: start fresh).
+        j["restore_step"] = newest_restorable(self.store, len(members) * self.spec.nproc_per_node,
+                                              before=j.get("rollback_before"), lost=[*lost, *j["evicted"]])
         j["generation"] += 1
         j["members"] = members
         self._set_state(JobState.WARMUP, f"generation {j['generation']} starting")
         j["generation_started"] = time.time()
         j["handled_anomalies"] = []
         spares = [n for n in self._healthy_nodes(self.store.get_prefix("nodes/")) if n not in members]
+        restore = "fresh" if j["restore_step"] is None else f"from step {j['restore_step']}"
         self._event("generation", f"generation {j['generation']} ({why}): members {', '.join(members)}; "
-                                  f"spares {', '.join(spares) or 'none'}", members=members, spares=spares)
+                                  f"spares {', '.join(spares) or 'none'}; resuming {restore}",
+                    members=members, spares=spares, restore_step=j["restore_step"])
         self._commit(self._plan())
 
     def _reports(self, statuses: dict, state: str) -> dict[str, dict]:
@@ -317,7 +324,8 @@ class Controller:
             return
         j["incident_open"] = True
         j["incident"] = None
-        self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}")
+        lost = [m for m in members if m not in nodes]  # their memory tier is gone
+        self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}", lost=lost)
 
     # -- the monitor ----------------------------------------------------------------------------
     def _watch_monitor(self, nodes: dict, statuses: dict, summaries: dict[str, dict], now: float) -> None:

@@ -110,6 +110,9 @@ class Store:
     def delete(self, name: str) -> None:
         self._call(self.client.delete, self.key(name))
 
+    def delete_prefix(self, name: str) -> None:
+        self._call(self.client.delete_prefix, self.key(name))
+
     def delete_job(self) -> None:
         self._call(self.client.delete_prefix, self.prefix)
 

@@ -1,0 +1,305 @@
+"""Tests of the checkpoint engine in one process: shard format, engine with its embedded server,
+budget, retention, storage, corruption, authentication and pickle-free loading."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import wait_for
+from transom import checkpoint
+from transom.checkpoint import layout, replication, storage
+from transom.checkpoint.server import CheckpointServer, ServerConfig, parse_size
+
+ALL_DTYPES = sorted(layout.DTYPES.values(), key=str)
+
+
+def random_tensor(dtype: torch.dtype, shape=(6, 5)) -> torch.Tensor:
+    """Random bits reinterpreted as `dtype`, so every bit pattern (NaN payloads too) must survive."""
+    size = dtype.itemsize
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * size,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2).bool().view(shape)
+    return raw.view(dtype).view(shape)
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of two states (dtype, shape, strides, bytes; plain values by ==)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape, a.stride()) != (b.dtype, b.shape, b.stride()):
+            return False
+        if a.numel() == 0:
+            return True
+        return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))) \
+            if a.dtype != torch.bool else bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+def rich_state() -> dict:
+    torch.manual_seed(1)
+    base = torch.randn(8, 12)
+    model = OrderedDict((("w", torch.randn(4, 4)), ("b", torch.zeros(4))))
+    model._metadata = OrderedDict({"": {"version": 2}})
+    return {
+        "dtypes": {str(dt): random_tensor(dt) for dt in ALL_DTYPES},
+        "base": base, "rows": base[2:5], "every_other_col": base[:, ::2], "transposed": base.t(),
+        "expanded": torch.randn(3, 1).expand(3, 4), "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 7), "empty_bf16": torch.empty(2, 0, dtype=torch.bfloat16),
+        "model": model, "param": torch.nn.Parameter(torch.randn(3)),
+        "optim": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(4)}},
+                  "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "foreach": None, "params": [0]}]},
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.RandomState(3).get_state()},
+        "plain": [1, -2**80, 2.5, float("inf"), float("nan"), 1e-310, True, None, "ü text", b"\x00\xff",
+                  3 + 4j, torch.float16, torch.device("cpu"), torch.Size([2, 3]), ("nested", [{"deep": (1,)}])],
+        7: "int key", (1, 2): "tuple key",
+    }
+
+
+def test_every_dtype_and_layout_round_trips_bit_exactly(tmp_path: Path) -> None:
+    state = rich_state()
+    checkpoint.save(state, tmp_path / "s.ckpt")
+    back = checkpoint.load(tmp_path / "s.ckpt")
+    assert same(state, back)
+    assert torch.bfloat16 in ALL_DTYPES and torch.float8_e4m3fn in ALL_DTYPES
+    # Views of one storage come back as views of one storage, with their strides.
+    ptr = back["base"].untyped_storage().data_ptr()
+    for name in ("rows", "every_other_col", "transposed"):
+        assert back[name].untyped_storage().data_ptr() == ptr, name
+    back["base"][3, 0] = 42.0
+    assert back["rows"][1, 0] == 42.0 and back["transposed"][0, 3] == 42.0
+    assert back["model"]._metadata == {"": {"version": 2}}
+    assert isinstance(back["param"], torch.nn.Parameter)
+
+
+def test_unsupported_values_are_refused_clearly(tmp_path: Path) -> None:
+    class Custom:
+        pass
+
+    with pytest.raises(checkpoint.UnsupportedValue, match="Custom"):
+        checkpoint.save({"x": Custom()}, tmp_path / "x")
+    with pytest.raises(checkpoint.UnsupportedValue, match="sparse"):
+        checkpoint.save({"x": torch.eye(3).to_sparse()}, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def _shard_bytes(tmp_path: Path) -> bytes:
+    checkpoint.save({"w": torch.arange(100, dtype=torch.float32)}, tmp_path / "ok")
+    return (tmp_path / "ok").read_bytes()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:len(b) - 10], "truncated"),
+    (lambda b: b[:20], "truncated"),
+    (lambda b: b"NOTSHARD" + b[8:], "bad magic"),
+    (lambda b: b[:-5] + bytes([b[-5] ^ 1]) + b[-4:], "checksum mismatch in data"),
+    (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "header checksum"),
+    (lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version 99"),
+])
+def test_damaged_shards_are_rejected(tmp_path: Path, damage, message) -> None:
+    (tmp_path / "bad").write_bytes(damage(_shard_bytes(tmp_path)))
+    with pytest.raises(checkpoint.ShardError, match=message):
+        checkpoint.load(tmp_path / "bad")
+
+
+def _craft(header: dict, data: bytes) -> bytes:
+    import xxhash
+    header = {**header, "data_len": len(data), "chunks": [xxhash.xxh3_64_hexdigest(data)] if data else []}
+    return layout.encode_header(header) + data
+
+
+@pytest.mark.parametrize("tree, tensors, storages, message", [
+    ({"T": 0}, [{"dtype": "float32", "shape": [1000], "stride": [1], "byte": 0, "storage": 0}],
+     [{"offset": 0, "nbytes": 64}], "outside its storage"),
+    ({"T": 0}, [], [], "not in its table"),
+    ({"__reduce__": ["os.system", ["touch pwned"]]}, [], [], "unknown node type"),
+    ({"T": 0}, [{"dtype": "object", "shape": [1], "stride": [1], "byte": 0, "storage": 0}],
+     [{"offset": 0, "nbytes": 64}], "malformed"),
+    ({"d": [[{"y": "gASVIAAAAAAAAACMAm9zlIwGc3lzdGVtlJOUjAh0b3VjaCBwd26UhZRSlC4="}, {"i": "1"}]]}, [], [], None),
+])
+def test_crafted_shards_cannot_run_code(tmp_path: Path, monkeypatch, tree, tensors, storages, message) -> None:
+    """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or an error."""
+    def forbidden(*a, **k):
+        raise AssertionError("unpickling was attempted")
+
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    header = {"format": layout.FORMAT_VERSION, "step": 0, "rank": 0, "world_size": 1,
+              "tree": tree, "tensors": tensors, "storages": storages}
+    (tmp_path / "crafted").write_bytes(_craft(header, bytes(64)))
+    if message is None:  # bytes that happen to be a pickle stay bytes
+        back = checkpoint.load(tmp_path / "crafted")
+        assert isinstance(next(iter(back)), bytes)
+    else:
+        with pytest.raises(checkpoint.ShardError, match=message):
+            checkpoint.load(tmp_path / "crafted")
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+def test_engine_saves_to_memory_and_loads_back_bit_exactly(tmp_path: Path) -> None:
+    state = rich_state()
+    with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
+        handle = engine.save(10, state)
+        assert handle.ok
+        handle.wait("memory", timeout=30)
+        back = engine.load()
+        assert engine.last_load["tier"] == "memory" and engine.last_load["step"] == 10
+        assert same(state, back)
+        back["base"].add_(1)  # a loaded tensor is the caller's: changing it changes no checkpoint
+        assert same(state, engine.load(10))
+        handle.wait("persisted", timeout=30)
+        with pytest.raises(checkpoint.CheckpointError, match="replication is off"):
+            handle.wait("replicated", timeout=30)
+    # A new process (here: a new engine) finds it in storage.
+    with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
+        assert same(state, engine.load())
+        assert engine.last_load["tier"] == "storage"
+
+
+def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
+    with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
+        state = {"w": torch.randn(1000)}
+        engine.save(3, state).wait("persisted", timeout=30)
+        shard = engine.server.shards[(3, 0)]
+        shard.region.map[100] ^= 0xFF  # a bit flip in the server's memory
+        back = engine.load()
+        assert engine.last_load["tier"] == "storage"
+        assert same(state, back)
+
+
+def test_corrupt_storage_copy_is_detected_and_an_older_step_used(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "store"
+    with checkpoint.Engine(storage_dir=root) as engine:
+        for step in (1, 2):
+            engine.save(step, {"w": torch.full((1000,), float(step))}).wait("persisted", timeout=30)
+    path = storage.shard_path(root, 2, 0)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with checkpoint.Engine(storage_dir=root) as engine:
+        back = engine.load()  # no restore step given: the newest step that loads
+        assert engine.last_load == {"step": 1, "tier": "storage", "seconds": engine.last_load["seconds"]}
+        assert torch.equal(back["w"], torch.full((1000,), 1.0))
+        monkeypatch.setenv("TRANSOM_RESTORE_STEP", "2")  # the controller chose step 2: no silent fallback
+        with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
+            engine.load()
+
+
+def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:
+    cfg = ServerConfig(node_id="n0", socket_path=tmp_path / "s.sock", shm_dir=tmp_path / "shm-unused",
+                       budget_bytes=budget, replicas=0, **kw)
+    cfg.shm_dir = Path("/dev/shm") / f"transom-test-{tmp_path.name}"
+    return CheckpointServer(cfg).start()
+
+
+def test_budget_refuses_a_save_that_does_not_fit_and_training_goes_on(tmp_path: Path) -> None:
+    shard = 4 << 20
+    server = _server(tmp_path, budget=2 * shard + (1 << 20))
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
+        state = {"w": torch.zeros(shard // 4)}
+        for step in (1, 2, 3, 4):  # two regions fit: the newest complete step plus the one being saved
+            engine.save(step, state).wait("memory", timeout=30)
+        held = {s.step for s in server.shards.values()}
+        assert held == {3, 4}
+        big = engine.save(5, {"w": torch.zeros(3 * shard // 4)})
+        assert not big.ok and "does not fit" in big.error and "--ckpt-memory" in big.error
+        with pytest.raises(checkpoint.SaveRefused):
+            big.wait("memory")
+        assert {s.step for s in server.shards.values()} == {3, 4}  # nothing was lost for it
+        assert engine.save(6, state).ok  # and the next save of the usual size works
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_memory_keeps_two_steps_per_rank_and_storage_keeps_k(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    server = _server(tmp_path, budget=1 << 30, storage_dir=root, storage_keep=2)
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1, storage_dir=root)
+        for step in range(1, 6):
+            engine.save(step, {"w": torch.full((1 << 16,), float(step))}).wait("persisted", timeout=30)
+        assert sorted(s.step for s in server.shards.values()) == [4, 5]
+        assert storage.complete_steps(root) == [5, 4]
+        assert (root / "latest").read_text().strip() == "5"
+        assert len(server.free) >= 1  # an evicted step's region waits for the next save
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the storage directory should be")
+    server = _server(tmp_path, budget=1 << 30, storage_dir=blocker / "ckpt")
+    events = []
+    server.event = lambda action, message, **f: events.append((action, message))
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
+        handle = engine.save(1, {"w": torch.ones(10)})
+        handle.wait("memory", timeout=30)  # training goes on: the save is in memory
+        wait_for(lambda: any(a == "failed" and "retrying" in m for a, m in events), 10, "a failure event")
+        blocker.unlink()  # the disk is fixed: the retry succeeds
+        handle.wait("persisted", timeout=30)
+        assert storage.complete_steps(blocker / "ckpt") == [1]
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_peer_authentication(tmp_path: Path) -> None:
+    cfg = ServerConfig(node_id="n0", socket_path=tmp_path / "s.sock",
+                       shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}", budget_bytes=1 << 30,
+                       replicas=1, secret=b"the job's secret")
+    server = CheckpointServer(cfg).start()
+    events = []
+    server.event = lambda action, message, **f: events.append(action)
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
+        state = {"w": torch.randn(1000)}
+        engine.save(1, state).wait("memory", timeout=30)
+        with pytest.raises(replication.ReplicationError, match="authentication"):
+            replication.fetch(server.addr, b"a guess", 1, 0)
+        wait_for(lambda: "auth" in events, 10, "the server to report the rejected peer")
+        header, data = replication.fetch(server.addr, b"the job's secret", 1, 0)
+        assert same(state, layout.rebuild(header, data))
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_sizes_parse() -> None:
+    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1000") == 1000
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def test_manifest_written_last(tmp_path: Path) -> None:
+    """A step is complete only when every rank's shard is there; the manifest then lists them all."""
+    root = tmp_path / "store"
+    for rank in (0, 1):
+        plan = layout.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
+        data = bytearray(plan.data_len)
+        layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
+        plan.header["chunks"] = layout.checksum_data(memoryview(data))
+        storage.write_shard(root, 4, rank, layout.encode_header(plan.header), memoryview(data))
+        storage.complete_step(root, 4, 2, keep=3)
+        assert storage.complete_steps(root) == ([] if rank == 0 else [4])
+    manifest = json.loads((storage.step_dir(root, 4) / "manifest.json").read_text())
+    assert sorted(manifest["shards"]) == ["0", "1"] and manifest["world_size"] == 2

@@ -1,0 +1,84 @@
+"""Checkpoint metadata in etcd: which tiers hold which shard, and the newest restorable step.
+
+Keys under the job's prefix (values JSON):
+    ckpt/servers/<node>                      a checkpoint server's peer address (under its lease)
+    ckpt/shards/<step:012d>/<rank:06d>/<holder>
+        holder "mem-<node>": the shard is in that node's server memory (under that server's lease,
+                             so it disappears when the node dies)
+        holder "storage":    the shard is in the storage directory (survives everything)
+        value: step, rank, world_size, node, tier, nbytes, header checksum, time
+
+Only metadata goes here, never shard bytes. Nothing in this module talks to a server.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transom.store import Store
+
+SHARDS = "ckpt/shards/"
+SERVERS = "ckpt/servers/"
+
+
+def shard_key(step: int, rank: int, holder: str) -> str:
+    return f"{SHARDS}{step:012d}/{rank:06d}/{holder}"
+
+
+def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=None) -> None:
+    store.put(shard_key(step, rank, holder), {"step": step, "rank": rank, "time": time.time(), **info}, lease=lease)
+
+
+def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
+    store.delete(shard_key(step, rank, holder))
+
+
+def withdraw_storage(store: Store, step: int) -> None:
+    """Forget the storage copies of every rank of `step` (retention removed its folder)."""
+    prefix = f"{SHARDS}{step:012d}/"
+    for key in store.get_prefix(prefix):
+        if key.endswith("/storage"):
+            store.delete(prefix + key)
+
+
+def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:
+    """step -> rank -> holder -> info, for every shard some tier holds."""
+    out: dict[int, dict[int, dict[str, dict]]] = {}
+    for key, info in store.get_prefix(SHARDS).items():
+        parts = key.split("/")
+        if len(parts) != 3:
+            continue
+        step, rank, holder = int(parts[0]), int(parts[1]), parts[2]
+        out.setdefault(step, {}).setdefault(rank, {})[holder] = info
+    return out
+
+
+def holders(store: Store, step: int, rank: int) -> dict[str, dict]:
+    prefix = f"{SHARDS}{step:012d}/{rank:06d}/"
+    return store.get_prefix(prefix)
+
+
+def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
+    """Steps whose every rank 0..world_size-1 is held by a live tier, saved with this world size,
+    newest first. Memory on a node in `lost` does not count (its lease may not have expired yet)."""
+    catalog = shards(store)
+
+    def usable(info: dict) -> bool:
+        return info.get("world_size") == world_size and not (info.get("tier") == "memory"
+                                                               and info.get("node") in lost)
+
+    return [step for step in sorted(catalog, reverse=True)
+            if all(any(usable(i) for i in catalog[step].get(r, {}).values()) for r in range(world_size))]
+
+
+def newest_restorable(store: Store, world_size: int, before: int | None = None, lost=()) -> int | None:
+    """The newest restorable step (see `restorable_steps`), strictly below `before` if given."""
+    for step in restorable_steps(store, world_size, lost):
+        if before is None or step < before:
+            return step
+    return None
+
+
+def servers(store: Store) -> dict[str, dict[str, Any]]:
+    return store.get_prefix(SERVERS)

@@ -1,0 +1,406 @@
+"""The worker's checkpoint API: `Engine.save` blocks only for a memory copy, `Engine.load` takes
+the fastest tier that holds a good copy.
+
+    ckpt = checkpoint.Engine()                       # from the launcher's environment, or arguments
+    h = ckpt.save(step, {"model": ..., "optim": ..., "rng": ..., "data": ...})
+    h.wait("replicated"); h.wait("persisted")        # only when the caller wants to
+    state = ckpt.load()                              # the controller's restore step, or the newest
+
+Under `transom run` the engine talks to its node's checkpoint server (TRANSOM_CKPT_SOCKET) and
+loads the step the controller chose (TRANSOM_RESTORE_STEP). Without a launcher it starts a server
+inside this process (its threads persist to `storage_dir` in the background): memory and storage
+tiers, no peer replica, and `close()` waits for pending writes so the next process finds them.
+
+A save copies every tensor straight into a shared-memory region the server hands out (CUDA
+tensors: asynchronously into that region registered as pinned memory, then committed from a
+background thread once the copy has finished). A load from local memory maps the server's region
+copy-on-write: no copy, and the server never writes into that region again (shm.py). Every load
+path verifies the shard's checksums; a bad copy is reported as an event and the next tier tried.
+This module never pickles or unpickles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from transom.checkpoint import layout, replication, storage
+from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
+from transom.checkpoint.shm import SHM_ROOT, MappingCache, anonymous_buffer, as_bytes, populated_map
+
+log = logging.getLogger("transom.ckpt")
+
+SOCKET_ENV = "TRANSOM_CKPT_SOCKET"
+SECRET_ENV = "TRANSOM_CKPT_SECRET"
+RESTORE_ENV = "TRANSOM_RESTORE_STEP"
+STORAGE_ENV = "TRANSOM_CHECKPOINT_DIR"
+DEFAULT_STORAGE = "checkpoints"
+CONNECT_TIMEOUT_S = 10.0
+EMBEDDED_PREFIX = "transom-local-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says why."""
+
+
+class SaveRefused(CheckpointError):
+    """The node's checkpoint server refused a save (memory budget); training can go on."""
+
+
+class SaveHandle:
+    """A save in progress: `wait(tier)` for "memory", "replicated" or "persisted"."""
+
+    def __init__(self, engine: "Engine", step: int, rank: int, error: str | None = None):
+        self.engine = engine
+        self.step = step
+        self.rank = rank
+        self.error = error
+        self.blocking_s = 0.0
+        self._committed = threading.Event()
+        if error is not None:
+            self._committed.set()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def wait(self, tier: str = "persisted", timeout: float | None = None) -> None:
+        """Return once the shard has reached `tier`; CheckpointError if it cannot (or TimeoutError)."""
+        if not self._committed.wait(timeout):
+            raise TimeoutError(f"step {self.step} not staged within {timeout} s")
+        if self.error is not None:
+            raise SaveRefused(self.error)
+        reply = self.engine._request({"op": "wait", "step": self.step, "rank": self.rank, "tier": tier,
+                                      "timeout": timeout}, fresh=True)
+        if reply.get("timeout"):
+            raise TimeoutError(reply["error"])
+        if not reply.get("ok"):
+            raise CheckpointError(f"step {self.step} rank {self.rank} did not reach {tier}: {reply.get('error')}")
+
+
+class Engine:
+    def __init__(self, socket_path: str | None = None, storage_dir: str | os.PathLike | None = None,
+                 rank: int | None = None, world_size: int | None = None, memory_bytes: int | None = None,
+                 keep: int | None = None, secret: bytes | None = None):
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        storage_env = os.environ.get(STORAGE_ENV)
+        self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV, "").encode()
+        self.socket_path = socket_path or os.environ.get(SOCKET_ENV)
+        self.server = None  # the embedded CheckpointServer, without a launcher
+        if not self.socket_path:
+            self.server = self._embedded_server(memory_bytes, keep)
+            self.socket_path = str(self.server.cfg.socket_path)
+        self._maps = MappingCache()
+        self._pinned: set[str] = set()
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._pending: list[threading.Thread] = []
+        self.last_load: dict = {}
+
+    def _embedded_server(self, memory_bytes: int | None, keep: int | None):
+        from transom.checkpoint.server import CheckpointServer, ServerConfig, default_budget
+
+        _remove_stale_embedded_regions()
+        shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
+        cfg = ServerConfig(node_id=f"local-{os.getpid()}", socket_path=shm_dir / "server.sock", shm_dir=shm_dir,
+                           budget_bytes=memory_bytes or default_budget(), storage_dir=self.storage_dir,
+                           replicas=0, storage_keep=keep or ServerConfig.storage_keep)
+        return CheckpointServer(cfg).start()
+
+    # -- talking to the server -------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as e:
+            sock.close()
+            raise CheckpointError(f"cannot reach the checkpoint server at {self.socket_path}: {e}") from e
+        sock.settimeout(None)
+        return sock
+
+    def _request(self, msg: dict, fresh: bool = False) -> dict:
+        """One request/reply; `fresh` uses its own connection (for requests that block)."""
+        if fresh:
+            sock = self._connect()
+            try:
+                send_msg(sock, msg)
+                return recv_msg(sock)
+            except (ProtocolError, OSError) as e:
+                raise CheckpointError(f"checkpoint server connection lost: {e}") from e
+            finally:
+                sock.close()
+        with self._lock:
+            for attempt in (0, 1):
+                if self._sock is None:
+                    self._sock = self._connect()
+                try:
+                    send_msg(self._sock, msg)
+                    return recv_msg(self._sock)
+                except (ProtocolError, OSError) as e:
+                    self._sock.close()
+                    self._sock = None
+                    if attempt or msg.get("op") == "commit":
+                        raise CheckpointError(f"checkpoint server connection lost: {e}") from e
+        raise AssertionError("unreachable")
+
+    # -- save ------------------------------------------------------------------------------------
+    def prepare(self, state: Any) -> bool:
+        """Have the server populate a region for a save of `state`'s size ahead of time, so even the
+        first save is a plain memory copy. False when the budget has no room for a spare region."""
+        plan = layout.plan_state(state, 0, self.rank, self.world_size)
+        reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
+        if reply.get("ok") and reply.get("path") and plan.data_len:
+            self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
+        return bool(reply.get("ok"))
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Copy `state` into the node's checkpoint memory and return; the rest happens in the background.
+
+        A save the server refuses (memory budget) does not raise: the handle says why, `wait`
+        raises SaveRefused, and a warning is logged.
+        """
+        t0 = time.perf_counter()
+        plan = layout.plan_state(state, step, self.rank, self.world_size)
+        reply = self._request({"op": "reserve", "step": step, "rank": self.rank, "world_size": self.world_size,
+                               "nbytes": plan.data_len})
+        if not reply.get("ok"):
+            if not reply.get("refused"):
+                raise CheckpointError(f"save of step {step} failed: {reply.get('error')}")
+            log.warning("checkpoint of step %d refused: %s", step, reply.get("error"))
+            return SaveHandle(self, step, self.rank, error=reply.get("error"))
+        self._forget_unlinked()
+        data = self._maps.get(reply["path"], reply["nbytes"])
+        handle = SaveHandle(self, step, self.rank)
+        on_gpu = any(r.source.is_cuda for r in plan.ranges)
+        try:
+            if on_gpu:
+                self._pin(reply["path"], data)
+            layout.copy_into(plan, data, non_blocking=on_gpu)
+        except BaseException:
+            self._request({"op": "abort", "step": step, "rank": self.rank})
+            raise
+        if on_gpu:
+            done = torch.cuda.Event()
+            done.record()  # later kernels on this stream are ordered after the copy: training may go on
+            thread = threading.Thread(target=self._commit_after, args=(handle, plan.header, done), daemon=True)
+            self._pending = [t for t in self._pending if t.is_alive()] + [thread]
+            thread.start()
+        else:
+            self._commit(handle, plan.header)
+        handle.blocking_s = time.perf_counter() - t0
+        return handle
+
+    def _commit(self, handle: SaveHandle, header: dict) -> None:
+        try:
+            reply = self._request({"op": "commit", "step": handle.step, "rank": self.rank, "header": header})
+            if not reply.get("ok"):
+                handle.error = reply.get("error")
+        except CheckpointError as e:
+            handle.error = str(e)
+        finally:
+            handle._committed.set()
+
+    def _commit_after(self, handle: SaveHandle, header: dict, done) -> None:
+        done.synchronize()
+        self._commit(handle, header)
+
+    def _pin(self, path: str, data: torch.Tensor) -> None:
+        """Register a region as pinned memory once, so device-to-host copies into it are fast and async."""
+        if path in self._pinned or data.numel() == 0:
+            return
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(data.data_ptr(), data.numel(), 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister failed (%s): device-to-host copies will be slower", err)
+        self._pinned.add(path)
+
+    def _forget_unlinked(self) -> None:
+        """Unmap regions the server has deleted, so their memory can go back to the system."""
+        for path in list(self._maps._maps):
+            if not os.path.exists(path):
+                self._maps.drop(path)
+                self._pinned.discard(path)
+
+    # -- load ------------------------------------------------------------------------------------
+    def restore_step(self) -> int | None:
+        """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any."""
+        value = os.environ.get(RESTORE_ENV)
+        return int(value) if value not in (None, "") else None
+
+    def steps(self) -> list[int]:
+        """Steps restorable for every rank of this world, newest first."""
+        try:
+            reply = self._request({"op": "steps", "world_size": self.world_size})
+            return list(reply.get("steps", []))
+        except CheckpointError as e:
+            log.warning("%s; looking in storage only", e)
+            return [s for s in storage.complete_steps(self.storage_dir)
+                    if (storage.read_manifest(self.storage_dir, s) or {}).get("world_size") == self.world_size]
+
+    def load(self, step: int | None = None, map_location: str | torch.device | None = None,
+             tier: str | None = None, rank: int | None = None) -> Any:
+        """The state saved at `step` (default: the controller's restore step, else the newest
+        restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
+        unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
+        `rank` reads another rank's shard (resharding)."""
+        step = step if step is not None else self.restore_step()
+        candidates = [step] if step is not None else self.steps()
+        errors = []
+        for s in candidates:
+            try:
+                state = self._load_step(s, tier, self.rank if rank is None else rank)
+            except CheckpointError as e:
+                errors.append(str(e))
+                if step is not None:
+                    raise
+                log.warning("%s; trying an older step", e)
+                continue
+            return _to_device(state, map_location) if map_location is not None else state
+        if errors:
+            raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
+        return None
+
+    def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
+        t0 = time.perf_counter()
+        try:
+            sources = self._request({"op": "locate", "step": step, "rank": rank}).get("sources", [])
+        except CheckpointError:
+            sources = []
+        path = storage.shard_path(self.storage_dir, step, rank)
+        if not any(s["tier"] == "storage" for s in sources) and path.exists():
+            sources.append({"tier": "storage", "path": str(path)})
+        if tier is not None:
+            sources = [s for s in sources if s["tier"] == tier]
+        problems = []
+        for source in sources:
+            try:
+                header, data = self._read(source, step, rank)
+                state = layout.rebuild(header, data)
+            except (layout.ShardError, replication.ReplicationError, OSError) as e:
+                problems.append(f"{source['tier']}: {e}")
+                self._report("bad-copy", f"rank {rank} step {step}: bad copy in {source['tier']} "
+                                         f"({e}); trying the next tier", step=step, rank=rank,
+                             tier=source["tier"], error=str(e))
+                continue
+            took = time.perf_counter() - t0
+            self.last_load = {"step": step, "tier": source["tier"], "seconds": took}
+            self._report("restored", f"rank {rank} restored step {step} from {source['tier']} "
+                                     f"in {took:.3f} s", step=step, rank=rank, tier=source["tier"],
+                         duration_s=took)
+            return state
+        raise CheckpointError(f"step {step} rank {rank}: no good copy in any tier "
+                              f"({'; '.join(problems) or 'no tier holds it'})")
+
+    def _read(self, source: dict, step: int, rank: int) -> tuple[dict, torch.Tensor]:
+        tier = source["tier"]
+        if tier == "memory":
+            header = source["header"]
+            layout.check_identity(header, step, rank)
+            n = int(header["data_len"])
+            if n == 0:
+                buf = anonymous_buffer(0)
+                layout.verify_data(header, memoryview(buf)[:0])
+                return header, as_bytes(buf)[:0]
+            m = populated_map(Path(source["path"]), n, private=True)
+            view = memoryview(m)
+            layout.verify_data(header, view)
+            del view
+            return header, as_bytes(m)
+        if tier == "peer":
+            return replication.fetch(source["addr"], self.secret, step, rank)
+        return storage.read_shard(Path(source["path"]), step, rank)
+
+    def _report(self, action: str, message: str, **fields) -> None:
+        log.info("%s", message)
+        try:
+            self._request({"op": "event", "action": action, "message": message, "fields": fields})
+        except CheckpointError:
+            pass
+
+    # -- end -------------------------------------------------------------------------------------
+    def close(self, wait: bool = True) -> None:
+        """Wait for pending commits (and, for an embedded server, pending writes), then disconnect."""
+        for thread in self._pending:
+            thread.join()
+        if self.server is not None and wait:
+            self._drain()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+        self._maps.clear()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def _drain(self) -> None:
+        with self.server.lock:
+            shards = [s for s in self.server.shards.values() if s.origin == "local"]
+        for s in shards:
+            with self.server.lock:
+                while (s.state != "committed" or "persisted" not in s.tiers) and "persisted" not in s.failed \
+                        and "memory" not in s.failed and self.server.shards.get(s.key) is s:
+                    self.server.lock.wait(1.0)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remove_stale_embedded_regions() -> None:
+    """Region folders of embedded servers whose process died without cleaning up (SIGKILL)."""
+    for path in SHM_ROOT.glob(f"{EMBEDDED_PREFIX}*-*"):
+        pid = path.name[len(EMBEDDED_PREFIX):].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _to_device(value: Any, device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        out = type(value)((k, _to_device(v, device)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+# -- a torch.save / torch.load pair --------------------------------------------------------------
+
+def save(obj: Any, path: str | os.PathLike) -> None:
+    """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
+    plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
+    buf = anonymous_buffer(plan.data_len)
+    data = as_bytes(buf)[:plan.data_len]
+    layout.copy_into(plan, data)
+    if any(r.source.is_cuda for r in plan.ranges):
+        torch.cuda.synchronize()
+    view = memoryview(buf)[:plan.data_len]
+    plan.header["chunks"] = layout.checksum_data(view)
+    path = Path(path)
+    storage._atomic_write(path, [layout.encode_header(plan.header), view])
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:
+    """Like torch.load(weights_only=True) for files written by `save`; ShardError when corrupt."""
+    header, data = storage.read_shard(Path(path))
+    state = layout.rebuild(header, data)
+    return _to_device(state, map_location) if map_location is not None else state

@@ -1,0 +1,146 @@
+"""Shared-memory regions: files under /dev/shm that a worker and its node's checkpoint server both map.
+
+Touching a fresh shared mapping for the first time costs about 2 s per GiB in page faults, more
+than writing the bytes; a region is therefore created populated (MAP_POPULATE) once, ahead of the
+save that uses it, and then reused by later saves of the same size. Workers keep their mappings
+open across saves (`MappingCache`), so a steady-state save is a plain memory copy.
+
+A region a worker has loaded from is mapped copy-on-write (MAP_PRIVATE): the worker may change
+the loaded tensors without touching the checkpoint. Such a region is "loaned" and never written
+again by the server (it is unlinked when evicted), so the worker's views stay valid as long as
+it keeps them. This module never decides what to keep: that is the server's job.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+SHM_ROOT = Path("/dev/shm")
+
+
+def populated_map(path: Path, nbytes: int, private: bool = False, create: bool = False) -> mmap.mmap:
+    """Map `path` (creating it with `nbytes` when `create`).
+
+    A shared mapping has every page faulted in up front (MAP_POPULATE), ready for copies into it.
+    A private (copy-on-write) mapping is for reading: populating it would copy every page (the
+    kernel prefaults writable private pages for writing), so its pages fault in on first read
+    (checksum verification touches them all, on several threads).
+    """
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size < nbytes:
+            raise OSError(f"shared-memory region {path} is smaller than {nbytes} bytes")
+        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def as_bytes(m: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
+    """A uint8 tensor sharing the buffer's memory (the tensor keeps the buffer alive)."""
+    if len(m) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def anonymous_buffer(nbytes: int) -> mmap.mmap:
+    """Private memory for a shard read from a peer or from disk, on huge pages where the kernel allows."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return m
+
+
+class Region:
+    """One region file owned by the checkpoint server."""
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path = Path(path)
+        self.nbytes = nbytes
+        self.loaned = False  # a worker mapped it for loading: never write into it again
+        self.prepared_for: int | None = None  # the rank whose next save gets it (its worker mapped it)
+        self.map = populated_map(self.path, nbytes, create=True) if nbytes else None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def view(self) -> memoryview:
+        return memoryview(self.map) if self.map is not None else memoryview(b"")
+
+    def destroy(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # a view is still exported; the mapping goes when it is collected
+            self.map = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class RegionDir:
+    """The folder of one server's regions: created empty (stale files of a dead server removed)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if self.path.exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True, mode=0o700)
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def new(self, nbytes: int) -> Region:
+        with self._lock:
+            self._next += 1
+            name = f"r{self._next:06d}-{nbytes}"
+        return Region(self.path / name, nbytes)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class MappingCache:
+    """A worker's open mappings of server regions, by path, so repeated saves skip mapping."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def get(self, path: str, nbytes: int) -> torch.Tensor:
+        hit = self._maps.get(path)
+        if hit is not None and len(hit[0]) == nbytes:
+            return hit[1]
+        if len(self._maps) >= self.limit:
+            self.drop(next(iter(self._maps)))
+        m = populated_map(Path(path), nbytes)
+        tensor = as_bytes(m)
+        self._maps[path] = (m, tensor)
+        return tensor
+
+    def drop(self, path: str) -> None:
+        hit = self._maps.pop(path, None)
+        if hit is not None:
+            m, tensor = hit
+            del tensor
+            try:
+                m.close()
+            except BufferError:
+                pass
+
+    def clear(self) -> None:
+        for path in list(self._maps):
+            self.drop(path)

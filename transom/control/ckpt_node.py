@@ -1,0 +1,92 @@
+"""The node agent's checkpoint server: started with the agent, restarted if it dies, gone with it.
+
+The server is a child process of the agent (it dies with the agent, as the node's memory would),
+configured from the job spec; the agent hands its workers the variables the checkpoint engine
+reads (socket, secret, storage directory). The job's checkpoint secret lives in etcd
+(`ckpt/secret`): the first agent creates it, every other one reads the same. This module never
+touches checkpoint data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transom.checkpoint.server import default_shm_dir
+from transom.config import JobSpec
+from transom.store import Store
+from transom.utils.procs import die_with_parent, stop_process
+
+log = logging.getLogger("transom.agent")
+
+SECRET_KEY = "ckpt/secret"
+START_TIMEOUT_S = 30.0
+
+
+class NodeCheckpointServer:
+    def __init__(self, spec: JobSpec, store: Store, node_id: str, run_dir: Path, host: str):
+        self.spec = spec
+        self.store = store
+        self.node_id = node_id
+        self.run_dir = Path(run_dir)
+        self.host = host
+        self.shm_dir = default_shm_dir(spec.job_id, node_id)
+        self.socket_path = self.shm_dir / "server.sock"
+        self.storage_dir = Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / "checkpoints"
+        self.process: subprocess.Popen | None = None
+        self.secret = ""
+
+    def start(self) -> None:
+        """Start the server and wait until it serves. Call from the agent's main thread."""
+        self.store.create(SECRET_KEY, secrets.token_hex(32))
+        self.secret = self.store.get(SECRET_KEY)
+        argv = [sys.executable, "-m", "transom.checkpoint.server", "--node-id", self.node_id,
+                "--job-id", self.spec.job_id, "--store", self.store.url, "--host", self.host,
+                "--shm-dir", str(self.shm_dir), "--socket", str(self.socket_path),
+                "--storage", str(self.storage_dir), "--keep", str(self.spec.ckpt_keep),
+                "--replicas", str(self.spec.ckpt_replicas), "--lease-ttl", str(self.spec.node_ttl_s)]
+        if self.spec.ckpt_memory_bytes:
+            argv += ["--memory", str(self.spec.ckpt_memory_bytes)]
+        log_path = self.run_dir / "logs" / f"ckpt-server-{self.node_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, "TRANSOM_CKPT_SECRET": self.secret},
+                                            preexec_fn=die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._serving():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"checkpoint server of {self.node_id} did not start; see {log_path}")
+            time.sleep(0.05)
+        log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
+
+    def _serving(self) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(str(self.socket_path))
+                return True
+            except OSError:
+                return False
+
+    def ensure_running(self) -> None:
+        """Restart the server if it died (its shards are gone; peers and storage still have copies)."""
+        if self.process is not None and self.process.poll() is not None:
+            log.warning("checkpoint server of %s exited (%s); restarting it", self.node_id, self.process.returncode)
+            self.start()
+
+    def worker_env(self) -> dict[str, str]:
+        return {"TRANSOM_CKPT_SOCKET": str(self.socket_path), "TRANSOM_CKPT_SECRET": self.secret,
+                "TRANSOM_CHECKPOINT_DIR": str(self.storage_dir)}
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
