@@ -127,7 +127,7 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
 
     floor_copy()
     r["floor_s"] = statistics.median(timed(floor_copy)[0] for _ in range(3))
-    del buf, tensors
+    buf = tensors = None  # free them (the closure above keeps the names)
     dist.barrier()
     path = work / f"torch-rank{rank}.pt"
     r["torch_save_s"], _ = timed(lambda: torch.save(state, path))
@@ -135,7 +135,7 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
     r["dcp_save_s"], _ = timed(lambda: dcp.save(dcp_view(state, rank), checkpoint_id=str(work / "dcp")))
     dist.barrier()
     template = dcp_view(make_state(nbytes, rank), rank)
-    del state  # loads below allocate their own memory
+    state = None  # free it: loads below allocate their own memory
     dist.barrier()
     r["torch_load_s"], out = timed(lambda: torch.load(path, weights_only=True))
     del out
@@ -178,7 +178,7 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
         dist.barrier()
     r["transom_save_s"] = statistics.median(times)
     last = 1 + args.saves
-    del state, h
+    state = h = None  # free them before the loads
     # Loads, one at a time (each result freed before the next).
     for tier in ("memory", "peer", "storage"):
         dist.barrier()
