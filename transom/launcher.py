@@ -29,7 +29,7 @@ from transom.config import ConfigError, JobSpec
 from transom.control.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreError
 from transom.utils.procs import die_with_parent, stop_process
-from transom.view import (EVENTS_FILE, STATUS_FILE, format_event, render_status, snapshot,
+from transom.view import (EVENTS_FILE, STATUS_FILE, format_event, is_routine, render_status, snapshot,
                           status_summary)
 
 log = logging.getLogger("transom.run")
@@ -192,7 +192,8 @@ class Launcher:
                 for event in new:
                     f.write(json.dumps(event) + "\n")
         for event in new:
-            self.console.print(format_event(event), highlight=False, markup=False)
+            if not is_routine(event):
+                self.console.print(format_event(event), highlight=False, markup=False)
         if live is not None:
             live.update(render_status(status_summary(snap)))
 

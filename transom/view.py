@@ -149,6 +149,16 @@ def render_status(summary: dict) -> Group:
     return Group(*parts)
 
 
+# Checkpoint progress of every shard: kept in the event log, too many lines for a live view.
+ROUTINE_CHECKPOINT_ACTIONS = ("saved", "replicated", "persisted")
+
+
+def is_routine(event: dict) -> bool:
+    """An event a live view leaves out (`transom events` and events.jsonl still have it)."""
+    return event.get("kind") == "checkpoint" and event.get("action") in ROUTINE_CHECKPOINT_ACTIONS
+
+
 def format_event(event: dict) -> str:
     stamp = dt.datetime.fromtimestamp(event["time"]).strftime("%H:%M:%S.%f")[:-3]
-    return f"{stamp}  g{event.get('generation', 0):<3} {event['kind']:<10} {event['message']}"
+    generation = f"g{event['generation']}" if "generation" in event else "-"
+    return f"{stamp}  {generation:<4} {event['kind']:<10} {event['message']}"
