@@ -44,6 +44,7 @@ RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
+STOP_GRACE_S = 20
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
 LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b.*?|step (?P<step>\d+) .*?)"
@@ -109,9 +110,13 @@ def finish(process: subprocess.Popen, marker: str, timeout: float = RUN_TIMEOUT_
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        if process.poll() is None:  # Ctrl-C first, so the launcher frees what it holds (shared memory)
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         for p in psutil.process_iter():  # torchrun starts workers in sessions of their own
             try:
                 if marker in " ".join(p.cmdline()):

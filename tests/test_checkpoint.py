@@ -303,3 +303,34 @@ def test_manifest_written_last(tmp_path: Path) -> None:
         assert storage.complete_steps(root) == ([] if rank == 0 else [4])
     manifest = json.loads((storage.step_dir(root, 4) / "manifest.json").read_text())
     assert sorted(manifest["shards"]) == ["0", "1"] and manifest["world_size"] == 2
+
+
+def test_shared_memory_of_dead_servers_is_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    from transom.checkpoint.server import STALE_SOCKET_AGE_S, sweep_stale_shm
+
+    old = os.path.getmtime(tmp_path) - STALE_SOCKET_AGE_S - 10
+    dirs = {name: tmp_path / f"transom-job-{name}" for name in ("dead", "live", "young")}
+    listeners = []
+    for name, d in dirs.items():
+        d.mkdir()
+        (d / "r000001-64").write_bytes(b"x" * 64)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(d / "server.sock"))
+        if name == "live":
+            s.listen()
+            listeners.append(s)
+        else:
+            s.close()  # the server died: its socket file stays, nobody accepts
+        if name != "young":
+            os.utime(d / "server.sock", (old, old))
+    try:
+        assert sweep_stale_shm(tmp_path) == [dirs["dead"]]
+        assert not dirs["dead"].exists()
+        assert (dirs["live"] / "r000001-64").exists()  # its server still answers
+        assert (dirs["young"] / "r000001-64").exists()  # may be a server still starting
+    finally:
+        for s in listeners:
+            s.close()

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from transom.checkpoint.server import default_shm_dir
+from transom.checkpoint.server import default_shm_dir, sweep_stale_shm
 from transom.config import JobSpec
 from transom.store import Store
 from transom.utils.procs import die_with_parent, stop_process
@@ -45,6 +45,8 @@ class NodeCheckpointServer:
 
     def start(self) -> None:
         """Start the server and wait until it serves. Call from the agent's main thread."""
+        for stale in sweep_stale_shm():
+            log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
         self.store.create(SECRET_KEY, secrets.token_hex(32))
         self.secret = self.store.get(SECRET_KEY)
         argv = [sys.executable, "-m", "transom.checkpoint.server", "--node-id", self.node_id,
