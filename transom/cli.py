@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=480, help="training steps; the faults are spread over them "
                                                               "(default 480, a few minutes)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the fault targets")
-    demo.add_argument("--run-dir", type=Path, help="where everything goes (default ./transom-runs/demo-ID)")
+    demo.add_argument("--run-dir", type=Path, help="where everything goes (default ./transom-runs/JOB_ID)")
+    demo.add_argument("--job-id", metavar="J", help="the job's name (default demo-RANDOM)")
     demo.add_argument("--no-reference", dest="reference", action="store_false",
                       help="skip the fault-free reference run (and so the weights check)")
 
@@ -201,7 +202,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from transom.demo import run_demo
 
-    return run_demo(steps=args.steps, seed=args.seed, run_dir=args.run_dir, reference=args.reference)
+    return run_demo(steps=args.steps, seed=args.seed, run_dir=args.run_dir, reference=args.reference,
+                    job_id=args.job_id)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from transom.utils.procs import die_with_parent, stop_process
 DEMO_NODES = 4
 DEMO_SPARES = 1
 DEMO_STEPS = 480
+MIN_STEPS = 80
 DEMO_MAX_RESTARTS = 10
 SLOW_FACTOR = 3
 # (fault, where in the run as a fraction of the steps, its target): one of each, spread out so
@@ -110,14 +111,14 @@ def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
 
 
 def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike | None = None,
-             reference: bool = True, console: Console | None = None) -> int:
+             reference: bool = True, job_id: str | None = None, console: Console | None = None) -> int:
+    if steps < MIN_STEPS:
+        raise ConfigError(f"--steps {steps}: the demo needs at least {MIN_STEPS} steps to space its faults")
     from transom.report import write_report  # matplotlib: imported only when needed
 
     console = console or Console(soft_wrap=True)
-    if steps < 80:
-        raise ConfigError(f"--steps {steps}: the demo needs at least 80 steps to space its faults")
     script = example_script()
-    job_id = "demo-" + new_job_id().split("-")[1]
+    job_id = job_id or "demo-" + new_job_id().split("-")[1]
     run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
     spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS),
                    job_id=job_id, nnodes_min=DEMO_NODES, nnodes_max=DEMO_NODES, spares=DEMO_SPARES,
@@ -147,7 +148,7 @@ def verdict(summary: dict, code: int, reference: bool) -> list[str]:
     if code != 0:
         problems.append(f"the job did not succeed: {summary.get('outcome', {}).get('reason')}")
     for fault in summary.get("faults", []):
-        if fault.get("status") != "recovered":
+        if fault.get("status") != "detected+recovered":
             problems.append(f"fault {fault.get('type')} at step {fault.get('step')}: {fault.get('status')}")
     weights = summary.get("weights") or {}
     if reference and code == 0 and not weights.get("identical"):
