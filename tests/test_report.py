@@ -134,6 +134,14 @@ def test_each_fault_is_matched_to_its_detection_and_recovery(tmp_path):
     assert s["fault_counts"] == {"total": 4, "recovered": 2, "not_recovered": 1, "not_detected": 1}
 
 
+def test_a_crash_without_its_anomaly_is_detected_by_the_incident(tmp_path):
+    run_dir = write_synthetic_run(tmp_path / "run")
+    write_lines(run_dir / "events.jsonl", [e for e in synthetic_events() if e.get("type") != "crash"])
+    crash = build_summary(read_run(run_dir))["faults"][0]
+    assert crash["detected_by"] == "worker failure (incident)" and crash["detection_s"] == pytest.approx(0.5)
+    assert crash["status"] == RECOVERED and crash["recovery_s"] == pytest.approx(3.0)
+
+
 def test_nan_is_detected_at_its_earliest_step_and_rollback_counts_as_recovery(tmp_path):
     events = [
         ev(0.0, "generation", generation=1, members=["n0", "n1"], spares=[], restore_step=None),

@@ -25,10 +25,10 @@ Definitions (the markdown report repeats them):
   Effective-training-time ratio = effective training time / wall time. The first step of each
   generation counts as start-up or downtime, since progress only says when a step has finished.
 * Per fault (one per `fault` event): detected by the first matching event after the injection
-  (DETECTORS: crash -> a crash anomaly on its rank, kill -> the controller finding the node lost,
-  hang -> a hang anomaly, slow -> a straggler anomaly on its node, nan -> the nan anomaly of the
-  earliest step, log -> a log or hardware anomaly on its node); detection time = detected at -
-  injected at. Recovered when the controller acted on the detection (restart, evict or rollback;
+  (crash -> a crash anomaly on its rank, or else the incident naming its node failed; kill -> the
+  controller finding the node lost; DETECTORS for the others: hang -> a hang anomaly, slow -> a
+  straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a log or
+  hardware anomaly on its node); detection time = detected at - injected at. Recovered when the controller acted on the detection (restart, evict or rollback;
   a crash or a lost node always opens an incident) and the next generation trains again beyond its
   restore step (without progress samples: its `running` event); recovery time = detected at ->
   trains again. A detection answered with a warning only is "detected, not recovered".
@@ -218,8 +218,9 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
                 return e
         return None
     anomalies = [e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())]
-    if kind == "crash":
-        anomalies = [e for e in anomalies if _names(e, node, rank)]
+    if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
+        anomalies = [e for e in anomalies if _names(e, node, rank)] + [
+            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
     elif kind == "nan" and anomalies:
@@ -245,6 +246,8 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 def _detected_by(detection: dict) -> str:
     if detection.get("kind") == "anomaly":
         return f"{detection['type']} anomaly"
+    if detection.get("kind") == "incident" and detection.get("failed") and not detection.get("lost"):
+        return "worker failure (incident)"
     return f"{NODE_LOST} ({detection['kind']})"
 
 
