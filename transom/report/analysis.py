@@ -28,10 +28,11 @@ Definitions (the markdown report repeats them):
   (crash -> a crash anomaly on its rank, or else the incident naming its node failed; kill -> the
   controller finding the node lost; DETECTORS for the others: hang -> a hang anomaly, slow -> a
   straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a log or
-  hardware anomaly on its node); detection time = detected at - injected at. Recovered when the controller acted on the detection (restart, evict or rollback;
-  a crash or a lost node always opens an incident) and the next generation trains again beyond its
-  restore step (without progress samples: its `running` event); recovery time = detected at ->
-  trains again. A detection answered with a warning only is "detected, not recovered".
+  hardware anomaly on its node); detection time = detected at - injected at. Recovered when the
+  controller acted on the detection (restart, evict or rollback; a crash or a lost node always
+  opens an incident) and the next generation trains again beyond its restore step (without
+  progress samples: its `running` event); recovery time = detected at -> trains again. A detection
+  answered with a warning only is "detected, not recovered".
 
 This module must never read files or draw: it maps records to numbers, so tests can check every
 number exactly on hand-made records.
@@ -39,9 +40,11 @@ number exactly on hand-made records.
 
 from __future__ import annotations
 
+import math
 import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
@@ -148,7 +151,7 @@ def kept_steps(gens: list[Generation]) -> list[int]:
 def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -> list[dict]:
     """One per generation that a next generation followed: what ended it and the steps lost."""
     out = []
-    for g, nxt in zip(gens, gens[1:]):
+    for g, nxt in pairwise(gens):
         between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
         diagnosis = next((e for e in reversed(between) if e.get("kind") == "diagnosis"), None)
         incident = next((e for e in reversed(between) if e.get("kind") == "incident"), None)
@@ -224,8 +227,11 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
     elif kind == "nan" and anomalies:
-        first_step = min(e.get("step") if e.get("step") is not None else float("inf") for e in anomalies)
-        anomalies = [e for e in anomalies if (e.get("step") if e.get("step") is not None else float("inf")) == first_step]
+        def step(e: dict) -> float:
+            return e["step"] if e.get("step") is not None else math.inf
+
+        first_step = min(map(step, anomalies))
+        anomalies = [e for e in anomalies if step(e) == first_step]
     return min(anomalies, key=_detected_at, default=None)
 
 
@@ -286,7 +292,8 @@ def fault_counts(rows: list[dict]) -> dict:
             "not_detected": sum(r["status"] == NOT_DETECTED for r in rows)}
 
 
-def membership(events: list[dict], progress: list[dict] | None, end: float) -> dict[str, list[tuple[float, float, str]]]:
+def membership(events: list[dict], progress: list[dict] | None,
+               end: float) -> dict[str, list[tuple[float, float, str]]]:
     """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
     evict and spare events and the progress samples' member lists."""
     changes: list[tuple[float, dict[str, str | None]]] = []

@@ -66,16 +66,17 @@ def _goodput(g: dict) -> list[str]:
 def _faults(rows: list[dict], origin: float) -> list[str]:
     if not rows:
         return ["No faults were injected."]
-    lines = ["| fault | type | node / rank | step | injected | detected by | detection | "
-             "recovered (generation, running, training) | recovery | lost steps | status |",
+    lines = [("| fault | type | node / rank | step | injected | detected by | detection | "
+              "recovered (generation, running, training) | recovery | lost steps | status |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         where = f"{r['node'] or '?'} / {r['rank'] if r['rank'] is not None else '?'}"
-        recovered = ("n/a" if r["recovered_at"] is None else
-                     f"g{r['recovered_in_generation']}, {_at(r['running_at'], origin)}, {_at(r['recovered_at'], origin)}")
-        lines.append(f"| {_cell(r['id'])} | {r['type']} | {where} | {_cell(r['step'])} | {_at(r['injected_at'], origin)} | "
-                     f"{_cell(r['detected_by'])} | {_s(r['detection_s'], 2)} | {recovered} | {_s(r['recovery_s'], 2)} | "
-                     f"{_cell(r['lost_steps'])} | {r['status']} |")
+        recovered = "n/a" if r["recovered_at"] is None else (
+            f"g{r['recovered_in_generation']}, {_at(r['running_at'], origin)}, {_at(r['recovered_at'], origin)}")
+        cells = [_cell(r["id"]), r["type"], where, _cell(r["step"]), _at(r["injected_at"], origin),
+                 _cell(r["detected_by"]), _s(r["detection_s"], 2), recovered, _s(r["recovery_s"], 2),
+                 _cell(r["lost_steps"]), r["status"]]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -100,8 +101,8 @@ def _weights(w: dict) -> list[str]:
     if not w["available"]:
         return [f"Unavailable: {w['note']}."]
     if w["identical"]:
-        return [f"**Bit-identical**: all {w['tensors']} tensors of the final model equal the fault-free "
-                "run's, byte for byte."]
+        return [(f"**Bit-identical**: all {w['tensors']} tensors of the final model equal the fault-free "
+                 "run's, byte for byte.")]
     lines = [f"**Not identical**: {len(w['differing'])} of {w['tensors']} tensors differ."]
     if w["differing"]:
         lines += ["", "| tensor | differing elements | max abs diff | note |", "|---|---|---|---|"]
@@ -122,10 +123,10 @@ def render_markdown(summary: dict, png_name: str | None = "report.png") -> str:
     origin = summary["start_at"]
     outcome, counts = summary["outcome"], summary["fault_counts"]
     head = [f"# Transom run report: {summary.get('job_id') or summary['run_dir']}", "",
-            f"**Outcome: {outcome['state']}** ({_cell(outcome['reason'])}). "
-            f"{outcome['generations']} generation(s), {outcome['restarts']} restart(s); "
-            f"{counts['recovered']} of {counts['total']} faults detected and recovered, "
-            f"{counts['not_recovered']} detected but not recovered, {counts['not_detected']} not detected.", ""]
+            (f"**Outcome: {outcome['state']}** ({_cell(outcome['reason'])}). "
+             f"{outcome['generations']} generation(s), {outcome['restarts']} restart(s); "
+             f"{counts['recovered']} of {counts['total']} faults detected and recovered, "
+             f"{counts['not_recovered']} detected but not recovered, {counts['not_detected']} not detected."), ""]
     if png_name:
         head += [f"![timeline]({png_name})", ""]
     if summary["unavailable"]:
