@@ -180,7 +180,7 @@ def goodput(start: float, end: float, gens: list[Generation], incident_rows: lis
         return result
     result["lost_steps"] = sum(i["lost_steps"] for i in incident_rows)
     result["steps_completed"] = gens[-1].reached_step if gens else 0
-    trained = [(g, k) for g, k in zip(gens, kept_steps(gens)) if g.trained_at is not None]
+    trained = [(g, k) for g, k in zip(gens, kept_steps(gens), strict=True) if g.trained_at is not None]
     if not trained:
         return result
     effective = lost = downtime = 0.0
@@ -330,7 +330,7 @@ def membership(events: list[dict], progress: list[dict] | None,
                 if new.get(n) is not None:
                     spans.setdefault(n, []).append([t, None, new[n]])
         role = new
-    for n, r in role.items():
+    for n in role:
         spans[n][-1][1] = end
     return {n: [tuple(s) for s in spans[n]] for n in sorted(spans, key=_natural)}
 

@@ -64,7 +64,7 @@ def draw_timeline(path: Path, summary: dict, gens: list[Generation],
                  color=OUTCOME_COLOURS.get(outcome["state"], "black"))
 
     handles = []
-    for i, (g, kept) in enumerate(zip(gens, kept_steps(gens))):
+    for i, (g, kept) in enumerate(zip(gens, kept_steps(gens), strict=True)):
         if not g.samples:
             continue
         colour = GENERATION_COLOURS[i % len(GENERATION_COLOURS)]
@@ -76,12 +76,12 @@ def draw_timeline(path: Path, summary: dict, gens: list[Generation],
             lost_points.insert(0, split)
         start = "fresh" if g.restore_step == 0 else f"from step {g.restore_step}"
         if kept_points:
-            line, = top.plot(*zip(*kept_points), color=colour, lw=2.2, label=f"generation {g.number} ({start})")
+            line, = top.plot(*zip(*kept_points, strict=True), color=colour, lw=2.2, label=f"generation {g.number} ({start})")
             top.plot(*kept_points[0], "o", color=colour, ms=4)
             handles.append(line)
         if len(lost_points) > 1:
-            top.plot(*zip(*lost_points), color=colour, lw=2.2, alpha=LOST_ALPHA, ls=":")
-    if any(k < g.reached_step for g, k in zip(gens, kept_steps(gens)) if g.samples):
+            top.plot(*zip(*lost_points, strict=True), color=colour, lw=2.2, alpha=LOST_ALPHA, ls=":")
+    if any(k < g.reached_step for g, k in zip(gens, kept_steps(gens), strict=True) if g.samples):
         handles.append(plt.Line2D([], [], color="grey", lw=2.2, alpha=LOST_ALPHA, ls=":",
                                   label="steps computed again later (lost)"))
     if not summary["goodput"]["progress_available"]:
