@@ -74,13 +74,15 @@ def draw_timeline(path: Path, summary: dict, gens: list[Generation],
             split = (g.time_of_step(kept) - origin, kept)  # where the kept steps end, between two samples
             kept_points.append(split)
             lost_points.insert(0, split)
-        start = "fresh" if g.restore_step == 0 else f"from step {g.restore_step}"
+        label = f"generation {g.number} ({'fresh' if g.restore_step == 0 else f'from step {g.restore_step}'})"
         if kept_points:
-            line, = top.plot(*zip(*kept_points, strict=True), color=colour, lw=2.2, label=f"generation {g.number} ({start})")
-            top.plot(*kept_points[0], "o", color=colour, ms=4)
+            line, = top.plot(*zip(*kept_points, strict=True), color=colour, lw=2.2, label=label)
             handles.append(line)
         if len(lost_points) > 1:
-            top.plot(*zip(*lost_points, strict=True), color=colour, lw=2.2, alpha=LOST_ALPHA, ls=":")
+            line, = top.plot(*zip(*lost_points, strict=True), color=colour, lw=2.2, alpha=LOST_ALPHA, ls=":",
+                             label=label)
+            handles += [] if kept_points else [line]
+        top.plot(*(kept_points or lost_points)[0], "o", color=colour, ms=4)
     if any(k < g.reached_step for g, k in zip(gens, kept_steps(gens), strict=True) if g.samples):
         handles.append(plt.Line2D([], [], color="grey", lw=2.2, alpha=LOST_ALPHA, ls=":",
                                   label="steps computed again later (lost)"))
