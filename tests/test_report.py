@@ -27,6 +27,7 @@ from conftest import REPO
 from transom.cli import main
 from transom.report import build_summary, read_run, write_report
 from transom.report.analysis import NOT_DETECTED, NOT_RECOVERED, RECOVERED
+from transom.report.render import weights_line
 from transom.report.weights import compare_files
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -205,8 +206,15 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
     assert width > 800 and height > 400
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == s
     assert set(s) == {"job_id", "run_dir", "outcome", "start_at", "end_at", "goodput", "faults", "fault_counts",
-                      "generations", "incidents", "weights", "unavailable", "files"}
+                      "generations", "incidents", "weights", "unavailable", "text", "files"}
     assert s["weights"]["identical"] is True and s["weights"]["tensors"] == 3
+    assert s["weights"]["summary"] == "bit-identical to the fault-free run (3 tensors)"
+    assert s["text"].splitlines()[:4] == [
+        "SUCCEEDED after 18.5 s (fault-free run: 9.2 s, 2.00x); 60 steps, 15 lost to faults",
+        "effective training time 3.5 s = 19% of wall time",
+        "faults: 2 of 4 detected and recovered",
+        "  crash step   31 n1: detected+recovered, detected in 0.25 s (crash anomaly), training again 3.25 s later, "
+        "10 steps lost"]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "**Bit-identical**" in markdown and "| f1 | kill | n0 / 0 |" in markdown
     assert "effective-training-time ratio | 0.189 |" in markdown
@@ -229,6 +237,8 @@ def test_weights_check_names_each_differing_tensor(tmp_path):
     assert by_name["embed.weight"]["max_abs_diff"] == pytest.approx(0.5, abs=1e-6)
     assert by_name["head.bias"]["differing_elements"] == 1 and by_name["head.bias"]["max_abs_diff"] == 0.0
     assert result["missing"] == ["step"] and result["extra"] == ["extra.buffer"]
+    assert weights_line({"available": True, **result}) == (
+        "2 of 3 tensors differ from the fault-free run; largest difference 0.5 in embed.weight; 1 missing; 1 extra")
 
 
 def test_weights_check_is_strict_about_nan_and_dtype(tmp_path):

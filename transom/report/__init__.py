@@ -23,7 +23,9 @@ top-level keys (times are unix seconds, durations `*_s`, ratios `*_x`; None wher
   incidents     one dict per generation that a next one followed: {generation, next_generation,
                  cause, interrupted_step, interrupted_at, restore_step, lost_steps, trains_again_at}
   weights       {available, note, identical, tensors, differing: [{name, differing_elements, numel,
-                 max_abs_diff, note}], missing, extra}
+                 max_abs_diff, note}], missing, extra, summary}; max_abs_diff is "nan" when a NaN
+                 differs; summary is the check in one line
+  text          a few plain lines summing the report up, for a terminal
   unavailable   what the run lacked (no progress.jsonl, no weights, no reference.json)
   files         {png, markdown, json}: the paths written
 
@@ -37,7 +39,7 @@ import json
 from pathlib import Path
 
 from transom.report.analysis import analyse, generations, membership
-from transom.report.render import render_markdown
+from transom.report.render import render_markdown, render_text, weights_line
 from transom.report.rundir import (FINAL_WEIGHTS_FILE, PROGRESS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE,
                                    RunRecords, read_run)
 
@@ -64,10 +66,12 @@ def build_summary(records: RunRecords) -> dict:
     summary = {"job_id": records.job_id, "run_dir": str(records.run_dir),
                **analyse(records.events, records.progress, records.status, records.reference)}
     summary["weights"] = _weights(records)
+    summary["weights"]["summary"] = weights_line(summary["weights"])
     summary["unavailable"] = [what for what, missing in (
         (f"training progress ({PROGRESS_FILE})", records.progress is None),
         (f"the weights check ({FINAL_WEIGHTS_FILE}, {REFERENCE_WEIGHTS_FILE})", not summary["weights"]["available"]),
         (f"the fault-free reference time ({REFERENCE_FILE})", records.reference is None)) if missing]
+    summary["text"] = render_text(summary)
     return summary
 
 

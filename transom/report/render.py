@@ -138,3 +138,47 @@ def render_markdown(summary: dict, png_name: str | None = "report.png") -> str:
     parts += _incidents(summary, origin) + ["", "## Final weights against a fault-free run", ""]
     parts += _weights(summary["weights"])
     return "\n".join(parts) + "\n"
+
+
+def weights_line(w: dict) -> str:
+    """The weights check in one line."""
+    if not w["available"]:
+        return f"unavailable: {w['note']}"
+    if w["identical"]:
+        return f"bit-identical to the fault-free run ({w['tensors']} tensors)"
+    parts = [f"{len(w['differing'])} of {w['tensors']} tensors differ from the fault-free run"]
+    numeric = [d for d in w["differing"] if isinstance(d["max_abs_diff"], (int, float))]
+    if numeric:
+        worst = max(numeric, key=lambda d: d["max_abs_diff"])
+        parts.append(f"largest difference {worst['max_abs_diff']:.3g} in {worst['name']}")
+    if w["missing"]:
+        parts.append(f"{len(w['missing'])} missing")
+    if w["extra"]:
+        parts.append(f"{len(w['extra'])} extra")
+    return "; ".join(parts)
+
+
+def render_text(summary: dict) -> str:
+    """A few plain lines for a terminal (what `transom demo` shows at the end)."""
+    g, outcome, counts = summary["goodput"], summary["outcome"], summary["fault_counts"]
+    first = f"{outcome['state']} after {g['wall_s']:.1f} s"
+    if g["reference_wall_s"] is not None:
+        first += f" (fault-free run: {g['reference_wall_s']:.1f} s, {g['slowdown_x']:.2f}x)"
+    if g["steps_completed"] is not None:
+        first += f"; {g['steps_completed']} steps, {g['lost_steps']} lost to faults"
+    lines = [first]
+    if g["effective_ratio_x"] is not None:
+        lines.append(f"effective training time {g['effective_training_s']:.1f} s = "
+                     f"{g['effective_ratio_x']:.0%} of wall time")
+    lines.append(f"faults: {counts['recovered']} of {counts['total']} detected and recovered")
+    for r in summary["faults"]:
+        line = f"  {r['type']:<5} step {_cell(r['step']):>4} {r['node'] or ''}: {r['status']}"
+        if r["detection_s"] is not None:
+            line += f", detected in {r['detection_s']:.2f} s ({r['detected_by']})"
+        if r["recovery_s"] is not None:
+            line += f", training again {r['recovery_s']:.2f} s later"
+        if r["lost_steps"]:
+            line += f", {r['lost_steps']} steps lost"
+        lines.append(line)
+    lines.append(f"weights: {summary['weights']['summary']}")
+    return "\n".join(lines)
