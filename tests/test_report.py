@@ -126,7 +126,7 @@ def test_each_fault_is_matched_to_its_detection_and_recovery(tmp_path):
     assert crash["recovered_in_generation"] == 2 and crash["running_at"] == T0 + 9.0
     assert crash["recovered_at"] == T0 + 10.0 and crash["recovery_s"] == pytest.approx(3.25)
     assert crash["lost_steps"] == 10 and crash["status"] == RECOVERED
-    assert kill["detected_by"] == "node lost (incident)" and kill["detection_s"] == pytest.approx(2.8)
+    assert kill["detected_by"] == "node lost" and kill["detection_s"] == pytest.approx(2.8)
     assert kill["recovered_at"] == T0 + 17.0 and kill["recovery_s"] == pytest.approx(2.0)
     assert kill["lost_steps"] == 5 and kill["status"] == RECOVERED
     assert slow["detected_by"] == "straggler anomaly" and slow["detection_s"] == pytest.approx(0.3)
@@ -213,8 +213,8 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
         "SUCCEEDED after 18.5 s (fault-free run: 9.2 s, 2.00x); 60 steps, 15 lost to faults",
         "effective training time 3.5 s = 19% of wall time",
         "faults: 2 of 4 detected and recovered",
-        "  crash step   31 n1: detected+recovered, detected in 0.25 s (crash anomaly), training again 3.25 s later, "
-        "10 steps lost"]
+        ("  crash at step   31 on n1: detected+recovered; detected in 0.25 s (crash anomaly), "
+         "training again 3.25 s later, 10 steps lost")]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "**Bit-identical**" in markdown and "| f1 | kill | n0 / 0 |" in markdown
     assert "effective-training-time ratio | 0.189 |" in markdown

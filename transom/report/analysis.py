@@ -254,7 +254,7 @@ def _detected_by(detection: dict) -> str:
         return f"{detection['type']} anomaly"
     if detection.get("kind") == "incident" and detection.get("failed") and not detection.get("lost"):
         return "worker failure (incident)"
-    return f"{NODE_LOST} ({detection['kind']})"
+    return NODE_LOST
 
 
 def fault_rows(events: list[dict], gens: list[Generation], incident_rows: list[dict],

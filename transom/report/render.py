@@ -172,13 +172,14 @@ def render_text(summary: dict) -> str:
                      f"{g['effective_ratio_x']:.0%} of wall time")
     lines.append(f"faults: {counts['recovered']} of {counts['total']} detected and recovered")
     for r in summary["faults"]:
-        line = f"  {r['type']:<5} step {_cell(r['step']):>4} {r['node'] or ''}: {r['status']}"
+        facts = []
         if r["detection_s"] is not None:
-            line += f", detected in {r['detection_s']:.2f} s ({r['detected_by']})"
+            facts.append(f"detected in {r['detection_s']:.2f} s ({r['detected_by']})")
         if r["recovery_s"] is not None:
-            line += f", training again {r['recovery_s']:.2f} s later"
-        if r["lost_steps"]:
-            line += f", {r['lost_steps']} steps lost"
-        lines.append(line)
+            facts.append(f"training again {r['recovery_s']:.2f} s later")
+        if r["lost_steps"] is not None:
+            facts.append(f"{r['lost_steps']} steps lost")
+        lines.append(f"  {r['type']:<5} at step {_cell(r['step']):>4} on {r['node'] or '?'}: {r['status']}"
+                     + (f"; {', '.join(facts)}" if facts else ""))
     lines.append(f"weights: {summary['weights']['summary']}")
     return "\n".join(lines)
