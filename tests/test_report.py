@@ -99,23 +99,24 @@ def test_goodput_numbers_are_exact(tmp_path):
     s = build_summary(read_run(write_synthetic_run(tmp_path / "run")))
     g = s["goodput"]
     # kept steps: g1 up to 20 (g2 restores 20), g2 up to 40 (g3 restores 40), g3 all 60;
-    # g2 reached step 40 halfway between its samples of 35 (t=11) and 45 (t=12).
+    # g2 reached step 40 halfway between its samples of 35 (t=11) and 45 (t=12). The faults count
+    # as samples: g1 reached step 31 at 6.5 (the crash), g2 step 46 at 12.2 (the kill).
     assert g["wall_s"] == pytest.approx(18.5)
     assert g["steps_completed"] == 60
     assert g["effective_training_s"] == pytest.approx(1.0 + 1.5 + 1.0)
     assert g["effective_ratio_x"] == pytest.approx(3.5 / 18.5)
     assert g["startup_s"] == pytest.approx(4.0)
-    assert g["lost_compute_s"] == pytest.approx(1.0 + 0.5)
-    assert g["downtime_s"] == pytest.approx((10.0 - 6.0) + (17.0 - 12.0))
+    assert g["lost_compute_s"] == pytest.approx((6.5 - 5.0) + (12.2 - 11.5))
+    assert g["downtime_s"] == pytest.approx((10.0 - 6.5) + (17.0 - 12.2))
     assert g["shutdown_s"] == pytest.approx(0.5)
-    assert g["lost_steps"] == (30 - 20) + (45 - 40)
+    assert g["lost_steps"] == (31 - 20) + (46 - 40)
     assert g["reference_wall_s"] == 9.25 and g["slowdown_x"] == pytest.approx(2.0)
     parts = g["effective_training_s"] + g["startup_s"] + g["lost_compute_s"] + g["downtime_s"] + g["shutdown_s"]
     assert parts == pytest.approx(g["wall_s"])
     assert s["outcome"] == {"state": "SUCCEEDED", "reason": "all 2 nodes finished generation 3", "finished": True,
                             "generations": 3, "restarts": 2}
     assert [(i["interrupted_step"], i["restore_step"], i["lost_steps"]) for i in s["incidents"]] == [
-        (30, 20, 10), (45, 40, 5)]
+        (31, 20, 11), (46, 40, 6)]
     assert s["incidents"][1]["cause"] == "n0 lost; blamed: n0"
 
 
@@ -125,10 +126,10 @@ def test_each_fault_is_matched_to_its_detection_and_recovery(tmp_path):
     assert crash["detected_by"] == "crash anomaly" and crash["detection_s"] == pytest.approx(0.25)
     assert crash["recovered_in_generation"] == 2 and crash["running_at"] == T0 + 9.0
     assert crash["recovered_at"] == T0 + 10.0 and crash["recovery_s"] == pytest.approx(3.25)
-    assert crash["lost_steps"] == 10 and crash["status"] == RECOVERED
+    assert crash["lost_steps"] == 11 and crash["status"] == RECOVERED
     assert kill["detected_by"] == "node lost" and kill["detection_s"] == pytest.approx(2.8)
     assert kill["recovered_at"] == T0 + 17.0 and kill["recovery_s"] == pytest.approx(2.0)
-    assert kill["lost_steps"] == 5 and kill["status"] == RECOVERED
+    assert kill["lost_steps"] == 6 and kill["status"] == RECOVERED
     assert slow["detected_by"] == "straggler anomaly" and slow["detection_s"] == pytest.approx(0.3)
     assert slow["status"] == NOT_RECOVERED and slow["recovery_s"] is None
     assert log["status"] == NOT_DETECTED and log["detected_at"] is None
@@ -209,12 +210,16 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
                       "generations", "incidents", "weights", "unavailable", "text", "files"}
     assert s["weights"]["identical"] is True and s["weights"]["tensors"] == 3
     assert s["weights"]["summary"] == "bit-identical to the fault-free run (3 tensors)"
-    assert s["text"].splitlines()[:4] == [
-        "SUCCEEDED after 18.5 s (fault-free run: 9.2 s, 2.00x); 60 steps, 15 lost to faults",
-        "effective training time 3.5 s = 19% of wall time",
+    assert s["text"].splitlines() == [
+        "SUCCEEDED after 18.5 s; the fault-free run took 9.2 s (2.00x)",
+        "60 steps, 17 lost to faults; effective training 3.5 s = 19% of wall time",
         "faults: 2 of 4 detected and recovered",
-        ("  crash at step   31 on n1: detected+recovered; detected in 0.25 s (crash anomaly), "
-         "training again 3.25 s later, 10 steps lost")]
+        "  fault  step node    detected by         recovered  lost  status",
+        "  crash    31 n1        0.25 s crash         3.25 s    11  detected+recovered",
+        "  kill     46 n0        2.80 s node lost     2.00 s     6  detected+recovered",
+        "  slow     55 n2        0.30 s straggler          -     -  detected, not recovered",
+        "  log      56 n1             - -                  -     -  not detected",
+        "weights: bit-identical to the fault-free run (3 tensors)"]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "**Bit-identical**" in markdown and "| f1 | kill | n0 / 0 |" in markdown
     assert "effective-training-time ratio | 0.189 |" in markdown

@@ -8,7 +8,9 @@ Definitions (the markdown report repeats them):
 * A generation g restores step r_g (0 when it starts fresh). It "trains again" at the first
   progress sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a
   progress sample of g shows (r_g when it shows none). A progress sample's step is the newest step
-  every rank of the generation has finished. The time g reached a step between two samples is
+  every rank of the generation has finished; a fault injected in g counts as a sample too (the
+  step its target rank had reached), since progress is sampled every half second or so and a
+  fault often strikes after the last sample. The time g reached a step between two samples is
   interpolated linearly between them.
 * Incident: the end of generation g followed by generation g+1. Its lost steps are m_g - r_{g+1}
   (steps computed but not kept, to be computed again); lost steps in total sum over incidents.
@@ -130,12 +132,15 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
                                                list(e.get("spares", [])), e.get("restore_step") or 0)
         elif e.get("kind") == "running" and e.get("generation") in gens:
             gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
-    for p in progress or []:
+    # Progress samples, and with them each fault injection: the step its target rank had reached
+    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last one).
+    points = [p for p in progress or [] if p.get("step") is not None]
+    if points:
+        points += [e for e in events if e.get("kind") == "fault" and e.get("step") is not None]
+    for p in sorted(points, key=lambda p: p["time"]):
         g = gens.get(p.get("generation"))
-        if g is not None and p.get("step") is not None:
-            best = g.samples[-1][1] if g.samples else None
-            if best is None or p["step"] > best:  # the first sample of each new step
-                g.samples.append((p["time"], p["step"]))
+        if g is not None and (not g.samples or p["step"] > g.samples[-1][1]):  # the first sample of each new step
+            g.samples.append((p["time"], p["step"]))
     return [gens[n] for n in sorted(gens)]
 
 

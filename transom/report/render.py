@@ -159,27 +159,27 @@ def weights_line(w: dict) -> str:
 
 
 def render_text(summary: dict) -> str:
-    """A few plain lines for a terminal (what `transom demo` shows at the end)."""
+    """A few plain lines, each under 80 characters, for a terminal (what `transom demo` shows)."""
     g, outcome, counts = summary["goodput"], summary["outcome"], summary["fault_counts"]
     first = f"{outcome['state']} after {g['wall_s']:.1f} s"
     if g["reference_wall_s"] is not None:
-        first += f" (fault-free run: {g['reference_wall_s']:.1f} s, {g['slowdown_x']:.2f}x)"
-    if g["steps_completed"] is not None:
-        first += f"; {g['steps_completed']} steps, {g['lost_steps']} lost to faults"
+        first += f"; the fault-free run took {g['reference_wall_s']:.1f} s ({g['slowdown_x']:.2f}x)"
     lines = [first]
-    if g["effective_ratio_x"] is not None:
-        lines.append(f"effective training time {g['effective_training_s']:.1f} s = "
-                     f"{g['effective_ratio_x']:.0%} of wall time")
+    if g["steps_completed"] is not None:
+        lines.append(f"{g['steps_completed']} steps, {g['lost_steps']} lost to faults; effective training "
+                     f"{g['effective_training_s']:.1f} s = {g['effective_ratio_x']:.0%} of wall time"
+                     if g["effective_ratio_x"] is not None else
+                     f"{g['steps_completed']} steps, {g['lost_steps']} lost to faults")
     lines.append(f"faults: {counts['recovered']} of {counts['total']} detected and recovered")
+    if summary["faults"]:
+        lines.append(f"  {'fault':<5} {'step':>5} {'node':<7} {'detected':>8} {'by':<10} {'recovered':>9} "
+                     f"{'lost':>5}  status")
     for r in summary["faults"]:
-        facts = []
-        if r["detection_s"] is not None:
-            facts.append(f"detected in {r['detection_s']:.2f} s ({r['detected_by']})")
-        if r["recovery_s"] is not None:
-            facts.append(f"training again {r['recovery_s']:.2f} s later")
-        if r["lost_steps"] is not None:
-            facts.append(f"{r['lost_steps']} steps lost")
-        lines.append(f"  {r['type']:<5} at step {_cell(r['step']):>4} on {r['node'] or '?'}: {r['status']}"
-                     + (f"; {', '.join(facts)}" if facts else ""))
+        by = (r["detected_by"] or "-").replace(" anomaly", "").replace("worker failure (incident)", "incident")
+        detected = "-" if r["detection_s"] is None else f"{r['detection_s']:.2f} s"
+        recovered = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f} s"
+        lost = "-" if r["lost_steps"] is None else str(r["lost_steps"])
+        lines.append(f"  {r['type']:<5} {_cell(r['step']):>5} {r['node'] or '?':<7} {detected:>8} {by:<10} "
+                     f"{recovered:>9} {lost:>5}  {r['status']}")
     lines.append(f"weights: {summary['weights']['summary']}")
     return "\n".join(lines)
