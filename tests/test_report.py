@@ -187,6 +187,15 @@ def test_a_run_without_progress_or_weights_still_gets_a_report(tmp_path):
     assert "Unavailable: no final_weights.pt and no reference_weights.pt" in markdown
 
 
+def test_an_unfinished_run_ends_at_its_last_record(tmp_path):
+    run_dir = write_synthetic_run(tmp_path / "run")
+    write_lines(run_dir / "events.jsonl", [e for e in synthetic_events() if e["kind"] != "succeeded"])
+    (run_dir / "status.json").write_text(json.dumps({"job_id": "j", "job": {"state": "RUNNING"}}))
+    s = build_summary(read_run(run_dir))
+    assert s["outcome"]["state"] == "RUNNING" and s["outcome"]["finished"] is False
+    assert s["end_at"] == T0 + 18.0 and s["goodput"]["shutdown_s"] == 0.0  # the last progress sample
+
+
 def png_size(path: Path) -> tuple[int, int]:
     """Width and height from a PNG's header chunk, after checking the signature and the chunk's CRC."""
     data = path.read_bytes()
