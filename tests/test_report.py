@@ -273,16 +273,25 @@ def test_weights_check_is_strict_about_nan_and_dtype(tmp_path):
 def test_cli_refuses_a_directory_without_events(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["report", str(tmp_path)]) == 2
+    assert main(["report"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "does not exist" in err[0] and "no events.jsonl" in err[1]
+    assert len(err) == 3 and "does not exist" in err[0] and "no events.jsonl" in err[1] and "RUN_DIR" in err[2]
+
+
+def test_cli_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(option in out for option in ("RUN_DIR", "--out", "--json", "--run-dir"))
 
 
 def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
     run_dir = write_synthetic_run(tmp_path / "run")
     assert main(["report", str(run_dir)]) == 0
     assert capsys.readouterr().out == (run_dir / "report.md").read_text()
-    assert main(["report", str(run_dir), "--json", "--out", str(tmp_path / "o")]) == 0
+    assert main(["report", "--run-dir", str(run_dir), "--json", "--out", str(tmp_path / "o")]) == 0
     assert json.loads(capsys.readouterr().out)["fault_counts"]["recovered"] == 2
+    assert (tmp_path / "o" / "report.png").exists()
 
 
 def test_report_of_a_recorded_demo_run(tmp_path):

@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "directory and print the markdown summary: outcome, goodput, per-fault "
                                         "detection and recovery times, and the final weights against a "
                                         "fault-free run when the run directory holds both.")
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory of a finished job")
+    report.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory of a finished job")
+    report.add_argument("--run-dir", type=Path, dest="run_dir_option", metavar="RUN_DIR",
+                        help="the same, as an option (like status and events)")
     report.add_argument("--out", type=Path, metavar="DIR", help="where to write the report (default: RUN_DIR)")
     report.add_argument("--json", action="store_true", help="print the JSON summary instead of the markdown")
 
@@ -246,10 +248,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from transom.report import write_report
 
+    run_dir = args.run_dir or args.run_dir_option
+    if run_dir is None:
+        raise ConfigError("give the run directory: transom report RUN_DIR")
     try:
-        summary = write_report(args.run_dir, args.out)
+        summary = write_report(run_dir, args.out)
     except OSError as e:
-        raise ConfigError(f"report of {args.run_dir}: {e}") from None
+        raise ConfigError(f"report of {run_dir}: {e}") from None
     print(json.dumps(summary, indent=1) + "\n" if args.json else Path(summary["files"]["markdown"]).read_text(),
           end="")
     return 0
