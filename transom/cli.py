@@ -1,4 +1,4 @@
-"""The `transom` command: run | demo | agent | controller | status | events | ckpt-server.
+"""The `transom` command: run | demo | agent | controller | status | events | report | ckpt-server.
 
 Every refusal or failure exits non-zero with a one-line reason on stderr.
 """
@@ -153,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", type=Path, help="a run directory")
         p.add_argument("--json", action="store_true", help="print JSON")
 
+    report = sub.add_parser("report", help="write and show the report of a finished run",
+                            description="Write report.png (timeline), report.md and report.json for a run "
+                                        "directory and print the markdown summary: outcome, goodput, per-fault "
+                                        "detection and recovery times, and the final weights against a "
+                                        "fault-free run when the run directory holds both.")
+    report.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory of a finished job")
+    report.add_argument("--run-dir", type=Path, dest="run_dir_option", metavar="RUN_DIR",
+                        help="the same, as an option (like status and events)")
+    report.add_argument("--out", type=Path, metavar="DIR", help="where to write the report (default: RUN_DIR)")
+    report.add_argument("--json", action="store_true", help="print the JSON summary instead of the markdown")
+
     sub.add_parser("ckpt-server", help="run a node's checkpoint server on its own", add_help=False,
                    description="Hold checkpoint shards in this node's memory (see `transom ckpt-server --help`).")
     return parser
@@ -260,8 +271,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from transom.report import write_report
+
+    run_dir = args.run_dir or args.run_dir_option
+    if run_dir is None:
+        raise ConfigError("give the run directory: transom report RUN_DIR")
+    try:
+        summary = write_report(run_dir, args.out)
+    except OSError as e:
+        raise ConfigError(f"report of {run_dir}: {e}") from None
+    print(json.dumps(summary, indent=1) + "\n" if args.json else Path(summary["files"]["markdown"]).read_text(),
+          end="")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "demo": cmd_demo, "agent": cmd_agent, "controller": cmd_controller,
-            "status": cmd_status, "events": cmd_status}
+            "status": cmd_status, "events": cmd_status, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
