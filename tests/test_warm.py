@@ -9,13 +9,14 @@ import sys
 import pytest
 
 from conftest import wait_for
-from transom.control.warm import WarmPool
+from transom.control.warm import WarmPool, can_leave_idle_policy
 
 SCRIPT = """
 import json, os, sys
 print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
                   "rank": os.environ.get("RANK"), "path0": sys.path[0],
-                  "torch_loaded": "torch" in sys.modules}), flush=True)
+                  "torch_loaded": "torch" in sys.modules, "policy": os.sched_getscheduler(0),
+                  "idle_env": [k for k in os.environ if k.startswith("TRANSOM_WARM_IDLE")]}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if sys.argv[1] == "raise":
     raise ValueError("boom")
@@ -74,3 +75,25 @@ def test_pool_refills_only_when_workers_are_under_way(pool, tmp_path):
 def test_an_empty_pool_hands_out_nothing(tmp_path):
     pool = WarmPool(1, dict(os.environ), tmp_path / "warm.log")
     assert pool.launch([sys.executable], dict(os.environ), tmp_path / "x.log") is None
+
+
+@pytest.mark.skipif(not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)")
+def test_imports_wait_at_idle_priority_and_the_worker_runs_at_normal_priority(pool, tmp_path):
+    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+    assert os.sched_getscheduler(pool.ready[0].pid) == os.SCHED_IDLE
+    code, text = run_warm(pool, tmp_path, "0")
+    first = json.loads(text.splitlines()[0])
+    assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
+
+
+def test_a_worker_handed_over_before_its_imports_are_done_runs_at_normal_priority(tmp_path):
+    pool = WarmPool(1, {**os.environ, "TRANSOM_WARM_IMPORTS": "json"}, tmp_path / "warm.log")
+    pool.fill()
+    try:
+        script = tmp_path / "job.py"
+        script.write_text(SCRIPT)
+        proc = pool.launch([str(script), "0"], {**os.environ, "RANK": "7"}, tmp_path / "early.log")
+        assert proc is not None and proc.wait(timeout=30) == 0
+        assert json.loads((tmp_path / "early.log").read_text().splitlines()[0])["policy"] == os.SCHED_OTHER
+    finally:
+        pool.close()

@@ -10,6 +10,13 @@ child takes on that environment, sends its output to the log and runs the script
 and is then gone; the agent starts replacements once the new workers are under way, so their
 imports do not compete with the restart they are meant to speed up.
 
+The imports of a replacement run under the SCHED_IDLE scheduling policy where this process may
+return to the normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only
+CPU time the workers leave idle, instead of slowing training down while they import (about 3 s
+of CPU each; on a node whose cores are all busy that is training time). The interpreter returns
+to the normal policy as soon as its job arrives; an interpreter handed a job before its imports
+are done is returned to it by the pool at once.
+
 What it must never do: run anything before the job arrives except imports, or outlive the
 agent (they are started like workers, dying with their parent). Environment variables that a
 library reads at import time (e.g. OMP_NUM_THREADS) come from the agent's environment.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import subprocess
 import sys
@@ -35,6 +43,21 @@ DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._
 # they started (for scripts that never report).
 REFILL_DELAY_S = 30.0
 READY = b"R"
+IDLE_IMPORTS_ENV = "TRANSOM_WARM_IDLE_IMPORTS"
+NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
+
+
+def can_leave_idle_policy() -> bool:
+    """Whether a process here may switch from SCHED_IDLE back to the normal policy."""
+    return (hasattr(os, "SCHED_IDLE") and
+            (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= NICE_CEILING))
+
+
+def set_normal_policy(pid: int = 0) -> None:
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass  # gone, or not allowed: it keeps its policy
 
 
 class WarmPool:
@@ -48,6 +71,8 @@ class WarmPool:
         self.ready: list[subprocess.Popen] = []
         self._imported: set[int] = set()  # pids whose imports are done
         self._used_at = 0.0
+        if can_leave_idle_policy():
+            self.env = {**env, IDLE_IMPORTS_ENV: "1"}
 
     def fill(self, workers_progressing: bool = False) -> None:
         """Start interpreters until `size` are waiting, unless workers have just been started
@@ -77,6 +102,8 @@ class WarmPool:
         self._used_at = time.monotonic()
         while self.ready:
             proc = self.ready.pop(0)
+            if proc.pid not in self._imported:
+                set_normal_policy(proc.pid)  # still importing, perhaps at idle priority: now it is urgent
             self._imported.discard(proc.pid)
             proc.stdout.close()
             if proc.poll() is not None:
@@ -104,6 +131,12 @@ def _serve() -> int:
     import importlib
     import runpy
 
+    idle = os.environ.pop(IDLE_IMPORTS_ENV, "") == "1"
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            idle = False
     for name in os.environ.get("TRANSOM_WARM_IMPORTS", DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
@@ -114,6 +147,8 @@ def _serve() -> int:
     line = sys.stdin.buffer.readline()
     if not line:
         return 0  # the pool was closed before a job came
+    if idle:
+        set_normal_policy()
     job = json.loads(line)
     log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
