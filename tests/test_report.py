@@ -296,7 +296,9 @@ def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
 
 def test_report_of_a_recorded_demo_run(tmp_path):
     """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 2b280d7):
-    4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered."""
+    4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered.
+    (Its reference.json is left out: that version's fault-free run restored the faulted run's
+    last checkpoint, so its time meant nothing.)"""
     run_dir = shutil.copytree(DATA / "demo-run", tmp_path / "run")
     s = write_report(run_dir)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 5
@@ -310,7 +312,7 @@ def test_report_of_a_recorded_demo_run(tmp_path):
     g = s["goodput"]
     assert g["steps_completed"] == 160 and g["lost_steps"] == 54
     assert g["wall_s"] == pytest.approx(71.99, abs=0.01) and g["effective_ratio_x"] == pytest.approx(0.242, abs=1e-3)
-    assert g["slowdown_x"] == pytest.approx(71.99 / 9.538, abs=0.01)
+    assert g["reference_wall_s"] is None and g["slowdown_x"] is None
     lanes = membership(read_run(run_dir).events, read_run(run_dir).progress, s["end_at"])
     assert [span[2] for span in lanes["node3"]][-1] == "evicted" and lanes["node4"][-1][2] == "member"
     assert png_size(run_dir / "report.png")[0] > 800
