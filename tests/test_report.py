@@ -295,22 +295,23 @@ def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
 
 
 def test_report_of_a_recorded_demo_run(tmp_path):
-    """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 2b280d7):
-    4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered."""
+    """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 51389fb):
+    4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered,
+    then the fault-free torchrun reference (reference.json)."""
     run_dir = shutil.copytree(DATA / "demo-run", tmp_path / "run")
     s = write_report(run_dir)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 5
     assert [(f["type"], f["status"], f["recovered_in_generation"], f["lost_steps"]) for f in s["faults"]] == [
-        ("crash", RECOVERED, 2, 0), ("kill", RECOVERED, 3, 7), ("hang", RECOVERED, 4, 14),
-        ("nan", RECOVERED, 5, 21), ("slow", RECOVERED, 6, 12)]
+        ("crash", RECOVERED, 2, 0), ("kill", RECOVERED, 3, 7), ("hang", RECOVERED, 4, 15),
+        ("nan", RECOVERED, 5, 20), ("slow", RECOVERED, 6, 12)]
     assert [f["detected_by"] for f in s["faults"]] == [
         "crash anomaly", "node lost", "hang anomaly", "nan anomaly", "straggler anomaly"]
-    assert [round(f["detection_s"], 2) for f in s["faults"]] == [0.20, 2.66, 8.00, 0.10, 1.92]
-    assert [round(f["recovery_s"], 2) for f in s["faults"]] == [5.21, 3.04, 2.07, 6.44, 3.88]
+    assert [round(f["detection_s"], 2) for f in s["faults"]] == [0.22, 2.74, 8.07, 0.12, 2.26]
+    assert [round(f["recovery_s"], 2) for f in s["faults"]] == [5.62, 3.26, 1.86, 7.32, 2.28]
     g = s["goodput"]
     assert g["steps_completed"] == 160 and g["lost_steps"] == 54
-    assert g["wall_s"] == pytest.approx(71.99, abs=0.01) and g["effective_ratio_x"] == pytest.approx(0.242, abs=1e-3)
-    assert g["slowdown_x"] == pytest.approx(71.99 / 9.538, abs=0.01)
+    assert g["wall_s"] == pytest.approx(72.15, abs=0.01) and g["effective_ratio_x"] == pytest.approx(0.242, abs=1e-3)
+    assert g["reference_wall_s"] == 15.543 and g["slowdown_x"] == pytest.approx(72.15 / 15.543, abs=0.01)
     lanes = membership(read_run(run_dir).events, read_run(run_dir).progress, s["end_at"])
     assert [span[2] for span in lanes["node3"]][-1] == "evicted" and lanes["node4"][-1][2] == "member"
     assert png_size(run_dir / "report.png")[0] > 800
