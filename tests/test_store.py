@@ -202,3 +202,19 @@ def test_leadership_race_has_one_winner(store, controllers):
     winner = next(c for c in candidates if results[c.candidate_id])
     assert store.get("leader") == winner.candidate_id
     assert store.get("job")["generation"] == 0
+
+
+def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
+    """After a NaN rollback the bad generation's checkpoints at or after the bad step are dropped,
+    so later restarts restore the newest good checkpoint again (not one from before the NaN)."""
+    from transom.checkpoint import catalog
+
+    for step, saved in ((20, 100.0), (40, 200.0), (60, 300.0), (60, 500.0), (80, 600.0)):
+        for rank in (0, 1):
+            holder = "storage" if saved != 500.0 else "mem-node1"
+            store.put(catalog.shard_key(step, rank, holder),
+                      {"step": step, "rank": rank, "world_size": 2, "tier": "storage", "time": saved})
+    dropped = catalog.discard_poisoned(store, first_bad_step=50, saved_before=400.0)
+    assert dropped == [60]
+    assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]
+    assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}  # saved after the rollback: kept

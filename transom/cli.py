@@ -1,4 +1,4 @@
-"""The `transom` command: run | agent | controller | status | events.
+"""The `transom` command: run | demo | agent | controller | status | events | ckpt-server.
 
 Every refusal or failure exits non-zero with a one-line reason on stderr.
 """
@@ -99,7 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--node-id", help="this machine's node name with --store (default: host name)")
     run.add_argument("--host", help="address other nodes reach this one at (default: 127.0.0.1 without "
                                     "--store, else this machine's address)")
+    run.add_argument("--refill-spares", action="store_true",
+                     help="simulated nodes only: start a new node whenever one is evicted, as a cluster's "
+                          "scheduler would, so the pool of spares stays full")
     _add_spec_args(run)
+
+    demo = sub.add_parser("demo", help="train the example GPT through a campaign of real faults, then report",
+                          description="Train examples/train_gpt.py on 4 simulated nodes + 1 hot spare while a "
+                                      "seeded campaign injects a worker crash, a node death, a hang, a NaN and "
+                                      "a slow node; then train it again without faults (torchrun) and write "
+                                      "the report (timeline PNG, goodput, detection and recovery times, and "
+                                      "whether the final weights are bit-identical) to the run directory.")
+    demo.add_argument("--steps", type=int, default=480, help="training steps; the faults are spread over them "
+                                                              "(default 480, a few minutes)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the fault targets")
+    demo.add_argument("--run-dir", type=Path, help="where everything goes (default ./transom-runs/demo-ID)")
+    demo.add_argument("--no-reference", dest="reference", action="store_false",
+                      help="skip the fault-free reference run (and so the weights check)")
 
     agent = sub.add_parser("agent", help="run one node agent of a job",
                            description="Register this node in the job and run its workers as the controller plans.")
@@ -173,11 +189,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / spec.job_id)
     host = args.host or ("127.0.0.1" if args.store is None else host_address())
+    if args.refill_spares and args.store is not None:
+        raise ConfigError("--refill-spares starts simulated nodes; it cannot be used with --store")
     launch = Launch(spec=spec, run_dir=run_dir, store_url=args.store, local_nodes=args.local_nodes,
-                    node_prefix=args.node_id, host=host)
+                    node_prefix=args.node_id, host=host, refill_spares=args.refill_spares)
     if args.store is None and spec.nnodes_max + spec.spares > 64:
         raise ConfigError(f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many (64 at most)")
     return Launcher(launch).run()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from transom.demo import run_demo
+
+    return run_demo(steps=args.steps, seed=args.seed, run_dir=args.run_dir, reference=args.reference)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -234,7 +258,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "agent": cmd_agent, "controller": cmd_controller,
+COMMANDS = {"run": cmd_run, "demo": cmd_demo, "agent": cmd_agent, "controller": cmd_controller,
             "status": cmd_status, "events": cmd_status}
 
 

@@ -4,8 +4,11 @@ On one machine (no --store) it starts a private etcd and simulates `nnodes + spa
 each a separate agent process. With --store it joins a job on an existing etcd and runs one
 agent (or --local-nodes of them) and one controller candidate on this machine; every machine
 runs the same command. It mirrors the job's events into the run directory, keeps `status.json`
-current, shows a live view, replaces a controller candidate that died while the job goes on,
-and when the job ends (or on Ctrl-C) stops everything it started, etcd included.
+current, records the job's progress over time (`progress.jsonl`), shows a live view, replaces a
+controller candidate that died while the job goes on, and when the job ends (or on Ctrl-C) stops
+everything it started, etcd included. With `refill_spares` (simulated nodes only) it plays the
+cluster's scheduler too: every node the controller evicts is replaced by a newly started one,
+which joins as a spare, so the pool of spares stays full.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from transom.config import ConfigError, JobSpec
 from transom.control.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreError
 from transom.utils.procs import die_with_parent, stop_process
-from transom.view import (EVENTS_FILE, STATUS_FILE, format_event, is_routine, render_status, snapshot,
-                          status_summary)
+from transom.view import (EVENTS_FILE, PROGRESS_FILE, STATUS_FILE, EventFilter, format_event, progress_record,
+                          render_live, snapshot, status_summary)
 
 log = logging.getLogger("transom.run")
 
@@ -67,6 +70,8 @@ class Launch:
     controllers: int | None = None  # controller candidates here: 2 without --store, else 1
     node_prefix: str | None = None
     host: str = "127.0.0.1"
+    refill_spares: bool = False  # simulated nodes only: replace every evicted node with a new one
+    total_steps: int | None = None  # shown in the live view's progress bar when known
     children: list[Child] = field(default_factory=list)
 
 
@@ -78,7 +83,10 @@ class Launcher:
         self.store: Store | None = None
         self.children: list[Child] = []
         self._events_seen: set[str] = set()
+        self._event_filter = EventFilter()
         self._local_nodes: list[str] = []
+        self._replaced: set[str] = set()  # evicted nodes a refill already replaced
+        self._last_progress: dict | None = None
 
     # -- set-up -------------------------------------------------------------------------------
     def _connect(self) -> Store:
@@ -119,12 +127,15 @@ class Launcher:
             children.append(Child(name, "controller", base + ["controller", *common, "--candidate-id", name],
                                   logs / f"{name}.log"))
         for i in range(n_agents):
-            name = f"{prefix}{i}" if (simulated or n_agents > 1) else prefix
-            children.append(Child(name, "agent", base + ["agent", *common, "--node-id", name, "--run-dir",
-                                                         str(L.run_dir), "--host", L.host],
-                                  logs / f"agent-{name}.log"))
+            children.append(self._agent(f"{prefix}{i}" if (simulated or n_agents > 1) else prefix))
         self._local_nodes = [c.name for c in children if c.kind == "agent"]
         return children
+
+    def _agent(self, name: str) -> Child:
+        L = self.launch
+        argv = [sys.executable, "-m", "transom", "--log-level", "info", "agent", "--store", self.store.url,
+                "--job-id", L.spec.job_id, "--node-id", name, "--run-dir", str(L.run_dir), "--host", L.host]
+        return Child(name, "agent", argv, L.run_dir / "logs" / f"agent-{name}.log")
 
     # -- running ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -170,6 +181,8 @@ class Launcher:
                 if job and JobState(job["state"]).terminal:
                     return job
                 self._keep_controllers()
+                if self.launch.refill_spares and self.launch.store_url is None:
+                    self._refill(job)
                 if not any(c.process.poll() is None for c in self.children if c.kind == "agent") \
                         and self.launch.store_url is None:
                     raise ConfigError("every node agent exited before the job ended; see the logs in "
@@ -182,6 +195,11 @@ class Launcher:
     def _mirror(self, snap: dict, live: Live | None) -> None:
         run_dir = self.launch.run_dir
         (run_dir / STATUS_FILE).write_text(json.dumps(snap, indent=1))
+        record = progress_record(snap)
+        if record is not None and {k: v for k, v in record.items() if k != "time"} != self._last_progress:
+            self._last_progress = {k: v for k, v in record.items() if k != "time"}
+            with open(run_dir / PROGRESS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
         new = []
         for key, event in self.store.get_prefix("events/").items():
             if key not in self._events_seen:
@@ -191,11 +209,28 @@ class Launcher:
             with open(run_dir / EVENTS_FILE, "a") as f:
                 for event in new:
                     f.write(json.dumps(event) + "\n")
-        for event in new:
-            if not is_routine(event):
+        for event in sorted(new, key=lambda e: e["time"]):
+            if self._event_filter.shown(event):
                 self.console.print(format_event(event), highlight=False, markup=False)
         if live is not None:
-            live.update(render_status(status_summary(snap)))
+            live.update(render_live(status_summary(snap), self.launch.total_steps))
+
+    def _refill(self, job: dict | None) -> None:
+        """Play the cluster's scheduler: a new simulated node for every one the controller evicted."""
+        evicted = (job or {}).get("evicted", {})
+        for node in sorted(set(evicted) - self._replaced):
+            if node not in self._local_nodes:
+                continue
+            self._replaced.add(node)
+            child = self._agent(f"{self.launch.node_prefix or 'node'}{len(self._local_nodes)}")
+            self._local_nodes.append(child.name)
+            self.children.append(child)
+            child.start()
+            now = time.time()
+            self.store.put(f"events/{int(now * 1e9):020d}-launcher", {
+                "time": now, "kind": "provision", "node": child.name, "replaces": node,
+                "message": f"cluster: new node {child.name} started to replace evicted {node}; "
+                           f"it joins as a spare (--refill-spares)"})
 
     def _keep_controllers(self) -> None:
         """A controller candidate that died while the job goes on is replaced."""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rich.console import Group
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,7 @@ from transom.store import Store
 
 STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
+PROGRESS_FILE = "progress.jsonl"
 
 
 def snapshot(store: Store) -> dict:
@@ -49,6 +51,23 @@ def read_events(store: Store | None = None, run_dir: Path | None = None) -> list
 def read_snapshot(run_dir: Path) -> dict | None:
     path = Path(run_dir) / STATUS_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def progress_record(snap: dict) -> dict | None:
+    """One line of progress.jsonl: the job's state, its step (the newest step every member of the
+    current generation has finished; None until each has reported one) and its membership."""
+    job = snap.get("job")
+    if not job:
+        return None
+    members, generation = job.get("members", []), job.get("generation", 0)
+    statuses = snap.get("statuses", {})
+    steps = [statuses.get(m, {}).get("step") for m in members
+             if statuses.get(m, {}).get("generation") == generation]
+    evicted = sorted(job.get("evicted", {}), key=natural_key)
+    spares = sorted((n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key)
+    return {"time": snap.get("time", time.time()), "state": job.get("state"), "generation": generation,
+            "step": min(steps) if members and len(steps) == len(members) and None not in steps else None,
+            "members": members, "spares": spares, "evicted": evicted}
 
 
 def node_rows(snap: dict) -> list[dict]:
@@ -156,6 +175,42 @@ ROUTINE_CHECKPOINT_ACTIONS = ("saved", "replicated", "persisted")
 def is_routine(event: dict) -> bool:
     """An event a live view leaves out (`transom events` and events.jsonl still have it)."""
     return event.get("kind") == "checkpoint" and event.get("action") in ROUTINE_CHECKPOINT_ACTIONS
+
+
+class EventFilter:
+    """Which events a live view prints: no routine ones, and each kind of anomaly or warning once a
+    generation (a NaN is seen by every rank on every step until the rollback; events.jsonl keeps all)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple] = set()
+
+    def shown(self, event: dict) -> bool:
+        if is_routine(event):
+            return False
+        kind = event.get("kind")
+        if kind == "anomaly":
+            key = (kind, event.get("generation"), event.get("type"))
+        elif kind == "warning":
+            key = (kind, event.get("generation"), event.get("message", "").split(" ")[0])
+        else:
+            return True
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+
+def render_live(summary: dict, total_steps: int | None = None) -> Group:
+    """The live view of `transom run`: a progress bar of training steps above the status table."""
+    step = summary["newest_step"] or 0
+    if total_steps:
+        bar = ProgressBar(total=total_steps, completed=min(step, total_steps), width=50)
+        line = Text(f" step {step}/{total_steps}  {100 * min(step, total_steps) / total_steps:.0f}%")
+    else:
+        bar, line = None, Text(f"step {step}")
+    head = Table.grid(padding=(0, 1))
+    head.add_row(*([bar] if bar is not None else []), line)
+    return Group(head, render_status(summary))
 
 
 def format_event(event: dict) -> str:

@@ -42,6 +42,21 @@ def withdraw_storage(store: Store, step: int) -> None:
             store.delete(prefix + key)
 
 
+def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> list[int]:
+    """Forget every shard of a step at or after `first_bad_step` saved before `saved_before` (the
+    checkpoints a rolled-back generation may have written after its numerics went bad); the steps."""
+    dropped = set()
+    for step, ranks in shards(store).items():
+        if step < first_bad_step:
+            continue
+        for rank, held in ranks.items():
+            for holder, info in held.items():
+                if info.get("time", 0.0) < saved_before:
+                    store.delete(shard_key(step, rank, holder))
+                    dropped.add(step)
+    return sorted(dropped)
+
+
 def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:
     """step -> rank -> holder -> info, for every shard some tier holds."""
     out: dict[int, dict[int, dict[str, dict]]] = {}

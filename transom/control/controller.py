@@ -18,7 +18,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
-from transom.checkpoint.catalog import newest_restorable
+from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.config import JobSpec
 from transom.control.policy import decide, on_anomaly, slow_outliers
 from transom.control.states import JobState
@@ -269,6 +269,11 @@ class Controller:
             started = self._reports(statuses, "running") | self._reports(statuses, "succeeded")
             if len(started) == len(members):
                 j["incident_open"] = False
+                if j.get("rollback_before") is not None:
+                    # The workers that went bad are stopped now: forget their checkpoints from the bad
+                    # step on, and let later restarts restore the newest checkpoint again.
+                    discard_poisoned(self.store, j["rollback_before"], j["generation_started"])
+                    j["rollback_before"] = None
                 self._set_state(JobState.RUNNING, f"generation {j['generation']} running")
                 self._event("running", f"generation {j['generation']}: workers running on all "
                                        f"{len(members)} nodes")

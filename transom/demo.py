@@ -1,0 +1,160 @@
+"""`transom demo`: the example GPT through a seeded campaign of real faults, then the proof.
+
+What a new user runs first. It trains `examples/train_gpt.py` on DEMO_NODES simulated nodes plus
+DEMO_SPARES hot spare under `transom run` (live view), while a fault campaign hits it: a worker
+SIGKILLed, a node's agent SIGKILLed (a node death), a worker SIGSTOPped (a hang), a NaN loss and
+a node made several times slower, one after another, spread over the run. The launcher plays the
+cluster's scheduler (`refill_spares`): each evicted node is replaced by a new one, so a spare is
+ready for the next fault. Then it trains the same model, seed and world size once more without
+faults, under plain torchrun (the reference), and writes the report (`transom.report`): the
+timeline picture, goodput, per-fault detection and recovery times, and whether the final
+weights of the two runs are bit-identical.
+
+Exit code 0 only when the job succeeded, every fault was detected and recovered from, and the
+weights are identical; 1 otherwise (the reason on stderr); 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from transom.config import ConfigError, JobSpec, new_job_id, prepare_run_dir
+from transom.launcher import Launch, Launcher
+from transom.monitor.faults import parse_schedule
+from transom.utils.procs import die_with_parent, stop_process
+
+DEMO_NODES = 4
+DEMO_SPARES = 1
+DEMO_STEPS = 480
+DEMO_MAX_RESTARTS = 10
+SLOW_FACTOR = 3
+# (fault, where in the run as a fraction of the steps, its target): one of each, spread out so
+# that the node which replaces an evicted one is ready before the next fault needs it.
+CAMPAIGN = (("crash", 0.125, "rank=1"), ("kill", 0.29, "rank=3"), ("hang", 0.46, "rank=2"),
+            ("nan", 0.625, "rank=0"), ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"))
+FINAL_WEIGHTS = "final_weights.pt"
+REFERENCE_WEIGHTS = "reference_weights.pt"
+REFERENCE_INFO = "reference.json"
+STEP_LINE = re.compile(r"^step (\d+) ")
+
+
+def example_script() -> Path:
+    """examples/train_gpt.py of the checkout Transom runs from."""
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+    if not script.is_file():
+        raise ConfigError(f"the demo needs {script} (run it from a checkout of Transom)")
+    return script
+
+
+def campaign(steps: int) -> str:
+    """The demo's fault schedule for a run of `steps` steps."""
+    return ",".join(f"{kind}@step={max(1, round(at * steps))}:{target}" for kind, at, target in CAMPAIGN)
+
+
+def train_args(steps: int, seed: int, weights: Path) -> list[str]:
+    return ["--steps", str(steps), "--seed", str(seed), "--save-final", str(weights), "--log-every", "10"]
+
+
+def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size: int, console: Console) -> dict:
+    """Train the same model without faults under torchrun; returns what reference.json holds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+               "--nproc-per-node", str(world_size), str(script),
+               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS), "--ckpt-every", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log_path = run_dir / "logs" / "reference.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    columns = (TextColumn("fault-free reference (torchrun)"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with open(log_path, "wb") as out, Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("reference", total=steps)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, cwd=run_dir, preexec_fn=die_with_parent)
+        try:
+            while process.poll() is None:
+                time.sleep(0.5)
+                done = [int(m.group(1)) for m in map(STEP_LINE.match, log_path.read_text().splitlines()) if m]
+                bar.update(task, completed=max(done, default=0))
+        finally:
+            stop_process(process)
+    if process.returncode != 0:
+        raise RuntimeError(f"the fault-free reference run failed (exit code {process.returncode}); "
+                           f"see {log_path}")
+    return {"wall_s": round(time.time() - start, 3), "steps": steps, "command": command}
+
+
+def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
+    faults = "\n".join(f"  step {f['step']:>4}: {f['type']:<5} " + {
+        "crash": "a worker is SIGKILLed",
+        "kill": "a node dies (its agent and workers SIGKILLed)",
+        "hang": "a worker freezes (SIGSTOP): its peers wait in the all-reduce",
+        "nan": "the loss of one rank turns NaN",
+        "slow": f"a node computes {SLOW_FACTOR}x slower",
+    }.get(f["type"], "") + f"  (rank {f['rank']})" for f in spec.faults)
+    return Panel(f"Training a small GPT for {steps} steps on {spec.nnodes_max} simulated nodes + "
+                 f"{spec.spares} hot spare ({spec.world_size} ranks, gloo on CPU), with these faults:\n"
+                 f"{faults}\nNobody intervenes: Transom detects each fault, names the node to blame, evicts "
+                 f"it (a new node refills the spare pool), and resumes from the newest checkpoint in "
+                 f"memory.\nThen the same training without faults (torchrun), and the report.\n"
+                 f"Run directory: {run_dir}", title="transom demo", expand=False)
+
+
+def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike | None = None,
+             reference: bool = True, console: Console | None = None) -> int:
+    from transom.report import write_report  # matplotlib: imported only when needed
+
+    console = console or Console(soft_wrap=True)
+    if steps < 80:
+        raise ConfigError(f"--steps {steps}: the demo needs at least 80 steps to space its faults")
+    script = example_script()
+    job_id = "demo-" + new_job_id().split("-")[1]
+    run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
+    spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS),
+                   job_id=job_id, nnodes_min=DEMO_NODES, nnodes_max=DEMO_NODES, spares=DEMO_SPARES,
+                   max_restarts=DEMO_MAX_RESTARTS,
+                   faults=parse_schedule(campaign(steps), DEMO_NODES, seed)).validate()
+    console.print(intro(spec, steps, run_path))
+    code = Launcher(Launch(spec=spec, run_dir=run_path, refill_spares=True, total_steps=steps),
+                    console=console).run()
+    if code == 130:
+        return code
+    if code == 0 and reference:
+        import json
+
+        info = run_reference(run_path, script, steps, seed, spec.world_size, console)
+        (run_path / REFERENCE_INFO).write_text(json.dumps(info, indent=1))
+    summary = write_report(run_path)
+    console.print(summary_panel(summary, run_path))
+    problems = verdict(summary, code, reference)
+    for problem in problems:
+        print(f"transom demo: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def verdict(summary: dict, code: int, reference: bool) -> list[str]:
+    """What keeps the demo from being a success (empty: every claim holds)."""
+    problems = []
+    if code != 0:
+        problems.append(f"the job did not succeed: {summary.get('outcome', {}).get('reason')}")
+    for fault in summary.get("faults", []):
+        if fault.get("status") != "recovered":
+            problems.append(f"fault {fault.get('type')} at step {fault.get('step')}: {fault.get('status')}")
+    weights = summary.get("weights") or {}
+    if reference and code == 0 and not weights.get("identical"):
+        problems.append(f"final weights differ from the fault-free run: {weights.get('summary')}")
+    return problems
+
+
+def summary_panel(summary: dict, run_dir: Path) -> Panel:
+    return Panel(summary.get("text", ""), title="report", expand=False,
+                 subtitle=f"{run_dir}/report.png, report.md, report.json")
