@@ -24,10 +24,13 @@ Measured for each system, from rank 0's progress lines (`step N loss X t=...`):
   wall_s       launch -> step N done
   ettr_x       effective training time ratio: time computing the steps that are in the final model
                (the last run of each step) / wall_s
+               (a system with slower steps scores higher on it: read it with step_s)
+  goodput_x    the fault-free run's wall_s / wall_s: the share of the wall time a fault-free
+               torchrun job would have needed (with --no-reference: not measured)
   lost_steps   steps computed and then thrown away (rolled back or redone after a restart)
+  step_s       the normal pace: the median step time before the first fault
   per fault, cost_s: injection -> the job is back at the step it had reached, minus the time the steps
-               it completed in between take at the normal pace (the median step time before the first
-               fault); for slow: the extra time from the injection to the next fault (or the end)
+               it completed in between take at the normal pace (step_s); for slow: the extra time from the injection to the next fault (or the end)
                over the normal pace.
 Headline: sooner_x = (torchrun wall_s - transom wall_s) / torchrun wall_s (target >= 0.28, aim 0.5).
 
@@ -413,7 +416,8 @@ def summarize(trials: list[dict]) -> dict:
         rows = [t[system] for t in trials if system in t]
         if not rows:
             continue
-        summary = {k: mean_or_none(r[k] for r in rows) for k in ("wall_s", "ettr_x", "lost_steps", "normal_step_s")}
+        summary = {k: mean_or_none(r.get(k) for r in rows)
+                   for k in ("wall_s", "ettr_x", "goodput_x", "lost_steps", "normal_step_s")}
         if "weights_match" in rows[0]:
             summary["weights_match"] = all(r["weights_match"] for r in rows) if rows[0]["weights_match"] is not None else None
             summary["max_abs_diff"] = max(r.get("max_abs_diff", 0.0) for r in rows)
@@ -438,7 +442,8 @@ def print_table(args, result: dict) -> None:
     print(f"torchrun baseline: collective timeout {args.collective_timeout:g} s (torch's defaults are 10 min "
           f"for NCCL and 30 min for gloo, so the baseline is favoured); a killed node's agent is replaced at once")
     print()
-    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'lost_steps':>12}{'step_s':>9}  final weights vs fault-free")
+    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'goodput_x':>11}{'lost_steps':>12}{'step_s':>9}  "
+          f"final weights vs fault-free")
     for system in ("transom", "torchrun", "floor"):
         r = result.get(system)
         if r is None:
@@ -447,7 +452,8 @@ def print_table(args, result: dict) -> None:
             weights = "reference" if system == "floor" else "not checked"
         else:
             weights = "identical" if r["weights_match"] else f"DIFFER (max abs diff {r['max_abs_diff']:.3g})"
-        print(f"{system:<10}{fmt(r['wall_s']):>10}{fmt(r['ettr_x'], '.2f'):>9}{fmt(r['lost_steps'], '.0f'):>12}"
+        print(f"{system:<10}{fmt(r['wall_s']):>10}{fmt(r['ettr_x'], '.2f'):>9}{fmt(r['goodput_x'], '.2f'):>11}"
+              f"{fmt(r['lost_steps'], '.0f'):>12}"
               f"{fmt(r['normal_step_s'], '.3f'):>9}  {weights}")
     if "transom" in result and "torchrun" in result:
         print()
@@ -484,9 +490,13 @@ def main() -> int:
     except ConfigError as e:
         parser.exit(2, f"goodput.py: {e}\n")
     unsupported = sorted({f["type"] for f in schedule} - set(BASELINE_FAULTS))
-    if unsupported or args.steps < 1 or args.ckpt_every < 1 or args.trials < 1:
-        parser.exit(2, f"goodput.py: steps, --ckpt-every and --trials must be positive and the baseline "
-                       f"cannot play {', '.join(unsupported) or 'every fault'}\n")
+    if unsupported:
+        parser.exit(2, f"goodput.py: the torchrun baseline cannot play {', '.join(unsupported)} faults\n")
+    if any(f["type"] == "kill" and f["node"] in (None, "node0") for f in schedule):
+        parser.exit(2, "goodput.py: a kill fault must name a node other than node0 (node=nodeN), whose "
+                       "torchrun agent hosts the rendezvous\n")
+    if args.steps < 1 or args.ckpt_every < 1 or args.trials < 1:
+        parser.exit(2, "goodput.py: --steps, --ckpt-every and --trials must be positive\n")
     trials = []
     with tempfile.TemporaryDirectory(prefix="transom-goodput-") as tmp:
         for trial in range(args.trials):
@@ -501,6 +511,8 @@ def main() -> int:
             row["transom"] = run_transom(args, work, reference)
             job = TorchrunJob(args, work, schedule)
             row["torchrun"] = job.run() | compare_weights(job.final, reference)
+            for system in row:
+                row[system]["goodput_x"] = row["floor"]["wall_s"] / row[system]["wall_s"] if "floor" in row else None
             trials.append(row)
     result = summarize(trials) | {"trials": trials}
     print_table(args, result)
