@@ -29,6 +29,7 @@ Measured for each system, from rank 0's progress lines (`step N loss X t=...`):
                torchrun job would have needed (with --no-reference: not measured)
   lost_steps   steps computed and then thrown away (rolled back or redone after a restart)
   step_s       the normal pace: the median step time before the first fault
+  startup_s    launch -> step 1 done
   per fault, cost_s: injection -> the job is back at the step it had reached, minus the time the steps
                it completed in between take at the normal pace (step_s); for slow: the extra time from the injection to the next fault (or the end)
                over the normal pace.
@@ -160,8 +161,9 @@ def measure(lines: list[Line], launched: float, steps: int, faults: list[dict]) 
         costs.append({"fault": f["fault"], "step": f["step"], "target": f["target"], "at_step": s_f,
                       "cost_s": cost})
     useful = sum(duration for _, duration in final.values())
+    startup = min(end for s, end, _ in done if s == 1) - launched
     return {"wall_s": wall, "ettr_x": useful / wall, "lost_steps": len(done) - steps,
-            "normal_step_s": normal, "faults": costs}
+            "normal_step_s": normal, "startup_s": startup, "faults": costs}
 
 
 def compare_weights(path: Path, reference: Path | None) -> dict:
@@ -417,7 +419,7 @@ def summarize(trials: list[dict]) -> dict:
         if not rows:
             continue
         summary = {k: mean_or_none(r.get(k) for r in rows)
-                   for k in ("wall_s", "ettr_x", "goodput_x", "lost_steps", "normal_step_s")}
+                   for k in ("wall_s", "ettr_x", "goodput_x", "lost_steps", "normal_step_s", "startup_s")}
         if "weights_match" in rows[0]:
             summary["weights_match"] = all(r["weights_match"] for r in rows) if rows[0]["weights_match"] is not None else None
             summary["max_abs_diff"] = max(r.get("max_abs_diff", 0.0) for r in rows)
@@ -442,7 +444,7 @@ def print_table(args, result: dict) -> None:
     print(f"torchrun baseline: collective timeout {args.collective_timeout:g} s (torch's defaults are 10 min "
           f"for NCCL and 30 min for gloo, so the baseline is favoured); a killed node's agent is replaced at once")
     print()
-    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'goodput_x':>11}{'lost_steps':>12}{'step_s':>9}  "
+    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'goodput_x':>11}{'lost_steps':>12}{'step_s':>9}{'startup_s':>11}  "
           f"final weights vs fault-free")
     for system in ("transom", "torchrun", "floor"):
         r = result.get(system)
@@ -454,7 +456,7 @@ def print_table(args, result: dict) -> None:
             weights = "identical" if r["weights_match"] else f"DIFFER (max abs diff {r['max_abs_diff']:.3g})"
         print(f"{system:<10}{fmt(r['wall_s']):>10}{fmt(r['ettr_x'], '.2f'):>9}{fmt(r['goodput_x'], '.2f'):>11}"
               f"{fmt(r['lost_steps'], '.0f'):>12}"
-              f"{fmt(r['normal_step_s'], '.3f'):>9}  {weights}")
+              f"{fmt(r['normal_step_s'], '.3f'):>9}{fmt(r['startup_s']):>11}  {weights}")
     if "transom" in result and "torchrun" in result:
         print()
         print(f"{'fault':<14}{'step':>6}   {'transom cost_s':>15}{'torchrun cost_s':>17}")
