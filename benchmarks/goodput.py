@@ -30,12 +30,12 @@ Measured for each system, from rank 0's progress lines (`step N loss X t=...`):
   lost_steps   steps computed and then thrown away (rolled back or redone after a restart)
   step_s       the normal pace: the median step time before the first fault
   startup_s    launch -> step 1 done
-  per fault, cost_s: injection -> the job is back at the step it had reached, minus the time the steps
-               it completed in between take at the normal pace (step_s); for slow: the extra time from the injection to the next fault (or the end)
-               over the normal pace.
+  cost_s       per fault: injection -> the job is back at the step it had reached, minus the time
+               the steps it completed in between take at the normal pace (step_s); for slow: the
+               time from the injection to the next fault (or the end) over the normal pace.
 Headline: sooner_x = (torchrun wall_s - transom wall_s) / torchrun wall_s (target >= 0.28, aim 0.5).
 
-    python benchmarks/goodput.py                 # a table (takes ~6 minutes)
+    python benchmarks/goodput.py                 # a table (takes ~6 minutes a trial on 2 cores)
     python benchmarks/goodput.py --json          # the table, then one JSON object on the last line
 """
 
@@ -133,10 +133,12 @@ def measure(lines: list[Line], launched: float, steps: int, faults: list[dict]) 
     for step, end, duration in done:
         final[step] = (end, duration)
     if set(final) != set(range(1, steps + 1)):
-        raise RuntimeError(f"rank 0 did not complete every step (missing {sorted(set(range(1, steps + 1)) - set(final))[:5]})")
+        missing = sorted(set(range(1, steps + 1)) - set(final))
+        raise RuntimeError(f"rank 0 did not complete every step (missing {missing[:5]} ...)")
     wall = final[steps][0] - launched
     first_fault = min((f["time"] for f in faults), default=float("inf"))
-    normal = statistics.median(d for s, end, d in done if end < first_fault and s > 2)
+    normal = statistics.median([d for s, end, d in done if end < first_fault and s > 2]
+                               or [d for _, _, d in done])
     resumes = [x.t for x in timeline if x.what == "resumed"]
     costs = []
     ordered = sorted(faults, key=lambda f: f["time"])
@@ -158,7 +160,7 @@ def measure(lines: list[Line], launched: float, steps: int, faults: list[dict]) 
                 # back when a step at or past `reached` is done, or a resume starts past it
                 t_back = min(x.t for x in timeline if x.t >= restart and x.step >= reached)
                 cost = (t_back - t_f) - (reached - s_f) * normal
-        costs.append({"fault": f["fault"], "step": f["step"], "target": f["target"], "at_step": s_f,
+        costs.append({"id": f["id"], "fault": f["fault"], "step": f["step"], "target": f["target"], "at_step": s_f,
                       "cost_s": cost})
     useful = sum(duration for _, duration in final.values())
     startup = min(end for s, end, _ in done if s == 1) - launched
@@ -421,7 +423,8 @@ def summarize(trials: list[dict]) -> dict:
         summary = {k: mean_or_none(r.get(k) for r in rows)
                    for k in ("wall_s", "ettr_x", "goodput_x", "lost_steps", "normal_step_s", "startup_s")}
         if "weights_match" in rows[0]:
-            summary["weights_match"] = all(r["weights_match"] for r in rows) if rows[0]["weights_match"] is not None else None
+            checked = rows[0]["weights_match"] is not None
+            summary["weights_match"] = all(r["weights_match"] for r in rows) if checked else None
             summary["max_abs_diff"] = max(r.get("max_abs_diff", 0.0) for r in rows)
         if rows[0].get("faults"):
             summary["faults"] = [f | {"cost_s": mean_or_none(r["faults"][i]["cost_s"] for r in rows)}
@@ -444,8 +447,8 @@ def print_table(args, result: dict) -> None:
     print(f"torchrun baseline: collective timeout {args.collective_timeout:g} s (torch's defaults are 10 min "
           f"for NCCL and 30 min for gloo, so the baseline is favoured); a killed node's agent is replaced at once")
     print()
-    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'goodput_x':>11}{'lost_steps':>12}{'step_s':>9}{'startup_s':>11}  "
-          f"final weights vs fault-free")
+    print(f"{'system':<10}{'wall_s':>10}{'ettr_x':>9}{'goodput_x':>11}{'lost_steps':>12}{'step_s':>9}"
+          f"{'startup_s':>11}  final weights vs fault-free")
     for system in ("transom", "torchrun", "floor"):
         r = result.get(system)
         if r is None:
@@ -460,7 +463,9 @@ def print_table(args, result: dict) -> None:
     if "transom" in result and "torchrun" in result:
         print()
         print(f"{'fault':<14}{'step':>6}   {'transom cost_s':>15}{'torchrun cost_s':>17}")
-        for a, b in zip(result["transom"]["faults"], result["torchrun"]["faults"]):
+        baseline = {f["id"]: f for f in result["torchrun"]["faults"]}
+        for a in result["transom"]["faults"]:
+            b = baseline.get(a["id"], {"cost_s": None})
             print(f"{a['fault']:<14}{a['step']:>6}   {fmt(a['cost_s']):>15}{fmt(b['cost_s']):>17}")
         print()
         sooner = result["sooner_x"]
