@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up, then train the example GPT on 3 simulated nodes plus 1 hot spare.
+# The main job: set up, then run the fault-injection demo (`transom demo`): the example GPT on 4
+# simulated nodes + 1 hot spare through a worker crash, a node death, a hang, a NaN and a slow
+# node, a fault-free reference run, and the report in the run directory. Options go to the demo.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
-exec .venv/bin/transom run --nnodes 3 --spares 1 --nproc-per-node 1 examples/train_gpt.py --steps 200 "$@"
+exec .venv/bin/transom demo "$@"

@@ -45,12 +45,13 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 
 
 class Job:
-    """One `transom run` subprocess with its own run directory and job id."""
+    """One `transom run` (or `transom demo`) subprocess with its own run directory and job id."""
 
-    def __init__(self, run_dir: Path, args: list[str], env: dict | None = None, job_id: str | None = None):
+    def __init__(self, run_dir: Path, args: list[str], env: dict | None = None, job_id: str | None = None,
+                 command: str = "run"):
         self.run_dir = run_dir
         self.job_id = job_id or "t-" + uuid.uuid4().hex[:8]
-        self.argv = [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir),
+        self.argv = [sys.executable, "-m", "transom", command, "--run-dir", str(run_dir),
                      "--job-id", self.job_id, *args]
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self._out = open(self.out_path, "wb")
@@ -121,8 +122,8 @@ def start_job(tmp_path):
     """start_job(args...) -> Job; every job is ended after the test, and must leave no process."""
     jobs: list[Job] = []
 
-    def start(*args: str, env: dict | None = None, job_id: str | None = None) -> Job:
-        job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id)
+    def start(*args: str, env: dict | None = None, job_id: str | None = None, command: str = "run") -> Job:
+        job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id, command)
         jobs.append(job)
         return job
 

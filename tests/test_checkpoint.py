@@ -309,7 +309,7 @@ def test_shared_memory_of_dead_servers_is_swept_and_live_ones_kept(tmp_path: Pat
     import os
     import socket
 
-    from transom.checkpoint.server import STALE_SOCKET_AGE_S, sweep_stale_shm
+    from transom.checkpoint.shm_dirs import STALE_SOCKET_AGE_S, sweep_stale_shm
 
     old = os.path.getmtime(tmp_path) - STALE_SOCKET_AGE_S - 10
     dirs = {name: tmp_path / f"transom-job-{name}" for name in ("dead", "live", "young")}

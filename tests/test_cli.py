@@ -39,7 +39,20 @@ def test_status_and_events_need_a_source(tmp_path):
 
 
 def test_help_explains_every_command():
-    for command in ("run", "agent", "controller", "status", "events"):
+    for command in ("run", "demo", "agent", "controller", "status", "events"):
         out = subprocess.run([sys.executable, "-m", "transom", command, "--help"], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0 and "usage: transom " + command in out.stdout
+
+
+def test_bad_demo_and_refill_input_is_refused(tmp_path):
+    cases = {
+        "at least 80 steps": ["demo", "--run-dir", str(tmp_path / "d"), "--steps", "10"],
+        "cannot be used with --store": ["run", "--store", "http://127.0.0.1:1", "--job-id", "x",
+                                        "--refill-spares", str(TOY)],
+    }
+    for expected, args in cases.items():
+        out = subprocess.run([sys.executable, "-m", "transom", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (expected, out.stderr)
+        assert expected in out.stderr.strip(), (expected, out.stderr)
+    assert not (tmp_path / "d" / "logs").exists()

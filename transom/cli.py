@@ -1,4 +1,4 @@
-"""The `transom` command: run | demo | agent | controller | status | events | ckpt-server.
+"""The `transom` command: run | demo | agent | controller | status | events | report | ckpt-server.
 
 Every refusal or failure exits non-zero with a one-line reason on stderr.
 """
@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=480, help="training steps; the faults are spread over them "
                                                               "(default 480, a few minutes)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the fault targets")
-    demo.add_argument("--run-dir", type=Path, help="where everything goes (default ./transom-runs/demo-ID)")
+    demo.add_argument("--run-dir", type=Path, help="where everything goes (default ./transom-runs/JOB_ID)")
+    demo.add_argument("--job-id", metavar="J", help="the job's name (default demo-RANDOM)")
     demo.add_argument("--no-reference", dest="reference", action="store_false",
                       help="skip the fault-free reference run (and so the weights check)")
 
@@ -151,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--job-id", metavar="J")
         p.add_argument("--run-dir", type=Path, help="a run directory")
         p.add_argument("--json", action="store_true", help="print JSON")
+
+    report = sub.add_parser("report", help="write and show the report of a finished run",
+                            description="Write report.png (timeline), report.md and report.json for a run "
+                                        "directory and print the markdown summary: outcome, goodput, per-fault "
+                                        "detection and recovery times, and the final weights against a "
+                                        "fault-free run when the run directory holds both.")
+    report.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory of a finished job")
+    report.add_argument("--run-dir", type=Path, dest="run_dir_option", metavar="RUN_DIR",
+                        help="the same, as an option (like status and events)")
+    report.add_argument("--out", type=Path, metavar="DIR", help="where to write the report (default: RUN_DIR)")
+    report.add_argument("--json", action="store_true", help="print the JSON summary instead of the markdown")
 
     sub.add_parser("ckpt-server", help="run a node's checkpoint server on its own", add_help=False,
                    description="Hold checkpoint shards in this node's memory (see `transom ckpt-server --help`).")
@@ -201,7 +213,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from transom.demo import run_demo
 
-    return run_demo(steps=args.steps, seed=args.seed, run_dir=args.run_dir, reference=args.reference)
+    return run_demo(steps=args.steps, seed=args.seed, run_dir=args.run_dir, reference=args.reference,
+                    job_id=args.job_id)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -258,8 +271,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from transom.report import write_report
+
+    run_dir = args.run_dir or args.run_dir_option
+    if run_dir is None:
+        raise ConfigError("give the run directory: transom report RUN_DIR")
+    try:
+        summary = write_report(run_dir, args.out)
+    except OSError as e:
+        raise ConfigError(f"report of {run_dir}: {e}") from None
+    print(json.dumps(summary, indent=1) + "\n" if args.json else Path(summary["files"]["markdown"]).read_text(),
+          end="")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "demo": cmd_demo, "agent": cmd_agent, "controller": cmd_controller,
-            "status": cmd_status, "events": cmd_status}
+            "status": cmd_status, "events": cmd_status, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,10 @@ weights are identical; 1 otherwise (the reason on stderr); 130 on Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ from transom.utils.procs import die_with_parent, stop_process
 DEMO_NODES = 4
 DEMO_SPARES = 1
 DEMO_STEPS = 480
+MIN_STEPS = 80
 DEMO_MAX_RESTARTS = 10
 SLOW_FACTOR = 3
 # (fault, where in the run as a fraction of the steps, its target): one of each, spread out so
@@ -45,6 +48,10 @@ FINAL_WEIGHTS = "final_weights.pt"
 REFERENCE_WEIGHTS = "reference_weights.pt"
 REFERENCE_INFO = "reference.json"
 STEP_LINE = re.compile(r"^step (\d+) ")
+
+
+class ReferenceRunError(RuntimeError):
+    """The fault-free reference run failed: the weights cannot be checked."""
 
 
 def example_script() -> Path:
@@ -66,20 +73,25 @@ def train_args(steps: int, seed: int, weights: Path) -> list[str]:
 
 def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size: int, console: Console) -> dict:
     """Train the same model without faults under torchrun; returns what reference.json holds."""
+    workdir = run_dir / "reference"  # its own, empty checkpoint directory: it must start from scratch
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(world_size), str(script),
-               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS), "--ckpt-every", "0"]
+               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS), "--ckpt-every", "0",
+               "--ckpt-dir", str(workdir / "checkpoints")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_")}
     env.setdefault("OMP_NUM_THREADS", "1")
     log_path = run_dir / "logs" / "reference.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir()
     start = time.time()
     columns = (TextColumn("fault-free reference (torchrun)"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with open(log_path, "wb") as out, Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("reference", total=steps)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=run_dir, preexec_fn=die_with_parent)
+                                   env=env, cwd=workdir, preexec_fn=die_with_parent)
         try:
             while process.poll() is None:
                 time.sleep(0.5)
@@ -87,9 +99,12 @@ def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size
                 bar.update(task, completed=max(done, default=0))
         finally:
             stop_process(process)
+    output = log_path.read_text(errors="replace")
     if process.returncode != 0:
-        raise RuntimeError(f"the fault-free reference run failed (exit code {process.returncode}); "
+        raise ReferenceRunError(f"the fault-free reference run failed (exit code {process.returncode}); "
                            f"see {log_path}")
+    if output.count("[train_gpt] resumed step=0 ") != world_size:
+        raise ReferenceRunError(f"the fault-free reference run did not start from scratch on every rank; see {log_path}")
     return {"wall_s": round(time.time() - start, 3), "steps": steps, "command": command}
 
 
@@ -110,14 +125,14 @@ def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
 
 
 def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike | None = None,
-             reference: bool = True, console: Console | None = None) -> int:
+             reference: bool = True, job_id: str | None = None, console: Console | None = None) -> int:
+    if steps < MIN_STEPS:
+        raise ConfigError(f"--steps {steps}: the demo needs at least {MIN_STEPS} steps to space its faults")
     from transom.report import write_report  # matplotlib: imported only when needed
 
     console = console or Console(soft_wrap=True)
-    if steps < 80:
-        raise ConfigError(f"--steps {steps}: the demo needs at least 80 steps to space its faults")
     script = example_script()
-    job_id = "demo-" + new_job_id().split("-")[1]
+    job_id = job_id or "demo-" + new_job_id().split("-")[1]
     run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
     spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS),
                    job_id=job_id, nnodes_min=DEMO_NODES, nnodes_max=DEMO_NODES, spares=DEMO_SPARES,
@@ -128,14 +143,18 @@ def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike 
                     console=console).run()
     if code == 130:
         return code
+    problems = []
     if code == 0 and reference:
-        import json
-
-        info = run_reference(run_path, script, steps, seed, spec.world_size, console)
-        (run_path / REFERENCE_INFO).write_text(json.dumps(info, indent=1))
+        try:
+            info = run_reference(run_path, script, steps, seed, spec.world_size, console)
+            (run_path / REFERENCE_INFO).write_text(json.dumps(info, indent=1))
+        except ReferenceRunError as e:
+            problems.append(str(e))
     summary = write_report(run_path)
-    console.print(summary_panel(summary, run_path))
-    problems = verdict(summary, code, reference)
+    console.rule("report")
+    console.print(summary["text"], highlight=False, markup=False)
+    console.print(f"written: {run_path / 'report.png'}, report.md, report.json", style="dim")
+    problems += verdict(summary, code, reference and not problems)
     for problem in problems:
         print(f"transom demo: {problem}", file=sys.stderr)
     return 1 if problems else 0
@@ -147,14 +166,9 @@ def verdict(summary: dict, code: int, reference: bool) -> list[str]:
     if code != 0:
         problems.append(f"the job did not succeed: {summary.get('outcome', {}).get('reason')}")
     for fault in summary.get("faults", []):
-        if fault.get("status") != "recovered":
+        if fault.get("status") != "detected+recovered":
             problems.append(f"fault {fault.get('type')} at step {fault.get('step')}: {fault.get('status')}")
     weights = summary.get("weights") or {}
     if reference and code == 0 and not weights.get("identical"):
         problems.append(f"final weights differ from the fault-free run: {weights.get('summary')}")
     return problems
-
-
-def summary_panel(summary: dict, run_dir: Path) -> Panel:
-    return Panel(summary.get("text", ""), title="report", expand=False,
-                 subtitle=f"{run_dir}/report.png, report.md, report.json")

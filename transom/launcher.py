@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from transom.checkpoint.server import default_shm_dir
+from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.config import ConfigError, JobSpec
 from transom.control.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreError

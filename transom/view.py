@@ -87,7 +87,10 @@ def node_rows(snap: dict) -> list[dict]:
             role, health = "member", status.get("state", "?") if alive or ended else "lost"
         else:
             role, health = "spare", "ready" if alive else "gone"
-        rows.append({"node": name, "role": role, "health": health, "alive": alive,
+        nproc = (snap.get("spec") or {}).get("nproc_per_node", 1)
+        ranks = (f"{members.index(name) * nproc}" + (f"-{(members.index(name) + 1) * nproc - 1}" if nproc > 1 else "")
+                 if name in members else None)
+        rows.append({"node": name, "role": role, "ranks": ranks, "health": health, "alive": alive,
                      "generation": status.get("generation"), "step": status.get("step"),
                      **monitor_columns(snap.get("monitor", {}).get(name), job.get("generation"))})
     return rows
@@ -143,7 +146,7 @@ def render_status(summary: dict) -> Group:
         f"  leader {summary['leader'] or '-'}",
     )
     table = Table(box=None, pad_edge=False)
-    for column in ("node", "role", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
+    for column in ("node", "role", "ranks", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
         if column == "health":
             table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=20)
         else:
@@ -154,7 +157,8 @@ def render_status(summary: dict) -> Group:
 
     for r in summary["nodes"]:
         style = "red" if r["role"] == "evicted" else _HEALTH_STYLE.get(r["health"], "white")
-        table.add_row(r["node"], r["role"], Text(str(r["health"]), style=style), show(r["generation"]),
+        table.add_row(r["node"], r["role"], show(r.get("ranks")), Text(str(r["health"]), style=style),
+                      show(r["generation"]),
                       show(r["step"]), show(r.get("step_s"), "{:.3f}"), show(r.get("compute_s"), "{:.3f}"),
                       show(r.get("tokens_per_s"), "{:.0f}"), ", ".join(r.get("anomalies", [])) or "-")
     parts = [head, table]

@@ -24,7 +24,6 @@ import argparse
 import logging
 import os
 import queue
-import shutil
 import socket
 import socketserver
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 from transom.checkpoint import catalog, layout, replication, storage
 from transom.checkpoint.protocol import AuthError, ProtocolError, authenticate, recv_msg, send_msg
 from transom.checkpoint.shm import Region, RegionDir
+from transom.checkpoint.shm_dirs import SHM_ROOT, default_shm_dir, sweep_stale_shm  # noqa: F401 - re-exported
 from transom.store import Store, StoreError
 
 log = logging.getLogger("transom.ckpt.server")
@@ -707,37 +707,6 @@ def default_budget() -> int:
     import psutil
 
     return psutil.virtual_memory().total // 2
-
-
-SHM_ROOT = Path("/dev/shm")
-# A server's socket file older than this that refuses connections belongs to a dead server.
-STALE_SOCKET_AGE_S = 60.0
-
-
-def default_shm_dir(job_id: str, node_id: str) -> Path:
-    return SHM_ROOT / f"transom-{job_id[:32]}-{node_id[:32]}"
-
-
-def sweep_stale_shm(root: Path = SHM_ROOT) -> list[Path]:
-    """Remove the shared memory of checkpoint servers that died without cleaning up (their whole
-    process tree was SIGKILLed, e.g. with the launcher): shared memory outlives processes, and
-    nobody else would ever free it. A directory counts as dead when its server socket is more
-    than STALE_SOCKET_AGE_S old and refuses connections. Returns the directories removed."""
-    removed = []
-    for sock_path in root.glob("transom-*/server.sock"):
-        try:
-            if time.time() - sock_path.stat().st_mtime < STALE_SOCKET_AGE_S:
-                continue
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.connect(str(sock_path))
-            continue  # a live server
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass
-        except OSError:
-            continue
-        shutil.rmtree(sock_path.parent, ignore_errors=True)
-        removed.append(sock_path.parent)
-    return removed
 
 
 def parse_size(text: str) -> int:

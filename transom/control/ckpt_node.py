@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from transom.checkpoint.server import default_shm_dir, sweep_stale_shm
+from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.config import JobSpec
 from transom.store import Store
 from transom.utils.procs import die_with_parent, stop_process

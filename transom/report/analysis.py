@@ -1,0 +1,369 @@
+"""The numbers of a run report: pure functions from a run's records to generations, incidents,
+per-fault detection and recovery, and goodput.
+
+Definitions (the markdown report repeats them):
+
+* Wall time: from the run's first event to its `succeeded`/`failed` event (the last event, or
+  progress sample, when the run did not finish).
+* A generation g restores step r_g (0 when it starts fresh). It "trains again" at the first
+  progress sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a
+  progress sample of g shows (r_g when it shows none). A progress sample's step is the newest step
+  every rank of the generation has finished; a fault injected in g counts as a sample too (the
+  step its target rank had reached), since progress is sampled every half second or so and a
+  fault often strikes after the last sample. The time g reached a step between two samples is
+  interpolated linearly between them.
+* Incident: the end of generation g followed by generation g+1. Its lost steps are m_g - r_{g+1}
+  (steps computed but not kept, to be computed again); lost steps in total sum over incidents.
+* Effective training time: the time spent computing the steps that are in the final model. A
+  step computed by generation g is kept when no later generation restores a step before it, so g
+  keeps its steps up to k_g = min(m_g, r_h for every later generation h) (the last generation keeps
+  all it reached). g's effective time runs from the moment it trains again to the moment it
+  reached k_g. The rest of the wall time is, exactly:
+    start-up   first event -> the first generation trains (processes, rendezvous, first step);
+    lost       g reached k_g -> g reached m_g (steps computed again later);
+    downtime   g reached m_g -> the next generation that trains, trains again (the fault's
+               detection, the restart, restoring the checkpoint, the first step);
+    shutdown   the last step -> the final event.
+  Effective-training-time ratio = effective training time / wall time. The first step of each
+  generation counts as start-up or downtime, since progress only says when a step has finished.
+* Per fault (one per `fault` event): detected by the first matching event after the injection
+  (crash -> a crash anomaly on its rank, or else the incident naming its node failed; kill -> the
+  controller finding the node lost; DETECTORS for the others: hang -> a hang anomaly, slow -> a
+  straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a log or
+  hardware anomaly on its node); detection time = detected at - injected at. Recovered when the
+  controller acted on the detection (restart, evict or rollback; a crash or a lost node always
+  opens an incident) and the next generation trains again beyond its restore step (without
+  progress samples: its `running` event); recovery time = detected at -> trains again. A detection
+  answered with a warning only is "detected, not recovered".
+
+This module must never read files or draw: it maps records to numbers, so tests can check every
+number exactly on hand-made records.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+RECOVERED = "detected+recovered"
+NOT_RECOVERED = "detected, not recovered"
+NOT_DETECTED = "not detected"
+FINAL_KINDS = ("succeeded", "failed")
+ACTING_DECISIONS = ("restart", "evict", "rollback")
+NODE_LOST = "node lost"
+_DIAGNOSIS_PREFIX = re.compile(r"^generation \d+: ")
+# Fault type -> anomaly types that detect it (kill is found by the controller, not an anomaly).
+DETECTORS = {"crash": ("crash",), "hang": ("hang",), "slow": ("straggler",), "nan": ("nan",),
+             "log": ("log", "hardware")}
+
+
+@dataclass
+class Generation:
+    """One generation of the job: who ran it, where it restored from, how far it trained."""
+
+    number: int
+    started_at: float
+    members: list[str]
+    spares: list[str]
+    restore_step: int  # 0 when it started fresh
+    running_at: float | None = None
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (time, step) with a step
+
+    @property
+    def trained_at(self) -> float | None:
+        """When its first step beyond the restore step was seen done (None: it never trained)."""
+        return next((t for t, s in self.samples if s > self.restore_step), None)
+
+    @property
+    def reached_step(self) -> int:
+        return max([self.restore_step, *(s for _, s in self.samples)])
+
+    @property
+    def reached_at(self) -> float | None:
+        """When it reached its highest step (None: it never trained)."""
+        if self.trained_at is None:
+            return None
+        return next(t for t, s in self.samples if s == self.reached_step)
+
+    def time_of_step(self, step: int) -> float:
+        """When it reached `step`, interpolated between samples and clipped to its training time."""
+        trained = [(t, s) for t, s in self.samples if t >= self.trained_at]
+        steps = [s for _, s in trained]
+        i = bisect_left(steps, step)
+        if i == 0:
+            return trained[0][0]
+        if i == len(trained):
+            return self.reached_at
+        (t0, s0), (t1, s1) = trained[i - 1], trained[i]
+        return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+
+
+def outcome(events: list[dict], status: dict | None) -> dict:
+    """The job's final state and its reason."""
+    final = next((e for e in reversed(events) if e.get("kind") in FINAL_KINDS), None)
+    job = (status or {}).get("job") or {}
+    if final is not None:
+        state, reason = final["kind"].upper(), final.get("message")
+    else:
+        state, reason = job.get("state", "UNKNOWN"), "the run has no succeeded/failed event: it did not finish"
+    generations = [e for e in events if e.get("kind") == "generation"]
+    return {"state": state, "reason": reason, "finished": final is not None,
+            "generations": len(generations), "restarts": max(0, len(generations) - 1)}
+
+
+def time_span(events: list[dict], progress: list[dict] | None) -> tuple[float, float]:
+    """(first event, final event) times; an unfinished run ends at its last record."""
+    start = events[0]["time"]
+    final = next((e["time"] for e in events if e.get("kind") in FINAL_KINDS), None)
+    if final is None:
+        final = max([events[-1]["time"], *(p["time"] for p in progress or [])])
+    return start, final
+
+
+def generations(events: list[dict], progress: list[dict] | None) -> list[Generation]:
+    """The job's generations in order, each with its progress samples."""
+    gens: dict[int, Generation] = {}
+    for e in events:
+        if e.get("kind") == "generation":
+            gens[e["generation"]] = Generation(e["generation"], e["time"], list(e.get("members", [])),
+                                               list(e.get("spares", [])), e.get("restore_step") or 0)
+        elif e.get("kind") == "running" and e.get("generation") in gens:
+            gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
+    # Progress samples, and with them each fault injection: the step its target rank had reached
+    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last one).
+    points = [p for p in progress or [] if p.get("step") is not None]
+    if points:
+        points += [e for e in events if e.get("kind") == "fault" and e.get("step") is not None]
+    for p in sorted(points, key=lambda p: p["time"]):
+        g = gens.get(p.get("generation"))
+        if g is not None and (not g.samples or p["step"] > g.samples[-1][1]):  # the first sample of each new step
+            g.samples.append((p["time"], p["step"]))
+    return [gens[n] for n in sorted(gens)]
+
+
+def kept_steps(gens: list[Generation]) -> list[int]:
+    """k_g for each generation: its highest step that no later generation computes again."""
+    kept = []
+    for i, g in enumerate(gens):
+        later = [h.restore_step for h in gens[i + 1:]]
+        kept.append(min([g.reached_step, *later]))
+    return kept
+
+
+def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -> list[dict]:
+    """One per generation that a next generation followed: what ended it and the steps lost."""
+    out = []
+    for g, nxt in pairwise(gens):
+        between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
+        diagnosis = next((e for e in reversed(between) if e.get("kind") == "diagnosis"), None)
+        incident = next((e for e in reversed(between) if e.get("kind") == "incident"), None)
+        cause = (_DIAGNOSIS_PREFIX.sub("", diagnosis["message"]) if diagnosis is not None
+                 else incident.get("message") if incident is not None else None)
+        lost = max(0, g.reached_step - nxt.restore_step) if have_progress else None
+        out.append({"generation": g.number, "next_generation": nxt.number, "cause": cause,
+                    "interrupted_step": g.reached_step if have_progress else None,
+                    "interrupted_at": g.reached_at, "restore_step": nxt.restore_step,
+                    "lost_steps": lost, "trains_again_at": nxt.trained_at})
+    return out
+
+
+def goodput(start: float, end: float, gens: list[Generation], incident_rows: list[dict],
+            have_progress: bool, reference: dict | None) -> dict:
+    """Wall time, steps, and the wall time split into effective, start-up, lost, downtime, shutdown."""
+    wall = end - start
+    result = {"wall_s": wall, "steps_completed": None, "effective_training_s": None,
+              "effective_ratio_x": None, "startup_s": None, "lost_compute_s": None, "downtime_s": None,
+              "shutdown_s": None, "lost_steps": None, "reference_wall_s": None, "slowdown_x": None,
+              "progress_available": have_progress}
+    if reference and reference.get("wall_s"):
+        result["reference_wall_s"] = float(reference["wall_s"])
+        result["slowdown_x"] = wall / result["reference_wall_s"]
+    if not have_progress:
+        return result
+    result["lost_steps"] = sum(i["lost_steps"] for i in incident_rows)
+    result["steps_completed"] = gens[-1].reached_step if gens else 0
+    trained = [(g, k) for g, k in zip(gens, kept_steps(gens), strict=True) if g.trained_at is not None]
+    if not trained:
+        return result
+    effective = lost = downtime = 0.0
+    for n, (g, k) in enumerate(trained):
+        kept_until = g.time_of_step(k) if k > g.restore_step else g.trained_at
+        kept_until = min(max(kept_until, g.trained_at), g.reached_at)
+        effective += kept_until - g.trained_at
+        lost += g.reached_at - kept_until
+        if n + 1 < len(trained):
+            downtime += trained[n + 1][0].trained_at - g.reached_at
+    result.update(effective_training_s=effective, effective_ratio_x=effective / wall if wall > 0 else None,
+                  startup_s=trained[0][0].trained_at - start, lost_compute_s=lost, downtime_s=downtime,
+                  shutdown_s=end - trained[-1][0].reached_at)
+    return result
+
+
+def _detected_at(event: dict) -> float:
+    """When the problem was seen: the observer's time (anomalies) or the incident's start."""
+    return event.get("observed", event.get("detection", event["time"]))
+
+
+def _names(event: dict, node: str | None, rank: int | None) -> bool:
+    if rank is not None and event.get("ranks"):
+        return rank in event["ranks"]
+    return node in (event.get("nodes") or [])
+
+
+def find_detection(fault: dict, events: list[dict]) -> dict | None:
+    """The first event after the injection that detected `fault` (see the module docstring)."""
+    kind, node, rank, at = fault["fault"], fault.get("node"), fault.get("rank"), fault["time"]
+    after = [e for e in events if _detected_at(e) >= at]
+    if kind == "kill":
+        for e in after:
+            k = e.get("kind")
+            if ((k == "incident" and node in (e.get("lost") or []))
+                    or (k == "diagnosis" and node in (e.get("blamed") or []) and f"{node} lost" in e.get("message", ""))
+                    or (k == "evict" and e.get("node") == node and NODE_LOST in e.get("message", ""))):
+                return e
+        return None
+    anomalies = [e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())]
+    if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
+        anomalies = [e for e in anomalies if _names(e, node, rank)] + [
+            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])]
+    elif kind in ("slow", "log"):
+        anomalies = [e for e in anomalies if _names(e, node, None)]
+    elif kind == "nan" and anomalies:
+        def step(e: dict) -> float:
+            return e["step"] if e.get("step") is not None else math.inf
+
+        first_step = min(map(step, anomalies))
+        anomalies = [e for e in anomalies if step(e) == first_step]
+    return min(anomalies, key=_detected_at, default=None)
+
+
+def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
+    """Whether the controller answered the detection with a restart, an eviction or a rollback."""
+    if detection.get("kind") != "anomaly" or detection.get("type") == "crash":
+        return True  # a crashed worker or a lost node always opens an incident
+    for e in events:
+        if (e.get("kind") == "decision" and _detected_at(detection) <= e["time"] <= until
+                and e.get("action") in ACTING_DECISIONS
+                and (e.get("anomaly") == detection.get("id")
+                     or (e.get("anomaly_type") == detection.get("type")
+                         and set(e.get("nodes") or []) & set(detection.get("nodes") or [])))):
+            return True
+    return False
+
+
+def _detected_by(detection: dict) -> str:
+    if detection.get("kind") == "anomaly":
+        return f"{detection['type']} anomaly"
+    if detection.get("kind") == "incident" and detection.get("failed") and not detection.get("lost"):
+        return "worker failure (incident)"
+    return NODE_LOST
+
+
+def fault_rows(events: list[dict], gens: list[Generation], incident_rows: list[dict],
+               have_progress: bool) -> list[dict]:
+    """One row per `fault` event: detection, recovery, lost steps and status."""
+    rows = []
+    lost_by_next = {i["next_generation"]: i["lost_steps"] for i in incident_rows}
+    for f in (e for e in events if e.get("kind") == "fault"):
+        row = {"id": f.get("id"), "type": f["fault"], "node": f.get("node"), "rank": f.get("rank"),
+               "step": f.get("step"), "generation": f.get("generation"), "injected_at": f["time"],
+               "detected_by": None, "detected_at": None, "detection_s": None, "recovered_in_generation": None,
+               "running_at": None, "recovered_at": None, "recovery_s": None, "lost_steps": None,
+               "status": NOT_DETECTED}
+        rows.append(row)
+        detection = find_detection(f, events)
+        if detection is None:
+            continue
+        detected = _detected_at(detection)
+        row.update(detected_by=_detected_by(detection), detected_at=detected, detection_s=detected - f["time"],
+                   status=NOT_RECOVERED)
+        nxt = next((g for g in gens if g.started_at >= detected and g.number > (f.get("generation") or 0)), None)
+        if nxt is None or not _acted_on(detection, events, nxt.started_at):
+            continue
+        back = nxt.trained_at if have_progress else nxt.running_at
+        if back is None:
+            continue
+        row.update(recovered_in_generation=nxt.number, running_at=nxt.running_at, recovered_at=back,
+                   recovery_s=back - detected, lost_steps=lost_by_next.get(nxt.number), status=RECOVERED)
+    return rows
+
+
+def fault_counts(rows: list[dict]) -> dict:
+    return {"total": len(rows), "recovered": sum(r["status"] == RECOVERED for r in rows),
+            "not_recovered": sum(r["status"] == NOT_RECOVERED for r in rows),
+            "not_detected": sum(r["status"] == NOT_DETECTED for r in rows)}
+
+
+def membership(events: list[dict], progress: list[dict] | None,
+               end: float) -> dict[str, list[tuple[float, float, str]]]:
+    """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
+    evict and spare events and the progress samples' member lists."""
+    changes: list[tuple[float, dict[str, str | None]]] = []
+    for e in events:
+        kind = e.get("kind")
+        if kind == "generation":
+            changes.append((e["time"], {**{n: "member" for n in e.get("members", [])},
+                                        **{n: "spare" for n in e.get("spares", [])}, "*": None}))
+        elif kind == "evict" and e.get("node"):
+            changes.append((e["time"], {e["node"]: "evicted"}))
+        elif kind == "spare" and e.get("node"):
+            changes.append((e["time"], {e["node"]: "member"}))
+    for p in progress or []:
+        if p.get("members") is not None:
+            evicted = p.get("evicted") or []
+            changes.append((p["time"], {**{n: "member" for n in p["members"]},
+                                        **{n: "spare" for n in p.get("spares") or []},
+                                        **{n: "evicted" for n in evicted}, "*": None}))
+    changes.sort(key=lambda c: c[0])
+    role: dict[str, str] = {}
+    spans: dict[str, list[list]] = {}
+    for t, change in changes:
+        full = "*" in change
+        new = dict(role)
+        if full:  # a full snapshot: members and spares not named are out of the job (unless evicted)
+            for n, r in role.items():
+                if r != "evicted" and n not in change:
+                    new.pop(n)
+        new.update({n: r for n, r in change.items() if n != "*"})
+        for n in set(role) | set(new):
+            if role.get(n) != new.get(n):
+                if role.get(n) is not None:
+                    spans[n][-1][1] = t
+                if new.get(n) is not None:
+                    spans.setdefault(n, []).append([t, None, new[n]])
+        role = new
+    for n in role:
+        spans[n][-1][1] = end
+    return {n: [tuple(s) for s in spans[n]] for n in sorted(spans, key=_natural)}
+
+
+def _natural(name: str) -> tuple:
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1)
+
+
+def analyse(events: list[dict], progress: list[dict] | None, status: dict | None,
+            reference: dict | None) -> dict:
+    """All the report's numbers (JSON-ready, times as unix seconds)."""
+    have_progress = bool(progress)
+    start, end = time_span(events, progress)
+    gens = generations(events, progress)
+    incident_rows = incidents(events, gens, have_progress)
+    rows = fault_rows(events, gens, incident_rows, have_progress)
+    return {
+        "outcome": outcome(events, status),
+        "start_at": start,
+        "end_at": end,
+        "goodput": goodput(start, end, gens, incident_rows, have_progress, reference),
+        "faults": rows,
+        "fault_counts": fault_counts(rows),
+        "generations": [{"generation": g.number, "started_at": g.started_at, "running_at": g.running_at,
+                         "trained_at": g.trained_at, "members": g.members, "spares": g.spares,
+                         "restore_step": g.restore_step,
+                         "reached_step": g.reached_step if have_progress else None} for g in gens],
+        "incidents": incident_rows,
+    }
