@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from jobs import finish, parse
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -44,20 +45,10 @@ RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
-STOP_GRACE_S = 20
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
-LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b.*?|step (?P<step>\d+) .*?)"
-                  r"t=(?P<t>\d+\.\d+)", re.M)
-
-
-def parse(text: str) -> list[tuple[str, float]]:
-    """('start' | 'resumed' | 'done' | 'step', time) for every progress line."""
-    return [(m.group("what") or "step", float(m.group("t"))) for m in LINE.finditer(text)]
-
-
-def split(lines: list[tuple[str, float]], fault: float, detected: float | None) -> dict:
-    after = [(what, t) for what, t in lines if t > fault]
+def split(lines: list, fault: float, detected: float | None) -> dict:
+    after = [(line.what, line.t) for line in lines if line.t > fault]
     started = min(t for what, t in after if what == "start")
     resumed = max(t for what, t in after if what == "resumed")
     first_step = min(t for what, t in after if what == "step" and t > resumed)
@@ -95,35 +86,12 @@ def recovered(text_of, fault: float, process: subprocess.Popen) -> bool:
     """Wait until a training step completes after the fault (True), or the job ends or times out."""
     deadline = time.monotonic() + RECOVERY_TIMEOUT_S
     while time.monotonic() < deadline and process.poll() is None:
-        lines = [(what, t) for what, t in parse(text_of()) if t > fault]
+        lines = [(line.what, line.t) for line in parse(text_of()) if line.t > fault]
         resumed = [t for what, t in lines if what == "resumed"]
         if resumed and any(what == "step" and t > max(resumed) for what, t in lines):
             return True
         time.sleep(0.1)
     return False
-
-
-def finish(process: subprocess.Popen, marker: str, timeout: float = RUN_TIMEOUT_S) -> bool:
-    """Wait for the job; kill it and every process naming `marker` after `timeout`. True if it succeeded."""
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if process.poll() is None:  # Ctrl-C first, so the launcher frees what it holds (shared memory)
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        for p in psutil.process_iter():  # torchrun starts workers in sessions of their own
-            try:
-                if marker in " ".join(p.cmdline()):
-                    p.kill()
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-    return process.returncode == 0
 
 
 def train_args() -> list[str]:

@@ -36,6 +36,12 @@ it resumes at step s+1 (steps are numbered 1..--steps). Two implementations (--c
                      and loads the checkpoint it names, falling back to the newest older step_*.pt that
                      loads when that one is missing or corrupt. (The baseline benchmarks compare with.)
 
+Failure behaviour of a plain torchrun job (what the goodput benchmark's baseline uses):
+  --collective-timeout S  a collective that waits longer than S seconds for a peer fails (gloo's
+                          default is 30 min, NCCL's 10 min), so a hung peer ends the job's attempt;
+  --fail-on-nan           a rank whose loss is not finite raises before backward, as Megatron-style
+                          checks do, so torchrun restarts the job from the last checkpoint.
+
 Output lines (parsed by benchmarks; t is time.time()):
     [train_gpt] start rank=R world=W t=...       every rank, at process start
     [train_gpt] resumed step=S rank=R t=...      every rank, S = last completed step, 0 when fresh
@@ -58,6 +64,7 @@ if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
 
 import argparse
 import contextlib
+import datetime
 import glob
 import hashlib
 import math
@@ -451,6 +458,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="evaluate on held-out batches every K steps; 0 disables")
     p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
+    p.add_argument("--collective-timeout", type=float, metavar="SECONDS",
+                   help="timeout of every collective (init_process_group's timeout); default: torch's "
+                        "(30 min for gloo)")
+    p.add_argument("--fail-on-nan", action="store_true",
+                   help="raise (and exit) when this rank's loss is not finite, instead of going on")
     p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
                    help="sleep this long after each step (makes a job last longer in tests)")
     return p.parse_args(argv)
@@ -467,7 +479,8 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         log(f"[train_gpt] warning: deterministic algorithms unavailable: {e}")
     if distributed:
-        dist.init_process_group("gloo")  # env:// - MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        timeout = None if args.collective_timeout is None else datetime.timedelta(seconds=args.collective_timeout)
+        dist.init_process_group("gloo", timeout=timeout)  # env:// - MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 
     # Data
     text = make_corpus()
@@ -522,6 +535,8 @@ def main(argv=None):
             with ddp_model.no_sync() if distributed else contextlib.nullcontext():
                 _, loss = ddp_model(x, y)
                 loss = s.inject(loss)  # fault injection hook: NaN when a test schedules it
+                if args.fail_on_nan and not math.isfinite(loss.item()):
+                    raise FloatingPointError(f"rank {rank}: loss is {loss.item()} at step {step}")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             with s.section("sync"):

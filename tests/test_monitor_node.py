@@ -99,6 +99,22 @@ def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch
     assert sorted((f["id"], step) for f, rank, step, _ in fired) == [("f0", 4), ("f1", 6)]
 
 
+def test_a_fault_with_a_once_file_fires_in_one_worker_only(node, monkeypatch, tmp_path):
+    """A worker restarted with the same TRANSOM_FAULTS (torchrun) must not fire the fault again."""
+    once = tmp_path / "f0.fired"
+    monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(
+        [{"id": "f0", "type": "nan", "step": 2, "rank": 3, "once_file": str(once)}]))
+    nan_steps = []
+    for restart in range(2):
+        monkeypatch.setattr(reporter, "_channel", None)  # a new worker process, same environment
+        for step in range(1, 4):
+            with reporter.step(step) as s:
+                if math.isnan(s.inject(torch.tensor(1.0)).item()):
+                    nan_steps.append((restart, step))
+    assert nan_steps == [(0, 2)]
+    assert once.exists()
+
+
 def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
     log = tmp_path / "rank3.log"
     log.write_text("step 1 loss 2.0\n")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -124,3 +127,58 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"weights differ after resume: {different}"
+
+
+def _run_failing(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60) -> tuple[int, str, float]:
+    """Run a command that may fail; its exit code, output and run time. No process outlives this call."""
+    started = time.monotonic()
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        pytest.fail(f"{args} ran past {timeout}s:\n{out}")
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.communicate()
+    return proc.returncode, out, time.monotonic() - started
+
+
+def _with_faults(faults: list[dict]) -> dict[str, str]:
+    """The environment of a worker that applies `faults` itself (reporter.py needs a monitor port;
+    nothing listens on it, which the reporter tolerates)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _env() | {"TRANSOM_MONITOR_PORT": str(port), "TRANSOM_FAULTS": json.dumps(faults)}
+
+
+def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path: Path) -> None:
+    env = _with_faults([{"id": "f0", "type": "nan", "step": 5, "rank": None,
+                         "once_file": str(tmp_path / "f0.fired")}])
+    args = [sys.executable, str(SCRIPT), *SMALL, "--steps", "8", "--log-every", "1", "--checkpoint", "torch",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2", "--fail-on-nan"]
+    code, out, _ = _run_failing(args, tmp_path, env)
+    assert code != 0 and "FloatingPointError: rank 0: loss is nan at step 5" in out, out
+    assert re.search(r"^step 4 loss ", out, re.M) and not re.search(r"^step 5 ", out, re.M), out
+    code, out, _ = _run_failing(args, tmp_path, env)  # the same command and environment, as torchrun restarts it
+    assert code == 0, out
+    assert "[train_gpt] resumed step=4 rank=0" in out and re.search(r"^step 5 loss \d", out, re.M), out
+    assert "[train_gpt] done step=8 rank=0" in out, out
+
+
+@pytest.mark.slow
+def test_collective_timeout_ends_a_job_whose_peer_stalls(tmp_path: Path) -> None:
+    """Rank 1 stalls for ~20 s in step 3 (an injected slow-down); with a 2 s collective timeout,
+    rank 0's all-reduce gives up long before that (gloo's default would wait 30 minutes)."""
+    env = _with_faults([{"id": "f0", "type": "slow", "step": 3, "rank": 1, "factor": 2000.0}])
+    code, out, seconds = _run_failing(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), *SMALL,
+         "--steps", "6", "--log-every", "1", "--ckpt-every", "0", "--collective-timeout", "2"], tmp_path, env)
+    assert code != 0, out
+    assert re.search(r"^\[rank0\]:.*[Tt]imed out", out, re.M), out
+    assert re.search(r"^step 2 loss ", out, re.M) and not re.search(r"^step 3 ", out, re.M), out
+    assert seconds < 15, f"the job took {seconds:.1f} s to fail"

@@ -15,7 +15,9 @@ nothing, and a lost datagram only means one sample fewer.
 
 The agent may also hand this rank in-process faults to inject (TRANSOM_FAULTS, see
 transom.monitor.faults): a slow compute section or a NaN loss. This module applies them; it
-must never inject anything that was not scheduled.
+must never inject anything that was not scheduled. A fault with a "once_file" path fires only
+if this process can create that file (O_EXCL), so it fires once even when a launcher other than
+Transom restarts the worker with the same environment.
 """
 
 from __future__ import annotations
@@ -71,8 +73,21 @@ class _Channel:
         due = [f for f in self.faults if f["type"] == kind and step >= f["step"]]
         for f in due:
             self.faults.remove(f)
+        due = [f for f in due if _claim(f.get("once_file"))]
+        for f in due:
             self.send({"k": "fault", "fault": f, "step": step})
         return due
+
+
+def _claim(once_file: str | None) -> bool:
+    """True if a fault may fire: it has no once_file, or this call created it."""
+    if once_file is None:
+        return True
+    try:
+        os.close(os.open(once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except OSError:
+        return False  # fired before (or the folder is gone): never fire twice
 
 
 _channel: _Channel | None = None

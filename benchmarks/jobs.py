@@ -1,0 +1,69 @@
+"""What the benchmarks that run examples/train_gpt.py jobs share: its progress lines, and stopping a job.
+
+train_gpt.py prints, each with t=time.time() (see its docstring):
+    [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
+    step N loss X t=... (rank 0)               [train_gpt] done step=N rank=R t=...
+under torchrun possibly prefixed with "[rankR]: ". This module only reads and stops; it never
+starts a job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from typing import NamedTuple
+
+import psutil
+
+STOP_GRACE_S = 20
+LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b(?P<fields>.*?)"
+                  r"|step (?P<step>\d+) .*?)t=(?P<t>\d+\.\d+)", re.M)
+FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+class Line(NamedTuple):
+    what: str  # start | resumed | done | step
+    step: int | None  # the step of a step line, the resumed/done step of the others
+    rank: int | None  # None on step lines (rank 0 prints them)
+    t: float
+
+
+def parse(text: str) -> list[Line]:
+    """Every progress line in `text`, in the order printed."""
+    lines = []
+    for m in LINE.finditer(text):
+        fields = {k: int(v) for k, v in FIELD.findall(m.group("fields") or "")}
+        step = int(m.group("step")) if m.group("step") else fields.get("step")
+        lines.append(Line(m.group("what") or "step", step, fields.get("rank"), float(m.group("t"))))
+    return lines
+
+
+def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
+    """Wait for the job; stop it and every process naming `marker` after `timeout`. True if it succeeded."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if process.poll() is None:  # Ctrl-C first, so the launcher frees what it holds (shared memory)
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        kill_marked(marker)
+    return process.returncode == 0
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose command line names `marker` (torchrun starts workers in sessions
+    of their own, so killing a process group does not reach them)."""
+    for p in psutil.process_iter():
+        try:
+            if marker in " ".join(p.cmdline()):
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
