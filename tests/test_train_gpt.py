@@ -46,19 +46,8 @@ def _kill_tree(pid: int) -> None:
 
 def _run(args: list[str], cwd: Path, timeout: float = 120) -> str:
     """Run a command to completion and return its output; no process outlives this call."""
-    proc = subprocess.Popen(args, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"{args} ran past {timeout}s:\n{out}")
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-            proc.communicate()
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out}"
+    code, out, _ = _run_failing(args, cwd, _env(), timeout)
+    assert code == 0, f"{args} exited with {code}:\n{out}"
     return out
 
 
