@@ -105,6 +105,13 @@ def test_gloo_connection_closed_by_peer_is_a_peer_error(tmp_path):
     assert "Connection closed by peer" in f.signature
 
 
+def test_a_worker_that_aborts_on_a_broken_collective_is_a_peer_error(tmp_path):
+    """gloo sometimes turns "Connection closed by peer" into std::terminate: SIGABRT, same error."""
+    f = classify_exit(2, 0, -6, _log(tmp_path, GLOO_PEER))
+    assert f.signal == "SIGABRT" and f.peer_error is True
+    assert classify_exit(2, 0, -6, _log(tmp_path, TRACEBACK)).peer_error is False
+
+
 def test_an_ordinary_error_is_not_a_peer_error(tmp_path):
     assert classify_exit(0, 0, 1, _log(tmp_path, TRACEBACK)).peer_error is False
 

@@ -2,6 +2,7 @@
 
 A worker that dies because a *peer* died (the collective's connection was closed) is not the
 root cause of an incident; `WorkerFailure.peer_error` tells the controller to look elsewhere.
+That covers a worker that exits with such an error, and one that aborts (SIGABRT) on it.
 """
 
 from __future__ import annotations
@@ -78,5 +79,7 @@ def classify_exit(rank: int, local_rank: int, exitcode: int, log_path: Path) -> 
     tail = read_tail(log_path)
     lines = _EXCEPTION_LINE.findall(tail)
     signature = lines[-1].strip()[:300] if lines else None
-    peer = sig is None and bool(_PEER_ERROR.search(tail))
+    # An exit after a broken collective; gloo sometimes aborts (SIGABRT) on the same error.
+    peer = ((sig is None and bool(_PEER_ERROR.search(tail)))
+            or (sig == "SIGABRT" and bool(signature and _PEER_ERROR.search(signature))))
     return WorkerFailure(rank, local_rank, exitcode, sig, signature, peer, time.time(), str(log_path))
