@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transom.config import ConfigError, JobSpec, new_job_id, prepare_run_dir
 from transom.launcher import Launch, Launcher
 from transom.monitor.faults import parse_schedule
+from transom.report.rundir import FINAL_WEIGHTS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE
 from transom.utils.procs import die_with_parent, stop_process
 
 DEMO_NODES = 4
@@ -44,9 +45,6 @@ SLOW_FACTOR = 3
 # that the node which replaces an evicted one is ready before the next fault needs it.
 CAMPAIGN = (("crash", 0.125, "rank=1"), ("kill", 0.29, "rank=3"), ("hang", 0.46, "rank=2"),
             ("nan", 0.625, "rank=0"), ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"))
-FINAL_WEIGHTS = "final_weights.pt"
-REFERENCE_WEIGHTS = "reference_weights.pt"
-REFERENCE_INFO = "reference.json"
 STEP_LINE = re.compile(r"^step (\d+) ")
 
 
@@ -76,7 +74,7 @@ def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size
     workdir = run_dir / "reference"  # its own, empty checkpoint directory: it must start from scratch
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(world_size), str(script),
-               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS), "--ckpt-every", "0",
+               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS_FILE), "--ckpt-every", "0",
                "--ckpt-dir", str(workdir / "checkpoints")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_")}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -134,7 +132,7 @@ def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike 
     script = example_script()
     job_id = job_id or "demo-" + new_job_id().split("-")[1]
     run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
-    spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS),
+    spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS_FILE),
                    job_id=job_id, nnodes_min=DEMO_NODES, nnodes_max=DEMO_NODES, spares=DEMO_SPARES,
                    max_restarts=DEMO_MAX_RESTARTS,
                    faults=parse_schedule(campaign(steps), DEMO_NODES, seed)).validate()
@@ -147,7 +145,7 @@ def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike 
     if code == 0 and reference:
         try:
             info = run_reference(run_path, script, steps, seed, spec.world_size, console)
-            (run_path / REFERENCE_INFO).write_text(json.dumps(info, indent=1))
+            (run_path / REFERENCE_FILE).write_text(json.dumps(info, indent=1))
         except ReferenceRunError as e:
             problems.append(str(e))
     summary = write_report(run_path)

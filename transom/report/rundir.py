@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.config import ConfigError
+from transom.view import EVENTS_FILE, PROGRESS_FILE, STATUS_FILE  # noqa: F401 - what a run directory holds
 
-EVENTS_FILE = "events.jsonl"
-STATUS_FILE = "status.json"
-PROGRESS_FILE = "progress.jsonl"
 REFERENCE_FILE = "reference.json"
 FINAL_WEIGHTS_FILE = "final_weights.pt"
 REFERENCE_WEIGHTS_FILE = "reference_weights.pt"
