@@ -155,6 +155,14 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
         engine.close(wait=False)
         interrupted += step not in storage.complete_steps(root)
     assert interrupted >= 1, "no kill landed during persistence: the test proved nothing"
+    # A server started after all those deaths still persists a step whole (and on a loaded machine
+    # every kill may have landed before any step was complete: this one is certain to be).
+    server = servers("node-last", "j3", storage_dir=root)
+    with checkpoint.Engine(socket_path=server.socket, rank=0, world_size=1, storage_dir=root) as engine:
+        step += 1
+        expected[step] = torch.full((8 << 20,), float(step))
+        engine.save(step, {"w": expected[step], "step": step}).wait("persisted")
+    assert step in storage.complete_steps(root)
     loaded = 0
     for s in storage.complete_steps(root):
         header, data = storage.read_shard(storage.shard_path(root, s, 0), s, 0)
