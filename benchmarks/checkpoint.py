@@ -50,6 +50,7 @@ DCP_ASYNC_MAX_BYTES = 2 * GIB
 
 # -- one rank ------------------------------------------------------------------------------------
 
+
 def make_state(nbytes: int, rank: int):
     import torch
 
@@ -57,10 +58,21 @@ def make_state(nbytes: int, rank: int):
     n_tensors = max(1, per_kind // TENSOR_BYTES)
     numel = per_kind // n_tensors // 4
     g = torch.Generator().manual_seed(rank)
-    model = {f"rank{rank}.layer{i}.weight": torch.randn(numel, generator=g) for i in range(n_tensors)}
-    state = {name: {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel, generator=g),
-                    "exp_avg_sq": torch.rand(numel, generator=g)} for name in model}
-    return {"model": model, "optim": {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95)}]}}
+    model = {
+        f"rank{rank}.layer{i}.weight": torch.randn(numel, generator=g) for i in range(n_tensors)
+    }
+    state = {
+        name: {
+            "step": torch.tensor(10.0),
+            "exp_avg": torch.randn(numel, generator=g),
+            "exp_avg_sq": torch.rand(numel, generator=g),
+        }
+        for name in model
+    }
+    return {
+        "model": model,
+        "optim": {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95)}]},
+    }
 
 
 def flat_tensors(state):
@@ -122,7 +134,7 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
     def floor_copy():
         off = 0
         for t in tensors:
-            buf[off:off + t.numel()].copy_(t)
+            buf[off : off + t.numel()].copy_(t)
             off += t.numel()
 
     floor_copy()
@@ -132,7 +144,9 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
     path = work / f"torch-rank{rank}.pt"
     r["torch_save_s"], _ = timed(lambda: torch.save(state, path))
     dist.barrier()
-    r["dcp_save_s"], _ = timed(lambda: dcp.save(dcp_view(state, rank), checkpoint_id=str(work / "dcp")))
+    r["dcp_save_s"], _ = timed(
+        lambda: dcp.save(dcp_view(state, rank), checkpoint_id=str(work / "dcp"))
+    )
     dist.barrier()
     template = dcp_view(make_state(nbytes, rank), rank)
     state = None  # free it: loads below allocate their own memory
@@ -145,8 +159,9 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
     # Last: async_save's staging copies (about three times the state here) stay until the process
     # exits; at 4 GiB per rank group they would push this machine past its memory, so it is skipped.
     if nbytes * int(os.environ["WORLD_SIZE"]) < DCP_ASYNC_MAX_BYTES:
-        r["dcp_async_save_s"], future = timed(lambda: dcp.async_save(template,
-                                                                     checkpoint_id=str(work / "dcp-async")))
+        r["dcp_async_save_s"], future = timed(
+            lambda: dcp.async_save(template, checkpoint_id=str(work / "dcp-async"))
+        )
         future.result()
 
 
@@ -156,8 +171,13 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
     from transom import checkpoint
 
     # The node's server is node0; it replicates to node1 and persists to work/storage.
-    engine = checkpoint.Engine(socket_path=args.socket, rank=rank, world_size=world, storage_dir=work / "storage",
-                               secret=SECRET.encode())
+    engine = checkpoint.Engine(
+        socket_path=args.socket,
+        rank=rank,
+        world_size=world,
+        storage_dir=work / "storage",
+        secret=SECRET.encode(),
+    )
     times = []
     if args.first_save:
         dt, h = timed(lambda: engine.save(1, state))
@@ -165,7 +185,9 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
         h.wait("persisted")
         h.wait("replicated")
     for step in range(2, 2 + args.saves):
-        engine.prepare(state)  # the region for this save is populated and mapped (a no-op when it is)
+        engine.prepare(
+            state
+        )  # the region for this save is populated and mapped (a no-op when it is)
         dist.barrier()
         t0 = time.perf_counter()
         h = engine.save(step, state)
@@ -191,16 +213,36 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
 
 # -- orchestration -------------------------------------------------------------------------------
 
-def start_server(work: Path, node: str, budget: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+
+def start_server(
+    work: Path, node: str, budget: int, extra: list[str]
+) -> tuple[subprocess.Popen, str, str]:
     from transom.utils.procs import die_with_parent
 
     sock = str(work / f"{node}.sock")
     log = open(work / f"{node}.log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "transom.checkpoint.server", "--node-id", node,
-                          "--job-id", f"bench-{os.getpid()}", "--socket", sock, "--memory", str(budget),
-                          "--port", "0", *extra],
-                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET},
-                         preexec_fn=die_with_parent)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transom.checkpoint.server",
+            "--node-id",
+            node,
+            "--job-id",
+            f"bench-{os.getpid()}",
+            "--socket",
+            sock,
+            "--memory",
+            str(budget),
+            "--port",
+            "0",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET},
+        preexec_fn=die_with_parent,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = Path(log.name).read_text()
@@ -235,10 +277,25 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     budget = regions * (per_rank + (64 << 20)) * ranks
     baseline = memory_in_use()
     peer, _, peer_addr = start_server(work, "node1", budget, ["--replicas", "0"])
-    own, sock, _ = start_server(work, "node0", budget, ["--peer", peer_addr, "--storage", str(work / "storage"),
-                                                        "--memory-keep", "1" if big else "2"])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(ranks),
-           "OMP_NUM_THREADS": "1"}
+    own, sock, _ = start_server(
+        work,
+        "node0",
+        budget,
+        [
+            "--peer",
+            peer_addr,
+            "--storage",
+            str(work / "storage"),
+            "--memory-keep",
+            "1" if big else "2",
+        ],
+    )
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": str(ranks),
+        "OMP_NUM_THREADS": "1",
+    }
     results: list[dict] = [{} for _ in range(ranks)]
     peak = 0
     try:
@@ -246,13 +303,37 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
             procs = []
             port = str(free_port())
             for rank in range(ranks):
-                argv = [sys.executable, __file__, "--rank-worker", "--phase", phase, "--socket", sock,
-                        "--work", str(work), "--bytes-per-rank", str(per_rank),
-                        "--out", str(work / f"{phase}{rank}.json"), "--saves", "1" if big else str(WARM_SAVES)]
+                argv = [
+                    sys.executable,
+                    __file__,
+                    "--rank-worker",
+                    "--phase",
+                    phase,
+                    "--socket",
+                    sock,
+                    "--work",
+                    str(work),
+                    "--bytes-per-rank",
+                    str(per_rank),
+                    "--out",
+                    str(work / f"{phase}{rank}.json"),
+                    "--saves",
+                    "1" if big else str(WARM_SAVES),
+                ]
                 if not big:
                     argv.append("--first-save")
-                procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent, env={**env, "MASTER_PORT": port, "RANK": str(rank),
-                                                         "LOCAL_RANK": str(rank)}))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        preexec_fn=die_with_parent,
+                        env={
+                            **env,
+                            "MASTER_PORT": port,
+                            "RANK": str(rank),
+                            "LOCAL_RANK": str(rank),
+                        },
+                    )
+                )
             try:
                 while any(p.poll() is None for p in procs):
                     peak = max(peak, memory_in_use() - baseline)
@@ -263,7 +344,9 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
                         p.kill()
                         p.wait()
             if any(p.returncode for p in procs):
-                raise RuntimeError(f"a rank failed in the {phase} phase of the {size_gib} GiB x {ranks} case")
+                raise RuntimeError(
+                    f"a rank failed in the {phase} phase of the {size_gib} GiB x {ranks} case"
+                )
             for rank in range(ranks):
                 results[rank].update(json.loads((work / f"{phase}{rank}.json").read_text()))
     finally:
@@ -286,21 +369,35 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     return row
 
 
-COLUMNS = [("size_gib", "GiB", "{:g}"), ("ranks", "ranks", "{}"), ("floor_s", "floor", "{:.3f}"),
-           ("transom_save_s", "save", "{:.3f}"), ("transom_first_save_s", "1st save", "{:.3f}"),
-           ("torch_save_s", "torch.save", "{:.2f}"), ("dcp_save_s", "dcp", "{:.2f}"),
-           ("dcp_async_save_s", "dcp async", "{:.2f}"), ("transom_persisted_s", "persisted", "{:.2f}"),
-           ("transom_load_memory_s", "load mem", "{:.3f}"), ("transom_load_peer_s", "load peer", "{:.3f}"),
-           ("transom_load_storage_s", "load disk", "{:.3f}"), ("torch_load_s", "torch.load", "{:.2f}"),
-           ("dcp_load_s", "dcp load", "{:.2f}"), ("transom_save_vs_torch_save_x", "save x torch", "{:.1f}"),
-           ("transom_save_vs_floor_x", "save/floor", "{:.2f}"), ("load_memory_vs_torch_load_x", "mem x torch", "{:.1f}"),
-           ("load_peer_vs_torch_load_x", "peer x torch", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]
+COLUMNS = [
+    ("size_gib", "GiB", "{:g}"),
+    ("ranks", "ranks", "{}"),
+    ("floor_s", "floor", "{:.3f}"),
+    ("transom_save_s", "save", "{:.3f}"),
+    ("transom_first_save_s", "1st save", "{:.3f}"),
+    ("torch_save_s", "torch.save", "{:.2f}"),
+    ("dcp_save_s", "dcp", "{:.2f}"),
+    ("dcp_async_save_s", "dcp async", "{:.2f}"),
+    ("transom_persisted_s", "persisted", "{:.2f}"),
+    ("transom_load_memory_s", "load mem", "{:.3f}"),
+    ("transom_load_peer_s", "load peer", "{:.3f}"),
+    ("transom_load_storage_s", "load disk", "{:.3f}"),
+    ("torch_load_s", "torch.load", "{:.2f}"),
+    ("dcp_load_s", "dcp load", "{:.2f}"),
+    ("transom_save_vs_torch_save_x", "save x torch", "{:.1f}"),
+    ("transom_save_vs_floor_x", "save/floor", "{:.2f}"),
+    ("load_memory_vs_torch_load_x", "mem x torch", "{:.1f}"),
+    ("load_peer_vs_torch_load_x", "peer x torch", "{:.1f}"),
+    ("peak_gib", "peak GiB", "{:.1f}"),
+]
 
 
 def print_table(rows: list[dict]) -> None:
     cells = [[label for _, label, _ in COLUMNS]]
     for row in rows:
-        cells.append([fmt.format(row[k]) if row.get(k) is not None else "-" for k, _, fmt in COLUMNS])
+        cells.append(
+            [fmt.format(row[k]) if row.get(k) is not None else "-" for k, _, fmt in COLUMNS]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     for line in cells:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
@@ -308,11 +405,16 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="0.25,1", help="total state sizes in GiB, comma-separated (4 GiB needs "
-                                                     "about 20 GiB of free memory)")
+    p.add_argument(
+        "--sizes",
+        default="0.25,1",
+        help="total state sizes in GiB, comma-separated (4 GiB needs about 20 GiB of free memory)",
+    )
     p.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--dir", default=None, help="where files are written (default: a temp dir on this disk)")
+    p.add_argument(
+        "--dir", default=None, help="where files are written (default: a temp dir on this disk)"
+    )
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=("baselines", "transom"), help=argparse.SUPPRESS)

@@ -47,14 +47,28 @@ NODES = 3
 STEP_DELAY_S = 0.05
 CKPT_EVERY = 10
 FIRST_FAULT_STEP = 25
-FAULT_SPACING_STEPS = 50  # between faults: room for detection, the restart and a checkpoint to resume from
+FAULT_SPACING_STEPS = (
+    50  # between faults: room for detection, the restart and a checkpoint to resume from
+)
 DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # fault type -> (the anomaly type that detects it, evictions it causes so spares are needed)
-FAULTS = {"crash": ("crash", False), "hang": ("hang", True), "slow": ("straggler", True),
-          "nan": ("nan", False), "log": ("xid", True)}
-TARGETS = {"crash_s": 2.0, "hang_floor_s": 10.0, "hang_step_factor": 5.0, "slow_steps": 30, "nan_steps": 1,
-           "attribution": 0.95, "overhead": 0.01}
+FAULTS = {
+    "crash": ("crash", False),
+    "hang": ("hang", True),
+    "slow": ("straggler", True),
+    "nan": ("nan", False),
+    "log": ("xid", True),
+}
+TARGETS = {
+    "crash_s": 2.0,
+    "hang_floor_s": 10.0,
+    "hang_step_factor": 5.0,
+    "slow_steps": 30,
+    "nan_steps": 1,
+    "attribution": 0.95,
+    "overhead": 0.01,
+}
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=(\d+\.\d+)$", re.M)
 
 
@@ -67,12 +81,39 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def run_job(run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]) -> list[dict]:
+def run_job(
+    run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]
+) -> list[dict]:
     """Run one job to its end; its events."""
-    argv = [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", "d-" + uuid.uuid4().hex[:6],
-            "--nnodes", str(NODES), "--spares", str(spares), "--max-restarts", "1000", "--evict-window", "0",
-            *(["--faults", faults] if faults else []), str(SCRIPT), "--steps", str(steps),
-            "--ckpt-every", str(CKPT_EVERY), "--step-delay", str(STEP_DELAY_S), "--log-every", "1", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "transom",
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--job-id",
+        "d-" + uuid.uuid4().hex[:6],
+        "--nnodes",
+        str(NODES),
+        "--spares",
+        str(spares),
+        "--max-restarts",
+        "1000",
+        "--evict-window",
+        "0",
+        *(["--faults", faults] if faults else []),
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        "--step-delay",
+        str(STEP_DELAY_S),
+        "--log-every",
+        "1",
+        *extra,
+    ]
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -118,25 +159,46 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     answered: set[int] = set()
     for i, f in enumerate(faults):
         end = faults[i + 1]["time"] if i + 1 < len(faults) else f["time"] + DETECTION_WINDOW_S
-        hits = [a for a in anomalies if f["time"] - 0.5 <= a["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)]
+        hits = [
+            a
+            for a in anomalies
+            if f["time"] - 0.5 <= a["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)
+        ]
         if not hits:
             continue
         detected += 1
         latencies.append(max(0.0, hits[0]["time"] - f["time"]))
-        if kind in ("slow", "nan") and hits[0].get("step") is not None and f.get("step") is not None:
+        if (
+            kind in ("slow", "nan")
+            and hits[0].get("step") is not None
+            and f.get("step") is not None
+        ):
             latency_steps.append(hits[0]["step"] - f["step"])
-        verdict = next((j for j, v in enumerate(verdicts) if j not in answered and v["time"] >= hits[0]["time"] - 0.5
-                        and v["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)), None)
+        verdict = next(
+            (
+                j
+                for j, v in enumerate(verdicts)
+                if j not in answered
+                and v["time"] >= hits[0]["time"] - 0.5
+                and v["time"] <= min(end, f["time"] + DETECTION_WINDOW_S)
+            ),
+            None,
+        )
         if verdict is not None:
             answered.add(verdict)
             if kind == "nan" or blamed(verdicts[verdict]) == [f["node"]]:
                 right += 1
-    out = {"faults": len(faults), "detected": detected,
-           "recall": detected / len(faults) if faults else None,
-           "precision": len(answered) / len(verdicts) if verdicts else None,
-           "attribution": right / detected if detected else None,
-           "latency_p50_s": percentile(latencies, 0.5), "latency_p95_s": percentile(latencies, 0.95),
-           "latency_max_s": max(latencies) if latencies else None, "median_step_s": step_s}
+    out = {
+        "faults": len(faults),
+        "detected": detected,
+        "recall": detected / len(faults) if faults else None,
+        "precision": len(answered) / len(verdicts) if verdicts else None,
+        "attribution": right / detected if detected else None,
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p95_s": percentile(latencies, 0.95),
+        "latency_max_s": max(latencies) if latencies else None,
+        "median_step_s": step_s,
+    }
     if latency_steps:
         out["latency_p50_steps"] = percentile(latency_steps, 0.5)
         out["latency_max_steps"] = max(latency_steps)
@@ -148,13 +210,23 @@ def fault_free(tmp: Path, minutes: float) -> dict:
     per_step = 0.15  # about, on this machine; the job is sized to last `minutes`
     steps = max(60, int(minutes * 60 / per_step))
     t0 = time.time()
-    events = run_job(tmp / "fault-free", None, 0, steps, ["--eval-every", "100", "--eval-batches", "200"])
+    events = run_job(
+        tmp / "fault-free", None, 0, steps, ["--eval-every", "100", "--eval-batches", "200"]
+    )
     hours = (time.time() - t0) / 3600
-    false = [e for e in events if (e["kind"] == "anomaly" and e.get("severity") != "info")
-             or e["kind"] in ("decision", "warning", "incident")]
-    return {"duration_s": round(hours * 3600, 1), "steps": steps, "false_positives": len(false),
-            "false_positives_per_hour": len(false) / hours if hours else None,
-            "examples": [e["message"][:120] for e in false[:5]]}
+    false = [
+        e
+        for e in events
+        if (e["kind"] == "anomaly" and e.get("severity") != "info")
+        or e["kind"] in ("decision", "warning", "incident")
+    ]
+    return {
+        "duration_s": round(hours * 3600, 1),
+        "steps": steps,
+        "false_positives": len(false),
+        "false_positives_per_hour": len(false) / hours if hours else None,
+        "examples": [e["message"][:120] for e in false[:5]],
+    }
 
 
 def overhead(tmp: Path, steps: int, rounds: int) -> dict:
@@ -165,23 +237,51 @@ def overhead(tmp: Path, steps: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for r in range(rounds):
-            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))}
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                env = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))
+                }
                 env["OMP_NUM_THREADS"] = "1"
                 if mode == "on":
                     env["TRANSOM_MONITOR_PORT"] = str(monitor.port)
-                out = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--ckpt-every", "0",
-                                      "--log-every", "1"], env=env, capture_output=True, text=True, cwd=tmp,
-                                     timeout=600).stdout
-                points = [float(t) for _, t in STEP_LINE.findall(out)][5:]  # leave out the first steps
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        str(SCRIPT),
+                        "--steps",
+                        str(steps),
+                        "--ckpt-every",
+                        "0",
+                        "--log-every",
+                        "1",
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    cwd=tmp,
+                    timeout=600,
+                ).stdout
+                points = [float(t) for _, t in STEP_LINE.findall(out)][
+                    5:
+                ]  # leave out the first steps
                 times[mode].append((points[-1] - points[0]) / (len(points) - 1))
     finally:
         monitor.close()
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     call = api_call_s()
-    return {"step_on_s": on, "step_off_s": off, "overhead_x": on / off - 1.0, "rounds": rounds, "steps": steps,
-            "samples_on_s": times["on"], "samples_off_s": times["off"], "api_call_s": call,
-            "api_overhead_x": call / off}
+    return {
+        "step_on_s": on,
+        "step_off_s": off,
+        "overhead_x": on / off - 1.0,
+        "rounds": rounds,
+        "steps": steps,
+        "samples_on_s": times["on"],
+        "samples_off_s": times["off"],
+        "api_call_s": call,
+        "api_overhead_x": call / off,
+    }
 
 
 def api_call_s(calls: int = 20000) -> float:
@@ -204,14 +304,28 @@ def api_call_s(calls: int = 20000) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, default=20, help="faults per type, all in one job per type (default 20)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=20,
+        help="faults per type, all in one job per type (default 20)",
+    )
     p.add_argument("--types", default=",".join(FAULTS), help="fault types to run (default: all)")
-    p.add_argument("--fault-free-minutes", type=float, default=30.0,
-                   help="length of the fault-free job for false positives (default 30; 0 skips)")
-    p.add_argument("--overhead-steps", type=int, default=300, help="steps per overhead run (default 300)")
-    p.add_argument("--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)")
+    p.add_argument(
+        "--fault-free-minutes",
+        type=float,
+        default=30.0,
+        help="length of the fault-free job for false positives (default 30; 0 skips)",
+    )
+    p.add_argument(
+        "--overhead-steps", type=int, default=300, help="steps per overhead run (default 300)"
+    )
+    p.add_argument(
+        "--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
@@ -248,23 +362,34 @@ def fmt(value, spec="{:.2f}") -> str:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} {'right node':>10} "
-          f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}")
+    print(
+        f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} {'right node':>10} "
+        f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}"
+    )
     for kind, r in result["transom"].items():
-        steps = (f"{fmt(r.get('latency_p50_steps'), '{:.0f}')}/{fmt(r.get('latency_max_steps'), '{:.0f}')}"
-                 if "latency_p50_steps" in r else "-")
-        print(f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} {fmt(r['precision']):>9} "
-              f"{fmt(r['attribution']):>10} {fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
-              f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}")
+        steps = (
+            f"{fmt(r.get('latency_p50_steps'), '{:.0f}')}/{fmt(r.get('latency_max_steps'), '{:.0f}')}"
+            if "latency_p50_steps" in r
+            else "-"
+        )
+        print(
+            f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} {fmt(r['precision']):>9} "
+            f"{fmt(r['attribution']):>10} {fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
+            f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}"
+        )
     if "fault_free" in result:
         f = result["fault_free"]
-        print(f"fault-free job: {f['duration_s'] / 60:.1f} min, {f['false_positives']} false positives "
-              f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)")
+        print(
+            f"fault-free job: {f['duration_s'] / 60:.1f} min, {f['false_positives']} false positives "
+            f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)"
+        )
     if "overhead" in result:
         o = result["overhead"]
-        print(f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off "
-              f"= {o['overhead_x'] * 100:+.2f}% (median of {o['rounds']} runs of {o['steps']} steps each); "
-              f"the calls themselves: {o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%")
+        print(
+            f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off "
+            f"= {o['overhead_x'] * 100:+.2f}% (median of {o['rounds']} runs of {o['steps']} steps each); "
+            f"the calls themselves: {o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%"
+        )
 
 
 if __name__ == "__main__":

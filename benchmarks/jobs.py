@@ -18,8 +18,11 @@ from typing import NamedTuple
 import psutil
 
 STOP_GRACE_S = 20
-LINE = re.compile(r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b(?P<fields>.*?)"
-                  r"|step (?P<step>\d+) .*?)t=(?P<t>\d+\.\d+)", re.M)
+LINE = re.compile(
+    r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b(?P<fields>.*?)"
+    r"|step (?P<step>\d+) .*?)t=(?P<t>\d+\.\d+)",
+    re.M,
+)
 FIELD = re.compile(r"(\w+)=(\d+)")
 
 
@@ -47,7 +50,9 @@ def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if process.poll() is None:  # Ctrl-C first, so the launcher frees what it holds (shared memory)
+        if (
+            process.poll() is None
+        ):  # Ctrl-C first, so the launcher frees what it holds (shared memory)
             os.killpg(process.pid, signal.SIGINT)
             try:
                 process.wait(timeout=STOP_GRACE_S)

@@ -36,7 +36,6 @@ import uuid
 from pathlib import Path
 
 import psutil
-
 from jobs import finish, parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +46,8 @@ RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
+
+
 def split(lines: list, fault: float, detected: float | None) -> dict:
     after = [(line.what, line.t) for line in lines if line.t > fault]
     started = min(t for what, t in after if what == "start")
@@ -129,18 +130,39 @@ def run_transom(fault: str, work: Path) -> dict:
     run_dir = work / job_id
     out = open(work / f"{job_id}.out", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", job_id,
-         "--nnodes", "3", "--spares", "1", *train_args()],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    logs = lambda: "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log")))
+        [
+            sys.executable,
+            "-m",
+            "transom",
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--job-id",
+            job_id,
+            "--nnodes",
+            "3",
+            "--spares",
+            "1",
+            *train_args(),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    logs = lambda: "".join(
+        p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log"))
+    )
     try:
         wait_for_step(logs, FAULT_AT_STEP, process)
         wait_until_warm(run_dir)
         if fault == "worker_crash":
             victim = find_process(lambda p: p.pid == rank_pid(run_dir, 1))
         else:
-            victim = find_process(lambda p: job_id in " ".join(p.cmdline())
-                                  and "--node-id node1" in " ".join(p.cmdline()))
+            victim = find_process(
+                lambda p: (
+                    job_id in " ".join(p.cmdline()) and "--node-id node1" in " ".join(p.cmdline())
+                )
+            )
         fault_time = time.time()
         victim.send_signal(signal.SIGKILL)
         if not recovered(logs, fault_time, process):
@@ -159,18 +181,45 @@ def run_torchrun(work: Path) -> dict:
     out = open(out_path, "wb")
     # Without this, torch 2.13's torchrun restarts reuse stale gloo addresses from the previous
     # attempt and fail or hang (pytorch issue 135712); with it torchrun recovers cleanly.
-    env = {**os.environ, "TRANSOM_CHECKPOINT_DIR": str(ckpt), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {
+        **os.environ,
+        "TRANSOM_CHECKPOINT_DIR": str(ckpt),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
-         "--max-restarts", "3", "--standalone",
-         *train_args(), "--checkpoint", "torch", "--ckpt-dir", str(ckpt)],
-        stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "3",
+            "--standalone",
+            *train_args(),
+            "--checkpoint",
+            "torch",
+            "--ckpt-dir",
+            str(ckpt),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     text = lambda: out_path.read_text(errors="replace")
     try:
         wait_for_step(text, FAULT_AT_STEP, process)
-        victim = find_process(lambda p: p.environ().get("TORCHELASTIC_RUN_ID") is not None
-                              and p.environ().get("RANK") == "1" and str(ckpt) in " ".join(p.cmdline()))
+        victim = find_process(
+            lambda p: (
+                p.environ().get("TORCHELASTIC_RUN_ID") is not None
+                and p.environ().get("RANK") == "1"
+                and str(ckpt) in " ".join(p.cmdline())
+            )
+        )
         fault_time = time.time()
         victim.send_signal(signal.SIGKILL)
         succeeded = recovered(text, fault_time, process)
@@ -180,21 +229,34 @@ def run_torchrun(work: Path) -> dict:
     try:
         return split(parse(text()), fault_time, None) | {"recovered": succeeded}
     except ValueError:  # no step after the fault: torchrun never recovered
-        return {"detection_s": None, "restart_s": None, "reload_s": None, "first_step_s": None,
-                "total_s": None, "recovered": False}
+        return {
+            "detection_s": None,
+            "restart_s": None,
+            "reload_s": None,
+            "first_step_s": None,
+            "total_s": None,
+            "recovered": False,
+        }
 
 
 def mean(rows: list[dict]) -> dict:
     """Means over the trials that recovered; `recovered` counts them."""
     ok = [r for r in rows if r.get("recovered", True)]
     keys = [k for k in rows[0] if k != "recovered"]
-    means = {k: (statistics.mean(r[k] for r in ok) if ok and ok[0][k] is not None else None) for k in keys}
+    means = {
+        k: (statistics.mean(r[k] for r in ok) if ok and ok[0][k] is not None else None)
+        for k in keys
+    }
     return means | {"recovered": len(ok)}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=2, help="runs per scenario, averaged (default 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--trials", type=int, default=2, help="runs per scenario, averaged (default 2)"
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     scenarios = {
@@ -211,17 +273,26 @@ def main() -> int:
                 rows.append(run(Path(tmp)))
             results[name] = mean(rows) | {"trials": args.trials}
     torchrun_total = results["torchrun_worker_crash"]["total_s"]
-    results["worker_crash_speedup_x"] = (None if torchrun_total is None
-                                         else torchrun_total / results["transom_worker_crash"]["total_s"])
+    results["worker_crash_speedup_x"] = (
+        None
+        if torchrun_total is None
+        else torchrun_total / results["transom_worker_crash"]["total_s"]
+    )
     columns = ["detection_s", "restart_s", "reload_s", "first_step_s", "total_s"]
     print(f"{'scenario':<24}" + "".join(f"{c:>14}" for c in columns))  # means over recovered trials
     for name in scenarios:
         r = results[name]
-        print(f"{name:<24}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.2f}':>14}" for c in columns))
+        print(
+            f"{name:<24}"
+            + "".join(f"{'-' if r[c] is None else f'{r[c]:.2f}':>14}" for c in columns)
+        )
     for name in scenarios:
         print(f"{name}: recovered in {results[name]['recovered']} of {args.trials} trials")
     speedup = results["worker_crash_speedup_x"]
-    print("worker crash, torchrun total / transom total: " + ("-" if speedup is None else f"{speedup:.2f}x"))
+    print(
+        "worker crash, torchrun total / transom total: "
+        + ("-" if speedup is None else f"{speedup:.2f}x")
+    )
     if args.json:
         print(json.dumps(results))
     return 0

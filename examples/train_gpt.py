@@ -99,13 +99,63 @@ def log(msg):
 CORPUS_SEED = 1234
 CORPUS_CHARS = 300_000
 
-NOUNS = ["cat", "dog", "bird", "horse", "farmer", "child", "teacher", "robot", "river", "tree",
-         "garden", "city", "ship", "engine", "lamp", "window", "king", "baker", "wolf", "cloud"]
+NOUNS = [
+    "cat",
+    "dog",
+    "bird",
+    "horse",
+    "farmer",
+    "child",
+    "teacher",
+    "robot",
+    "river",
+    "tree",
+    "garden",
+    "city",
+    "ship",
+    "engine",
+    "lamp",
+    "window",
+    "king",
+    "baker",
+    "wolf",
+    "cloud",
+]
 PLURAL = {"child": "children", "wolf": "wolves", "city": "cities"}
-ADJECTIVES = ["small", "old", "red", "quiet", "bright", "happy", "heavy", "green", "strange",
-              "clever", "cold", "tall", "gentle", "broken", "golden"]
-VERBS = ["see", "like", "follow", "watch", "carry", "find", "help", "paint", "chase", "hear",
-         "build", "keep", "move", "open", "visit"]
+ADJECTIVES = [
+    "small",
+    "old",
+    "red",
+    "quiet",
+    "bright",
+    "happy",
+    "heavy",
+    "green",
+    "strange",
+    "clever",
+    "cold",
+    "tall",
+    "gentle",
+    "broken",
+    "golden",
+]
+VERBS = [
+    "see",
+    "like",
+    "follow",
+    "watch",
+    "carry",
+    "find",
+    "help",
+    "paint",
+    "chase",
+    "hear",
+    "build",
+    "keep",
+    "move",
+    "open",
+    "visit",
+]
 PREPOSITIONS = ["near", "under", "behind", "beside", "across", "over", "inside"]
 ADVERBS = ["slowly", "often", "quietly", "again", "today", "never", "always"]
 
@@ -115,7 +165,11 @@ def noun_phrase(rng, plural):
     if plural:
         noun = PLURAL.get(noun, noun + "s")
     adjectives = [rng.choice(ADJECTIVES) for _ in range(rng.choice([0, 0, 1, 1, 2]))]
-    det = rng.choice(["the", "some", "two", "many"]) if plural else rng.choice(["the", "a", "one", "every"])
+    det = (
+        rng.choice(["the", "some", "two", "many"])
+        if plural
+        else rng.choice(["the", "a", "one", "every"])
+    )
     return " ".join([det] + adjectives + [noun])
 
 
@@ -158,13 +212,14 @@ def get_batch(data, step, rank, seed, batch_size, block_size):
     g = torch.Generator()
     g.manual_seed(batch_seed(seed, step, rank))
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
-    x = torch.stack([data[i:i + block_size] for i in ix.tolist()])
-    y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix.tolist()])
+    x = torch.stack([data[i : i + block_size] for i in ix.tolist()])
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()])
     return x, y
 
 
 # -----------------------------------------------------------------------------
 # Model: nanoGPT without dropout and without biases.
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, block_size):
@@ -247,7 +302,10 @@ def make_optimizer(model, lr, weight_decay):
     params = list(model.parameters())  # tied weights appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
@@ -284,8 +342,12 @@ def average_gradients(params, world_size):
 def evaluate(model, data, step, rank, args):
     """Mean loss on --eval-batches held-out batches (seeded away from the training batches)."""
     model.eval()
-    losses = [model(*get_batch(data, -step * 1000 - i, rank, args.seed, args.batch_size, args.block_size))[1]
-              for i in range(args.eval_batches)]
+    losses = [
+        model(
+            *get_batch(data, -step * 1000 - i, rank, args.seed, args.batch_size, args.block_size)
+        )[1]
+        for i in range(args.eval_batches)
+    ]
     model.train()
     return torch.stack(losses).mean().item()
 
@@ -342,14 +404,19 @@ def list_checkpoints(ckpt_dir):
 def save_checkpoint(ckpt_dir, step, model, optimizer, seed, world_size, keep):
     """Rank 0 only: write the checkpoint for `step`, point `latest` at it, prune old ones."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    state = {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
-             "seed": seed, "world_size": world_size}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "seed": seed,
+        "world_size": world_size,
+    }
     atomic_write(ckpt_path(ckpt_dir, step), lambda f: torch.save(state, f))
     atomic_write(os.path.join(ckpt_dir, "latest"), lambda f: f.write(f"{step}\n".encode()))
     # Keep the newest `keep` up to this step. Files for later steps are left over from a run whose
     # `latest` could not be loaded; `latest` now points here, so they are dead too.
     steps = list_checkpoints(ckpt_dir)
-    kept = [s for s in steps if s <= step][:max(keep, 1)]
+    kept = [s for s in steps if s <= step][: max(keep, 1)]
     for old in steps:
         if old not in kept:
             try:
@@ -363,12 +430,19 @@ def try_load(ckpt_dir, step):
     path = ckpt_path(ckpt_dir, step)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("step") != step or "model" not in state or "optim" not in state:
+        if (
+            not isinstance(state, dict)
+            or state.get("step") != step
+            or "model" not in state
+            or "optim" not in state
+        ):
             raise ValueError("not a train_gpt checkpoint for this step")
         return state
     except Exception as e:  # noqa: BLE001 - any failure means: try an older one
         reason = (str(e).strip().splitlines() or [""])[0][:200]
-        log(f"[train_gpt] warning: rank={RANK} cannot load checkpoint {path}: {type(e).__name__}: {reason}")
+        log(
+            f"[train_gpt] warning: rank={RANK} cannot load checkpoint {path}: {type(e).__name__}: {reason}"
+        )
         return None
 
 
@@ -383,16 +457,22 @@ def load_latest_checkpoint(ckpt_dir):
         if not candidates:
             return None
         latest = None
-        log(f"[train_gpt] warning: rank={RANK} {latest_file} is missing but checkpoints exist; using the newest that loads")
+        log(
+            f"[train_gpt] warning: rank={RANK} {latest_file} is missing but checkpoints exist; using the newest that loads"
+        )
     except ValueError:
         latest = None
-        log(f"[train_gpt] warning: rank={RANK} {latest_file} is unreadable; using the newest checkpoint that loads")
+        log(
+            f"[train_gpt] warning: rank={RANK} {latest_file} is unreadable; using the newest checkpoint that loads"
+        )
     if latest is not None:
         state = try_load(ckpt_dir, latest)
         if state is not None:
             return state
         candidates = [s for s in candidates if s < latest]
-        log(f"[train_gpt] warning: rank={RANK} falling back from step {latest} to an older checkpoint")
+        log(
+            f"[train_gpt] warning: rank={RANK} falling back from step {latest} to an older checkpoint"
+        )
     for step in candidates:
         state = try_load(ckpt_dir, step)
         if state is not None:
@@ -412,14 +492,21 @@ def engine_load(engine):
         return None
     if state is not None:
         info = engine.last_load
-        log(f"[train_gpt] restored step={info['step']} rank={RANK} tier={info['tier']} seconds={info['seconds']:.3f}")
+        log(
+            f"[train_gpt] restored step={info['step']} rank={RANK} tier={info['tier']} seconds={info['seconds']:.3f}"
+        )
     return state
 
 
 def engine_save(engine, step, model, optimizer, seed, world_size):
     """Every rank: copy its state into checkpoint memory and go on; the rest is in the background."""
-    state = {"step": step, "model": model.state_dict(), "optim": optimizer.state_dict(),
-             "seed": seed, "world_size": world_size}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "seed": seed,
+        "world_size": world_size,
+    }
     handle = engine.save(step, state)
     if not handle.ok:
         log(f"[train_gpt] warning: rank={RANK} checkpoint of step {step} refused: {handle.error}")
@@ -428,21 +515,38 @@ def engine_save(engine, step, model, optimizer, seed, world_size):
 
 # -----------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Train a small character-level GPT on a synthetic corpus with DDP (gloo, CPU). "
-                    "Run directly for one process, or under torchrun for several ranks. "
-                    "Resumes from the newest checkpoint in --ckpt-dir.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=200, help="train until this step (steps are numbered from 1)")
+        "Run directly for one process, or under torchrun for several ranks. "
+        "Resumes from the newest checkpoint in --ckpt-dir.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--steps", type=int, default=200, help="train until this step (steps are numbered from 1)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for model init and batch sampling")
-    p.add_argument("--checkpoint", choices=("transom", "torch"), default="transom",
-                   help="transom: in-memory checkpoints of every rank, replicated and persisted in the "
-                        "background; torch: rank 0 writes torch.save files and every rank waits for it")
-    p.add_argument("--ckpt-every", type=int, default=20, metavar="K", help="checkpoint every K steps; 0 disables")
-    p.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR") or "./checkpoints",
-                   help="checkpoint directory (storage tier); the default is $TRANSOM_CHECKPOINT_DIR if set, "
-                        "else ./checkpoints")
+    p.add_argument(
+        "--checkpoint",
+        choices=("transom", "torch"),
+        default="transom",
+        help="transom: in-memory checkpoints of every rank, replicated and persisted in the "
+        "background; torch: rank 0 writes torch.save files and every rank waits for it",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=20,
+        metavar="K",
+        help="checkpoint every K steps; 0 disables",
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        default=os.environ.get("TRANSOM_CHECKPOINT_DIR") or "./checkpoints",
+        help="checkpoint directory (storage tier); the default is $TRANSOM_CHECKPOINT_DIR if set, "
+        "else ./checkpoints",
+    )
     p.add_argument("--keep", type=int, default=2, help="number of checkpoints to keep on disk")
     p.add_argument("--batch-size", type=int, default=12, help="sequences per rank per step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
@@ -452,19 +556,47 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (after warmup)")
     p.add_argument("--warmup", type=int, default=10, help="linear learning-rate warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
-    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps; 0: only the first")
-    p.add_argument("--save-final", metavar="PATH", help="rank 0 saves the final model state_dict here (torch.save)")
-    p.add_argument("--eval-every", type=int, default=0, metavar="K",
-                   help="evaluate on held-out batches every K steps; 0 disables")
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables"
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="rank 0 prints the loss every N steps; 0: only the first",
+    )
+    p.add_argument(
+        "--save-final",
+        metavar="PATH",
+        help="rank 0 saves the final model state_dict here (torch.save)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="evaluate on held-out batches every K steps; 0 disables",
+    )
     p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
-    p.add_argument("--collective-timeout", type=float, metavar="SECONDS",
-                   help="timeout of every collective (init_process_group's timeout); default: torch's "
-                        "(30 min for gloo)")
-    p.add_argument("--fail-on-nan", action="store_true",
-                   help="raise (and exit) when this rank's loss is not finite, instead of going on")
-    p.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
-                   help="sleep this long after each step (makes a job last longer in tests)")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="timeout of every collective (init_process_group's timeout); default: torch's "
+        "(30 min for gloo)",
+    )
+    p.add_argument(
+        "--fail-on-nan",
+        action="store_true",
+        help="raise (and exit) when this rank's loss is not finite, instead of going on",
+    )
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="sleep this long after each step (makes a job last longer in tests)",
+    )
     return p.parse_args(argv)
 
 
@@ -479,8 +611,14 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         log(f"[train_gpt] warning: deterministic algorithms unavailable: {e}")
     if distributed:
-        timeout = None if args.collective_timeout is None else datetime.timedelta(seconds=args.collective_timeout)
-        dist.init_process_group("gloo", timeout=timeout)  # env:// - MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        timeout = (
+            None
+            if args.collective_timeout is None
+            else datetime.timedelta(seconds=args.collective_timeout)
+        )
+        dist.init_process_group(
+            "gloo", timeout=timeout
+        )  # env:// - MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 
     # Data
     text = make_corpus()
@@ -495,16 +633,19 @@ def main(argv=None):
     start_step = 0
     engine = None
     if args.checkpoint == "transom":
-        engine = checkpoint.Engine(storage_dir=args.ckpt_dir, keep=args.keep,
-                                   rank=rank, world_size=world_size)
+        engine = checkpoint.Engine(
+            storage_dir=args.ckpt_dir, keep=args.keep, rank=rank, world_size=world_size
+        )
         state = engine_load(engine)
     else:
         state = load_latest_checkpoint(args.ckpt_dir)
     if state is not None:
         if state.get("seed") != args.seed or state.get("world_size") != world_size:
-            log(f"[train_gpt] warning: rank={rank} checkpoint was written with seed={state.get('seed')} "
+            log(
+                f"[train_gpt] warning: rank={rank} checkpoint was written with seed={state.get('seed')} "
                 f"world_size={state.get('world_size')}, now seed={args.seed} world_size={world_size}; "
-                f"resuming anyway, but not bit-identical to an uninterrupted run")
+                f"resuming anyway, but not bit-identical to an uninterrupted run"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         start_step = state["step"]
@@ -514,8 +655,10 @@ def main(argv=None):
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         if lo.item() != hi.item():
-            raise RuntimeError(f"ranks found different checkpoints (steps {lo.item()}..{hi.item()}); "
-                               f"is {args.ckpt_dir} shared by all ranks?")
+            raise RuntimeError(
+                f"ranks found different checkpoints (steps {lo.item()}..{hi.item()}); "
+                f"is {args.ckpt_dir} shared by all ranks?"
+            )
     log(f"[train_gpt] resumed step={start_step} rank={rank} t={time.time():.3f}")
 
     ddp_model = make_ddp(model) if distributed else model
@@ -542,21 +685,38 @@ def main(argv=None):
             with s.section("sync"):
                 if distributed:
                     average_gradients(params, world_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else math.inf)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, args.grad_clip if args.grad_clip > 0 else math.inf
+            )
             optimizer.step()
             loss_value = loss.item()  # this rank's loss; the gradients were averaged over all ranks
 
-            if rank == 0 and (step == start_step + 1 or (args.log_every > 0 and step % args.log_every == 0)):
+            if rank == 0 and (
+                step == start_step + 1 or (args.log_every > 0 and step % args.log_every == 0)
+            ):
                 log(f"step {step} loss {loss_value:.4f} t={time.time():.3f}")
             # Never checkpoint poisoned weights (the gradient norm is the same on every rank).
-            if args.ckpt_every > 0 and step % args.ckpt_every == 0 and math.isfinite(grad_norm.item()):
+            if (
+                args.ckpt_every > 0
+                and step % args.ckpt_every == 0
+                and math.isfinite(grad_norm.item())
+            ):
                 with monitor.phase("checkpoint"):
                     if engine is not None:
-                        last_save = engine_save(engine, step, model, optimizer, args.seed, world_size)
+                        last_save = engine_save(
+                            engine, step, model, optimizer, args.seed, world_size
+                        )
                     else:
                         if rank == 0:
-                            save_checkpoint(args.ckpt_dir, step, model, optimizer, args.seed, world_size,
-                                            args.keep)
+                            save_checkpoint(
+                                args.ckpt_dir,
+                                step,
+                                model,
+                                optimizer,
+                                args.seed,
+                                world_size,
+                                args.keep,
+                            )
                         if distributed:
                             dist.barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
             if args.eval_every > 0 and step % args.eval_every == 0:

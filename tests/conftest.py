@@ -47,16 +47,36 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 class Job:
     """One `transom run` (or `transom demo`) subprocess with its own run directory and job id."""
 
-    def __init__(self, run_dir: Path, args: list[str], env: dict | None = None, job_id: str | None = None,
-                 command: str = "run"):
+    def __init__(
+        self,
+        run_dir: Path,
+        args: list[str],
+        env: dict | None = None,
+        job_id: str | None = None,
+        command: str = "run",
+    ):
         self.run_dir = run_dir
         self.job_id = job_id or "t-" + uuid.uuid4().hex[:8]
-        self.argv = [sys.executable, "-m", "transom", command, "--run-dir", str(run_dir),
-                     "--job-id", self.job_id, *args]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "transom",
+            command,
+            "--run-dir",
+            str(run_dir),
+            "--job-id",
+            self.job_id,
+            *args,
+        ]
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self._out = open(self.out_path, "wb")
-        self.process = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})}, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
 
     def wait(self, timeout: float = 180) -> int:
         try:
@@ -99,7 +119,9 @@ class Job:
         return None
 
     def log_text(self, pattern: str = "g*/rank*.log") -> str:
-        return "".join(p.read_text(errors="replace") for p in sorted(self.run_dir.glob(f"logs/{pattern}")))
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(self.run_dir.glob(f"logs/{pattern}"))
+        )
 
     def kill(self) -> None:
         """End the launcher's whole session, then anything left of the job."""
@@ -122,7 +144,9 @@ def start_job(tmp_path):
     """start_job(args...) -> Job; every job is ended after the test, and must leave no process."""
     jobs: list[Job] = []
 
-    def start(*args: str, env: dict | None = None, job_id: str | None = None, command: str = "run") -> Job:
+    def start(
+        *args: str, env: dict | None = None, job_id: str | None = None, command: str = "run"
+    ) -> Job:
         job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id, command)
         jobs.append(job)
         return job
@@ -135,8 +159,11 @@ def start_job(tmp_path):
             continue
         # The job ended by itself: nothing of it may remain (allow a moment for reaping).
         try:
-            wait_for(lambda: not (job_processes(job.job_id) + job_processes(str(job.run_dir))),
-                     10, "the job's processes to exit")
+            wait_for(
+                lambda: not (job_processes(job.job_id) + job_processes(str(job.run_dir))),
+                10,
+                "the job's processes to exit",
+            )
         except AssertionError:
             leftovers += [" ".join(p.cmdline()) for p in job_processes(job.job_id)]
         job.kill()

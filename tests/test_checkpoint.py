@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import wait_for
+
 from transom import checkpoint
 from transom.checkpoint import layout, replication, storage
 from transom.checkpoint.server import CheckpointServer, ServerConfig, parse_size
@@ -33,12 +33,24 @@ def random_tensor(dtype: torch.dtype, shape=(6, 5)) -> torch.Tensor:
 def same(a, b) -> bool:
     """Bitwise equality of two states (dtype, shape, strides, bytes; plain values by ==)."""
     if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape, a.stride()) != (b.dtype, b.shape, b.stride()):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape, a.stride()) != (
+            b.dtype,
+            b.shape,
+            b.stride(),
+        ):
             return False
         if a.numel() == 0:
             return True
-        return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))) \
-            if a.dtype != torch.bool else bool(torch.equal(a, b))
+        return (
+            bool(
+                torch.equal(
+                    a.contiguous().reshape(-1).view(torch.uint8),
+                    b.contiguous().reshape(-1).view(torch.uint8),
+                )
+            )
+            if a.dtype != torch.bool
+            else bool(torch.equal(a, b))
+        )
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
     if isinstance(a, dict):
@@ -57,16 +69,40 @@ def rich_state() -> dict:
     model._metadata = OrderedDict({"": {"version": 2}})
     return {
         "dtypes": {str(dt): random_tensor(dt) for dt in ALL_DTYPES},
-        "base": base, "rows": base[2:5], "every_other_col": base[:, ::2], "transposed": base.t(),
-        "expanded": torch.randn(3, 1).expand(3, 4), "scalar": torch.tensor(3.5, dtype=torch.float64),
-        "empty": torch.empty(0, 7), "empty_bf16": torch.empty(2, 0, dtype=torch.bfloat16),
-        "model": model, "param": torch.nn.Parameter(torch.randn(3)),
-        "optim": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(4)}},
-                  "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "foreach": None, "params": [0]}]},
+        "base": base,
+        "rows": base[2:5],
+        "every_other_col": base[:, ::2],
+        "transposed": base.t(),
+        "expanded": torch.randn(3, 1).expand(3, 4),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 7),
+        "empty_bf16": torch.empty(2, 0, dtype=torch.bfloat16),
+        "model": model,
+        "param": torch.nn.Parameter(torch.randn(3)),
+        "optim": {
+            "state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(4)}},
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "foreach": None, "params": [0]}],
+        },
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.RandomState(3).get_state()},
-        "plain": [1, -2**80, 2.5, float("inf"), float("nan"), 1e-310, True, None, "ü text", b"\x00\xff",
-                  3 + 4j, torch.float16, torch.device("cpu"), torch.Size([2, 3]), ("nested", [{"deep": (1,)}])],
-        7: "int key", (1, 2): "tuple key",
+        "plain": [
+            1,
+            -(2**80),
+            2.5,
+            float("inf"),
+            float("nan"),
+            1e-310,
+            True,
+            None,
+            "ü text",
+            b"\x00\xff",
+            3 + 4j,
+            torch.float16,
+            torch.device("cpu"),
+            torch.Size([2, 3]),
+            ("nested", [{"deep": (1,)}]),
+        ],
+        7: "int key",
+        (1, 2): "tuple key",
     }
 
 
@@ -102,14 +138,17 @@ def _shard_bytes(tmp_path: Path) -> bytes:
     return (tmp_path / "ok").read_bytes()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:len(b) - 10], "truncated"),
-    (lambda b: b[:20], "truncated"),
-    (lambda b: b"NOTSHARD" + b[8:], "bad magic"),
-    (lambda b: b[:-5] + bytes([b[-5] ^ 1]) + b[-4:], "checksum mismatch in data"),
-    (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "header checksum"),
-    (lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version 99"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[: len(b) - 10], "truncated"),
+        (lambda b: b[:20], "truncated"),
+        (lambda b: b"NOTSHARD" + b[8:], "bad magic"),
+        (lambda b: b[:-5] + bytes([b[-5] ^ 1]) + b[-4:], "checksum mismatch in data"),
+        (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], "header checksum"),
+        (lambda b: b[:8] + struct.pack("<I", 99) + b[12:], "version 99"),
+    ],
+)
 def test_damaged_shards_are_rejected(tmp_path: Path, damage, message) -> None:
     (tmp_path / "bad").write_bytes(damage(_shard_bytes(tmp_path)))
     with pytest.raises(checkpoint.ShardError, match=message):
@@ -118,29 +157,67 @@ def test_damaged_shards_are_rejected(tmp_path: Path, damage, message) -> None:
 
 def _craft(header: dict, data: bytes) -> bytes:
     import xxhash
-    header = {**header, "data_len": len(data), "chunks": [xxhash.xxh3_64_hexdigest(data)] if data else []}
+
+    header = {
+        **header,
+        "data_len": len(data),
+        "chunks": [xxhash.xxh3_64_hexdigest(data)] if data else [],
+    }
     return layout.encode_header(header) + data
 
 
-@pytest.mark.parametrize("tree, tensors, storages, message", [
-    ({"T": 0}, [{"dtype": "float32", "shape": [1000], "stride": [1], "byte": 0, "storage": 0}],
-     [{"offset": 0, "nbytes": 64}], "outside its storage"),
-    ({"T": 0}, [], [], "not in its table"),
-    ({"__reduce__": ["os.system", ["touch pwned"]]}, [], [], "unknown node type"),
-    ({"T": 0}, [{"dtype": "object", "shape": [1], "stride": [1], "byte": 0, "storage": 0}],
-     [{"offset": 0, "nbytes": 64}], "malformed"),
-    ({"d": [[{"y": "gASVIAAAAAAAAACMAm9zlIwGc3lzdGVtlJOUjAh0b3VjaCBwd26UhZRSlC4="}, {"i": "1"}]]}, [], [], None),
-])
-def test_crafted_shards_cannot_run_code(tmp_path: Path, monkeypatch, tree, tensors, storages, message) -> None:
+@pytest.mark.parametrize(
+    "tree, tensors, storages, message",
+    [
+        (
+            {"T": 0},
+            [{"dtype": "float32", "shape": [1000], "stride": [1], "byte": 0, "storage": 0}],
+            [{"offset": 0, "nbytes": 64}],
+            "outside its storage",
+        ),
+        ({"T": 0}, [], [], "not in its table"),
+        ({"__reduce__": ["os.system", ["touch pwned"]]}, [], [], "unknown node type"),
+        (
+            {"T": 0},
+            [{"dtype": "object", "shape": [1], "stride": [1], "byte": 0, "storage": 0}],
+            [{"offset": 0, "nbytes": 64}],
+            "malformed",
+        ),
+        (
+            {
+                "d": [
+                    [
+                        {"y": "gASVIAAAAAAAAACMAm9zlIwGc3lzdGVtlJOUjAh0b3VjaCBwd26UhZRSlC4="},
+                        {"i": "1"},
+                    ]
+                ]
+            },
+            [],
+            [],
+            None,
+        ),
+    ],
+)
+def test_crafted_shards_cannot_run_code(
+    tmp_path: Path, monkeypatch, tree, tensors, storages, message
+) -> None:
     """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or an error."""
+
     def forbidden(*a, **k):
         raise AssertionError("unpickling was attempted")
 
     monkeypatch.setattr(pickle, "loads", forbidden)
     monkeypatch.setattr(pickle, "load", forbidden)
     monkeypatch.setattr(torch, "load", forbidden)
-    header = {"format": layout.FORMAT_VERSION, "step": 0, "rank": 0, "world_size": 1,
-              "tree": tree, "tensors": tensors, "storages": storages}
+    header = {
+        "format": layout.FORMAT_VERSION,
+        "step": 0,
+        "rank": 0,
+        "world_size": 1,
+        "tree": tree,
+        "tensors": tensors,
+        "storages": storages,
+    }
     (tmp_path / "crafted").write_bytes(_craft(header, bytes(64)))
     if message is None:  # bytes that happen to be a pickle stay bytes
         back = checkpoint.load(tmp_path / "crafted")
@@ -182,7 +259,9 @@ def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
         assert same(state, back)
 
 
-def test_corrupt_storage_copy_is_detected_and_an_older_step_used(tmp_path: Path, monkeypatch) -> None:
+def test_corrupt_storage_copy_is_detected_and_an_older_step_used(
+    tmp_path: Path, monkeypatch
+) -> None:
     root = tmp_path / "store"
     with checkpoint.Engine(storage_dir=root) as engine:
         for step in (1, 2):
@@ -193,16 +272,28 @@ def test_corrupt_storage_copy_is_detected_and_an_older_step_used(tmp_path: Path,
     path.write_bytes(bytes(raw))
     with checkpoint.Engine(storage_dir=root) as engine:
         back = engine.load()  # no restore step given: the newest step that loads
-        assert engine.last_load == {"step": 1, "tier": "storage", "seconds": engine.last_load["seconds"]}
+        assert engine.last_load == {
+            "step": 1,
+            "tier": "storage",
+            "seconds": engine.last_load["seconds"],
+        }
         assert torch.equal(back["w"], torch.full((1000,), 1.0))
-        monkeypatch.setenv("TRANSOM_RESTORE_STEP", "2")  # the controller chose step 2: no silent fallback
+        monkeypatch.setenv(
+            "TRANSOM_RESTORE_STEP", "2"
+        )  # the controller chose step 2: no silent fallback
         with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
             engine.load()
 
 
 def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:
-    cfg = ServerConfig(node_id="n0", socket_path=tmp_path / "s.sock", shm_dir=tmp_path / "shm-unused",
-                       budget_bytes=budget, replicas=0, **kw)
+    cfg = ServerConfig(
+        node_id="n0",
+        socket_path=tmp_path / "s.sock",
+        shm_dir=tmp_path / "shm-unused",
+        budget_bytes=budget,
+        replicas=0,
+        **kw,
+    )
     cfg.shm_dir = Path("/dev/shm") / f"transom-test-{tmp_path.name}"
     return CheckpointServer(cfg).start()
 
@@ -213,7 +304,12 @@ def test_budget_refuses_a_save_that_does_not_fit_and_training_goes_on(tmp_path: 
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         state = {"w": torch.zeros(shard // 4)}
-        for step in (1, 2, 3, 4):  # two regions fit: the newest complete step plus the one being saved
+        for step in (
+            1,
+            2,
+            3,
+            4,
+        ):  # two regions fit: the newest complete step plus the one being saved
             engine.save(step, state).wait("memory", timeout=30)
         held = {s.step for s in server.shards.values()}
         assert held == {3, 4}
@@ -232,9 +328,13 @@ def test_memory_keeps_two_steps_per_rank_and_storage_keeps_k(tmp_path: Path) -> 
     root = tmp_path / "store"
     server = _server(tmp_path, budget=1 << 30, storage_dir=root, storage_keep=2)
     try:
-        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1, storage_dir=root)
+        engine = checkpoint.Engine(
+            socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1, storage_dir=root
+        )
         for step in range(1, 6):
-            engine.save(step, {"w": torch.full((1 << 16,), float(step))}).wait("persisted", timeout=30)
+            engine.save(step, {"w": torch.full((1 << 16,), float(step))}).wait(
+                "persisted", timeout=30
+            )
         assert sorted(s.step for s in server.shards.values()) == [4, 5]
         assert storage.complete_steps(root) == [5, 4]
         assert (root / "latest").read_text().strip() == "5"
@@ -254,7 +354,9 @@ def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         handle = engine.save(1, {"w": torch.ones(10)})
         handle.wait("memory", timeout=30)  # training goes on: the save is in memory
-        wait_for(lambda: any(a == "failed" and "retrying" in m for a, m in events), 10, "a failure event")
+        wait_for(
+            lambda: any(a == "failed" and "retrying" in m for a, m in events), 10, "a failure event"
+        )
         blocker.unlink()  # the disk is fixed: the retry succeeds
         handle.wait("persisted", timeout=30)
         assert storage.complete_steps(blocker / "ckpt") == [1]
@@ -264,9 +366,14 @@ def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
 
 
 def test_peer_authentication(tmp_path: Path) -> None:
-    cfg = ServerConfig(node_id="n0", socket_path=tmp_path / "s.sock",
-                       shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}", budget_bytes=1 << 30,
-                       replicas=1, secret=b"the job's secret")
+    cfg = ServerConfig(
+        node_id="n0",
+        socket_path=tmp_path / "s.sock",
+        shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}",
+        budget_bytes=1 << 30,
+        replicas=1,
+        secret=b"the job's secret",
+    )
     server = CheckpointServer(cfg).start()
     events = []
     server.event = lambda action, message, **f: events.append(action)
@@ -285,7 +392,11 @@ def test_peer_authentication(tmp_path: Path) -> None:
 
 
 def test_sizes_parse() -> None:
-    assert parse_size("8G") == 8 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1000") == 1000
+    assert (
+        parse_size("8G") == 8 << 30
+        and parse_size("512MiB") == 512 << 20
+        and parse_size("1000") == 1000
+    )
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
 

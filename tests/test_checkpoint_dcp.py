@@ -20,12 +20,20 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def test_dcp_save_and_load_go_through_memory_and_storage(tmp_path: Path) -> None:
-    state = {"w": torch.randn(4, 5), "b": torch.arange(3), "lr": 0.5,
-             "nested": {"x": torch.ones(2, dtype=torch.bfloat16)}}
+    state = {
+        "w": torch.randn(4, 5),
+        "b": torch.arange(3),
+        "lr": 0.5,
+        "nested": {"x": torch.ones(2, dtype=torch.bfloat16)},
+    }
 
     def template():
-        return {"w": torch.zeros(4, 5), "b": torch.zeros(3, dtype=torch.long), "lr": 0.0,
-                "nested": {"x": torch.zeros(2, dtype=torch.bfloat16)}}
+        return {
+            "w": torch.zeros(4, 5),
+            "b": torch.zeros(3, dtype=torch.long),
+            "lr": 0.0,
+            "nested": {"x": torch.zeros(2, dtype=torch.bfloat16)},
+        }
 
     with checkpoint.Engine(storage_dir=tmp_path) as engine:
         dcp.save(state, storage_writer=TransomWriter(engine), checkpoint_id=5)
@@ -58,11 +66,22 @@ RANK_SCRIPT = textwrap.dedent("""
 def test_two_ranks_saved_one_rank_loads_everything(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in (0, 1)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "store")],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     finally:

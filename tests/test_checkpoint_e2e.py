@@ -7,28 +7,49 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import job_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
-SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
-         "--ckpt-every", "3", "--log-every", "1", "--steps", "30", "--step-delay", "0.15"]
+SMALL = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--ckpt-every",
+    "3",
+    "--log-every",
+    "1",
+    "--steps",
+    "30",
+    "--step-delay",
+    "0.15",
+]
 
 
 def restored(job, generation: int) -> dict[int, tuple[int, str]]:
     """rank -> (step, tier) from the `restored` lines of one generation's logs."""
     out = {}
-    for m in re.finditer(r"\[train_gpt\] restored step=(\d+) rank=(\d+) tier=(\w+)",
-                         job.log_text(f"g{generation:03d}/rank*.log")):
+    for m in re.finditer(
+        r"\[train_gpt\] restored step=(\d+) rank=(\d+) tier=(\w+)",
+        job.log_text(f"g{generation:03d}/rank*.log"),
+    ):
         out[int(m.group(2))] = (int(m.group(1)), m.group(3))
     return out
 
 
 def saved_step(job) -> int:
     """The newest step that every rank has in memory, per the checkpoint events."""
-    steps = [e["step"] for e in job.events() if e["kind"] == "checkpoint" and e.get("action") == "saved"]
+    steps = [
+        e["step"] for e in job.events() if e["kind"] == "checkpoint" and e.get("action") == "saved"
+    ]
     return max(steps, default=0)
 
 
@@ -44,24 +65,46 @@ def test_killed_worker_resumes_from_node_memory(start_job):
     assert restored(job, 2) == {0: (step, "memory"), 1: (step, "memory")}
     assert f"[train_gpt] resumed step={step} rank=1" in job.log_text("g002/rank1.log")
     assert "done step=30 rank=1" in job.log_text("g002/rank1.log")
-    assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), "checkpoint memory outlived the job"
+    assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), (
+        "checkpoint memory outlived the job"
+    )
     kinds = {(e.get("action"), e.get("tier")) for e in job.events() if e["kind"] == "checkpoint"}
-    assert {("saved", "memory"), ("replicated", "replicated"), ("persisted", "persisted"),
-            ("restored", "memory")} <= kinds
+    assert {
+        ("saved", "memory"),
+        ("replicated", "replicated"),
+        ("persisted", "persisted"),
+        ("restored", "memory"),
+    } <= kinds
 
 
 def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica(start_job):
     job = start_job("--nnodes", "2", "--spares", "1", "--nproc-per-node", "1", SCRIPT, *SMALL)
     wait_for(lambda: saved_step(job) >= 6, 90, "two checkpoints in memory")
-    agent = wait_for(lambda: next((p for p in job_processes(job.job_id)
-                                   if "agent" in p.cmdline() and "node1" in p.cmdline()), None), 10, "node1's agent")
-    agent.send_signal(signal.SIGKILL)  # the node dies: its workers and its checkpoint server with it
+    agent = wait_for(
+        lambda: next(
+            (
+                p
+                for p in job_processes(job.job_id)
+                if "agent" in p.cmdline() and "node1" in p.cmdline()
+            ),
+            None,
+        ),
+        10,
+        "node1's agent",
+    )
+    agent.send_signal(
+        signal.SIGKILL
+    )  # the node dies: its workers and its checkpoint server with it
     assert job.wait() == 0, job.output
     record = job.status()["job"]
     assert record["members"] == ["node0", "node2"]
-    step = next(e for e in job.events() if e["kind"] == "generation" and e["generation"] == 2)["restore_step"]
+    step = next(e for e in job.events() if e["kind"] == "generation" and e["generation"] == 2)[
+        "restore_step"
+    ]
     assert step is not None and step >= 6
     # node2 took node1's place (rank 1): it has no memory of its own, node0 holds node1's replica.
     assert restored(job, 2) == {0: (step, "memory"), 1: (step, "peer")}
     assert "done step=30 rank=1" in job.log_text("g002/rank1.log")
-    assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), "checkpoint memory outlived the job"
+    assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), (
+        "checkpoint memory outlived the job"
+    )

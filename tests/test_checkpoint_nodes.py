@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import wait_for
+
 from transom import checkpoint
 from transom.checkpoint import catalog, storage
 from transom.store import EmbeddedEtcd, Store
@@ -29,21 +29,50 @@ SECRET = "test-secret"
 class ServerProcess:
     """`python -m transom.checkpoint.server` for one simulated node."""
 
-    def __init__(self, tmp: Path, node: str, job: str, store_url: str | None = None, storage_dir: Path | None = None,
-                 memory: str = "1G"):
+    def __init__(
+        self,
+        tmp: Path,
+        node: str,
+        job: str,
+        store_url: str | None = None,
+        storage_dir: Path | None = None,
+        memory: str = "1G",
+    ):
         self.socket = str(tmp / f"{node}.sock")
         self.shm_dir = Path("/dev/shm") / f"transom-test-{job}-{node}"
-        argv = [sys.executable, "-m", "transom.checkpoint.server", "--node-id", node, "--job-id", job,
-                "--socket", self.socket, "--shm-dir", str(self.shm_dir), "--memory", memory, "--lease-ttl", "2"]
+        argv = [
+            sys.executable,
+            "-m",
+            "transom.checkpoint.server",
+            "--node-id",
+            node,
+            "--job-id",
+            job,
+            "--socket",
+            self.socket,
+            "--shm-dir",
+            str(self.shm_dir),
+            "--memory",
+            memory,
+            "--lease-ttl",
+            "2",
+        ]
         if store_url:
             argv += ["--store", store_url]
         if storage_dir:
             argv += ["--storage", str(storage_dir)]
         self.log = open(tmp / f"server-{node}-{uuid.uuid4().hex[:4]}.log", "w+")
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET})
-        wait_for(lambda: self.process.poll() is not None or "ready" in Path(self.log.name).read_text(), 30,
-                 f"checkpoint server {node} to start")
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET},
+        )
+        wait_for(
+            lambda: self.process.poll() is not None or "ready" in Path(self.log.name).read_text(),
+            30,
+            f"checkpoint server {node} to start",
+        )
         assert self.process.poll() is None, Path(self.log.name).read_text()
 
     def kill(self) -> None:
@@ -86,11 +115,18 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def run_worker(tmp_path: Path, socket_path: str, mode: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_worker(
+    tmp_path: Path, socket_path: str, mode: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    return subprocess.run([sys.executable, str(script), socket_path, "7", mode], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(script), socket_path, "7", mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET, **(env or {})},
+    )
 
 
 def test_worker_killed_right_after_save_resumes_from_memory(tmp_path, servers):
@@ -113,30 +149,49 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
             started.append(a)
             b = ServerProcess(tmp_path, "node1", job, etcd.url)
             started.append(b)
-            engine = checkpoint.Engine(socket_path=a.socket, rank=0, world_size=1, secret=SECRET.encode())
+            engine = checkpoint.Engine(
+                socket_path=a.socket, rank=0, world_size=1, secret=SECRET.encode()
+            )
             torch.manual_seed(7)
-            state = {"model": {"w": torch.randn(256, 256), "b": torch.randn(256).to(torch.bfloat16)}, "step": 3}
-            wait_for(lambda: catalog.servers(store).keys() >= {"node0", "node1"}, 10, "both servers registered")
+            state = {
+                "model": {"w": torch.randn(256, 256), "b": torch.randn(256).to(torch.bfloat16)},
+                "step": 3,
+            }
+            wait_for(
+                lambda: catalog.servers(store).keys() >= {"node0", "node1"},
+                10,
+                "both servers registered",
+            )
             engine.save(3, state).wait("replicated", timeout=60)
             engine.close()
             holders = catalog.holders(store, 3, 0)
             assert set(holders) == {"mem-node0", "mem-node1"}, holders
             a.kill()  # the node dies: its memory and its etcd entries (lease) go
-            wait_for(lambda: "mem-node0" not in catalog.holders(store, 3, 0), 15, "node0's lease to expire")
-            assert catalog.newest_restorable(store, world_size=1) == 3  # the replica keeps step 3 restorable
+            wait_for(
+                lambda: "mem-node0" not in catalog.holders(store, 3, 0),
+                15,
+                "node0's lease to expire",
+            )
+            assert (
+                catalog.newest_restorable(store, world_size=1) == 3
+            )  # the replica keeps step 3 restorable
             replacement = ServerProcess(tmp_path, "node2", job, etcd.url)
             started.append(replacement)
             resumed = run_worker(tmp_path, replacement.socket, "load")
             assert resumed.returncode == 0, resumed.stderr
             assert "loaded peer exact" in resumed.stdout
             events = [e for e in store.get_prefix("events/").values() if e["kind"] == "checkpoint"]
-            assert any(e["action"] == "restored" and e.get("tier") == "peer" for e in events), events
+            assert any(e["action"] == "restored" and e.get("tier") == "peer" for e in events), (
+                events
+            )
         finally:
             for s in started:
                 s.stop()
 
 
-def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_wrong(tmp_path, servers):
+def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_wrong(
+    tmp_path, servers
+):
     """SIGKILL the server at random moments while it writes shards; every step that loads is exact."""
     root = tmp_path / "storage"
     rng = random.Random(5)
@@ -144,12 +199,16 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
     step = interrupted = 0
     for round_ in range(5):
         server = servers(f"node{round_}", "j3", storage_dir=root)
-        engine = checkpoint.Engine(socket_path=server.socket, rank=0, world_size=1, storage_dir=root)
+        engine = checkpoint.Engine(
+            socket_path=server.socket, rank=0, world_size=1, storage_dir=root
+        )
         for _ in range(3):
             step += 1
             expected[step] = torch.full((8 << 20,), float(step))  # 32 MiB: writes take a while
             engine.save(step, {"w": expected[step], "step": step})
-        wait_for(lambda: list(root.glob("step_*/.*.tmp*")), 30, "a shard write to start", interval=0.002)
+        wait_for(
+            lambda: list(root.glob("step_*/.*.tmp*")), 30, "a shard write to start", interval=0.002
+        )
         time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside the background writes
         server.kill()
         engine.close(wait=False)
@@ -158,7 +217,9 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
     # A server started after all those deaths still persists a step whole (and on a loaded machine
     # every kill may have landed before any step was complete: this one is certain to be).
     server = servers("node-last", "j3", storage_dir=root)
-    with checkpoint.Engine(socket_path=server.socket, rank=0, world_size=1, storage_dir=root) as engine:
+    with checkpoint.Engine(
+        socket_path=server.socket, rank=0, world_size=1, storage_dir=root
+    ) as engine:
         step += 1
         expected[step] = torch.full((8 << 20,), float(step))
         engine.save(step, {"w": expected[step], "step": step}).wait("persisted")
@@ -169,7 +230,9 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
         state = checkpoint.layout.rebuild(header, data)
         assert state["step"] == s and torch.equal(state["w"], expected[s])
         loaded += 1
-    for path in root.glob("step_*/rank_*.shard"):  # a shard file without a manifest is whole or rejected
+    for path in root.glob(
+        "step_*/rank_*.shard"
+    ):  # a shard file without a manifest is whole or rejected
         s = int(path.parent.name.split("_")[1])
         try:
             header, data = storage.read_shard(path, s, 0)

@@ -8,16 +8,19 @@ import pytest
 
 from transom.config import ConfigError, JobSpec, new_job_id, parse_nnodes, prepare_run_dir
 
-
 # -- parse_nnodes ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("3", (3, 3)),
-    ("2:4", (2, 4)),
-    (" 2 : 4 ", (2, 4)),
-    ("1:1", (1, 1)),
-    (5, (5, 5)),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("3", (3, 3)),
+        ("2:4", (2, 4)),
+        (" 2 : 4 ", (2, 4)),
+        ("1:1", (1, 1)),
+        (5, (5, 5)),
+    ],
+)
 def test_parse_nnodes(text, expected):
     assert parse_nnodes(text) == expected
 
@@ -40,6 +43,7 @@ def test_parse_nnodes_rejects_max_below_min():
 
 
 # -- JobSpec.validate -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def script(tmp_path):
@@ -116,6 +120,7 @@ def test_new_job_ids_are_valid_and_distinct(script):
 
 # -- prepare_run_dir ----------------------------------------------------------------------------------
 
+
 def test_prepare_run_dir_creates_nested_directories(tmp_path):
     run_dir = prepare_run_dir(tmp_path / "a" / "b")
     assert run_dir == (tmp_path / "a" / "b").resolve()
@@ -148,10 +153,21 @@ def test_prepare_run_dir_read_only(tmp_path):
 
 # -- serialisation -------------------------------------------------------------------------------------
 
+
 def test_to_dict_from_dict_round_trip(script):
-    spec = JobSpec(script=script, script_args=["--steps", "5"], job_id="job-x", nnodes_min=2, nnodes_max=3,
-                   spares=1, nproc_per_node=2, max_restarts=7, evict_window_s=12.5, node_ttl_s=6,
-                   join_timeout_s=3.0)
+    spec = JobSpec(
+        script=script,
+        script_args=["--steps", "5"],
+        job_id="job-x",
+        nnodes_min=2,
+        nnodes_max=3,
+        spares=1,
+        nproc_per_node=2,
+        max_restarts=7,
+        evict_window_s=12.5,
+        node_ttl_s=6,
+        join_timeout_s=3.0,
+    )
     data = spec.to_dict()
     assert data["script_args"] == ["--steps", "5"]
     again = JobSpec.from_dict(data)

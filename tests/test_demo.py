@@ -36,6 +36,6 @@ def test_demo_detects_and_recovers_every_fault_and_ends_bit_identical(start_job)
     assert (job.run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (job.run_dir / "report.md").read_text()
     assert "bit-identical" in markdown.lower()
-    assert "all 5 injected faults" in job.output or "5/5" in job.output or "5 of 5" in job.output, \
+    assert "all 5 injected faults" in job.output or "5/5" in job.output or "5 of 5" in job.output, (
         job.output[-2000:]
-
+    )

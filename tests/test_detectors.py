@@ -12,11 +12,20 @@ MEMBERS = ["node0", "node1", "node2"]
 
 
 def view(node, rank, step, step_age=0.1, beat_age=0.2, phase=None, step_s=0.2, compute_s=0.1):
-    return {"node": node, "rank": rank, "step": step, "step_age": step_age, "beat_age": beat_age,
-            "phase": phase, "step_s": step_s, "compute_s": compute_s}
+    return {
+        "node": node,
+        "rank": rank,
+        "step": step,
+        "step_age": step_age,
+        "beat_age": beat_age,
+        "phase": phase,
+        "step_s": step_s,
+        "compute_s": compute_s,
+    }
 
 
 # -- numerics -------------------------------------------------------------------------------------
+
 
 def test_nan_and_inf_losses_are_anomalies_at_their_step():
     for bad in (math.nan, math.inf):
@@ -47,23 +56,35 @@ def test_telemetry_gap_is_quick_for_a_stopped_process_and_patient_otherwise():
 
 # -- hang -----------------------------------------------------------------------------------------
 
+
 def test_no_hang_while_some_rank_progresses_or_before_the_timeout():
-    views = [view("node0", 0, 50, step_age=20), view("node1", 1, 51, step_age=0.1), view("node2", 2, 50, step_age=20)]
+    views = [
+        view("node0", 0, 50, step_age=20),
+        view("node1", 1, 51, step_age=0.1),
+        view("node2", 2, 50, step_age=20),
+    ]
     assert detectors.hang(views) is None
     views = [view(f"node{i}", i, 50, step_age=5.0) for i in range(3)]
     assert detectors.hang(views) is None
 
 
 def test_hang_blames_the_rank_whose_heartbeat_stopped():
-    views = [view("node0", 0, 50, step_age=9), view("node1", 1, 50, step_age=9, beat_age=8.5),
-             view("node2", 2, 50, step_age=9)]
+    views = [
+        view("node0", 0, 50, step_age=9),
+        view("node1", 1, 50, step_age=9, beat_age=8.5),
+        view("node2", 2, 50, step_age=9),
+    ]
     a = detectors.hang(views)
     assert a.type == "hang" and a.nodes == ["node1"] and a.ranks == [1]
     assert a.evidence["timeout_s"] == detectors.HANG_FLOOR_S
 
 
 def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
-    views = [view("node0", 0, 50, step_age=9), view("node1", 1, 49, step_age=9.5), view("node2", 2, 50, step_age=9)]
+    views = [
+        view("node0", 0, 50, step_age=9),
+        view("node1", 1, 49, step_age=9.5),
+        view("node2", 2, 50, step_age=9),
+    ]
     assert detectors.hang(views).nodes == ["node1"]
     same = [view(f"node{i}", i, 50, step_age=9) for i in range(3)]
     a = detectors.hang(same)
@@ -73,31 +94,53 @@ def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
 def test_hang_timeout_is_learned_from_step_times_and_phases_are_exempt():
     slow = [view(f"node{i}", i, 50, step_age=9, step_s=3.0) for i in range(3)]
     assert detectors.hang(slow) is None  # 4 x 3 s = 12 s timeout
-    checkpointing = [view("node0", 0, 50, step_age=60, phase="checkpoint")] + \
-                    [view(f"node{i}", i, 50, step_age=60) for i in (1, 2)]
+    checkpointing = [view("node0", 0, 50, step_age=60, phase="checkpoint")] + [
+        view(f"node{i}", i, 50, step_age=60) for i in (1, 2)
+    ]
     assert detectors.hang(checkpointing) is None
 
 
 def test_no_hang_before_every_rank_finished_a_step():
-    assert detectors.hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)]) is None
+    assert (
+        detectors.hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)])
+        is None
+    )
 
 
 def test_rank_views_add_the_publication_lag_to_ages():
-    summaries = {"node0": {"generation": 2, "t": 100.0, "ranks": {"0": {"step": 5, "step_age": 1.0, "beat_age": 0.5}}},
-                 "node1": {"generation": 1, "t": 100.0, "ranks": {"1": {"step": 5, "step_age": 1.0, "beat_age": 0.5}}}}
+    summaries = {
+        "node0": {
+            "generation": 2,
+            "t": 100.0,
+            "ranks": {"0": {"step": 5, "step_age": 1.0, "beat_age": 0.5}},
+        },
+        "node1": {
+            "generation": 1,
+            "t": 100.0,
+            "ranks": {"1": {"step": 5, "step_age": 1.0, "beat_age": 0.5}},
+        },
+    }
     views = detectors.rank_views(summaries, 2, now=102.0)
     assert len(views) == 1 and views[0]["step_age"] == 3.0 and views[0]["beat_age"] == 2.5
 
 
 # -- straggler ------------------------------------------------------------------------------------
 
+
 def test_straggler_found_by_compute_time_not_step_time():
-    views = [view("node0", 0, 40, compute_s=0.10), view("node1", 1, 40, compute_s=0.11),
-             view("node2", 2, 40, compute_s=0.21), view("node3", 3, 40, compute_s=0.10)]
+    views = [
+        view("node0", 0, 40, compute_s=0.10),
+        view("node1", 1, 40, compute_s=0.11),
+        view("node2", 2, 40, compute_s=0.21),
+        view("node3", 3, 40, compute_s=0.10),
+    ]
     node, rank, evidence = detectors.straggler_candidate(views)
     assert (node, rank) == ("node2", 2) and evidence["ratio_x"] > 1.9
-    noisy = [view("node0", 0, 40, compute_s=0.10), view("node1", 1, 40, compute_s=0.12),
-             view("node2", 2, 40, compute_s=0.13)]
+    noisy = [
+        view("node0", 0, 40, compute_s=0.10),
+        view("node1", 1, 40, compute_s=0.12),
+        view("node2", 2, 40, compute_s=0.13),
+    ]
     assert detectors.straggler_candidate(noisy) is None
 
 
@@ -105,8 +148,11 @@ def test_straggler_needs_three_nodes_and_confirmation():
     two = [view("node0", 0, 40, compute_s=0.1), view("node1", 1, 40, compute_s=0.3)]
     assert detectors.straggler_candidate(two) is None
     tracker = detectors.StragglerTracker()
-    slow = lambda step: [view("node0", 0, step, compute_s=0.1), view("node1", 1, step, compute_s=0.1),  # noqa: E731
-                         view("node2", 2, step, compute_s=0.3)]
+    slow = lambda step: [
+        view("node0", 0, step, compute_s=0.1),
+        view("node1", 1, step, compute_s=0.1),  # noqa: E731
+        view("node2", 2, step, compute_s=0.3),
+    ]
     assert tracker.update(slow(40)) is None
     assert tracker.update(slow(40)) is None  # no fresh samples: not a confirmation
     a = tracker.update(slow(45))
@@ -114,6 +160,7 @@ def test_straggler_needs_three_nodes_and_confirmation():
 
 
 # -- logs and GPUs --------------------------------------------------------------------------------
+
 
 def test_log_patterns_are_classified():
     cases = {
@@ -145,6 +192,7 @@ def test_fake_nvml_counters_become_hardware_problems():
 
 # -- policy ---------------------------------------------------------------------------------------
 
+
 def anomaly(type_, nodes=(), step=None, hardware=False):
     return {"type": type_, "nodes": list(nodes), "step": step, "hardware": hardware, "message": "m"}
 
@@ -156,15 +204,21 @@ def test_policy_rolls_back_numerics_and_fails_when_they_repeat_at_the_same_step(
 
 
 def test_policy_evicts_stragglers_only_with_a_spare():
-    assert on_anomaly(anomaly("straggler", ["node2"]), MEMBERS, 1, 3, [], []).evict.keys() == {"node2"}
+    assert on_anomaly(anomaly("straggler", ["node2"]), MEMBERS, 1, 3, [], []).evict.keys() == {
+        "node2"
+    }
     assert on_anomaly(anomaly("straggler", ["node2"]), MEMBERS, 0, 3, [], []).kind == "warn"
 
 
 def test_policy_for_hardware_hangs_and_warnings():
     hw = on_anomaly(anomaly("xid", ["node0"], hardware=True), MEMBERS, 1, 3, [], [])
     assert hw.kind == "evict" and "hardware" in hw.evict["node0"]
-    assert on_anomaly(anomaly("xid", ["node0"], hardware=True), MEMBERS, 0, 2, [], []).kind == "evict"  # elastic
-    assert on_anomaly(anomaly("xid", ["node0"], hardware=True), MEMBERS, 0, 3, [], []).kind == "warn"
+    assert (
+        on_anomaly(anomaly("xid", ["node0"], hardware=True), MEMBERS, 0, 2, [], []).kind == "evict"
+    )  # elastic
+    assert (
+        on_anomaly(anomaly("xid", ["node0"], hardware=True), MEMBERS, 0, 3, [], []).kind == "warn"
+    )
     assert on_anomaly(anomaly("hang", ["node1"], step=9), MEMBERS, 1, 3, [], []).kind == "evict"
     assert on_anomaly(anomaly("hang", ["node1"], step=9), MEMBERS, 0, 3, [], []).kind == "restart"
     assert on_anomaly(anomaly("hang", [], step=9), MEMBERS, 1, 3, [], []).kind == "restart"
@@ -175,10 +229,22 @@ def test_policy_for_hardware_hangs_and_warnings():
 
 
 def test_crash_suspects_only_workers_that_failed_by_themselves():
-    killed = {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "peer_error": False, "time": 5.0,
-              "describe": "rank 1 killed by SIGKILL"}
-    peer = {"rank": 0, "exitcode": 1, "signal": None, "peer_error": True, "time": 5.1,
-            "describe": "rank 0 exit code 1: Connection closed by peer"}
+    killed = {
+        "rank": 1,
+        "exitcode": -9,
+        "signal": "SIGKILL",
+        "peer_error": False,
+        "time": 5.0,
+        "describe": "rank 1 killed by SIGKILL",
+    }
+    peer = {
+        "rank": 0,
+        "exitcode": 1,
+        "signal": None,
+        "peer_error": True,
+        "time": 5.1,
+        "describe": "rank 0 exit code 1: Connection closed by peer",
+    }
     a = detectors.crash("node1", [killed])
     assert (a.type, a.severity, a.ranks, a.time) == ("crash", "critical", [1], 5.0)
     b = detectors.crash("node0", [peer])
@@ -188,8 +254,17 @@ def test_crash_suspects_only_workers_that_failed_by_themselves():
 def test_preflight_outliers_are_nodes_far_below_the_median():
     from transom.control.policy import slow_outliers
 
-    results = {"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0},
-               "node2": {"compute_gflops": 45.0}, "node3": {"compute_gflops": 40.0}}
+    results = {
+        "node0": {"compute_gflops": 50.0},
+        "node1": {"compute_gflops": 12.0},
+        "node2": {"compute_gflops": 45.0},
+        "node3": {"compute_gflops": 40.0},
+    }
     assert list(slow_outliers(results)) == ["node1"]
-    assert slow_outliers({"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0}}) == {}
-    assert slow_outliers({n: {"compute_gflops": 30.0 + i} for i, n in enumerate(["a", "b", "c"])}) == {}
+    assert (
+        slow_outliers({"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0}}) == {}
+    )
+    assert (
+        slow_outliers({n: {"compute_gflops": 30.0 + i} for i, n in enumerate(["a", "b", "c"])})
+        == {}
+    )

@@ -65,7 +65,9 @@ def test_chained_traceback_gives_the_last_exception(tmp_path):
 
 
 def test_qualified_exception_name(tmp_path):
-    text = TRACEBACK.replace("ValueError: bad shape: (3, 4)", "torch.OutOfMemoryError: CUDA out of memory.")
+    text = TRACEBACK.replace(
+        "ValueError: bad shape: (3, 4)", "torch.OutOfMemoryError: CUDA out of memory."
+    )
     f = classify_exit(0, 0, 1, _log(tmp_path, text))
     assert f.signature == "torch.OutOfMemoryError: CUDA out of memory."
 
@@ -77,7 +79,9 @@ def test_rank_prefixed_traceback_gives_the_exception_line(tmp_path):
     assert f.signature == "ValueError: bad shape: (3, 4)"
 
 
-@pytest.mark.parametrize("code, name", [(-9, "SIGKILL"), (-15, "SIGTERM"), (-11, "SIGSEGV"), (-6, "SIGABRT")])
+@pytest.mark.parametrize(
+    "code, name", [(-9, "SIGKILL"), (-15, "SIGTERM"), (-11, "SIGSEGV"), (-6, "SIGABRT")]
+)
 def test_negative_exit_code_gives_the_signal_name(tmp_path, code, name):
     f = classify_exit(1, 1, code, _log(tmp_path, "step 1 loss 0.5\n"))
     assert f.signal == name

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import TOY, job_processes, wait_for
+
 from transom.store import EmbeddedEtcd
 
 pytestmark = pytest.mark.slow
@@ -51,8 +51,14 @@ def test_killed_worker_restarts_and_job_completes(start_job):
 def test_dead_node_is_replaced_by_the_spare(start_job):
     job = start_job("--nnodes", "3", "--spares", "1", TOY, "--steps", "40", "--step-delay", "0.15")
     wait_for(lambda: "step 5 " in job.log_text(), 60, "training to reach step 5")
-    agent = wait_for(lambda: next((p for p in job_processes(job.job_id)
-                                   if "--node-id node1" in " ".join(p.cmdline())), None), 10, "node1's agent")
+    agent = wait_for(
+        lambda: next(
+            (p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())),
+            None,
+        ),
+        10,
+        "node1's agent",
+    )
     agent.send_signal(signal.SIGKILL)
     assert job.wait() == 0, job.output
     job_record = job.status()["job"]
@@ -61,8 +67,12 @@ def test_dead_node_is_replaced_by_the_spare(start_job):
     assert job_record["members"] == ["node0", "node2", "node3"]
     assert job_record["restarts_used"] == 1  # one incident, one restart
     assert "spare" in kinds(job)
-    out = subprocess.run([sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and "evicted" in out.stdout and "lease expired" in out.stdout
 
 
@@ -70,9 +80,18 @@ def test_killed_controller_leader_is_replaced(start_job):
     job = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
     wait_for(lambda: "step 3 " in job.log_text(), 60, "training to reach step 3")
     leader = wait_for(lambda: job.status().get("leader"), 10, "a leader in status.json")
-    process = wait_for(lambda: next((p for p in job_processes(job.job_id)
-                                     if f"--candidate-id {leader}" in " ".join(p.cmdline())), None),
-                       10, "the leader's process")
+    process = wait_for(
+        lambda: next(
+            (
+                p
+                for p in job_processes(job.job_id)
+                if f"--candidate-id {leader}" in " ".join(p.cmdline())
+            ),
+            None,
+        ),
+        10,
+        "the leader's process",
+    )
     process.send_signal(signal.SIGKILL)
     assert job.wait() == 0, job.output
     leaders = [e["controller"] for e in job.events() if e["kind"] == "leader"]
@@ -103,7 +122,9 @@ def test_without_spares_the_job_shrinks_to_its_minimum_or_fails(start_job):
     rigid = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
     for job in (elastic, rigid):
         wait_for(lambda: "step 3 " in job.log_text(), 90, "training to reach step 3")
-        agent = next(p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline()))
+        agent = next(
+            p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())
+        )
         agent.send_signal(signal.SIGKILL)
     assert elastic.wait() == 0, elastic.output
     assert "world_size=1" in elastic.log_text("g002/*.log")

@@ -9,8 +9,8 @@ import sys
 import urllib.request
 
 import pytest
-
 from conftest import REPO, wait_for
+
 from transom.control.preflight import TEST_HOOK_SLOW_ENV
 from transom.monitor.detectors import HANG_FLOOR_S
 
@@ -21,18 +21,34 @@ TRAIN_ARGS = ["--ckpt-every", "10", "--step-delay", "0.05", "--log-every", "5"]
 
 
 def events(job, kind: str, **match) -> list[dict]:
-    return [e for e in job.events() if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+    return [
+        e
+        for e in job.events()
+        if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())
+    ]
 
 
 def first(job, kind: str, **match) -> dict:
     found = events(job, kind, **match)
-    assert found, f"no {kind} event matching {match} in {[(e['kind'], e['message']) for e in job.events()]}"
+    assert found, (
+        f"no {kind} event matching {match} in {[(e['kind'], e['message']) for e in job.events()]}"
+    )
     return found[0]
 
 
 def test_crash_is_detected_within_two_seconds_and_blamed_then_a_node_kill(start_job):
-    job = start_job("--nnodes", "3", "--spares", "1", "--faults", "crash@step=12:rank=1,kill@step=35:node=node2",
-                    TRAIN, "--steps", "45", *TRAIN_ARGS)
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--spares",
+        "1",
+        "--faults",
+        "crash@step=12:rank=1,kill@step=35:node=node2",
+        TRAIN,
+        "--steps",
+        "45",
+        *TRAIN_ARGS,
+    )
     assert job.wait() == 0, job.output
     fault = first(job, "fault", fault="crash")
     crash = first(job, "anomaly", type="crash")
@@ -46,14 +62,28 @@ def test_crash_is_detected_within_two_seconds_and_blamed_then_a_node_kill(start_
 
 
 def test_hang_is_detected_blamed_on_the_stopped_rank_and_its_generation_replaced(start_job):
-    job = start_job("--nnodes", "3", "--spares", "1", "--faults", "hang@step=12:rank=1",
-                    TRAIN, "--steps", "40", *TRAIN_ARGS)
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--spares",
+        "1",
+        "--faults",
+        "hang@step=12:rank=1",
+        TRAIN,
+        "--steps",
+        "40",
+        *TRAIN_ARGS,
+    )
     assert job.wait() == 0, job.output  # the hung generation was stopped, or the job could not end
     fault = first(job, "fault", fault="hang")
     gap = first(job, "anomaly", type="telemetry_gap")
     assert gap["ranks"] == [1] and gap["evidence"]["process_state"] == "stopped"
     hang = first(job, "anomaly", type="hang")
-    assert hang["nodes"] == ["node1"] and hang["ranks"] == [1] and hang["evidence"]["why"] == "heartbeat stopped"
+    assert (
+        hang["nodes"] == ["node1"]
+        and hang["ranks"] == [1]
+        and hang["evidence"]["why"] == "heartbeat stopped"
+    )
     # The target, max(10 s, 5 x median step), is measured by benchmarks/detection.py; here only
     # that the hang detector, not some later timeout, caught it.
     assert hang["time"] - fault["time"] < 30.0
@@ -64,8 +94,18 @@ def test_hang_is_detected_blamed_on_the_stopped_rank_and_its_generation_replaced
 
 
 def test_two_times_slower_node_is_found_as_straggler_and_replaced(start_job):
-    job = start_job("--nnodes", "3", "--spares", "1", "--faults", "slow@step=15:node=node2:factor=2",
-                    TRAIN, "--steps", "70", *TRAIN_ARGS)
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--spares",
+        "1",
+        "--faults",
+        "slow@step=15:node=node2:factor=2",
+        TRAIN,
+        "--steps",
+        "70",
+        *TRAIN_ARGS,
+    )
     assert job.wait() == 0, job.output
     straggler = first(job, "anomaly", type="straggler")
     assert straggler["nodes"] == ["node2"] and straggler["evidence"]["ratio_x"] > 1.5
@@ -75,8 +115,19 @@ def test_two_times_slower_node_is_found_as_straggler_and_replaced(start_job):
 
 
 def test_nan_loss_rolls_back_before_the_first_bad_step(start_job):
-    job = start_job("--nnodes", "3", "--faults", "nan@step=14:rank=2", TRAIN, "--steps", "30",
-                    "--ckpt-every", "5", "--step-delay", "0.05")
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--faults",
+        "nan@step=14:rank=2",
+        TRAIN,
+        "--steps",
+        "30",
+        "--ckpt-every",
+        "5",
+        "--step-delay",
+        "0.05",
+    )
     assert job.wait() == 0, job.output
     nan = min(events(job, "anomaly", type="nan"), key=lambda e: e["step"])
     assert nan["step"] == 14 and nan["ranks"] == [2] and nan["nodes"] == ["node2"]
@@ -93,8 +144,18 @@ def test_nan_loss_rolls_back_before_the_first_bad_step(start_job):
 
 
 def test_injected_xid_line_evicts_the_node(start_job):
-    job = start_job("--nnodes", "3", "--spares", "1", "--faults", "log@step=10:rank=1",
-                    TRAIN, "--steps", "30", *TRAIN_ARGS)
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--spares",
+        "1",
+        "--faults",
+        "log@step=10:rank=1",
+        TRAIN,
+        "--steps",
+        "30",
+        *TRAIN_ARGS,
+    )
     assert job.wait() == 0, job.output
     xid = first(job, "anomaly", type="xid")
     assert xid["hardware"] and xid["nodes"] == ["node1"] and "Xid" in xid["evidence"]["line"]
@@ -102,9 +163,26 @@ def test_injected_xid_line_evicts_the_node(start_job):
 
 
 def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
-    job = start_job("--nnodes", "3", TRAIN, "--steps", "60", "--ckpt-every", "5", "--eval-every", "30",
-                    "--eval-batches", "1400", "--step-delay", "0.05", "--log-every", "30")
-    url = wait_for(lambda: (job.status().get("exporter") or {}).get("url"), 60, "the metrics endpoint")
+    job = start_job(
+        "--nnodes",
+        "3",
+        TRAIN,
+        "--steps",
+        "60",
+        "--ckpt-every",
+        "5",
+        "--eval-every",
+        "30",
+        "--eval-batches",
+        "1400",
+        "--step-delay",
+        "0.05",
+        "--log-every",
+        "30",
+    )
+    url = wait_for(
+        lambda: (job.status().get("exporter") or {}).get("url"), 60, "the metrics endpoint"
+    )
     wait_for(lambda: "step 30 " in job.log_text(), 60, "training to reach step 30")
 
     def scrape():
@@ -112,26 +190,46 @@ def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
         return text if 'transom_rank_compute_seconds{node="node2",rank="2"}' in text else None
 
     metrics = wait_for(scrape, 30, "per-rank compute times in the metrics")
-    assert 'transom_job_state{state="RUNNING"} 1.0' in metrics and "transom_generation 1.0" in metrics
+    assert (
+        'transom_job_state{state="RUNNING"} 1.0' in metrics and "transom_generation 1.0" in metrics
+    )
     assert job.wait() == 0, job.output
-    assert [e["message"] for e in job.events() if e["kind"] in ("anomaly", "warning", "decision")] == []
+    assert [
+        e["message"] for e in job.events() if e["kind"] in ("anomaly", "warning", "decision")
+    ] == []
     assert job.status()["job"]["generation"] == 1
     # The evaluation pass really was longer than the hang timeout: being silent means something.
     log = job.log_text("g001/rank0.log")
     stepped = float(re.search(r"^step 30 loss \S+ t=(\S+)$", log, re.M).group(1))
     evaluated = float(re.search(r"^eval step 30 loss \S+ t=(\S+)$", log, re.M).group(1))
     assert evaluated - stepped > HANG_FLOOR_S
-    out = subprocess.run([sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and "compute_s" in out.stdout and "metrics: http://" in out.stdout
 
 
 def test_slow_node_is_excluded_by_the_preflight_before_training(start_job):
-    job = start_job("--nnodes", "3", "--spares", "1", TRAIN, "--steps", "10", *TRAIN_ARGS,
-                    env={TEST_HOOK_SLOW_ENV: "node1:5"})
+    job = start_job(
+        "--nnodes",
+        "3",
+        "--spares",
+        "1",
+        TRAIN,
+        "--steps",
+        "10",
+        *TRAIN_ARGS,
+        env={TEST_HOOK_SLOW_ENV: "node1:5"},
+    )
     assert job.wait() == 0, job.output
     excluded = first(job, "evict", node="node1")
-    assert "excluded before training" in excluded["message"] and "compute benchmark" in excluded["message"]
+    assert (
+        "excluded before training" in excluded["message"]
+        and "compute benchmark" in excluded["message"]
+    )
     assert excluded["time"] < first(job, "generation")["time"]
     record = job.status()["job"]
     assert record["members"] == ["node0", "node2", "node3"] and record["generation"] == 1

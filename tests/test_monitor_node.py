@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import wait_for
+
 from transom.config import ConfigError
 from transom.monitor import reporter
 from transom.monitor.collect import FakeNvml
@@ -55,8 +55,11 @@ def test_steps_sections_and_heartbeats_reach_the_agent(node):
     assert events == [] and summary["anomalies"] == []
     assert r["step_s"] >= 0.012 and 0.004 <= r["compute_s"] < r["step_s"] - 0.006  # sync kept apart
     assert r["tokens_per_s"] > 0
-    wait_for(lambda: node.collect()[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5, 5,
-             "the background heartbeat")
+    wait_for(
+        lambda: node.collect()[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5,
+        5,
+        "the background heartbeat",
+    )
 
 
 def test_phase_and_warm_up_steps_are_not_timed(node):
@@ -66,7 +69,9 @@ def test_phase_and_warm_up_steps_are_not_timed(node):
                 with reporter.phase("checkpoint"):
                     time.sleep(0.05)
     wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 2, 5, "the steps to arrive")
-    assert len(node.ranks[3].durations) == 1  # the warm-up steps and the checkpoint step are left out
+    assert (
+        len(node.ranks[3].durations) == 1
+    )  # the warm-up steps and the checkpoint step are left out
     assert node.ranks[3].durations[0] < 0.05
 
 
@@ -75,14 +80,20 @@ def test_nan_loss_is_an_anomaly_at_once(node):
     reporter.report(8, loss=float("nan"))
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
     summary, events = node.collect()
-    assert [e["type"] for e in events] == ["nan"] and events[0]["step"] == 8 and events[0]["ranks"] == [3]
+    assert (
+        [e["type"] for e in events] == ["nan"]
+        and events[0]["step"] == 8
+        and events[0]["ranks"] == [3]
+    )
     assert events[0]["kind"] == "anomaly" and summary["anomalies"][0]["id"] == events[0]["id"]
 
 
 def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch):
-    faults = [{"id": "f0", "type": "nan", "step": 4, "rank": 3},
-              {"id": "f1", "type": "slow", "step": 6, "rank": 3, "factor": 3.0},
-              {"id": "f2", "type": "nan", "step": 1, "rank": 0}]  # another rank's: never fires here
+    faults = [
+        {"id": "f0", "type": "nan", "step": 4, "rank": 3},
+        {"id": "f1", "type": "slow", "step": 6, "rank": 3, "factor": 3.0},
+        {"id": "f2", "type": "nan", "step": 1, "rank": 0},
+    ]  # another rank's: never fires here
     monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(faults))
     losses, computes = {}, {}
     for step in range(1, 9):
@@ -95,15 +106,19 @@ def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch
             losses[step] = loss.item()
     assert [s for s, v in losses.items() if math.isnan(v)] == [4]
     assert computes[7] > 2.5 * 0.01 and computes[5] < 2 * 0.01 + 0.005
-    fired = wait_for(lambda: len(node.fired_faults) == 2 and node.take_fired_faults(), 5, "two fired faults")
+    fired = wait_for(
+        lambda: len(node.fired_faults) == 2 and node.take_fired_faults(), 5, "two fired faults"
+    )
     assert sorted((f["id"], step) for f, rank, step, _ in fired) == [("f0", 4), ("f1", 6)]
 
 
 def test_a_fault_with_a_once_file_fires_in_one_worker_only(node, monkeypatch, tmp_path):
     """A worker restarted with the same TRANSOM_FAULTS (torchrun) must not fire the fault again."""
     once = tmp_path / "f0.fired"
-    monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(
-        [{"id": "f0", "type": "nan", "step": 2, "rank": 3, "once_file": str(once)}]))
+    monkeypatch.setenv(
+        reporter.FAULTS_ENV,
+        json.dumps([{"id": "f0", "type": "nan", "step": 2, "rank": 3, "once_file": str(once)}]),
+    )
     nan_steps = []
     for restart in range(2):
         monkeypatch.setattr(reporter, "_channel", None)  # a new worker process, same environment
@@ -132,13 +147,34 @@ def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
 
 
 def test_fault_schedule_parsing():
-    faults = parse_schedule("crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2.5", 4, seed=1)
-    assert [(f["type"], f["step"], f["rank"], f["node"]) for f in faults][0] == ("crash", 40, 1, None)
-    assert faults[1]["rank"] in range(4) and faults[2]["node"] == "node2" and faults[2]["factor"] == 2.5
+    faults = parse_schedule(
+        "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2.5", 4, seed=1
+    )
+    assert [(f["type"], f["step"], f["rank"], f["node"]) for f in faults][0] == (
+        "crash",
+        40,
+        1,
+        None,
+    )
+    assert (
+        faults[1]["rank"] in range(4)
+        and faults[2]["node"] == "node2"
+        and faults[2]["factor"] == 2.5
+    )
     assert len({f["id"] for f in faults}) == 3
-    assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule("random:count=5:steps=10-20", 4, seed=3)
-    assert all(10 <= f["step"] <= 20 for f in parse_schedule("random:count=5:steps=10-20", 4, seed=3))
-    for bad in ("explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=3:rank=9", "slow@step=3:factor=0.5",
-                "crash"):
+    assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule(
+        "random:count=5:steps=10-20", 4, seed=3
+    )
+    assert all(
+        10 <= f["step"] <= 20 for f in parse_schedule("random:count=5:steps=10-20", 4, seed=3)
+    )
+    for bad in (
+        "explode@step=3",
+        "crash@rank=1",
+        "crash@step=x",
+        "crash@step=3:rank=9",
+        "slow@step=3:factor=0.5",
+        "crash",
+    ):
         with pytest.raises(ConfigError):
             parse_schedule(bad, 4)

@@ -7,14 +7,27 @@ from transom.control.policy import Decision, common_signature, decide, root_caus
 WINDOW = 300.0
 
 
-def failure(rank: int, *, exitcode: int = 1, signal: str | None = None, signature: str | None = None,
-            peer_error: bool = False, time: float = 1000.0) -> dict:
+def failure(
+    rank: int,
+    *,
+    exitcode: int = 1,
+    signal: str | None = None,
+    signature: str | None = None,
+    peer_error: bool = False,
+    time: float = 1000.0,
+) -> dict:
     """A failure dict as the agent reports it: WorkerFailure.to_dict() plus "describe"."""
     how = f"killed by {signal}" if signal else f"exit code {exitcode}"
     detail = f": {signature}" if signature else ""
     return {
-        "rank": rank, "local_rank": 0, "exitcode": exitcode, "signal": signal, "signature": signature,
-        "peer_error": peer_error, "time": time, "log": f"/tmp/rank{rank}.log",
+        "rank": rank,
+        "local_rank": 0,
+        "exitcode": exitcode,
+        "signal": signal,
+        "signature": signature,
+        "peer_error": peer_error,
+        "time": time,
+        "log": f"/tmp/rank{rank}.log",
         "describe": f"rank {rank} {how}{detail}",
     }
 
@@ -30,13 +43,22 @@ def preflight_report(problem: str) -> dict:
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
 
-def _decide(members, lost=(), failed=None, history=None, last_signature=None, now=1000.0,
-            window=WINDOW) -> Decision:
-    return decide(list(members), list(lost), failed or {}, {} if history is None else history,
-                  last_signature, window, now)
+def _decide(
+    members, lost=(), failed=None, history=None, last_signature=None, now=1000.0, window=WINDOW
+) -> Decision:
+    return decide(
+        list(members),
+        list(lost),
+        failed or {},
+        {} if history is None else history,
+        last_signature,
+        window,
+        now,
+    )
 
 
 # -- root cause -------------------------------------------------------------------------------
+
 
 def test_lone_sigkilled_worker_is_blamed_not_its_peers():
     failed = {
@@ -56,8 +78,10 @@ def test_lone_sigkilled_worker_is_blamed_not_its_peers():
 def test_all_peer_errors_blame_the_earliest_node():
     failed = {
         "node0": report(failure(0, signature=PEER, peer_error=True, time=1003.0)),
-        "node1": report(failure(1, signature=PEER, peer_error=True, time=1001.0),
-                        failure(2, signature=PEER, peer_error=True, time=1005.0)),
+        "node1": report(
+            failure(1, signature=PEER, peer_error=True, time=1001.0),
+            failure(2, signature=PEER, peer_error=True, time=1005.0),
+        ),
         "node2": report(failure(3, signature=PEER, peer_error=True, time=1002.0)),
     }
     assert root_cause(failed) == ["node1"]
@@ -79,6 +103,7 @@ def test_several_own_failures_are_all_blamed():
 
 
 # -- lost nodes and pre-flight ----------------------------------------------------------------
+
 
 def test_lost_node_is_evicted_with_a_lease_reason():
     history: dict[str, list[float]] = {}
@@ -103,11 +128,14 @@ def test_preflight_failure_evicts_the_node():
 
 # -- repeated failures and the eviction window ------------------------------------------------
 
+
 def test_same_node_failing_again_within_the_window_is_evicted():
     history: dict[str, list[float]] = {}
     members = ["node0", "node1"]
-    failed = {"node1": report(failure(1, exitcode=-9, signal="SIGKILL")),
-              "node0": report(failure(0, signature=PEER, peer_error=True))}
+    failed = {
+        "node1": report(failure(1, exitcode=-9, signal="SIGKILL")),
+        "node0": report(failure(0, signature=PEER, peer_error=True)),
+    }
 
     first = _decide(members, failed=failed, history=history, now=1000.0)
     assert first.blamed == ["node1"] and first.evict == {}
@@ -140,6 +168,7 @@ def test_history_of_other_nodes_does_not_evict():
 
 # -- common signature and fail-fast -----------------------------------------------------------
 
+
 def _same_error_everywhere(signature: str = "ValueError: bad shape") -> dict:
     return {
         "node0": report(failure(0, signature=signature), failure(1, signature=signature)),
@@ -158,8 +187,13 @@ def test_same_exception_on_every_member_twice_in_a_row_fails():
     members = ["node0", "node1"]
     first = _decide(members, failed=_same_error_everywhere(), history=history, now=1000.0)
     assert first.fail is None
-    second = _decide(members, failed=_same_error_everywhere(), history=history,
-                     last_signature=first.signature, now=1001.0)
+    second = _decide(
+        members,
+        failed=_same_error_everywhere(),
+        history=history,
+        last_signature=first.signature,
+        now=1001.0,
+    )
     assert second.fail is not None
     assert "ValueError: bad shape" in second.fail
 
@@ -173,28 +207,37 @@ def test_the_same_exception_again_fails_before_the_slowest_node_reports():
 
 
 def test_a_different_exception_the_second_time_does_not_fail():
-    d = _decide(["node0", "node1"], failed=_same_error_everywhere("KeyError: 'x'"),
-                last_signature="ValueError: bad shape")
+    d = _decide(
+        ["node0", "node1"],
+        failed=_same_error_everywhere("KeyError: 'x'"),
+        last_signature="ValueError: bad shape",
+    )
     assert d.signature == "KeyError: 'x'"
     assert d.fail is None
 
 
 def test_different_signatures_give_no_common_signature():
-    failed = {"node0": report(failure(0, signature="ValueError: a")),
-              "node1": report(failure(1, signature="ValueError: b"))}
+    failed = {
+        "node0": report(failure(0, signature="ValueError: a")),
+        "node1": report(failure(1, signature="ValueError: b")),
+    }
     assert common_signature(["node0", "node1"], failed) is None
 
 
 def test_a_signal_gives_no_common_signature():
     sig = "ValueError: bad shape"
-    failed = {"node0": report(failure(0, signature=sig)),
-              "node1": report(failure(1, signature=sig, exitcode=-9, signal="SIGKILL"))}
+    failed = {
+        "node0": report(failure(0, signature=sig)),
+        "node1": report(failure(1, signature=sig, exitcode=-9, signal="SIGKILL")),
+    }
     assert common_signature(["node0", "node1"], failed) is None
 
 
 def test_a_peer_error_gives_no_common_signature():
-    failed = {"node0": report(failure(0, signature=PEER, peer_error=True)),
-              "node1": report(failure(1, signature=PEER, peer_error=True))}
+    failed = {
+        "node0": report(failure(0, signature=PEER, peer_error=True)),
+        "node1": report(failure(1, signature=PEER, peer_error=True)),
+    }
     assert common_signature(["node0", "node1"], failed) is None
     d = _decide(["node0", "node1"], failed=failed, last_signature=PEER)
     assert d.fail is None

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from transom.cli import main
 from transom.report import build_summary, read_run, write_report
 from transom.report.analysis import NOT_DETECTED, NOT_RECOVERED, RECOVERED, membership
@@ -46,35 +46,94 @@ def synthetic_events() -> list[dict]:
         ev(2.0, "generation", generation=1, members=["n0", "n1"], spares=["n2"], restore_step=None),
         ev(3.0, "running", generation=1),
         ev(6.5, "fault", fault="crash", generation=1, id="f0", node="n1", rank=1, step=31),
-        ev(6.9, "anomaly", "crash: rank 1 killed by SIGKILL", observed=T0 + 6.75, id="n1-1-1", type="crash",
-           severity="critical", nodes=["n1"], ranks=[1], generation=1),
+        ev(
+            6.9,
+            "anomaly",
+            "crash: rank 1 killed by SIGKILL",
+            observed=T0 + 6.75,
+            id="n1-1-1",
+            type="crash",
+            severity="critical",
+            nodes=["n1"],
+            ranks=[1],
+            generation=1,
+        ),
         ev(7.0, "incident", "n1 reported a failure", generation=1, lost=[], failed=["n1"]),
-        ev(7.2, "diagnosis", "generation 1: n1: rank 1 killed by SIGKILL; blamed: n1", generation=1,
-           blamed=["n1"], detection=T0 + 7.0),
+        ev(
+            7.2,
+            "diagnosis",
+            "generation 1: n1: rank 1 killed by SIGKILL; blamed: n1",
+            generation=1,
+            blamed=["n1"],
+            detection=T0 + 7.0,
+        ),
         ev(8.0, "generation", generation=2, members=["n0", "n1"], spares=["n2"], restore_step=20),
         ev(9.0, "running", generation=2),
         ev(12.2, "fault", fault="kill", generation=2, id="f1", node="n0", rank=0, step=46),
         ev(15.0, "incident", "n0 lost", generation=2, lost=["n0"], failed=[]),
-        ev(15.1, "diagnosis", "generation 2: n0 lost; blamed: n0", generation=2, blamed=["n0"], detection=T0 + 15.0),
+        ev(
+            15.1,
+            "diagnosis",
+            "generation 2: n0 lost; blamed: n0",
+            generation=2,
+            blamed=["n0"],
+            detection=T0 + 15.0,
+        ),
         ev(15.1, "evict", "n0 evicted: node lost: its lease expired", generation=2, node="n0"),
         ev(15.1, "spare", "spare n2 joins the job", generation=2, node="n2"),
         ev(15.2, "generation", generation=3, members=["n1", "n2"], spares=[], restore_step=40),
         ev(16.0, "running", generation=3),
         ev(17.5, "fault", fault="slow", generation=3, id="f2", node="n2", rank=0, step=55),
         ev(17.6, "fault", fault="log", generation=3, id="f3", node="n1", rank=1, step=56),
-        ev(17.9, "anomaly", "straggler: n2", observed=T0 + 17.8, id="s1", type="straggler", severity="warning",
-           nodes=["n2"], ranks=[0], generation=3),
-        ev(17.9, "warning", "straggler (n2); no spare to replace it", generation=3, anomaly="s1", nodes=["n2"]),
+        ev(
+            17.9,
+            "anomaly",
+            "straggler: n2",
+            observed=T0 + 17.8,
+            id="s1",
+            type="straggler",
+            severity="warning",
+            nodes=["n2"],
+            ranks=[0],
+            generation=3,
+        ),
+        ev(
+            17.9,
+            "warning",
+            "straggler (n2); no spare to replace it",
+            generation=3,
+            anomaly="s1",
+            nodes=["n2"],
+        ),
         ev(18.5, "succeeded", "all 2 nodes finished generation 3", generation=3),
     ]
 
 
 def synthetic_progress() -> list[dict]:
-    samples = [(4.0, 1, 10), (5.0, 1, 20), (6.0, 1, 30), (9.5, 2, None), (10.0, 2, 25), (11.0, 2, 35),
-               (12.0, 2, 45), (17.0, 3, 50), (18.0, 3, 60)]
+    samples = [
+        (4.0, 1, 10),
+        (5.0, 1, 20),
+        (6.0, 1, 30),
+        (9.5, 2, None),
+        (10.0, 2, 25),
+        (11.0, 2, 35),
+        (12.0, 2, 45),
+        (17.0, 3, 50),
+        (18.0, 3, 60),
+    ]
     members = {1: ["n0", "n1"], 2: ["n0", "n1"], 3: ["n1", "n2"]}
-    return [{"time": T0 + t, "state": "RUNNING", "generation": g, "step": step, "members": members[g],
-             "spares": ["n2"] if g < 3 else [], "evicted": ["n0"] if g == 3 else []} for t, g, step in samples]
+    return [
+        {
+            "time": T0 + t,
+            "state": "RUNNING",
+            "generation": g,
+            "step": step,
+            "members": members[g],
+            "spares": ["n2"] if g < 3 else [],
+            "evicted": ["n0"] if g == 3 else [],
+        }
+        for t, g, step in samples
+    ]
 
 
 def write_lines(path: Path, records: list[dict]) -> None:
@@ -86,14 +145,22 @@ def write_synthetic_run(run_dir: Path, progress: bool = True) -> Path:
     write_lines(run_dir / "events.jsonl", synthetic_events())
     if progress:
         write_lines(run_dir / "progress.jsonl", synthetic_progress())
-    (run_dir / "status.json").write_text(json.dumps({"job_id": "job-synthetic", "job": {"state": "SUCCEEDED"}}))
-    (run_dir / "reference.json").write_text(json.dumps({"wall_s": 9.25, "steps": 60, "command": ["x"]}))
+    (run_dir / "status.json").write_text(
+        json.dumps({"job_id": "job-synthetic", "job": {"state": "SUCCEEDED"}})
+    )
+    (run_dir / "reference.json").write_text(
+        json.dumps({"wall_s": 9.25, "steps": 60, "command": ["x"]})
+    )
     return run_dir
 
 
 def tiny_model() -> dict:
     torch.manual_seed(0)
-    return {"embed.weight": torch.randn(4, 3), "head.bias": torch.zeros(3), "step": torch.tensor(60)}
+    return {
+        "embed.weight": torch.randn(4, 3),
+        "head.bias": torch.zeros(3),
+        "step": torch.tensor(60),
+    }
 
 
 def test_goodput_numbers_are_exact(tmp_path):
@@ -112,12 +179,24 @@ def test_goodput_numbers_are_exact(tmp_path):
     assert g["shutdown_s"] == pytest.approx(0.5)
     assert g["lost_steps"] == (31 - 20) + (46 - 40)
     assert g["reference_wall_s"] == 9.25 and g["slowdown_x"] == pytest.approx(2.0)
-    parts = g["effective_training_s"] + g["startup_s"] + g["lost_compute_s"] + g["downtime_s"] + g["shutdown_s"]
+    parts = (
+        g["effective_training_s"]
+        + g["startup_s"]
+        + g["lost_compute_s"]
+        + g["downtime_s"]
+        + g["shutdown_s"]
+    )
     assert parts == pytest.approx(g["wall_s"])
-    assert s["outcome"] == {"state": "SUCCEEDED", "reason": "all 2 nodes finished generation 3", "finished": True,
-                            "generations": 3, "restarts": 2}
-    assert [(i["interrupted_step"], i["restore_step"], i["lost_steps"]) for i in s["incidents"]] == [
-        (31, 20, 11), (46, 40, 6)]
+    assert s["outcome"] == {
+        "state": "SUCCEEDED",
+        "reason": "all 2 nodes finished generation 3",
+        "finished": True,
+        "generations": 3,
+        "restarts": 2,
+    }
+    assert [
+        (i["interrupted_step"], i["restore_step"], i["lost_steps"]) for i in s["incidents"]
+    ] == [(31, 20, 11), (46, 40, 6)]
     assert s["incidents"][1]["cause"] == "n0 lost; blamed: n0"
 
 
@@ -139,9 +218,13 @@ def test_each_fault_is_matched_to_its_detection_and_recovery(tmp_path):
 
 def test_a_crash_without_its_anomaly_is_detected_by_the_incident(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run")
-    write_lines(run_dir / "events.jsonl", [e for e in synthetic_events() if e.get("type") != "crash"])
+    write_lines(
+        run_dir / "events.jsonl", [e for e in synthetic_events() if e.get("type") != "crash"]
+    )
     crash = build_summary(read_run(run_dir))["faults"][0]
-    assert crash["detected_by"] == "worker failure (incident)" and crash["detection_s"] == pytest.approx(0.5)
+    assert crash["detected_by"] == "worker failure (incident)" and crash[
+        "detection_s"
+    ] == pytest.approx(0.5)
     assert crash["status"] == RECOVERED and crash["recovery_s"] == pytest.approx(3.0)
 
 
@@ -150,15 +233,43 @@ def test_nan_is_detected_at_its_earliest_step_and_rollback_counts_as_recovery(tm
         ev(0.0, "generation", generation=1, members=["n0", "n1"], spares=[], restore_step=None),
         ev(1.0, "running", generation=1),
         ev(5.0, "fault", fault="nan", generation=1, id="f0", node="n1", rank=1, step=40),
-        ev(5.4, "anomaly", observed=T0 + 5.3, id="late", type="nan", nodes=["n0"], ranks=[0], step=41),
-        ev(5.5, "anomaly", observed=T0 + 5.35, id="first", type="nan", nodes=["n1"], ranks=[1], step=40),
-        ev(5.6, "decision", "rollback", action="rollback", anomaly="first", anomaly_type="nan", nodes=["n1"]),
+        ev(
+            5.4,
+            "anomaly",
+            observed=T0 + 5.3,
+            id="late",
+            type="nan",
+            nodes=["n0"],
+            ranks=[0],
+            step=41,
+        ),
+        ev(
+            5.5,
+            "anomaly",
+            observed=T0 + 5.35,
+            id="first",
+            type="nan",
+            nodes=["n1"],
+            ranks=[1],
+            step=40,
+        ),
+        ev(
+            5.6,
+            "decision",
+            "rollback",
+            action="rollback",
+            anomaly="first",
+            anomaly_type="nan",
+            nodes=["n1"],
+        ),
         ev(6.0, "generation", generation=2, members=["n0", "n1"], spares=[], restore_step=30),
         ev(7.0, "running", generation=2),
         ev(9.0, "succeeded"),
     ]
-    progress = [{"time": T0 + t, "generation": g, "step": step} for t, g, step in
-                [(2.0, 1, 10), (5.5, 1, 42), (7.5, 2, 30), (8.0, 2, 31), (8.5, 2, 50)]]
+    progress = [
+        {"time": T0 + t, "generation": g, "step": step}
+        for t, g, step in [(2.0, 1, 10), (5.5, 1, 42), (7.5, 2, 30), (8.0, 2, 31), (8.5, 2, 50)]
+    ]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_lines(run_dir / "events.jsonl", events)
@@ -167,7 +278,9 @@ def test_nan_is_detected_at_its_earliest_step_and_rollback_counts_as_recovery(tm
     (nan,) = s["faults"]
     assert nan["detected_at"] == T0 + 5.35 and nan["detection_s"] == pytest.approx(0.35)
     # a sample at the restore step itself is not training again: step 31 at t=8.0 is
-    assert nan["recovered_at"] == T0 + 8.0 and nan["lost_steps"] == 12 and nan["status"] == RECOVERED
+    assert (
+        nan["recovered_at"] == T0 + 8.0 and nan["lost_steps"] == 12 and nan["status"] == RECOVERED
+    )
     assert s["goodput"]["steps_completed"] == 50
     assert s["job_id"] is None and s["unavailable"]
 
@@ -177,7 +290,11 @@ def test_a_run_without_progress_or_weights_still_gets_a_report(tmp_path):
     s = write_report(run_dir)
     g = s["goodput"]
     assert g["wall_s"] == pytest.approx(18.5) and g["progress_available"] is False
-    assert g["effective_training_s"] is None and g["lost_steps"] is None and g["steps_completed"] is None
+    assert (
+        g["effective_training_s"] is None
+        and g["lost_steps"] is None
+        and g["steps_completed"] is None
+    )
     crash = s["faults"][0]
     assert crash["status"] == RECOVERED and crash["recovered_at"] == T0 + 9.0  # the `running` event
     assert not s["weights"]["available"]
@@ -189,11 +306,15 @@ def test_a_run_without_progress_or_weights_still_gets_a_report(tmp_path):
 
 def test_an_unfinished_run_ends_at_its_last_record(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run")
-    write_lines(run_dir / "events.jsonl", [e for e in synthetic_events() if e["kind"] != "succeeded"])
+    write_lines(
+        run_dir / "events.jsonl", [e for e in synthetic_events() if e["kind"] != "succeeded"]
+    )
     (run_dir / "status.json").write_text(json.dumps({"job_id": "j", "job": {"state": "RUNNING"}}))
     s = build_summary(read_run(run_dir))
     assert s["outcome"]["state"] == "RUNNING" and s["outcome"]["finished"] is False
-    assert s["end_at"] == T0 + 18.0 and s["goodput"]["shutdown_s"] == 0.0  # the last progress sample
+    assert (
+        s["end_at"] == T0 + 18.0 and s["goodput"]["shutdown_s"] == 0.0
+    )  # the last progress sample
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -202,7 +323,7 @@ def png_size(path: Path) -> tuple[int, int]:
     assert data[:8] == PNG_SIGNATURE, "not a PNG"
     length, kind = struct.unpack(">I4s", data[8:16])
     assert kind == b"IHDR" and length == 13
-    body = data[16:16 + length]
+    body = data[16 : 16 + length]
     assert struct.unpack(">I", data[29:33])[0] == zlib.crc32(kind + body)
     assert data.endswith(b"IEND\xaeB`\x82"), "truncated PNG"
     return struct.unpack(">II", body[:8])
@@ -216,8 +337,22 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
     width, height = png_size(tmp_path / "out" / "report.png")
     assert width > 800 and height > 400
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == s
-    assert set(s) == {"job_id", "run_dir", "outcome", "start_at", "end_at", "goodput", "faults", "fault_counts",
-                      "generations", "incidents", "weights", "unavailable", "text", "files"}
+    assert set(s) == {
+        "job_id",
+        "run_dir",
+        "outcome",
+        "start_at",
+        "end_at",
+        "goodput",
+        "faults",
+        "fault_counts",
+        "generations",
+        "incidents",
+        "weights",
+        "unavailable",
+        "text",
+        "files",
+    }
     assert s["weights"]["identical"] is True and s["weights"]["tensors"] == 3
     assert s["weights"]["summary"] == "bit-identical to the fault-free run (3 tensors)"
     assert s["text"].splitlines() == [
@@ -229,7 +364,8 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
         "  kill     46 n0        2.80 s node lost     2.00 s     6  detected+recovered",
         "  slow     55 n2        0.30 s straggler          -     -  detected, not recovered",
         "  log      56 n1             - -                  -     -  not detected",
-        "weights: bit-identical to the fault-free run (3 tensors)"]
+        "weights: bit-identical to the fault-free run (3 tensors)",
+    ]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "**Bit-identical**" in markdown and "| f1 | kill | n0 / 0 |" in markdown
     assert "effective-training-time ratio | 0.189 |" in markdown
@@ -248,21 +384,35 @@ def test_weights_check_names_each_differing_tensor(tmp_path):
     assert result["identical"] is False
     by_name = {d["name"]: d for d in result["differing"]}
     assert set(by_name) == {"embed.weight", "head.bias"}
-    assert by_name["embed.weight"]["differing_elements"] == 1 and by_name["embed.weight"]["numel"] == 12
+    assert (
+        by_name["embed.weight"]["differing_elements"] == 1
+        and by_name["embed.weight"]["numel"] == 12
+    )
     assert by_name["embed.weight"]["max_abs_diff"] == pytest.approx(0.5, abs=1e-6)
-    assert by_name["head.bias"]["differing_elements"] == 1 and by_name["head.bias"]["max_abs_diff"] == 0.0
+    assert (
+        by_name["head.bias"]["differing_elements"] == 1
+        and by_name["head.bias"]["max_abs_diff"] == 0.0
+    )
     assert result["missing"] == ["step"] and result["extra"] == ["extra.buffer"]
     assert weights_line({"available": True, **result}) == (
-        "2 of 3 tensors differ from the fault-free run; largest difference 0.5 in embed.weight; 1 missing; 1 extra")
+        "2 of 3 tensors differ from the fault-free run; largest difference 0.5 in embed.weight; 1 missing; 1 extra"
+    )
 
 
 def test_weights_check_is_strict_about_nan_and_dtype(tmp_path):
     reference = {"w": torch.tensor([1.0, math.nan]), "h": torch.ones(2, dtype=torch.float32)}
     torch.save(reference, tmp_path / "reference.pt")
-    torch.save({"w": torch.tensor([1.0, math.nan]), "h": torch.ones(2, dtype=torch.float32)}, tmp_path / "same.pt")
-    assert compare_files(tmp_path / "same.pt", tmp_path / "reference.pt")["identical"] is True  # same NaN bits
-    torch.save({"w": torch.tensor([math.nan, math.nan]), "h": torch.ones(2, dtype=torch.float64)},
-               tmp_path / "other.pt")
+    torch.save(
+        {"w": torch.tensor([1.0, math.nan]), "h": torch.ones(2, dtype=torch.float32)},
+        tmp_path / "same.pt",
+    )
+    assert (
+        compare_files(tmp_path / "same.pt", tmp_path / "reference.pt")["identical"] is True
+    )  # same NaN bits
+    torch.save(
+        {"w": torch.tensor([math.nan, math.nan]), "h": torch.ones(2, dtype=torch.float64)},
+        tmp_path / "other.pt",
+    )
     result = compare_files(tmp_path / "other.pt", tmp_path / "reference.pt")
     by_name = {d["name"]: d for d in result["differing"]}
     assert by_name["w"]["max_abs_diff"] == "nan" and by_name["w"]["differing_elements"] == 1
@@ -275,14 +425,21 @@ def test_cli_refuses_a_directory_without_events(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert main(["report"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and "does not exist" in err[0] and "no events.jsonl" in err[1] and "RUN_DIR" in err[2]
+    assert (
+        len(err) == 3
+        and "does not exist" in err[0]
+        and "no events.jsonl" in err[1]
+        and "RUN_DIR" in err[2]
+    )
 
 
 def test_cli_help_explains_every_option(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["report", "--help"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and all(option in out for option in ("RUN_DIR", "--out", "--json", "--run-dir"))
+    assert exit_.value.code == 0 and all(
+        option in out for option in ("RUN_DIR", "--out", "--json", "--run-dir")
+    )
 
 
 def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
@@ -301,29 +458,59 @@ def test_report_of_a_recorded_demo_run(tmp_path):
     run_dir = shutil.copytree(DATA / "demo-run", tmp_path / "run")
     s = write_report(run_dir)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 5
-    assert [(f["type"], f["status"], f["recovered_in_generation"], f["lost_steps"]) for f in s["faults"]] == [
-        ("crash", RECOVERED, 2, 0), ("kill", RECOVERED, 3, 7), ("hang", RECOVERED, 4, 15),
-        ("nan", RECOVERED, 5, 20), ("slow", RECOVERED, 6, 12)]
+    assert [
+        (f["type"], f["status"], f["recovered_in_generation"], f["lost_steps"]) for f in s["faults"]
+    ] == [
+        ("crash", RECOVERED, 2, 0),
+        ("kill", RECOVERED, 3, 7),
+        ("hang", RECOVERED, 4, 15),
+        ("nan", RECOVERED, 5, 20),
+        ("slow", RECOVERED, 6, 12),
+    ]
     assert [f["detected_by"] for f in s["faults"]] == [
-        "crash anomaly", "node lost", "hang anomaly", "nan anomaly", "straggler anomaly"]
+        "crash anomaly",
+        "node lost",
+        "hang anomaly",
+        "nan anomaly",
+        "straggler anomaly",
+    ]
     assert [round(f["detection_s"], 2) for f in s["faults"]] == [0.22, 2.74, 8.07, 0.12, 2.26]
     assert [round(f["recovery_s"], 2) for f in s["faults"]] == [5.62, 3.26, 1.86, 7.32, 2.28]
     g = s["goodput"]
     assert g["steps_completed"] == 160 and g["lost_steps"] == 54
-    assert g["wall_s"] == pytest.approx(72.15, abs=0.01) and g["effective_ratio_x"] == pytest.approx(0.242, abs=1e-3)
-    assert g["reference_wall_s"] == 15.543 and g["slowdown_x"] == pytest.approx(72.15 / 15.543, abs=0.01)
+    assert g["wall_s"] == pytest.approx(72.15, abs=0.01) and g[
+        "effective_ratio_x"
+    ] == pytest.approx(0.242, abs=1e-3)
+    assert g["reference_wall_s"] == 15.543 and g["slowdown_x"] == pytest.approx(
+        72.15 / 15.543, abs=0.01
+    )
     lanes = membership(read_run(run_dir).events, read_run(run_dir).progress, s["end_at"])
-    assert [span[2] for span in lanes["node3"]][-1] == "evicted" and lanes["node4"][-1][2] == "member"
+    assert [span[2] for span in lanes["node3"]][-1] == "evicted" and lanes["node4"][-1][
+        2
+    ] == "member"
     assert png_size(run_dir / "report.png")[0] > 800
 
 
 @pytest.mark.slow
 def test_report_of_a_real_run_with_a_crash(start_job, tmp_path):
     """A real two-node job with a crash: the report finds the crash, its detection and the recovery."""
-    job = start_job("--nnodes", "2", "--max-restarts", "2", "--faults", "crash@step=12:rank=1",
-                    EXAMPLE, "--steps", "30", "--ckpt-every", "5")
+    job = start_job(
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        "2",
+        "--faults",
+        "crash@step=12:rank=1",
+        EXAMPLE,
+        "--steps",
+        "30",
+        "--ckpt-every",
+        "5",
+    )
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    copy = shutil.copytree(job.run_dir, tmp_path / "copy", ignore=shutil.ignore_patterns("etcd", "checkpoints"))
+    copy = shutil.copytree(
+        job.run_dir, tmp_path / "copy", ignore=shutil.ignore_patterns("etcd", "checkpoints")
+    )
     s = write_report(copy)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 1
     (crash,) = s["faults"]

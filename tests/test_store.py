@@ -37,6 +37,7 @@ def store(etcd):
 
 # -- plain access ---------------------------------------------------------------------------------
 
+
 def test_get_missing_is_none(store):
     assert store.get("nothing") is None
     assert store.get_prefix("nothing/") == {}
@@ -120,6 +121,7 @@ def test_bad_url(url):
 
 
 # -- leader election ----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def controllers(store):
@@ -212,8 +214,10 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
     for step, saved in ((20, 100.0), (40, 200.0), (60, 300.0), (60, 500.0), (80, 600.0)):
         for rank in (0, 1):
             holder = "storage" if saved != 500.0 else "mem-node1"
-            store.put(catalog.shard_key(step, rank, holder),
-                      {"step": step, "rank": rank, "world_size": 2, "tier": "storage", "time": saved})
+            store.put(
+                catalog.shard_key(step, rank, holder),
+                {"step": step, "rank": rank, "world_size": 2, "tier": "storage", "time": saved},
+            )
     dropped = catalog.discard_poisoned(store, first_bad_step=50, saved_before=400.0)
     assert dropped == [60]
     assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]

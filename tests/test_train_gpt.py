@@ -17,13 +17,33 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 # Small model and batch so that three torchrun jobs fit in well under a minute on two cores.
-SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8"]
+SMALL = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+]
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TRANSOM_CHECKPOINT_DIR", "TRANSOM_MONITOR_PORT", "TORCHELASTIC_RUN_ID"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TRANSOM_CHECKPOINT_DIR",
+        "TRANSOM_MONITOR_PORT",
+        "TORCHELASTIC_RUN_ID",
+    ):
         env.pop(name, None)
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -52,13 +72,35 @@ def _run(args: list[str], cwd: Path, timeout: float = 120) -> str:
 
 
 def _torchrun(nproc: int, *args: str, cwd: Path) -> str:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                 str(SCRIPT), *SMALL, *args], cwd=cwd)
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(SCRIPT),
+            *SMALL,
+            *args,
+        ],
+        cwd=cwd,
+    )
 
 
 def test_single_process_trains(tmp_path: Path) -> None:
-    out = _run([sys.executable, str(SCRIPT), "--steps", "12", "--log-every", "1",
-                "--ckpt-dir", str(tmp_path / "ckpt")], cwd=tmp_path)
+    out = _run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps",
+            "12",
+            "--log-every",
+            "1",
+            "--ckpt-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        cwd=tmp_path,
+    )
     assert re.search(r"^\[train_gpt\] start rank=0 world=1 t=\d+\.\d{3}$", out, re.M), out
     assert re.search(r"^\[train_gpt\] resumed step=0 rank=0 t=\d+\.\d{3}$", out, re.M), out
     losses = [float(m) for m in re.findall(r"^step \d+ loss (\d+\.\d{4}) t=\d+\.\d{3}$", out, re.M)]
@@ -71,10 +113,23 @@ def test_single_process_trains(tmp_path: Path) -> None:
 
 def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    args = [sys.executable, str(SCRIPT), *SMALL, "--checkpoint", "torch", "--ckpt-dir", str(ckpt),
-            "--ckpt-every", "2", "--keep", "3"]
+    args = [
+        sys.executable,
+        str(SCRIPT),
+        *SMALL,
+        "--checkpoint",
+        "torch",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        "2",
+        "--keep",
+        "3",
+    ]
     _run(args + ["--steps", "6"], cwd=tmp_path)
-    assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [f"step_0000000{s}.pt" for s in (2, 4, 6)]
+    assert sorted(p.name for p in ckpt.glob("step_*.pt")) == [
+        f"step_0000000{s}.pt" for s in (2, 4, 6)
+    ]
     (ckpt / "step_00000006.pt").write_bytes(b"truncated")
     out = _run(args + ["--steps", "7"], cwd=tmp_path)
     assert "cannot load checkpoint" in out, out
@@ -88,9 +143,20 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     common = ["--checkpoint", mode, "--ckpt-every", str(every), "--log-every", "3", "--seed", "7"]
 
     # Uninterrupted run.
-    out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "a"),
-                    "--save-final", str(tmp_path / "a.pt"), *common, cwd=tmp_path)
-    assert "[train_gpt] done step=12 rank=0" in out and "[train_gpt] done step=12 rank=1" in out, out
+    out = _torchrun(
+        2,
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(tmp_path / "a"),
+        "--save-final",
+        str(tmp_path / "a.pt"),
+        *common,
+        cwd=tmp_path,
+    )
+    assert "[train_gpt] done step=12 rank=0" in out and "[train_gpt] done step=12 rank=1" in out, (
+        out
+    )
     assert (tmp_path / "a" / "latest").read_text().strip() == "12"
     kept = sorted(p.name for p in (tmp_path / "a").glob("step_*"))
     if mode == "torch":
@@ -98,14 +164,30 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     else:  # one folder per step, a shard per rank, the manifest written last
         assert kept == ["step_000000000009", "step_000000000012"]
         assert sorted(p.name for p in (tmp_path / "a" / kept[-1]).iterdir()) == [
-            "manifest.json", "rank_000000.shard", "rank_000001.shard"]
+            "manifest.json",
+            "rank_000000.shard",
+            "rank_000001.shard",
+        ]
 
     # The same job, stopped halfway and started again on the same checkpoint directory.
-    out = _torchrun(2, "--steps", str(steps // 2), "--ckpt-dir", str(tmp_path / "b"), *common, cwd=tmp_path)
+    out = _torchrun(
+        2, "--steps", str(steps // 2), "--ckpt-dir", str(tmp_path / "b"), *common, cwd=tmp_path
+    )
     assert "[train_gpt] done step=6 rank=0" in out, out
-    out = _torchrun(2, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "b"),
-                    "--save-final", str(tmp_path / "b.pt"), *common, cwd=tmp_path)
-    assert "[train_gpt] resumed step=6 rank=0" in out and "[train_gpt] resumed step=6 rank=1" in out, out
+    out = _torchrun(
+        2,
+        "--steps",
+        str(steps),
+        "--ckpt-dir",
+        str(tmp_path / "b"),
+        "--save-final",
+        str(tmp_path / "b.pt"),
+        *common,
+        cwd=tmp_path,
+    )
+    assert (
+        "[train_gpt] resumed step=6 rank=0" in out and "[train_gpt] resumed step=6 rank=1" in out
+    ), out
     if mode == "transom":  # a new process: its memory tier is empty, storage has the shards
         assert "[train_gpt] restored step=6 rank=1 tier=storage" in out, out
     assert re.search(r"^step 7 loss ", out, re.M), out  # the first step after a resume is logged
@@ -118,11 +200,20 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     assert not different, f"weights differ after resume: {different}"
 
 
-def _run_failing(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60) -> tuple[int, str, float]:
+def _run_failing(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60
+) -> tuple[int, str, float]:
     """Run a command that may fail; its exit code, output and run time. No process outlives this call."""
     started = time.monotonic()
-    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -146,16 +237,43 @@ def _with_faults(faults: list[dict]) -> dict[str, str]:
 
 
 def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path: Path) -> None:
-    env = _with_faults([{"id": "f0", "type": "nan", "step": 5, "rank": None,
-                         "once_file": str(tmp_path / "f0.fired")}])
-    args = [sys.executable, str(SCRIPT), *SMALL, "--steps", "8", "--log-every", "1", "--checkpoint", "torch",
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2", "--fail-on-nan"]
+    env = _with_faults(
+        [
+            {
+                "id": "f0",
+                "type": "nan",
+                "step": 5,
+                "rank": None,
+                "once_file": str(tmp_path / "f0.fired"),
+            }
+        ]
+    )
+    args = [
+        sys.executable,
+        str(SCRIPT),
+        *SMALL,
+        "--steps",
+        "8",
+        "--log-every",
+        "1",
+        "--checkpoint",
+        "torch",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "2",
+        "--fail-on-nan",
+    ]
     code, out, _ = _run_failing(args, tmp_path, env)
     assert code != 0 and "FloatingPointError: rank 0: loss is nan at step 5" in out, out
     assert re.search(r"^step 4 loss ", out, re.M) and not re.search(r"^step 5 ", out, re.M), out
-    code, out, _ = _run_failing(args, tmp_path, env)  # the same command and environment, as torchrun restarts it
+    code, out, _ = _run_failing(
+        args, tmp_path, env
+    )  # the same command and environment, as torchrun restarts it
     assert code == 0, out
-    assert "[train_gpt] resumed step=4 rank=0" in out and re.search(r"^step 5 loss \d", out, re.M), out
+    assert "[train_gpt] resumed step=4 rank=0" in out and re.search(
+        r"^step 5 loss \d", out, re.M
+    ), out
     assert "[train_gpt] done step=8 rank=0" in out, out
 
 
@@ -165,8 +283,26 @@ def test_collective_timeout_ends_a_job_whose_peer_stalls(tmp_path: Path) -> None
     rank 0's all-reduce gives up long before that (gloo's default would wait 30 minutes)."""
     env = _with_faults([{"id": "f0", "type": "slow", "step": 3, "rank": 1, "factor": 2000.0}])
     code, out, seconds = _run_failing(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), *SMALL,
-         "--steps", "6", "--log-every", "1", "--ckpt-every", "0", "--collective-timeout", "2"], tmp_path, env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            *SMALL,
+            "--steps",
+            "6",
+            "--log-every",
+            "1",
+            "--ckpt-every",
+            "0",
+            "--collective-timeout",
+            "2",
+        ],
+        tmp_path,
+        env,
+    )
     assert code != 0, out
     assert re.search(r"^\[rank0\]:.*[Tt]imed out", out, re.M), out
     assert re.search(r"^step 2 loss ", out, re.M) and not re.search(r"^step 3 ", out, re.M), out

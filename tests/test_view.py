@@ -6,17 +6,30 @@ from transom.view import EventFilter, progress_record
 
 
 def _snap(steps: dict, generation: int = 3) -> dict:
-    return {"time": 100.0,
-            "job": {"state": "RUNNING", "generation": generation, "members": ["node0", "node1"],
-                    "evicted": {"node2": {"reason": "lost"}}},
-            "nodes": {"node0": {}, "node1": {}, "node3": {}},
-            "statuses": {n: {"generation": g, "step": s} for n, (g, s) in steps.items()}}
+    return {
+        "time": 100.0,
+        "job": {
+            "state": "RUNNING",
+            "generation": generation,
+            "members": ["node0", "node1"],
+            "evicted": {"node2": {"reason": "lost"}},
+        },
+        "nodes": {"node0": {}, "node1": {}, "node3": {}},
+        "statuses": {n: {"generation": g, "step": s} for n, (g, s) in steps.items()},
+    }
 
 
 def test_progress_is_the_step_every_member_of_the_current_generation_finished():
     record = progress_record(_snap({"node0": (3, 42), "node1": (3, 40), "node3": (3, 99)}))
-    assert record == {"time": 100.0, "state": "RUNNING", "generation": 3, "step": 40,
-                      "members": ["node0", "node1"], "spares": ["node3"], "evicted": ["node2"]}
+    assert record == {
+        "time": 100.0,
+        "state": "RUNNING",
+        "generation": 3,
+        "step": 40,
+        "members": ["node0", "node1"],
+        "spares": ["node3"],
+        "evicted": ["node2"],
+    }
     # a member still reporting its previous generation, or no step yet: no progress in this one
     assert progress_record(_snap({"node0": (3, 42), "node1": (2, 80)}))["step"] is None
     assert progress_record(_snap({"node0": (3, 42), "node1": (3, None)}))["step"] is None
@@ -31,6 +44,10 @@ def test_live_view_prints_each_kind_of_anomaly_once_a_generation_and_no_routine_
     assert f.shown({**nan, "generation": 5})
     assert f.shown({"kind": "anomaly", "type": "hang", "generation": 4, "message": "hang"})
     assert not f.shown({"kind": "checkpoint", "action": "saved", "message": "step 20 rank 0 saved"})
-    assert f.shown({"kind": "checkpoint", "action": "restored", "message": "rank 0 restored step 20"})
+    assert f.shown(
+        {"kind": "checkpoint", "action": "restored", "message": "rank 0 restored step 20"}
+    )
     assert f.shown({"kind": "decision", "generation": 4, "message": "rollback"})
-    assert f.shown({"kind": "decision", "generation": 4, "message": "rollback"})  # decisions: always
+    assert f.shown(
+        {"kind": "decision", "generation": 4, "message": "rollback"}
+    )  # decisions: always

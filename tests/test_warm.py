@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-
 from conftest import wait_for
+
 from transom.control.warm import WarmPool, can_leave_idle_policy
 
 SCRIPT = """
@@ -77,7 +77,9 @@ def test_an_empty_pool_hands_out_nothing(tmp_path):
     assert pool.launch([sys.executable], dict(os.environ), tmp_path / "x.log") is None
 
 
-@pytest.mark.skipif(not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)")
+@pytest.mark.skipif(
+    not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)"
+)
 def test_imports_wait_at_idle_priority_and_the_worker_runs_at_normal_priority(pool, tmp_path):
     wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
     assert os.sched_getscheduler(pool.ready[0].pid) == os.SCHED_IDLE
@@ -94,6 +96,9 @@ def test_a_worker_handed_over_before_its_imports_are_done_runs_at_normal_priorit
         script.write_text(SCRIPT)
         proc = pool.launch([str(script), "0"], {**os.environ, "RANK": "7"}, tmp_path / "early.log")
         assert proc is not None and proc.wait(timeout=30) == 0
-        assert json.loads((tmp_path / "early.log").read_text().splitlines()[0])["policy"] == os.SCHED_OTHER
+        assert (
+            json.loads((tmp_path / "early.log").read_text().splitlines()[0])["policy"]
+            == os.SCHED_OTHER
+        )
     finally:
         pool.close()

@@ -55,6 +55,12 @@ class JobSpec:
     node_ttl_s: int = 4
     # In PENDING, how long to wait for more than the minimum number of nodes.
     join_timeout_s: float = 30.0
+    # A generation whose members have not all started workers by then is an incident.
+    warmup_timeout_s: float = 120.0
+    # After the first failure report, wait this long for the other nodes' reports.
+    settle_s: float = 0.5
+    # The shortest time without progress on any rank that counts as a hang.
+    hang_floor_s: float = 8.0
     # Keep interpreters with torch already imported ready for each local rank (faster restarts).
     warm_workers: bool = True
     # Faults to inject (transom.monitor.faults), for tests, benchmarks and demos.
@@ -68,7 +74,7 @@ class JobSpec:
     ckpt_keep: int = 3
     ckpt_replicas: int = 1
 
-    def validate(self, check_script: bool = True) -> "JobSpec":
+    def validate(self, check_script: bool = True) -> JobSpec:
         if check_script:
             if not os.path.isfile(self.script):
                 raise ConfigError(f"script not found: {self.script}")
@@ -83,21 +89,35 @@ class JobSpec:
                 f"--spares {self.spares}: more spares than active nodes ({self.nnodes_max}) makes no sense"
             )
         if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: at least 1 worker per node is needed")
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node}: at least 1 worker per node is needed"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: cannot be negative")
         if not -1 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port}: a port number, 0 for any, -1 for none")
+            raise ConfigError(
+                f"--metrics-port {self.metrics_port}: a port number, 0 for any, -1 for none"
+            )
         if self.node_ttl_s < 2:
             raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
+        if self.warmup_timeout_s <= 0:
+            raise ConfigError(f"--warmup-timeout {self.warmup_timeout_s}: must be positive")
+        if not 0 <= self.settle_s <= 30:
+            raise ConfigError(f"--settle-time {self.settle_s}: between 0 and 30 seconds")
+        if self.hang_floor_s < 1:
+            raise ConfigError(f"--hang-floor {self.hang_floor_s}: at least 1 second")
         if self.ckpt_memory_bytes is not None and self.ckpt_memory_bytes <= 0:
             raise ConfigError(f"--ckpt-memory {self.ckpt_memory_bytes}: must be positive")
         if self.ckpt_keep < 1:
-            raise ConfigError(f"--ckpt-keep {self.ckpt_keep}: at least 1 step must be kept in storage")
+            raise ConfigError(
+                f"--ckpt-keep {self.ckpt_keep}: at least 1 step must be kept in storage"
+            )
         if self.ckpt_replicas not in (0, 1):
             raise ConfigError(f"--ckpt-replicas {self.ckpt_replicas}: 0 or 1")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
-            raise ConfigError(f"--job-id {self.job_id!r}: use letters, digits, '.', '_' and '-' (at most 64)")
+            raise ConfigError(
+                f"--job-id {self.job_id!r}: use letters, digits, '.', '_' and '-' (at most 64)"
+            )
         return self
 
     @property
@@ -108,7 +128,7 @@ class JobSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "JobSpec":
+    def from_dict(cls, data: dict) -> JobSpec:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -43,8 +43,13 @@ DEMO_MAX_RESTARTS = 10
 SLOW_FACTOR = 3
 # (fault, where in the run as a fraction of the steps, its target): one of each, spread out so
 # that the node which replaces an evicted one is ready before the next fault needs it.
-CAMPAIGN = (("crash", 0.125, "rank=1"), ("kill", 0.29, "rank=3"), ("hang", 0.46, "rank=2"),
-            ("nan", 0.625, "rank=0"), ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"))
+CAMPAIGN = (
+    ("crash", 0.125, "rank=1"),
+    ("kill", 0.29, "rank=3"),
+    ("hang", 0.46, "rank=2"),
+    ("nan", 0.625, "rank=0"),
+    ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"),
+)
 STEP_LINE = re.compile(r"^step (\d+) ")
 
 
@@ -62,20 +67,47 @@ def example_script() -> Path:
 
 def campaign(steps: int) -> str:
     """The demo's fault schedule for a run of `steps` steps."""
-    return ",".join(f"{kind}@step={max(1, round(at * steps))}:{target}" for kind, at, target in CAMPAIGN)
+    return ",".join(
+        f"{kind}@step={max(1, round(at * steps))}:{target}" for kind, at, target in CAMPAIGN
+    )
 
 
 def train_args(steps: int, seed: int, weights: Path) -> list[str]:
-    return ["--steps", str(steps), "--seed", str(seed), "--save-final", str(weights), "--log-every", "10"]
+    return [
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--save-final",
+        str(weights),
+        "--log-every",
+        "10",
+    ]
 
 
-def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size: int, console: Console) -> dict:
+def run_reference(
+    run_dir: Path, script: Path, steps: int, seed: int, world_size: int, console: Console
+) -> dict:
     """Train the same model without faults under torchrun; returns what reference.json holds."""
-    workdir = run_dir / "reference"  # its own, empty checkpoint directory: it must start from scratch
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc-per-node", str(world_size), str(script),
-               *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS_FILE), "--ckpt-every", "0",
-               "--ckpt-dir", str(workdir / "checkpoints")]
+    workdir = (
+        run_dir / "reference"
+    )  # its own, empty checkpoint directory: it must start from scratch
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(world_size),
+        str(script),
+        *train_args(steps, seed, run_dir / REFERENCE_WEIGHTS_FILE),
+        "--ckpt-every",
+        "0",
+        "--ckpt-dir",
+        str(workdir / "checkpoints"),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_")}
     env.setdefault("OMP_NUM_THREADS", "1")
     log_path = run_dir / "logs" / "reference.log"
@@ -84,61 +116,103 @@ def run_reference(run_dir: Path, script: Path, steps: int, seed: int, world_size
         shutil.rmtree(workdir)
     workdir.mkdir()
     start = time.time()
-    columns = (TextColumn("fault-free reference (torchrun)"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("fault-free reference (torchrun)"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with open(log_path, "wb") as out, Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("reference", total=steps)
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=workdir, preexec_fn=die_with_parent)
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=workdir,
+            preexec_fn=die_with_parent,
+        )
         try:
             while process.poll() is None:
                 time.sleep(0.5)
-                done = [int(m.group(1)) for m in map(STEP_LINE.match, log_path.read_text().splitlines()) if m]
+                done = [
+                    int(m.group(1))
+                    for m in map(STEP_LINE.match, log_path.read_text().splitlines())
+                    if m
+                ]
                 bar.update(task, completed=max(done, default=0))
         finally:
             stop_process(process)
     output = log_path.read_text(errors="replace")
     if process.returncode != 0:
-        raise ReferenceRunError(f"the fault-free reference run failed (exit code {process.returncode}); "
-                           f"see {log_path}")
+        raise ReferenceRunError(
+            f"the fault-free reference run failed (exit code {process.returncode}); see {log_path}"
+        )
     if output.count("[train_gpt] resumed step=0 ") != world_size:
-        raise ReferenceRunError(f"the fault-free reference run did not start from scratch on every rank; see {log_path}")
+        raise ReferenceRunError(
+            f"the fault-free reference run did not start from scratch on every rank; see {log_path}"
+        )
     return {"wall_s": round(time.time() - start, 3), "steps": steps, "command": command}
 
 
 def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
-    faults = "\n".join(f"  step {f['step']:>4}: {f['type']:<5} " + {
-        "crash": "a worker is SIGKILLed",
-        "kill": "a node dies (its agent and workers SIGKILLed)",
-        "hang": "a worker freezes (SIGSTOP): its peers wait in the all-reduce",
-        "nan": "the loss of one rank turns NaN",
-        "slow": f"a node computes {SLOW_FACTOR}x slower",
-    }.get(f["type"], "") + f"  (rank {f['rank']})" for f in spec.faults)
-    return Panel(f"Training a small GPT for {steps} steps on {spec.nnodes_max} simulated nodes + "
-                 f"{spec.spares} hot spare ({spec.world_size} ranks, gloo on CPU), with these faults:\n"
-                 f"{faults}\nNobody intervenes: Transom detects each fault, names the node to blame, evicts "
-                 f"it (a new node refills the spare pool), and resumes from the newest checkpoint in "
-                 f"memory.\nThen the same training without faults (torchrun), and the report.\n"
-                 f"Run directory: {run_dir}", title="transom demo", expand=False)
+    faults = "\n".join(
+        f"  step {f['step']:>4}: {f['type']:<5} "
+        + {
+            "crash": "a worker is SIGKILLed",
+            "kill": "a node dies (its agent and workers SIGKILLed)",
+            "hang": "a worker freezes (SIGSTOP): its peers wait in the all-reduce",
+            "nan": "the loss of one rank turns NaN",
+            "slow": f"a node computes {SLOW_FACTOR}x slower",
+        }.get(f["type"], "")
+        + f"  (rank {f['rank']})"
+        for f in spec.faults
+    )
+    return Panel(
+        f"Training a small GPT for {steps} steps on {spec.nnodes_max} simulated nodes + "
+        f"{spec.spares} hot spare ({spec.world_size} ranks, gloo on CPU), with these faults:\n"
+        f"{faults}\nNobody intervenes: Transom detects each fault, names the node to blame, evicts "
+        f"it (a new node refills the spare pool), and resumes from the newest checkpoint in "
+        f"memory.\nThen the same training without faults (torchrun), and the report.\n"
+        f"Run directory: {run_dir}",
+        title="transom demo",
+        expand=False,
+    )
 
 
-def run_demo(steps: int = DEMO_STEPS, seed: int = 0, run_dir: str | os.PathLike | None = None,
-             reference: bool = True, job_id: str | None = None, console: Console | None = None) -> int:
+def run_demo(
+    steps: int = DEMO_STEPS,
+    seed: int = 0,
+    run_dir: str | os.PathLike | None = None,
+    reference: bool = True,
+    job_id: str | None = None,
+    console: Console | None = None,
+) -> int:
     if steps < MIN_STEPS:
-        raise ConfigError(f"--steps {steps}: the demo needs at least {MIN_STEPS} steps to space its faults")
+        raise ConfigError(
+            f"--steps {steps}: the demo needs at least {MIN_STEPS} steps to space its faults"
+        )
     from transom.report import write_report  # matplotlib: imported only when needed
 
     console = console or Console(soft_wrap=True)
     script = example_script()
     job_id = job_id or "demo-" + new_job_id().split("-")[1]
     run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
-    spec = JobSpec(script=str(script), script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS_FILE),
-                   job_id=job_id, nnodes_min=DEMO_NODES, nnodes_max=DEMO_NODES, spares=DEMO_SPARES,
-                   max_restarts=DEMO_MAX_RESTARTS,
-                   faults=parse_schedule(campaign(steps), DEMO_NODES, seed)).validate()
+    spec = JobSpec(
+        script=str(script),
+        script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS_FILE),
+        job_id=job_id,
+        nnodes_min=DEMO_NODES,
+        nnodes_max=DEMO_NODES,
+        spares=DEMO_SPARES,
+        max_restarts=DEMO_MAX_RESTARTS,
+        faults=parse_schedule(campaign(steps), DEMO_NODES, seed),
+    ).validate()
     console.print(intro(spec, steps, run_path))
-    code = Launcher(Launch(spec=spec, run_dir=run_path, refill_spares=True, total_steps=steps),
-                    console=console).run()
+    code = Launcher(
+        Launch(spec=spec, run_dir=run_path, refill_spares=True, total_steps=steps), console=console
+    ).run()
     if code == 130:
         return code
     problems = []
@@ -165,7 +239,9 @@ def verdict(summary: dict, code: int, reference: bool) -> list[str]:
         problems.append(f"the job did not succeed: {summary.get('outcome', {}).get('reason')}")
     for fault in summary.get("faults", []):
         if fault.get("status") != "detected+recovered":
-            problems.append(f"fault {fault.get('type')} at step {fault.get('step')}: {fault.get('status')}")
+            problems.append(
+                f"fault {fault.get('type')} at step {fault.get('step')}: {fault.get('status')}"
+            )
     weights = summary.get("weights") or {}
     if reference and code == 0 and not weights.get("identical"):
         problems.append(f"final weights differ from the fault-free run: {weights.get('summary')}")

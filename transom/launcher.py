@@ -29,11 +29,20 @@ from rich.live import Live
 
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.config import ConfigError, JobSpec
-from transom.control.states import JobState
+from transom.common.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreError
 from transom.utils.procs import die_with_parent, stop_process
-from transom.view import (EVENTS_FILE, PROGRESS_FILE, STATUS_FILE, EventFilter, format_event, progress_record,
-                          render_live, snapshot, status_summary)
+from transom.view import (
+    EVENTS_FILE,
+    PROGRESS_FILE,
+    STATUS_FILE,
+    EventFilter,
+    format_event,
+    progress_record,
+    render_live,
+    snapshot,
+    status_summary,
+)
 
 log = logging.getLogger("transom.run")
 
@@ -55,8 +64,13 @@ class Child:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
 
 
 @dataclass
@@ -92,7 +106,9 @@ class Launcher:
     def _connect(self) -> Store:
         L = self.launch
         if L.store_url is None:
-            self.etcd = EmbeddedEtcd(L.run_dir / "etcd", log_path=L.run_dir / "logs" / "etcd.log").start()
+            self.etcd = EmbeddedEtcd(
+                L.run_dir / "etcd", log_path=L.run_dir / "logs" / "etcd.log"
+            ).start()
             url = self.etcd.url
         else:
             url = L.store_url
@@ -106,8 +122,10 @@ class Launcher:
     def _publish_spec(self) -> None:
         job = self.store.get("job")
         if job and JobState(job["state"]).terminal:
-            raise ConfigError(f"job {self.launch.spec.job_id} already ended ({job['state']}); "
-                              f"choose another --job-id")
+            raise ConfigError(
+                f"job {self.launch.spec.job_id} already ended ({job['state']}); "
+                f"choose another --job-id"
+            )
         if not self.store.create("spec", self.launch.spec.to_dict()):
             theirs = JobSpec.from_dict(self.store.get("spec"))
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
@@ -124,8 +142,14 @@ class Launcher:
         children = []
         for i in range(n_controllers):
             name = f"controller-{socket.gethostname()}-{i}"
-            children.append(Child(name, "controller", base + ["controller", *common, "--candidate-id", name],
-                                  logs / f"{name}.log"))
+            children.append(
+                Child(
+                    name,
+                    "controller",
+                    base + ["controller", *common, "--candidate-id", name],
+                    logs / f"{name}.log",
+                )
+            )
         for i in range(n_agents):
             children.append(self._agent(f"{prefix}{i}" if (simulated or n_agents > 1) else prefix))
         self._local_nodes = [c.name for c in children if c.kind == "agent"]
@@ -133,8 +157,24 @@ class Launcher:
 
     def _agent(self, name: str) -> Child:
         L = self.launch
-        argv = [sys.executable, "-m", "transom", "--log-level", "info", "agent", "--store", self.store.url,
-                "--job-id", L.spec.job_id, "--node-id", name, "--run-dir", str(L.run_dir), "--host", L.host]
+        argv = [
+            sys.executable,
+            "-m",
+            "transom",
+            "--log-level",
+            "info",
+            "agent",
+            "--store",
+            self.store.url,
+            "--job-id",
+            L.spec.job_id,
+            "--node-id",
+            name,
+            "--run-dir",
+            str(L.run_dir),
+            "--host",
+            L.host,
+        ]
         return Child(name, "agent", argv, L.run_dir / "logs" / f"agent-{name}.log")
 
     # -- running ------------------------------------------------------------------------------
@@ -154,9 +194,13 @@ class Launcher:
                 child.start()
             job = self._watch()
             if job["state"] == JobState.SUCCEEDED.value:
-                self.console.print(f"[green]job {self.launch.spec.job_id} succeeded[/]: {job['reason']}")
+                self.console.print(
+                    f"[green]job {self.launch.spec.job_id} succeeded[/]: {job['reason']}"
+                )
                 return 0
-            print(f"transom: job {self.launch.spec.job_id} failed: {job['reason']}", file=sys.stderr)
+            print(
+                f"transom: job {self.launch.spec.job_id} failed: {job['reason']}", file=sys.stderr
+            )
             return 1
         except KeyboardInterrupt:
             self._shutdown(wait_for_exit=False)
@@ -183,10 +227,14 @@ class Launcher:
                 self._keep_controllers()
                 if self.launch.refill_spares and self.launch.store_url is None:
                     self._refill(job)
-                if not any(c.process.poll() is None for c in self.children if c.kind == "agent") \
-                        and self.launch.store_url is None:
-                    raise ConfigError("every node agent exited before the job ended; see the logs in "
-                                      f"{self.launch.run_dir / 'logs'}")
+                if (
+                    not any(c.process.poll() is None for c in self.children if c.kind == "agent")
+                    and self.launch.store_url is None
+                ):
+                    raise ConfigError(
+                        "every node agent exited before the job ended; see the logs in "
+                        f"{self.launch.run_dir / 'logs'}"
+                    )
                 time.sleep(POLL_S)
         finally:
             if live is not None:
@@ -196,7 +244,10 @@ class Launcher:
         run_dir = self.launch.run_dir
         (run_dir / STATUS_FILE).write_text(json.dumps(snap, indent=1))
         record = progress_record(snap)
-        if record is not None and {k: v for k, v in record.items() if k != "time"} != self._last_progress:
+        if (
+            record is not None
+            and {k: v for k, v in record.items() if k != "time"} != self._last_progress
+        ):
             self._last_progress = {k: v for k, v in record.items() if k != "time"}
             with open(run_dir / PROGRESS_FILE, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -227,10 +278,17 @@ class Launcher:
             self.children.append(child)
             child.start()
             now = time.time()
-            self.store.put(f"events/{int(now * 1e9):020d}-launcher", {
-                "time": now, "kind": "provision", "node": child.name, "replaces": node,
-                "message": f"cluster: new node {child.name} started to replace evicted {node}; "
-                           f"it joins as a spare (--refill-spares)"})
+            self.store.put(
+                f"events/{int(now * 1e9):020d}-launcher",
+                {
+                    "time": now,
+                    "kind": "provision",
+                    "node": child.name,
+                    "replaces": node,
+                    "message": f"cluster: new node {child.name} started to replace evicted {node}; "
+                    f"it joins as a spare (--refill-spares)",
+                },
+            )
 
     def _keep_controllers(self) -> None:
         """A controller candidate that died while the job goes on is replaced."""
@@ -239,8 +297,11 @@ class Launcher:
                 # A new incarnation gets a new id: fencing compares ids, so ids are never reused.
                 base = child.name.split(".")[0]
                 incarnation = int(child.name.split(".")[1]) + 1 if "." in child.name else 1
-                log.info("controller candidate %s exited (%s); starting a new one", child.name,
-                         child.process.returncode)
+                log.info(
+                    "controller candidate %s exited (%s); starting a new one",
+                    child.name,
+                    child.process.returncode,
+                )
                 child.name = f"{base}.{incarnation}"
                 child.argv[child.argv.index("--candidate-id") + 1] = child.name
                 child.start()
@@ -258,11 +319,15 @@ class Launcher:
                 stop_process(child.process)
         if self.store is not None and self.etcd is not None and self.children:
             try:
-                (self.launch.run_dir / STATUS_FILE).write_text(json.dumps(snapshot(self.store), indent=1))
+                (self.launch.run_dir / STATUS_FILE).write_text(
+                    json.dumps(snapshot(self.store), indent=1)
+                )
             except StoreError:
                 pass
         self.children = []
-        for node in self._local_nodes:  # a node agent killed with SIGKILL left its checkpoint memory behind
+        for node in (
+            self._local_nodes
+        ):  # a node agent killed with SIGKILL left its checkpoint memory behind
             shutil.rmtree(default_shm_dir(self.launch.spec.job_id, node), ignore_errors=True)
         if self.etcd is not None:
             self.etcd.stop()

@@ -61,13 +61,26 @@ def progress_record(snap: dict) -> dict | None:
         return None
     members, generation = job.get("members", []), job.get("generation", 0)
     statuses = snap.get("statuses", {})
-    steps = [statuses.get(m, {}).get("step") for m in members
-             if statuses.get(m, {}).get("generation") == generation]
+    steps = [
+        statuses.get(m, {}).get("step")
+        for m in members
+        if statuses.get(m, {}).get("generation") == generation
+    ]
     evicted = sorted(job.get("evicted", {}), key=natural_key)
-    spares = sorted((n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key)
-    return {"time": snap.get("time", time.time()), "state": job.get("state"), "generation": generation,
-            "step": min(steps) if members and len(steps) == len(members) and None not in steps else None,
-            "members": members, "spares": spares, "evicted": evicted}
+    spares = sorted(
+        (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
+    )
+    return {
+        "time": snap.get("time", time.time()),
+        "state": job.get("state"),
+        "generation": generation,
+        "step": min(steps)
+        if members and len(steps) == len(members) and None not in steps
+        else None,
+        "members": members,
+        "spares": spares,
+        "evicted": evicted,
+    }
 
 
 def node_rows(snap: dict) -> list[dict]:
@@ -88,11 +101,24 @@ def node_rows(snap: dict) -> list[dict]:
         else:
             role, health = "spare", "ready" if alive else "gone"
         nproc = (snap.get("spec") or {}).get("nproc_per_node", 1)
-        ranks = (f"{members.index(name) * nproc}" + (f"-{(members.index(name) + 1) * nproc - 1}" if nproc > 1 else "")
-                 if name in members else None)
-        rows.append({"node": name, "role": role, "ranks": ranks, "health": health, "alive": alive,
-                     "generation": status.get("generation"), "step": status.get("step"),
-                     **monitor_columns(snap.get("monitor", {}).get(name), job.get("generation"))})
+        ranks = (
+            f"{members.index(name) * nproc}"
+            + (f"-{(members.index(name) + 1) * nproc - 1}" if nproc > 1 else "")
+            if name in members
+            else None
+        )
+        rows.append(
+            {
+                "node": name,
+                "role": role,
+                "ranks": ranks,
+                "health": health,
+                "alive": alive,
+                "generation": status.get("generation"),
+                "step": status.get("step"),
+                **monitor_columns(snap.get("monitor", {}).get(name), job.get("generation")),
+            }
+        )
     return rows
 
 
@@ -108,9 +134,12 @@ def monitor_columns(summary: dict | None, generation: int | None) -> dict:
         return max(values) if values else None
 
     tokens = [r["tokens_per_s"] for r in ranks if r.get("tokens_per_s") is not None]
-    return {"step_s": worst("step_s"), "compute_s": worst("compute_s"),
-            "tokens_per_s": round(sum(tokens), 1) if tokens else None,
-            "anomalies": [a["type"] for a in summary.get("anomalies", [])]}
+    return {
+        "step_s": worst("step_s"),
+        "compute_s": worst("compute_s"),
+        "tokens_per_s": round(sum(tokens), 1) if tokens else None,
+        "anomalies": [a["type"] for a in summary.get("anomalies", [])],
+    }
 
 
 def status_summary(snap: dict) -> dict:
@@ -133,12 +162,20 @@ def status_summary(snap: dict) -> dict:
 
 
 _STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "RECOVERING": "yellow", "RUNNING": "cyan"}
-_HEALTH_STYLE = {"running": "green", "succeeded": "green", "ready": "blue", "failed": "red", "lost": "red"}
+_HEALTH_STYLE = {
+    "running": "green",
+    "succeeded": "green",
+    "ready": "blue",
+    "failed": "red",
+    "lost": "red",
+}
 
 
 def render_status(summary: dict) -> Group:
     head = Text.assemble(
-        ("job ", "bold"), (summary["job_id"] or "?", "bold"), "  ",
+        ("job ", "bold"),
+        (summary["job_id"] or "?", "bold"),
+        "  ",
         (summary["state"], _STATE_STYLE.get(summary["state"], "white")),
         f"  generation {summary['generation']}",
         f"  restarts left {summary['restarts_left']}",
@@ -146,7 +183,18 @@ def render_status(summary: dict) -> Group:
         f"  leader {summary['leader'] or '-'}",
     )
     table = Table(box=None, pad_edge=False)
-    for column in ("node", "role", "ranks", "health", "gen", "step", "step_s", "compute_s", "tok/s", "anomalies"):
+    for column in (
+        "node",
+        "role",
+        "ranks",
+        "health",
+        "gen",
+        "step",
+        "step_s",
+        "compute_s",
+        "tok/s",
+        "anomalies",
+    ):
         if column == "health":
             table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=20)
         else:
@@ -157,10 +205,18 @@ def render_status(summary: dict) -> Group:
 
     for r in summary["nodes"]:
         style = "red" if r["role"] == "evicted" else _HEALTH_STYLE.get(r["health"], "white")
-        table.add_row(r["node"], r["role"], show(r.get("ranks")), Text(str(r["health"]), style=style),
-                      show(r["generation"]),
-                      show(r["step"]), show(r.get("step_s"), "{:.3f}"), show(r.get("compute_s"), "{:.3f}"),
-                      show(r.get("tokens_per_s"), "{:.0f}"), ", ".join(r.get("anomalies", [])) or "-")
+        table.add_row(
+            r["node"],
+            r["role"],
+            show(r.get("ranks")),
+            Text(str(r["health"]), style=style),
+            show(r["generation"]),
+            show(r["step"]),
+            show(r.get("step_s"), "{:.3f}"),
+            show(r.get("compute_s"), "{:.3f}"),
+            show(r.get("tokens_per_s"), "{:.0f}"),
+            ", ".join(r.get("anomalies", [])) or "-",
+        )
     parts = [head, table]
     for r in summary["nodes"]:
         if r["role"] == "evicted":  # the table cuts long reasons short
@@ -209,7 +265,9 @@ def render_live(summary: dict, total_steps: int | None = None) -> Group:
     step = summary["newest_step"] or 0
     if total_steps:
         bar = ProgressBar(total=total_steps, completed=min(step, total_steps), width=50)
-        line = Text(f" step {step}/{total_steps}  {100 * min(step, total_steps) / total_steps:.0f}%")
+        line = Text(
+            f" step {step}/{total_steps}  {100 * min(step, total_steps) / total_steps:.0f}%"
+        )
     else:
         bar, line = None, Text(f"step {step}")
     head = Table.grid(padding=(0, 1))

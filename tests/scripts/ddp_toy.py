@@ -20,8 +20,11 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-print(f"world rank={rank} world_size={world} local_rank={os.environ['LOCAL_RANK']} "
-      f"group_rank={os.environ['GROUP_RANK']} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+print(
+    f"world rank={rank} world_size={world} local_rank={os.environ['LOCAL_RANK']} "
+    f"group_rank={os.environ['GROUP_RANK']} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}",
+    flush=True,
+)
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -10,8 +10,16 @@ the shared-memory directories) can be imported by node agents and the launcher w
 
 import importlib
 
-_EXPORTS = {"Engine": "engine", "SaveHandle": "engine", "CheckpointError": "engine", "SaveRefused": "engine",
-            "save": "engine", "load": "engine", "ShardError": "layout", "UnsupportedValue": "layout"}
+_EXPORTS = {
+    "Engine": "engine",
+    "SaveHandle": "engine",
+    "CheckpointError": "engine",
+    "SaveRefused": "engine",
+    "save": "engine",
+    "load": "engine",
+    "ShardError": "layout",
+    "UnsupportedValue": "layout",
+}
 __all__ = list(_EXPORTS)
 
 

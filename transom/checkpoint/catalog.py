@@ -27,7 +27,11 @@ def shard_key(step: int, rank: int, holder: str) -> str:
 
 
 def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=None) -> None:
-    store.put(shard_key(step, rank, holder), {"step": step, "rank": rank, "time": time.time(), **info}, lease=lease)
+    store.put(
+        shard_key(step, rank, holder),
+        {"step": step, "rank": rank, "time": time.time(), **info},
+        lease=lease,
+    )
 
 
 def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
@@ -80,14 +84,20 @@ def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
     catalog = shards(store)
 
     def usable(info: dict) -> bool:
-        return info.get("world_size") == world_size and not (info.get("tier") == "memory"
-                                                               and info.get("node") in lost)
+        return info.get("world_size") == world_size and not (
+            info.get("tier") == "memory" and info.get("node") in lost
+        )
 
-    return [step for step in sorted(catalog, reverse=True)
-            if all(any(usable(i) for i in catalog[step].get(r, {}).values()) for r in range(world_size))]
+    return [
+        step
+        for step in sorted(catalog, reverse=True)
+        if all(any(usable(i) for i in catalog[step].get(r, {}).values()) for r in range(world_size))
+    ]
 
 
-def newest_restorable(store: Store, world_size: int, before: int | None = None, lost=()) -> int | None:
+def newest_restorable(
+    store: Store, world_size: int, before: int | None = None, lost=()
+) -> int | None:
     """The newest restorable step (see `restorable_steps`), strictly below `before` if given."""
     for step in restorable_steps(store, world_size, lost):
         if before is None or step < before:

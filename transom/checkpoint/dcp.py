@@ -20,11 +20,23 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -38,6 +50,7 @@ def _index_key(index: MetadataIndex) -> str:
 
 # -- DCP metadata as a tree of plain values ----------------------------------------------------------
 
+
 def _encode_metadata(md: Metadata) -> dict:
     entries = {}
     for fqn, m in md.state_dict_metadata.items():
@@ -45,8 +58,12 @@ def _encode_metadata(md: Metadata) -> dict:
             entries[fqn] = {"bytes": True}
         else:
             p = m.properties
-            entries[fqn] = {"dtype": p.dtype, "requires_grad": p.requires_grad, "size": list(m.size),
-                            "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}
+            entries[fqn] = {
+                "dtype": p.dtype,
+                "requires_grad": p.requires_grad,
+                "size": list(m.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks],
+            }
     storage = {_index_key(i): d for i, d in (md.storage_data or {}).items()}
     return {"entries": entries, "storage": storage, "version": md.version}
 
@@ -60,11 +77,17 @@ def _decode_metadata(tree: dict) -> Metadata:
             entries[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=e["dtype"], requires_grad=e["requires_grad"]),
                 size=torch.Size(e["size"]),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in e["chunks"]])
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                    for o, s in e["chunks"]
+                ],
+            )
     storage = {}
     for key, data in tree["storage"].items():
         fqn, _, offset = key.rpartition("@")
-        index = MetadataIndex(fqn, torch.Size(int(x) for x in offset.split(",")) if offset else None)
+        index = MetadataIndex(
+            fqn, torch.Size(int(x) for x in offset.split(",")) if offset else None
+        )
         storage[index] = data
     return Metadata(state_dict_metadata=entries, storage_data=storage, version=tree.get("version"))
 
@@ -108,8 +131,13 @@ class TransomWriter(StorageWriter):
                 value = data.detach()
                 size = value.numel() * value.element_size()
             self.items[key] = value
-            results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data={"rank": self.engine.rank, "key": key}))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=size,
+                    storage_data={"rank": self.engine.rank, "key": key},
+                )
+            )
         if not self.is_coordinator:  # the coordinator saves in finish(), with the global metadata
             self._save(None)
         future: Future = Future()
@@ -117,12 +145,16 @@ class TransomWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        metadata.storage_data = {
+            r.index: r.storage_data for rank_results in results for r in rank_results
+        }
         if self.is_coordinator:
             self._save(_encode_metadata(metadata))
 
     def _save(self, metadata: dict | None) -> None:
-        self.handle = self.engine.save(self.step, {"dcp_items": self.items, "dcp_metadata": metadata})
+        self.handle = self.engine.save(
+            self.step, {"dcp_items": self.items, "dcp_metadata": metadata}
+        )
         if not self.handle.ok:
             raise CheckpointError(f"DCP save of step {self.step} refused: {self.handle.error}")
         self.items = {}
@@ -165,7 +197,9 @@ class TransomReader(StorageReader):
             raise CheckpointError(f"step {self.step} rank 0 holds no DCP metadata")
         return _decode_metadata(tree)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args, **kwargs
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -184,8 +218,10 @@ class TransomReader(StorageReader):
             source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
-                raise CheckpointError(f"{item.storage_index.fqn}: saved chunk {tuple(source.size())} does not "
-                                      f"fit {tuple(target.size())}")
+                raise CheckpointError(
+                    f"{item.storage_index.fqn}: saved chunk {tuple(source.size())} does not "
+                    f"fit {tuple(target.size())}"
+                )
             target.copy_(source)
             planner.commit_tensor(item, target)
         self.shards = {}

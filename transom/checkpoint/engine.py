@@ -60,7 +60,7 @@ class SaveRefused(CheckpointError):
 class SaveHandle:
     """A save in progress: `wait(tier)` for "memory", "replicated" or "persisted"."""
 
-    def __init__(self, engine: "Engine", step: int, rank: int, error: str | None = None):
+    def __init__(self, engine: Engine, step: int, rank: int, error: str | None = None):
         self.engine = engine
         self.step = step
         self.rank = rank
@@ -80,20 +80,33 @@ class SaveHandle:
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
-        reply = self.engine._request({"op": "wait", "step": self.step, "rank": self.rank, "tier": tier,
-                                      "timeout": timeout}, fresh=True)
+        reply = self.engine._request(
+            {"op": "wait", "step": self.step, "rank": self.rank, "tier": tier, "timeout": timeout},
+            fresh=True,
+        )
         if reply.get("timeout"):
             raise TimeoutError(reply["error"])
         if not reply.get("ok"):
-            raise CheckpointError(f"step {self.step} rank {self.rank} did not reach {tier}: {reply.get('error')}")
+            raise CheckpointError(
+                f"step {self.step} rank {self.rank} did not reach {tier}: {reply.get('error')}"
+            )
 
 
 class Engine:
-    def __init__(self, socket_path: str | None = None, storage_dir: str | os.PathLike | None = None,
-                 rank: int | None = None, world_size: int | None = None, memory_bytes: int | None = None,
-                 keep: int | None = None, secret: bytes | None = None):
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        storage_dir: str | os.PathLike | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        memory_bytes: int | None = None,
+        keep: int | None = None,
+        secret: bytes | None = None,
+    ):
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.world_size = (
+            int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        )
         storage_env = os.environ.get(STORAGE_ENV)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(SECRET_ENV, "").encode()
@@ -114,9 +127,15 @@ class Engine:
 
         _remove_stale_embedded_regions()
         shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
-        cfg = ServerConfig(node_id=f"local-{os.getpid()}", socket_path=shm_dir / "server.sock", shm_dir=shm_dir,
-                           budget_bytes=memory_bytes or default_budget(), storage_dir=self.storage_dir,
-                           replicas=0, storage_keep=keep or ServerConfig.storage_keep)
+        cfg = ServerConfig(
+            node_id=f"local-{os.getpid()}",
+            socket_path=shm_dir / "server.sock",
+            shm_dir=shm_dir,
+            budget_bytes=memory_bytes or default_budget(),
+            storage_dir=self.storage_dir,
+            replicas=0,
+            storage_keep=keep or ServerConfig.storage_keep,
+        )
         return CheckpointServer(cfg).start()
 
     # -- talking to the server -------------------------------------------------------------------
@@ -127,7 +146,9 @@ class Engine:
             sock.connect(self.socket_path)
         except OSError as e:
             sock.close()
-            raise CheckpointError(f"cannot reach the checkpoint server at {self.socket_path}: {e}") from e
+            raise CheckpointError(
+                f"cannot reach the checkpoint server at {self.socket_path}: {e}"
+            ) from e
         sock.settimeout(None)
         return sock
 
@@ -174,8 +195,15 @@ class Engine:
         """
         t0 = time.perf_counter()
         plan = layout.plan_state(state, step, self.rank, self.world_size)
-        reply = self._request({"op": "reserve", "step": step, "rank": self.rank, "world_size": self.world_size,
-                               "nbytes": plan.data_len})
+        reply = self._request(
+            {
+                "op": "reserve",
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "nbytes": plan.data_len,
+            }
+        )
         if not reply.get("ok"):
             if not reply.get("refused"):
                 raise CheckpointError(f"save of step {step} failed: {reply.get('error')}")
@@ -195,7 +223,9 @@ class Engine:
         if on_gpu:
             done = torch.cuda.Event()
             done.record()  # later kernels on this stream are ordered after the copy: training may go on
-            thread = threading.Thread(target=self._commit_after, args=(handle, plan.header, done), daemon=True)
+            thread = threading.Thread(
+                target=self._commit_after, args=(handle, plan.header, done), daemon=True
+            )
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
             thread.start()
         else:
@@ -205,7 +235,9 @@ class Engine:
 
     def _commit(self, handle: SaveHandle, header: dict) -> None:
         try:
-            reply = self._request({"op": "commit", "step": handle.step, "rank": self.rank, "header": header})
+            reply = self._request(
+                {"op": "commit", "step": handle.step, "rank": self.rank, "header": header}
+            )
             if not reply.get("ok"):
                 handle.error = reply.get("error")
         except CheckpointError as e:
@@ -247,11 +279,20 @@ class Engine:
             return list(reply.get("steps", []))
         except CheckpointError as e:
             log.warning("%s; looking in storage only", e)
-            return [s for s in storage.complete_steps(self.storage_dir)
-                    if (storage.read_manifest(self.storage_dir, s) or {}).get("world_size") == self.world_size]
+            return [
+                s
+                for s in storage.complete_steps(self.storage_dir)
+                if (storage.read_manifest(self.storage_dir, s) or {}).get("world_size")
+                == self.world_size
+            ]
 
-    def load(self, step: int | None = None, map_location: str | torch.device | None = None,
-             tier: str | None = None, rank: int | None = None) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        map_location: str | torch.device | None = None,
+        tier: str | None = None,
+        rank: int | None = None,
+    ) -> Any:
         """The state saved at `step` (default: the controller's restore step, else the newest
         restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
         unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
@@ -291,18 +332,31 @@ class Engine:
                 state = layout.rebuild(header, data)
             except (layout.ShardError, replication.ReplicationError, OSError) as e:
                 problems.append(f"{source['tier']}: {e}")
-                self._report("bad-copy", f"rank {rank} step {step}: bad copy in {source['tier']} "
-                                         f"({e}); trying the next tier", step=step, rank=rank,
-                             tier=source["tier"], error=str(e))
+                self._report(
+                    "bad-copy",
+                    f"rank {rank} step {step}: bad copy in {source['tier']} "
+                    f"({e}); trying the next tier",
+                    step=step,
+                    rank=rank,
+                    tier=source["tier"],
+                    error=str(e),
+                )
                 continue
             took = time.perf_counter() - t0
             self.last_load = {"step": step, "tier": source["tier"], "seconds": took}
-            self._report("restored", f"rank {rank} restored step {step} from {source['tier']} "
-                                     f"in {took:.3f} s", step=step, rank=rank, tier=source["tier"],
-                         duration_s=took)
+            self._report(
+                "restored",
+                f"rank {rank} restored step {step} from {source['tier']} in {took:.3f} s",
+                step=step,
+                rank=rank,
+                tier=source["tier"],
+                duration_s=took,
+            )
             return state
-        raise CheckpointError(f"step {step} rank {rank}: no good copy in any tier "
-                              f"({'; '.join(problems) or 'no tier holds it'})")
+        raise CheckpointError(
+            f"step {step} rank {rank}: no good copy in any tier "
+            f"({'; '.join(problems) or 'no tier holds it'})"
+        )
 
     def _read(self, source: dict, step: int, rank: int) -> tuple[dict, torch.Tensor]:
         tier = source["tier"]
@@ -351,11 +405,15 @@ class Engine:
             shards = [s for s in self.server.shards.values() if s.origin == "local"]
         for s in shards:
             with self.server.lock:
-                while (s.state != "committed" or "persisted" not in s.tiers) and "persisted" not in s.failed \
-                        and "memory" not in s.failed and self.server.shards.get(s.key) is s:
+                while (
+                    (s.state != "committed" or "persisted" not in s.tiers)
+                    and "persisted" not in s.failed
+                    and "memory" not in s.failed
+                    and self.server.shards.get(s.key) is s
+                ):
                     self.server.lock.wait(1.0)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -365,7 +423,7 @@ class Engine:
 def _remove_stale_embedded_regions() -> None:
     """Region folders of embedded servers whose process died without cleaning up (SIGKILL)."""
     for path in SHM_ROOT.glob(f"{EMBEDDED_PREFIX}*-*"):
-        pid = path.name[len(EMBEDDED_PREFIX):].split("-")[0]
+        pid = path.name[len(EMBEDDED_PREFIX) :].split("-")[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -385,15 +443,16 @@ def _to_device(value: Any, device) -> Any:
 
 # -- a torch.save / torch.load pair --------------------------------------------------------------
 
+
 def save(obj: Any, path: str | os.PathLike) -> None:
     """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
     plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
     buf = anonymous_buffer(plan.data_len)
-    data = as_bytes(buf)[:plan.data_len]
+    data = as_bytes(buf)[: plan.data_len]
     layout.copy_into(plan, data)
     if any(r.source.is_cuda for r in plan.ranges):
         torch.cuda.synchronize()
-    view = memoryview(buf)[:plan.data_len]
+    view = memoryview(buf)[: plan.data_len]
     plan.header["chunks"] = layout.checksum_data(view)
     path = Path(path)
     storage._atomic_write(path, [layout.encode_header(plan.header), view])

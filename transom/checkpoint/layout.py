@@ -46,12 +46,35 @@ MAX_HEADER_BYTES = 256 << 20
 
 # Every dtype a shard may name; anything else in a header is rejected.
 DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-                                      "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-                                      "complex32") if hasattr(torch, n)),
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        *(
+            getattr(torch, n)
+            for n in (
+                "uint16",
+                "uint32",
+                "uint64",
+                "float8_e4m3fn",
+                "float8_e5m2",
+                "float8_e4m3fnuz",
+                "float8_e5m2fnuz",
+                "float8_e8m0fnu",
+                "complex32",
+            )
+            if hasattr(torch, n)
+        ),
     )
 }
 
@@ -69,6 +92,7 @@ def align(n: int, to: int) -> int:
 
 
 # -- flattening -------------------------------------------------------------------------------
+
 
 @dataclass
 class StorageRange:
@@ -100,9 +124,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 def _check_tensor(t: torch.Tensor) -> None:
     if t.layout != torch.strided:
-        raise UnsupportedValue(f"cannot checkpoint a {t.layout} tensor: convert it to a dense tensor first")
+        raise UnsupportedValue(
+            f"cannot checkpoint a {t.layout} tensor: convert it to a dense tensor first"
+        )
     if t.is_quantized or t.device.type == "meta":
-        raise UnsupportedValue(f"cannot checkpoint a {'quantized' if t.is_quantized else 'meta'} tensor")
+        raise UnsupportedValue(
+            f"cannot checkpoint a {'quantized' if t.is_quantized else 'meta'} tensor"
+        )
     if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise UnsupportedValue(f"cannot checkpoint tensors of dtype {t.dtype}")
     if any(s < 0 for s in t.stride()):
@@ -150,8 +178,10 @@ def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
             return {"d": items}
         if type(v) in (list, tuple):
             return {"l" if type(v) is list else "t": [encode(x) for x in v]}
-        raise UnsupportedValue(f"cannot checkpoint a value of type {type(v).__module__}.{type(v).__qualname__}: "
-                               f"only tensors, numpy arrays, dicts, lists, tuples and plain values")
+        raise UnsupportedValue(
+            f"cannot checkpoint a value of type {type(v).__module__}.{type(v).__qualname__}: "
+            f"only tensors, numpy arrays, dicts, lists, tuples and plain values"
+        )
 
     def add_tensor(t: torch.Tensor) -> int:
         _check_tensor(t)
@@ -159,9 +189,13 @@ def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
         lo, hi = _span(t)
         group = storages.setdefault(key, {"tensors": [], "lo": lo, "hi": hi, "example": t})
         group["lo"], group["hi"] = min(group["lo"], lo), max(group["hi"], hi)
-        entry = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                 "stride": list(t.stride()), "byte": t.storage_offset() * t.element_size(),
-                 "device": str(t.device)}
+        entry = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "byte": t.storage_offset() * t.element_size(),
+            "device": str(t.device),
+        }
         if t.requires_grad:
             entry["grad"] = True
         if isinstance(t, torch.nn.Parameter):
@@ -188,8 +222,16 @@ def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
             tensors[i]["byte"] -= lo
         offset = align(offset + nbytes, STORAGE_ALIGN)
     plan.data_len = offset
-    plan.header = {"format": FORMAT_VERSION, "step": int(step), "rank": int(rank), "world_size": int(world_size),
-                   "tree": tree, "tensors": tensors, "storages": storage_table, "data_len": offset}
+    plan.header = {
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "tree": tree,
+        "tensors": tensors,
+        "storages": storage_table,
+        "data_len": offset,
+    }
     return plan
 
 
@@ -197,10 +239,11 @@ def copy_into(plan: Plan, data: torch.Tensor, non_blocking: bool = False) -> Non
     """Copy every storage range of `plan` into `data` (a uint8 tensor of at least plan.data_len)."""
     for r in plan.ranges:
         if r.nbytes:
-            data[r.offset:r.offset + r.nbytes].copy_(r.source, non_blocking=non_blocking)
+            data[r.offset : r.offset + r.nbytes].copy_(r.source, non_blocking=non_blocking)
 
 
 # -- checksums --------------------------------------------------------------------------------
+
 
 def _chunks(n: int) -> list[tuple[int, int]]:
     return [(i, min(i + DATA_CHUNK, n)) for i in range(0, n, DATA_CHUNK)]
@@ -209,7 +252,9 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 def checksum_data(data: memoryview) -> list[str]:
     """xxh3-64 of every DATA_CHUNK of `data`, as hex (xxhash releases the GIL: threads help)."""
     with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-        return list(pool.map(lambda c: xxhash.xxh3_64_hexdigest(data[c[0]:c[1]]), _chunks(len(data))))
+        return list(
+            pool.map(lambda c: xxhash.xxh3_64_hexdigest(data[c[0] : c[1]]), _chunks(len(data)))
+        )
 
 
 def verify_data(header: dict, data: memoryview) -> None:
@@ -219,16 +264,21 @@ def verify_data(header: dict, data: memoryview) -> None:
     actual = checksum_data(data)
     bad = [i for i, (a, b) in enumerate(zip(actual, expected)) if a != b]
     if bad:
-        raise ShardError(f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
-                         f"rank {header.get('rank')}: the copy is corrupt")
+        raise ShardError(
+            f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
+            f"rank {header.get('rank')}: the copy is corrupt"
+        )
 
 
 # -- header bytes -----------------------------------------------------------------------------
 
+
 def encode_header(header: dict) -> bytes:
     """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
     body = json.dumps(header, separators=(",", ":")).encode()
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header["data_len"])
+    prefix = PREFIX.pack(
+        MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header["data_len"]
+    )
     out = prefix + body
     return out + b"\0" * (align(len(out), DATA_ALIGN) - len(out))
 
@@ -241,7 +291,9 @@ def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
     if magic != MAGIC:
         raise ShardError("not a transom checkpoint shard (bad magic bytes)")
     if version != FORMAT_VERSION:
-        raise ShardError(f"shard format version {version} is not supported (this build reads {FORMAT_VERSION})")
+        raise ShardError(
+            f"shard format version {version} is not supported (this build reads {FORMAT_VERSION})"
+        )
     if header_len > MAX_HEADER_BYTES:
         raise ShardError(f"shard header of {header_len} bytes is implausible: corrupt shard")
     return header_len, header_sum, data_len
@@ -249,8 +301,8 @@ def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
 
 def decode_header(prefix_and_body: bytes) -> tuple[dict, int]:
     """The header dict and the data offset, from bytes starting at the prefix."""
-    header_len, header_sum, data_len = decode_prefix(prefix_and_body[:PREFIX.size])
-    body = prefix_and_body[PREFIX.size:PREFIX.size + header_len]
+    header_len, header_sum, data_len = decode_prefix(prefix_and_body[: PREFIX.size])
+    body = prefix_and_body[PREFIX.size : PREFIX.size + header_len]
     if len(body) != header_len:
         raise ShardError("shard is truncated inside its header")
     if xxhash.xxh3_64_intdigest(body) != header_sum:
@@ -269,6 +321,7 @@ def header_span(header_len: int) -> int:
 
 
 # -- rebuilding -------------------------------------------------------------------------------
+
 
 def check_identity(header: dict, step: int | None, rank: int | None) -> None:
     if step is not None and header.get("step") != step:
@@ -294,7 +347,9 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
         raise ShardError(f"shard header lacks its tables: {e}") from e
     for off, n in storages:
         if off < 0 or n < 0 or off + n > data_len:
-            raise ShardError("shard storage table points outside the data: corrupt or mismatched shard")
+            raise ShardError(
+                "shard storage table points outside the data: corrupt or mismatched shard"
+            )
     built: list[torch.Tensor | None] = [None] * len(table)
 
     def tensor(i: Any) -> torch.Tensor:
@@ -309,7 +364,7 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
             return node
         if not isinstance(node, dict) or len(node) not in (1, 2):
             raise ShardError(f"shard tree has an unknown node {str(node)[:80]!r}")
-        (tag, v), = list(node.items())[:1]
+        ((tag, v),) = list(node.items())[:1]
         try:
             if tag == "T":
                 return tensor(v)
@@ -359,7 +414,12 @@ def _make_tensor(entry: dict, storages: list[tuple[int, int]], data: torch.Tenso
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ShardError(f"shard tensor table entry is malformed: {e}") from e
     size = dtype.itemsize
-    if len(shape) != len(stride) or any(n < 0 for n in shape) or any(s < 0 for s in stride) or byte < 0:
+    if (
+        len(shape) != len(stride)
+        or any(n < 0 for n in shape)
+        or any(s < 0 for s in stride)
+        or byte < 0
+    ):
         raise ShardError("shard tensor has a bad shape or stride")
     numel = math.prod(shape)
     end = byte + ((sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * size if numel else 0)

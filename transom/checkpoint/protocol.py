@@ -45,7 +45,7 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     n = len(view)
     while got < n:
-        k = sock.recv_into(view[got:got + RECV_CHUNK])
+        k = sock.recv_into(view[got : got + RECV_CHUNK])
         if k == 0:
             raise ProtocolError(f"connection closed after {got} of {n} bytes")
         got += k

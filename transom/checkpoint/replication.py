@@ -63,22 +63,37 @@ def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
         sock.sendfile(f, 0, nbytes)
 
 
-def push(addr: str, secret: bytes, header: dict, header_bytes: bytes, region_path: Path, origin: str) -> None:
+def push(
+    addr: str, secret: bytes, header: dict, header_bytes: bytes, region_path: Path, origin: str
+) -> None:
     """Send one shard to the peer at `addr`; returns when the peer holds it verified."""
     sock = connect(addr, secret)
     try:
-        send_msg(sock, {"op": "put", "step": header["step"], "rank": header["rank"], "origin": origin,
-                        "header_len": len(header_bytes), "data_len": header["data_len"]})
+        send_msg(
+            sock,
+            {
+                "op": "put",
+                "step": header["step"],
+                "rank": header["rank"],
+                "origin": origin,
+                "header_len": len(header_bytes),
+                "data_len": header["data_len"],
+            },
+        )
         sock.sendall(header_bytes)
         send_region(sock, region_path, header["data_len"])
         reply = recv_msg(sock)
     except (OSError, ProtocolError) as e:
-        raise ReplicationError(f"sending step {header['step']} rank {header['rank']} to {addr}: {e}") from e
+        raise ReplicationError(
+            f"sending step {header['step']} rank {header['rank']} to {addr}: {e}"
+        ) from e
     finally:
         sock.close()
     if not reply.get("ok"):
-        raise ReplicationError(f"peer at {addr} refused step {header['step']} rank {header['rank']}: "
-                               f"{reply.get('error')}")
+        raise ReplicationError(
+            f"peer at {addr} refused step {header['step']} rank {header['rank']}: "
+            f"{reply.get('error')}"
+        )
 
 
 def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.Tensor]:
@@ -88,7 +103,9 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
         send_msg(sock, {"op": "get", "step": step, "rank": rank})
         reply = recv_msg(sock)
         if not reply.get("ok"):
-            raise ReplicationError(f"server at {addr} has no step {step} rank {rank}: {reply.get('error')}")
+            raise ReplicationError(
+                f"server at {addr} has no step {step} rank {rank}: {reply.get('error')}"
+            )
         head = bytearray(reply["header_len"])
         recv_into(sock, memoryview(head))
         header, _ = layout.decode_header(bytes(head))
@@ -114,7 +131,7 @@ def receive_put(sock: socket.socket, msg: dict, reserve, commit) -> None:
     layout.check_identity(header, msg["step"], msg["rank"])
     region = reserve(header["step"], header["rank"], header["data_len"])
     try:
-        view = region.view()[:header["data_len"]]
+        view = region.view()[: header["data_len"]]
         recv_into(sock, view)
         layout.verify_data(header, view)
         del view

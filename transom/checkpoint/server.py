@@ -120,7 +120,7 @@ class CheckpointServer:
         self.addr = ""
 
     # -- life cycle ----------------------------------------------------------------------------
-    def start(self) -> "CheckpointServer":
+    def start(self) -> CheckpointServer:
         server = self
 
         class UnixHandler(socketserver.BaseRequestHandler):
@@ -145,16 +145,25 @@ class CheckpointServer:
         if self.store is not None:
             self.store.wait_healthy(10.0)
             self._new_lease()
-        threads = [(self._unix.serve_forever, "ckpt-unix"), (self._finalizer, "ckpt-finalize"),
-                   (self._replicator, "ckpt-replicate"), (self._persister, "ckpt-persist")]
+        threads = [
+            (self._unix.serve_forever, "ckpt-unix"),
+            (self._finalizer, "ckpt-finalize"),
+            (self._replicator, "ckpt-replicate"),
+            (self._persister, "ckpt-persist"),
+        ]
         if self._tcp is not None:
             threads.append((self._tcp.serve_forever, "ckpt-tcp"))
         if self.store is not None:
             threads.append((self._control, "ckpt-control"))
         for target, name in threads:
             threading.Thread(target=target, name=name, daemon=True).start()
-        log.info("checkpoint server %s: socket %s, peers %s, budget %d bytes", self.node, path,
-                 self.addr or "-", self.cfg.budget_bytes)
+        log.info(
+            "checkpoint server %s: socket %s, peers %s, budget %d bytes",
+            self.node,
+            path,
+            self.addr or "-",
+            self.cfg.budget_bytes,
+        )
         return self
 
     def stop(self) -> None:
@@ -184,8 +193,11 @@ class CheckpointServer:
     def _new_lease(self) -> None:
         self.lease = self.store.lease(self.cfg.lease_ttl_s)
         if self.addr:
-            self.store.put(f"{catalog.SERVERS}{self.node}", {"node": self.node, "addr": self.addr},
-                           lease=self.lease)
+            self.store.put(
+                f"{catalog.SERVERS}{self.node}",
+                {"node": self.node, "addr": self.addr},
+                lease=self.lease,
+            )
         with self.lock:
             held = [s for s in self.shards.values() if "memory" in s.tiers]
         for shard in held:
@@ -195,9 +207,21 @@ class CheckpointServer:
         if self.store is None:
             return
         try:
-            catalog.publish(self.store, shard.step, shard.rank, f"mem-{self.node}", {
-                "world_size": shard.world_size, "node": self.node, "tier": "memory", "addr": self.addr,
-                "nbytes": shard.region.nbytes, "origin": shard.origin}, lease=self.lease)
+            catalog.publish(
+                self.store,
+                shard.step,
+                shard.rank,
+                f"mem-{self.node}",
+                {
+                    "world_size": shard.world_size,
+                    "node": self.node,
+                    "tier": "memory",
+                    "addr": self.addr,
+                    "nbytes": shard.region.nbytes,
+                    "origin": shard.origin,
+                },
+                lease=self.lease,
+            )
         except StoreError as e:
             log.warning("cannot list step %d rank %d in etcd: %s", shard.step, shard.rank, e)
 
@@ -227,34 +251,54 @@ class CheckpointServer:
         if self.store is None:
             return
         now = time.time()
-        value = {"time": now, "kind": "checkpoint", "action": action, "message": message, "node": self.node,
-                 **fields}
+        value = {
+            "time": now,
+            "kind": "checkpoint",
+            "action": action,
+            "message": message,
+            "node": self.node,
+            **fields,
+        }
         try:
-            self.store.put(f"events/{int(now * 1e9):020d}-ckpt-{self.node}-{threading.get_ident() % 10000}", value)
+            self.store.put(
+                f"events/{int(now * 1e9):020d}-ckpt-{self.node}-{threading.get_ident() % 10000}",
+                value,
+            )
         except StoreError:
             pass
 
     # -- memory ----------------------------------------------------------------------------------
-    def reserve(self, step: int, rank: int, nbytes: int, world_size: int, origin: str = "local") -> Region:
+    def reserve(
+        self, step: int, rank: int, nbytes: int, world_size: int, origin: str = "local"
+    ) -> Region:
         """A region for shard (step, rank), recycled or new; BudgetExceeded when it cannot fit."""
         with self.lock:
             old = self.shards.get((step, rank))
             if old is not None:
                 if old.state != "committed" or old.pins:
-                    raise BudgetExceeded(f"step {step} rank {rank} is being saved or transferred already")
+                    raise BudgetExceeded(
+                        f"step {step} rank {rank} is being saved or transferred already"
+                    )
                 self._evict(old)
             region = self._take_free(nbytes, rank)
-            if region is None and self.preparing:  # a spare is being populated: it is the region to use
+            if (
+                region is None and self.preparing
+            ):  # a spare is being populated: it is the region to use
                 self.lock.wait_for(lambda: not self.preparing, timeout=QUIET_WAIT_S)
                 region = self._take_free(nbytes, rank)
             if region is None:
-                reclaimable = sum(r.nbytes for r in self.free) + sum(s.region.nbytes for s in self._victims())
-                if self.used - reclaimable + nbytes > self.cfg.budget_bytes:  # refuse before evicting anything
+                reclaimable = sum(r.nbytes for r in self.free) + sum(
+                    s.region.nbytes for s in self._victims()
+                )
+                if (
+                    self.used - reclaimable + nbytes > self.cfg.budget_bytes
+                ):  # refuse before evicting anything
                     held = sorted({s.step for s in self.shards.values()})
                     raise BudgetExceeded(
                         f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the checkpoint memory "
                         f"budget of {self.cfg.budget_bytes} bytes on node {self.node} ({self.used} in use, "
-                        f"holding steps {held}); raise --ckpt-memory")
+                        f"holding steps {held}); raise --ckpt-memory"
+                    )
                 while region is None and self.used + nbytes > self.cfg.budget_bytes:
                     victims = self._victims()
                     if victims:
@@ -271,7 +315,9 @@ class CheckpointServer:
         except OSError as e:
             with self.lock:
                 self.used -= nbytes
-            raise BudgetExceeded(f"cannot create a shared-memory region of {nbytes} bytes: {e}") from e
+            raise BudgetExceeded(
+                f"cannot create a shared-memory region of {nbytes} bytes: {e}"
+            ) from e
         with self.lock:
             self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
         return region
@@ -292,16 +338,23 @@ class CheckpointServer:
         for s in self.shards.values():
             if s.state == "committed":
                 newest[s.rank] = max(newest.get(s.rank, -1), s.step)
-        candidates = [s for s in self.shards.values()
-                      if s.state == "committed" and not s.pins and s.step != newest[s.rank]
-                      and s.step != self.protected_step]
+        candidates = [
+            s
+            for s in self.shards.values()
+            if s.state == "committed"
+            and not s.pins
+            and s.step != newest[s.rank]
+            and s.step != self.protected_step
+        ]
         return sorted(candidates, key=lambda s: s.step)
 
     def _evict(self, shard: Shard) -> None:
         """Drop a shard (lock held); its region goes to the free pool unless a worker loaded from it."""
         del self.shards[shard.key]
         if "memory" in shard.tiers:
-            threading.Thread(target=self._withdraw, args=(shard, f"mem-{self.node}"), daemon=True).start()
+            threading.Thread(
+                target=self._withdraw, args=(shard, f"mem-{self.node}"), daemon=True
+            ).start()
         shard.tiers.discard("memory")
         if shard.region.loaned:
             self._destroy(shard.region)
@@ -323,16 +376,22 @@ class CheckpointServer:
 
     def _retain(self, rank: int) -> None:
         """Evict this rank's complete shards beyond the `memory_keep` newest (lock held)."""
-        mine = sorted((s for s in self.shards.values() if s.rank == rank and s.state == "committed"),
-                      key=lambda s: s.step, reverse=True)
-        for s in mine[self.cfg.memory_keep:]:
+        mine = sorted(
+            (s for s in self.shards.values() if s.rank == rank and s.state == "committed"),
+            key=lambda s: s.step,
+            reverse=True,
+        )
+        for s in mine[self.cfg.memory_keep :]:
             if not s.pins and s.step != self.protected_step:
                 self._evict(s)
 
     def _prepare_spare(self, nbytes: int, rank: int) -> Region | None:
         """Make a populated region of `nbytes` ready for `rank`'s next save if the budget has room."""
         with self.lock:
-            spare = next((r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)), None)
+            spare = next(
+                (r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)),
+                None,
+            )
             if spare is not None:
                 spare.prepared_for = rank
                 return spare
@@ -361,7 +420,9 @@ class CheckpointServer:
         with self.lock:
             shard = self.shards.get((step, rank))
             if shard is None or shard.region is not region or shard.state != "reserved":
-                raise layout.ShardError(f"step {step} rank {rank} was not reserved by this connection")
+                raise layout.ShardError(
+                    f"step {step} rank {rank} was not reserved by this connection"
+                )
             shard.header = header
             shard.state = "staged"
             shard.staged_at = time.time()
@@ -371,14 +432,16 @@ class CheckpointServer:
     def _quiet(self) -> None:
         """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S)."""
         with self.lock:
-            self.lock.wait_for(lambda: not any(s.state == "reserved" for s in self.shards.values()),
-                               timeout=QUIET_WAIT_S)
+            self.lock.wait_for(
+                lambda: not any(s.state == "reserved" for s in self.shards.values()),
+                timeout=QUIET_WAIT_S,
+            )
 
     def _finalizer(self) -> None:
         while (shard := self.finalize_q.get()) is not None:
             self._quiet()
             try:
-                data = shard.region.view()[:shard.header["data_len"]]
+                data = shard.region.view()[: shard.header["data_len"]]
                 shard.header["chunks"] = layout.checksum_data(data)
                 del data
                 shard.header_bytes = layout.encode_header(shard.header)
@@ -389,9 +452,15 @@ class CheckpointServer:
                         self._evict(shard)
                 continue
             self._committed(shard)
-            self.event("saved", f"step {shard.step} rank {shard.rank} saved in memory on {self.node} "
-                                f"({shard.region.nbytes} bytes)", step=shard.step, rank=shard.rank, tier="memory",
-                       staged=shard.staged_at)
+            self.event(
+                "saved",
+                f"step {shard.step} rank {shard.rank} saved in memory on {self.node} "
+                f"({shard.region.nbytes} bytes)",
+                step=shard.step,
+                rank=shard.rank,
+                tier="memory",
+                staged=shard.staged_at,
+            )
             if self.cfg.replicas > 0:
                 self.replicate_q.put(shard)
             else:
@@ -459,12 +528,24 @@ class CheckpointServer:
                             error = peer
                             break
                         t0 = time.time()
-                        replication.push(addr, self.cfg.secret, shard.header, shard.header_bytes,
-                                         shard.region.path, self.node)
+                        replication.push(
+                            addr,
+                            self.cfg.secret,
+                            shard.header,
+                            shard.header_bytes,
+                            shard.region.path,
+                            self.node,
+                        )
                         self._reached(shard, "replicated")
-                        self.event("replicated", f"step {shard.step} rank {shard.rank} replicated to {peer}",
-                                   step=shard.step, rank=shard.rank, tier="replicated", peer=peer,
-                                   duration_s=time.time() - t0)
+                        self.event(
+                            "replicated",
+                            f"step {shard.step} rank {shard.rank} replicated to {peer}",
+                            step=shard.step,
+                            rank=shard.rank,
+                            tier="replicated",
+                            peer=peer,
+                            duration_s=time.time() - t0,
+                        )
                         error = None
                         break
                     except (replication.ReplicationError, StoreError) as e:
@@ -473,18 +554,31 @@ class CheckpointServer:
                 if error is not None:
                     self._fail(shard, "replicated", error)
                     if "no peer" not in error:
-                        self.event("failed", f"step {shard.step} rank {shard.rank} not replicated: {error}",
-                                   step=shard.step, rank=shard.rank, tier="replicated", error=error)
+                        self.event(
+                            "failed",
+                            f"step {shard.step} rank {shard.rank} not replicated: {error}",
+                            step=shard.step,
+                            rank=shard.rank,
+                            tier="replicated",
+                            error=error,
+                        )
             finally:
                 self._unpin(shard)
 
     def _persister(self) -> None:
         while (shard := self.persist_q.get()) is not None:
             with self.lock:
-                newer = any(s.rank == shard.rank and s.step > shard.step and s.origin == "local"
-                            and s.state != "reserved" for s in self.shards.values())
+                newer = any(
+                    s.rank == shard.rank
+                    and s.step > shard.step
+                    and s.origin == "local"
+                    and s.state != "reserved"
+                    for s in self.shards.values()
+                )
             if newer and not self.persist_q.empty():
-                self._fail(shard, "persisted", "skipped: storage is behind and a newer step is queued")
+                self._fail(
+                    shard, "persisted", "skipped: storage is behind and a newer step is queued"
+                )
                 continue
             self._quiet()
             if not self._pin(shard):
@@ -503,28 +597,52 @@ class CheckpointServer:
             try:
                 t0 = time.time()
                 root.mkdir(parents=True, exist_ok=True)
-                data = shard.region.view()[:shard.header["data_len"]]
+                data = shard.region.view()[: shard.header["data_len"]]
                 path = storage.write_shard(root, shard.step, shard.rank, shard.header_bytes, data)
                 del data
-                removed = storage.complete_step(root, shard.step, shard.world_size, self.cfg.storage_keep)
+                removed = storage.complete_step(
+                    root, shard.step, shard.world_size, self.cfg.storage_keep
+                )
             except OSError as e:
                 retry = attempt < len(PERSIST_RETRY_S)
-                self.event("failed", f"step {shard.step} rank {shard.rank} not persisted to {root}: "
-                                     f"{e.strerror or e}{'; retrying' if retry else '; giving up'}",
-                           step=shard.step, rank=shard.rank, tier="persisted", error=str(e))
+                self.event(
+                    "failed",
+                    f"step {shard.step} rank {shard.rank} not persisted to {root}: "
+                    f"{e.strerror or e}{'; retrying' if retry else '; giving up'}",
+                    step=shard.step,
+                    rank=shard.rank,
+                    tier="persisted",
+                    error=str(e),
+                )
                 continue
             if self.store is not None:
                 try:
-                    catalog.publish(self.store, shard.step, shard.rank, "storage", {
-                        "world_size": shard.world_size, "node": self.node, "tier": "storage",
-                        "path": str(path), "nbytes": shard.region.nbytes})
+                    catalog.publish(
+                        self.store,
+                        shard.step,
+                        shard.rank,
+                        "storage",
+                        {
+                            "world_size": shard.world_size,
+                            "node": self.node,
+                            "tier": "storage",
+                            "path": str(path),
+                            "nbytes": shard.region.nbytes,
+                        },
+                    )
                     for step in removed:
                         catalog.withdraw_storage(self.store, step)
                 except StoreError as e:
                     log.warning("cannot list a persisted shard in etcd: %s", e)
             self._reached(shard, "persisted")
-            self.event("persisted", f"step {shard.step} rank {shard.rank} persisted to {path}",
-                       step=shard.step, rank=shard.rank, tier="persisted", duration_s=time.time() - t0)
+            self.event(
+                "persisted",
+                f"step {shard.step} rank {shard.rank} persisted to {path}",
+                step=shard.step,
+                rank=shard.rank,
+                tier="persisted",
+                duration_s=time.time() - t0,
+            )
             return
         self._fail(shard, "persisted", f"storage {root} not writable")
 
@@ -575,14 +693,31 @@ class CheckpointServer:
         if op == "steps":
             return {"ok": True, "steps": self._steps(int(msg["world_size"]))}
         if op == "event":
-            self.event(msg.get("action", "restored"), msg.get("message", ""), **msg.get("fields", {}))
+            self.event(
+                msg.get("action", "restored"), msg.get("message", ""), **msg.get("fields", {})
+            )
             return {"ok": True}
         if op == "status":
             with self.lock:
-                return {"ok": True, "node": self.node, "used": self.used, "budget": self.cfg.budget_bytes,
-                        "addr": self.addr, "free": [r.nbytes for r in self.free],
-                        "shards": [{"step": s.step, "rank": s.rank, "state": s.state, "tiers": sorted(s.tiers),
-                                    "origin": s.origin, "failed": s.failed} for s in self.shards.values()]}
+                return {
+                    "ok": True,
+                    "node": self.node,
+                    "used": self.used,
+                    "budget": self.cfg.budget_bytes,
+                    "addr": self.addr,
+                    "free": [r.nbytes for r in self.free],
+                    "shards": [
+                        {
+                            "step": s.step,
+                            "rank": s.rank,
+                            "state": s.state,
+                            "tiers": sorted(s.tiers),
+                            "origin": s.origin,
+                            "failed": s.failed,
+                        }
+                        for s in self.shards.values()
+                    ],
+                }
         raise ValueError(f"unknown request {op!r}")
 
     def _wait(self, step: int, rank: int, tier: str, timeout: float | None) -> dict:
@@ -593,14 +728,21 @@ class CheckpointServer:
             while True:
                 shard = self.shards.get((step, rank))
                 if shard is None:
-                    return {"ok": False, "error": f"step {step} rank {rank} is not held by this server"}
+                    return {
+                        "ok": False,
+                        "error": f"step {step} rank {rank} is not held by this server",
+                    }
                 if tier in shard.tiers:
                     return {"ok": True, "tiers": sorted(shard.tiers)}
                 if tier in shard.failed:
                     return {"ok": False, "error": shard.failed[tier]}
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return {"ok": False, "timeout": True, "error": f"{tier} not reached within {timeout} s"}
+                    return {
+                        "ok": False,
+                        "timeout": True,
+                        "error": f"{tier} not reached within {timeout} s",
+                    }
                 self.lock.wait(left if left is not None else 1.0)
 
     def _locate(self, step: int, rank: int) -> list[dict]:
@@ -608,23 +750,46 @@ class CheckpointServer:
         sources = []
         with self.lock:
             shard = self.shards.get((step, rank))
-            if shard is not None and shard.state == "staged":  # saved a moment ago: checksums are coming
-                self.lock.wait_for(lambda: shard.state != "staged" or "memory" in shard.failed, timeout=STAGED_WAIT_S)
+            if (
+                shard is not None and shard.state == "staged"
+            ):  # saved a moment ago: checksums are coming
+                self.lock.wait_for(
+                    lambda: shard.state != "staged" or "memory" in shard.failed,
+                    timeout=STAGED_WAIT_S,
+                )
             if shard is not None and "memory" in shard.tiers:
                 shard.region.loaned = True  # the worker maps it: never write into it again
-                sources.append({"tier": "memory", "node": self.node, "path": str(shard.region.path),
-                                "header": shard.header})
+                sources.append(
+                    {
+                        "tier": "memory",
+                        "node": self.node,
+                        "path": str(shard.region.path),
+                        "header": shard.header,
+                    }
+                )
             if shard is not None and "replicated" in shard.tiers and self.cfg.peer:
                 sources.append({"tier": "peer", "node": self.cfg.peer, "addr": self.cfg.peer})
         if self.store is not None:
             try:
                 for holder, info in sorted(catalog.holders(self.store, step, rank).items()):
-                    if info.get("tier") == "memory" and info.get("node") != self.node and info.get("addr"):
+                    if (
+                        info.get("tier") == "memory"
+                        and info.get("node") != self.node
+                        and info.get("addr")
+                    ):
                         sources.append({"tier": "peer", "node": info["node"], "addr": info["addr"]})
             except StoreError as e:
                 log.warning("cannot read the catalog: %s", e)
-        if self.cfg.storage_dir is not None and storage.shard_path(self.cfg.storage_dir, step, rank).exists():
-            sources.append({"tier": "storage", "path": str(storage.shard_path(self.cfg.storage_dir, step, rank))})
+        if (
+            self.cfg.storage_dir is not None
+            and storage.shard_path(self.cfg.storage_dir, step, rank).exists()
+        ):
+            sources.append(
+                {
+                    "tier": "storage",
+                    "path": str(storage.shard_path(self.cfg.storage_dir, step, rank)),
+                }
+            )
         return sources
 
     def _steps(self, world_size: int) -> list[int]:
@@ -691,7 +856,9 @@ class CheckpointServer:
                     send_msg(sock, {"ok": False, "error": "not held here"})
                     return
                 try:
-                    replication.serve_get(sock, shard.header_bytes, shard.region.path, shard.header["data_len"])
+                    replication.serve_get(
+                        sock, shard.header_bytes, shard.region.path, shard.header["data_len"]
+                    )
                 finally:
                     self._unpin(shard)
             else:
@@ -701,6 +868,7 @@ class CheckpointServer:
 
 
 # -- `python -m transom.checkpoint.server` ------------------------------------------------------
+
 
 def default_budget() -> int:
     """Half of this machine's memory."""
@@ -725,27 +893,57 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="transom ckpt-server",
-                                description="Run a node's checkpoint server (the node agent starts one per node).")
+    p = argparse.ArgumentParser(
+        prog="transom ckpt-server",
+        description="Run a node's checkpoint server (the node agent starts one per node).",
+    )
     p.add_argument("--node-id", default=socket.gethostname(), help="this node's name")
-    p.add_argument("--socket", type=Path, help="Unix socket for this node's workers (default: in --shm-dir)")
-    p.add_argument("--shm-dir", type=Path, help="folder for shared-memory regions (default /dev/shm/transom-JOB-NODE)")
-    p.add_argument("--memory", default=None, help="memory budget, e.g. 16G (default: half of this machine's memory)")
-    p.add_argument("--storage", type=Path, help="storage directory for persisted shards (default: none)")
-    p.add_argument("--keep", type=int, default=DEFAULT_STORAGE_KEEP, help="complete steps kept in storage")
-    p.add_argument("--memory-keep", type=int, default=DEFAULT_MEMORY_KEEP, help="steps per rank kept in memory")
-    p.add_argument("--replicas", type=int, default=1, choices=(0, 1), help="replicas in peer memory (0 or 1)")
+    p.add_argument(
+        "--socket", type=Path, help="Unix socket for this node's workers (default: in --shm-dir)"
+    )
+    p.add_argument(
+        "--shm-dir",
+        type=Path,
+        help="folder for shared-memory regions (default /dev/shm/transom-JOB-NODE)",
+    )
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="memory budget, e.g. 16G (default: half of this machine's memory)",
+    )
+    p.add_argument(
+        "--storage", type=Path, help="storage directory for persisted shards (default: none)"
+    )
+    p.add_argument(
+        "--keep", type=int, default=DEFAULT_STORAGE_KEEP, help="complete steps kept in storage"
+    )
+    p.add_argument(
+        "--memory-keep", type=int, default=DEFAULT_MEMORY_KEEP, help="steps per rank kept in memory"
+    )
+    p.add_argument(
+        "--replicas", type=int, default=1, choices=(0, 1), help="replicas in peer memory (0 or 1)"
+    )
     p.add_argument("--store", help="etcd URL of the job (catalog, peers, events)")
     p.add_argument("--job-id", default="local", help="job name in etcd")
     p.add_argument("--host", default="127.0.0.1", help="address peers reach this server at")
-    p.add_argument("--port", type=int, default=0, help="TCP port for peers (default: any free port)")
-    p.add_argument("--peer", metavar="HOST:PORT", help="send replicas to this server (default with --store: the "
-                                                       "next node in the plan's ring)")
-    p.add_argument("--lease-ttl", type=int, default=4, help="seconds this server's etcd entries outlive it")
+    p.add_argument(
+        "--port", type=int, default=0, help="TCP port for peers (default: any free port)"
+    )
+    p.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="send replicas to this server (default with --store: the "
+        "next node in the plan's ring)",
+    )
+    p.add_argument(
+        "--lease-ttl", type=int, default=4, help="seconds this server's etcd entries outlive it"
+    )
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         budget = parse_size(args.memory) if args.memory else default_budget()
     except ValueError as e:
@@ -754,15 +952,31 @@ def main(argv: list[str] | None = None) -> int:
     shm_dir = args.shm_dir or default_shm_dir(args.job_id, args.node_id)
     secret = os.environ.get("TRANSOM_CKPT_SECRET", "").encode()
     if (args.store or args.peer) and not secret:
-        print("transom ckpt-server: TRANSOM_CKPT_SECRET must be set with --store or --peer (peers authenticate "
-              "with it)",
-              file=sys.stderr)
+        print(
+            "transom ckpt-server: TRANSOM_CKPT_SECRET must be set with --store or --peer (peers authenticate "
+            "with it)",
+            file=sys.stderr,
+        )
         return 2
-    server = CheckpointServer(ServerConfig(
-        node_id=args.node_id, socket_path=args.socket or shm_dir / "server.sock", shm_dir=shm_dir,
-        budget_bytes=budget, storage_dir=args.storage, memory_keep=args.memory_keep, storage_keep=args.keep,
-        replicas=args.replicas if (args.store or args.peer) else 0, host=args.host, port=args.port, secret=secret,
-        store_url=args.store, job_id=args.job_id, lease_ttl_s=args.lease_ttl, peer=args.peer))
+    server = CheckpointServer(
+        ServerConfig(
+            node_id=args.node_id,
+            socket_path=args.socket or shm_dir / "server.sock",
+            shm_dir=shm_dir,
+            budget_bytes=budget,
+            storage_dir=args.storage,
+            memory_keep=args.memory_keep,
+            storage_keep=args.keep,
+            replicas=args.replicas if (args.store or args.peer) else 0,
+            host=args.host,
+            port=args.port,
+            secret=secret,
+            store_url=args.store,
+            job_id=args.job_id,
+            lease_ttl_s=args.lease_ttl,
+            peer=args.peer,
+        )
+    )
     stop = threading.Event()
     import signal
 

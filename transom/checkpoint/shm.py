@@ -24,7 +24,9 @@ import torch
 SHM_ROOT = Path("/dev/shm")
 
 
-def populated_map(path: Path, nbytes: int, private: bool = False, create: bool = False) -> mmap.mmap:
+def populated_map(
+    path: Path, nbytes: int, private: bool = False, create: bool = False
+) -> mmap.mmap:
     """Map `path` (creating it with `nbytes` when `create`).
 
     A shared mapping has every page faulted in up front (MAP_POPULATE), ready for copies into it.
@@ -69,7 +71,9 @@ class Region:
         self.path = Path(path)
         self.nbytes = nbytes
         self.loaned = False  # a worker mapped it for loading: never write into it again
-        self.prepared_for: int | None = None  # the rank whose next save gets it (its worker mapped it)
+        self.prepared_for: int | None = (
+            None  # the rank whose next save gets it (its worker mapped it)
+        )
         self.map = populated_map(self.path, nbytes, create=True) if nbytes else None
 
     @property

@@ -58,7 +58,7 @@ def _atomic_write(path: Path, parts) -> None:
         with open(tmp, "wb") as f:
             for part in parts:
                 for i in range(0, len(part), WRITE_BLOCK):
-                    f.write(part[i:i + WRITE_BLOCK])
+                    f.write(part[i : i + WRITE_BLOCK])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -87,7 +87,9 @@ def write_shard(root: Path, step: int, rank: int, header_bytes: bytes, data: mem
     return path
 
 
-def read_shard(path: Path, step: int | None = None, rank: int | None = None) -> tuple[dict, torch.Tensor]:
+def read_shard(
+    path: Path, step: int | None = None, rank: int | None = None
+) -> tuple[dict, torch.Tensor]:
     """(header, data as a uint8 tensor) of a shard file, checksums verified; ShardError when bad."""
     try:
         with open(path, "rb") as f:
@@ -99,13 +101,15 @@ def read_shard(path: Path, step: int | None = None, rank: int | None = None) -> 
             layout.check_identity(header, step, rank)
             size = os.fstat(f.fileno()).st_size
             if size != offset + data_len:
-                raise layout.ShardError(f"shard file {path} has {size} bytes, expected {offset + data_len}: truncated")
+                raise layout.ShardError(
+                    f"shard file {path} has {size} bytes, expected {offset + data_len}: truncated"
+                )
             buf = anonymous_buffer(data_len)
             view = memoryview(buf)[:data_len]
             f.seek(offset)
             got = 0
             while got < data_len:
-                n = f.readinto(view[got:got + WRITE_BLOCK])
+                n = f.readinto(view[got : got + WRITE_BLOCK])
                 if not n:
                     raise layout.ShardError(f"shard file {path} is truncated")
                 got += n
@@ -154,8 +158,12 @@ def complete_step(root: Path, step: int, world_size: int, keep: int) -> list[int
         ranks = shard_ranks(root, step)
         if ranks != set(range(world_size)):
             return []
-        manifest = {"step": step, "world_size": world_size, "time": time.time(),
-                    "shards": {str(r): shard_path(root, step, r).stat().st_size for r in sorted(ranks)}}
+        manifest = {
+            "step": step,
+            "world_size": world_size,
+            "time": time.time(),
+            "shards": {str(r): shard_path(root, step, r).stat().st_size for r in sorted(ranks)},
+        }
         _atomic_write(step_dir(root, step) / MANIFEST, [json.dumps(manifest, indent=1).encode()])
         complete = complete_steps(root)
         _atomic_write(root / LATEST, [f"{complete[0]}\n".encode()])

@@ -66,9 +66,16 @@ class NodeAgent:
         assert self.spec is not None
         self.lease = self.store.lease(self.spec.node_ttl_s)
         self.lease_lost.clear()
-        self.store.put(f"nodes/{self.node_id}", {
-            "node": self.node_id, "host": self.host, "pid": os.getpid(), "since": time.time(),
-        }, lease=self.lease)
+        self.store.put(
+            f"nodes/{self.node_id}",
+            {
+                "node": self.node_id,
+                "host": self.host,
+                "pid": os.getpid(),
+                "since": time.time(),
+            },
+            lease=self.lease,
+        )
         self._report(self.group_state)
 
     def _keep_alive(self) -> None:
@@ -87,9 +94,15 @@ class NodeAgent:
     def _report(self, state: str, **extra) -> None:
         self.group_state = state
         self._published_extra = extra
-        value = {"node": self.node_id, "generation": self.generation, "state": state,
-                 "time": time.time(), "step": self.monitor.newest_step(),
-                 "warm": self.warm.warm_count() if self.warm else 0, **extra}
+        value = {
+            "node": self.node_id,
+            "generation": self.generation,
+            "state": state,
+            "time": time.time(),
+            "step": self.monitor.newest_step(),
+            "warm": self.warm.warm_count() if self.warm else 0,
+            **extra,
+        }
         # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
         self.store.put(f"status/{self.node_id}", value)
         self._published = (value["step"], value["warm"])
@@ -102,11 +115,14 @@ class NodeAgent:
         if self.spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
             env = {"OMP_NUM_THREADS": "1", **os.environ, "TRANSOM_JOB_ID": self.spec.job_id}
-            self.warm = WarmPool(self.spec.nproc_per_node, env,
-                                 self.run_dir / "logs" / f"warm-{self.node_id}.log")
+            self.warm = WarmPool(
+                self.spec.nproc_per_node, env, self.run_dir / "logs" / f"warm-{self.node_id}.log"
+            )
             self.warm.fill()
         self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
-        self.ckpt = NodeCheckpointServer(self.spec, self.store, self.node_id, self.run_dir, self.host)
+        self.ckpt = NodeCheckpointServer(
+            self.spec, self.store, self.node_id, self.run_dir, self.host
+        )
         self.ckpt.start()
         self._register()
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
@@ -147,7 +163,9 @@ class NodeAgent:
                 log.warning("%s", e)
         except StoreError as e:
             if self.group and time.monotonic() - self.last_store_ok > self.spec.node_ttl_s:
-                log.warning("cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e)
+                log.warning(
+                    "cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e
+                )
                 self._stop_group()
                 self.group_state = "idle"
             return None
@@ -168,7 +186,9 @@ class NodeAgent:
         self._monitor_tick()
         self._publish_progress()
         if self.warm is not None and self.waiting_for_master is None:
-            self.warm.fill(workers_progressing=self.group is None or self.monitor.newest_step() is not None)
+            self.warm.fill(
+                workers_progressing=self.group is None or self.monitor.newest_step() is not None
+            )
         return None
 
     # -- generations --------------------------------------------------------------------------
@@ -182,11 +202,16 @@ class NodeAgent:
             return
         passed, evidence = self.preflight_result
         if not passed:
-            self._report("failed", preflight=evidence,
-                         failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}])
+            self._report(
+                "failed",
+                preflight=evidence,
+                failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}],
+            )
             return
         if plan["members"][0] == self.node_id:
-            self.store.put(f"master/{self.generation}", {"addr": self.host, "port": free_port(self.host)})
+            self.store.put(
+                f"master/{self.generation}", {"addr": self.host, "port": free_port(self.host)}
+            )
         self.waiting_for_master = plan
         self._report("starting")
         self._start_group(plan)
@@ -195,7 +220,9 @@ class NodeAgent:
         """Check this node once, when it joins, and publish the result for the controller to compare."""
         self.preflight_result = preflight(self.run_dir, self.spec.script, self.node_id)
         passed, evidence = self.preflight_result
-        self.store.put(f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence})
+        self.store.put(
+            f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence}
+        )
 
     def _start_group(self, plan: dict) -> None:
         master = self.store.get(f"master/{plan['generation']}")
@@ -203,11 +230,16 @@ class NodeAgent:
             return  # the master node's agent has not published its address yet
         self.waiting_for_master = None
         assignment = Assignment(
-            job_id=self.spec.job_id, node_id=self.node_id, generation=plan["generation"],
-            restart_count=plan["restart_count"], max_restarts=self.spec.max_restarts,
-            group_rank=plan["members"].index(self.node_id), group_world_size=len(plan["members"]),
+            job_id=self.spec.job_id,
+            node_id=self.node_id,
+            generation=plan["generation"],
+            restart_count=plan["restart_count"],
+            max_restarts=self.spec.max_restarts,
+            group_rank=plan["members"].index(self.node_id),
+            group_world_size=len(plan["members"]),
             nproc_per_node=self.spec.nproc_per_node,
-            master_addr=master["addr"], master_port=int(master["port"]),
+            master_addr=master["addr"],
+            master_port=int(master["port"]),
         )
         self.faults.refresh_fired()
         self.faults.generation = plan["generation"]
@@ -221,11 +253,19 @@ class NodeAgent:
         }
         if plan.get("restore_step") is not None:
             extra_env["TRANSOM_RESTORE_STEP"] = str(plan["restore_step"])
-        self.group = WorkerGroup(assignment, self.spec.script, self.spec.script_args,
-                                 self.run_dir / "logs" / f"g{self.generation:03d}", extra_env)
+        self.group = WorkerGroup(
+            assignment,
+            self.spec.script,
+            self.spec.script_args,
+            self.run_dir / "logs" / f"g{self.generation:03d}",
+            extra_env,
+        )
         self.group.start(self.warm)
-        log.info("generation %d: started ranks %s", self.generation,
-                 [assignment.global_rank(i) for i in range(assignment.nproc_per_node)])
+        log.info(
+            "generation %d: started ranks %s",
+            self.generation,
+            [assignment.global_rank(i) for i in range(assignment.nproc_per_node)],
+        )
         self._report("running", pids=self.group.pids)
 
     def _watch_group(self) -> None:
@@ -234,10 +274,15 @@ class NodeAgent:
             return
         if state == "failed":
             # The first failure decides; the rest of this node's workers cannot go on alone.
-            self.monitor.raise_anomaly(detectors.crash(self.node_id, [f.to_dict() | {"describe": f.describe()}
-                                                                      for f in failures]))
+            self.monitor.raise_anomaly(
+                detectors.crash(
+                    self.node_id, [f.to_dict() | {"describe": f.describe()} for f in failures]
+                )
+            )
             self._monitor_tick()
-            self._report("failed", failures=[f.to_dict() | {"describe": f.describe()} for f in failures])
+            self._report(
+                "failed", failures=[f.to_dict() | {"describe": f.describe()} for f in failures]
+            )
             self._stop_group()
         else:
             self._report("succeeded")
@@ -271,6 +316,9 @@ class NodeAgent:
     def _publish_progress(self) -> None:
         """Re-publish this node's status when its newest step or warm interpreters changed."""
         now = (self.monitor.newest_step(), self.warm.warm_count() if self.warm else 0)
-        if (now != self._published and self.group_state in ("running", "spare")
-                and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S):
+        if (
+            now != self._published
+            and self.group_state in ("running", "spare")
+            and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S
+        ):
             self._report(self.group_state, **self._published_extra)

@@ -39,7 +39,9 @@ class NodeCheckpointServer:
         self.host = host
         self.shm_dir = default_shm_dir(spec.job_id, node_id)
         self.socket_path = self.shm_dir / "server.sock"
-        self.storage_dir = Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / "checkpoints"
+        self.storage_dir = (
+            Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / "checkpoints"
+        )
         self.process: subprocess.Popen | None = None
         self.secret = ""
 
@@ -49,23 +51,50 @@ class NodeCheckpointServer:
             log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
         self.store.create(SECRET_KEY, secrets.token_hex(32))
         self.secret = self.store.get(SECRET_KEY)
-        argv = [sys.executable, "-m", "transom.checkpoint.server", "--node-id", self.node_id,
-                "--job-id", self.spec.job_id, "--store", self.store.url, "--host", self.host,
-                "--shm-dir", str(self.shm_dir), "--socket", str(self.socket_path),
-                "--storage", str(self.storage_dir), "--keep", str(self.spec.ckpt_keep),
-                "--replicas", str(self.spec.ckpt_replicas), "--lease-ttl", str(self.spec.node_ttl_s)]
+        argv = [
+            sys.executable,
+            "-m",
+            "transom.checkpoint.server",
+            "--node-id",
+            self.node_id,
+            "--job-id",
+            self.spec.job_id,
+            "--store",
+            self.store.url,
+            "--host",
+            self.host,
+            "--shm-dir",
+            str(self.shm_dir),
+            "--socket",
+            str(self.socket_path),
+            "--storage",
+            str(self.storage_dir),
+            "--keep",
+            str(self.spec.ckpt_keep),
+            "--replicas",
+            str(self.spec.ckpt_replicas),
+            "--lease-ttl",
+            str(self.spec.node_ttl_s),
+        ]
         if self.spec.ckpt_memory_bytes:
             argv += ["--memory", str(self.spec.ckpt_memory_bytes)]
         log_path = self.run_dir / "logs" / f"ckpt-server-{self.node_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, "TRANSOM_CKPT_SECRET": self.secret},
-                                            preexec_fn=die_with_parent)
+            self.process = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "TRANSOM_CKPT_SECRET": self.secret},
+                preexec_fn=die_with_parent,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._serving():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"checkpoint server of {self.node_id} did not start; see {log_path}")
+                raise RuntimeError(
+                    f"checkpoint server of {self.node_id} did not start; see {log_path}"
+                )
             time.sleep(0.05)
         log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
 
@@ -80,12 +109,19 @@ class NodeCheckpointServer:
     def ensure_running(self) -> None:
         """Restart the server if it died (its shards are gone; peers and storage still have copies)."""
         if self.process is not None and self.process.poll() is not None:
-            log.warning("checkpoint server of %s exited (%s); restarting it", self.node_id, self.process.returncode)
+            log.warning(
+                "checkpoint server of %s exited (%s); restarting it",
+                self.node_id,
+                self.process.returncode,
+            )
             self.start()
 
     def worker_env(self) -> dict[str, str]:
-        return {"TRANSOM_CKPT_SOCKET": str(self.socket_path), "TRANSOM_CKPT_SECRET": self.secret,
-                "TRANSOM_CHECKPOINT_DIR": str(self.storage_dir)}
+        return {
+            "TRANSOM_CKPT_SOCKET": str(self.socket_path),
+            "TRANSOM_CKPT_SECRET": self.secret,
+            "TRANSOM_CHECKPOINT_DIR": str(self.storage_dir),
+        }
 
     def stop(self) -> None:
         if self.process is not None:

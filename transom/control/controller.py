@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.config import JobSpec
 from transom.control.policy import decide, on_anomaly, slow_outliers
-from transom.control.states import JobState
+from transom.common.states import JobState
 from transom.monitor import detectors
 from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
@@ -52,10 +52,22 @@ def natural_key(name: str) -> list:
 
 def new_job_record(now: float) -> dict:
     return {
-        "state": JobState.PENDING.value, "generation": 0, "members": [], "evicted": {},
-        "restarts_used": 0, "failures": {}, "last_signature": None, "incident": None,
-        "incident_open": False, "reason": "waiting for nodes", "since": now, "updated": now,
-        "handled_anomalies": [], "numerics_steps": [], "hang_steps": [], "rollback_before": None,
+        "state": JobState.PENDING.value,
+        "generation": 0,
+        "members": [],
+        "evicted": {},
+        "restarts_used": 0,
+        "failures": {},
+        "last_signature": None,
+        "incident": None,
+        "incident_open": False,
+        "reason": "waiting for nodes",
+        "since": now,
+        "updated": now,
+        "handled_anomalies": [],
+        "numerics_steps": [],
+        "hang_steps": [],
+        "rollback_before": None,
     }
 
 
@@ -93,11 +105,18 @@ class Controller:
         if self.exporter.port is None and self.spec.metrics_port >= 0:
             port = self.exporter.serve(self.spec.metrics_port)
             if port is not None:
-                host = "127.0.0.1" if urlparse(self.store.url).hostname in LOOPBACK else host_address()
-                self.store.put("exporter", {"url": f"http://{host}:{port}/metrics",
-                                            "controller": self.candidate_id})
-        self._event("leader", f"controller {self.candidate_id} leads the job "
-                              f"(state {self.job['state']}, generation {self.job['generation']})")
+                host = (
+                    "127.0.0.1" if urlparse(self.store.url).hostname in LOOPBACK else host_address()
+                )
+                self.store.put(
+                    "exporter",
+                    {"url": f"http://{host}:{port}/metrics", "controller": self.candidate_id},
+                )
+        self._event(
+            "leader",
+            f"controller {self.candidate_id} leads the job "
+            f"(state {self.job['state']}, generation {self.job['generation']})",
+        )
         self._commit()
         return True
 
@@ -112,11 +131,16 @@ class Controller:
 
     # -- writes ---------------------------------------------------------------------------------
     def _event(self, kind: str, message: str, **fields) -> None:
-        self._pending_events.append({
-            "time": time.time(), "kind": kind, "message": message,
-            "generation": self.job["generation"] if self.job else 0,
-            "controller": self.candidate_id, **fields,
-        })
+        self._pending_events.append(
+            {
+                "time": time.time(),
+                "kind": kind,
+                "message": message,
+                "generation": self.job["generation"] if self.job else 0,
+                "controller": self.candidate_id,
+                **fields,
+            }
+        )
 
     def _commit(self, plan: dict | None = None) -> None:
         """Write the job record, the plan and new events in one transaction fenced on leadership."""
@@ -135,8 +159,11 @@ class Controller:
     def _plan(self) -> dict:
         j = self.job
         return {
-            "generation": j["generation"], "members": j["members"], "evicted": j["evicted"],
-            "restart_count": j["restarts_used"], "job_state": j["state"],
+            "generation": j["generation"],
+            "members": j["members"],
+            "evicted": j["evicted"],
+            "restart_count": j["restarts_used"],
+            "job_state": j["state"],
             "restore_step": j.get("restore_step"),
         }
 
@@ -179,7 +206,9 @@ class Controller:
     def _step(self) -> None:
         nodes = self.store.get_prefix("nodes/")
         statuses = self.store.get_prefix("status/")
-        summaries = {n: s for n, s in self.store.get_prefix("monitor/").items() if n in self.job["members"]}
+        summaries = {
+            n: s for n, s in self.store.get_prefix("monitor/").items() if n in self.job["members"]
+        }
         self.exporter.update(self.job, summaries)
         state = JobState(self.job["state"])
         now = time.time()
@@ -206,44 +235,72 @@ class Controller:
             self._commit()
         healthy = self._healthy_nodes(nodes)
         if len(healthy) >= spec.nnodes_max + spec.spares or (
-                len(healthy) >= spec.nnodes_min and waited >= spec.join_timeout_s):
-            self._start_generation(healthy[:spec.nnodes_max], "start")
+            len(healthy) >= spec.nnodes_min and waited >= spec.join_timeout_s
+        ):
+            self._start_generation(healthy[: spec.nnodes_max], "start")
 
-    def _exclude_outliers(self, nodes: dict, checked: dict, now: float, keep: list[str] = ()) -> bool:
+    def _exclude_outliers(
+        self, nodes: dict, checked: dict, now: float, keep: list[str] = ()
+    ) -> bool:
         """Evict nodes (but not those in `keep`) that failed pre-flight or are far below their peers."""
         j = self.job
         results = {n: r for n, r in checked.items() if n in nodes and n not in j["evicted"]}
-        excluded = {n: "pre-flight check failed: " + "; ".join(r.get("problems", []))
-                    for n, r in results.items() if not r.get("passed", True)}
-        excluded.update({n: reason for n, reason in slow_outliers(results).items() if n not in excluded})
+        excluded = {
+            n: "pre-flight check failed: " + "; ".join(r.get("problems", []))
+            for n, r in results.items()
+            if not r.get("passed", True)
+        }
+        excluded.update(
+            {n: reason for n, reason in slow_outliers(results).items() if n not in excluded}
+        )
         excluded = {n: reason for n, reason in excluded.items() if n not in keep}
         for node, reason in excluded.items():
             j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
-            self._event("evict", f"{node} excluded before training: {reason}", node=node,
-                        preflight=results[node])
+            self._event(
+                "evict",
+                f"{node} excluded before training: {reason}",
+                node=node,
+                preflight=results[node],
+            )
         return bool(excluded)
 
     def _start_generation(self, members: list[str], why: str, lost: list[str] = ()) -> None:
         j = self.job
         # The step every worker of the new generation resumes from (None: start fresh).
-        j["restore_step"] = newest_restorable(self.store, len(members) * self.spec.nproc_per_node,
-                                              before=j.get("rollback_before"), lost=[*lost, *j["evicted"]])
+        j["restore_step"] = newest_restorable(
+            self.store,
+            len(members) * self.spec.nproc_per_node,
+            before=j.get("rollback_before"),
+            lost=[*lost, *j["evicted"]],
+        )
         j["generation"] += 1
         j["members"] = members
         self._set_state(JobState.WARMUP, f"generation {j['generation']} starting")
         j["generation_started"] = time.time()
         j["handled_anomalies"] = []
-        spares = [n for n in self._healthy_nodes(self.store.get_prefix("nodes/")) if n not in members]
+        spares = [
+            n for n in self._healthy_nodes(self.store.get_prefix("nodes/")) if n not in members
+        ]
         restore = "fresh" if j["restore_step"] is None else f"from step {j['restore_step']}"
-        self._event("generation", f"generation {j['generation']} ({why}): members {', '.join(members)}; "
-                                  f"spares {', '.join(spares) or 'none'}; resuming {restore}",
-                    members=members, spares=spares, restore_step=j["restore_step"])
+        self._event(
+            "generation",
+            f"generation {j['generation']} ({why}): members {', '.join(members)}; "
+            f"spares {', '.join(spares) or 'none'}; resuming {restore}",
+            members=members,
+            spares=spares,
+            restore_step=j["restore_step"],
+        )
         self._commit(self._plan())
 
     def _reports(self, statuses: dict, state: str) -> dict[str, dict]:
         g = self.job["generation"]
-        return {m: statuses[m] for m in self.job["members"]
-                if m in statuses and statuses[m].get("generation") == g and statuses[m].get("state") == state}
+        return {
+            m: statuses[m]
+            for m in self.job["members"]
+            if m in statuses
+            and statuses[m].get("generation") == g
+            and statuses[m].get("state") == state
+        }
 
     def _watch_generation(self, nodes: dict, statuses: dict, now: float) -> None:
         j = self.job
@@ -255,15 +312,21 @@ class Controller:
             running = self._reports(statuses, "running")
             stuck = [m for m in members if m not in running]
         if lost or failed or stuck:
-            what = ([f"{m} lost" for m in lost] + [f"{m} reported a failure" for m in failed]
-                    + [f"{m} did not start workers within {WARMUP_TIMEOUT_S:.0f} s" for m in stuck])
+            what = (
+                [f"{m} lost" for m in lost]
+                + [f"{m} reported a failure" for m in failed]
+                + [f"{m} did not start workers within {WARMUP_TIMEOUT_S:.0f} s" for m in stuck]
+            )
             j["incident"] = {"since": now, "generation": j["generation"], "stuck": stuck}
             self._set_state(JobState.RECOVERING, "; ".join(what))
             self._event("incident", "; ".join(what), lost=lost, failed=sorted(failed))
             self._commit(self._plan())
             return
         if len(self._reports(statuses, "succeeded")) == len(members):
-            self._finish(JobState.SUCCEEDED, f"all {len(members)} nodes finished generation {j['generation']}")
+            self._finish(
+                JobState.SUCCEEDED,
+                f"all {len(members)} nodes finished generation {j['generation']}",
+            )
             return
         if j["state"] == JobState.WARMUP.value:
             started = self._reports(statuses, "running") | self._reports(statuses, "succeeded")
@@ -275,8 +338,10 @@ class Controller:
                     discard_poisoned(self.store, j["rollback_before"], j["generation_started"])
                     j["rollback_before"] = None
                 self._set_state(JobState.RUNNING, f"generation {j['generation']} running")
-                self._event("running", f"generation {j['generation']}: workers running on all "
-                                       f"{len(members)} nodes")
+                self._event(
+                    "running",
+                    f"generation {j['generation']}: workers running on all {len(members)} nodes",
+                )
                 self._commit(self._plan())
 
     def _recover(self, nodes: dict, statuses: dict, now: float) -> None:
@@ -286,17 +351,28 @@ class Controller:
         lost = [m for m in members if m not in nodes]
         failed = self._reports(statuses, "failed")
         silent = [m for m in members if m not in lost and m not in failed]
-        own_fault = any(not f.get("peer_error") for r in failed.values() for f in r.get("failures", []))
+        own_fault = any(
+            not f.get("peer_error") for r in failed.values() for f in r.get("failures", [])
+        )
         elapsed = now - incident["since"]
-        ready = (not silent or (elapsed >= SETTLE_S and (own_fault or lost or incident.get("stuck")))
-                 or elapsed >= spec.node_ttl_s + 1.0)
+        ready = (
+            not silent
+            or (elapsed >= SETTLE_S and (own_fault or lost or incident.get("stuck")))
+            or elapsed >= spec.node_ttl_s + 1.0
+        )
         if not ready:
             return
-        d = decide(members, lost, failed, j["failures"], j["last_signature"], spec.evict_window_s, now)
+        d = decide(
+            members, lost, failed, j["failures"], j["last_signature"], spec.evict_window_s, now
+        )
         for node in incident.get("stuck", []):
             d.evict.setdefault(node, f"did not start workers within {WARMUP_TIMEOUT_S:.0f} s")
-        self._event("diagnosis", f"generation {j['generation']}: {d.summary}; blamed: "
-                                 f"{', '.join(d.blamed) or 'nobody'}", blamed=d.blamed, detection=incident["since"])
+        self._event(
+            "diagnosis",
+            f"generation {j['generation']}: {d.summary}; blamed: {', '.join(d.blamed) or 'nobody'}",
+            blamed=d.blamed,
+            detection=incident["since"],
+        )
         j["last_signature"] = d.signature
         if d.fail:
             self._finish(JobState.FAILED, d.fail)
@@ -310,8 +386,11 @@ class Controller:
         if not j["incident_open"]:
             j["restarts_used"] += 1
             if j["restarts_used"] > spec.max_restarts:
-                self._finish(JobState.FAILED, f"restart budget spent: {spec.max_restarts} restarts allowed "
-                                              f"(--max-restarts), another incident: {summary}")
+                self._finish(
+                    JobState.FAILED,
+                    f"restart budget spent: {spec.max_restarts} restarts allowed "
+                    f"(--max-restarts), another incident: {summary}",
+                )
                 return
         for node, reason in evict.items():
             j["evicted"][node] = {"reason": reason, "time": now, "generation": j["generation"]}
@@ -324,16 +403,23 @@ class Controller:
             survivors.append(spare)
             self._event("spare", f"spare {spare} joins the job", node=spare)
         if len(survivors) < spec.nnodes_min:
-            self._finish(JobState.FAILED, f"not enough nodes: {len(survivors)} healthy, at least "
-                                          f"{spec.nnodes_min} needed (--nnodes) and no spare left")
+            self._finish(
+                JobState.FAILED,
+                f"not enough nodes: {len(survivors)} healthy, at least "
+                f"{spec.nnodes_min} needed (--nnodes) and no spare left",
+            )
             return
         j["incident_open"] = True
         j["incident"] = None
         lost = [m for m in members if m not in nodes]  # their memory tier is gone
-        self._start_generation(survivors, f"restart {j['restarts_used']} of {spec.max_restarts}", lost=lost)
+        self._start_generation(
+            survivors, f"restart {j['restarts_used']} of {spec.max_restarts}", lost=lost
+        )
 
     # -- the monitor ----------------------------------------------------------------------------
-    def _watch_monitor(self, nodes: dict, statuses: dict, summaries: dict[str, dict], now: float) -> None:
+    def _watch_monitor(
+        self, nodes: dict, statuses: dict, summaries: dict[str, dict], now: float
+    ) -> None:
         """Cross-node detectors on the agents' summaries; every anomaly goes through the policy."""
         j = self.job
         if self._monitored_generation != j["generation"]:
@@ -341,20 +427,38 @@ class Controller:
             self._stragglers = detectors.StragglerTracker()
             self._warned.clear()
         handled = set(j.get("handled_anomalies", []))
-        found = [a for s in summaries.values() if s.get("generation") == j["generation"]
-                 for a in s.get("anomalies", []) if a["id"] not in handled]
+        found = [
+            a
+            for s in summaries.values()
+            if s.get("generation") == j["generation"]
+            for a in s.get("anomalies", [])
+            if a["id"] not in handled
+        ]
         found = self._earliest_numerics(found, now)
         views = detectors.rank_views(summaries, j["generation"], now)
-        finishing = bool(self._reports(statuses, "succeeded"))  # ranks that are done make no progress
-        for anomaly in (None if finishing else detectors.hang(views), self._stragglers.update(views)):
+        finishing = bool(
+            self._reports(statuses, "succeeded")
+        )  # ranks that are done make no progress
+        for anomaly in (
+            None if finishing else detectors.hang(views),
+            self._stragglers.update(views),
+        ):
             if anomaly is not None:
                 found.append(self._controller_anomaly(anomaly, now))
         for node in j["members"]:
             s = summaries.get(node)
-            if (node in nodes and s is not None and s.get("generation") == j["generation"]
-                    and now - s.get("t", now) > SUMMARY_GAP_S):
-                gap = detectors.Anomaly("telemetry_gap", "warning", f"{node}: no monitor summary for "
-                                        f"{now - s['t']:.1f} s while its agent is alive", [node])
+            if (
+                node in nodes
+                and s is not None
+                and s.get("generation") == j["generation"]
+                and now - s.get("t", now) > SUMMARY_GAP_S
+            ):
+                gap = detectors.Anomaly(
+                    "telemetry_gap",
+                    "warning",
+                    f"{node}: no monitor summary for {now - s['t']:.1f} s while its agent is alive",
+                    [node],
+                )
                 found.append(self._controller_anomaly(gap, now))
         for anomaly in found:
             if anomaly.get("repeat"):
@@ -377,37 +481,72 @@ class Controller:
             return found
         if now - min(a.get("time", now) for a in nans) < NUMERICS_SETTLE_S:
             return [a for a in found if a["type"] != "nan"]
-        first = min(nans, key=lambda a: (a.get("step") is None, a.get("step") or 0, a.get("time", 0)))
+        first = min(
+            nans, key=lambda a: (a.get("step") is None, a.get("step") or 0, a.get("time", 0))
+        )
         self.job.setdefault("handled_anomalies", []).extend(a["id"] for a in nans if a is not first)
         return [a for a in found if a["type"] != "nan" or a is first]
 
     def _controller_anomaly(self, anomaly: detectors.Anomaly, now: float) -> dict:
         """An anomaly the controller found itself: give it an id and write its event."""
-        a = anomaly.to_dict() | {"id": f"controller-{self.job['generation']}-{anomaly.type}-{now:.3f}",
-                                 "generation": self.job["generation"]}
+        a = anomaly.to_dict() | {
+            "id": f"controller-{self.job['generation']}-{anomaly.type}-{now:.3f}",
+            "generation": self.job["generation"],
+        }
         key = (a["type"], tuple(a["nodes"]))
         if a["severity"] != "critical" and key in self._warned:
             return a | {"repeat": True}
-        self._event("anomaly", f"{a['type']}: {a['message']}", observed=a["time"],
-                    **{k: a[k] for k in ("id", "type", "severity", "nodes", "ranks", "evidence", "step", "hardware")})
+        self._event(
+            "anomaly",
+            f"{a['type']}: {a['message']}",
+            observed=a["time"],
+            **{
+                k: a[k]
+                for k in (
+                    "id",
+                    "type",
+                    "severity",
+                    "nodes",
+                    "ranks",
+                    "evidence",
+                    "step",
+                    "hardware",
+                )
+            },
+        )
         return a
 
     def _act(self, anomaly: dict, nodes: dict, now: float) -> bool:
         """Apply the policy's action for one anomaly; True when it ended the generation."""
         j, spec = self.job, self.spec
         free = len([n for n in self._healthy_nodes(nodes) if n not in j["members"]])
-        action = on_anomaly(anomaly, j["members"], free, spec.nnodes_min, j.setdefault("numerics_steps", []),
-                            j.setdefault("hang_steps", []))
+        action = on_anomaly(
+            anomaly,
+            j["members"],
+            free,
+            spec.nnodes_min,
+            j.setdefault("numerics_steps", []),
+            j.setdefault("hang_steps", []),
+        )
         if action.kind == "none":
             return False
         key = (anomaly["type"], tuple(anomaly.get("nodes", [])))
         if action.kind == "warn":
             if key not in self._warned:
                 self._warned.add(key)
-                self._event("warning", action.reason, anomaly=anomaly["id"], nodes=anomaly.get("nodes", []))
+                self._event(
+                    "warning", action.reason, anomaly=anomaly["id"], nodes=anomaly.get("nodes", [])
+                )
             return False
-        self._event("decision", f"{action.kind}: {action.reason}", action=action.kind, anomaly=anomaly["id"],
-                    anomaly_type=anomaly["type"], nodes=anomaly.get("nodes", []), detection=anomaly.get("time"))
+        self._event(
+            "decision",
+            f"{action.kind}: {action.reason}",
+            action=action.kind,
+            anomaly=anomaly["id"],
+            anomaly_type=anomaly["type"],
+            nodes=anomaly.get("nodes", []),
+            detection=anomaly.get("time"),
+        )
         if action.kind == "fail":
             self._finish(JobState.FAILED, action.reason)
             return True
@@ -416,9 +555,14 @@ class Controller:
         if action.rollback_before is not None:
             j["numerics_steps"].append(action.rollback_before)
             previous = j.get("rollback_before")
-            j["rollback_before"] = min(previous, action.rollback_before) if previous else action.rollback_before
-            self._event("rollback", f"next generation restores a checkpoint from before step "
-                                    f"{j['rollback_before']}", rollback_before=j["rollback_before"])
+            j["rollback_before"] = (
+                min(previous, action.rollback_before) if previous else action.rollback_before
+            )
+            self._event(
+                "rollback",
+                f"next generation restores a checkpoint from before step {j['rollback_before']}",
+                rollback_before=j["rollback_before"],
+            )
         self._set_state(JobState.RECOVERING, action.reason)
         self._event("incident", action.reason, detection=anomaly.get("time"), anomaly=anomaly["id"])
         self._restart(nodes, action.evict, action.reason, now)

@@ -33,7 +33,8 @@ _PEER_ERROR = re.compile("|".join(PEER_ERROR_PATTERNS))
 # The last "SomethingError: message" line of a Python traceback; once a process group exists,
 # torch.distributed prefixes every traceback line with "[rankN]: ".
 _EXCEPTION_LINE = re.compile(
-    r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b.*)$", re.M)
+    r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b.*)$", re.M
+)
 
 
 @dataclass
@@ -80,6 +81,9 @@ def classify_exit(rank: int, local_rank: int, exitcode: int, log_path: Path) -> 
     lines = _EXCEPTION_LINE.findall(tail)
     signature = lines[-1].strip()[:300] if lines else None
     # An exit after a broken collective; gloo sometimes aborts (SIGABRT) on the same error.
-    peer = ((sig is None and bool(_PEER_ERROR.search(tail)))
-            or (sig == "SIGABRT" and bool(signature and _PEER_ERROR.search(signature))))
-    return WorkerFailure(rank, local_rank, exitcode, sig, signature, peer, time.time(), str(log_path))
+    peer = (sig is None and bool(_PEER_ERROR.search(tail))) or (
+        sig == "SIGABRT" and bool(signature and _PEER_ERROR.search(signature))
+    )
+    return WorkerFailure(
+        rank, local_rank, exitcode, sig, signature, peer, time.time(), str(log_path)
+    )

@@ -32,8 +32,11 @@ def _worker_failures(report: dict) -> list[dict]:
 
 def root_cause(failed: dict[str, dict]) -> list[str]:
     """Nodes whose workers failed by themselves; if every failure is a peer error, the earliest."""
-    own = [node for node, report in failed.items()
-           if any(not f.get("peer_error") for f in report.get("failures", []))]
+    own = [
+        node
+        for node, report in failed.items()
+        if any(not f.get("peer_error") for f in report.get("failures", []))
+    ]
     if own or not failed:
         return sorted(own)
     earliest = min(failed, key=lambda n: min(f.get("time", 0) for f in failed[n]["failures"]))
@@ -56,8 +59,15 @@ def common_signature(members: list[str], failed: dict[str, dict]) -> str | None:
     return signatures.pop() if len(signatures) == 1 else None
 
 
-def decide(members: list[str], lost: list[str], failed: dict[str, dict], history: dict[str, list[float]],
-           last_signature: str | None, evict_window_s: float, now: float) -> Decision:
+def decide(
+    members: list[str],
+    lost: list[str],
+    failed: dict[str, dict],
+    history: dict[str, list[float]],
+    last_signature: str | None,
+    evict_window_s: float,
+    now: float,
+) -> Decision:
     """Decide an incident. `history` (node -> times of past failures) is updated in place."""
     d = Decision()
     parts = []
@@ -66,7 +76,9 @@ def decide(members: list[str], lost: list[str], failed: dict[str, dict], history
         parts.append(f"{node} lost")
     for node, report in failed.items():
         if any(f.get("kind") == "preflight" for f in report.get("failures", [])):
-            reason = "; ".join(f["describe"] for f in report["failures"] if f.get("kind") == "preflight")
+            reason = "; ".join(
+                f["describe"] for f in report["failures"] if f.get("kind") == "preflight"
+            )
             d.evict[node] = f"pre-flight check failed: {reason}"
             parts.append(f"{node} failed pre-flight")
     worker_failed = {n: r for n, r in failed.items() if _worker_failures(r)}
@@ -76,8 +88,10 @@ def decide(members: list[str], lost: list[str], failed: dict[str, dict], history
             continue
         recent = [t for t in history.get(node, []) if now - t <= evict_window_s]
         if recent:
-            d.evict[node] = (f"workers failed again {now - recent[-1]:.0f} s after the previous failure "
-                             f"(window {evict_window_s:.0f} s)")
+            d.evict[node] = (
+                f"workers failed again {now - recent[-1]:.0f} s after the previous failure "
+                f"(window {evict_window_s:.0f} s)"
+            )
         history[node] = recent + [now]
     for node in d.blamed:
         if node in worker_failed:
@@ -94,6 +108,7 @@ def decide(members: list[str], lost: list[str], failed: dict[str, dict], history
 
 # -- anomalies from the monitor -------------------------------------------------------------------
 
+
 @dataclass
 class Action:
     """What to do about one anomaly: restart | evict | rollback | warn | fail | none."""
@@ -104,14 +119,24 @@ class Action:
     rollback_before: int | None = None
 
 
-def on_anomaly(anomaly: dict, members: list[str], free_spares: int, nnodes_min: int,
-               numerics_history: list[int], hang_history: list[int]) -> Action:
+def on_anomaly(
+    anomaly: dict,
+    members: list[str],
+    free_spares: int,
+    nnodes_min: int,
+    numerics_history: list[int],
+    hang_history: list[int],
+) -> Action:
     """Decide an anomaly (a transom.monitor.detectors.Anomaly as a dict).
 
     `numerics_history` and `hang_history` are the first bad steps of earlier NaN and hang
     incidents; the same failure at the same step again means retrying will not help: fail.
     """
-    kind, nodes, step = anomaly["type"], [n for n in anomaly.get("nodes", []) if n in members], anomaly.get("step")
+    kind, nodes, step = (
+        anomaly["type"],
+        [n for n in anomaly.get("nodes", []) if n in members],
+        anomaly.get("step"),
+    )
     what = f"{kind} ({anomaly.get('message', '')})"
     replaceable = len(nodes) <= free_spares or len(members) - len(nodes) >= nnodes_min
     if kind in ("crash", "peer_exit"):
@@ -120,25 +145,43 @@ def on_anomaly(anomaly: dict, members: list[str], free_spares: int, nnodes_min: 
         return Action("none", "for the record only")
     if kind == "nan":
         if step is not None and step in numerics_history:
-            return Action("fail", f"loss became NaN/Inf at step {step} again after rolling back before it: "
-                                  f"the data or the model is bad there ({anomaly.get('message', '')})")
-        return Action("rollback", f"{what}: roll back to a checkpoint before step {step}", rollback_before=step)
+            return Action(
+                "fail",
+                f"loss became NaN/Inf at step {step} again after rolling back before it: "
+                f"the data or the model is bad there ({anomaly.get('message', '')})",
+            )
+        return Action(
+            "rollback",
+            f"{what}: roll back to a checkpoint before step {step}",
+            rollback_before=step,
+        )
     if anomaly.get("hardware"):
         if nodes and replaceable:
-            return Action("evict", f"hardware error on {', '.join(nodes)}: {what}",
-                          evict={n: f"hardware error: {anomaly.get('message', kind)}" for n in nodes})
+            return Action(
+                "evict",
+                f"hardware error on {', '.join(nodes)}: {what}",
+                evict={n: f"hardware error: {anomaly.get('message', kind)}" for n in nodes},
+            )
         return Action("warn", f"{what}; no spare to replace {', '.join(nodes) or 'the node'}")
     if kind == "straggler":
         if nodes and len(nodes) <= free_spares:
-            return Action("evict", f"{what}: replacing it with a spare",
-                          evict={n: f"straggler: {anomaly.get('message', '')}" for n in nodes})
+            return Action(
+                "evict",
+                f"{what}: replacing it with a spare",
+                evict={n: f"straggler: {anomaly.get('message', '')}" for n in nodes},
+            )
         return Action("warn", f"{what}; no spare to replace it, training goes on at its pace")
     if kind == "hang":
         if step is not None and step in hang_history:
-            return Action("fail", f"the job hung at step {step} again: {anomaly.get('message', '')}")
+            return Action(
+                "fail", f"the job hung at step {step} again: {anomaly.get('message', '')}"
+            )
         if nodes and len(nodes) <= free_spares:
-            return Action("evict", f"{what}: evicting the blamed node(s) and restarting",
-                          evict={n: f"hang: {anomaly.get('message', '')}" for n in nodes})
+            return Action(
+                "evict",
+                f"{what}: evicting the blamed node(s) and restarting",
+                evict={n: f"hang: {anomaly.get('message', '')}" for n in nodes},
+            )
         return Action("restart", f"{what}: restarting every worker")
     return Action("warn", what)
 
@@ -156,7 +199,16 @@ def slow_outliers(results: dict[str, dict]) -> dict[str, str]:
     if len(scores) < PREFLIGHT_MIN_NODES:
         return {}
     ordered = sorted(scores.values())
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
-    return {n: (f"pre-flight compute benchmark {s:.1f} GFLOP/s is {s / median:.2f}x its peers' median "
-                f"{median:.1f} GFLOP/s (below {PREFLIGHT_SLOW_RATIO}x)")
-            for n, s in scores.items() if s < PREFLIGHT_SLOW_RATIO * median}
+    median = (
+        ordered[len(ordered) // 2]
+        if len(ordered) % 2
+        else sum(ordered[len(ordered) // 2 - 1 :][:2]) / 2
+    )
+    return {
+        n: (
+            f"pre-flight compute benchmark {s:.1f} GFLOP/s is {s / median:.2f}x its peers' median "
+            f"{median:.1f} GFLOP/s (below {PREFLIGHT_SLOW_RATIO}x)"
+        )
+        for n, s in scores.items()
+        if s < PREFLIGHT_SLOW_RATIO * median
+    }

@@ -40,11 +40,28 @@ def compute_benchmark(node_id: str = "") -> float:
     hook = os.environ.get(TEST_HOOK_SLOW_ENV, "")
     name, _, factor = hook.partition(":")
     slow = max(1, round(float(factor))) if hook and name == node_id else 1
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     try:
-        out = subprocess.run([sys.executable, "-c", _BENCH_CODE, str(BENCH_MATRIX), str(BENCH_REPEATS),
-                              str(BENCH_RUN_S), str(slow)], env=env, capture_output=True, text=True,
-                             timeout=BENCH_TIMEOUT_S)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _BENCH_CODE,
+                str(BENCH_MATRIX),
+                str(BENCH_REPEATS),
+                str(BENCH_RUN_S),
+                str(slow),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BENCH_TIMEOUT_S,
+        )
         return round(float(out.stdout.strip()), 3)
     except (subprocess.SubprocessError, ValueError, OSError):
         return 0.0

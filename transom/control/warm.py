@@ -49,8 +49,9 @@ NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (
 
 def can_leave_idle_policy() -> bool:
     """Whether a process here may switch from SCHED_IDLE back to the normal policy."""
-    return (hasattr(os, "SCHED_IDLE") and
-            (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= NICE_CEILING))
+    return hasattr(os, "SCHED_IDLE") and (
+        os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= NICE_CEILING
+    )
 
 
 def set_normal_policy(pid: int = 0) -> None:
@@ -83,11 +84,16 @@ class WarmPool:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         while len(self.ready) < self.size:
             with open(self.log_path, "ab") as log:
-                self.ready.append(subprocess.Popen(
-                    [sys.executable, "-u", "-m", "transom.control.warm"],
-                    env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                    preexec_fn=new_session_dying_with_parent,
-                ))
+                self.ready.append(
+                    subprocess.Popen(
+                        [sys.executable, "-u", "-m", "transom.control.warm"],
+                        env=self.env,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        preexec_fn=new_session_dying_with_parent,
+                    )
+                )
 
     def warm_count(self) -> int:
         """How many interpreters have finished their imports and wait for a worker."""
@@ -97,13 +103,17 @@ class WarmPool:
                     self._imported.add(p.pid)
         return sum(1 for p in self.ready if p.pid in self._imported and p.poll() is None)
 
-    def launch(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+    def launch(
+        self, argv: list[str], env: dict[str, str], log_path: Path
+    ) -> subprocess.Popen | None:
         """Hand a worker to a waiting interpreter; None when none is alive (start it cold)."""
         self._used_at = time.monotonic()
         while self.ready:
             proc = self.ready.pop(0)
             if proc.pid not in self._imported:
-                set_normal_policy(proc.pid)  # still importing, perhaps at idle priority: now it is urgent
+                set_normal_policy(
+                    proc.pid
+                )  # still importing, perhaps at idle priority: now it is urgent
             self._imported.discard(proc.pid)
             proc.stdout.close()
             if proc.poll() is not None:

@@ -48,26 +48,28 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
     """The environment torchrun would give this worker, plus Transom's own variables."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.update({
-        "RANK": str(a.global_rank(local_rank)),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(a.world_size),
-        "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
-        "GROUP_RANK": str(a.group_rank),
-        "GROUP_WORLD_SIZE": str(a.group_world_size),
-        "ROLE_RANK": str(a.global_rank(local_rank)),
-        "ROLE_WORLD_SIZE": str(a.world_size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": a.master_addr,
-        "MASTER_PORT": str(a.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
-        "TORCHELASTIC_RUN_ID": a.job_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TRANSOM_JOB_ID": a.job_id,
-        "TRANSOM_NODE_ID": a.node_id,
-        "TRANSOM_GENERATION": str(a.generation),
-    })
+    env.update(
+        {
+            "RANK": str(a.global_rank(local_rank)),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(a.world_size),
+            "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
+            "GROUP_RANK": str(a.group_rank),
+            "GROUP_WORLD_SIZE": str(a.group_world_size),
+            "ROLE_RANK": str(a.global_rank(local_rank)),
+            "ROLE_WORLD_SIZE": str(a.world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": a.master_addr,
+            "MASTER_PORT": str(a.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
+            "TORCHELASTIC_RUN_ID": a.job_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TRANSOM_JOB_ID": a.job_id,
+            "TRANSOM_NODE_ID": a.node_id,
+            "TRANSOM_GENERATION": str(a.generation),
+        }
+    )
     env.update(extra)
     return env
 
@@ -75,8 +77,14 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
 class WorkerGroup:
     """The `nproc_per_node` worker processes of one node in one generation."""
 
-    def __init__(self, assignment: Assignment, script: str, script_args: list[str],
-                 log_dir: Path, extra_env: dict[str, str]):
+    def __init__(
+        self,
+        assignment: Assignment,
+        script: str,
+        script_args: list[str],
+        log_dir: Path,
+        extra_env: dict[str, str],
+    ):
         self.assignment = assignment
         self.script = script
         self.script_args = list(script_args)
@@ -99,8 +107,11 @@ class WorkerGroup:
             if proc is None:
                 with open(path, "ab") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-u", *argv], env=env,
-                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        [sys.executable, "-u", *argv],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
                         preexec_fn=new_session_dying_with_parent,
                     )
             self.processes.append(proc)
@@ -116,7 +127,8 @@ class WorkerGroup:
         codes = [p.poll() for p in self.processes]
         failures = [
             classify_exit(self.assignment.global_rank(i), i, code, self.log_paths[i])
-            for i, code in enumerate(codes) if code not in (None, 0)
+            for i, code in enumerate(codes)
+            if code not in (None, 0)
         ]
         if failures:
             return "failed", failures

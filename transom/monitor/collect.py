@@ -21,16 +21,29 @@ BAD_THROTTLE_MASK = 0x8 | 0x20 | 0x40 | 0x80
 
 def host_metrics() -> dict:
     vm = psutil.virtual_memory()
-    return {"cpu_percent": psutil.cpu_percent(interval=None), "memory_used_fraction": vm.percent / 100.0,
-            "memory_available_bytes": vm.available, "load_1m": os.getloadavg()[0]}
+    return {
+        "cpu_percent": psutil.cpu_percent(interval=None),
+        "memory_used_fraction": vm.percent / 100.0,
+        "memory_available_bytes": vm.available,
+        "load_1m": os.getloadavg()[0],
+    }
 
 
 class FakeNvml:
     """A test stand-in for NVML (there is no GPU here): GPUs whose counters a test sets."""
 
     def __init__(self, gpus: int = 1):
-        self.gpus = [{"util": 50, "memory_used": 1 << 30, "temperature": 60, "ecc_uncorrected": 0,
-                      "xid": 0, "throttle_reasons": 0} for _ in range(gpus)]
+        self.gpus = [
+            {
+                "util": 50,
+                "memory_used": 1 << 30,
+                "temperature": 60,
+                "ecc_uncorrected": 0,
+                "xid": 0,
+                "throttle_reasons": 0,
+            }
+            for _ in range(gpus)
+        ]
 
     def read(self) -> list[dict]:
         return [dict(g, index=i) for i, g in enumerate(self.gpus)]
@@ -43,6 +56,7 @@ class Nvml:
         self.available = False
         try:
             import pynvml
+
             pynvml.nvmlInit()
             self.nvml = pynvml
             self.count = pynvml.nvmlDeviceGetCount()
@@ -57,13 +71,18 @@ class Nvml:
         for i in range(self.count):
             try:
                 h = n.nvmlDeviceGetHandleByIndex(i)
-                g = {"index": i, "util": n.nvmlDeviceGetUtilizationRates(h).gpu,
-                     "memory_used": n.nvmlDeviceGetMemoryInfo(h).used,
-                     "temperature": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
-                     "throttle_reasons": n.nvmlDeviceGetCurrentClocksThrottleReasons(h), "xid": 0}
+                g = {
+                    "index": i,
+                    "util": n.nvmlDeviceGetUtilizationRates(h).gpu,
+                    "memory_used": n.nvmlDeviceGetMemoryInfo(h).used,
+                    "temperature": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
+                    "throttle_reasons": n.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                    "xid": 0,
+                }
                 try:
                     g["ecc_uncorrected"] = n.nvmlDeviceGetTotalEccErrors(
-                        h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)
+                        h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
+                    )
                 except n.NVMLError:
                     g["ecc_uncorrected"] = 0
             except n.NVMLError as e:
@@ -84,10 +103,20 @@ def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bo
         if g.get("xid", 0) > prev.get("xid", 0):
             found.append(("xid", f"GPU {g['index']}: Xid error count {g['xid']}", True))
         if g.get("ecc_uncorrected", 0) > prev.get("ecc_uncorrected", 0):
-            found.append(("ecc", f"GPU {g['index']}: {g['ecc_uncorrected']} uncorrected ECC errors", True))
-        if g.get("throttle_reasons", 0) & BAD_THROTTLE_MASK and not prev.get("throttle_reasons", 0) & BAD_THROTTLE_MASK:
-            found.append(("gpu_throttle", f"GPU {g['index']}: clocks throttled "
-                                          f"(reasons 0x{g['throttle_reasons']:x})", False))
+            found.append(
+                ("ecc", f"GPU {g['index']}: {g['ecc_uncorrected']} uncorrected ECC errors", True)
+            )
+        if (
+            g.get("throttle_reasons", 0) & BAD_THROTTLE_MASK
+            and not prev.get("throttle_reasons", 0) & BAD_THROTTLE_MASK
+        ):
+            found.append(
+                (
+                    "gpu_throttle",
+                    f"GPU {g['index']}: clocks throttled (reasons 0x{g['throttle_reasons']:x})",
+                    False,
+                )
+            )
     return found
 
 

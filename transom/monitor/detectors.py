@@ -58,7 +58,7 @@ class Anomaly:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Anomaly":
+    def from_dict(cls, data: dict) -> Anomaly:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -70,6 +70,7 @@ def median_mad(values: list[float]) -> tuple[float, float]:
 
 # -- per rank (agent) ---------------------------------------------------------------------------
 
+
 def crash(node: str, failures: list[dict]) -> Anomaly:
     """Workers exited non-zero or by a signal (failures as transom.control.failures reports them).
 
@@ -78,26 +79,51 @@ def crash(node: str, failures: list[dict]) -> Anomaly:
     """
     own = [f for f in failures if not f.get("peer_error")]
     type_, severity, shown = ("crash", "critical", own) if own else ("peer_exit", "info", failures)
-    return Anomaly(type_, severity, "; ".join(f.get("describe", "worker failed") for f in shown),
-                   nodes=[node], ranks=[f["rank"] for f in shown],
-                   evidence={"failures": [{k: f.get(k) for k in ("rank", "exitcode", "signal", "signature",
-                                                                 "peer_error")} for f in failures]},
-                   time=min(f.get("time", time.time()) for f in failures))
+    return Anomaly(
+        type_,
+        severity,
+        "; ".join(f.get("describe", "worker failed") for f in shown),
+        nodes=[node],
+        ranks=[f["rank"] for f in shown],
+        evidence={
+            "failures": [
+                {k: f.get(k) for k in ("rank", "exitcode", "signal", "signature", "peer_error")}
+                for f in failures
+            ]
+        },
+        time=min(f.get("time", time.time()) for f in failures),
+    )
 
 
-def numerics(node: str, rank: int, step: int, loss: float | None, window: list[float]) -> Anomaly | None:
+def numerics(
+    node: str, rank: int, step: int, loss: float | None, window: list[float]
+) -> Anomaly | None:
     """NaN/Inf loss, or a loss spike against the recent window of finite losses."""
     if loss is None:
         return None
     if not math.isfinite(loss):
-        return Anomaly("nan", "critical", f"rank {rank} loss is {loss} at step {step}", [node], [rank],
-                       {"loss": str(loss)}, step=step)
+        return Anomaly(
+            "nan",
+            "critical",
+            f"rank {rank} loss is {loss} at step {step}",
+            [node],
+            [rank],
+            {"loss": str(loss)},
+            step=step,
+        )
     if len(window) >= LOSS_MIN_SAMPLES:
         m, mad = median_mad(window)
         if loss > m + LOSS_SPIKE_MADS * MAD_TO_SIGMA * mad and loss > LOSS_SPIKE_RATIO * m:
-            return Anomaly("loss_spike", "warning", f"rank {rank} loss {loss:.4g} at step {step} is "
-                           f"{loss / m:.1f}x the recent median {m:.4g}", [node], [rank],
-                           {"loss": loss, "median": m, "mad": mad}, step=step)
+            return Anomaly(
+                "loss_spike",
+                "warning",
+                f"rank {rank} loss {loss:.4g} at step {step} is "
+                f"{loss / m:.1f}x the recent median {m:.4g}",
+                [node],
+                [rank],
+                {"loss": loss, "median": m, "mad": mad},
+                step=step,
+            )
     return None
 
 
@@ -107,28 +133,50 @@ def throughput_drop(node: str, baseline_s: list[float], recent_s: list[float]) -
         return None
     base, now = statistics.median(baseline_s), statistics.median(recent_s)
     if base > 0 and now > THROUGHPUT_DROP_RATIO * base:
-        return Anomaly("throughput_drop", "warning", f"{node}: median step time {now:.3f} s, "
-                       f"{now / base:.1f}x the generation's baseline {base:.3f} s", [node], [],
-                       {"baseline_step_s": base, "recent_step_s": now})
+        return Anomaly(
+            "throughput_drop",
+            "warning",
+            f"{node}: median step time {now:.3f} s, "
+            f"{now / base:.1f}x the generation's baseline {base:.3f} s",
+            [node],
+            [],
+            {"baseline_step_s": base, "recent_step_s": now},
+        )
     return None
 
 
-def telemetry_gap(node: str, rank: int, beat_age_s: float, process_state: str | None) -> Anomaly | None:
+def telemetry_gap(
+    node: str, rank: int, beat_age_s: float, process_state: str | None
+) -> Anomaly | None:
     """A live worker whose heartbeat stopped (stopped by a signal, or its monitor thread is stuck)."""
     if beat_age_s < (HEARTBEAT_GAP_S if process_state == "stopped" else TELEMETRY_GAP_S):
         return None
-    return Anomaly("telemetry_gap", "warning", f"rank {rank}: no heartbeat for {beat_age_s:.1f} s "
-                   f"(process state {process_state or 'unknown'})", [node], [rank],
-                   {"beat_age_s": round(beat_age_s, 2), "process_state": process_state})
+    return Anomaly(
+        "telemetry_gap",
+        "warning",
+        f"rank {rank}: no heartbeat for {beat_age_s:.1f} s "
+        f"(process state {process_state or 'unknown'})",
+        [node],
+        [rank],
+        {"beat_age_s": round(beat_age_s, 2), "process_state": process_state},
+    )
 
 
 def log_signature(node: str, rank: int, pattern, line: str) -> Anomaly:
     """A classified log line (see transom.monitor.patterns)."""
-    return Anomaly(pattern.type, pattern.severity, f"rank {rank} log: {line.strip()[:200]}", [node], [rank],
-                   {"line": line.strip()[:500]}, hardware=pattern.hardware)
+    return Anomaly(
+        pattern.type,
+        pattern.severity,
+        f"rank {rank} log: {line.strip()[:200]}",
+        [node],
+        [rank],
+        {"line": line.strip()[:500]},
+        hardware=pattern.hardware,
+    )
 
 
 # -- across nodes (controller) ------------------------------------------------------------------
+
 
 def rank_views(summaries: dict[str, dict], generation: int, now: float) -> list[dict]:
     """Flatten agents' summaries of `generation` into one dict per rank, ages taken at `now`."""
@@ -138,9 +186,15 @@ def rank_views(summaries: dict[str, dict], generation: int, now: float) -> list[
             continue
         lag = max(0.0, now - s.get("t", now))
         for rank, r in s.get("ranks", {}).items():
-            views.append({**r, "node": node, "rank": int(rank),
-                          "step_age": (r["step_age"] + lag) if r.get("step_age") is not None else None,
-                          "beat_age": (r["beat_age"] + lag) if r.get("beat_age") is not None else None})
+            views.append(
+                {
+                    **r,
+                    "node": node,
+                    "rank": int(rank),
+                    "step_age": (r["step_age"] + lag) if r.get("step_age") is not None else None,
+                    "beat_age": (r["beat_age"] + lag) if r.get("beat_age") is not None else None,
+                }
+            )
     return views
 
 
@@ -150,7 +204,11 @@ def hang(views: list[dict]) -> Anomaly | None:
     if not stepping or len(stepping) < len(views):
         return None  # some rank has not finished a first step yet: start-up, not a hang
     step_times = [v["step_s"] for v in stepping if v.get("step_s")]
-    timeout = max(HANG_FLOOR_S, HANG_STEP_FACTOR * statistics.median(step_times)) if step_times else HANG_FLOOR_S
+    timeout = (
+        max(HANG_FLOOR_S, HANG_STEP_FACTOR * statistics.median(step_times))
+        if step_times
+        else HANG_FLOOR_S
+    )
     if any(v.get("phase") for v in views):
         timeout = max(timeout, PHASE_HANG_S)
     quiet = min(v["step_age"] for v in stepping)
@@ -159,14 +217,30 @@ def hang(views: list[dict]) -> Anomaly | None:
     stopped = [v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S]
     newest = max(v["step"] for v in stepping)
     behind = [v for v in stepping if v["step"] < newest]
-    suspects, why = (stopped, "heartbeat stopped") if stopped else (behind, "behind the others") \
-        if behind else ([], "every rank alive and at the same step (stuck in a collective)")
+    suspects, why = (
+        (stopped, "heartbeat stopped")
+        if stopped
+        else (behind, "behind the others")
+        if behind
+        else ([], "every rank alive and at the same step (stuck in a collective)")
+    )
     nodes = sorted({v["node"] for v in suspects})
     named = ", ".join(f"rank {v['rank']} on {v['node']}" for v in suspects) or "none"
-    return Anomaly("hang", "critical", f"no progress for {quiet:.1f} s (timeout {timeout:.1f} s) at step "
-                   f"{newest}; suspects: {named} ({why})", nodes, sorted(v["rank"] for v in suspects),
-                   {"quiet_s": round(quiet, 2), "timeout_s": round(timeout, 2), "why": why,
-                    "steps": {v["rank"]: v["step"] for v in stepping}}, step=newest)
+    return Anomaly(
+        "hang",
+        "critical",
+        f"no progress for {quiet:.1f} s (timeout {timeout:.1f} s) at step "
+        f"{newest}; suspects: {named} ({why})",
+        nodes,
+        sorted(v["rank"] for v in suspects),
+        {
+            "quiet_s": round(quiet, 2),
+            "timeout_s": round(timeout, 2),
+            "why": why,
+            "steps": {v["rank"]: v["step"] for v in stepping},
+        },
+        step=newest,
+    )
 
 
 def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
@@ -187,9 +261,18 @@ def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
     value, rank = per_node[worst]
     if value <= threshold:
         return None
-    return worst, rank, {"compute_s": round(value, 4), "peer_median_s": round(m, 4), "mad_s": round(mad, 4),
-                         "threshold_s": round(threshold, 4), "ratio_x": round(value / m, 2) if m else None,
-                         "nodes": {n: round(c, 4) for n, (c, _) in per_node.items()}}
+    return (
+        worst,
+        rank,
+        {
+            "compute_s": round(value, 4),
+            "peer_median_s": round(m, 4),
+            "mad_s": round(mad, 4),
+            "threshold_s": round(threshold, 4),
+            "ratio_x": round(value / m, 2) if m else None,
+            "nodes": {n: round(c, 4) for n, (c, _) in per_node.items()},
+        },
+    )
 
 
 class StragglerTracker:
@@ -216,6 +299,13 @@ class StragglerTracker:
         if self.count < self.confirmations:
             return None
         step = max((v["step"] for v in views if v.get("step") is not None), default=None)
-        return Anomaly("straggler", "warning", f"{node} (rank {rank}) computes {evidence['ratio_x']}x slower "
-                       f"than its peers' median ({evidence['compute_s']} s vs {evidence['peer_median_s']} s)",
-                       [node], [rank], evidence, step=step)
+        return Anomaly(
+            "straggler",
+            "warning",
+            f"{node} (rank {rank}) computes {evidence['ratio_x']}x slower "
+            f"than its peers' median ({evidence['compute_s']} s vs {evidence['peer_median_s']} s)",
+            [node],
+            [rank],
+            evidence,
+            step=step,
+        )

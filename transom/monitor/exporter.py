@@ -11,7 +11,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from transom.control.states import JobState
+from transom.common.states import JobState
 
 log = logging.getLogger("transom.exporter")
 
@@ -19,17 +19,37 @@ log = logging.getLogger("transom.exporter")
 class MonitorExporter:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.state = Gauge("transom_job_state", "1 for the job's current state", ["state"], registry=r)
+        self.state = Gauge(
+            "transom_job_state", "1 for the job's current state", ["state"], registry=r
+        )
         self.generation = Gauge("transom_generation", "current generation", registry=r)
-        self.restarts = Gauge("transom_restarts_used", "restarts used (one per incident)", registry=r)
-        self.step = Gauge("transom_rank_step", "newest step a rank finished", ["node", "rank"], registry=r)
-        self.step_s = Gauge("transom_rank_step_seconds", "median step time", ["node", "rank"], registry=r)
-        self.compute_s = Gauge("transom_rank_compute_seconds", "median compute time (step minus communication)",
-                               ["node", "rank"], registry=r)
-        self.tokens = Gauge("transom_rank_tokens_per_second", "throughput", ["node", "rank"], registry=r)
-        self.node_step_s = Gauge("transom_node_step_seconds", "slowest rank's median step time on the node",
-                                 ["node"], registry=r)
-        self.anomalies = Counter("transom_anomalies", "anomalies raised", ["type", "node"], registry=r)
+        self.restarts = Gauge(
+            "transom_restarts_used", "restarts used (one per incident)", registry=r
+        )
+        self.step = Gauge(
+            "transom_rank_step", "newest step a rank finished", ["node", "rank"], registry=r
+        )
+        self.step_s = Gauge(
+            "transom_rank_step_seconds", "median step time", ["node", "rank"], registry=r
+        )
+        self.compute_s = Gauge(
+            "transom_rank_compute_seconds",
+            "median compute time (step minus communication)",
+            ["node", "rank"],
+            registry=r,
+        )
+        self.tokens = Gauge(
+            "transom_rank_tokens_per_second", "throughput", ["node", "rank"], registry=r
+        )
+        self.node_step_s = Gauge(
+            "transom_node_step_seconds",
+            "slowest rank's median step time on the node",
+            ["node"],
+            registry=r,
+        )
+        self.anomalies = Counter(
+            "transom_anomalies", "anomalies raised", ["type", "node"], registry=r
+        )
         self.port: int | None = None
         self._server = None
 
@@ -59,8 +79,12 @@ class MonitorExporter:
                 continue
             times = []
             for rank, r in s.get("ranks", {}).items():
-                for gauge, key in ((self.step, "step"), (self.step_s, "step_s"), (self.compute_s, "compute_s"),
-                                   (self.tokens, "tokens_per_s")):
+                for gauge, key in (
+                    (self.step, "step"),
+                    (self.step_s, "step_s"),
+                    (self.compute_s, "compute_s"),
+                    (self.tokens, "tokens_per_s"),
+                ):
                     if r.get(key) is not None:
                         gauge.labels(node, rank).set(r[key])
                 if r.get("step_s") is not None:

@@ -31,8 +31,9 @@ FAULT_TYPES = ("crash", "hang", "log", "kill", "slow", "nan")
 AGENT_FAULTS = ("crash", "hang", "log", "kill")
 WORKER_FAULTS = ("slow", "nan")
 RANDOM_TYPES = ("crash", "hang", "slow", "nan", "log")
-DEFAULT_LOG_LINE = ("NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus. "
-                    "[transom injected fault]")
+DEFAULT_LOG_LINE = (
+    "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus. [transom injected fault]"
+)
 DEFAULT_SLOW_FACTOR = 2.0
 RANDOM_COUNT = 3
 RANDOM_STEPS = (10, 100)
@@ -54,11 +55,15 @@ class Fault:
 
 def _parse_one(text: str) -> tuple[str, dict]:
     if "@" not in text:
-        raise ConfigError(f"--faults {text!r}: expected TYPE@step=N[:rank=R][:node=NODE][:factor=F]")
+        raise ConfigError(
+            f"--faults {text!r}: expected TYPE@step=N[:rank=R][:node=NODE][:factor=F]"
+        )
     kind, _, rest = text.partition("@")
     kind = kind.strip()
     if kind not in FAULT_TYPES:
-        raise ConfigError(f"--faults {text!r}: unknown fault type {kind!r} (one of {', '.join(FAULT_TYPES)})")
+        raise ConfigError(
+            f"--faults {text!r}: unknown fault type {kind!r} (one of {', '.join(FAULT_TYPES)})"
+        )
     fields: dict = {}
     for part in rest.split(":"):
         key, eq, value = part.partition("=")
@@ -81,32 +86,58 @@ def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[dict]:
             opts = dict(p.split("=", 1) for p in item.split(":")[1:] if "=" in p)
             try:
                 count = int(opts.get("count", RANDOM_COUNT))
-                lo, hi = (int(x) for x in opts.get("steps", f"{RANDOM_STEPS[0]}-{RANDOM_STEPS[1]}").split("-"))
+                lo, hi = (
+                    int(x)
+                    for x in opts.get("steps", f"{RANDOM_STEPS[0]}-{RANDOM_STEPS[1]}").split("-")
+                )
             except ValueError as e:
-                raise ConfigError(f"--faults {item!r}: expected random[:count=N][:steps=A-B]") from e
+                raise ConfigError(
+                    f"--faults {item!r}: expected random[:count=N][:steps=A-B]"
+                ) from e
             for _ in range(count):
-                faults.append(Fault(f"f{len(faults)}", rng.choice(RANDOM_TYPES), rng.randint(lo, hi),
-                                    rank=rng.randrange(world_size)))
+                faults.append(
+                    Fault(
+                        f"f{len(faults)}",
+                        rng.choice(RANDOM_TYPES),
+                        rng.randint(lo, hi),
+                        rank=rng.randrange(world_size),
+                    )
+                )
             continue
         kind, fields = _parse_one(item)
         unknown = set(fields) - {"step", "rank", "node", "factor", "line"}
         if unknown or "step" not in fields:
-            raise ConfigError(f"--faults {item!r}: needs step=N; unknown keys {sorted(unknown) or 'none'}")
+            raise ConfigError(
+                f"--faults {item!r}: needs step=N; unknown keys {sorted(unknown) or 'none'}"
+            )
         try:
             step = int(fields["step"])
             rank = int(fields["rank"]) if "rank" in fields else None
             factor = float(fields.get("factor", DEFAULT_SLOW_FACTOR))
         except ValueError as e:
-            raise ConfigError(f"--faults {item!r}: step and rank are integers, factor a number") from e
+            raise ConfigError(
+                f"--faults {item!r}: step and rank are integers, factor a number"
+            ) from e
         node = fields.get("node")
         if rank is not None and not 0 <= rank < world_size:
-            raise ConfigError(f"--faults {item!r}: rank {rank} is outside the world (size {world_size})")
+            raise ConfigError(
+                f"--faults {item!r}: rank {rank} is outside the world (size {world_size})"
+            )
         if kind == "slow" and factor <= 1.0:
             raise ConfigError(f"--faults {item!r}: factor must be above 1")
         if rank is None and node is None:
             rank = rng.randrange(world_size)
-        faults.append(Fault(f"f{len(faults)}", kind, step, rank, node, factor,
-                            fields.get("line", DEFAULT_LOG_LINE)))
+        faults.append(
+            Fault(
+                f"f{len(faults)}",
+                kind,
+                step,
+                rank,
+                node,
+                factor,
+                fields.get("line", DEFAULT_LOG_LINE),
+            )
+        )
     return [f.to_dict() for f in faults]
 
 
@@ -137,23 +168,38 @@ class FaultInjector:
                 out += [{**f, "rank": r} for r in self.targets_here(f, local_ranks)]
         return out
 
-    def record(self, fault: dict, rank: int | None, step: int | None, when: float | None = None) -> bool:
+    def record(
+        self, fault: dict, rank: int | None, step: int | None, when: float | None = None
+    ) -> bool:
         """Mark `fault` fired (False if it already was) and write its `fault` event."""
         if fault["id"] in self.fired:
             return False
         self.fired.add(fault["id"])
-        if not self.store.create(f"faults/fired/{fault['id']}", {"node": self.node_id, "rank": rank, "step": step}):
+        if not self.store.create(
+            f"faults/fired/{fault['id']}", {"node": self.node_id, "rank": rank, "step": step}
+        ):
             return False
         when = when or time.time()
-        self.store.put(f"events/{int(when * 1e9):020d}-{self.node_id}-fault", {
-            "time": when, "kind": "fault", "fault": fault["type"], "generation": self.generation, "id": fault["id"], "node": self.node_id,
-            "rank": rank, "step": step, "message": f"injected {fault['type']} on {self.node_id} rank {rank} "
-                                                   f"at step {step}" + (f" (x{fault['factor']})"
-                                                                        if fault["type"] == "slow" else ""),
-        })
+        self.store.put(
+            f"events/{int(when * 1e9):020d}-{self.node_id}-fault",
+            {
+                "time": when,
+                "kind": "fault",
+                "fault": fault["type"],
+                "generation": self.generation,
+                "id": fault["id"],
+                "node": self.node_id,
+                "rank": rank,
+                "step": step,
+                "message": f"injected {fault['type']} on {self.node_id} rank {rank} "
+                f"at step {step}" + (f" (x{fault['factor']})" if fault["type"] == "slow" else ""),
+            },
+        )
         return True
 
-    def fire_due(self, steps: dict[int, int], pids: dict[int, int], log_paths: dict[int, Path]) -> None:
+    def fire_due(
+        self, steps: dict[int, int], pids: dict[int, int], log_paths: dict[int, Path]
+    ) -> None:
         """Fire every agent-side fault whose target rank has reported its trigger step."""
         for f in self.schedule:
             if f["type"] not in AGENT_FAULTS or f["id"] in self.fired:
@@ -180,4 +226,3 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-

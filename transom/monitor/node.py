@@ -56,12 +56,16 @@ class RankTrack:
 
     def view(self, now: float) -> dict:
         return {
-            "step": self.step, "phase": self.phase,
+            "step": self.step,
+            "phase": self.phase,
             "step_age": round(now - self.step_at, 3) if self.step_at is not None else None,
             "beat_age": round(now - self.beat_at, 3) if self.beat_at is not None else None,
             "step_s": round(statistics.median(self.durations), 5) if self.durations else None,
-            "compute_s": (round(statistics.median(self.computes), 5)
-                          if len(self.computes) >= MIN_TIMING_SAMPLES else None),
+            "compute_s": (
+                round(statistics.median(self.computes), 5)
+                if len(self.computes) >= MIN_TIMING_SAMPLES
+                else None
+            ),
             "tokens_per_s": self.tokens_per_s,
         }
 
@@ -79,7 +83,9 @@ class NodeMonitor:
         self.generation = 0
         self.ranks: dict[int, RankTrack] = {}
         self.anomalies: list[dict] = []  # this generation's, newest last
-        self.fired_faults: list[tuple[dict, int, int | None, float]] = []  # (fault, rank, step, time)
+        self.fired_faults: list[
+            tuple[dict, int, int | None, float]
+        ] = []  # (fault, rank, step, time)
         self._pending: list[Anomaly] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -99,7 +105,7 @@ class NodeMonitor:
                 data, _ = self.sock.recvfrom(65536)
                 message = json.loads(data)
                 rank = int(message["rank"])
-            except (socket.timeout, ValueError, KeyError, TypeError):
+            except (TimeoutError, ValueError, KeyError, TypeError):
                 continue
             except OSError:
                 return
@@ -131,7 +137,9 @@ class NodeMonitor:
         elif loss is not None:
             r.losses.append(loss)
         duration = m.get("dur")
-        comparable = duration is not None and not m.get("phase") and step >= r.first_step + WARMUP_STEPS
+        comparable = (
+            duration is not None and not m.get("phase") and step >= r.first_step + WARMUP_STEPS
+        )
         if not comparable:
             return
         r.durations.append(duration)
@@ -143,7 +151,9 @@ class NodeMonitor:
         if drop is not None and not self._throughput_raised:
             drop.ranks = [rank]
             self._pending.append(drop)
-        self._throughput_raised = drop is not None or (self._throughput_raised and len(r.recent) < RECENT_STEPS)
+        self._throughput_raised = drop is not None or (
+            self._throughput_raised and len(r.recent) < RECENT_STEPS
+        )
 
     # -- the agent's side ---------------------------------------------------------------------
     def new_generation(self, generation: int) -> None:
@@ -183,7 +193,9 @@ class NodeMonitor:
                 r = self.ranks.get(rank)
                 if r is None or r.beat_at is None:
                     continue
-                gap = detectors.telemetry_gap(self.node_id, rank, now - r.beat_at, _process_state(pid))
+                gap = detectors.telemetry_gap(
+                    self.node_id, rank, now - r.beat_at, _process_state(pid)
+                )
                 if gap is not None and not r.gap_raised:
                     self._pending.append(gap)
                 r.gap_raised = gap is not None
@@ -192,8 +204,17 @@ class NodeMonitor:
             self._host = host_metrics()
             gpus = self.nvml.read()
             for type_, message, hardware in gpu_problems(self._gpus, gpus):
-                self.raise_anomaly(Anomaly(type_, "critical" if hardware else "warning", message,
-                                           [self.node_id], [], {"gpus": gpus}, hardware=hardware))
+                self.raise_anomaly(
+                    Anomaly(
+                        type_,
+                        "critical" if hardware else "warning",
+                        message,
+                        [self.node_id],
+                        [],
+                        {"gpus": gpus},
+                        hardware=hardware,
+                    )
+                )
             self._gpus = gpus
 
     def due(self, now: float) -> bool:
@@ -207,21 +228,50 @@ class NodeMonitor:
             new = []
             for a in self._pending:
                 self._seq += 1
-                d = a.to_dict() | {"id": f"{self.node_id}-{self.generation}-{self._seq}",
-                                   "generation": self.generation}
+                d = a.to_dict() | {
+                    "id": f"{self.node_id}-{self.generation}-{self._seq}",
+                    "generation": self.generation,
+                }
                 new.append(d)
             self._pending.clear()
             self.anomalies = (self.anomalies + new)[-ANOMALIES_KEPT:]
-            summary = {"node": self.node_id, "generation": self.generation, "t": now,
-                       "ranks": {str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
-                       "anomalies": self.anomalies, "host": self._host,
-                       "gpus": [{k: g.get(k) for k in ("index", "util", "temperature", "memory_used")}
-                                for g in self._gpus]}
+            summary = {
+                "node": self.node_id,
+                "generation": self.generation,
+                "t": now,
+                "ranks": {str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
+                "anomalies": self.anomalies,
+                "host": self._host,
+                "gpus": [
+                    {k: g.get(k) for k in ("index", "util", "temperature", "memory_used")}
+                    for g in self._gpus
+                ],
+            }
         self._published_at = now_mono
-        events = [{"time": now, "kind": "anomaly", "message": f"{a['type']}: {a['message']}",
-                   "observed": a["time"], "writer": self.node_id,
-                   **{k: a[k] for k in ("id", "type", "severity", "nodes", "ranks", "evidence", "step",
-                                        "hardware", "generation")}} for a in new]
+        events = [
+            {
+                "time": now,
+                "kind": "anomaly",
+                "message": f"{a['type']}: {a['message']}",
+                "observed": a["time"],
+                "writer": self.node_id,
+                **{
+                    k: a[k]
+                    for k in (
+                        "id",
+                        "type",
+                        "severity",
+                        "nodes",
+                        "ranks",
+                        "evidence",
+                        "step",
+                        "hardware",
+                        "generation",
+                    )
+                },
+            }
+            for a in new
+        ]
         return summary, events
 
     def close(self) -> None:

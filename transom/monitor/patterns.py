@@ -26,16 +26,51 @@ def _p(type_: str, severity: str, hardware: bool, regex: str) -> Pattern:
 # First match wins, so the specific patterns come before the generic ones.
 PATTERNS: list[Pattern] = [
     _p("xid", "critical", True, r"\bNVRM: Xid\b|\bXid \(PCI:|\bXid\s+\d+\b"),
-    _p("gpu_lost", "critical", True, r"GPU has fallen off the bus|Unable to determine the device handle"),
-    _p("ecc", "critical", True, r"uncorrectable ECC|ECC error|DBE \(double bit error\)|row remap(ping)? fail"),
-    _p("ib_error", "critical", True, r"\bmlx5_\w+\b.*\b(error|fatal)|IB(V|verbs)? .*(port|link) (down|error)"),
-    _p("nccl_error", "warning", False, r"NCCL (WARN|error)|ncclSystemError|ncclInternalError|"
-                                       r"ncclUnhandledCudaError|ProcessGroupNCCL.*(timeout|Watchdog)"),
-    _p("cuda_error", "warning", False, r"CUDA error|CUBLAS_STATUS_\w+|cudaErrorIllegalAddress|"
-                                       r"device-side assert"),
-    _p("oom", "warning", False, r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|"
-                                r"DefaultCPUAllocator: can't allocate"),
-    _p("gloo_error", "info", False, r"\[gloo/|Gloo connectFullMesh failed|gloo.*(Timed out|timeout)"),
+    _p(
+        "gpu_lost",
+        "critical",
+        True,
+        r"GPU has fallen off the bus|Unable to determine the device handle",
+    ),
+    _p(
+        "ecc",
+        "critical",
+        True,
+        r"uncorrectable ECC|ECC error|DBE \(double bit error\)|row remap(ping)? fail",
+    ),
+    _p(
+        "ib_error",
+        "critical",
+        True,
+        r"\bmlx5_\w+\b.*\b(error|fatal)|IB(V|verbs)? .*(port|link) (down|error)",
+    ),
+    _p(
+        "nccl_error",
+        "warning",
+        False,
+        r"NCCL (WARN|error)|ncclSystemError|ncclInternalError|"
+        r"ncclUnhandledCudaError|ProcessGroupNCCL.*(timeout|Watchdog)",
+    ),
+    _p(
+        "cuda_error",
+        "warning",
+        False,
+        r"CUDA error|CUBLAS_STATUS_\w+|cudaErrorIllegalAddress|"
+        r"device-side assert",
+    ),
+    _p(
+        "oom",
+        "warning",
+        False,
+        r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|"
+        r"DefaultCPUAllocator: can't allocate",
+    ),
+    _p(
+        "gloo_error",
+        "info",
+        False,
+        r"\[gloo/|Gloo connectFullMesh failed|gloo.*(Timed out|timeout)",
+    ),
     _p("traceback", "info", False, r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\)"),
 ]
 

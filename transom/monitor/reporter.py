@@ -48,8 +48,11 @@ class _Channel:
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
         try:
-            self.faults = [f for f in json.loads(os.environ.get(FAULTS_ENV, "[]"))
-                           if f.get("rank") in (None, self.rank)]
+            self.faults = [
+                f
+                for f in json.loads(os.environ.get(FAULTS_ENV, "[]"))
+                if f.get("rank") in (None, self.rank)
+            ]
         except ValueError:
             self.faults = []
         self.slow_factor = 1.0
@@ -153,7 +156,7 @@ class StepTimer:
         self.metrics: dict[str, float | None] = {}
         self.start = 0.0
 
-    def __enter__(self) -> "StepTimer":
+    def __enter__(self) -> StepTimer:
         ch = _get()
         if ch is not None:
             ch.phases_seen.clear()
@@ -199,8 +202,14 @@ class StepTimer:
                 return
             ch.last_step = self.step
             comm = sum(self.sections.values())
-            message = {"k": "step", "step": self.step, "dur": duration, "comm": comm,
-                       "compute": duration - comm, "phase": sorted(ch.phases_seen) or None}
+            message = {
+                "k": "step",
+                "step": self.step,
+                "dur": duration,
+                "comm": comm,
+                "compute": duration - comm,
+                "phase": sorted(ch.phases_seen) or None,
+            }
             message.update(self.metrics)
             ch.send(message)
         except Exception:  # noqa: BLE001 - monitoring must never break training

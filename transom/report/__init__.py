@@ -40,8 +40,14 @@ from pathlib import Path
 
 from transom.report.analysis import analyse, generations, membership
 from transom.report.render import render_markdown, render_text, weights_line
-from transom.report.rundir import (FINAL_WEIGHTS_FILE, PROGRESS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE,
-                                   RunRecords, read_run)
+from transom.report.rundir import (
+    FINAL_WEIGHTS_FILE,
+    PROGRESS_FILE,
+    REFERENCE_FILE,
+    REFERENCE_WEIGHTS_FILE,
+    RunRecords,
+    read_run,
+)
 
 PNG_FILE = "report.png"
 MARKDOWN_FILE = "report.md"
@@ -51,26 +57,54 @@ __all__ = ["build_summary", "write_report", "render_markdown", "read_run"]
 
 
 def _weights(records: RunRecords) -> dict:
-    absent = [name for name, path in ((FINAL_WEIGHTS_FILE, records.final_weights),
-                                      (REFERENCE_WEIGHTS_FILE, records.reference_weights)) if path is None]
+    absent = [
+        name
+        for name, path in (
+            (FINAL_WEIGHTS_FILE, records.final_weights),
+            (REFERENCE_WEIGHTS_FILE, records.reference_weights),
+        )
+        if path is None
+    ]
     if absent:
-        return {"available": False, "note": f"no {' and no '.join(absent)} in the run directory",
-                "identical": None, "tensors": None, "differing": [], "missing": [], "extra": []}
+        return {
+            "available": False,
+            "note": f"no {' and no '.join(absent)} in the run directory",
+            "identical": None,
+            "tensors": None,
+            "differing": [],
+            "missing": [],
+            "extra": [],
+        }
     from transom.report.weights import compare_files  # torch is slow to import: only when needed
 
-    return {"available": True, "note": "", **compare_files(records.final_weights, records.reference_weights)}
+    return {
+        "available": True,
+        "note": "",
+        **compare_files(records.final_weights, records.reference_weights),
+    }
 
 
 def build_summary(records: RunRecords) -> dict:
     """The JSON summary of a run (see the module docstring for its keys), without writing anything."""
-    summary = {"job_id": records.job_id, "run_dir": str(records.run_dir),
-               **analyse(records.events, records.progress, records.status, records.reference)}
+    summary = {
+        "job_id": records.job_id,
+        "run_dir": str(records.run_dir),
+        **analyse(records.events, records.progress, records.status, records.reference),
+    }
     summary["weights"] = _weights(records)
     summary["weights"]["summary"] = weights_line(summary["weights"])
-    summary["unavailable"] = [what for what, missing in (
-        (f"training progress ({PROGRESS_FILE})", records.progress is None),
-        (f"the weights check ({FINAL_WEIGHTS_FILE}, {REFERENCE_WEIGHTS_FILE})", not summary["weights"]["available"]),
-        (f"the fault-free reference time ({REFERENCE_FILE})", records.reference is None)) if missing]
+    summary["unavailable"] = [
+        what
+        for what, missing in (
+            (f"training progress ({PROGRESS_FILE})", records.progress is None),
+            (
+                f"the weights check ({FINAL_WEIGHTS_FILE}, {REFERENCE_WEIGHTS_FILE})",
+                not summary["weights"]["available"],
+            ),
+            (f"the fault-free reference time ({REFERENCE_FILE})", records.reference is None),
+        )
+        if missing
+    ]
     summary["text"] = render_text(summary)
     return summary
 
@@ -85,10 +119,18 @@ def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> dict
     out = Path(out_dir) if out_dir is not None else records.run_dir
     out.mkdir(parents=True, exist_ok=True)
     summary = build_summary(records)
-    summary["files"] = {"png": str(out / PNG_FILE), "markdown": str(out / MARKDOWN_FILE),
-                        "json": str(out / JSON_FILE)}
+    summary["files"] = {
+        "png": str(out / PNG_FILE),
+        "markdown": str(out / MARKDOWN_FILE),
+        "json": str(out / JSON_FILE),
+    }
     gens = generations(records.events, records.progress)
-    draw_timeline(out / PNG_FILE, summary, gens, membership(records.events, records.progress, summary["end_at"]))
+    draw_timeline(
+        out / PNG_FILE,
+        summary,
+        gens,
+        membership(records.events, records.progress, summary["end_at"]),
+    )
     (out / MARKDOWN_FILE).write_text(render_markdown(summary, PNG_FILE))
     (out / JSON_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -56,8 +56,13 @@ ACTING_DECISIONS = ("restart", "evict", "rollback")
 NODE_LOST = "node lost"
 _DIAGNOSIS_PREFIX = re.compile(r"^generation \d+: ")
 # Fault type -> anomaly types that detect it (kill is found by the controller, not an anomaly).
-DETECTORS = {"crash": ("crash",), "hang": ("hang",), "slow": ("straggler",), "nan": ("nan",),
-             "log": ("log", "hardware")}
+DETECTORS = {
+    "crash": ("crash",),
+    "hang": ("hang",),
+    "slow": ("straggler",),
+    "nan": ("nan",),
+    "log": ("log", "hardware"),
+}
 
 
 @dataclass
@@ -108,10 +113,18 @@ def outcome(events: list[dict], status: dict | None) -> dict:
     if final is not None:
         state, reason = final["kind"].upper(), final.get("message")
     else:
-        state, reason = job.get("state", "UNKNOWN"), "the run has no succeeded/failed event: it did not finish"
+        state, reason = (
+            job.get("state", "UNKNOWN"),
+            "the run has no succeeded/failed event: it did not finish",
+        )
     generations = [e for e in events if e.get("kind") == "generation"]
-    return {"state": state, "reason": reason, "finished": final is not None,
-            "generations": len(generations), "restarts": max(0, len(generations) - 1)}
+    return {
+        "state": state,
+        "reason": reason,
+        "finished": final is not None,
+        "generations": len(generations),
+        "restarts": max(0, len(generations) - 1),
+    }
 
 
 def time_span(events: list[dict], progress: list[dict] | None) -> tuple[float, float]:
@@ -128,8 +141,13 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
     gens: dict[int, Generation] = {}
     for e in events:
         if e.get("kind") == "generation":
-            gens[e["generation"]] = Generation(e["generation"], e["time"], list(e.get("members", [])),
-                                               list(e.get("spares", [])), e.get("restore_step") or 0)
+            gens[e["generation"]] = Generation(
+                e["generation"],
+                e["time"],
+                list(e.get("members", [])),
+                list(e.get("spares", [])),
+                e.get("restore_step") or 0,
+            )
         elif e.get("kind") == "running" and e.get("generation") in gens:
             gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
     # Progress samples, and with them each fault injection: the step its target rank had reached
@@ -139,7 +157,9 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
         points += [e for e in events if e.get("kind") == "fault" and e.get("step") is not None]
     for p in sorted(points, key=lambda p: p["time"]):
         g = gens.get(p.get("generation"))
-        if g is not None and (not g.samples or p["step"] > g.samples[-1][1]):  # the first sample of each new step
+        if g is not None and (
+            not g.samples or p["step"] > g.samples[-1][1]
+        ):  # the first sample of each new step
             g.samples.append((p["time"], p["step"]))
     return [gens[n] for n in sorted(gens)]
 
@@ -148,7 +168,7 @@ def kept_steps(gens: list[Generation]) -> list[int]:
     """k_g for each generation: its highest step that no later generation computes again."""
     kept = []
     for i, g in enumerate(gens):
-        later = [h.restore_step for h in gens[i + 1:]]
+        later = [h.restore_step for h in gens[i + 1 :]]
         kept.append(min([g.reached_step, *later]))
     return kept
 
@@ -160,24 +180,53 @@ def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -
         between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
         diagnosis = next((e for e in reversed(between) if e.get("kind") == "diagnosis"), None)
         incident = next((e for e in reversed(between) if e.get("kind") == "incident"), None)
-        cause = (_DIAGNOSIS_PREFIX.sub("", diagnosis["message"]) if diagnosis is not None
-                 else incident.get("message") if incident is not None else None)
+        cause = (
+            _DIAGNOSIS_PREFIX.sub("", diagnosis["message"])
+            if diagnosis is not None
+            else incident.get("message")
+            if incident is not None
+            else None
+        )
         lost = max(0, g.reached_step - nxt.restore_step) if have_progress else None
-        out.append({"generation": g.number, "next_generation": nxt.number, "cause": cause,
-                    "interrupted_step": g.reached_step if have_progress else None,
-                    "interrupted_at": g.reached_at, "restore_step": nxt.restore_step,
-                    "lost_steps": lost, "trains_again_at": nxt.trained_at})
+        out.append(
+            {
+                "generation": g.number,
+                "next_generation": nxt.number,
+                "cause": cause,
+                "interrupted_step": g.reached_step if have_progress else None,
+                "interrupted_at": g.reached_at,
+                "restore_step": nxt.restore_step,
+                "lost_steps": lost,
+                "trains_again_at": nxt.trained_at,
+            }
+        )
     return out
 
 
-def goodput(start: float, end: float, gens: list[Generation], incident_rows: list[dict],
-            have_progress: bool, reference: dict | None) -> dict:
+def goodput(
+    start: float,
+    end: float,
+    gens: list[Generation],
+    incident_rows: list[dict],
+    have_progress: bool,
+    reference: dict | None,
+) -> dict:
     """Wall time, steps, and the wall time split into effective, start-up, lost, downtime, shutdown."""
     wall = end - start
-    result = {"wall_s": wall, "steps_completed": None, "effective_training_s": None,
-              "effective_ratio_x": None, "startup_s": None, "lost_compute_s": None, "downtime_s": None,
-              "shutdown_s": None, "lost_steps": None, "reference_wall_s": None, "slowdown_x": None,
-              "progress_available": have_progress}
+    result = {
+        "wall_s": wall,
+        "steps_completed": None,
+        "effective_training_s": None,
+        "effective_ratio_x": None,
+        "startup_s": None,
+        "lost_compute_s": None,
+        "downtime_s": None,
+        "shutdown_s": None,
+        "lost_steps": None,
+        "reference_wall_s": None,
+        "slowdown_x": None,
+        "progress_available": have_progress,
+    }
     if reference and reference.get("wall_s"):
         result["reference_wall_s"] = float(reference["wall_s"])
         result["slowdown_x"] = wall / result["reference_wall_s"]
@@ -185,7 +234,9 @@ def goodput(start: float, end: float, gens: list[Generation], incident_rows: lis
         return result
     result["lost_steps"] = sum(i["lost_steps"] for i in incident_rows)
     result["steps_completed"] = gens[-1].reached_step if gens else 0
-    trained = [(g, k) for g, k in zip(gens, kept_steps(gens), strict=True) if g.trained_at is not None]
+    trained = [
+        (g, k) for g, k in zip(gens, kept_steps(gens), strict=True) if g.trained_at is not None
+    ]
     if not trained:
         return result
     effective = lost = downtime = 0.0
@@ -196,9 +247,14 @@ def goodput(start: float, end: float, gens: list[Generation], incident_rows: lis
         lost += g.reached_at - kept_until
         if n + 1 < len(trained):
             downtime += trained[n + 1][0].trained_at - g.reached_at
-    result.update(effective_training_s=effective, effective_ratio_x=effective / wall if wall > 0 else None,
-                  startup_s=trained[0][0].trained_at - start, lost_compute_s=lost, downtime_s=downtime,
-                  shutdown_s=end - trained[-1][0].reached_at)
+    result.update(
+        effective_training_s=effective,
+        effective_ratio_x=effective / wall if wall > 0 else None,
+        startup_s=trained[0][0].trained_at - start,
+        lost_compute_s=lost,
+        downtime_s=downtime,
+        shutdown_s=end - trained[-1][0].reached_at,
+    )
     return result
 
 
@@ -220,18 +276,28 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     if kind == "kill":
         for e in after:
             k = e.get("kind")
-            if ((k == "incident" and node in (e.get("lost") or []))
-                    or (k == "diagnosis" and node in (e.get("blamed") or []) and f"{node} lost" in e.get("message", ""))
-                    or (k == "evict" and e.get("node") == node and NODE_LOST in e.get("message", ""))):
+            if (
+                (k == "incident" and node in (e.get("lost") or []))
+                or (
+                    k == "diagnosis"
+                    and node in (e.get("blamed") or [])
+                    and f"{node} lost" in e.get("message", "")
+                )
+                or (k == "evict" and e.get("node") == node and NODE_LOST in e.get("message", ""))
+            ):
                 return e
         return None
-    anomalies = [e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())]
+    anomalies = [
+        e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())
+    ]
     if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
         anomalies = [e for e in anomalies if _names(e, node, rank)] + [
-            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])]
+            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])
+        ]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
     elif kind == "nan" and anomalies:
+
         def step(e: dict) -> float:
             return e["step"] if e.get("step") is not None else math.inf
 
@@ -245,11 +311,18 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
     if detection.get("kind") != "anomaly" or detection.get("type") == "crash":
         return True  # a crashed worker or a lost node always opens an incident
     for e in events:
-        if (e.get("kind") == "decision" and _detected_at(detection) <= e["time"] <= until
-                and e.get("action") in ACTING_DECISIONS
-                and (e.get("anomaly") == detection.get("id")
-                     or (e.get("anomaly_type") == detection.get("type")
-                         and set(e.get("nodes") or []) & set(detection.get("nodes") or [])))):
+        if (
+            e.get("kind") == "decision"
+            and _detected_at(detection) <= e["time"] <= until
+            and e.get("action") in ACTING_DECISIONS
+            and (
+                e.get("anomaly") == detection.get("id")
+                or (
+                    e.get("anomaly_type") == detection.get("type")
+                    and set(e.get("nodes") or []) & set(detection.get("nodes") or [])
+                )
+            )
+        ):
             return True
     return False
 
@@ -257,56 +330,99 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 def _detected_by(detection: dict) -> str:
     if detection.get("kind") == "anomaly":
         return f"{detection['type']} anomaly"
-    if detection.get("kind") == "incident" and detection.get("failed") and not detection.get("lost"):
+    if (
+        detection.get("kind") == "incident"
+        and detection.get("failed")
+        and not detection.get("lost")
+    ):
         return "worker failure (incident)"
     return NODE_LOST
 
 
-def fault_rows(events: list[dict], gens: list[Generation], incident_rows: list[dict],
-               have_progress: bool) -> list[dict]:
+def fault_rows(
+    events: list[dict], gens: list[Generation], incident_rows: list[dict], have_progress: bool
+) -> list[dict]:
     """One row per `fault` event: detection, recovery, lost steps and status."""
     rows = []
     lost_by_next = {i["next_generation"]: i["lost_steps"] for i in incident_rows}
     for f in (e for e in events if e.get("kind") == "fault"):
-        row = {"id": f.get("id"), "type": f["fault"], "node": f.get("node"), "rank": f.get("rank"),
-               "step": f.get("step"), "generation": f.get("generation"), "injected_at": f["time"],
-               "detected_by": None, "detected_at": None, "detection_s": None, "recovered_in_generation": None,
-               "running_at": None, "recovered_at": None, "recovery_s": None, "lost_steps": None,
-               "status": NOT_DETECTED}
+        row = {
+            "id": f.get("id"),
+            "type": f["fault"],
+            "node": f.get("node"),
+            "rank": f.get("rank"),
+            "step": f.get("step"),
+            "generation": f.get("generation"),
+            "injected_at": f["time"],
+            "detected_by": None,
+            "detected_at": None,
+            "detection_s": None,
+            "recovered_in_generation": None,
+            "running_at": None,
+            "recovered_at": None,
+            "recovery_s": None,
+            "lost_steps": None,
+            "status": NOT_DETECTED,
+        }
         rows.append(row)
         detection = find_detection(f, events)
         if detection is None:
             continue
         detected = _detected_at(detection)
-        row.update(detected_by=_detected_by(detection), detected_at=detected, detection_s=detected - f["time"],
-                   status=NOT_RECOVERED)
-        nxt = next((g for g in gens if g.started_at >= detected and g.number > (f.get("generation") or 0)), None)
+        row.update(
+            detected_by=_detected_by(detection),
+            detected_at=detected,
+            detection_s=detected - f["time"],
+            status=NOT_RECOVERED,
+        )
+        nxt = next(
+            (g for g in gens if g.started_at >= detected and g.number > (f.get("generation") or 0)),
+            None,
+        )
         if nxt is None or not _acted_on(detection, events, nxt.started_at):
             continue
         back = nxt.trained_at if have_progress else nxt.running_at
         if back is None:
             continue
-        row.update(recovered_in_generation=nxt.number, running_at=nxt.running_at, recovered_at=back,
-                   recovery_s=back - detected, lost_steps=lost_by_next.get(nxt.number), status=RECOVERED)
+        row.update(
+            recovered_in_generation=nxt.number,
+            running_at=nxt.running_at,
+            recovered_at=back,
+            recovery_s=back - detected,
+            lost_steps=lost_by_next.get(nxt.number),
+            status=RECOVERED,
+        )
     return rows
 
 
 def fault_counts(rows: list[dict]) -> dict:
-    return {"total": len(rows), "recovered": sum(r["status"] == RECOVERED for r in rows),
-            "not_recovered": sum(r["status"] == NOT_RECOVERED for r in rows),
-            "not_detected": sum(r["status"] == NOT_DETECTED for r in rows)}
+    return {
+        "total": len(rows),
+        "recovered": sum(r["status"] == RECOVERED for r in rows),
+        "not_recovered": sum(r["status"] == NOT_RECOVERED for r in rows),
+        "not_detected": sum(r["status"] == NOT_DETECTED for r in rows),
+    }
 
 
-def membership(events: list[dict], progress: list[dict] | None,
-               end: float) -> dict[str, list[tuple[float, float, str]]]:
+def membership(
+    events: list[dict], progress: list[dict] | None, end: float
+) -> dict[str, list[tuple[float, float, str]]]:
     """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
     evict and spare events and the progress samples' member lists."""
     changes: list[tuple[float, dict[str, str | None]]] = []
     for e in events:
         kind = e.get("kind")
         if kind == "generation":
-            changes.append((e["time"], {**{n: "member" for n in e.get("members", [])},
-                                        **{n: "spare" for n in e.get("spares", [])}, "*": None}))
+            changes.append(
+                (
+                    e["time"],
+                    {
+                        **{n: "member" for n in e.get("members", [])},
+                        **{n: "spare" for n in e.get("spares", [])},
+                        "*": None,
+                    },
+                )
+            )
         elif kind == "evict" and e.get("node"):
             changes.append((e["time"], {e["node"]: "evicted"}))
         elif kind == "spare" and e.get("node"):
@@ -314,16 +430,26 @@ def membership(events: list[dict], progress: list[dict] | None,
     for p in progress or []:
         if p.get("members") is not None:
             evicted = p.get("evicted") or []
-            changes.append((p["time"], {**{n: "member" for n in p["members"]},
-                                        **{n: "spare" for n in p.get("spares") or []},
-                                        **{n: "evicted" for n in evicted}, "*": None}))
+            changes.append(
+                (
+                    p["time"],
+                    {
+                        **{n: "member" for n in p["members"]},
+                        **{n: "spare" for n in p.get("spares") or []},
+                        **{n: "evicted" for n in evicted},
+                        "*": None,
+                    },
+                )
+            )
     changes.sort(key=lambda c: c[0])
     role: dict[str, str] = {}
     spans: dict[str, list[list]] = {}
     for t, change in changes:
         full = "*" in change
         new = dict(role)
-        if full:  # a full snapshot: members and spares not named are out of the job (unless evicted)
+        if (
+            full
+        ):  # a full snapshot: members and spares not named are out of the job (unless evicted)
             for n, r in role.items():
                 if r != "evicted" and n not in change:
                     new.pop(n)
@@ -342,12 +468,13 @@ def membership(events: list[dict], progress: list[dict] | None,
 
 def _natural(name: str) -> tuple:
     head = name.rstrip("0123456789")
-    tail = name[len(head):]
+    tail = name[len(head) :]
     return (head, int(tail) if tail else -1)
 
 
-def analyse(events: list[dict], progress: list[dict] | None, status: dict | None,
-            reference: dict | None) -> dict:
+def analyse(
+    events: list[dict], progress: list[dict] | None, status: dict | None, reference: dict | None
+) -> dict:
     """All the report's numbers (JSON-ready, times as unix seconds)."""
     have_progress = bool(progress)
     start, end = time_span(events, progress)
@@ -361,9 +488,18 @@ def analyse(events: list[dict], progress: list[dict] | None, status: dict | None
         "goodput": goodput(start, end, gens, incident_rows, have_progress, reference),
         "faults": rows,
         "fault_counts": fault_counts(rows),
-        "generations": [{"generation": g.number, "started_at": g.started_at, "running_at": g.running_at,
-                         "trained_at": g.trained_at, "members": g.members, "spares": g.spares,
-                         "restore_step": g.restore_step,
-                         "reached_step": g.reached_step if have_progress else None} for g in gens],
+        "generations": [
+            {
+                "generation": g.number,
+                "started_at": g.started_at,
+                "running_at": g.running_at,
+                "trained_at": g.trained_at,
+                "members": g.members,
+                "spares": g.spares,
+                "restore_step": g.restore_step,
+                "reached_step": g.reached_step if have_progress else None,
+            }
+            for g in gens
+        ],
         "incidents": incident_rows,
     }

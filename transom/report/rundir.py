@@ -71,18 +71,28 @@ def read_run(run_dir: Path | str) -> RunRecords:
         raise ConfigError(f"run directory {run_dir} does not exist")
     events_path = run_dir / EVENTS_FILE
     if not events_path.exists():
-        raise ConfigError(f"{run_dir} has no {EVENTS_FILE}: not a transom run directory, or the job never started")
+        raise ConfigError(
+            f"{run_dir} has no {EVENTS_FILE}: not a transom run directory, or the job never started"
+        )
     events = sorted(_json_lines(events_path), key=lambda e: e.get("time", 0.0))
     if not events:
         raise ConfigError(f"{events_path} is empty: the job never started")
     progress_path = run_dir / PROGRESS_FILE
-    progress = (sorted(_json_lines(progress_path), key=lambda p: p.get("time", 0.0))
-                if progress_path.exists() else None)
+    progress = (
+        sorted(_json_lines(progress_path), key=lambda p: p.get("time", 0.0))
+        if progress_path.exists()
+        else None
+    )
 
     def optional(name: str) -> Path | None:
         return run_dir / name if (run_dir / name).exists() else None
 
-    return RunRecords(run_dir=run_dir, events=events, status=_json_file(run_dir / STATUS_FILE),
-                      progress=progress or None, reference=_json_file(run_dir / REFERENCE_FILE),
-                      final_weights=optional(FINAL_WEIGHTS_FILE),
-                      reference_weights=optional(REFERENCE_WEIGHTS_FILE))
+    return RunRecords(
+        run_dir=run_dir,
+        events=events,
+        status=_json_file(run_dir / STATUS_FILE),
+        progress=progress or None,
+        reference=_json_file(run_dir / REFERENCE_FILE),
+        final_weights=optional(FINAL_WEIGHTS_FILE),
+        reference_weights=optional(REFERENCE_WEIGHTS_FILE),
+    )

@@ -42,12 +42,22 @@ def compare_tensors(name: str, final: object, reference: object) -> dict | None:
     if not (isinstance(final, torch.Tensor) and isinstance(reference, torch.Tensor)):
         if type(final) is type(reference) and final == reference:
             return None
-        return {"name": name, "note": f"{final!r} vs {reference!r}", "differing_elements": None,
-                "numel": None, "max_abs_diff": None}
+        return {
+            "name": name,
+            "note": f"{final!r} vs {reference!r}",
+            "differing_elements": None,
+            "numel": None,
+            "max_abs_diff": None,
+        }
     if final.dtype != reference.dtype or final.shape != reference.shape:
-        return {"name": name, "note": f"{final.dtype} {tuple(final.shape)} vs {reference.dtype} "
-                                      f"{tuple(reference.shape)}",
-                "differing_elements": None, "numel": reference.numel(), "max_abs_diff": None}
+        return {
+            "name": name,
+            "note": f"{final.dtype} {tuple(final.shape)} vs {reference.dtype} "
+            f"{tuple(reference.shape)}",
+            "differing_elements": None,
+            "numel": reference.numel(),
+            "max_abs_diff": None,
+        }
     differ = (_bytes(final) != _bytes(reference)).any(dim=1)
     count = int(differ.sum())
     if count == 0:
@@ -55,13 +65,20 @@ def compare_tensors(name: str, final: object, reference: object) -> dict | None:
     a = final.detach().cpu().reshape(-1)[differ]
     b = reference.detach().cpu().reshape(-1)[differ]
     if a.is_floating_point() or a.is_complex():
-        diff = (a.to(torch.complex128 if a.is_complex() else torch.float64)
-                - b.to(torch.complex128 if b.is_complex() else torch.float64)).abs()
+        diff = (
+            a.to(torch.complex128 if a.is_complex() else torch.float64)
+            - b.to(torch.complex128 if b.is_complex() else torch.float64)
+        ).abs()
         largest = math.nan if bool(diff.isnan().any()) else float(diff.max())
     else:
         largest = float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
-    return {"name": name, "note": "", "differing_elements": count, "numel": reference.numel(),
-            "max_abs_diff": _number(largest)}
+    return {
+        "name": name,
+        "note": "",
+        "differing_elements": count,
+        "numel": reference.numel(),
+        "max_abs_diff": _number(largest),
+    }
 
 
 def compare_files(final_path: Path, reference_path: Path) -> dict:
@@ -71,9 +88,17 @@ def compare_files(final_path: Path, reference_path: Path) -> dict:
     """
     final = _flatten(torch.load(final_path, map_location="cpu", weights_only=True))
     reference = _flatten(torch.load(reference_path, map_location="cpu", weights_only=True))
-    differing = [d for name in sorted(set(final) & set(reference))
-                 if (d := compare_tensors(name, final[name], reference[name])) is not None]
+    differing = [
+        d
+        for name in sorted(set(final) & set(reference))
+        if (d := compare_tensors(name, final[name], reference[name])) is not None
+    ]
     missing = sorted(set(reference) - set(final))
     extra = sorted(set(final) - set(reference))
-    return {"identical": not (differing or missing or extra), "tensors": len(reference),
-            "differing": differing, "missing": missing, "extra": extra}
+    return {
+        "identical": not (differing or missing or extra),
+        "tensors": len(reference),
+        "differing": differing,
+        "missing": missing,
+        "extra": extra,
+    }

@@ -98,7 +98,7 @@ class Store:
         """Values under `name` keyed by the rest of their key, in key order."""
         start = self.key(name)
         items = self._call(self.client.get_prefix, start, sort_order="ascend", sort_target="key")
-        return {meta["key"].decode()[len(start):]: json.loads(value) for value, meta in items}
+        return {meta["key"].decode()[len(start) :]: json.loads(value) for value, meta in items}
 
     def put(self, name: str, value: Any, lease: Lease | None = None) -> None:
         self._call(self.client.put, self.key(name), json.dumps(value), lease)
@@ -130,14 +130,21 @@ class Store:
     def put_if_leader(self, leader_id: str, values: dict[str, Any]) -> bool:
         """Write all `values` in one transaction, only while `leader` still holds `leader_id`."""
         txn = {
-            "compare": [{
-                "key": _encode(self.key("leader")),
-                "result": "EQUAL",
-                "target": "VALUE",
-                "value": _encode(json.dumps(leader_id)),
-            }],
+            "compare": [
+                {
+                    "key": _encode(self.key("leader")),
+                    "result": "EQUAL",
+                    "target": "VALUE",
+                    "value": _encode(json.dumps(leader_id)),
+                }
+            ],
             "success": [
-                {"request_put": {"key": _encode(self.key(name)), "value": _encode(json.dumps(value))}}
+                {
+                    "request_put": {
+                        "key": _encode(self.key(name)),
+                        "value": _encode(json.dumps(value)),
+                    }
+                }
                 for name, value in values.items()
             ],
             "failure": [],

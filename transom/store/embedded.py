@@ -42,27 +42,41 @@ class EmbeddedEtcd:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.client_port}"
 
-    def start(self) -> "EmbeddedEtcd":
+    def start(self) -> EmbeddedEtcd:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [
             etcd_binary(),
-            "--name", "transom",
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.url,
-            "--advertise-client-urls", self.url,
-            "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-            "--initial-cluster", f"transom=http://127.0.0.1:{self.peer_port}",
-            "--log-level", "warn",
+            "--name",
+            "transom",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster",
+            f"transom=http://127.0.0.1:{self.peer_port}",
+            "--log-level",
+            "warn",
             # Small, fast, single-member settings for one machine.
-            "--heartbeat-interval", "50",
-            "--election-timeout", "500",
-            "--quota-backend-bytes", str(1 << 30),
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--quota-backend-bytes",
+            str(1 << 30),
         ]
         self.process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
         )
         log.close()
@@ -70,19 +84,23 @@ class EmbeddedEtcd:
         store = Store(self.url, job_id="_probe")
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise StoreError(f"embedded etcd exited with code {self.process.returncode}; see {self.log_path}")
+                raise StoreError(
+                    f"embedded etcd exited with code {self.process.returncode}; see {self.log_path}"
+                )
             if store.healthy():
                 return self
             time.sleep(0.05)
         self.stop()
-        raise StoreError(f"embedded etcd did not answer within {START_TIMEOUT_S:.0f} s; see {self.log_path}")
+        raise StoreError(
+            f"embedded etcd did not answer within {START_TIMEOUT_S:.0f} s; see {self.log_path}"
+        )
 
     def stop(self) -> None:
         if self.process is not None:
             stop_process(self.process, grace_s=5.0)
             self.process = None
 
-    def __enter__(self) -> "EmbeddedEtcd":
+    def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 
     def __exit__(self, *exc) -> None:

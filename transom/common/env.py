@@ -1,0 +1,30 @@
+"""Environment variable names: what the agent gives its workers, and Transom's own knobs.
+
+A worker gets what torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, ...) plus these. Writers
+(control/workers.py, the agent) and readers (transom.monitor, transom.checkpoint, the warm
+interpreters) use these names, never literals. This module must never read the environment.
+"""
+
+from __future__ import annotations
+
+# -- what every worker gets -----------------------------------------------------------------------
+JOB_ID = "TRANSOM_JOB_ID"
+NODE_ID = "TRANSOM_NODE_ID"
+GENERATION = "TRANSOM_GENERATION"
+STORE = "TRANSOM_STORE"
+RUN_DIR = "TRANSOM_RUN_DIR"
+# The step this generation resumes from; absent means start fresh.
+RESTORE_STEP = "TRANSOM_RESTORE_STEP"
+# The storage tier of checkpoints (a directory shared by all nodes).
+CHECKPOINT_DIR = "TRANSOM_CHECKPOINT_DIR"
+# The node's checkpoint server: its Unix socket and the secret that authenticates requests.
+CKPT_SOCKET = "TRANSOM_CKPT_SOCKET"
+CKPT_SECRET = "TRANSOM_CKPT_SECRET"
+# Where transom.monitor sends its samples (the agent's monitor listener).
+MONITOR_PORT = "TRANSOM_MONITOR_PORT"
+# Faults the worker applies itself (JSON list), for tests, benchmarks and the demo.
+FAULTS = "TRANSOM_FAULTS"
+
+# -- warm interpreters (control/warm.py) ------------------------------------------------------
+WARM_IMPORTS = "TRANSOM_WARM_IMPORTS"
+WARM_IDLE_IMPORTS = "TRANSOM_WARM_IDLE_IMPORTS"

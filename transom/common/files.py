@@ -1,0 +1,53 @@
+"""Run-directory layout: the names of every file Transom writes under `--run-dir`.
+
+RUN_DIR/
+  logs/gNNN/rankR.log     each rank's output, per generation
+  logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreters)
+  logs/controller-HOST-I.log  a controller candidate's log (the candidate id is its name)
+  logs/etcd.log, logs/reference.log   the embedded etcd; the demo's fault-free run
+  events.jsonl            the decision log (one JSON event a line)
+  status.json             the job's last snapshot
+  progress.jsonl          the job's step, generation and membership whenever one changes
+  checkpoints/            the storage tier (TRANSOM_CHECKPOINT_DIR) unless --ckpt-storage
+  report.png|md|json      `transom report`
+  final_weights.pt, reference_weights.pt, reference.json: the demo's weights and reference
+
+This module must never do I/O: it only names things.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LOGS = "logs"
+EVENTS = "events.jsonl"
+STATUS = "status.json"
+PROGRESS = "progress.jsonl"
+CHECKPOINTS = "checkpoints"
+REPORT_PNG = "report.png"
+REPORT_MD = "report.md"
+REPORT_JSON = "report.json"
+FINAL_WEIGHTS = "final_weights.pt"
+REFERENCE_WEIGHTS = "reference_weights.pt"
+REFERENCE = "reference.json"
+
+
+def generation_logs(run_dir: Path, generation: int) -> Path:
+    return run_dir / LOGS / f"g{generation:03d}"
+
+
+def rank_log(run_dir: Path, generation: int, rank: int) -> Path:
+    return generation_logs(run_dir, generation) / f"rank{rank}.log"
+
+
+def agent_log(run_dir: Path, node_id: str) -> Path:
+    return log_file(run_dir, f"agent-{node_id}")
+
+
+def warm_log(run_dir: Path, node_id: str) -> Path:
+    return log_file(run_dir, f"warm-{node_id}")
+
+
+def log_file(run_dir: Path, name: str) -> Path:
+    """RUN_DIR/logs/NAME.log: a process's own log (controllers are named `controller-...`)."""
+    return run_dir / LOGS / f"{name}.log"
