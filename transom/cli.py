@@ -13,8 +13,17 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
-from transom.config import ConfigError, JobSpec, parse_nnodes, prepare_run_dir
+from transom.common import files, keys
+from transom.common.names import BadId, check_id
+from transom.config import (
+    MAX_SIMULATED_NODES,
+    ConfigError,
+    JobSpec,
+    add_job_options,
+    prepare_run_dir,
+)
 
 EXIT_BAD_INPUT = 2
 DEFAULT_RUNS = Path("transom-runs")
@@ -36,124 +45,19 @@ def _add_store_args(p: argparse.ArgumentParser, required: bool) -> None:
     )
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--nnodes",
-        default="1",
-        metavar="N|MIN:MAX",
-        help="active nodes; with MIN:MAX the job goes on with as few as MIN (default 1)",
-    )
-    p.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help="hot spare nodes that replace evicted ones (default 0)",
-    )
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=3,
-        help="restarts allowed for the whole job, counted once per incident (default 3)",
-    )
-    p.add_argument(
-        "--evict-window",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="a node whose workers fail twice within this window is evicted (default 300)",
-    )
-    p.add_argument(
-        "--node-ttl",
-        type=int,
-        default=4,
-        metavar="SECONDS",
-        help="node lease time-to-live: how long a dead node goes unnoticed at most (default 4)",
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="how long to wait for more than MIN nodes before starting (default 30)",
-    )
-    p.add_argument(
-        "--no-warm-workers",
-        dest="warm_workers",
-        action="store_false",
-        help="start every worker in a fresh interpreter (default: each agent keeps one per "
-        "local rank ready with torch imported, which saves seconds on every restart)",
-    )
-    p.add_argument(
-        "--faults",
-        metavar="SPEC|FILE",
-        help="inject faults (tests, demos): e.g. 'crash@step=40:rank=1,hang@step=80,"
-        "slow@step=120:node=node2:factor=2,nan@step=30,log@step=20:rank=0,kill@step=50:node=node1'"
-        " or 'random[:count=N][:steps=A-B]'; a file holds one fault a line",
-    )
-    p.add_argument(
-        "--fault-seed",
-        type=int,
-        default=0,
-        help="seed for the ranks (and types and steps with 'random') the fault schedule leaves open "
-        "(default 0)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="the leading controller's Prometheus endpoint: 0 picks a free port (shown by "
-        "`transom status`), -1 turns it off (default 0)",
-    )
-    _add_ckpt_args(p)
-    p.add_argument("script", help="the training script, run like torchrun runs it")
+def _add_script_args(p: argparse.ArgumentParser, required: bool) -> None:
+    if required:
+        p.add_argument("script", help="the training script, run like torchrun runs it")
+    else:
+        p.add_argument("script", nargs="?", help="the training script (only to write the job spec)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-
-
-def _size(text: str) -> int:
-    from transom.checkpoint.server import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
-def _add_ckpt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ckpt-memory",
-        type=_size,
-        metavar="SIZE",
-        help="memory budget of each node's checkpoint server, e.g. 16G: its own shards, peers' "
-        "replicas and reusable buffers (default: half of the node's memory)",
-    )
-    p.add_argument(
-        "--ckpt-storage",
-        metavar="DIR",
-        help="where checkpoint servers persist shards in the background; shared by all nodes "
-        "(default: RUN_DIR/checkpoints)",
-    )
-    p.add_argument(
-        "--ckpt-keep",
-        type=int,
-        default=3,
-        metavar="K",
-        help="complete checkpoint steps kept in storage (default 3)",
-    )
-    p.add_argument(
-        "--ckpt-replicas",
-        type=int,
-        default=1,
-        choices=(0, 1),
-        help="copies of each shard in another node's memory (default 1)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transom",
-        description="Fault-tolerant launcher for PyTorch training: restarts, evicts bad nodes, swaps in spares.",
+        description="Fault-tolerant launcher for PyTorch training: restarts, evicts bad nodes, "
+        "swaps in spares.",
     )
     parser.add_argument("--log-level", default="warning", help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -186,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated nodes only: start a new node whenever one is evicted, as a cluster's "
         "scheduler would, so the pool of spares stays full",
     )
-    _add_spec_args(run)
+    add_job_options(run)
+    _add_script_args(run, required=True)
 
     demo = sub.add_parser(
         "demo",
@@ -240,22 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "With a script it also writes the job spec.",
     )
     _add_store_args(ctl, required=True)
-    ctl.add_argument("--candidate-id", default=f"{socket.gethostname()}-{os.getpid()}")
     ctl.add_argument(
-        "--nnodes", default="1", metavar="N|MIN:MAX", help="as for run, when writing the spec"
+        "--candidate-id",
+        default=f"{socket.gethostname()}-{os.getpid()}",
+        help="this candidate's name in the leader election (default: HOST-PID)",
     )
-    ctl.add_argument("--spares", type=int, default=0)
-    ctl.add_argument("--nproc-per-node", type=int, default=1)
-    ctl.add_argument("--max-restarts", type=int, default=3)
-    ctl.add_argument("--evict-window", type=float, default=300.0)
-    ctl.add_argument("--node-ttl", type=int, default=4)
-    ctl.add_argument("--join-timeout", type=float, default=30.0)
-    ctl.add_argument("--faults", help="as for run, when writing the spec")
-    ctl.add_argument("--fault-seed", type=int, default=0)
-    ctl.add_argument("--metrics-port", type=int, default=0)
-    _add_ckpt_args(ctl)
-    ctl.add_argument("script", nargs="?", help="training script (only to write the spec)")
-    ctl.add_argument("script_args", nargs=argparse.REMAINDER)
+    add_job_options(ctl)
+    _add_script_args(ctl, required=False)
 
     for name, what in (
         ("status", "the job's state, generation, nodes and restarts left"),
@@ -305,39 +201,41 @@ def build_parser() -> argparse.ArgumentParser:
         "ckpt-server",
         help="run a node's checkpoint server on its own",
         add_help=False,
-        description="Hold checkpoint shards in this node's memory (see `transom ckpt-server --help`).",
+        description="Hold checkpoint shards in this node's memory "
+        "(see `transom ckpt-server --help`).",
     )
     return parser
 
 
-def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSpec:
-    low, high = parse_nnodes(args.nnodes)
-    script = os.path.abspath(args.script) if check_script and args.store is None else args.script
-    spec = JobSpec(
-        script=script,
-        script_args=list(args.script_args),
-        nnodes_min=low,
-        nnodes_max=high,
-        spares=args.spares,
-        nproc_per_node=args.nproc_per_node,
-        max_restarts=args.max_restarts,
-        evict_window_s=args.evict_window,
-        node_ttl_s=args.node_ttl,
-        join_timeout_s=args.join_timeout,
-        warm_workers=getattr(args, "warm_workers", True),
-        metrics_port=args.metrics_port,
-        ckpt_memory_bytes=args.ckpt_memory,
-        ckpt_keep=args.ckpt_keep,
-        ckpt_replicas=args.ckpt_replicas,
-        ckpt_storage=os.path.abspath(args.ckpt_storage) if args.ckpt_storage else None,
-    )
-    if args.faults:
-        from transom.monitor.faults import parse_schedule
+def _resolve_faults(text: str, world_size: int, seed: int) -> list[dict]:
+    from transom.monitor.faults import parse_schedule
 
-        spec.faults = parse_schedule(args.faults, high * args.nproc_per_node, args.fault_seed)
-    if getattr(args, "job_id", None):
-        spec.job_id = args.job_id
+    return parse_schedule(text, world_size, seed)
+
+
+def spec_from_args(args: argparse.Namespace, check_script: bool = True) -> JobSpec:
+    """The validated job spec of `run` or `controller` (options from `add_job_options`)."""
+    script = os.path.abspath(args.script) if check_script and args.store is None else args.script
+    fields: dict[str, Any] = {"script": script, "script_args": list(args.script_args)}
+    if args.job_id:
+        fields["job_id"] = args.job_id
+    spec = JobSpec.from_args(args, resolve_faults=_resolve_faults, **fields)
     return spec.validate(check_script=check_script)
+
+
+# The options that name a job, node or controller candidate; every command checks them.
+ID_OPTIONS = {"job_id": "--job-id", "node_id": "--node-id", "candidate_id": "--candidate-id"}
+
+
+def check_ids(args: argparse.Namespace) -> None:
+    """ConfigError naming the first id option whose value is not a valid id."""
+    for dest, flag in ID_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            try:
+                check_id(flag, value)
+            except BadId as e:
+                raise ConfigError(str(e)) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -349,6 +247,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.local_nodes is not None and args.local_nodes < 1:
         raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
     spec = spec_from_args(args)
+    if args.store is None and spec.nnodes_max + spec.spares > MAX_SIMULATED_NODES:
+        raise ConfigError(
+            f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many "
+            f"({MAX_SIMULATED_NODES} at most)"
+        )
     run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / spec.job_id)
     host = args.host or ("127.0.0.1" if args.store is None else host_address())
     if args.refill_spares and args.store is not None:
@@ -362,10 +265,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         host=host,
         refill_spares=args.refill_spares,
     )
-    if args.store is None and spec.nnodes_max + spec.spares > 64:
-        raise ConfigError(
-            f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many (64 at most)"
-        )
     return Launcher(launch).run()
 
 
@@ -397,7 +296,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     store = Store(args.store, args.job_id)
     if args.script:
-        store.create("spec", spec_from_args(args).to_dict())
+        store.create(keys.SPEC, spec_from_args(args).to_dict())
     return Controller(store, args.candidate_id).run()
 
 
@@ -414,33 +313,41 @@ def cmd_status(args: argparse.Namespace) -> int:
         status_summary,
     )
 
+    events: list[dict] = []
+    summary: dict = {}
     if args.store and args.job_id:
         store = Store(args.store, args.job_id)
         store.wait_healthy(3.0)
-        if store.get("spec") is None:
+        if store.get(keys.SPEC) is None:
             raise ConfigError(f"no job {args.job_id} in etcd at {args.store}")
         if args.command == "events":
-            data = read_events(store=store)
+            events = read_events(store=store)
         else:
-            data = status_summary(snapshot(store))
+            summary = status_summary(snapshot(store))
     elif args.run_dir:
         if not Path(args.run_dir).is_dir():
             raise ConfigError(f"run directory {args.run_dir} does not exist")
         snap = read_snapshot(args.run_dir)
         if snap is None:
-            raise ConfigError(f"{args.run_dir} holds no status.json: not a transom run directory")
-        data = (
-            read_events(run_dir=args.run_dir) if args.command == "events" else status_summary(snap)
-        )
+            raise ConfigError(
+                f"{args.run_dir} holds no {files.STATUS}: not a transom run directory"
+            )
+        if args.command == "events":
+            events = read_events(run_dir=args.run_dir)
+        else:
+            summary = status_summary(snap)
     else:
         raise ConfigError("give --run-dir DIR, or --store URL and --job-id J")
-    if args.json:
-        print(json.dumps(data, indent=1))
-    elif args.command == "events":
-        for event in data:
-            print(format_event(event))
+    if args.command == "events":
+        if args.json:
+            print(json.dumps(events, indent=1))
+        else:
+            for event in events:
+                print(format_event(event))
+    elif args.json:
+        print(json.dumps(summary, indent=1))
     else:
-        Console().print(render_status(data))
+        Console().print(render_status(summary))
     return 0
 
 
@@ -489,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     from transom.store import StoreError
 
     try:
+        check_ids(args)
         return COMMANDS[args.command](args)
     except (ConfigError, StoreError) as e:
         print(f"transom: {e}", file=sys.stderr)

@@ -1,17 +1,31 @@
 """The job spec: what to run, on how many nodes, with which fault-tolerance budget.
 
-`JobSpec.validate()` turns every bad input into a `ConfigError` with a one-line message
-before anything is started.
+`JobSpec` is the one definition of a job's configuration. Each field a user sets carries its
+command-line option (flag, help, argparse type) in its `dataclasses.field` metadata, so
+`add_job_options` builds the options of `transom run` and `transom controller` from the
+dataclass and `JobSpec.from_args` builds the spec back from the parsed arguments; defaults
+live in the dataclass only. `JobSpec.validate()` turns every bad input into a `ConfigError`
+with a one-line message before anything is started.
+
+This module must never do I/O beyond checking the script and the run directory, and never
+import other transom subpackages except transom.common.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import re
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from transom.common.names import BadId, check_id
+
+# Simulated nodes are real processes on one machine; more than this would swamp it.
 MAX_SIMULATED_NODES = 64
 
 
@@ -33,8 +47,65 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def parse_size(text: str) -> int:
+    """'8G', '512MiB', '1.5g', '1000000' -> bytes; ConfigError (a ValueError) otherwise."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
+    number = t[:-1] if unit else t
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError as e:
+        raise ConfigError(f"{text!r} is not a size (examples: 8G, 512M, 1073741824)") from e
+    if value <= 0:
+        raise ConfigError(f"{text!r}: a size must be positive")
+    return value
+
+
 def new_job_id() -> str:
     return "job-" + uuid.uuid4().hex[:8]
+
+
+# -- command-line options, declared on the fields they set ------------------------------------
+
+OPTION = "option"  # the dataclasses.field metadata key that holds a field's `Option`
+
+# Help-output groups, in the order they are shown.
+GROUP_JOB = "job"
+GROUP_TOLERANCE = "fault tolerance"
+GROUP_CKPT = "checkpoints"
+GROUP_FAULTS = "fault injection (tests, benchmarks, demos)"
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one JobSpec field is set on the command line.
+
+    `parse` turns the option's text into the field's value, or for an option that sets several
+    fields (`--nnodes`) into a tuple matching `sets`. Without `parse`, `type` is argparse's
+    (default: the type of the field's default). `default_help` describes the default in words
+    where the value alone would not say it; otherwise "(default VALUE)" is added to the help.
+    """
+
+    flag: str
+    help: str
+    group: str = GROUP_JOB
+    metavar: str | None = None
+    type: Callable[[str], Any] | None = None
+    action: str | None = None
+    choices: tuple[Any, ...] | None = None
+    parse: Callable[[str], Any] | None = None
+    sets: tuple[str, ...] = ()
+    default_help: str | None = None
+
+
+def option(flag: str, help: str, **kwargs: Any) -> dict[str, Option]:
+    """Metadata for `dataclasses.field` that makes the field a command-line option."""
+    return {OPTION: Option(flag, help, **kwargs)}
+
+
+def _absolute_path(text: str) -> str:
+    return os.path.abspath(text)
 
 
 @dataclass
@@ -44,35 +115,172 @@ class JobSpec:
     script: str
     script_args: list[str] = field(default_factory=list)
     job_id: str = field(default_factory=new_job_id)
-    nnodes_min: int = 1
-    nnodes_max: int = 1
-    spares: int = 0
-    nproc_per_node: int = 1
-    max_restarts: int = 3
-    # A node whose workers fail twice within this many seconds is evicted.
-    evict_window_s: float = 300.0
-    # A node agent's lease time-to-live: how long a dead node goes unnoticed at most.
-    node_ttl_s: int = 4
-    # In PENDING, how long to wait for more than the minimum number of nodes.
-    join_timeout_s: float = 30.0
-    # A generation whose members have not all started workers by then is an incident.
-    warmup_timeout_s: float = 120.0
-    # After the first failure report, wait this long for the other nodes' reports.
-    settle_s: float = 0.5
-    # The shortest time without progress on any rank that counts as a hang.
-    hang_floor_s: float = 8.0
-    # Keep interpreters with torch already imported ready for each local rank (faster restarts).
-    warm_workers: bool = True
-    # Faults to inject (transom.monitor.faults), for tests, benchmarks and demos.
-    faults: list = field(default_factory=list)
-    # The leading controller's Prometheus endpoint port (0: any free one; -1: none).
-    metrics_port: int = 0
-    # Checkpoint engine: each node's server memory budget (None: half the node's memory), the
-    # storage directory (None: RUN_DIR/checkpoints), complete steps kept there, replicas in peer memory.
-    ckpt_memory_bytes: int | None = None
-    ckpt_storage: str | None = None
-    ckpt_keep: int = 3
-    ckpt_replicas: int = 1
+    nnodes_min: int = field(
+        default=1,
+        metadata=option(
+            "--nnodes",
+            "active nodes; with MIN:MAX the job goes on with as few as MIN",
+            metavar="N|MIN:MAX",
+            parse=parse_nnodes,
+            sets=("nnodes_min", "nnodes_max"),
+        ),
+    )
+    nnodes_max: int = 1  # set by --nnodes with nnodes_min
+    spares: int = field(
+        default=0,
+        metadata=option("--spares", "hot spare nodes that replace evicted ones", metavar="N"),
+    )
+    nproc_per_node: int = field(
+        default=1, metadata=option("--nproc-per-node", "workers per node", metavar="N")
+    )
+    max_restarts: int = field(
+        default=3,
+        metadata=option(
+            "--max-restarts",
+            "restarts allowed for the whole job, counted once per incident",
+            group=GROUP_TOLERANCE,
+            metavar="N",
+        ),
+    )
+    evict_window_s: float = field(
+        default=300.0,
+        metadata=option(
+            "--evict-window",
+            "a node whose workers fail twice within this window is evicted",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
+    node_ttl_s: int = field(
+        default=4,
+        metadata=option(
+            "--node-ttl",
+            "node lease time-to-live: how long a dead node goes unnoticed at most",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
+    join_timeout_s: float = field(
+        default=30.0,
+        metadata=option(
+            "--join-timeout",
+            "how long to wait for more than MIN nodes before starting",
+            metavar="SECONDS",
+        ),
+    )
+    warmup_timeout_s: float = field(
+        default=120.0,
+        metadata=option(
+            "--warmup-timeout",
+            "a generation whose nodes have not all started their workers by then is an "
+            "incident (a restart)",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
+    settle_s: float = field(
+        default=0.5,
+        metadata=option(
+            "--settle-time",
+            "after the first failure report, how long to wait for the other nodes' reports "
+            "before deciding whom to blame",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
+    hang_floor_s: float = field(
+        default=8.0,
+        metadata=option(
+            "--hang-floor",
+            "the shortest time without progress on any rank that counts as a hang",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
+    warm_workers: bool = field(
+        default=True,
+        metadata=option(
+            "--no-warm-workers",
+            "start every worker in a fresh interpreter (default: each agent keeps one per "
+            "local rank ready with torch imported, which saves seconds on every restart)",
+            action="store_false",
+        ),
+    )
+    # Faults to inject (transom.monitor.faults), resolved against the world size and
+    # `fault_seed` when the spec is built from the command line (see `from_args`).
+    faults: list[dict] = field(
+        default_factory=list,
+        metadata=option(
+            "--faults",
+            "inject faults: e.g. 'crash@step=40:rank=1,hang@step=80,"
+            "slow@step=120:node=node2:factor=2,nan@step=30,log@step=20:rank=0,"
+            "kill@step=50:node=node1' or 'random[:count=N][:steps=A-B]'; "
+            "a file holds one fault a line",
+            group=GROUP_FAULTS,
+            metavar="SPEC|FILE",
+            type=str,
+            default_help="none",
+        ),
+    )
+    fault_seed: int = field(
+        default=0,
+        metadata=option(
+            "--fault-seed",
+            "seed for the ranks (and types and steps with 'random') the fault schedule leaves open",
+            group=GROUP_FAULTS,
+            metavar="SEED",
+        ),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=option(
+            "--metrics-port",
+            "the leading controller's Prometheus endpoint: 0 picks a free port (shown by "
+            "`transom status`), -1 turns it off",
+            metavar="PORT",
+        ),
+    )
+    ckpt_memory_bytes: int | None = field(
+        default=None,
+        metadata=option(
+            "--ckpt-memory",
+            "memory budget of each node's checkpoint server, e.g. 16G: its own shards, peers' "
+            "replicas and reusable buffers",
+            group=GROUP_CKPT,
+            metavar="SIZE",
+            parse=parse_size,
+            default_help="half of the node's memory",
+        ),
+    )
+    ckpt_storage: str | None = field(
+        default=None,
+        metadata=option(
+            "--ckpt-storage",
+            "where checkpoint servers persist shards in the background; shared by all nodes",
+            group=GROUP_CKPT,
+            metavar="DIR",
+            parse=_absolute_path,
+            default_help="RUN_DIR/checkpoints",
+        ),
+    )
+    ckpt_keep: int = field(
+        default=3,
+        metadata=option(
+            "--ckpt-keep",
+            "complete checkpoint steps kept in storage",
+            group=GROUP_CKPT,
+            metavar="K",
+        ),
+    )
+    ckpt_replicas: int = field(
+        default=1,
+        metadata=option(
+            "--ckpt-replicas",
+            "copies of each shard in another node's memory",
+            group=GROUP_CKPT,
+            choices=(0, 1),
+        ),
+    )
 
     def validate(self, check_script: bool = True) -> JobSpec:
         if check_script:
@@ -86,7 +294,8 @@ class JobSpec:
             raise ConfigError(f"--spares {self.spares}: cannot be negative")
         if self.spares > self.nnodes_max:
             raise ConfigError(
-                f"--spares {self.spares}: more spares than active nodes ({self.nnodes_max}) makes no sense"
+                f"--spares {self.spares}: more spares than active nodes ({self.nnodes_max}) "
+                "makes no sense"
             )
         if self.nproc_per_node < 1:
             raise ConfigError(
@@ -114,10 +323,10 @@ class JobSpec:
             )
         if self.ckpt_replicas not in (0, 1):
             raise ConfigError(f"--ckpt-replicas {self.ckpt_replicas}: 0 or 1")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.job_id):
-            raise ConfigError(
-                f"--job-id {self.job_id!r}: use letters, digits, '.', '_' and '-' (at most 64)"
-            )
+        try:
+            check_id("--job-id", self.job_id)
+        except BadId as e:
+            raise ConfigError(str(e)) from None
         return self
 
     @property
@@ -129,8 +338,86 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> JobSpec:
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        resolve_faults: Callable[[str, int, int], list[dict]] | None = None,
+        **fields: Any,
+    ) -> JobSpec:
+        """The spec from options added by `add_job_options` (not given: the field's default).
+
+        `fields` sets what the options do not (script, script_args, job_id). `--faults` text
+        is turned into the fault list by `resolve_faults(text, world_size, fault_seed)`.
+        Not validated: call `validate()`.
+        """
+        values: dict[str, Any] = {}
+        for f, opt in job_options():
+            text = getattr(args, f.name)
+            if text is None:
+                continue
+            value = opt.parse(text) if opt.parse is not None else text
+            if opt.sets:
+                values.update(zip(opt.sets, value, strict=True))
+            else:
+                values[f.name] = value
+        faults_text = values.pop("faults", None)
+        spec = cls(**(values | fields))
+        if faults_text:
+            if resolve_faults is None:
+                raise ConfigError("--faults cannot be used here")
+            spec.faults = resolve_faults(faults_text, spec.world_size, spec.fault_seed)
+        return spec
+
+
+def job_options() -> Iterator[tuple[dataclasses.Field, Option]]:
+    """The JobSpec fields that are command-line options, in declaration order."""
+    for f in dataclasses.fields(JobSpec):
+        opt = f.metadata.get(OPTION)
+        if opt is not None:
+            yield f, opt
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"JobSpec.{f.name} is an option without a default")
+
+
+def _help(f: dataclasses.Field, opt: Option) -> str:
+    if opt.action is not None:  # a switch: its help says what the default is
+        return opt.help
+    default = opt.default_help
+    if default is None:
+        value = _default_of(f)
+        default = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{opt.help} (default: {default})"
+
+
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    """Add every JobSpec option to `parser`, grouped for --help; each one's value is None
+    when not given, so the dataclass holds the only defaults."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f, opt in job_options():
+        if opt.group not in groups:
+            groups[opt.group] = parser.add_argument_group(opt.group)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f, opt)}
+        if opt.action is not None:
+            kwargs["action"] = opt.action
+        else:
+            kwargs["metavar"] = opt.metavar
+            if opt.choices is not None:
+                kwargs["choices"] = opt.choices
+            if opt.parse is not None or opt.type is not None:
+                kwargs["type"] = opt.type or str
+            else:
+                kwargs["type"] = type(_default_of(f))
+        groups[opt.group].add_argument(opt.flag, **kwargs)
 
 
 def prepare_run_dir(path: str | os.PathLike) -> Path:
