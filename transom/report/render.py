@@ -7,6 +7,8 @@ markdown and `report.json` always agree.
 
 from __future__ import annotations
 
+from transom.common import files
+
 DEFINITIONS = """\
 **How to read these numbers.** Wall time runs from the run's first event to its final
 (succeeded/failed) event. A generation restores step r (0 when fresh) and *trains again* at its
@@ -45,7 +47,8 @@ def _goodput(g: dict) -> list[str]:
     lines = ["| measure | value |", "|---|---|", f"| wall time | {_s(wall)} |"]
     if not g["progress_available"]:
         lines.append(
-            "| steps, effective training time, lost steps | unavailable: the run has no progress.jsonl |"
+            "| steps, effective training time, lost steps "
+            f"| unavailable: the run has no {files.PROGRESS} |"
         )
     else:
         lines += [
@@ -86,7 +89,8 @@ def _faults(rows: list[dict], origin: float) -> list[str]:
             "n/a"
             if r["recovered_at"] is None
             else (
-                f"g{r['recovered_in_generation']}, {_at(r['running_at'], origin)}, {_at(r['recovered_at'], origin)}"
+                f"g{r['recovered_in_generation']}, {_at(r['running_at'], origin)}, "
+                f"{_at(r['recovered_at'], origin)}"
             )
         )
         cells = [
@@ -123,7 +127,8 @@ def _incidents(summary: dict, origin: float) -> list[str]:
     causes = [
         f"- generation {i['generation']} -> {i['next_generation']}: {i['cause'] or 'unknown cause'}"
         + (
-            f" ({i['lost_steps']} steps lost: reached {i['interrupted_step']}, restored {i['restore_step']})"
+            f" ({i['lost_steps']} steps lost: reached {i['interrupted_step']}, "
+            f"restored {i['restore_step']})"
             if i["lost_steps"] is not None
             else ""
         )
@@ -138,8 +143,8 @@ def _weights(w: dict) -> list[str]:
     if w["identical"]:
         return [
             (
-                f"**Bit-identical**: all {w['tensors']} tensors of the final model equal the fault-free "
-                "run's, byte for byte."
+                f"**Bit-identical**: all {w['tensors']} tensors of the final model equal the "
+                "fault-free run's, byte for byte."
             )
         ]
     lines = [f"**Not identical**: {len(w['differing'])} of {w['tensors']} tensors differ."]
@@ -179,7 +184,8 @@ def render_markdown(summary: dict, png_name: str | None = "report.png") -> str:
             f"**Outcome: {outcome['state']}** ({_cell(outcome['reason'])}). "
             f"{outcome['generations']} generation(s), {outcome['restarts']} restart(s); "
             f"{counts['recovered']} of {counts['total']} faults detected and recovered, "
-            f"{counts['not_recovered']} detected but not recovered, {counts['not_detected']} not detected."
+            f"{counts['not_recovered']} detected but not recovered, "
+            f"{counts['not_detected']} not detected."
         ),
         "",
     ]

@@ -6,8 +6,8 @@ as a drop to the restored step), a red line per fault injection labelled with it
 shaded spans from each injection to its detection and from the detection to training again.
 Bottom panel: one lane per node, coloured by its role over time (member, spare, evicted).
 
-Drawn with matplotlib's Agg backend (no display needed). This module must never compute report
-numbers of its own: it draws what `analysis` computed.
+Drawn on a bare matplotlib Figure (no pyplot: no display, no global state). This module must
+never compute report numbers of its own: it draws what `analysis` computed.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from transom.report.analysis import Generation, kept_steps  # noqa: E402
+from transom.report.analysis import Generation, kept_steps
 
 FIGURE_WIDTH_IN = 13.0
 PROGRESS_HEIGHT_IN = 4.6
@@ -30,7 +29,7 @@ FAULT_COLOUR = "#c1121f"
 DETECTION_COLOUR = "#f4a261"
 RECOVERY_COLOUR = "#8ecae6"
 ROLE_COLOURS = {"member": "#2a9d8f", "spare": "#b8c0c8", "evicted": "#e76f51"}
-GENERATION_COLOURS = plt.get_cmap("tab10").colors
+GENERATION_COLOURS = matplotlib.color_sequences["tab10"]
 LOST_ALPHA = 0.45
 FAULT_LABEL_ROWS = 3
 OUTCOME_COLOURS = {"SUCCEEDED": "#2a9d8f", "FAILED": "#c1121f"}
@@ -51,15 +50,12 @@ def draw_timeline(
     """Write the timeline PNG of one run to `path`."""
     origin, end = summary["start_at"], summary["end_at"]
     lanes = list(membership)
-    fig, (top, bottom) = plt.subplots(
-        2,
-        1,
-        sharex=True,
-        figsize=(FIGURE_WIDTH_IN, PROGRESS_HEIGHT_IN + 0.8 + LANE_HEIGHT_IN * max(len(lanes), 2)),
-        gridspec_kw={
-            "height_ratios": [PROGRESS_HEIGHT_IN, 0.8 + LANE_HEIGHT_IN * max(len(lanes), 2)]
-        },
-        layout="constrained",
+    lanes_height_in = 0.8 + LANE_HEIGHT_IN * max(len(lanes), 2)
+    fig = Figure(
+        figsize=(FIGURE_WIDTH_IN, PROGRESS_HEIGHT_IN + lanes_height_in), layout="constrained"
+    )
+    top, bottom = fig.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": [PROGRESS_HEIGHT_IN, lanes_height_in]}
     )
     outcome = summary["outcome"]
     goodput = summary["goodput"]
@@ -90,7 +86,8 @@ def draw_timeline(
             )  # where the kept steps end, between two samples
             kept_points.append(split)
             lost_points.insert(0, split)
-        label = f"generation {g.number} ({'fresh' if g.restore_step == 0 else f'from step {g.restore_step}'})"
+        begins = "fresh" if g.restore_step == 0 else f"from step {g.restore_step}"
+        label = f"generation {g.number} ({begins})"
         if kept_points:
             (line,) = top.plot(*zip(*kept_points, strict=True), color=colour, lw=2.2, label=label)
             handles.append(line)
@@ -107,7 +104,7 @@ def draw_timeline(
         top.plot(*(kept_points or lost_points)[0], "o", color=colour, ms=4)
     if any(k < g.reached_step for g, k in zip(gens, kept_steps(gens), strict=True) if g.samples):
         handles.append(
-            plt.Line2D(
+            Line2D(
                 [],
                 [],
                 color="grey",
@@ -170,7 +167,7 @@ def draw_timeline(
     )
 
     handles += [
-        plt.Line2D([], [], color=FAULT_COLOUR, ls="--", label="fault injected"),
+        Line2D([], [], color=FAULT_COLOUR, ls="--", label="fault injected"),
         Patch(color=DETECTION_COLOUR, alpha=0.35, label="detecting (injection to detection)"),
         Patch(color=RECOVERY_COLOUR, alpha=0.35, label="recovering (detection to training again)"),
     ]
@@ -209,5 +206,4 @@ def draw_timeline(
     bottom.grid(axis="x", alpha=0.3)
     path = Path(path)
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
     return path

@@ -86,7 +86,7 @@ class Store:
         return json.loads(values[0]) if values else None
 
     def wait_for(self, name: str, timeout_s: float, poll_s: float = 0.2) -> Any:
-        """The value of `name` once it exists; StoreError if it does not appear within `timeout_s`."""
+        """The value of `name` once it exists; StoreError if it does not appear in `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while (value := self.get(name)) is None:
             if time.monotonic() > deadline:
