@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
 
-from transom.config import ConfigError, JobSpec, new_job_id, parse_nnodes, prepare_run_dir
+from transom.config import (
+    ConfigError,
+    JobSpec,
+    add_job_options,
+    job_options,
+    new_job_id,
+    parse_nnodes,
+    parse_size,
+    prepare_run_dir,
+)
 
 # -- parse_nnodes ---------------------------------------------------------------------------------
 
@@ -42,7 +52,7 @@ def test_parse_nnodes_rejects_max_below_min():
         parse_nnodes("4:2")
 
 
-# -- JobSpec.validate -------------------------------------------------------------------------------
+# -- JobSpec.validate ------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -118,7 +128,7 @@ def test_new_job_ids_are_valid_and_distinct(script):
         JobSpec(script=script, job_id=job_id).validate()
 
 
-# -- prepare_run_dir ----------------------------------------------------------------------------------
+# -- prepare_run_dir -------------------------------------------------------------------------------
 
 
 def test_prepare_run_dir_creates_nested_directories(tmp_path):
@@ -151,7 +161,7 @@ def test_prepare_run_dir_read_only(tmp_path):
         ro.chmod(0o700)
 
 
-# -- serialisation -------------------------------------------------------------------------------------
+# -- serialisation ---------------------------------------------------------------------------------
 
 
 def test_to_dict_from_dict_round_trip(script):
@@ -178,3 +188,96 @@ def test_to_dict_from_dict_round_trip(script):
 def test_from_dict_ignores_unknown_keys(script):
     data = JobSpec(script=script, job_id="job-y").to_dict() | {"added_in_a_later_version": 1}
     assert JobSpec.from_dict(data) == JobSpec(script=script, job_id="job-y")
+
+
+# -- the options JobSpec declares -----------------------------------------------------------------
+
+
+def _parse(*argv: str, resolve_faults=None) -> JobSpec:
+    parser = argparse.ArgumentParser()
+    add_job_options(parser)
+    args = parser.parse_args(list(argv))
+    return JobSpec.from_args(args, resolve_faults=resolve_faults, script="s.py", job_id="j")
+
+
+def test_no_options_give_the_dataclass_defaults():
+    assert _parse() == JobSpec(script="s.py", job_id="j")
+
+
+def test_every_option_sets_its_field():
+    seen = []
+    spec = _parse(
+        *("--nnodes", "2:4", "--spares", "1", "--nproc-per-node", "2", "--max-restarts", "7"),
+        *("--evict-window", "12.5", "--node-ttl", "6", "--join-timeout", "3"),
+        *("--warmup-timeout", "60", "--settle-time", "2", "--hang-floor", "12.5"),
+        *("--no-warm-workers", "--faults", "crash@step=4", "--fault-seed", "9"),
+        *("--metrics-port", "-1", "--ckpt-memory", "1.5G", "--ckpt-storage", "rel/dir"),
+        *("--ckpt-keep", "5", "--ckpt-replicas", "0"),
+        resolve_faults=lambda text, world, seed: seen.append((text, world, seed)) or ["F"],
+    )
+    assert (spec.nnodes_min, spec.nnodes_max, spec.spares, spec.nproc_per_node) == (2, 4, 1, 2)
+    assert (spec.max_restarts, spec.evict_window_s, spec.node_ttl_s) == (7, 12.5, 6)
+    assert (spec.join_timeout_s, spec.warmup_timeout_s, spec.settle_s) == (3.0, 60.0, 2.0)
+    assert spec.hang_floor_s == 12.5 and spec.warm_workers is False
+    # The fault schedule is resolved against the world size and the seed.
+    assert spec.faults == ["F"] and seen == [("crash@step=4", 8, 9)] and spec.fault_seed == 9
+    assert spec.metrics_port == -1 and spec.ckpt_memory_bytes == 3 << 29
+    assert spec.ckpt_storage == os.path.abspath("rel/dir")
+    assert (spec.ckpt_keep, spec.ckpt_replicas) == (5, 0)
+    # Each option was exercised: a field added later with an option must be added here too.
+    defaults = JobSpec(script="s.py", job_id="j")
+    changed = {
+        f.name for f, _ in job_options() if getattr(spec, f.name) != getattr(defaults, f.name)
+    }
+    assert changed == {f.name for f, _ in job_options()}
+
+
+def test_options_are_checked_by_validate(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for argv, message in [
+        (("--warmup-timeout", "0"), "--warmup-timeout 0.0: must be positive"),
+        (("--settle-time", "31"), "--settle-time 31.0: between 0 and 30 seconds"),
+        (("--settle-time", "-1"), "--settle-time"),
+        (("--hang-floor", "0.5"), "--hang-floor 0.5: at least 1 second"),
+        (("--node-ttl", "1"), "--node-ttl 1: at least 2 seconds"),
+        (("--metrics-port", "70000"), "--metrics-port"),
+        (("--ckpt-keep", "0"), "--ckpt-keep 0"),
+    ]:
+        spec = _parse(*argv)
+        spec.script = str(script)
+        with pytest.raises(ConfigError, match=message):
+            spec.validate()
+
+
+def test_bad_option_text_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected N or MIN:MAX"):
+        _parse("--nnodes", "two")
+    with pytest.raises(ConfigError, match="is not a size"):
+        _parse("--ckpt-memory", "lots")
+    with pytest.raises(ConfigError, match="--faults cannot be used here"):
+        _parse("--faults", "crash@step=1")  # nothing to resolve them with
+
+
+def test_help_shows_the_dataclass_defaults():
+    parser = argparse.ArgumentParser()
+    add_job_options(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--warmup-timeout SECONDS a generation whose nodes" in text
+    for shown in ("(default: 120)", "(default: 0.5)", "(default: 8)", "(default: 300)"):
+        assert shown in text
+    assert "(default: half of the node's memory)" in text
+    assert "--no-warm-workers" in text
+
+
+@pytest.mark.parametrize(
+    "text, size", [("8G", 8 << 30), ("512MiB", 512 << 20), ("1.5g", 3 << 29), ("1000", 1000)]
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "G", "lots", "0", "-1G"])
+def test_parse_size_rejects_non_sizes(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
