@@ -1,6 +1,9 @@
 """The `transom` command: run | demo | agent | controller | status | events | report | ckpt-server.
 
-Every refusal or failure exits non-zero with a one-line reason on stderr.
+Every refusal or failure exits non-zero with a one-line reason on stderr; every id given on the
+command line is checked with `transom.common.names.check_id` before a command runs. The job's
+options (`run`, `controller`) come from `JobSpec` (`transom.config.add_job_options`): this module
+must never define a job option or a default of its own.
 """
 
 from __future__ import annotations
@@ -252,10 +255,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many "
             f"({MAX_SIMULATED_NODES} at most)"
         )
-    run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / spec.job_id)
-    host = args.host or ("127.0.0.1" if args.store is None else host_address())
     if args.refill_spares and args.store is not None:
         raise ConfigError("--refill-spares starts simulated nodes; it cannot be used with --store")
+    run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / spec.job_id)
+    host = args.host or ("127.0.0.1" if args.store is None else host_address())
     launch = Launch(
         spec=spec,
         run_dir=run_dir,

@@ -70,11 +70,12 @@ def new_job_id() -> str:
 
 OPTION = "option"  # the dataclasses.field metadata key that holds a field's `Option`
 
-# Help-output groups, in the order they are shown.
+# Help-output groups of the options, in the order --help shows them.
 GROUP_JOB = "job"
 GROUP_TOLERANCE = "fault tolerance"
 GROUP_CKPT = "checkpoints"
 GROUP_FAULTS = "fault injection (tests, benchmarks, demos)"
+GROUPS = (GROUP_JOB, GROUP_TOLERANCE, GROUP_CKPT, GROUP_FAULTS)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ class JobSpec:
             default_help="none",
         ),
     )
+    # The seed the fault schedule was resolved with (kept so a run can be repeated).
     fault_seed: int = field(
         default=0,
         metadata=option(
@@ -402,10 +404,8 @@ def _help(f: dataclasses.Field, opt: Option) -> str:
 def add_job_options(parser: argparse.ArgumentParser) -> None:
     """Add every JobSpec option to `parser`, grouped for --help; each one's value is None
     when not given, so the dataclass holds the only defaults."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for f, opt in job_options():
-        if opt.group not in groups:
-            groups[opt.group] = parser.add_argument_group(opt.group)
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f, opt)}
         if opt.action is not None:
             kwargs["action"] = opt.action
