@@ -182,8 +182,8 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
     if args.first_save:
         dt, h = timed(lambda: engine.save(1, state))
         r["transom_first_save_s"] = dt
-        h.wait("persisted")
-        h.wait("replicated")
+        h.wait("storage")
+        h.wait("peer")
     for step in range(2, 2 + args.saves):
         engine.prepare(
             state
@@ -193,9 +193,9 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
         h = engine.save(step, state)
         times.append(time.perf_counter() - t0)
         assert h.ok, h.error
-        h.wait("persisted")
+        h.wait("storage")
         r["transom_persisted_s"] = time.perf_counter() - t0
-        h.wait("replicated")
+        h.wait("peer")
         r["transom_replicated_s"] = time.perf_counter() - t0
         dist.barrier()
     r["transom_save_s"] = statistics.median(times)

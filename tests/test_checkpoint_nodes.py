@@ -162,7 +162,7 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
                 10,
                 "both servers registered",
             )
-            engine.save(3, state).wait("replicated", timeout=60)
+            engine.save(3, state).wait("peer", timeout=60)
             engine.close()
             holders = catalog.holders(store, 3, 0)
             assert set(holders) == {"mem-node0", "mem-node1"}, holders
@@ -222,7 +222,7 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
     ) as engine:
         step += 1
         expected[step] = torch.full((8 << 20,), float(step))
-        engine.save(step, {"w": expected[step], "step": step}).wait("persisted")
+        engine.save(step, {"w": expected[step], "step": step}).wait("storage")
     assert step in storage.complete_steps(root)
     loaded = 0
     for s in storage.complete_steps(root):
