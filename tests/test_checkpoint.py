@@ -24,7 +24,7 @@ ALL_DTYPES = sorted(layout.DTYPES.values(), key=str)
 
 
 def random_tensor(dtype: torch.dtype, shape=(6, 5)) -> torch.Tensor:
-    """Random bits reinterpreted as `dtype`, so every bit pattern (NaN payloads too) must survive."""
+    """Random bits reinterpreted as `dtype`: every bit pattern (NaN payloads too) must survive."""
     size = dtype.itemsize
     raw = torch.randint(0, 256, (int(np.prod(shape)) * size,), dtype=torch.uint8)
     if dtype == torch.bool:
@@ -58,7 +58,11 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
     if isinstance(a, float) and a != a:
         return isinstance(b, float) and b != b
     return type(a) is type(b) and a == b
@@ -68,7 +72,7 @@ def rich_state() -> dict:
     torch.manual_seed(1)
     base = torch.randn(8, 12)
     model = OrderedDict((("w", torch.randn(4, 4)), ("b", torch.zeros(4))))
-    model._metadata = OrderedDict({"": {"version": 2}})
+    model._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
     return {
         "dtypes": {str(dt): random_tensor(dt) for dt in ALL_DTYPES},
         "base": base,
@@ -203,7 +207,8 @@ def _craft(header: dict, data: bytes) -> bytes:
 def test_crafted_shards_cannot_run_code(
     tmp_path: Path, monkeypatch, tree, tensors, storages, message
 ) -> None:
-    """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or an error."""
+    """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or
+    an error."""
 
     def forbidden(*a, **k):
         raise AssertionError("unpickling was attempted")
@@ -346,12 +351,14 @@ def test_memory_keeps_two_steps_per_rank_and_storage_keeps_k(tmp_path: Path) -> 
         server.stop()
 
 
-def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
+def test_unwritable_storage_is_retried_and_reported(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the storage directory should be")
     server = _server(tmp_path, budget=1 << 30, storage_dir=blocker / "ckpt")
     events = []
-    server.publisher.event = lambda action, message, **f: events.append((action, message))
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append((action, message))
+    )
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         handle = engine.save(1, {"w": torch.ones(10)})
@@ -367,7 +374,7 @@ def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_peer_authentication(tmp_path: Path) -> None:
+def test_peer_authentication(tmp_path: Path, monkeypatch) -> None:
     cfg = ServerConfig(
         node_id="n0",
         socket_path=tmp_path / "s.sock",
@@ -378,7 +385,9 @@ def test_peer_authentication(tmp_path: Path) -> None:
     )
     server = CheckpointServer(cfg).start()
     events = []
-    server.publisher.event = lambda action, message, **f: events.append(action)
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append(action)
+    )
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         state = {"w": torch.randn(1000)}
@@ -404,7 +413,8 @@ def test_sizes_parse() -> None:
 
 
 def test_manifest_written_last(tmp_path: Path) -> None:
-    """A step is complete only when every rank's shard is there; the manifest then lists them all."""
+    """A step is complete only when every rank's shard is there; the manifest then lists them
+    all."""
     root = tmp_path / "store"
     for rank in (0, 1):
         plan = layout.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
