@@ -1,4 +1,4 @@
-"""Checkpoint benchmark: transom.checkpoint against torch.save/torch.load and torch.distributed.checkpoint.
+"""Checkpoint benchmark: transom.checkpoint vs torch.save/load and torch.distributed.checkpoint.
 
 For each total state size (fp32 model + Adam-like optimizer state: params and two moments) and rank
 count (the state split evenly across ranks, one process per rank, gloo process group), it measures
@@ -7,12 +7,17 @@ per rank, and reports the slowest rank:
   transom_save_s         blocking part of Engine.save (the copy into the node server's memory;
                          its region prepared ahead with Engine.prepare, as after the first save)
   transom_first_save_s   the same for a first save without prepare (region created on the way)
-  transom_persisted_s    save -> persisted to storage (background), transom_replicated_s -> in peer memory
+  transom_persisted_s    save -> in the storage tier (background);
+                         transom_replicated_s: save -> in the peer tier (the peer's memory)
   torch_save_s           torch.save to a file on the same disk as transom's storage
-  dcp_save_s             torch.distributed.checkpoint.save; dcp_async_save_s: async_save's blocking part
-  transom_load_memory_s  Engine.load from the local server's memory (copy-on-write views, checksums verified)
-  transom_load_peer_s    ... from the peer server's replica over TCP; transom_load_storage_s from the file
-  torch_load_s           torch.load(weights_only=True); dcp_load_s: dcp.load into a preallocated state
+  dcp_save_s             torch.distributed.checkpoint.save;
+                         dcp_async_save_s: async_save's blocking part
+  transom_load_memory_s  Engine.load from the local server's memory (copy-on-write views,
+                         checksums verified)
+  transom_load_peer_s    ... from the peer server's replica over TCP;
+                         transom_load_storage_s: from the file
+  torch_load_s           torch.load(weights_only=True);
+                         dcp_load_s: dcp.load into a preallocated state
 and ratios (`_x`) against the baselines of the same run. Two checkpoint servers run as processes on
 this machine: "node0" (the ranks' own) replicating to "node1". peak_gib is the most memory the
 machine had in use during the case beyond what it used before (shared memory included, page cache
@@ -83,7 +88,8 @@ def flat_tensors(state):
 
 
 def dcp_view(state, rank):
-    """DCP needs flat, rank-unique keys (plain tensors with one name on all ranks count as replicated)."""
+    """DCP needs flat, rank-unique keys (plain tensors with one name on all ranks count as
+    replicated)."""
     flat = dict(state["model"])
     for name, s in state["optim"]["state"].items():
         flat.update({f"{name}.{k}": v for k, v in s.items()})
@@ -139,7 +145,7 @@ def baselines(state, rank: int, work: Path, nbytes: int, r: dict) -> None:
 
     floor_copy()
     r["floor_s"] = statistics.median(timed(floor_copy)[0] for _ in range(3))
-    buf = tensors = None  # free them (the closure above keeps the names)
+    buf = tensors = None  # type: ignore[assignment]  # free them (the closure above keeps the names)
     dist.barrier()
     path = work / f"torch-rank{rank}.pt"
     r["torch_save_s"], _ = timed(lambda: torch.save(state, path))
@@ -182,8 +188,8 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
     if args.first_save:
         dt, h = timed(lambda: engine.save(1, state))
         r["transom_first_save_s"] = dt
-        h.wait("persisted")
-        h.wait("replicated")
+        h.wait("storage")
+        h.wait("peer")
     for step in range(2, 2 + args.saves):
         engine.prepare(
             state
@@ -193,9 +199,9 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
         h = engine.save(step, state)
         times.append(time.perf_counter() - t0)
         assert h.ok, h.error
-        h.wait("persisted")
+        h.wait("storage")
         r["transom_persisted_s"] = time.perf_counter() - t0
-        h.wait("replicated")
+        h.wait("peer")
         r["transom_replicated_s"] = time.perf_counter() - t0
         dist.barrier()
     r["transom_save_s"] = statistics.median(times)
@@ -204,7 +210,7 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
     # Loads, one at a time (each result freed before the next).
     for tier in ("memory", "peer", "storage"):
         dist.barrier()
-        dt, out = timed(lambda: engine.load(last, tier=tier))
+        dt, out = timed(lambda tier=tier: engine.load(last, tier=tier))
         assert engine.last_load["tier"] == tier, engine.last_load
         r[f"transom_load_{tier}_s"] = dt
         del out
@@ -217,6 +223,7 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
 def start_server(
     work: Path, node: str, budget: int, extra: list[str]
 ) -> tuple[subprocess.Popen, str, str]:
+    from transom.common import env
     from transom.utils.procs import die_with_parent
 
     sock = str(work / f"{node}.sock")
@@ -240,7 +247,7 @@ def start_server(
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "TRANSOM_CKPT_SECRET": SECRET},
+        env={**os.environ, env.CKPT_SECRET: SECRET},
         preexec_fn=die_with_parent,
     )
     deadline = time.monotonic() + 60
@@ -400,7 +407,7 @@ def print_table(rows: list[dict]) -> None:
         )
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     for line in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
 
 
 def main() -> int:

@@ -737,7 +737,7 @@ def main(argv=None):
     if engine is not None:
         if last_save is not None and last_save.ok:
             try:
-                last_save.wait("persisted")  # the job's last checkpoint is on disk before it ends
+                last_save.wait("storage")  # the job's last checkpoint is on disk before it ends
             except checkpoint.CheckpointError as e:
                 log(f"[train_gpt] warning: rank={rank} final checkpoint not persisted: {e}")
         engine.close()

@@ -15,14 +15,16 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import layout, replication, storage
-from transom.checkpoint.server import CheckpointServer, ServerConfig, parse_size
+from transom.checkpoint import config, layout, replication, storage, tiers
+from transom.checkpoint.config import ServerConfig, parse_size
+from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.tiers import LoaderContext, LoadTier
 
 ALL_DTYPES = sorted(layout.DTYPES.values(), key=str)
 
 
 def random_tensor(dtype: torch.dtype, shape=(6, 5)) -> torch.Tensor:
-    """Random bits reinterpreted as `dtype`, so every bit pattern (NaN payloads too) must survive."""
+    """Random bits reinterpreted as `dtype`: every bit pattern (NaN payloads too) must survive."""
     size = dtype.itemsize
     raw = torch.randint(0, 256, (int(np.prod(shape)) * size,), dtype=torch.uint8)
     if dtype == torch.bool:
@@ -56,7 +58,11 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
     if isinstance(a, float) and a != a:
         return isinstance(b, float) and b != b
     return type(a) is type(b) and a == b
@@ -66,7 +72,7 @@ def rich_state() -> dict:
     torch.manual_seed(1)
     base = torch.randn(8, 12)
     model = OrderedDict((("w", torch.randn(4, 4)), ("b", torch.zeros(4))))
-    model._metadata = OrderedDict({"": {"version": 2}})
+    model._metadata = OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
     return {
         "dtypes": {str(dt): random_tensor(dt) for dt in ALL_DTYPES},
         "base": base,
@@ -201,7 +207,8 @@ def _craft(header: dict, data: bytes) -> bytes:
 def test_crafted_shards_cannot_run_code(
     tmp_path: Path, monkeypatch, tree, tensors, storages, message
 ) -> None:
-    """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or an error."""
+    """Loading never unpickles: with pickle and torch.load disabled, a crafted shard is data or
+    an error."""
 
     def forbidden(*a, **k):
         raise AssertionError("unpickling was attempted")
@@ -239,9 +246,9 @@ def test_engine_saves_to_memory_and_loads_back_bit_exactly(tmp_path: Path) -> No
         assert same(state, back)
         back["base"].add_(1)  # a loaded tensor is the caller's: changing it changes no checkpoint
         assert same(state, engine.load(10))
-        handle.wait("persisted", timeout=30)
+        handle.wait("storage", timeout=30)
         with pytest.raises(checkpoint.CheckpointError, match="replication is off"):
-            handle.wait("replicated", timeout=30)
+            handle.wait("peer", timeout=30)
     # A new process (here: a new engine) finds it in storage.
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
         assert same(state, engine.load())
@@ -251,8 +258,8 @@ def test_engine_saves_to_memory_and_loads_back_bit_exactly(tmp_path: Path) -> No
 def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
         state = {"w": torch.randn(1000)}
-        engine.save(3, state).wait("persisted", timeout=30)
-        shard = engine.server.shards[(3, 0)]
+        engine.save(3, state).wait("storage", timeout=30)
+        shard = engine.server.memory.shards[(3, 0)]
         shard.region.map[100] ^= 0xFF  # a bit flip in the server's memory
         back = engine.load()
         assert engine.last_load["tier"] == "storage"
@@ -265,7 +272,7 @@ def test_corrupt_storage_copy_is_detected_and_an_older_step_used(
     root = tmp_path / "store"
     with checkpoint.Engine(storage_dir=root) as engine:
         for step in (1, 2):
-            engine.save(step, {"w": torch.full((1000,), float(step))}).wait("persisted", timeout=30)
+            engine.save(step, {"w": torch.full((1000,), float(step))}).wait("storage", timeout=30)
     path = storage.shard_path(root, 2, 0)
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0x01
@@ -311,13 +318,13 @@ def test_budget_refuses_a_save_that_does_not_fit_and_training_goes_on(tmp_path: 
             4,
         ):  # two regions fit: the newest complete step plus the one being saved
             engine.save(step, state).wait("memory", timeout=30)
-        held = {s.step for s in server.shards.values()}
+        held = {s.step for s in server.memory.shards.values()}
         assert held == {3, 4}
         big = engine.save(5, {"w": torch.zeros(3 * shard // 4)})
         assert not big.ok and "does not fit" in big.error and "--ckpt-memory" in big.error
         with pytest.raises(checkpoint.SaveRefused):
             big.wait("memory")
-        assert {s.step for s in server.shards.values()} == {3, 4}  # nothing was lost for it
+        assert {s.step for s in server.memory.shards.values()} == {3, 4}  # nothing was lost
         assert engine.save(6, state).ok  # and the next save of the usual size works
         engine.close()
     finally:
@@ -333,23 +340,25 @@ def test_memory_keeps_two_steps_per_rank_and_storage_keeps_k(tmp_path: Path) -> 
         )
         for step in range(1, 6):
             engine.save(step, {"w": torch.full((1 << 16,), float(step))}).wait(
-                "persisted", timeout=30
+                "storage", timeout=30
             )
-        assert sorted(s.step for s in server.shards.values()) == [4, 5]
+        assert sorted(s.step for s in server.memory.shards.values()) == [4, 5]
         assert storage.complete_steps(root) == [5, 4]
         assert (root / "latest").read_text().strip() == "5"
-        assert len(server.free) >= 1  # an evicted step's region waits for the next save
+        assert len(server.memory.free) >= 1  # an evicted step's region waits for the next save
         engine.close()
     finally:
         server.stop()
 
 
-def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
+def test_unwritable_storage_is_retried_and_reported(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the storage directory should be")
     server = _server(tmp_path, budget=1 << 30, storage_dir=blocker / "ckpt")
     events = []
-    server.event = lambda action, message, **f: events.append((action, message))
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append((action, message))
+    )
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         handle = engine.save(1, {"w": torch.ones(10)})
@@ -358,14 +367,14 @@ def test_unwritable_storage_is_retried_and_reported(tmp_path: Path) -> None:
             lambda: any(a == "failed" and "retrying" in m for a, m in events), 10, "a failure event"
         )
         blocker.unlink()  # the disk is fixed: the retry succeeds
-        handle.wait("persisted", timeout=30)
+        handle.wait("storage", timeout=30)
         assert storage.complete_steps(blocker / "ckpt") == [1]
         engine.close()
     finally:
         server.stop()
 
 
-def test_peer_authentication(tmp_path: Path) -> None:
+def test_peer_authentication(tmp_path: Path, monkeypatch) -> None:
     cfg = ServerConfig(
         node_id="n0",
         socket_path=tmp_path / "s.sock",
@@ -376,7 +385,9 @@ def test_peer_authentication(tmp_path: Path) -> None:
     )
     server = CheckpointServer(cfg).start()
     events = []
-    server.event = lambda action, message, **f: events.append(action)
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append(action)
+    )
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         state = {"w": torch.randn(1000)}
@@ -402,7 +413,8 @@ def test_sizes_parse() -> None:
 
 
 def test_manifest_written_last(tmp_path: Path) -> None:
-    """A step is complete only when every rank's shard is there; the manifest then lists them all."""
+    """A step is complete only when every rank's shard is there; the manifest then lists them
+    all."""
     root = tmp_path / "store"
     for rank in (0, 1):
         plan = layout.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
@@ -445,3 +457,112 @@ def test_shared_memory_of_dead_servers_is_swept_and_live_ones_kept(tmp_path: Pat
     finally:
         for s in listeners:
             s.close()
+
+
+class ObjectStoreTier(LoadTier):
+    """A test-only tier: shards kept as encoded bytes in a dict, as an object store keeps them."""
+
+    name = "object-store"
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+        self.reads = 0
+
+    def put(self, step: int, rank: int, world_size: int, state: dict) -> None:
+        plan = layout.plan_state(state, step, rank, world_size)
+        data = bytearray(plan.data_len)
+        layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
+        plan.header["chunks"] = layout.checksum_data(memoryview(data))
+        self.objects[(step, rank)] = (layout.encode_header(plan.header), bytes(data))
+
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+        return (
+            [{"tier": self.name, "key": f"{step}/{rank}"}] if (step, rank) in self.objects else []
+        )
+
+    def read(self, ctx: LoaderContext, source: dict, step: int, rank: int):
+        self.reads += 1
+        head, data = self.objects[(step, rank)]
+        header, _ = layout.decode_header(head)
+        layout.check_identity(header, step, rank)
+        buf = bytearray(data)
+        layout.verify_data(header, memoryview(buf))
+        return header, torch.frombuffer(buf, dtype=torch.uint8)
+
+    def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
+        return sorted({step for step, _ in self.objects}, reverse=True)
+
+
+def test_a_registered_tier_is_consulted_after_the_built_in_ones(
+    tmp_path: Path, monkeypatch
+) -> None:
+    extra = ObjectStoreTier()
+    monkeypatch.setattr(tiers, "REGISTERED", [*tiers.REGISTERED, extra])
+    only_there = {"w": torch.arange(10.0)}
+    extra.put(7, 0, 1, only_there)
+    with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
+        assert same(only_there, engine.load(7))
+        assert engine.last_load["tier"] == "object-store" and extra.reads == 1
+        in_memory = {"w": torch.ones(10)}
+        engine.save(3, in_memory).wait("memory", timeout=30)
+        extra.put(3, 0, 1, {"w": torch.zeros(10)})
+        assert same(in_memory, engine.load(3))  # a faster tier holds it: the new one is not read
+        assert engine.last_load["tier"] == "memory" and extra.reads == 1
+        assert same({"w": torch.zeros(10)}, engine.load(3, tier="object-store"))
+        extra.objects[(7, 0)] = (extra.objects[(7, 0)][0], bytes(40))  # a corrupt copy
+        with pytest.raises(checkpoint.CheckpointError, match="object-store: .*checksum"):
+            engine.load(7)
+
+
+def test_old_tier_names_still_work_with_a_deprecation_warning(tmp_path: Path) -> None:
+    with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
+        handle = engine.save(1, {"w": torch.ones(4)})
+        with pytest.warns(DeprecationWarning, match="'persisted' is now called 'storage'"):
+            handle.wait("persisted", timeout=30)
+        with (
+            pytest.warns(DeprecationWarning),
+            pytest.raises(checkpoint.CheckpointError, match="off"),
+        ):
+            handle.wait("replicated", timeout=30)
+        with pytest.raises(ValueError, match="unknown tier 'disk'"):
+            handle.wait("disk")
+
+
+def test_server_options_are_generated_from_its_config() -> None:
+    parser = config.build_parser()
+    argv = config.to_argv(
+        node_id="n1", job_id="j", storage_keep=5, budget_bytes=1 << 30, storage_dir="/tmp/s"
+    )
+    assert argv[:4] == ["--node-id", "n1", "--job-id", "j"] and "--keep" in argv
+    cfg = config.from_args(parser.parse_args(argv), environ={})
+    assert (cfg.node_id, cfg.job_id, cfg.storage_keep, cfg.budget_bytes) == ("n1", "j", 5, 1 << 30)
+    assert cfg.storage_dir == Path("/tmp/s") and cfg.socket_path == cfg.shm_dir / "server.sock"
+    assert cfg.replicas == 0 and cfg.memory_keep == ServerConfig.memory_keep  # no peers: no replica
+    with pytest.raises(KeyError, match="secret"):
+        config.to_argv(secret=b"x")  # the secret is never an option (it would show in `ps`)
+    networked = parser.parse_args(["--store", "http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="TRANSOM_CKPT_SECRET"):
+        config.from_args(networked, environ={})
+    cfg = config.from_args(networked, environ={"TRANSOM_CKPT_SECRET": "s"})
+    assert cfg.secret == b"s" and cfg.replicas == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--memory", "lots"])
+
+
+def test_the_plan_is_read_validated() -> None:
+    from transom.checkpoint.publisher import PlanView, read_plan
+
+    class FakeStore:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def get(self, key):
+            assert key == "plan"
+            return self.plan
+
+    good = {"generation": 3, "members": ["n0", "n1"], "restore_step": 20, "other": 1}
+    assert read_plan(FakeStore(good)) == PlanView(3, ["n0", "n1"], 20)  # type: ignore[arg-type]
+    bad = {"generation": "3", "members": ["n0", 5], "restore_step": True}
+    assert read_plan(FakeStore(bad)) == PlanView(None, ["n0"], None)  # type: ignore[arg-type]
+    assert read_plan(FakeStore(None)) == PlanView()  # type: ignore[arg-type]
+    assert read_plan(FakeStore(["n0"])) == PlanView()  # type: ignore[arg-type]

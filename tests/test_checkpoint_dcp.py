@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint through Transom's tiers: round trip, and 2 ranks saved -> 1 rank loaded."""
+"""torch.distributed.checkpoint through Transom's tiers: round trip; 2 ranks saved, 1 loads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +21,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def test_dcp_save_and_load_go_through_memory_and_storage(tmp_path: Path) -> None:
-    state = {
+    state: dict[str, Any] = {
         "w": torch.randn(4, 5),
         "b": torch.arange(3),
         "lr": 0.5,
@@ -58,7 +59,8 @@ RANK_SCRIPT = textwrap.dedent("""
     shared = torch.randn(6, 3)                       # the same on both ranks: DCP saves it once
     own = torch.full((5,), float(rank))              # rank-specific
     with checkpoint.Engine(storage_dir=sys.argv[1]) as engine:
-        dcp.save({"shared": shared, f"own{rank}": own}, storage_writer=TransomWriter(engine), checkpoint_id=7)
+        writer = TransomWriter(engine)
+        dcp.save({"shared": shared, f"own{rank}": own}, storage_writer=writer, checkpoint_id=7)
     dist.destroy_process_group()
 """)
 

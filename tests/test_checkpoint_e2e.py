@@ -71,8 +71,8 @@ def test_killed_worker_resumes_from_node_memory(start_job):
     kinds = {(e.get("action"), e.get("tier")) for e in job.events() if e["kind"] == "checkpoint"}
     assert {
         ("saved", "memory"),
-        ("replicated", "replicated"),
-        ("persisted", "persisted"),
+        ("replicated", "peer"),
+        ("persisted", "storage"),
         ("restored", "memory"),
     } <= kinds
 

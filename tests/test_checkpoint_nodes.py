@@ -104,13 +104,14 @@ WORKER = textwrap.dedent("""
     import os, signal, sys, torch
     from transom import checkpoint
     torch.manual_seed(int(sys.argv[2]))
-    state = {"model": {"w": torch.randn(256, 256), "b": torch.randn(256).to(torch.bfloat16)}, "step": 3}
+    model = {"w": torch.randn(256, 256), "b": torch.randn(256).to(torch.bfloat16)}
+    state = {"model": model, "step": 3}
     engine = checkpoint.Engine(socket_path=sys.argv[1], rank=0, world_size=1)
     if sys.argv[3] == "save-and-die":
         engine.save(3, state)
         os.kill(os.getpid(), signal.SIGKILL)  # killed right after save() returned
     back = engine.load()
-    ok = all(torch.equal(back["model"][k], state["model"][k]) for k in state["model"]) and back["step"] == 3
+    ok = all(torch.equal(back["model"][k], model[k]) for k in model) and back["step"] == 3
     print("loaded", engine.last_load["tier"], "exact" if ok else "DIFFERENT", flush=True)
 """)
 
@@ -162,7 +163,7 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
                 10,
                 "both servers registered",
             )
-            engine.save(3, state).wait("replicated", timeout=60)
+            engine.save(3, state).wait("peer", timeout=60)
             engine.close()
             holders = catalog.holders(store, 3, 0)
             assert set(holders) == {"mem-node0", "mem-node1"}, holders
@@ -192,7 +193,8 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
 def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_wrong(
     tmp_path, servers
 ):
-    """SIGKILL the server at random moments while it writes shards; every step that loads is exact."""
+    """SIGKILL the server at random moments while it writes shards; every step that loads is
+    exact."""
     root = tmp_path / "storage"
     rng = random.Random(5)
     expected = {}
@@ -222,7 +224,7 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
     ) as engine:
         step += 1
         expected[step] = torch.full((8 << 20,), float(step))
-        engine.save(step, {"w": expected[step], "step": step}).wait("persisted")
+        engine.save(step, {"w": expected[step], "step": step}).wait("storage")
     assert step in storage.complete_steps(root)
     loaded = 0
     for s in storage.complete_steps(root):

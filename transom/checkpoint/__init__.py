@@ -1,9 +1,18 @@
 """Transom's checkpoint engine (the paper's TCE): saves that block only for a memory copy.
 
-Shards live in a per-node server's shared memory (server.py), are replicated to a peer node
-(replication.py), persisted to storage in the background (storage.py), listed in etcd
-(catalog.py) and loaded back from the fastest tier holding a good copy (engine.py). The shard
-format is in layout.py; `save`/`load` are a torch.save/torch.load-style pair on that format.
+Shards live in a per-node server's shared memory, are replicated to a peer node and persisted
+to storage in the background, listed in etcd, and loaded back from the fastest tier holding a
+good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storage).
+  engine.py          the worker's API (`Engine`, `SaveHandle`, `save`/`load`)
+  tiers/             where the loader reads from: one `LoadTier` a file, registered in order
+  server.py          the per-node server, wiring:
+    config.py        its configuration and command line (`ServerConfig`, `parse_size`)
+    budget.py        its memory: shards, region pool, budget, eviction
+    pipeline.py      the save pipeline: checksums, replication, persistence (background)
+    worker_service.py / peer_service.py   its Unix-socket and TCP request handling
+    publisher.py     its etcd side: lease, catalog listings, events, the plan it follows
+  catalog.py         the shard catalog in etcd; replication.py, protocol.py the wire
+  storage.py, shm.py, shm_dirs.py, layout.py   files, shared memory, the shard format
 The names below are imported on first use, so that the parts that need no torch (the catalog,
 the shared-memory directories) can be imported by node agents and the launcher without it.
 """

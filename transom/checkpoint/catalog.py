@@ -6,9 +6,10 @@ Keys under the job's prefix (values JSON):
         holder "mem-<node>": the shard is in that node's server memory (under that server's lease,
                              so it disappears when the node dies)
         holder "storage":    the shard is in the storage directory (survives everything)
-        value: step, rank, world_size, node, tier, nbytes, header checksum, time
+        value: step, rank, world_size, node, tier (a `Tier`: memory or storage), nbytes, time
 
-Only metadata goes here, never shard bytes. Nothing in this module talks to a server.
+Key names come from transom.common.keys. Only metadata goes here, never shard bytes. Nothing in
+this module talks to a server.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from transom.common import keys
+from transom.common.states import Tier
 from transom.store import Store
 
-SHARDS = "ckpt/shards/"
-SERVERS = "ckpt/servers/"
+SHARDS = keys.CKPT_SHARDS
+SERVERS = keys.CKPT_SERVERS
+STORAGE_HOLDER = "storage"
+shard_key = keys.ckpt_shard
 
 
-def shard_key(step: int, rank: int, holder: str) -> str:
-    return f"{SHARDS}{step:012d}/{rank:06d}/{holder}"
+def memory_holder(node: str) -> str:
+    """The holder name of a shard in `node`'s server memory."""
+    return f"mem-{node}"
 
 
 def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=None) -> None:
@@ -42,13 +48,14 @@ def withdraw_storage(store: Store, step: int) -> None:
     """Forget the storage copies of every rank of `step` (retention removed its folder)."""
     prefix = f"{SHARDS}{step:012d}/"
     for key in store.get_prefix(prefix):
-        if key.endswith("/storage"):
+        if key.endswith("/" + STORAGE_HOLDER):
             store.delete(prefix + key)
 
 
 def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> list[int]:
     """Forget every shard of a step at or after `first_bad_step` saved before `saved_before` (the
-    checkpoints a rolled-back generation may have written after its numerics went bad); the steps."""
+    checkpoints a rolled-back generation may have written after its numerics went bad); returns
+    the steps."""
     dropped = set()
     for step, ranks in shards(store).items():
         if step < first_bad_step:
@@ -85,7 +92,7 @@ def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
 
     def usable(info: dict) -> bool:
         return info.get("world_size") == world_size and not (
-            info.get("tier") == "memory" and info.get("node") in lost
+            info.get("tier") == Tier.MEMORY and info.get("node") in lost
         )
 
     return [
@@ -107,3 +114,15 @@ def newest_restorable(
 
 def servers(store: Store) -> dict[str, dict[str, Any]]:
     return store.get_prefix(SERVERS)
+
+
+def register_server(store: Store, node: str, addr: str, lease) -> None:
+    """List `node`'s checkpoint server at `addr` for its peers, for as long as `lease` lives."""
+    store.put(keys.ckpt_server(node), {"node": node, "addr": addr}, lease=lease)
+
+
+def server_addr(store: Store, node: str) -> str | None:
+    """The peer address `node`'s checkpoint server registered, None when none (or a bad one)."""
+    info = store.get(keys.ckpt_server(node))
+    addr = info.get("addr") if isinstance(info, dict) else None
+    return addr if isinstance(addr, str) and addr else None

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from transom.checkpoint.engine import CheckpointError, Engine
+from transom.checkpoint.engine import CheckpointError, Engine, SaveHandle
 
 
 def _index_key(index: MetadataIndex) -> str:
@@ -48,11 +48,11 @@ def _index_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{offset}"
 
 
-# -- DCP metadata as a tree of plain values ----------------------------------------------------------
+# -- DCP metadata as a tree of plain values --------------------------------------------------
 
 
 def _encode_metadata(md: Metadata) -> dict:
-    entries = {}
+    entries: dict[str, dict[str, Any]] = {}
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, BytesStorageMetadata):
             entries[fqn] = {"bytes": True}
@@ -100,11 +100,11 @@ class TransomWriter(StorageWriter):
         self.step = step
         self.is_coordinator = False
         self.items: dict[str, Any] = {}
-        self.handle = None
+        self.handle: SaveHandle | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = int(checkpoint_id)
+            self.step = int(str(checkpoint_id))
         self.items = {}
         self.handle = None
 
@@ -122,10 +122,10 @@ class TransomWriter(StorageWriter):
             raise CheckpointError("TransomWriter needs a step: pass checkpoint_id=STEP to dcp.save")
         results = []
         for item in plan.items:
-            data = planner.resolve_data(item)
+            data: Any = planner.resolve_data(item)
             key = _index_key(item.index)
             if item.type == WriteItemType.BYTE_IO:
-                value = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                value: Any = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
                 size = len(value)
             else:
                 value = data.detach()
@@ -152,11 +152,11 @@ class TransomWriter(StorageWriter):
             self._save(_encode_metadata(metadata))
 
     def _save(self, metadata: dict | None) -> None:
-        self.handle = self.engine.save(
-            self.step, {"dcp_items": self.items, "dcp_metadata": metadata}
-        )
-        if not self.handle.ok:
-            raise CheckpointError(f"DCP save of step {self.step} refused: {self.handle.error}")
+        assert self.step is not None  # write_data checked it
+        handle = self.engine.save(self.step, {"dcp_items": self.items, "dcp_metadata": metadata})
+        self.handle = handle
+        if not handle.ok:
+            raise CheckpointError(f"DCP save of step {self.step} refused: {handle.error}")
         self.items = {}
 
     @classmethod
@@ -178,7 +178,7 @@ class TransomReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = int(checkpoint_id)
+            self.step = int(str(checkpoint_id))
         self.shards = {}
 
     def _shard(self, rank: int) -> dict:

@@ -3,7 +3,7 @@ the fastest tier that holds a good copy.
 
     ckpt = checkpoint.Engine()                       # from the launcher's environment, or arguments
     h = ckpt.save(step, {"model": ..., "optim": ..., "rng": ..., "data": ...})
-    h.wait("replicated"); h.wait("persisted")        # only when the caller wants to
+    h.wait("peer"); h.wait("storage")                # only when the caller wants to
     state = ckpt.load()                              # the controller's restore step, or the newest
 
 Under `transom run` the engine talks to its node's checkpoint server (TRANSOM_CKPT_SOCKET) and
@@ -11,6 +11,7 @@ loads the step the controller chose (TRANSOM_RESTORE_STEP). Without a launcher i
 inside this process (its threads persist to `storage_dir` in the background): memory and storage
 tiers, no peer replica, and `close()` waits for pending writes so the next process finds them.
 
+Tiers are named by `Tier` (memory, peer, storage); the load path walks `tiers.REGISTERED`.
 A save copies every tensor straight into a shared-memory region the server hands out (CUDA
 tensors: asynchronously into that region registered as pinned memory, then committed from a
 background thread once the copy has finished). A load from local memory maps the server's region
@@ -28,23 +29,26 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from transom.checkpoint import layout, replication, storage
+from transom.checkpoint import layout, replication, storage, tiers
 from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
-from transom.checkpoint.shm import SHM_ROOT, MappingCache, anonymous_buffer, as_bytes, populated_map
+from transom.checkpoint.shm import MappingCache, anonymous_buffer, as_bytes
+from transom.checkpoint.shm_dirs import SHM_ROOT
+from transom.checkpoint.tiers import LoaderContext
+from transom.common import env, files
+from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt")
 
-SOCKET_ENV = "TRANSOM_CKPT_SOCKET"
-SECRET_ENV = "TRANSOM_CKPT_SECRET"
-RESTORE_ENV = "TRANSOM_RESTORE_STEP"
-STORAGE_ENV = "TRANSOM_CHECKPOINT_DIR"
-DEFAULT_STORAGE = "checkpoints"
+DEFAULT_STORAGE = files.CHECKPOINTS
+# The tier names of earlier releases, accepted by `SaveHandle.wait` with a DeprecationWarning.
+DEPRECATED_TIERS = {"replicated": Tier.PEER, "persisted": Tier.STORAGE}
 CONNECT_TIMEOUT_S = 10.0
 EMBEDDED_PREFIX = "transom-local-"
 
@@ -58,7 +62,7 @@ class SaveRefused(CheckpointError):
 
 
 class SaveHandle:
-    """A save in progress: `wait(tier)` for "memory", "replicated" or "persisted"."""
+    """A save in progress: `wait(tier)` for a `Tier`: "memory", "peer" or "storage"."""
 
     def __init__(self, engine: Engine, step: int, rank: int, error: str | None = None):
         self.engine = engine
@@ -74,14 +78,22 @@ class SaveHandle:
     def ok(self) -> bool:
         return self.error is None
 
-    def wait(self, tier: str = "persisted", timeout: float | None = None) -> None:
-        """Return once the shard has reached `tier`; CheckpointError if it cannot (or TimeoutError)."""
+    def wait(self, tier: Tier | str = Tier.STORAGE, timeout: float | None = None) -> None:
+        """Return once the shard has reached `tier`; CheckpointError if it cannot (TimeoutError
+        when `timeout` passes first)."""
+        tier = _tier(tier)
         if not self._committed.wait(timeout):
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
         reply = self.engine._request(
-            {"op": "wait", "step": self.step, "rank": self.rank, "tier": tier, "timeout": timeout},
+            {
+                "op": "wait",
+                "step": self.step,
+                "rank": self.rank,
+                "tier": tier.value,
+                "timeout": timeout,
+            },
             fresh=True,
         )
         if reply.get("timeout"):
@@ -107,12 +119,14 @@ class Engine:
         self.world_size = (
             int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         )
-        storage_env = os.environ.get(STORAGE_ENV)
+        storage_env = os.environ.get(env.CHECKPOINT_DIR)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
-        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV, "").encode()
-        self.socket_path = socket_path or os.environ.get(SOCKET_ENV)
-        self.server = None  # the embedded CheckpointServer, without a launcher
-        if not self.socket_path:
+        self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
+        given_socket = socket_path or os.environ.get(env.CKPT_SOCKET)
+        self.server: Any = None  # the embedded CheckpointServer, without a launcher
+        if given_socket:
+            self.socket_path = given_socket
+        else:
             self.server = self._embedded_server(memory_bytes, keep)
             self.socket_path = str(self.server.cfg.socket_path)
         self._maps = MappingCache()
@@ -123,13 +137,14 @@ class Engine:
         self.last_load: dict = {}
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None):
-        from transom.checkpoint.server import CheckpointServer, ServerConfig, default_budget
+        from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
+        from transom.checkpoint.server import CheckpointServer
 
         _remove_stale_embedded_regions()
         shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
         cfg = ServerConfig(
             node_id=f"local-{os.getpid()}",
-            socket_path=shm_dir / "server.sock",
+            socket_path=shm_dir / SOCKET_NAME,
             shm_dir=shm_dir,
             budget_bytes=memory_bytes or default_budget(),
             storage_dir=self.storage_dir,
@@ -188,7 +203,8 @@ class Engine:
         return bool(reply.get("ok"))
 
     def save(self, step: int, state: Any) -> SaveHandle:
-        """Copy `state` into the node's checkpoint memory and return; the rest happens in the background.
+        """Copy `state` into the node's checkpoint memory and return; the rest happens in the
+        background.
 
         A save the server refuses (memory budget) does not raise: the handle says why, `wait`
         raises SaveRefused, and a warning is logged.
@@ -222,7 +238,8 @@ class Engine:
             raise
         if on_gpu:
             done = torch.cuda.Event()
-            done.record()  # later kernels on this stream are ordered after the copy: training may go on
+            # Later kernels on this stream are ordered after the copy: training may go on.
+            done.record()
             thread = threading.Thread(
                 target=self._commit_after, args=(handle, plan.header, done), daemon=True
             )
@@ -250,7 +267,8 @@ class Engine:
         self._commit(handle, header)
 
     def _pin(self, path: str, data: torch.Tensor) -> None:
-        """Register a region as pinned memory once, so device-to-host copies into it are fast and async."""
+        """Register a region as pinned memory once, so device-to-host copies into it are fast
+        and asynchronous."""
         if path in self._pinned or data.numel() == 0:
             return
         cudart = torch.cuda.cudart()
@@ -261,15 +279,13 @@ class Engine:
 
     def _forget_unlinked(self) -> None:
         """Unmap regions the server has deleted, so their memory can go back to the system."""
-        for path in list(self._maps._maps):
-            if not os.path.exists(path):
-                self._maps.drop(path)
-                self._pinned.discard(path)
+        for path in self._maps.drop_missing():
+            self._pinned.discard(path)
 
     # -- load ------------------------------------------------------------------------------------
     def restore_step(self) -> int | None:
         """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any."""
-        value = os.environ.get(RESTORE_ENV)
+        value = os.environ.get(env.RESTORE_STEP)
         return int(value) if value not in (None, "") else None
 
     def steps(self) -> list[int]:
@@ -278,13 +294,10 @@ class Engine:
             reply = self._request({"op": "steps", "world_size": self.world_size})
             return list(reply.get("steps", []))
         except CheckpointError as e:
-            log.warning("%s; looking in storage only", e)
-            return [
-                s
-                for s in storage.complete_steps(self.storage_dir)
-                if (storage.read_manifest(self.storage_dir, s) or {}).get("world_size")
-                == self.world_size
-            ]
+            log.warning("%s; looking in the tiers the loader reads itself", e)
+            ctx = LoaderContext(self.storage_dir, self.secret)
+            found = {s for tier in tiers.REGISTERED for s in tier.steps(ctx, self.world_size)}
+            return sorted(found, reverse=True)
 
     def load(
         self,
@@ -315,67 +328,49 @@ class Engine:
         return None
 
     def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
+        """Walk the registered tiers (fastest first) and every copy each locates, until one
+        verifies; CheckpointError naming each bad copy when none does."""
         t0 = time.perf_counter()
         try:
-            sources = self._request({"op": "locate", "step": step, "rank": rank}).get("sources", [])
+            located = self._request({"op": "locate", "step": step, "rank": rank}).get("sources", [])
         except CheckpointError:
-            sources = []
-        path = storage.shard_path(self.storage_dir, step, rank)
-        if not any(s["tier"] == "storage" for s in sources) and path.exists():
-            sources.append({"tier": "storage", "path": str(path)})
-        if tier is not None:
-            sources = [s for s in sources if s["tier"] == tier]
+            located = []
+        ctx = LoaderContext(self.storage_dir, self.secret, located)
         problems = []
-        for source in sources:
-            try:
-                header, data = self._read(source, step, rank)
-                state = layout.rebuild(header, data)
-            except (layout.ShardError, replication.ReplicationError, OSError) as e:
-                problems.append(f"{source['tier']}: {e}")
+        for source_tier in tiers.REGISTERED:
+            if tier is not None and source_tier.name != tier:
+                continue
+            for source in source_tier.locate(ctx, step, rank):
+                name = str(source_tier.name)
+                try:
+                    header, data = source_tier.read(ctx, source, step, rank)
+                    state = layout.rebuild(header, data)
+                except (layout.ShardError, replication.ReplicationError, OSError) as e:
+                    problems.append(f"{name}: {e}")
+                    self._report(
+                        "bad-copy",
+                        f"rank {rank} step {step}: bad copy in {name} ({e}); trying the next tier",
+                        step=step,
+                        rank=rank,
+                        tier=name,
+                        error=str(e),
+                    )
+                    continue
+                took = time.perf_counter() - t0
+                self.last_load = {"step": step, "tier": name, "seconds": took}
                 self._report(
-                    "bad-copy",
-                    f"rank {rank} step {step}: bad copy in {source['tier']} "
-                    f"({e}); trying the next tier",
+                    "restored",
+                    f"rank {rank} restored step {step} from {name} in {took:.3f} s",
                     step=step,
                     rank=rank,
-                    tier=source["tier"],
-                    error=str(e),
+                    tier=name,
+                    duration_s=took,
                 )
-                continue
-            took = time.perf_counter() - t0
-            self.last_load = {"step": step, "tier": source["tier"], "seconds": took}
-            self._report(
-                "restored",
-                f"rank {rank} restored step {step} from {source['tier']} in {took:.3f} s",
-                step=step,
-                rank=rank,
-                tier=source["tier"],
-                duration_s=took,
-            )
-            return state
+                return state
         raise CheckpointError(
             f"step {step} rank {rank}: no good copy in any tier "
             f"({'; '.join(problems) or 'no tier holds it'})"
         )
-
-    def _read(self, source: dict, step: int, rank: int) -> tuple[dict, torch.Tensor]:
-        tier = source["tier"]
-        if tier == "memory":
-            header = source["header"]
-            layout.check_identity(header, step, rank)
-            n = int(header["data_len"])
-            if n == 0:
-                buf = anonymous_buffer(0)
-                layout.verify_data(header, memoryview(buf)[:0])
-                return header, as_bytes(buf)[:0]
-            m = populated_map(Path(source["path"]), n, private=True)
-            view = memoryview(m)
-            layout.verify_data(header, view)
-            del view
-            return header, as_bytes(m)
-        if tier == "peer":
-            return replication.fetch(source["addr"], self.secret, step, rank)
-        return storage.read_shard(Path(source["path"]), step, rank)
 
     def _report(self, action: str, message: str, **fields) -> None:
         log.info("%s", message)
@@ -386,11 +381,12 @@ class Engine:
 
     # -- end -------------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> None:
-        """Wait for pending commits (and, for an embedded server, pending writes), then disconnect."""
+        """Wait for pending commits (and, for an embedded server, pending writes), then
+        disconnect."""
         for thread in self._pending:
             thread.join()
         if self.server is not None and wait:
-            self._drain()
+            self.server.drain()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
@@ -400,24 +396,27 @@ class Engine:
             self.server.stop()
             self.server = None
 
-    def _drain(self) -> None:
-        with self.server.lock:
-            shards = [s for s in self.server.shards.values() if s.origin == "local"]
-        for s in shards:
-            with self.server.lock:
-                while (
-                    (s.state != "committed" or "persisted" not in s.tiers)
-                    and "persisted" not in s.failed
-                    and "memory" not in s.failed
-                    and self.server.shards.get(s.key) is s
-                ):
-                    self.server.lock.wait(1.0)
-
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _tier(tier: Tier | str) -> Tier:
+    """`tier` as a Tier; the names of earlier releases with a DeprecationWarning."""
+    if isinstance(tier, str) and tier in DEPRECATED_TIERS:
+        new = DEPRECATED_TIERS[tier]
+        warnings.warn(
+            f"tier {tier!r} is now called {new.value!r}", DeprecationWarning, stacklevel=3
+        )
+        return new
+    try:
+        return Tier(tier)
+    except ValueError:
+        raise ValueError(
+            f"unknown tier {tier!r}: one of {', '.join(t.value for t in Tier)}"
+        ) from None
 
 
 def _remove_stale_embedded_regions() -> None:
@@ -434,7 +433,7 @@ def _to_device(value: Any, device) -> Any:
     if isinstance(value, dict):
         out = type(value)((k, _to_device(v, device)) for k, v in value.items())
         if hasattr(value, "_metadata"):
-            out._metadata = value._metadata
+            out._metadata = value._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
@@ -455,7 +454,7 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     view = memoryview(buf)[: plan.data_len]
     plan.header["chunks"] = layout.checksum_data(view)
     path = Path(path)
-    storage._atomic_write(path, [layout.encode_header(plan.header), view])
+    storage.atomic_write(path, [layout.encode_header(plan.header), view])
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:

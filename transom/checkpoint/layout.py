@@ -96,7 +96,8 @@ def align(n: int, to: int) -> int:
 
 @dataclass
 class StorageRange:
-    """The span of one tensor storage that the saved tensors cover, and where it goes in the data."""
+    """The span of one tensor storage that the saved tensors cover, and where it goes in the
+    data."""
 
     source: torch.Tensor  # uint8 view of the span, on the tensor's device
     offset: int  # in the data region
@@ -116,10 +117,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte of t's storage that t touches."""
     size = t.element_size()
     if t.numel() == 0:
-        start = t.storage_offset() * size
+        start = int(t.storage_offset()) * size
         return start, start
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset() * size, (last + 1) * size
+    last = int(t.storage_offset()) + sum(
+        (int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)
+    )
+    return int(t.storage_offset()) * size, (last + 1) * size
 
 
 def _check_tensor(t: torch.Tensor) -> None:
@@ -206,7 +209,7 @@ def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
 
     tree = encode(state)
     plan = Plan(header={})
-    storage_table = []
+    storage_table: list[dict[str, int]] = []
     offset = 0
     for group in storages.values():
         lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
@@ -262,7 +265,7 @@ def verify_data(header: dict, data: memoryview) -> None:
     if not isinstance(expected, list) or len(expected) != len(_chunks(len(data))):
         raise ShardError("shard header has no valid chunk checksums")
     actual = checksum_data(data)
-    bad = [i for i, (a, b) in enumerate(zip(actual, expected)) if a != b]
+    bad = [i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
     if bad:
         raise ShardError(
             f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
@@ -331,7 +334,8 @@ def check_identity(header: dict, step: int | None, rank: int | None) -> None:
 
 
 def rebuild(header: dict, data: torch.Tensor) -> Any:
-    """The state saved in a shard, its tensors viewing `data` (a uint8 CPU tensor of the data region).
+    """The state saved in a shard, its tensors viewing `data` (a uint8 CPU tensor of the data
+    region).
 
     The header's tables are validated against the data length first, so a crafted header
     cannot make a tensor reach outside the data.
@@ -355,9 +359,10 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
     def tensor(i: Any) -> torch.Tensor:
         if not isinstance(i, int) or not 0 <= i < len(table):
             raise ShardError(f"shard tree names tensor {i!r}, which is not in its table")
-        if built[i] is None:
-            built[i] = _make_tensor(table[i], storages, data)
-        return built[i]
+        made = built[i]
+        if made is None:
+            made = built[i] = _make_tensor(table[i], storages, data)
+        return made
 
     def decode(node: Any) -> Any:
         if node is None or isinstance(node, (bool, str)):
@@ -393,7 +398,7 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
             if tag == "od":
                 out = OrderedDict((decode(k), decode(x)) for k, x in v)
                 if "meta" in node:
-                    out._metadata = decode(node["meta"])
+                    out._metadata = decode(node["meta"])  # type: ignore[attr-defined]
                 return out
         except ShardError:
             raise
@@ -422,7 +427,9 @@ def _make_tensor(entry: dict, storages: list[tuple[int, int]], data: torch.Tenso
     ):
         raise ShardError("shard tensor has a bad shape or stride")
     numel = math.prod(shape)
-    end = byte + ((sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * size if numel else 0)
+    end = byte + (
+        (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * size if numel else 0
+    )
     if end > nbytes or (off + byte) % size:
         raise ShardError("shard tensor reaches outside its storage: corrupt or mismatched shard")
     t = torch.empty(0, dtype=dtype)

@@ -124,7 +124,8 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
 
 
 def receive_put(sock: socket.socket, msg: dict, reserve, commit) -> None:
-    """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header)` keeps it."""
+    """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header)`
+    keeps it (`commit(region, None)` gives it back)."""
     head = bytearray(int(msg["header_len"]))
     recv_into(sock, memoryview(head))
     header, _ = layout.decode_header(bytes(head))

@@ -1,4 +1,4 @@
-"""Shared-memory regions: files under /dev/shm that a worker and its node's checkpoint server both map.
+"""Shared-memory regions: files under /dev/shm that a worker and its node's checkpoint server map.
 
 Touching a fresh shared mapping for the first time costs about 2 s per GiB in page faults, more
 than writing the bytes; a region is therefore created populated (MAP_POPULATE) once, ahead of the
@@ -20,8 +20,6 @@ import threading
 from pathlib import Path
 
 import torch
-
-SHM_ROOT = Path("/dev/shm")
 
 
 def populated_map(
@@ -54,7 +52,8 @@ def as_bytes(m: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
 
 
 def anonymous_buffer(nbytes: int) -> mmap.mmap:
-    """Private memory for a shard read from a peer or from disk, on huge pages where the kernel allows."""
+    """Private memory for a shard read from a peer or from disk, on huge pages where the kernel
+    allows."""
     m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -144,6 +143,13 @@ class MappingCache:
                 m.close()
             except BufferError:
                 pass
+
+    def drop_missing(self) -> list[str]:
+        """Unmap every region whose file is gone (the server deleted it); the paths dropped."""
+        gone = [path for path in self._maps if not os.path.exists(path)]
+        for path in gone:
+            self.drop(path)
+        return gone
 
     def clear(self) -> None:
         for path in list(self._maps):

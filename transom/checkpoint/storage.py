@@ -52,7 +52,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, parts) -> None:
+def atomic_write(path: Path, parts) -> None:
+    """Write `parts` (bytes-like, in order) to `path` durably: a temporary file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -83,7 +84,7 @@ def write_shard(root: Path, step: int, rank: int, header_bytes: bytes, data: mem
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     path = shard_path(root, step, rank)
-    _atomic_write(path, [header_bytes, data])
+    atomic_write(path, [header_bytes, data])
     return path
 
 
@@ -164,9 +165,9 @@ def complete_step(root: Path, step: int, world_size: int, keep: int) -> list[int
             "time": time.time(),
             "shards": {str(r): shard_path(root, step, r).stat().st_size for r in sorted(ranks)},
         }
-        _atomic_write(step_dir(root, step) / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+        atomic_write(step_dir(root, step) / MANIFEST, [json.dumps(manifest, indent=1).encode()])
         complete = complete_steps(root)
-        _atomic_write(root / LATEST, [f"{complete[0]}\n".encode()])
+        atomic_write(root / LATEST, [f"{complete[0]}\n".encode()])
         return _retain(root, complete, keep)
 
 

@@ -51,3 +51,19 @@ class NodeState(str, Enum):
     RUNNING = "running"
     FAILED = "failed"
     SUCCEEDED = "succeeded"
+
+
+class Tier(str, Enum):
+    """Where a checkpoint shard is held, fastest first (the server, the catalog, the loader).
+
+    MEMORY      the node's checkpoint server holds it in shared memory.
+    PEER        another node's server holds a replica in its memory (reached over TCP).
+    STORAGE     a shard file in the storage directory (survives every node).
+    """
+
+    MEMORY = "memory"
+    PEER = "peer"
+    STORAGE = "storage"
+
+    def __str__(self) -> str:
+        return self.value

@@ -19,14 +19,15 @@ import sys
 import time
 from pathlib import Path
 
+from transom.checkpoint.config import SOCKET_NAME, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
+from transom.common import env, files, keys
 from transom.config import JobSpec
 from transom.store import Store
 from transom.utils.procs import die_with_parent, stop_process
 
 log = logging.getLogger("transom.agent")
 
-SECRET_KEY = "ckpt/secret"
 START_TIMEOUT_S = 30.0
 
 
@@ -38,9 +39,9 @@ class NodeCheckpointServer:
         self.run_dir = Path(run_dir)
         self.host = host
         self.shm_dir = default_shm_dir(spec.job_id, node_id)
-        self.socket_path = self.shm_dir / "server.sock"
+        self.socket_path = self.shm_dir / SOCKET_NAME
         self.storage_dir = (
-            Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / "checkpoints"
+            Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / files.CHECKPOINTS
         )
         self.process: subprocess.Popen | None = None
         self.secret = ""
@@ -49,36 +50,25 @@ class NodeCheckpointServer:
         """Start the server and wait until it serves. Call from the agent's main thread."""
         for stale in sweep_stale_shm():
             log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
-        self.store.create(SECRET_KEY, secrets.token_hex(32))
-        self.secret = self.store.get(SECRET_KEY)
-        argv = [
-            sys.executable,
-            "-m",
-            "transom.checkpoint.server",
-            "--node-id",
-            self.node_id,
-            "--job-id",
-            self.spec.job_id,
-            "--store",
-            self.store.url,
-            "--host",
-            self.host,
-            "--shm-dir",
-            str(self.shm_dir),
-            "--socket",
-            str(self.socket_path),
-            "--storage",
-            str(self.storage_dir),
-            "--keep",
-            str(self.spec.ckpt_keep),
-            "--replicas",
-            str(self.spec.ckpt_replicas),
-            "--lease-ttl",
-            str(self.spec.node_ttl_s),
-        ]
-        if self.spec.ckpt_memory_bytes:
-            argv += ["--memory", str(self.spec.ckpt_memory_bytes)]
-        log_path = self.run_dir / "logs" / f"ckpt-server-{self.node_id}.log"
+        self.store.create(keys.CKPT_SECRET, secrets.token_hex(32))
+        secret = self.store.get(keys.CKPT_SECRET)
+        if not isinstance(secret, str) or not secret:
+            raise RuntimeError(f"the job's checkpoint secret in etcd ({keys.CKPT_SECRET}) is bad")
+        self.secret = secret
+        argv = [sys.executable, "-m", "transom.checkpoint.server"] + to_argv(
+            node_id=self.node_id,
+            job_id=self.spec.job_id,
+            store_url=self.store.url,
+            host=self.host,
+            shm_dir=self.shm_dir,
+            socket_path=self.socket_path,
+            storage_dir=self.storage_dir,
+            storage_keep=self.spec.ckpt_keep,
+            replicas=self.spec.ckpt_replicas,
+            lease_ttl_s=self.spec.node_ttl_s,
+            budget_bytes=self.spec.ckpt_memory_bytes or None,  # None: the server's default
+        )
+        log_path = files.log_file(self.run_dir, f"ckpt-server-{self.node_id}")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
@@ -86,7 +76,7 @@ class NodeCheckpointServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "TRANSOM_CKPT_SECRET": self.secret},
+                env={**os.environ, env.CKPT_SECRET: self.secret},
                 preexec_fn=die_with_parent,
             )
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -107,7 +97,8 @@ class NodeCheckpointServer:
                 return False
 
     def ensure_running(self) -> None:
-        """Restart the server if it died (its shards are gone; peers and storage still have copies)."""
+        """Restart the server if it died (its shards are gone; peers and storage still have
+        copies)."""
         if self.process is not None and self.process.poll() is not None:
             log.warning(
                 "checkpoint server of %s exited (%s); restarting it",
@@ -118,9 +109,9 @@ class NodeCheckpointServer:
 
     def worker_env(self) -> dict[str, str]:
         return {
-            "TRANSOM_CKPT_SOCKET": str(self.socket_path),
-            "TRANSOM_CKPT_SECRET": self.secret,
-            "TRANSOM_CHECKPOINT_DIR": str(self.storage_dir),
+            env.CKPT_SOCKET: str(self.socket_path),
+            env.CKPT_SECRET: self.secret,
+            env.CHECKPOINT_DIR: str(self.storage_dir),
         }
 
     def stop(self) -> None:

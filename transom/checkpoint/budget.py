@@ -1,0 +1,279 @@
+"""A checkpoint server's memory: the shards it holds, its region pool, and the budget they share.
+
+Every region (own shards, peers' replicas, spare regions kept for reuse) counts against a budget
+in bytes. A rank's newest complete shard, shards being saved or transferred (pinned) and the
+plan's restore step are never evicted; beyond those, the oldest go first, and beyond
+`memory_keep` steps per rank shards are evicted after each save (their regions kept in the free
+pool for the next save of the same size). A spare region can be prepared (populated) ahead of a
+rank's first save. A reservation that cannot fit is refused with `BudgetExceeded`, before
+anything is evicted.
+
+`lock` (a Condition) guards every shard's state; whoever changes one notifies it. This module
+never moves shard bytes, never talks to etcd or a socket, and never blocks a caller on anything
+but the region hand-out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transom.checkpoint.shm import Region, RegionDir
+from transom.common.states import Tier
+
+# A reservation waits this long at most for a spare region being populated right now.
+PREPARING_WAIT_S = 5.0
+
+# A shard's states: reserved (a writer is copying into it) -> staged (the writer committed its
+# header; checksums are being computed) -> committed (complete, in the memory tier).
+RESERVED = "reserved"
+STAGED = "staged"
+COMMITTED = "committed"
+LOCAL = "local"  # the origin of a shard this node's workers saved
+
+
+class BudgetExceeded(RuntimeError):
+    """A save does not fit in the server's memory budget."""
+
+
+@dataclass
+class Shard:
+    step: int
+    rank: int
+    world_size: int
+    region: Region
+    origin: str  # LOCAL, or the node a replica came from
+    state: str = RESERVED
+    header: dict | None = None
+    header_bytes: bytes = b""
+    tiers: set[Tier] = field(default_factory=set)
+    failed: dict[Tier, str] = field(default_factory=dict)
+    pins: int = 0  # transfers reading the region right now
+    staged_at: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.step, self.rank
+
+
+class ShardMemory:
+    """The shards of one server and the regions behind them, within `budget_bytes`.
+
+    `on_evict(shard)` is called (lock held: it must not block) for each evicted shard that was
+    in the memory tier, so it can be withdrawn from the catalog.
+    """
+
+    def __init__(
+        self,
+        regions: RegionDir,
+        budget_bytes: int,
+        memory_keep: int,
+        node: str,
+        on_evict: Callable[[Shard], None] = lambda shard: None,
+    ):
+        self.regions = regions
+        self.budget_bytes = budget_bytes
+        self.memory_keep = memory_keep
+        self.node = node
+        self.on_evict = on_evict
+        self.lock = threading.Condition()
+        self.shards: dict[tuple[int, int], Shard] = {}
+        self.free: list[Region] = []
+        self.used = 0
+        self.preparing = 0  # spare regions being populated right now
+        self.protected_step: int | None = None  # the plan's restore step: never evicted
+
+    def reserve(
+        self, step: int, rank: int, nbytes: int, world_size: int, origin: str = LOCAL
+    ) -> Region:
+        """A region for shard (step, rank), recycled or new; BudgetExceeded when it cannot fit."""
+        with self.lock:
+            old = self.shards.get((step, rank))
+            if old is not None:
+                if old.state != COMMITTED or old.pins:
+                    raise BudgetExceeded(
+                        f"step {step} rank {rank} is being saved or transferred already"
+                    )
+                self.evict(old)
+            region = self._take_free(nbytes, rank)
+            if region is None and self.preparing:  # a spare being populated: the one to use
+                self.lock.wait_for(lambda: not self.preparing, timeout=PREPARING_WAIT_S)
+                region = self._take_free(nbytes, rank)
+            if region is None:
+                reclaimable = sum(r.nbytes for r in self.free) + sum(
+                    s.region.nbytes for s in self._victims()
+                )
+                if self.used - reclaimable + nbytes > self.budget_bytes:  # refuse, evict nothing
+                    held = sorted({s.step for s in self.shards.values()})
+                    raise BudgetExceeded(
+                        f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the "
+                        f"checkpoint memory budget of {self.budget_bytes} bytes on node "
+                        f"{self.node} ({self.used} in use, holding steps {held}); "
+                        "raise --ckpt-memory"
+                    )
+                while region is None and self.used + nbytes > self.budget_bytes:
+                    victims = self._victims()
+                    if victims:
+                        self.evict(victims[0])
+                        region = self._take_free(nbytes, rank)
+                    else:
+                        self._destroy(self.free.pop(0))
+            if region is not None:
+                self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
+                return region
+            self.used += nbytes
+        try:
+            region = self.regions.new(nbytes)  # slow (page population): outside the lock
+        except OSError as e:
+            with self.lock:
+                self.used -= nbytes
+            raise BudgetExceeded(
+                f"cannot create a shared-memory region of {nbytes} bytes: {e}"
+            ) from e
+        with self.lock:
+            self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
+        return region
+
+    def _take_free(self, nbytes: int, rank: int) -> Region | None:
+        """A free region of exactly `nbytes`, the one prepared for `rank` first (its worker
+        mapped it)."""
+        fits = [i for i, r in enumerate(self.free) if r.nbytes == nbytes]
+        mine = [i for i in fits if self.free[i].prepared_for == rank]
+        if not fits:
+            return None
+        region = self.free.pop((mine or fits)[0])
+        region.prepared_for = None
+        return region
+
+    def _victims(self) -> list[Shard]:
+        """Shards that may go, oldest first: complete, idle, not their rank's newest, not the
+        restore step."""
+        newest: dict[int, int] = {}
+        for s in self.shards.values():
+            if s.state == COMMITTED:
+                newest[s.rank] = max(newest.get(s.rank, -1), s.step)
+        candidates = [
+            s
+            for s in self.shards.values()
+            if s.state == COMMITTED
+            and not s.pins
+            and s.step != newest[s.rank]
+            and s.step != self.protected_step
+        ]
+        return sorted(candidates, key=lambda s: s.step)
+
+    def evict(self, shard: Shard) -> None:
+        """Drop a shard (lock held); its region goes to the free pool unless a worker loaded
+        from it."""
+        del self.shards[shard.key]
+        if Tier.MEMORY in shard.tiers:
+            self.on_evict(shard)
+        shard.tiers.discard(Tier.MEMORY)
+        if shard.region.loaned:
+            self._destroy(shard.region)
+        else:
+            self.free.append(shard.region)
+        self.lock.notify_all()
+
+    def _destroy(self, region: Region) -> None:
+        self.used -= region.nbytes
+        region.destroy()
+
+    def abort(self, step: int, rank: int, region: Region) -> None:
+        """Give back a reserved region whose copy did not finish."""
+        with self.lock:
+            shard = self.shards.get((step, rank))
+            if shard is not None and shard.region is region and shard.state == RESERVED:
+                del self.shards[(step, rank)]
+                self.free.append(region)
+                self.lock.notify_all()
+
+    def retain(self, rank: int) -> None:
+        """Evict this rank's complete shards beyond the `memory_keep` newest (lock held)."""
+        mine = sorted(
+            (s for s in self.shards.values() if s.rank == rank and s.state == COMMITTED),
+            key=lambda s: s.step,
+            reverse=True,
+        )
+        for s in mine[self.memory_keep :]:
+            if not s.pins and s.step != self.protected_step:
+                self.evict(s)
+
+    def prepare_spare(self, nbytes: int, rank: int) -> Region | None:
+        """A populated region of `nbytes` ready for `rank`'s next save, if the budget has room."""
+        with self.lock:
+            spare = next(
+                (r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)),
+                None,
+            )
+            if spare is not None:
+                spare.prepared_for = rank
+                return spare
+            if self.used + nbytes > self.budget_bytes:
+                return None
+            self.used += nbytes
+            self.preparing += 1
+        region = None
+        try:
+            region = self.regions.new(nbytes)
+        except OSError:
+            pass
+        with self.lock:
+            self.preparing -= 1
+            if region is None:
+                self.used -= nbytes
+            else:
+                region.prepared_for = rank
+                self.free.append(region)
+            self.lock.notify_all()
+        return region
+
+    def pin(self, shard: Shard) -> bool:
+        """Keep `shard` from eviction while its region is read; False when it is gone already."""
+        with self.lock:
+            if self.shards.get(shard.key) is not shard:
+                return False
+            shard.pins += 1
+            return True
+
+    def unpin(self, shard: Shard) -> None:
+        with self.lock:
+            shard.pins -= 1
+            self.lock.notify_all()
+
+    def holding(self, tier: Tier) -> list[Shard]:
+        """The shards that reached `tier`."""
+        with self.lock:
+            return [s for s in self.shards.values() if tier in s.tiers]
+
+    def status(self) -> dict:
+        """What the `status` request shows: use, free regions, every shard's state and tiers."""
+        with self.lock:
+            return {
+                "used": self.used,
+                "budget": self.budget_bytes,
+                "free": [r.nbytes for r in self.free],
+                "shards": [
+                    {
+                        "step": s.step,
+                        "rank": s.rank,
+                        "state": s.state,
+                        "tiers": sorted(s.tiers),
+                        "origin": s.origin,
+                        "failed": s.failed,
+                    }
+                    for s in self.shards.values()
+                ],
+            }
+
+    def release_all(self) -> None:
+        """Destroy every region (the server stops)."""
+        with self.lock:
+            for shard in self.shards.values():
+                shard.region.destroy()
+            for region in self.free:
+                region.destroy()
+            self.shards.clear()
+            self.free.clear()
+        self.regions.remove()

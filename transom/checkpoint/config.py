@@ -1,0 +1,160 @@
+"""A checkpoint server's configuration, defined once: the dataclass, its command line, its sizes.
+
+`ServerConfig` is what a `CheckpointServer` runs with. Each field's metadata names its option
+of `transom ckpt-server` (`python -m transom.checkpoint.server`) and its help, so the parser
+(`build_parser`), the reader of parsed options (`from_args`) and the argv a node agent builds
+(`to_argv`) are all generated from the fields and cannot drift from them. `parse_size` and
+`default_budget` are defined here and nowhere else. This module must never start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from transom.checkpoint.shm_dirs import default_shm_dir
+from transom.common import env
+
+DEFAULT_MEMORY_KEEP = 2
+DEFAULT_STORAGE_KEEP = 3
+SOCKET_NAME = "server.sock"
+
+
+def default_budget() -> int:
+    """Half of this machine's memory."""
+    import psutil
+
+    return psutil.virtual_memory().total // 2
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512MiB', '1.5g', '1000000' -> bytes."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
+    number = t[:-1] if unit else t
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError as e:
+        raise ValueError(f"{text!r} is not a size (examples: 8G, 512M, 1073741824)") from e
+    if value <= 0:
+        raise ValueError(f"{text!r}: a size must be positive")
+    return value
+
+
+def _size_option(text: str) -> int:
+    """`parse_size` for argparse: its message, not argparse's generic one, on a bad size."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _option(flag: str, help: str, default: Any = MISSING, **argparse_kw: Any) -> Any:
+    """A field that is the command-line option `flag` (argparse keywords: type, choices, ...)."""
+    meta = {"flag": flag, "help": help, **argparse_kw}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServerConfig:
+    node_id: str = _option("--node-id", "this node's name (default: the host name)")
+    socket_path: Path = _option(
+        "--socket", "Unix socket for this node's workers (default: in --shm-dir)", type=Path
+    )
+    shm_dir: Path = _option(
+        "--shm-dir",
+        "folder for shared-memory regions (default /dev/shm/transom-JOB-NODE)",
+        type=Path,
+    )
+    budget_bytes: int = _option(
+        "--memory",
+        "memory budget, e.g. 16G (default: half of this machine's memory)",
+        type=_size_option,
+    )
+    storage_dir: Path | None = _option(
+        "--storage", "storage directory for persisted shards (default: none)", None, type=Path
+    )
+    memory_keep: int = _option(
+        "--memory-keep", "steps per rank kept in memory", DEFAULT_MEMORY_KEEP, type=int
+    )
+    storage_keep: int = _option(
+        "--keep", "complete steps kept in storage", DEFAULT_STORAGE_KEEP, type=int
+    )
+    replicas: int = _option(
+        "--replicas", "replicas in peer memory (0 or 1)", 1, type=int, choices=(0, 1)
+    )
+    host: str = _option("--host", "address peers reach this server at", "127.0.0.1")
+    port: int = _option("--port", "TCP port for peers (default: any free port)", 0, type=int)
+    # Not an option: peers authenticate with it, so it comes from the environment (CKPT_SECRET).
+    secret: bytes = b""
+    store_url: str | None = _option("--store", "etcd URL of the job (catalog, peers, events)", None)
+    job_id: str = _option("--job-id", "job name in etcd", "local")
+    lease_ttl_s: int = _option(
+        "--lease-ttl", "seconds this server's etcd entries outlive it", 4, type=int
+    )
+    # A fixed peer "host:port" for replicas, instead of the plan's ring.
+    peer: str | None = _option(
+        "--peer",
+        "send replicas to this server (default with --store: the next node in the plan's ring)",
+        None,
+        metavar="HOST:PORT",
+    )
+
+
+def _options() -> list[tuple[str, dict[str, Any]]]:
+    """(field name, its option metadata) of every field that is a command-line option."""
+    return [(f.name, dict(f.metadata)) for f in fields(ServerConfig) if "flag" in f.metadata]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="transom ckpt-server",
+        description="Run a node's checkpoint server (the node agent starts one per node).",
+    )
+    for name, meta in _options():
+        flag = meta.pop("flag")
+        p.add_argument(flag, dest=name, default=None, **meta)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
+    """The configuration of parsed options: unset ones take the field's default, or the derived
+    default (node id: host name; shm dir: per job and node; socket: in it; budget: half the
+    memory). The secret comes from the environment. ValueError when it is missing but needed."""
+    environ = dict(os.environ) if environ is None else environ
+    given = {name: getattr(args, name) for name, _ in _options()}
+    values = {k: v for k, v in given.items() if v is not None}
+    values.setdefault("node_id", socket.gethostname())
+    values.setdefault("job_id", ServerConfig.job_id)
+    values.setdefault("shm_dir", default_shm_dir(values["job_id"], values["node_id"]))
+    values.setdefault("socket_path", values["shm_dir"] / SOCKET_NAME)
+    if "budget_bytes" not in values:
+        values["budget_bytes"] = default_budget()
+    networked = bool(values.get("store_url") or values.get("peer"))
+    values["secret"] = environ.get(env.CKPT_SECRET, "").encode()
+    if networked and not values["secret"]:
+        raise ValueError(
+            f"{env.CKPT_SECRET} must be set with --store or --peer (peers authenticate with it)"
+        )
+    if not networked:
+        values["replicas"] = 0
+    return ServerConfig(**values)
+
+
+def to_argv(**values: Any) -> list[str]:
+    """The options for `python -m transom.checkpoint.server` that set these fields (by field
+    name; None values are left out). KeyError for a name that is not an option."""
+    flags = {name: meta["flag"] for name, meta in _options()}
+    argv = []
+    for name, value in values.items():
+        if name not in flags:
+            raise KeyError(f"{name!r} is not a checkpoint server option")
+        if value is not None:
+            argv += [flags[name], str(value)]
+    return argv

@@ -1,0 +1,322 @@
+"""The save pipeline: what happens to a shard after its writer commits it, in the background.
+
+commit -> the finaliser computes the checksums (the shard is then in the `memory` tier and
+listed in the catalog) -> the replicator pushes it to the ring peer's server (`peer`) and the
+persister writes it to storage (`storage`). Each tier reached or failed is recorded on the shard
+(`wait` returns on either) and is an event. Background work waits (QUIET_WAIT_S at most) while a
+worker of this node copies a save, so it does not compete with the copy for memory bandwidth;
+the persister skips a step when storage is behind and a newer one is queued.
+
+This module never copies shard bytes in Python (checksums read the region in place, transfers
+use sendfile, storage writes from the region) and never blocks a worker's save.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+from transom.checkpoint import layout, replication, storage
+from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
+from transom.checkpoint.config import ServerConfig
+from transom.checkpoint.publisher import Publisher
+from transom.checkpoint.shm import Region
+from transom.common.states import Tier
+from transom.store import StoreError
+
+log = logging.getLogger("transom.ckpt.server")
+
+REPLICATE_ATTEMPTS = 3
+PERSIST_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Background work (checksums, replication, persistence) waits this long at most for saves in
+# progress on this node to finish, so it does not compete with their copies for CPU and memory
+# bandwidth.
+QUIET_WAIT_S = 5.0
+NO_PEER = "no peer"
+
+
+class SavePipeline:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        memory: ShardMemory,
+        publisher: Publisher,
+        stopping: threading.Event,
+    ):
+        self.cfg = cfg
+        self.node = cfg.node_id
+        self.memory = memory
+        self.lock = memory.lock
+        self.publisher = publisher
+        self.stopping = stopping
+        self.finalize_q: queue.Queue[Shard | None] = queue.Queue()
+        self.replicate_q: queue.Queue[Shard | None] = queue.Queue()
+        self.persist_q: queue.Queue[Shard | None] = queue.Queue()
+
+    def threads(self) -> list[tuple]:
+        """(target, name) of the pipeline's threads."""
+        return [
+            (self._finalizer, "ckpt-finalize"),
+            (self._replicator, "ckpt-replicate"),
+            (self._persister, "ckpt-persist"),
+        ]
+
+    def stop(self) -> None:
+        for q in (self.finalize_q, self.replicate_q, self.persist_q):
+            q.put(None)
+
+    def commit(self, step: int, rank: int, region: Region, header: dict) -> None:
+        """The worker finished copying: checksums and the rest happen in the background."""
+        with self.lock:
+            shard = self.memory.shards.get((step, rank))
+            if shard is None or shard.region is not region or shard.state != RESERVED:
+                raise layout.ShardError(
+                    f"step {step} rank {rank} was not reserved by this connection"
+                )
+            shard.header = header
+            shard.state = STAGED
+            shard.staged_at = time.time()
+            self.lock.notify_all()
+        self.finalize_q.put(shard)
+
+    def committed(self, shard: Shard) -> None:
+        """`shard` is complete (checksummed here, or verified on arrival from a peer)."""
+        with self.lock:
+            shard.state = COMMITTED
+            shard.tiers.add(Tier.MEMORY)
+            self.memory.retain(shard.rank)
+            self.lock.notify_all()
+        self.publisher.list_memory(shard)
+
+    def wait(self, step: int, rank: int, tier: Tier, timeout: float | None) -> dict:
+        """The reply to a worker's `wait`: once shard (step, rank) reached or failed `tier`."""
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        with self.lock:
+            while True:
+                shard = self.memory.shards.get((step, rank))
+                if shard is None:
+                    return {
+                        "ok": False,
+                        "error": f"step {step} rank {rank} is not held by this server",
+                    }
+                if tier in shard.tiers:
+                    return {"ok": True, "tiers": sorted(shard.tiers)}
+                if tier in shard.failed:
+                    return {"ok": False, "error": shard.failed[tier]}
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return {
+                        "ok": False,
+                        "timeout": True,
+                        "error": f"{tier} not reached within {timeout} s",
+                    }
+                self.lock.wait(left if left is not None else 1.0)
+
+    def drain(self) -> None:
+        """Wait until every shard this node's workers saved is in storage, or failed to get
+        there, or was evicted (an embedded server's `close`)."""
+        with self.lock:
+            shards = [s for s in self.memory.shards.values() if s.origin == LOCAL]
+        for s in shards:
+            with self.lock:
+                while (
+                    (s.state != COMMITTED or Tier.STORAGE not in s.tiers)
+                    and Tier.STORAGE not in s.failed
+                    and Tier.MEMORY not in s.failed
+                    and self.memory.shards.get(s.key) is s
+                ):
+                    self.lock.wait(1.0)
+
+    def _reached(self, shard: Shard, tier: Tier) -> None:
+        with self.lock:
+            shard.tiers.add(tier)
+            self.lock.notify_all()
+
+    def _fail(self, shard: Shard, tier: Tier, reason: str) -> None:
+        with self.lock:
+            shard.failed[tier] = reason
+            self.lock.notify_all()
+
+    def _quiet(self) -> None:
+        """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S)."""
+        with self.lock:
+            self.lock.wait_for(
+                lambda: not any(s.state == RESERVED for s in self.memory.shards.values()),
+                timeout=QUIET_WAIT_S,
+            )
+
+    # -- memory: checksums -------------------------------------------------------------------
+    def _finalizer(self) -> None:
+        while (shard := self.finalize_q.get()) is not None:
+            self._quiet()
+            try:
+                header = shard.header
+                if header is None:
+                    raise layout.ShardError("committed without a header")
+                data = shard.region.view()[: header["data_len"]]
+                header["chunks"] = layout.checksum_data(data)
+                del data
+                shard.header_bytes = layout.encode_header(header)
+            except Exception as e:  # noqa: BLE001 - a broken header: the shard is not usable
+                self._fail(shard, Tier.MEMORY, f"cannot finalize: {e}")
+                with self.lock:
+                    if shard.key in self.memory.shards and self.memory.shards[shard.key] is shard:
+                        self.memory.evict(shard)
+                continue
+            self.committed(shard)
+            self.publisher.event(
+                "saved",
+                f"step {shard.step} rank {shard.rank} saved in memory on {self.node} "
+                f"({shard.region.nbytes} bytes)",
+                step=shard.step,
+                rank=shard.rank,
+                tier=Tier.MEMORY,
+                staged=shard.staged_at,
+            )
+            if self.cfg.replicas > 0:
+                self.replicate_q.put(shard)
+            else:
+                self._fail(shard, Tier.PEER, "replication is off (replicas=0)")
+            if self.cfg.storage_dir is not None:
+                self.persist_q.put(shard)
+            else:
+                self._fail(shard, Tier.STORAGE, "no storage directory configured")
+            self.memory.prepare_spare(shard.region.nbytes, shard.rank)
+
+    # -- peer: replication ---------------------------------------------------------------------
+    def _peer_addr(self) -> tuple[str | None, str]:
+        """(peer address, its node) for this node's replicas, per the ring of the plan's
+        members; (None, why) when there is none."""
+        if self.cfg.peer:
+            return self.cfg.peer, self.cfg.peer
+        peer = replication.ring_peer(self.publisher.plan.members, self.node)
+        if peer is None or self.publisher.store is None:
+            return None, f"{NO_PEER} node (a single node, or this node is not a member)"
+        addr = self.publisher.peer_addr(peer)
+        if addr is None:
+            return None, f"peer {peer}'s checkpoint server is not registered"
+        return addr, peer
+
+    def _replicator(self) -> None:
+        while (shard := self.replicate_q.get()) is not None:
+            self._quiet()
+            if not self.memory.pin(shard):
+                self._fail(shard, Tier.PEER, "evicted before it was replicated")
+                continue
+            try:
+                self._replicate(shard)
+            finally:
+                self.memory.unpin(shard)
+
+    def _replicate(self, shard: Shard) -> None:
+        assert shard.header is not None  # committed shards have one
+        error = None
+        for attempt in range(REPLICATE_ATTEMPTS):
+            try:
+                addr, peer = self._peer_addr()
+                if addr is None:
+                    error = peer
+                    break
+                t0 = time.time()
+                replication.push(
+                    addr,
+                    self.cfg.secret,
+                    shard.header,
+                    shard.header_bytes,
+                    shard.region.path,
+                    self.node,
+                )
+                self._reached(shard, Tier.PEER)
+                self.publisher.event(
+                    "replicated",
+                    f"step {shard.step} rank {shard.rank} replicated to {peer}",
+                    step=shard.step,
+                    rank=shard.rank,
+                    tier=Tier.PEER,
+                    peer=peer,
+                    duration_s=time.time() - t0,
+                )
+                return
+            except (replication.ReplicationError, StoreError) as e:
+                error = str(e)
+                time.sleep(0.2 * (attempt + 1))
+        assert error is not None
+        self._fail(shard, Tier.PEER, error)
+        if NO_PEER not in error:
+            self.publisher.event(
+                "failed",
+                f"step {shard.step} rank {shard.rank} not replicated: {error}",
+                step=shard.step,
+                rank=shard.rank,
+                tier=Tier.PEER,
+                error=error,
+            )
+
+    # -- storage: persistence ------------------------------------------------------------------
+    def _persister(self) -> None:
+        while (shard := self.persist_q.get()) is not None:
+            with self.lock:
+                newer = any(
+                    s.rank == shard.rank
+                    and s.step > shard.step
+                    and s.origin == LOCAL
+                    and s.state != RESERVED
+                    for s in self.memory.shards.values()
+                )
+            if newer and not self.persist_q.empty():
+                self._fail(
+                    shard, Tier.STORAGE, "skipped: storage is behind and a newer step is queued"
+                )
+                continue
+            self._quiet()
+            if not self.memory.pin(shard):
+                self._fail(shard, Tier.STORAGE, "evicted before it was persisted")
+                continue
+            try:
+                self._persist(shard)
+            finally:
+                self.memory.unpin(shard)
+
+    def _persist(self, shard: Shard) -> None:
+        assert shard.header is not None  # committed shards have one
+        assert self.cfg.storage_dir is not None
+        root = Path(self.cfg.storage_dir)
+        for attempt, delay in enumerate((0.0, *PERSIST_RETRY_S)):
+            if self.stopping.wait(delay):
+                return
+            try:
+                t0 = time.time()
+                root.mkdir(parents=True, exist_ok=True)
+                data = shard.region.view()[: shard.header["data_len"]]
+                path = storage.write_shard(root, shard.step, shard.rank, shard.header_bytes, data)
+                del data
+                removed = storage.complete_step(
+                    root, shard.step, shard.world_size, self.cfg.storage_keep
+                )
+            except OSError as e:
+                retry = attempt < len(PERSIST_RETRY_S)
+                self.publisher.event(
+                    "failed",
+                    f"step {shard.step} rank {shard.rank} not persisted to {root}: "
+                    f"{e.strerror or e}{'; retrying' if retry else '; giving up'}",
+                    step=shard.step,
+                    rank=shard.rank,
+                    tier=Tier.STORAGE,
+                    error=str(e),
+                )
+                continue
+            self.publisher.list_storage(shard, str(path), removed)
+            self._reached(shard, Tier.STORAGE)
+            self.publisher.event(
+                "persisted",
+                f"step {shard.step} rank {shard.rank} persisted to {path}",
+                step=shard.step,
+                rank=shard.rank,
+                tier=Tier.STORAGE,
+                duration_s=time.time() - t0,
+            )
+            return
+        self._fail(shard, Tier.STORAGE, f"storage {root} not writable")

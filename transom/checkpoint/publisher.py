@@ -1,0 +1,214 @@
+"""A checkpoint server's side of etcd: its lease, the shards it lists, its events, its plan.
+
+With a store, the server holds a lease; under it it registers its peer address and lists each
+shard its memory holds (`catalog.py` has the keys), so both vanish when the node dies. Persisted
+shards are listed without a lease. A control thread keeps the lease (a lost one is replaced and
+everything re-listed) and follows the controller's plan: its members (for the ring peer) and
+its restore step (never evicted). Without a store every method is a no-op but the log line of
+an event. This module never touches shard bytes and never decides what the server keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transom.checkpoint import catalog
+from transom.common import keys
+from transom.common.states import Tier
+from transom.store import Store, StoreError
+
+log = logging.getLogger("transom.ckpt.server")
+
+CONTROL_TICK_S = 1.0
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """What the checkpoint server reads of the controller's `plan` record."""
+
+    generation: int | None = None
+    members: list[str] = field(default_factory=list)
+    restore_step: int | None = None
+
+
+def read_plan(store: Store) -> PlanView:
+    """The plan's generation, members and restore step, validated; empty when there is none.
+
+    The one place the checkpoint server reads the controller's plan (its schema is the
+    controller's); a value of the wrong type is treated as absent.
+    """
+    plan = store.get(keys.PLAN)
+    if not isinstance(plan, dict):
+        return PlanView()
+    generation = plan.get("generation")
+    members = plan.get("members")
+    restore = plan.get("restore_step")
+    return PlanView(
+        generation=generation if _is_int(generation) else None,
+        members=[m for m in members if isinstance(m, str)] if isinstance(members, list) else [],
+        restore_step=restore if _is_int(restore) else None,
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Publisher:
+    """The etcd side of server `node` (reachable by peers at `addr`, empty when it has no port)."""
+
+    def __init__(self, store: Store | None, node: str, lease_ttl_s: int):
+        self.store = store
+        self.node = node
+        self.lease_ttl_s = lease_ttl_s
+        self.addr = ""
+        self.lease: Any = None
+        self.plan = PlanView()
+        self.held: Callable[[], list] = list  # the shards in memory, to re-list on a new lease
+        self.on_plan: Callable[[PlanView], None] = lambda plan: None
+
+    def start(self, addr: str) -> None:
+        """Take a lease and register `addr`; no-op without a store."""
+        self.addr = addr
+        if self.store is not None:
+            self.store.wait_healthy(10.0)
+            self._new_lease()
+
+    def stop(self) -> None:
+        if self.store is not None and self.lease is not None:
+            try:
+                self.store.revoke(self.lease)
+            except StoreError:
+                pass
+
+    def _new_lease(self) -> None:
+        assert self.store is not None
+        self.lease = self.store.lease(self.lease_ttl_s)
+        if self.addr:
+            catalog.register_server(self.store, self.node, self.addr, self.lease)
+        for shard in self.held():
+            self.list_memory(shard)
+
+    def follow(self, stopping: threading.Event) -> None:
+        """Keep the lease and follow the plan until `stopping` is set (a thread's body)."""
+        if self.store is None:
+            return
+        while not stopping.wait(CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)):
+            try:
+                if not self.store.refresh(self.lease):
+                    self._new_lease()
+                self.plan = read_plan(self.store)
+                self.on_plan(self.plan)
+            except StoreError as e:
+                log.debug("control tick: %s", e)
+
+    def peer_addr(self, peer: str) -> str | None:
+        """The address `peer`'s server registered (None without a store or a registration)."""
+        return catalog.server_addr(self.store, peer) if self.store is not None else None
+
+    # -- the catalog ---------------------------------------------------------------------------
+    def list_memory(self, shard) -> None:
+        """List a shard this server's memory holds (under the lease)."""
+        if self.store is None:
+            return
+        try:
+            catalog.publish(
+                self.store,
+                shard.step,
+                shard.rank,
+                catalog.memory_holder(self.node),
+                {
+                    "world_size": shard.world_size,
+                    "node": self.node,
+                    "tier": Tier.MEMORY,
+                    "addr": self.addr,
+                    "nbytes": shard.region.nbytes,
+                    "origin": shard.origin,
+                },
+                lease=self.lease,
+            )
+        except StoreError as e:
+            log.warning("cannot list step %d rank %d in etcd: %s", shard.step, shard.rank, e)
+
+    def unlist_memory(self, shard) -> None:
+        """Withdraw an evicted shard, in the background (called with the memory lock held)."""
+        if self.store is None:
+            return
+        threading.Thread(target=self._withdraw, args=(shard.step, shard.rank), daemon=True).start()
+
+    def _withdraw(self, step: int, rank: int) -> None:
+        assert self.store is not None
+        try:
+            catalog.withdraw(self.store, step, rank, catalog.memory_holder(self.node))
+        except StoreError:
+            pass
+
+    def list_storage(self, shard, path: str, removed_steps: list[int]) -> None:
+        """List a persisted shard (no lease: it outlives the node); forget the steps retention
+        removed."""
+        if self.store is None:
+            return
+        try:
+            catalog.publish(
+                self.store,
+                shard.step,
+                shard.rank,
+                catalog.STORAGE_HOLDER,
+                {
+                    "world_size": shard.world_size,
+                    "node": self.node,
+                    "tier": Tier.STORAGE,
+                    "path": path,
+                    "nbytes": shard.region.nbytes,
+                },
+            )
+            for step in removed_steps:
+                catalog.withdraw_storage(self.store, step)
+        except StoreError as e:
+            log.warning("cannot list a persisted shard in etcd: %s", e)
+
+    def holders(self, step: int, rank: int) -> dict[str, dict]:
+        """Who holds shard (step, rank), per the catalog ({} without a store or on error)."""
+        if self.store is None:
+            return {}
+        try:
+            return catalog.holders(self.store, step, rank)
+        except StoreError as e:
+            log.warning("cannot read the catalog: %s", e)
+            return {}
+
+    def restorable_steps(self, world_size: int) -> list[int] | None:
+        """Restorable steps per the catalog; None without a store or when etcd cannot answer."""
+        if self.store is None:
+            return None
+        try:
+            return catalog.restorable_steps(self.store, world_size)
+        except StoreError as e:
+            log.warning("cannot read the catalog, using local tiers only: %s", e)
+            return None
+
+    # -- events --------------------------------------------------------------------------------
+    def event(self, action: str, message: str, **fields: Any) -> None:
+        """A `checkpoint` event: into etcd's event log when there is one, and into the log."""
+        log.info("%s", message)
+        if self.store is None:
+            return
+        now = time.time()
+        value = {
+            "time": now,
+            "kind": "checkpoint",
+            "action": action,
+            "message": message,
+            "node": self.node,
+            **fields,
+        }
+        source = f"ckpt-{self.node}-{threading.get_ident() % 10000}"
+        try:
+            self.store.put(keys.event(now, source), value)
+        except StoreError:
+            pass

@@ -1,0 +1,178 @@
+"""The requests of this node's workers, on the server's Unix socket.
+
+Each message (protocol.py framing) is one request with one reply:
+    reserve {step, rank, nbytes, world_size} -> {path, nbytes} a region to copy the shard into
+    commit  {step, rank, header}             the copy is done (the save pipeline takes over)
+    abort   {step, rank}                     the copy failed: give the region back
+    wait    {step, rank, tier, timeout}      once the shard reached (or failed) a `Tier`
+    locate  {step, rank}      -> {sources}   where the shard can be read, fastest first
+    prepare {nbytes, rank}    -> {path}      populate a spare region for the rank's next save
+    steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
+    event   {action, message, fields}        a `checkpoint` event on the worker's behalf
+    status                    -> what the server holds
+A refused save answers {"ok": false, "refused": true, "error"}; a bad request {"ok": false,
+"error"}. Regions a connection reserved and never committed are given back when it closes.
+This module only parses requests and routes them; it never holds shard bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from transom.checkpoint import layout, storage
+from transom.checkpoint.budget import STAGED, BudgetExceeded, ShardMemory
+from transom.checkpoint.config import ServerConfig
+from transom.checkpoint.pipeline import SavePipeline
+from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
+from transom.checkpoint.publisher import Publisher
+from transom.checkpoint.shm import Region
+from transom.common.states import Tier
+
+log = logging.getLogger("transom.ckpt.server")
+
+# A load of a shard whose checksums are still being computed waits this long for them.
+STAGED_WAIT_S = 30.0
+
+
+class WorkerService:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        memory: ShardMemory,
+        pipeline: SavePipeline,
+        publisher: Publisher,
+    ):
+        self.cfg = cfg
+        self.node = cfg.node_id
+        self.memory = memory
+        self.lock = memory.lock
+        self.pipeline = pipeline
+        self.publisher = publisher
+
+    def serve(self, sock: socket.socket) -> None:
+        """Answer one worker connection's requests until it closes."""
+        reserved: dict[tuple[int, int], Region] = {}
+        try:
+            while True:
+                try:
+                    msg = recv_msg(sock)
+                except (ProtocolError, OSError):
+                    return
+                try:
+                    reply = self.handle(msg, reserved)
+                except (BudgetExceeded, layout.ShardError, KeyError, ValueError, TypeError) as e:
+                    reply = {"ok": False, "error": str(e), "refused": isinstance(e, BudgetExceeded)}
+                send_msg(sock, reply)
+        finally:
+            for (step, rank), region in reserved.items():
+                self.memory.abort(step, rank, region)
+
+    def handle(self, msg: dict, reserved: dict[tuple[int, int], Region]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "reserve":
+            step, rank = int(msg["step"]), int(msg["rank"])
+            region = self.memory.reserve(step, rank, int(msg["nbytes"]), int(msg["world_size"]))
+            reserved[(step, rank)] = region
+            return {"ok": True, "path": str(region.path), "nbytes": region.nbytes}
+        if op == "commit":
+            step, rank = int(msg["step"]), int(msg["rank"])
+            region = reserved.pop((step, rank))
+            self.pipeline.commit(step, rank, region, msg["header"])
+            return {"ok": True}
+        if op == "abort":
+            step, rank = int(msg["step"]), int(msg["rank"])
+            aborted = reserved.pop((step, rank), None)
+            if aborted is not None:
+                self.memory.abort(step, rank, aborted)
+            return {"ok": True}
+        if op == "wait":
+            tier = parse_tier(msg["tier"])
+            return self.pipeline.wait(int(msg["step"]), int(msg["rank"]), tier, msg.get("timeout"))
+        if op == "locate":
+            return {"ok": True, "sources": self.locate(int(msg["step"]), int(msg["rank"]))}
+        if op == "prepare":
+            nbytes = int(msg["nbytes"])
+            spare = self.memory.prepare_spare(nbytes, int(msg.get("rank", 0)))
+            return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
+        if op == "steps":
+            return {"ok": True, "steps": self.steps(int(msg["world_size"]))}
+        if op == "event":
+            self.publisher.event(
+                msg.get("action", "restored"), msg.get("message", ""), **msg.get("fields", {})
+            )
+            return {"ok": True}
+        if op == "status":
+            return {
+                "ok": True,
+                "node": self.node,
+                "addr": self.publisher.addr,
+                **self.memory.status(),
+            }
+        raise ValueError(f"unknown request {op!r}")
+
+    def locate(self, step: int, rank: int) -> list[dict]:
+        """Where shard (step, rank) can be read from, fastest first."""
+        sources: list[dict] = []
+        with self.lock:
+            shard = self.memory.shards.get((step, rank))
+            if shard is not None and shard.state == STAGED:  # saved a moment ago: checksums soon
+                self.lock.wait_for(
+                    lambda: shard.state != STAGED or Tier.MEMORY in shard.failed,
+                    timeout=STAGED_WAIT_S,
+                )
+            if shard is not None and Tier.MEMORY in shard.tiers:
+                shard.region.loaned = True  # the worker maps it: never write into it again
+                sources.append(
+                    {
+                        "tier": Tier.MEMORY,
+                        "node": self.node,
+                        "path": str(shard.region.path),
+                        "header": shard.header,
+                    }
+                )
+            if shard is not None and Tier.PEER in shard.tiers and self.cfg.peer:
+                sources.append({"tier": Tier.PEER, "node": self.cfg.peer, "addr": self.cfg.peer})
+        for _, info in sorted(self.publisher.holders(step, rank).items()):
+            if (
+                info.get("tier") == Tier.MEMORY
+                and info.get("node") != self.node
+                and info.get("addr")
+            ):
+                sources.append({"tier": Tier.PEER, "node": info["node"], "addr": info["addr"]})
+        if self.cfg.storage_dir is not None:
+            path = storage.shard_path(self.cfg.storage_dir, step, rank)
+            if path.exists():
+                sources.append({"tier": Tier.STORAGE, "path": str(path)})
+        return sources
+
+    def steps(self, world_size: int) -> list[int]:
+        """Steps restorable for every rank of a world of `world_size`, newest first: the
+        catalog's answer, or (without etcd) what this server's memory and storage hold."""
+        listed = self.publisher.restorable_steps(world_size)
+        if listed is not None:
+            return listed
+        by_step: dict[int, set[int]] = {}
+        for s in self.memory.holding(Tier.MEMORY):
+            if s.world_size == world_size:
+                by_step.setdefault(s.step, set()).add(s.rank)
+        steps = {s for s, ranks in by_step.items() if ranks == set(range(world_size))}
+        if self.cfg.storage_dir is not None:
+            root = Path(self.cfg.storage_dir)
+            for step in storage.complete_steps(root):
+                manifest = storage.read_manifest(root, step)
+                if manifest and manifest.get("world_size") == world_size:
+                    steps.add(step)
+        return sorted(steps, reverse=True)
+
+
+def parse_tier(name: Any) -> Tier:
+    """A tier named in a request; ValueError naming the tiers when it is none of them."""
+    try:
+        return Tier(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown tier {name!r}: one of {', '.join(t.value for t in Tier)}"
+        ) from None
