@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transom.common import sizes
 from transom.common.names import BadId, check_id
 
 # Simulated nodes are real processes on one machine; more than this would swamp it.
@@ -48,18 +49,11 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 def parse_size(text: str) -> int:
-    """'8G', '512MiB', '1.5g', '1000000' -> bytes; ConfigError (a ValueError) otherwise."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
-    number = t[:-1] if unit else t
+    """`transom.common.sizes.parse_size`, its error a ConfigError."""
     try:
-        value = int(float(number) * units[unit])
+        return sizes.parse_size(text)
     except ValueError as e:
-        raise ConfigError(f"{text!r} is not a size (examples: 8G, 512M, 1073741824)") from e
-    if value <= 0:
-        raise ConfigError(f"{text!r}: a size must be positive")
-    return value
+        raise ConfigError(str(e)) from e
 
 
 def new_job_id() -> str:

@@ -6,7 +6,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
   engine.py          the worker's API (`Engine`, `SaveHandle`, `save`/`load`)
   tiers/             where the loader reads from: one `LoadTier` a file, registered in order
   server.py          the per-node server, wiring:
-    config.py        its configuration and command line (`ServerConfig`, `parse_size`)
+    config.py        its configuration and command line (`ServerConfig`, `default_budget`)
     budget.py        its memory: shards, region pool, budget, eviction
     pipeline.py      the save pipeline: checksums, replication, persistence (background)
     worker_service.py / peer_service.py   its Unix-socket and TCP request handling

@@ -3,8 +3,8 @@
 `ServerConfig` is what a `CheckpointServer` runs with. Each field's metadata names its option
 of `transom ckpt-server` (`python -m transom.checkpoint.server`) and its help, so the parser
 (`build_parser`), the reader of parsed options (`from_args`) and the argv a node agent builds
-(`to_argv`) are all generated from the fields and cannot drift from them. `parse_size` and
-`default_budget` are defined here and nowhere else. This module must never start anything.
+(`to_argv`) are all generated from the fields and cannot drift from them. `default_budget` is
+defined here and nowhere else (`parse_size`: transom.common.sizes). It must never start anything.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import env
+from transom.common.sizes import parse_size
 
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
@@ -29,21 +30,6 @@ def default_budget() -> int:
     import psutil
 
     return psutil.virtual_memory().total // 2
-
-
-def parse_size(text: str) -> int:
-    """'8G', '512MiB', '1.5g', '1000000' -> bytes."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
-    number = t[:-1] if unit else t
-    try:
-        value = int(float(number) * units[unit])
-    except ValueError as e:
-        raise ValueError(f"{text!r} is not a size (examples: 8G, 512M, 1073741824)") from e
-    if value <= 0:
-        raise ValueError(f"{text!r}: a size must be positive")
-    return value
 
 
 def _size_option(text: str) -> int:

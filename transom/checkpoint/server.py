@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transom.checkpoint import config
 from transom.checkpoint.budget import ShardMemory
-from transom.checkpoint.config import ServerConfig, default_budget, parse_size  # noqa: F401 - re-exported
+from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_service import PeerService
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
