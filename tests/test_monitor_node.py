@@ -1,5 +1,5 @@
 """The worker API talking to a real agent-side NodeMonitor over loopback UDP, log scanning,
-FakeNvml hardware signals, and the fault schedule parser."""
+MockNvml hardware signals, and the fault schedule parser."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import pytest
 import torch
 from conftest import wait_for
 
+from transom.common import env
 from transom.config import ConfigError
+from transom.faults import DEFAULT_LOG_LINE, MockNvml, parse_schedule
 from transom.monitor import reporter
-from transom.monitor.collect import FakeNvml
-from transom.monitor.faults import DEFAULT_LOG_LINE, parse_schedule
 from transom.monitor.node import WARMUP_STEPS, NodeMonitor
 
 
 @pytest.fixture
 def node(monkeypatch):
     """A NodeMonitor and a fresh worker-side channel pointed at it, as rank 3."""
-    monitor = NodeMonitor("nodeX", nvml=FakeNvml())
-    monkeypatch.setenv(reporter.MONITOR_PORT_ENV, str(monitor.port))
+    monitor = NodeMonitor("nodeX", nvml=MockNvml())
+    monkeypatch.setenv(env.MONITOR_PORT, str(monitor.port))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setattr(reporter, "_channel", None)
     yield monitor
@@ -30,7 +30,7 @@ def node(monkeypatch):
 
 
 def test_calls_are_no_ops_without_an_agent(monkeypatch):
-    monkeypatch.delenv(reporter.MONITOR_PORT_ENV, raising=False)
+    monkeypatch.delenv(env.MONITOR_PORT, raising=False)
     monkeypatch.setattr(reporter, "_channel", None)
     with reporter.step(1) as s:
         with s.section("sync"):
@@ -94,7 +94,7 @@ def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch
         {"id": "f1", "type": "slow", "step": 6, "rank": 3, "factor": 3.0},
         {"id": "f2", "type": "nan", "step": 1, "rank": 0},
     ]  # another rank's: never fires here
-    monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(faults))
+    monkeypatch.setenv(env.FAULTS, json.dumps(faults))
     losses, computes = {}, {}
     for step in range(1, 9):
         with reporter.step(step) as s:
@@ -116,7 +116,7 @@ def test_a_fault_with_a_once_file_fires_in_one_worker_only(node, monkeypatch, tm
     """A worker restarted with the same TRANSOM_FAULTS (torchrun) must not fire the fault again."""
     once = tmp_path / "f0.fired"
     monkeypatch.setenv(
-        reporter.FAULTS_ENV,
+        env.FAULTS,
         json.dumps([{"id": "f0", "type": "nan", "step": 2, "rank": 3, "once_file": str(once)}]),
     )
     nan_steps = []
