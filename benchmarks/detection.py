@@ -42,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 sys.path.insert(0, str(REPO))
+from transom.common import env as env_names  # noqa: E402
+from transom.faults import DETECTORS  # noqa: E402
 
 NODES = 3
 STEP_DELAY_S = 0.05
@@ -52,14 +54,10 @@ FAULT_SPACING_STEPS = (
 )
 DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
-# fault type -> (the anomaly type that detects it, evictions it causes so spares are needed)
-FAULTS = {
-    "crash": ("crash", False),
-    "hang": ("hang", True),
-    "slow": ("straggler", True),
-    "nan": ("nan", False),
-    "log": ("xid", True),
-}
+# The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
+# detection evicts the node, so that each fault needs a spare.
+FAULTS = ("crash", "hang", "slow", "nan", "log")
+EVICTING = ("hang", "slow", "log")
 TARGETS = {
     "crash_s": 2.0,
     "hang_floor_s": 10.0,
@@ -146,9 +144,8 @@ def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
 
 
 def score(kind: str, events: list[dict], step_s: float | None) -> dict:
-    anomaly_type, _ = FAULTS[kind]
     faults = [e for e in events if e["kind"] == "fault"]
-    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") == anomaly_type]
+    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") in DETECTORS[kind]]
     if kind == "crash":
         verdicts = [e for e in events if e["kind"] == "diagnosis"]
         blamed = lambda v: v.get("blamed", [])  # noqa: E731
@@ -245,7 +242,7 @@ def overhead(tmp: Path, steps: int, rounds: int) -> dict:
                 }
                 env["OMP_NUM_THREADS"] = "1"
                 if mode == "on":
-                    env["TRANSOM_MONITOR_PORT"] = str(monitor.port)
+                    env[env_names.MONITOR_PORT] = str(monitor.port)
                 out = subprocess.run(
                     [
                         sys.executable,
@@ -290,7 +287,7 @@ def api_call_s(calls: int = 20000) -> float:
     from transom.monitor.node import NodeMonitor
 
     monitor = NodeMonitor("bench-api")
-    os.environ[reporter.MONITOR_PORT_ENV] = str(monitor.port)
+    os.environ[env_names.MONITOR_PORT] = str(monitor.port)
     try:
         t0 = time.perf_counter()
         for i in range(calls):
@@ -335,13 +332,13 @@ def main() -> int:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
             # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
-            per_job = NODES if FAULTS[kind][1] else args.trials
+            per_job = NODES if kind in EVICTING else args.trials
             t0, events, dirs = time.time(), [], []
             for i in range(0, args.trials, per_job):
                 n = min(per_job, args.trials - i)
                 spec, steps = schedule(kind, n, rng)
                 dirs.append(tmp / f"{kind}{i}")
-                events += run_job(dirs[-1], spec, n if FAULTS[kind][1] else 0, steps, [])
+                events += run_job(dirs[-1], spec, n if kind in EVICTING else 0, steps, [])
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)

@@ -62,7 +62,8 @@ from jobs import Line, finish, kill_marked, parse
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from transom.config import ConfigError  # noqa: E402
-from transom.monitor.faults import WORKER_FAULTS, parse_schedule  # noqa: E402
+from transom.common import env as env_names  # noqa: E402
+from transom.faults import WORKER_FAULTS, parse_schedule  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 NODES = 4
@@ -98,9 +99,9 @@ def worker_env() -> dict[str, str]:
         "LOCAL_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "TRANSOM_MONITOR_PORT",
-        "TRANSOM_FAULTS",
-        "TRANSOM_CHECKPOINT_DIR",
+        env_names.MONITOR_PORT,
+        env_names.FAULTS,
+        env_names.CHECKPOINT_DIR,
         "TORCHELASTIC_RUN_ID",
     ):
         env.pop(name, None)
@@ -426,8 +427,8 @@ class TorchrunJob:
                     | ({"rank": None} if f["node"] else {})
                 )
         return worker_env() | {
-            "TRANSOM_MONITOR_PORT": str(self.sock.getsockname()[1]),
-            "TRANSOM_FAULTS": json.dumps(faults),
+            env_names.MONITOR_PORT: str(self.sock.getsockname()[1]),
+            env_names.FAULTS: json.dumps(faults),
         }
 
     def start_agent(self, node: str) -> None:
