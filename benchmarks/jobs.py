@@ -44,7 +44,9 @@ def parse(text: str) -> list[Line]:
 
 
 def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
-    """Wait for the job; stop it and every process naming `marker` after `timeout`. True if it succeeded."""
+    """Wait for the job; stop it and every process naming `marker` after `timeout`.
+
+    True if it succeeded."""
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
