@@ -12,8 +12,7 @@ import torch
 from conftest import wait_for
 
 from transom.common import env
-from transom.config import ConfigError
-from transom.faults import DEFAULT_LOG_LINE, MockNvml, parse_schedule
+from transom.faults import DEFAULT_LOG_LINE, MockNvml
 from transom.monitor import reporter
 from transom.monitor.node import WARMUP_STEPS, NodeMonitor
 
@@ -144,37 +143,3 @@ def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
     assert found == {("xid", True), ("ecc", True)}  # the traceback line is info: no anomaly event
     node.check({}, {3: log})
     assert node.collect()[1] == []  # each line is read once
-
-
-def test_fault_schedule_parsing():
-    faults = parse_schedule(
-        "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2.5", 4, seed=1
-    )
-    assert [(f["type"], f["step"], f["rank"], f["node"]) for f in faults][0] == (
-        "crash",
-        40,
-        1,
-        None,
-    )
-    assert (
-        faults[1]["rank"] in range(4)
-        and faults[2]["node"] == "node2"
-        and faults[2]["factor"] == 2.5
-    )
-    assert len({f["id"] for f in faults}) == 3
-    assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule(
-        "random:count=5:steps=10-20", 4, seed=3
-    )
-    assert all(
-        10 <= f["step"] <= 20 for f in parse_schedule("random:count=5:steps=10-20", 4, seed=3)
-    )
-    for bad in (
-        "explode@step=3",
-        "crash@rank=1",
-        "crash@step=x",
-        "crash@step=3:rank=9",
-        "slow@step=3:factor=0.5",
-        "crash",
-    ):
-        with pytest.raises(ConfigError):
-            parse_schedule(bad, 4)
