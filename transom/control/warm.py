@@ -76,9 +76,11 @@ class WarmPool:
         self.size = size
         self.env = env
         self.log_path = Path(log_path)
-        job = env.get(env_names.JOB_ID, "?")
-        node = node_id or env.get(env_names.NODE_ID) or "?"
-        self.title = f"transom warm interpreter (job {job}, node {node})"
+        # What `ps` shows while it waits (the job and node, where known).
+        node = node_id or env.get(env_names.NODE_ID)
+        where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
+        where += [f"node {node}"] if node else []
+        self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
         self.ready: list[subprocess.Popen] = []
         self._imported: set[int] = set()  # pids whose imports are done
         self._used_at = 0.0
