@@ -310,6 +310,22 @@ def test_a_log_fault_is_credited_to_the_hardware_anomaly_it_raised(tmp_path):
     assert log["status"] == RECOVERED and log["recovered_at"] == T0 + 8.0
 
 
+def test_a_slow_preflight_fault_is_credited_to_the_exclusion_before_training(tmp_path):
+    events = [
+        ev(0.5, "fault", fault="slow_preflight", generation=0, id="f0", node="n1"),
+        ev(1.5, "evict", "n1 excluded before training", node="n1", preflight={"passed": True}),
+        ev(2.0, "generation", generation=1, members=["n0", "n2"], spares=[], restore_step=None),
+        ev(3.0, "running", generation=1),
+        ev(9.0, "succeeded"),
+    ]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_lines(run_dir / "events.jsonl", events)
+    (fault,) = build_summary(read_run(run_dir))["faults"]
+    assert fault["detected_by"] == "pre-flight exclusion" and fault["detection_s"] == 1.0
+    assert fault["status"] == RECOVERED and fault["recovered_in_generation"] == 1
+
+
 def test_a_run_without_progress_or_weights_still_gets_a_report(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run", progress=False)
     s = write_report(run_dir)

@@ -14,7 +14,13 @@ A new fault type is one class and one line in registry.py. This package must nev
 that is not in the schedule, and must never import the controller or the monitor.
 """
 
-from transom.faults.base import DEFAULT_LOG_LINE, NODE_LOST, Fault, FaultType
+from transom.faults.base import (
+    DEFAULT_LOG_LINE,
+    NODE_LOST,
+    PREFLIGHT_EXCLUSION,
+    Fault,
+    FaultType,
+)
 from transom.faults.injector import FaultInjector
 from transom.faults.mock_nvml import MockNvml
 from transom.faults.registry import (
@@ -34,6 +40,7 @@ __all__ = [
     "DETECTORS",
     "FAULT_TYPES",
     "NODE_LOST",
+    "PREFLIGHT_EXCLUSION",
     "PREFLIGHT_FAULTS",
     "RANDOM_TYPES",
     "WORKER_FAULTS",

@@ -22,6 +22,9 @@ ON_STEP = "step"
 ON_LOSS = "loss"
 # What detects a node death: the controller finds the node lost (no anomaly has this type).
 NODE_LOST = "node lost"
+# What detects a slow node at pre-flight: the controller excludes it (an `evict` event that
+# carries the node's pre-flight result), before training.
+PREFLIGHT_EXCLUSION = "pre-flight exclusion"
 
 DEFAULT_LOG_LINE = (
     "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus. [transom injected fault]"

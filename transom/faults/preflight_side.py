@@ -5,10 +5,7 @@ This module must never change anything but the compute benchmark's cost on the t
 
 from __future__ import annotations
 
-from transom.faults.base import PREFLIGHT, Fault, FaultType
-
-# What finds it: the controller's comparison of pre-flight scores excludes the node before
-# training (an `evict` event, not an anomaly), so no anomaly type detects it.
+from transom.faults.base import PREFLIGHT, PREFLIGHT_EXCLUSION, Fault, FaultType
 
 
 class SlowPreflight(FaultType):
@@ -16,7 +13,7 @@ class SlowPreflight(FaultType):
 
     name = "slow_preflight"
     where = PREFLIGHT
-    detected_by = ()
+    detected_by = (PREFLIGHT_EXCLUSION,)  # the controller compares pre-flight scores
     description = "a node joins with a compute benchmark FACTOR x slower than its peers"
     needs_step = False
 

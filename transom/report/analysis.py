@@ -49,7 +49,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from transom.faults import DETECTORS, NODE_LOST
+from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
 
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
@@ -267,6 +267,9 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     """The first event after the injection that detected `fault` (see the module docstring)."""
     kind, node, rank, at = fault["fault"], fault.get("node"), fault.get("rank"), fault["time"]
     after = [e for e in events if _detected_at(e) >= at]
+    if PREFLIGHT_EXCLUSION in DETECTORS.get(kind, ()):  # slow_preflight: excluded before training
+        excluded = [e for e in after if e.get("kind") == "evict" and e.get("preflight")]
+        return next((e for e in excluded if e.get("node") == node), None)
     if NODE_LOST in DETECTORS.get(kind, ()):  # kill: the controller finds the node lost
         for e in after:
             k = e.get("kind")
@@ -322,6 +325,8 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 
 
 def _detected_by(detection: dict) -> str:
+    if detection.get("kind") == "evict" and detection.get("preflight"):
+        return PREFLIGHT_EXCLUSION
     if detection.get("kind") == "anomaly":
         return f"{detection['type']} anomaly"
     if (
