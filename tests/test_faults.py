@@ -199,3 +199,23 @@ def test_schedules_are_those_of_the_old_parser():
         ("crash", 65, 3),
         ("crash", 40, 0),
     ]
+
+
+def test_a_new_fault_type_is_one_class_and_one_registration(monkeypatch, tmp_path):
+    from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
+
+    class Touch(FaultType):
+        name = "touch"
+        where = AGENT
+        detected_by = ("touched",)
+        description = "a file appears next to the worker's log"
+
+        def fire_agent(self, fault: Fault, target: AgentTarget) -> None:
+            (target.log_path.parent / "touched").write_text(str(target.pid))
+
+    monkeypatch.setitem(FAULT_TYPES, Touch.name, Touch())  # the registration line
+    schedule = parse_schedule("touch@step=2:rank=0", 2)
+    store = DictStore()
+    FaultInjector(store, "node0", schedule).on_agent_tick({0: 2}, {0: 42}, {0: tmp_path / "r0"})
+    assert (tmp_path / "touched").read_text() == "42"
+    assert store.events()[0]["fault"] == "touch"

@@ -10,7 +10,7 @@ This module must never fire anything itself: it only defines the interface.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -61,7 +61,6 @@ class WorkerState:
     """What worker-side faults change in the worker: how much slower its compute runs."""
 
     slow_factor: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class FaultType:
