@@ -20,7 +20,7 @@ Targets (issue 4): crash < 2 s; hang within max(10 s, 5 x median step); a 2x slo
 overhead < 1%.
 
     python benchmarks/detection.py --trials 20 --fault-free-minutes 30      # the full run
-    python benchmarks/detection.py --json                                    # last line: one JSON object
+    python benchmarks/detection.py --json                                   # last line: JSON
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 sys.path.insert(0, str(REPO))
+from transom.common import env as env_names  # noqa: E402
+from transom.faults import DETECTORS  # noqa: E402
 
 NODES = 3
 STEP_DELAY_S = 0.05
@@ -52,14 +54,10 @@ FAULT_SPACING_STEPS = (
 )
 DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
-# fault type -> (the anomaly type that detects it, evictions it causes so spares are needed)
-FAULTS = {
-    "crash": ("crash", False),
-    "hang": ("hang", True),
-    "slow": ("straggler", True),
-    "nan": ("nan", False),
-    "log": ("xid", True),
-}
+# The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
+# detection evicts the node, so that each fault needs a spare.
+FAULTS = ("crash", "hang", "slow", "nan", "log")
+EVICTING = ("hang", "slow", "log")
 TARGETS = {
     "crash_s": 2.0,
     "hang_floor_s": 10.0,
@@ -130,12 +128,14 @@ def median_step_s(run_dirs: list[Path]) -> float | None:
     gaps = []
     for log in sorted(p for d in run_dirs for p in d.glob("logs/g*/rank0.log")):
         points = [(int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))]
-        gaps += [t2 - t1 for (s1, t1), (s2, t2) in zip(points, points[1:]) if s2 == s1 + 1]
+        gaps += [
+            t2 - t1 for (s1, t1), (s2, t2) in zip(points, points[1:], strict=False) if s2 == s1 + 1
+        ]
     return statistics.median(gaps) if gaps else None
 
 
 def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
-    """A fault spec of `trials` faults of one type at random ranks and steps, and the steps to run."""
+    """A fault spec of `trials` faults of one type at random ranks and steps; the steps to run."""
     items, step = [], FIRST_FAULT_STEP
     for _ in range(trials):
         at = step + rng.randint(0, 9)
@@ -146,9 +146,8 @@ def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
 
 
 def score(kind: str, events: list[dict], step_s: float | None) -> dict:
-    anomaly_type, _ = FAULTS[kind]
     faults = [e for e in events if e["kind"] == "fault"]
-    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") == anomaly_type]
+    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") in DETECTORS[kind]]
     if kind == "crash":
         verdicts = [e for e in events if e["kind"] == "diagnosis"]
         blamed = lambda v: v.get("blamed", [])  # noqa: E731
@@ -245,7 +244,7 @@ def overhead(tmp: Path, steps: int, rounds: int) -> dict:
                 }
                 env["OMP_NUM_THREADS"] = "1"
                 if mode == "on":
-                    env["TRANSOM_MONITOR_PORT"] = str(monitor.port)
+                    env[env_names.MONITOR_PORT] = str(monitor.port)
                 out = subprocess.run(
                     [
                         sys.executable,
@@ -290,7 +289,7 @@ def api_call_s(calls: int = 20000) -> float:
     from transom.monitor.node import NodeMonitor
 
     monitor = NodeMonitor("bench-api")
-    os.environ[reporter.MONITOR_PORT_ENV] = str(monitor.port)
+    os.environ[env_names.MONITOR_PORT] = str(monitor.port)
     try:
         t0 = time.perf_counter()
         for i in range(calls):
@@ -335,13 +334,13 @@ def main() -> int:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
             # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
-            per_job = NODES if FAULTS[kind][1] else args.trials
+            per_job = NODES if kind in EVICTING else args.trials
             t0, events, dirs = time.time(), [], []
             for i in range(0, args.trials, per_job):
                 n = min(per_job, args.trials - i)
                 spec, steps = schedule(kind, n, rng)
                 dirs.append(tmp / f"{kind}{i}")
-                events += run_job(dirs[-1], spec, n if FAULTS[kind][1] else 0, steps, [])
+                events += run_job(dirs[-1], spec, n if kind in EVICTING else 0, steps, [])
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
@@ -363,32 +362,37 @@ def fmt(value, spec="{:.2f}") -> str:
 
 def print_table(result: dict) -> None:
     print(
-        f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} {'right node':>10} "
+        f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
+        f"{'right node':>10} "
         f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}"
     )
     for kind, r in result["transom"].items():
         steps = (
-            f"{fmt(r.get('latency_p50_steps'), '{:.0f}')}/{fmt(r.get('latency_max_steps'), '{:.0f}')}"
+            f"{fmt(r.get('latency_p50_steps'), '{:.0f}')}/"
+            f"{fmt(r.get('latency_max_steps'), '{:.0f}')}"
             if "latency_p50_steps" in r
             else "-"
         )
         print(
-            f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} {fmt(r['precision']):>9} "
-            f"{fmt(r['attribution']):>10} {fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
+            f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
+            f"{fmt(r['precision']):>9} {fmt(r['attribution']):>10} "
+            f"{fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
             f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}"
         )
     if "fault_free" in result:
         f = result["fault_free"]
         print(
-            f"fault-free job: {f['duration_s'] / 60:.1f} min, {f['false_positives']} false positives "
+            f"fault-free job: {f['duration_s'] / 60:.1f} min, "
+            f"{f['false_positives']} false positives "
             f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)"
         )
     if "overhead" in result:
         o = result["overhead"]
         print(
-            f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off "
-            f"= {o['overhead_x'] * 100:+.2f}% (median of {o['rounds']} runs of {o['steps']} steps each); "
-            f"the calls themselves: {o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%"
+            f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs "
+            f"{o['step_off_s'] * 1000:.2f} ms off = {o['overhead_x'] * 100:+.2f}% "
+            f"(median of {o['rounds']} runs of {o['steps']} steps each); the calls themselves: "
+            f"{o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%"
         )
 
 

@@ -1,14 +1,17 @@
 """Goodput benchmark: one training job and one fault schedule under Transom and under torchrun.
 
 The same script (examples/train_gpt.py), steps, checkpoint interval K and faults run under
-  transom   `transom run --nnodes 4 --spares 1 --refill-spares --max-restarts 10 --faults SCHEDULE`,
-            checkpoints with transom.checkpoint (node memory, replicated, persisted in the background);
+  transom   `transom run --nnodes 4 --spares 1 --refill-spares --max-restarts 10 --faults
+            SCHEDULE`, checkpoints with transom.checkpoint (node memory, replicated, persisted in
+            the background);
   torchrun  what a user would pick today: 4 torchrun agents on this machine (`--nnodes 4
             --rdzv-backend c10d`, rendezvous hosted by node0's agent, `--max-restarts 10`),
-            torch.save checkpoints, a collective timeout (--collective-timeout, default 60 s; torch's
-            defaults are 10 min for NCCL and 30 min for gloo, so this favours the baseline) and a
-            loss check that raises on NaN (train_gpt.py --fail-on-nan), so torchrun restarts the job.
-and, unless --no-reference, a fault-free torchrun run (`floor`) whose final weights both runs must match.
+            torch.save checkpoints, a collective timeout (--collective-timeout, default 60 s;
+            torch's defaults are 10 min for NCCL and 30 min for gloo, so this favours the
+            baseline) and a loss check that raises on NaN (train_gpt.py --fail-on-nan), so
+            torchrun restarts the job.
+and, unless --no-reference, a fault-free torchrun run (`floor`) whose final weights both runs
+must match.
 
 Faults under torchrun are injected by this benchmark, of the same type at the same step: it listens
 to the workers' monitor datagrams (transom.monitor.reporter, pointed at its own UDP port) to see
@@ -43,197 +46,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import psutil
-import torch
-from jobs import Line, finish, kill_marked, parse
+from jobs import Line, finish, parse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from transom.config import ConfigError  # noqa: E402
-from transom.monitor.faults import WORKER_FAULTS, parse_schedule  # noqa: E402
-
-SCRIPT = REPO / "examples" / "train_gpt.py"
-NODES = 4
-STEPS = 720
-CKPT_EVERY = 20
-COLLECTIVE_TIMEOUT_S = 60
-MAX_RESTARTS = 10
-DEFAULT_FAULTS = (
-    "crash@step=60:rank=1,kill@step=200:node=node3,hang@step=340:rank=2,"
-    "nan@step=480:rank=0,slow@step=620:node=node1:factor=3"
+from goodput_common import (  # noqa: E402
+    BASELINE_FAULTS,
+    CKPT_EVERY,
+    COLLECTIVE_TIMEOUT_S,
+    DEFAULT_FAULTS,
+    MAX_RESTARTS,
+    NODES,
+    POLL_S,
+    RUN_TIMEOUT_S,
+    STEPS,
+    TARGET_SOONER,
+    TRANSOM_SPARES,
+    compare_weights,
+    measure,
+    say,
+    script_args,
+    show_progress,
+    worker_env,
 )
-BASELINE_FAULTS = ("crash", "hang", "kill", "slow", "nan")
-TRANSOM_SPARES = [
-    "--spares",
-    "1",
-    "--refill-spares",
-]  # a new simulated node replaces each evicted one
-RUN_TIMEOUT_S = 900
-PROGRESS_EVERY_S = 10
-POLL_S = 0.2
-TARGET_SOONER = 0.28
+from goodput_torchrun import TorchrunJob  # noqa: E402
 
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TRANSOM_MONITOR_PORT",
-        "TRANSOM_FAULTS",
-        "TRANSOM_CHECKPOINT_DIR",
-        "TORCHELASTIC_RUN_ID",
-    ):
-        env.pop(name, None)
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: without it torchrun restarts reuse stale gloo addresses
-    # from the previous attempt and fail or hang (pytorch issue 135712).
-    return env | {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def script_args(args, final: Path) -> list[str]:
-    return [
-        str(SCRIPT),
-        "--steps",
-        str(args.steps),
-        "--log-every",
-        "1",
-        "--ckpt-every",
-        str(args.ckpt_every),
-        "--save-final",
-        str(final),
-    ]
-
-
-# -- measuring ------------------------------------------------------------------------------------
-
-
-def rank0_timeline(lines: list[Line]) -> list[Line]:
-    """Rank 0's resumed and step lines, in time order (one process after another)."""
-    return sorted(
-        (x for x in lines if x.what == "step" or (x.what == "resumed" and x.rank == 0)),
-        key=lambda x: x.t,
-    )
-
-
-def step_durations(timeline: list[Line]) -> list[tuple[int, float, float]]:
-    """(step, end time, duration) of every step rank 0 completed; a process's first step counts
-    from its `resumed` line."""
-    out, previous = [], None
-    for x in timeline:
-        if x.what == "step" and previous is not None:
-            out.append((x.step, x.t, x.t - previous))
-        previous = x.t
-    return out
-
-
-def measure(lines: list[Line], launched: float, steps: int, faults: list[dict]) -> dict:
-    """wall_s, ettr_x, lost_steps and per-fault cost_s from rank 0's lines and the injections."""
-    timeline = rank0_timeline(lines)
-    done = step_durations(timeline)
-    final = {}  # the last run of each step is the one in the final model
-    for step, end, duration in done:
-        final[step] = (end, duration)
-    if set(final) != set(range(1, steps + 1)):
-        missing = sorted(set(range(1, steps + 1)) - set(final))
-        raise RuntimeError(f"rank 0 did not complete every step (missing {missing[:5]} ...)")
-    wall = final[steps][0] - launched
-    first_fault = min((f["time"] for f in faults), default=float("inf"))
-    normal = statistics.median(
-        [d for s, end, d in done if end < first_fault and s > 2] or [d for _, _, d in done]
-    )
-    resumes = [x.t for x in timeline if x.what == "resumed"]
-    costs = []
-    ordered = sorted(faults, key=lambda f: f["time"])
-    for i, f in enumerate(ordered):
-        t_f = f["time"]
-        before = [s for s, end, _ in done if end <= t_f]
-        s_f = max(before, default=0)
-        if (
-            f["fault"] == "slow"
-        ):  # the extra time until the next fault (or the end) over the normal pace
-            t_next = ordered[i + 1]["time"] if i + 1 < len(ordered) else final[steps][0]
-            reached = max((s for s, end, _ in done if end <= t_next), default=s_f)
-            t_back = max(end for s, end, _ in done if s == reached and end <= t_next)
-            cost = (t_back - t_f) - (reached - s_f) * normal
-        else:  # back at the highest step reached before the restart
-            restart = min((t for t in resumes if t > t_f), default=None)
-            if restart is None:
-                cost, reached = None, s_f
-            else:
-                reached = max((s for s, end, _ in done if t_f < end < restart), default=s_f)
-                # back when a step at or past `reached` is done, or a resume starts past it
-                t_back = min(x.t for x in timeline if x.t >= restart and x.step >= reached)
-                cost = (t_back - t_f) - (reached - s_f) * normal
-        costs.append(
-            {
-                "id": f["id"],
-                "fault": f["fault"],
-                "step": f["step"],
-                "target": f["target"],
-                "at_step": s_f,
-                "cost_s": cost,
-            }
-        )
-    useful = sum(duration for _, duration in final.values())
-    startup = min(end for s, end, _ in done if s == 1) - launched
-    return {
-        "wall_s": wall,
-        "ettr_x": useful / wall,
-        "lost_steps": len(done) - steps,
-        "normal_step_s": normal,
-        "startup_s": startup,
-        "faults": costs,
-    }
-
-
-def compare_weights(path: Path, reference: Path | None) -> dict:
-    """{"weights_match": bool, "max_abs_diff": float, "differing": [names]} against the reference."""
-    if reference is None or not reference.exists():
-        return {"weights_match": None}
-    if not path.exists():
-        return {"weights_match": False, "differing": ["(no final weights saved)"]}
-    a, b = torch.load(path, weights_only=True), torch.load(reference, weights_only=True)
-    differing = sorted(k for k in b if k not in a or not torch.equal(a[k], b[k]))
-    diff = max(
-        (float((a[k].float() - b[k].float()).abs().max()) for k in differing if k in a), default=0.0
-    )
-    return {"weights_match": not differing, "max_abs_diff": diff, "differing": differing[:5]}
-
-
-def show_progress(
-    system: str, lines: list[Line], launched: float, steps: int, last: list[float]
-) -> None:
-    if time.time() - last[0] < PROGRESS_EVERY_S:
-        return
-    last[0] = time.time()
-    reached = max((x.step for x in lines if x.what == "step"), default=0)
-    say(f"  {system}: step {reached}/{steps} after {time.time() - launched:.0f} s")
-
+from transom.config import ConfigError  # noqa: E402
+from transom.faults import parse_schedule  # noqa: E402
 
 # -- the fault-free reference ----------------------------------------------------------------------
 
@@ -273,7 +120,7 @@ def run_reference(args, work: Path) -> dict:
     }
 
 
-# -- Transom ----------------------------------------------------------------------------------------
+# -- Transom ---------------------------------------------------------------------------------
 
 
 def run_transom(args, work: Path, reference: Path | None) -> dict:
@@ -281,9 +128,11 @@ def run_transom(args, work: Path, reference: Path | None) -> dict:
     run_dir = work / job_id
     final = work / f"{job_id}-final.pt"
     say(f"transom: {args.steps} steps with faults {args.faults} ...")
-    logs = lambda: parse(
-        "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank0.log")))
-    )
+
+    def logs() -> list[Line]:
+        paths = sorted(run_dir.glob("logs/g*/rank0.log"))
+        return parse("".join(p.read_text(errors="replace") for p in paths))
+
     seen: set[str] = set()
     last = [time.time()]
     with open(work / f"{job_id}.out", "wb") as out:
@@ -361,199 +210,7 @@ def transom_faults(run_dir: Path) -> list[dict]:
     ]
 
 
-# -- torchrun ---------------------------------------------------------------------------------------
-
-
-class TorchrunJob:
-    """Four torchrun agents (simulated nodes) and the injector that plays the fault schedule on them."""
-
-    def __init__(self, args, work: Path, schedule: list[dict]):
-        self.args = args
-        self.work = work
-        self.schedule = schedule
-        self.run_id = "goodput-" + uuid.uuid4().hex[:6]
-        self.ckpt = work / f"{self.run_id}-ckpt"
-        self.final = work / f"{self.run_id}-final.pt"
-        self.rdzv_port = free_port()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.lock = threading.Lock()
-        self.agents: dict[str, subprocess.Popen] = {}  # node -> its current torchrun agent
-        self.killed: list[subprocess.Popen] = []
-        self.outputs: list[Path] = []
-        self.steps: dict[int, int] = {}  # rank -> its newest reported step
-        self.fired: list[dict] = []
-        self.stopping = threading.Event()
-
-    def command(self, node: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(NODES),
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{self.rdzv_port}",
-            "--rdzv-id",
-            self.run_id,
-            "--rdzv-conf",
-            f"is_host={int(node == 'node0')}",
-            "--max-restarts",
-            str(MAX_RESTARTS),
-            *script_args(self.args, self.final),
-            "--checkpoint",
-            "torch",
-            "--ckpt-dir",
-            str(self.ckpt),
-            "--fail-on-nan",
-            "--collective-timeout",
-            str(self.args.collective_timeout),
-        ]
-
-    def env(self, node: str) -> dict[str, str]:
-        """The agent's environment: the monitor port, and the worker-side faults aimed at its worker."""
-        faults = []
-        for f in self.schedule:
-            if f["type"] in WORKER_FAULTS and f["node"] in (None, node):
-                faults.append(
-                    f
-                    | {"once_file": str(self.work / f"{self.run_id}-{f['id']}.fired")}
-                    | ({"rank": None} if f["node"] else {})
-                )
-        return worker_env() | {
-            "TRANSOM_MONITOR_PORT": str(self.sock.getsockname()[1]),
-            "TRANSOM_FAULTS": json.dumps(faults),
-        }
-
-    def start_agent(self, node: str) -> None:
-        out_path = self.work / f"{self.run_id}-{node}-{len(self.outputs)}.out"
-        self.outputs.append(out_path)
-        with open(out_path, "wb") as out:
-            self.agents[node] = subprocess.Popen(
-                self.command(node),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env(node),
-                start_new_session=True,
-            )
-
-    def lines(self) -> list[Line]:
-        return [x for p in self.outputs if p.exists() for x in parse(p.read_text(errors="replace"))]
-
-    # -- the injector ---------------------------------------------------------------------------
-    def workers(self) -> dict[int, tuple[str, psutil.Process]]:
-        """rank -> (node, worker process) of the running workers."""
-        out = {}
-        for node, agent in list(self.agents.items()):
-            try:
-                for child in psutil.Process(agent.pid).children(recursive=True):
-                    rank = child.environ().get("RANK")
-                    if rank is not None:
-                        out[int(rank)] = (node, child)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return out
-
-    def listen(self) -> None:
-        pending = [f for f in self.schedule if f["type"] not in WORKER_FAULTS]
-        while not self.stopping.is_set():
-            try:
-                message = json.loads(self.sock.recv(65536))
-            except (TimeoutError, ValueError):
-                continue
-            rank = message.get("rank")
-            if message.get("k") == "fault":  # the reporter fired a worker-side fault
-                f = message["fault"]
-                self.record(f, message["t"], message.get("step"), rank)
-            elif message.get("k") == "step" and rank is not None:
-                self.steps[rank] = message["step"]
-                for f in [f for f in pending if message["step"] >= f["step"]]:
-                    if self.inject(f):
-                        pending.remove(f)
-
-    def record(
-        self, f: dict, when: float, step: int | None, rank: int | None, node: str | None = None
-    ) -> None:
-        node = node or f.get("node")
-        target = f"{node} rank {rank}" if node else f"rank {rank}"
-        self.fired.append(
-            {"id": f["id"], "fault": f["type"], "step": step, "time": when, "target": target}
-        )
-        say(f"  torchrun: injected {f['type']} on {target} at step {step}")
-
-    def inject(self, f: dict) -> bool:
-        """Fire an agent-side fault if its target has reached its step; True once fired."""
-        for rank, (node, worker) in self.workers().items():
-            if (f["node"] or None) not in (None, node) or (f["node"] is None and f["rank"] != rank):
-                continue
-            if self.steps.get(rank, 0) < f["step"]:
-                return False
-            when = time.time()
-            try:
-                if f["type"] == "crash":
-                    worker.send_signal(signal.SIGKILL)
-                elif f["type"] == "hang":
-                    worker.send_signal(signal.SIGSTOP)
-                elif f["type"] == "kill":
-                    with self.lock:
-                        agent = self.agents.pop(node)
-                        agent.kill()
-                        worker.kill()
-                        self.killed.append(agent)
-                        self.start_agent(node)  # the hot spare takes its place at once
-            except psutil.NoSuchProcess:
-                return False
-            self.record(f, when, self.steps.get(rank), rank, node)
-            return True
-        return False
-
-    def run(self) -> dict:
-        say(
-            f"torchrun: {self.args.steps} steps with the same faults, collective timeout "
-            f"{self.args.collective_timeout:g} s ..."
-        )
-        listener = threading.Thread(target=self.listen, name="fault-injector", daemon=True)
-        launched = time.time()
-        with self.lock:
-            for i in range(NODES):
-                self.start_agent(f"node{i}")
-        listener.start()
-        last = [time.time()]
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline:
-                with self.lock:
-                    running = [a for a in self.agents.values() if a.poll() is None]
-                if not running:
-                    break
-                show_progress("torchrun", self.lines(), launched, self.args.steps, last)
-                time.sleep(POLL_S)
-        finally:
-            self.stopping.set()
-            listener.join()
-            with self.lock:
-                codes = [a.returncode for a in self.agents.values()]
-                for agent in [*self.agents.values(), *self.killed]:
-                    if agent.poll() is None:
-                        agent.kill()
-                        agent.wait()
-            kill_marked(
-                str(self.ckpt)
-            )  # workers (a stopped one included) live in sessions of their own
-            self.sock.close()
-        if any(code != 0 for code in codes):
-            raise RuntimeError(
-                f"the torchrun job failed (agents exited {codes}); see {self.outputs}"
-            )
-        return measure(self.lines(), launched, self.args.steps, self.fired)
-
-
-# -- the report -------------------------------------------------------------------------------------
+# -- the report ------------------------------------------------------------------------------
 
 
 def mean_or_none(values):
@@ -596,13 +253,14 @@ def fmt(value, spec: str = ".1f") -> str:
 
 def print_table(args, result: dict) -> None:
     print(
-        f"goodput: examples/train_gpt.py on {NODES} nodes x 1 worker, {args.steps} steps, checkpoint every "
-        f"{args.ckpt_every} steps, {args.trials} trial(s)"
+        f"goodput: examples/train_gpt.py on {NODES} nodes x 1 worker, {args.steps} steps, "
+        f"checkpoint every {args.ckpt_every} steps, {args.trials} trial(s)"
     )
     print(f"faults: {args.faults}")
     print(
-        f"torchrun baseline: collective timeout {args.collective_timeout:g} s (torch's defaults are 10 min "
-        f"for NCCL and 30 min for gloo, so the baseline is favoured); a killed node's agent is replaced at once"
+        f"torchrun baseline: collective timeout {args.collective_timeout:g} s (torch's defaults "
+        "are 10 min for NCCL and 30 min for gloo, so the baseline is favoured); a killed node's "
+        "agent is replaced at once"
     )
     print()
     print(
@@ -622,7 +280,8 @@ def print_table(args, result: dict) -> None:
                 else f"DIFFER (max abs diff {r['max_abs_diff']:.3g})"
             )
         print(
-            f"{system:<10}{fmt(r['wall_s']):>10}{fmt(r['ettr_x'], '.2f'):>9}{fmt(r['goodput_x'], '.2f'):>11}"
+            f"{system:<10}{fmt(r['wall_s']):>10}{fmt(r['ettr_x'], '.2f'):>9}"
+            f"{fmt(r['goodput_x'], '.2f'):>11}"
             f"{fmt(r['lost_steps'], '.0f'):>12}"
             f"{fmt(r['normal_step_s'], '.3f'):>9}{fmt(r['startup_s']):>11}  {weights}"
         )
@@ -637,7 +296,8 @@ def print_table(args, result: dict) -> None:
         sooner = result["sooner_x"]
         verdict = "meets" if sooner >= TARGET_SOONER else "MISSES"
         print(
-            f"Transom finishes {sooner:.0%} sooner than torchrun ({result['speedup_x']:.2f}x faster); "
+            f"Transom finishes {sooner:.0%} sooner than torchrun "
+            f"({result['speedup_x']:.2f}x faster); "
             f"{verdict} the target of {TARGET_SOONER:.0%} (aim 50%)"
         )
 

@@ -1,6 +1,6 @@
-"""What the benchmarks that run examples/train_gpt.py jobs share: its progress lines, and stopping a job.
+"""What the benchmarks running examples/train_gpt.py jobs share: its progress lines, stopping a job.
 
-train_gpt.py prints, each with t=time.time() (see its docstring):
+train_gpt.py (transom/workloads/train_gpt.py) prints, each with t=time.time() (see its docstring):
     [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
     step N loss X t=... (rank 0)               [train_gpt] done step=N rank=R t=...
 under torchrun possibly prefixed with "[rankR]: ". This module only reads and stops; it never
@@ -44,7 +44,9 @@ def parse(text: str) -> list[Line]:
 
 
 def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
-    """Wait for the job; stop it and every process naming `marker` after `timeout`. True if it succeeded."""
+    """Wait for the job; stop it and every process naming `marker` after `timeout`.
+
+    True if it succeeded."""
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from transom.control.policy import on_anomaly
+from transom.faults import MockNvml
 from transom.monitor import detectors, patterns
-from transom.monitor.collect import FakeNvml, gpu_problems
+from transom.monitor.collect import gpu_problems
 
 MEMBERS = ["node0", "node1", "node2"]
 
@@ -180,7 +181,7 @@ def test_log_patterns_are_classified():
 
 
 def test_fake_nvml_counters_become_hardware_problems():
-    nvml = FakeNvml(gpus=2)
+    nvml = MockNvml(gpus=2)
     before = nvml.read()
     assert gpu_problems(before, nvml.read()) == []
     nvml.gpus[1]["xid"] = 1

@@ -11,7 +11,6 @@ import urllib.request
 import pytest
 from conftest import REPO, wait_for
 
-from transom.control.preflight import TEST_HOOK_SLOW_ENV
 from transom.monitor.detectors import HANG_FLOOR_S
 
 pytestmark = pytest.mark.slow
@@ -218,11 +217,12 @@ def test_slow_node_is_excluded_by_the_preflight_before_training(start_job):
         "3",
         "--spares",
         "1",
+        "--faults",
+        "slow_preflight@node=node1:factor=5",
         TRAIN,
         "--steps",
         "10",
         *TRAIN_ARGS,
-        env={TEST_HOOK_SLOW_ENV: "node1:5"},
     )
     assert job.wait() == 0, job.output
     excluded = first(job, "evict", node="node1")

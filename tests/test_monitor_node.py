@@ -1,5 +1,5 @@
 """The worker API talking to a real agent-side NodeMonitor over loopback UDP, log scanning,
-FakeNvml hardware signals, and the fault schedule parser."""
+MockNvml hardware signals, and the fault schedule parser."""
 
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import pytest
 import torch
 from conftest import wait_for
 
-from transom.config import ConfigError
+from transom.common import env
+from transom.faults import DEFAULT_LOG_LINE, MockNvml
 from transom.monitor import reporter
-from transom.monitor.collect import FakeNvml
-from transom.monitor.faults import DEFAULT_LOG_LINE, parse_schedule
 from transom.monitor.node import WARMUP_STEPS, NodeMonitor
 
 
 @pytest.fixture
 def node(monkeypatch):
     """A NodeMonitor and a fresh worker-side channel pointed at it, as rank 3."""
-    monitor = NodeMonitor("nodeX", nvml=FakeNvml())
-    monkeypatch.setenv(reporter.MONITOR_PORT_ENV, str(monitor.port))
+    monitor = NodeMonitor("nodeX", nvml=MockNvml())
+    monkeypatch.setenv(env.MONITOR_PORT, str(monitor.port))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setattr(reporter, "_channel", None)
     yield monitor
@@ -30,7 +29,7 @@ def node(monkeypatch):
 
 
 def test_calls_are_no_ops_without_an_agent(monkeypatch):
-    monkeypatch.delenv(reporter.MONITOR_PORT_ENV, raising=False)
+    monkeypatch.delenv(env.MONITOR_PORT, raising=False)
     monkeypatch.setattr(reporter, "_channel", None)
     with reporter.step(1) as s:
         with s.section("sync"):
@@ -94,7 +93,7 @@ def test_scheduled_nan_and_slow_faults_fire_once_in_the_worker(node, monkeypatch
         {"id": "f1", "type": "slow", "step": 6, "rank": 3, "factor": 3.0},
         {"id": "f2", "type": "nan", "step": 1, "rank": 0},
     ]  # another rank's: never fires here
-    monkeypatch.setenv(reporter.FAULTS_ENV, json.dumps(faults))
+    monkeypatch.setenv(env.FAULTS, json.dumps(faults))
     losses, computes = {}, {}
     for step in range(1, 9):
         with reporter.step(step) as s:
@@ -116,7 +115,7 @@ def test_a_fault_with_a_once_file_fires_in_one_worker_only(node, monkeypatch, tm
     """A worker restarted with the same TRANSOM_FAULTS (torchrun) must not fire the fault again."""
     once = tmp_path / "f0.fired"
     monkeypatch.setenv(
-        reporter.FAULTS_ENV,
+        env.FAULTS,
         json.dumps([{"id": "f0", "type": "nan", "step": 2, "rank": 3, "once_file": str(once)}]),
     )
     nan_steps = []
@@ -144,37 +143,3 @@ def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
     assert found == {("xid", True), ("ecc", True)}  # the traceback line is info: no anomaly event
     node.check({}, {3: log})
     assert node.collect()[1] == []  # each line is read once
-
-
-def test_fault_schedule_parsing():
-    faults = parse_schedule(
-        "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2.5", 4, seed=1
-    )
-    assert [(f["type"], f["step"], f["rank"], f["node"]) for f in faults][0] == (
-        "crash",
-        40,
-        1,
-        None,
-    )
-    assert (
-        faults[1]["rank"] in range(4)
-        and faults[2]["node"] == "node2"
-        and faults[2]["factor"] == 2.5
-    )
-    assert len({f["id"] for f in faults}) == 3
-    assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule(
-        "random:count=5:steps=10-20", 4, seed=3
-    )
-    assert all(
-        10 <= f["step"] <= 20 for f in parse_schedule("random:count=5:steps=10-20", 4, seed=3)
-    )
-    for bad in (
-        "explode@step=3",
-        "crash@rank=1",
-        "crash@step=x",
-        "crash@step=3:rank=9",
-        "slow@step=3:factor=0.5",
-        "crash",
-    ):
-        with pytest.raises(ConfigError):
-            parse_schedule(bad, 4)

@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import wait_for
 
+from transom.common import env as env_names
 from transom.control.warm import WarmPool, can_leave_idle_policy
 
 SCRIPT = """
@@ -100,5 +101,33 @@ def test_a_worker_handed_over_before_its_imports_are_done_runs_at_normal_priorit
             json.loads((tmp_path / "early.log").read_text().splitlines()[0])["policy"]
             == os.SCHED_OTHER
         )
+    finally:
+        pool.close()
+
+
+TITLE_SCRIPT = """
+import sys
+with open("/proc/self/cmdline", "rb") as f:
+    print(f.read().replace(b"\\0", b" ").decode().strip(), flush=True)
+"""
+
+
+def test_ps_shows_a_waiting_interpreter_then_the_workers_script_and_arguments(tmp_path):
+    import psutil
+
+    env = {**os.environ, env_names.WARM_IMPORTS: "json", env_names.JOB_ID: "job-7"}
+    pool = WarmPool(1, env, tmp_path / "warm.log", node_id="node3")
+    pool.fill()
+    try:
+        wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+        waiting = " ".join(psutil.Process(pool.ready[0].pid).cmdline())
+        assert "transom warm interpreter (job job-7, node node3)" in waiting
+        script = tmp_path / "train.py"
+        script.write_text(TITLE_SCRIPT)
+        log = tmp_path / "rank0.log"
+        proc = pool.launch([str(script), "--steps", "5"], dict(env), log)
+        assert proc is not None and proc.wait(timeout=30) == 0
+        title = log.read_text().splitlines()[0]
+        assert title == f"{sys.executable} -u {script} --steps 5"
     finally:
         pool.close()

@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="train the example GPT through a campaign of real faults, then report",
-        description="Train examples/train_gpt.py on 4 simulated nodes + 1 hot spare while a "
+        description="Train the example GPT (transom/workloads/train_gpt.py) on 4 simulated "
+        "nodes + 1 hot spare while a "
         "seeded campaign injects a worker crash, a node death, a hang, a NaN and "
         "a slow node; then train it again without faults (torchrun) and write "
         "the report (timeline PNG, goodput, detection and recovery times, and "
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve_faults(text: str, world_size: int, seed: int) -> list[dict]:
-    from transom.monitor.faults import parse_schedule
+    from transom.faults import parse_schedule
 
     return parse_schedule(text, world_size, seed)
 

@@ -201,7 +201,7 @@ class JobSpec:
             action="store_false",
         ),
     )
-    # Faults to inject (transom.monitor.faults), resolved against the world size and
+    # Faults to inject (transom.faults), resolved against the world size and
     # `fault_seed` when the spec is built from the command line (see `from_args`).
     faults: list[dict] = field(
         default_factory=list,

@@ -1,6 +1,7 @@
 """`transom demo`: the example GPT through a seeded campaign of real faults, then the proof.
 
-What a new user runs first. It trains `examples/train_gpt.py` on DEMO_NODES simulated nodes plus
+What a new user runs first. It trains the packaged example GPT (transom/workloads/train_gpt.py,
+which examples/train_gpt.py runs) on DEMO_NODES simulated nodes plus
 DEMO_SPARES hot spare under `transom run` (live view), while a fault campaign hits it: a worker
 SIGKILLed, a node's agent SIGKILLed (a node death), a worker SIGSTOPped (a hang), a NaN loss and
 a node made several times slower, one after another, spread over the run. The launcher plays the
@@ -11,14 +12,15 @@ timeline picture, goodput, per-fault detection and recovery times, and whether t
 weights of the two runs are bit-identical.
 
 Exit code 0 only when the job succeeded, every fault was detected and recovered from, and the
-weights are identical; 1 otherwise (the reason on stderr); 130 on Ctrl-C.
+weights are identical; 1 otherwise (the reason on stderr); 130 on Ctrl-C. The reference run's
+progress and fresh start are read from the trainer's JSON result files (--result-dir), never
+from its log text; the faults are described by their types (transom.faults).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,10 +32,12 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from transom.config import ConfigError, JobSpec, new_job_id, prepare_run_dir
+from transom.faults import DETECTORS, FAULT_TYPES, Fault, parse_schedule
 from transom.launcher import Launch, Launcher
-from transom.monitor.faults import parse_schedule
 from transom.report.rundir import FINAL_WEIGHTS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE
 from transom.utils.procs import die_with_parent, stop_process
+from transom.workloads import script_path
+from transom.workloads.results import read_results
 
 DEMO_NODES = 4
 DEMO_SPARES = 1
@@ -50,7 +54,7 @@ CAMPAIGN = (
     ("nan", 0.625, "rank=0"),
     ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"),
 )
-STEP_LINE = re.compile(r"^step (\d+) ")
+REFERENCE_RESULTS = "results"  # under run_dir/reference: the reference ranks' result files
 
 
 class ReferenceRunError(RuntimeError):
@@ -58,10 +62,10 @@ class ReferenceRunError(RuntimeError):
 
 
 def example_script() -> Path:
-    """examples/train_gpt.py of the checkout Transom runs from."""
-    script = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+    """The packaged example trainer (transom/workloads/train_gpt.py), installed or not."""
+    script = script_path("train_gpt")
     if not script.is_file():
-        raise ConfigError(f"the demo needs {script} (run it from a checkout of Transom)")
+        raise ConfigError(f"the demo needs {script}, which is missing from this installation")
     return script
 
 
@@ -89,9 +93,9 @@ def run_reference(
     run_dir: Path, script: Path, steps: int, seed: int, world_size: int, console: Console
 ) -> dict:
     """Train the same model without faults under torchrun; returns what reference.json holds."""
-    workdir = (
-        run_dir / "reference"
-    )  # its own, empty checkpoint directory: it must start from scratch
+    # its own, empty checkpoint directory: it must start from scratch
+    workdir = run_dir / "reference"
+    results = workdir / REFERENCE_RESULTS
     command = [
         sys.executable,
         "-m",
@@ -107,6 +111,8 @@ def run_reference(
         "0",
         "--ckpt-dir",
         str(workdir / "checkpoints"),
+        "--result-dir",
+        str(results),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSOM_")}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -136,20 +142,18 @@ def run_reference(
         try:
             while process.poll() is None:
                 time.sleep(0.5)
-                done = [
-                    int(m.group(1))
-                    for m in map(STEP_LINE.match, log_path.read_text().splitlines())
-                    if m
-                ]
+                done = [r.get("step") or 0 for r in read_results(results).values()]
                 bar.update(task, completed=max(done, default=0))
         finally:
             stop_process(process)
-    output = log_path.read_text(errors="replace")
+    ranks = read_results(results)
     if process.returncode != 0:
         raise ReferenceRunError(
             f"the fault-free reference run failed (exit code {process.returncode}); see {log_path}"
         )
-    if output.count("[train_gpt] resumed step=0 ") != world_size:
+    if sorted(ranks) != list(range(world_size)) or any(
+        r.get("resumed_step") != 0 or not r.get("done") for r in ranks.values()
+    ):
         raise ReferenceRunError(
             f"the fault-free reference run did not start from scratch on every rank; see {log_path}"
         )
@@ -159,14 +163,8 @@ def run_reference(
 def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
     faults = "\n".join(
         f"  step {f['step']:>4}: {f['type']:<5} "
-        + {
-            "crash": "a worker is SIGKILLed",
-            "kill": "a node dies (its agent and workers SIGKILLed)",
-            "hang": "a worker freezes (SIGSTOP): its peers wait in the all-reduce",
-            "nan": "the loss of one rank turns NaN",
-            "slow": f"a node computes {SLOW_FACTOR}x slower",
-        }.get(f["type"], "")
-        + f"  (rank {f['rank']})"
+        + FAULT_TYPES[f["type"]].describe(Fault(**f))
+        + f"  (rank {f['rank']}; found by: {', '.join(DETECTORS[f['type']])})"
         for f in spec.faults
     )
     return Panel(

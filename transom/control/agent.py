@@ -10,22 +10,21 @@ its workers itself (self-fencing), and an evicted agent stops and exits.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
 
+from transom.common.env import FAULTS as FAULTS_ENV
 from transom.config import JobSpec
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, WorkerGroup
+from transom.faults import FaultInjector
 from transom.monitor import detectors
-from transom.monitor.faults import FaultInjector
 from transom.monitor.node import NodeMonitor
-from transom.monitor.reporter import FAULTS_ENV
 from transom.store import Store, StoreError
 from transom.utils.net import free_port
 
@@ -218,7 +217,8 @@ class NodeAgent:
 
     def _preflight(self) -> None:
         """Check this node once, when it joins, and publish the result for the controller to compare."""
-        self.preflight_result = preflight(self.run_dir, self.spec.script, self.node_id)
+        slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
+        self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
         passed, evidence = self.preflight_result
         self.store.put(
             f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence}
@@ -241,11 +241,9 @@ class NodeAgent:
             master_addr=master["addr"],
             master_port=int(master["port"]),
         )
-        self.faults.refresh_fired()
-        self.faults.generation = plan["generation"]
         local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {
-            FAULTS_ENV: json.dumps(self.faults.worker_faults(local_ranks)),
+            FAULTS_ENV: self.faults.on_generation(plan["generation"], local_ranks),
             "TRANSOM_STORE": self.store.url,
             "TRANSOM_RUN_DIR": str(self.run_dir),
             "TRANSOM_MONITOR_PORT": str(self.monitor.port),
@@ -295,10 +293,10 @@ class NodeAgent:
             pids = {int(rank): pid for rank, pid in g.pids.items()}
             logs = dict(zip(ranks, g.log_paths))
             steps = self.monitor.steps()
-            self.faults.fire_due({r: steps.get(r) for r in ranks}, pids, logs)
+            self.faults.on_agent_tick({r: steps.get(r) for r in ranks}, pids, logs)
             self.monitor.check(pids, logs)
         for fault, rank, step, when in self.monitor.take_fired_faults():
-            self.faults.record(fault, rank, step, when)
+            self.faults.on_worker_fired(fault, rank, step, when)
         if not self.monitor.due(time.monotonic()):
             return
         summary, events = self.monitor.collect()

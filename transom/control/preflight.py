@@ -5,9 +5,8 @@ fsync, there is free disk and memory, and the training script is readable. A fai
 reported to the controller, which evicts the node before it costs a restart. A short compute
 benchmark (best of a few timed matrix products) gives a score the controller compares across
 nodes: a node far below its peers is excluded before training starts (policy.slow_outliers).
-
-TEST HOOK: TRANSOM_TEST_HOOK_SLOW_PREFLIGHT="NODE:FACTOR" makes NODE's compute benchmark FACTOR
-times slower, so tests can simulate a slow node. Nothing else reads it.
+The benchmark's `slowdown` is 1 except under an injected `slow_preflight` fault (transom.faults).
+This module must never decide about the node: it only measures and reports.
 """
 
 from __future__ import annotations
@@ -26,20 +25,18 @@ BENCH_MATRIX = 256
 BENCH_REPEATS = 5  # timed runs; the best counts (other processes share the cores)
 BENCH_RUN_S = 0.05
 BENCH_TIMEOUT_S = 30.0
-TEST_HOOK_SLOW_ENV = "TRANSOM_TEST_HOOK_SLOW_PREFLIGHT"
 
 
-def compute_benchmark(node_id: str = "") -> float:
+def compute_benchmark(slowdown: float = 1.0) -> float:
     """GFLOP/s of float32 matrix products per CPU-second on this node (best of BENCH_REPEATS runs).
 
     CPU time, not wall time: on a machine whose cores are shared (simulated nodes, noisy
     neighbours) it measures how fast the node computes, not how long it waited for a core. It
     runs in a child process with single-threaded BLAS (threads spinning on a busy machine would
-    count as CPU time); 0.0 if the child fails.
+    count as CPU time); 0.0 if the child fails. With `slowdown` N > 1 (an injected fault) each
+    unit of work costs N times as much.
     """
-    hook = os.environ.get(TEST_HOOK_SLOW_ENV, "")
-    name, _, factor = hook.partition(":")
-    slow = max(1, round(float(factor))) if hook and name == node_id else 1
+    slow = max(1, round(slowdown))
     env = {
         **os.environ,
         "OPENBLAS_NUM_THREADS": "1",
@@ -70,13 +67,14 @@ def compute_benchmark(node_id: str = "") -> float:
 _BENCH_CODE = """
 import sys, time
 import numpy as np
-size, repeats, run_s, slow = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+size, repeats, run_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+slow = int(sys.argv[4])
 a = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
 best = 0.0
 for _ in range(repeats):
     n, start = 0, time.process_time()
     while (elapsed := time.process_time() - start) < run_s:
-        for _ in range(slow):  # the test hook: the same work counts once but costs `slow` times
+        for _ in range(slow):  # an injected fault: the same work counts once but costs `slow` times
             a @ a
         n += 1
     best = max(best, n * 2 * size ** 3 / elapsed / 1e9)
@@ -84,9 +82,9 @@ print(best)
 """
 
 
-def preflight(run_dir: Path, script: str, node_id: str = "") -> tuple[bool, dict]:
-    """(passed, evidence) for this node."""
-    evidence: dict = {"compute_gflops": compute_benchmark(node_id)}
+def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, dict]:
+    """(passed, evidence) for this node (`slowdown`: see compute_benchmark)."""
+    evidence: dict = {"compute_gflops": compute_benchmark(slowdown)}
     problems: list[str] = []
     start = time.perf_counter()
     try:

@@ -17,6 +17,10 @@ of CPU each; on a node whose cores are all busy that is training time). The inte
 to the normal policy as soon as its job arrives; an interpreter handed a job before its imports
 are done is returned to it by the pool at once.
 
+In `ps` and `top` a waiting interpreter is titled `transom warm interpreter (job J, node N)`;
+once it becomes a worker its title is the worker's command line, `python -u SCRIPT ARGS`, as a
+cold-started worker's is (setproctitle), so operators find ranks by script and arguments.
+
 What it must never do: run anything before the job arrives except imports, or outlive the
 agent (they are started like workers, dying with their parent). Environment variables that a
 library reads at import time (e.g. OMP_NUM_THREADS) come from the agent's environment.
@@ -32,18 +36,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
+from transom.common import env as env_names
 from transom.utils.procs import new_session_dying_with_parent, stop_tree
 
 # Modules every warm interpreter imports before it waits (torch._inductor.config: what
-# torch.compile and torch.use_deterministic_algorithms import, 1.7 s here); TRANSOM_WARM_IMPORTS
+# torch.compile and torch.use_deterministic_algorithms import, 1.7 s here); env.WARM_IMPORTS
 # overrides.
 DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._inductor.config"
 # Warm replacements once the new workers report progress, or at the latest this long after
 # they started (for scripts that never report).
 REFILL_DELAY_S = 30.0
 READY = b"R"
-IDLE_IMPORTS_ENV = "TRANSOM_WARM_IDLE_IMPORTS"
 NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
 
 
@@ -65,15 +70,22 @@ class WarmPool:
     """Up to `size` warm interpreters for one agent; call every method from the agent's main thread
     (PR_SET_PDEATHSIG follows the thread that forks)."""
 
-    def __init__(self, size: int, env: dict[str, str], log_path: Path):
+    def __init__(
+        self, size: int, env: dict[str, str], log_path: Path, node_id: str | None = None
+    ) -> None:
         self.size = size
         self.env = env
         self.log_path = Path(log_path)
+        # What `ps` shows while it waits (the job and node, where known).
+        node = node_id or env.get(env_names.NODE_ID)
+        where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
+        where += [f"node {node}"] if node else []
+        self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
         self.ready: list[subprocess.Popen] = []
         self._imported: set[int] = set()  # pids whose imports are done
         self._used_at = 0.0
         if can_leave_idle_policy():
-            self.env = {**env, IDLE_IMPORTS_ENV: "1"}
+            self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
 
     def fill(self, workers_progressing: bool = False) -> None:
         """Start interpreters until `size` are waiting, unless workers have just been started
@@ -86,7 +98,7 @@ class WarmPool:
             with open(self.log_path, "ab") as log:
                 self.ready.append(
                     subprocess.Popen(
-                        [sys.executable, "-u", "-m", "transom.control.warm"],
+                        [sys.executable, "-u", "-m", "transom.control.warm", self.title],
                         env=self.env,
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -98,8 +110,9 @@ class WarmPool:
     def warm_count(self) -> int:
         """How many interpreters have finished their imports and wait for a worker."""
         for p in self.ready:
-            if p.pid not in self._imported and select.select([p.stdout], [], [], 0)[0]:
-                if p.stdout.read(1) == READY:
+            out = _pipe(p.stdout)
+            if p.pid not in self._imported and select.select([out], [], [], 0)[0]:
+                if out.read(1) == READY:
                     self._imported.add(p.pid)
         return sum(1 for p in self.ready if p.pid in self._imported and p.poll() is None)
 
@@ -115,13 +128,14 @@ class WarmPool:
                     proc.pid
                 )  # still importing, perhaps at idle priority: now it is urgent
             self._imported.discard(proc.pid)
-            proc.stdout.close()
+            _pipe(proc.stdout).close()
             if proc.poll() is not None:
                 continue
             job = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
             try:
-                proc.stdin.write(json.dumps(job).encode() + b"\n")
-                proc.stdin.close()
+                stdin = _pipe(proc.stdin)
+                stdin.write(json.dumps(job).encode() + b"\n")
+                stdin.close()
             except OSError:
                 continue  # it died between poll and write
             return proc
@@ -131,9 +145,20 @@ class WarmPool:
         stop_tree([p.pid for p in self.ready if p.poll() is None], grace_s=1.0)
         for p in self.ready:
             p.wait()
-            p.stdout.close()
+            _pipe(p.stdout).close()
         self.ready = []
         self._imported.clear()
+
+
+def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
+    """A pipe the pool opened (stdin=PIPE, stdout=PIPE), so never None."""
+    assert stream is not None
+    return stream
+
+
+def worker_title(argv: list[str]) -> str:
+    """What `ps` shows for a worker: the command line a cold-started worker has."""
+    return " ".join([sys.executable, "-u", *argv])
 
 
 def _serve() -> int:
@@ -141,13 +166,17 @@ def _serve() -> int:
     import importlib
     import runpy
 
-    idle = os.environ.pop(IDLE_IMPORTS_ENV, "") == "1"
+    import setproctitle
+
+    if len(sys.argv) > 1:
+        setproctitle.setproctitle(sys.argv[1])
+    idle = os.environ.pop(env_names.WARM_IDLE_IMPORTS, "") == "1"
     if idle:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             idle = False
-    for name in os.environ.get("TRANSOM_WARM_IMPORTS", DEFAULT_IMPORTS).split(","):
+    for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
     try:  # tell the pool we are ready (it stops listening once it has handed us a job)
@@ -171,6 +200,7 @@ def _serve() -> int:
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
     script = job["argv"][0]
+    setproctitle.setproctitle(worker_title(job["argv"]))
     sys.argv = list(job["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")

@@ -1,7 +1,7 @@
 """Collectors the node agent polls: host metrics, GPU metrics, and new lines of worker logs.
 
-GPU metrics come from NVML (nvidia-ml-py) when a GPU is present, else nothing. Tests inject GPU
-signals (Xid, ECC errors, throttling) through `FakeNvml`, a stand-in whose name says what it is.
+GPU metrics come from NVML (nvidia-ml-py) when a GPU is present, else nothing (tests inject GPU
+signals through transom.faults.MockNvml, which reads like `Nvml`).
 Collectors only read; they never judge (detectors.py does) and never act (the policy does).
 """
 
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import psutil
 
+from transom.common import anomalies
 from transom.monitor import patterns
 
 LOG_READ_LIMIT = 1 << 20  # bytes read from one log per poll at most
-# Clock-throttle reasons that mean trouble (NVML bit masks): hardware slowdown, thermal, power brake.
+# Clock-throttle reasons that mean trouble (NVML bit masks): hardware slowdown, thermal, power
+# brake.
 BAD_THROTTLE_MASK = 0x8 | 0x20 | 0x40 | 0x80
 
 
@@ -27,26 +29,6 @@ def host_metrics() -> dict:
         "memory_available_bytes": vm.available,
         "load_1m": os.getloadavg()[0],
     }
-
-
-class FakeNvml:
-    """A test stand-in for NVML (there is no GPU here): GPUs whose counters a test sets."""
-
-    def __init__(self, gpus: int = 1):
-        self.gpus = [
-            {
-                "util": 50,
-                "memory_used": 1 << 30,
-                "temperature": 60,
-                "ecc_uncorrected": 0,
-                "xid": 0,
-                "throttle_reasons": 0,
-            }
-            for _ in range(gpus)
-        ]
-
-    def read(self) -> list[dict]:
-        return [dict(g, index=i) for i, g in enumerate(self.gpus)]
 
 
 class Nvml:
@@ -92,19 +74,23 @@ class Nvml:
 
 
 def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bool]]:
-    """(type, message, hardware) for each GPU whose Xid/ECC counters grew, or that throttles badly."""
+    """(type, message, hardware) for each GPU whose Xid/ECC counters grew or that throttles badly."""
     old = {g["index"]: g for g in before}
     found = []
     for g in now:
         prev = old.get(g["index"], {})
         if "error" in g:
-            found.append(("gpu_lost", f"GPU {g['index']}: NVML error {g['error']}", True))
+            found.append((anomalies.GPU_LOST, f"GPU {g['index']}: NVML error {g['error']}", True))
             continue
         if g.get("xid", 0) > prev.get("xid", 0):
-            found.append(("xid", f"GPU {g['index']}: Xid error count {g['xid']}", True))
+            found.append((anomalies.XID, f"GPU {g['index']}: Xid error count {g['xid']}", True))
         if g.get("ecc_uncorrected", 0) > prev.get("ecc_uncorrected", 0):
             found.append(
-                ("ecc", f"GPU {g['index']}: {g['ecc_uncorrected']} uncorrected ECC errors", True)
+                (
+                    anomalies.ECC,
+                    f"GPU {g['index']}: {g['ecc_uncorrected']} uncorrected ECC errors",
+                    True,
+                )
             )
         if (
             g.get("throttle_reasons", 0) & BAD_THROTTLE_MASK

@@ -1,7 +1,8 @@
 """The library of failure patterns that worker logs are scanned against, each one classified.
 
 A pattern names a failure type, a severity, and whether it is a hardware signature: a line
-that means the node itself is bad (evict it) rather than the job or a peer. This module only
+that means the node itself is bad (evict it) rather than the job or a peer (the types in
+transom.common.anomalies.HARDWARE). This module only
 classifies lines; it never decides what to do about them (that is transom.control.policy).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from transom.common import anomalies
 
 
 @dataclass(frozen=True)
@@ -19,59 +22,52 @@ class Pattern:
     regex: re.Pattern
 
 
-def _p(type_: str, severity: str, hardware: bool, regex: str) -> Pattern:
-    return Pattern(type_, severity, hardware, re.compile(regex, re.I))
+def _p(type_: str, severity: str, regex: str) -> Pattern:
+    return Pattern(type_, severity, type_ in anomalies.HARDWARE, re.compile(regex, re.I))
 
 
 # First match wins, so the specific patterns come before the generic ones.
 PATTERNS: list[Pattern] = [
-    _p("xid", "critical", True, r"\bNVRM: Xid\b|\bXid \(PCI:|\bXid\s+\d+\b"),
+    _p(anomalies.XID, "critical", r"\bNVRM: Xid\b|\bXid \(PCI:|\bXid\s+\d+\b"),
     _p(
-        "gpu_lost",
+        anomalies.GPU_LOST,
         "critical",
-        True,
         r"GPU has fallen off the bus|Unable to determine the device handle",
     ),
     _p(
-        "ecc",
+        anomalies.ECC,
         "critical",
-        True,
         r"uncorrectable ECC|ECC error|DBE \(double bit error\)|row remap(ping)? fail",
     ),
     _p(
-        "ib_error",
+        anomalies.IB_ERROR,
         "critical",
-        True,
         r"\bmlx5_\w+\b.*\b(error|fatal)|IB(V|verbs)? .*(port|link) (down|error)",
     ),
     _p(
         "nccl_error",
         "warning",
-        False,
         r"NCCL (WARN|error)|ncclSystemError|ncclInternalError|"
         r"ncclUnhandledCudaError|ProcessGroupNCCL.*(timeout|Watchdog)",
     ),
     _p(
         "cuda_error",
         "warning",
-        False,
         r"CUDA error|CUBLAS_STATUS_\w+|cudaErrorIllegalAddress|"
         r"device-side assert",
     ),
     _p(
         "oom",
         "warning",
-        False,
         r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory|"
         r"DefaultCPUAllocator: can't allocate",
     ),
     _p(
         "gloo_error",
         "info",
-        False,
         r"\[gloo/|Gloo connectFullMesh failed|gloo.*(Timed out|timeout)",
     ),
-    _p("traceback", "info", False, r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\)"),
+    _p("traceback", "info", r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\)"),
 ]
 
 

@@ -5,7 +5,7 @@
         loss = forward_backward()                 # compute
         with s.section("sync"): all_reduce()      # communication, kept apart from compute
         s.report(loss=loss.item(), tokens=n)
-    with monitor.phase("checkpoint"): save()      # step timing not comparable: detectors stay silent
+    with monitor.phase("checkpoint"): save()      # step timing not comparable: no detector fires
 
 Everything goes to the node agent as small UDP datagrams on loopback. A background thread sends
 a heartbeat every HEARTBEAT_S, so the agent can tell a rank that is alive but stuck (heartbeat
@@ -13,25 +13,23 @@ goes on, steps stop) from one that is stopped or dead (heartbeat stops). The cal
 block and never raise into training: without an agent (TRANSOM_MONITOR_PORT unset) they do
 nothing, and a lost datagram only means one sample fewer.
 
-The agent may also hand this rank in-process faults to inject (TRANSOM_FAULTS, see
-transom.monitor.faults): a slow compute section or a NaN loss. This module applies them; it
-must never inject anything that was not scheduled. A fault with a "once_file" path fires only
-if this process can create that file (O_EXCL), so it fires once even when a launcher other than
-Transom restarts the worker with the same environment.
+The agent may also hand this rank in-process faults to inject (TRANSOM_FAULTS): this module
+calls their hooks (transom.faults.worker) when a step begins and in `StepTimer.inject(loss)`,
+and stretches the compute of a rank made slow; what each fault does is defined there.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
 import time
 from contextlib import contextmanager
 
-MONITOR_PORT_ENV = "TRANSOM_MONITOR_PORT"
-FAULTS_ENV = "TRANSOM_FAULTS"
+from transom.common import env
+from transom.faults.worker import WorkerFaults, parse_worker_faults
+
 HEARTBEAT_S = 0.5
 SYNC_SECTION = "sync"
 
@@ -47,15 +45,9 @@ class _Channel:
         self.phase: str | None = None
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
-        try:
-            self.faults = [
-                f
-                for f in json.loads(os.environ.get(FAULTS_ENV, "[]"))
-                if f.get("rank") in (None, self.rank)
-            ]
-        except ValueError:
-            self.faults = []
-        self.slow_factor = 1.0
+        self.faults = WorkerFaults(
+            parse_worker_faults(os.environ.get(env.FAULTS), self.rank), self._announce_fault
+        )
         threading.Thread(target=self._beat, name="transom-monitor-heartbeat", daemon=True).start()
 
     def send(self, message: dict) -> None:
@@ -71,26 +63,8 @@ class _Channel:
             self.send({"k": "beat", "step": self.last_step, "phase": self.phase})
             time.sleep(HEARTBEAT_S)
 
-    # -- in-process faults --------------------------------------------------------------------
-    def due_faults(self, step: int, kind: str) -> list[dict]:
-        due = [f for f in self.faults if f["type"] == kind and step >= f["step"]]
-        for f in due:
-            self.faults.remove(f)
-        due = [f for f in due if _claim(f.get("once_file"))]
-        for f in due:
-            self.send({"k": "fault", "fault": f, "step": step})
-        return due
-
-
-def _claim(once_file: str | None) -> bool:
-    """True if a fault may fire: it has no once_file, or this call created it."""
-    if once_file is None:
-        return True
-    try:
-        os.close(os.open(once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        return True
-    except OSError:
-        return False  # fired before (or the folder is gone): never fire twice
+    def _announce_fault(self, fault: dict, step: int) -> None:
+        self.send({"k": "fault", "fault": fault, "step": step})
 
 
 _channel: _Channel | None = None
@@ -100,7 +74,7 @@ _channel_lock = threading.Lock()
 def _get() -> _Channel | None:
     global _channel
     if _channel is None:
-        port = os.environ.get(MONITOR_PORT_ENV)
+        port = os.environ.get(env.MONITOR_PORT)
         if not port:
             return None
         with _channel_lock:
@@ -160,16 +134,16 @@ class StepTimer:
         ch = _get()
         if ch is not None:
             ch.phases_seen.clear()
-            for f in ch.due_faults(self.step, "slow"):
-                ch.slow_factor = max(ch.slow_factor, float(f.get("factor", 2.0)))
+            ch.faults.on_step(self.step)
         self.start = time.perf_counter()
         return self
 
     def _slow_down(self) -> None:
         """An injected slow node: stretch the compute done so far by the scheduled factor."""
         ch = _channel
-        if ch is not None and ch.slow_factor > 1.0 and not self.sections:
-            time.sleep((ch.slow_factor - 1.0) * (time.perf_counter() - self.start))
+        factor = ch.faults.state.slow_factor if ch is not None else 1.0
+        if factor > 1.0 and not self.sections:
+            time.sleep((factor - 1.0) * (time.perf_counter() - self.start))
 
     @contextmanager
     def section(self, name: str = SYNC_SECTION):
@@ -188,9 +162,7 @@ class StepTimer:
     def inject(self, loss):
         """Fault hook: returns `loss`, multiplied by NaN when a NaN fault is due at this step."""
         ch = _channel
-        if ch is not None and ch.faults and ch.due_faults(self.step, "nan"):
-            return loss * math.nan
-        return loss
+        return ch.faults.on_loss(self.step, loss) if ch is not None else loss
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:

@@ -29,8 +29,9 @@ Definitions (the markdown report repeats them):
 * Per fault (one per `fault` event): detected by the first matching event after the injection
   (crash -> a crash anomaly on its rank, or else the incident naming its node failed; kill -> the
   controller finding the node lost; DETECTORS for the others: hang -> a hang anomaly, slow -> a
-  straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a log or
-  hardware anomaly on its node); detection time = detected at - injected at. Recovered when the
+  straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a hardware
+  anomaly (xid, ecc, ...) on its node; the table is transom.faults.DETECTORS); detection time =
+  detected at - injected at. Recovered when the
   controller acted on the detection (restart, evict or rollback; a crash or a lost node always
   opens an incident) and the next generation trains again beyond its restore step (without
   progress samples: its `running` event); recovery time = detected at -> trains again. A detection
@@ -48,21 +49,14 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
+
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
 NOT_DETECTED = "not detected"
 FINAL_KINDS = ("succeeded", "failed")
 ACTING_DECISIONS = ("restart", "evict", "rollback")
-NODE_LOST = "node lost"
 _DIAGNOSIS_PREFIX = re.compile(r"^generation \d+: ")
-# Fault type -> anomaly types that detect it (kill is found by the controller, not an anomaly).
-DETECTORS = {
-    "crash": ("crash",),
-    "hang": ("hang",),
-    "slow": ("straggler",),
-    "nan": ("nan",),
-    "log": ("log", "hardware"),
-}
 
 
 @dataclass
@@ -273,7 +267,10 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     """The first event after the injection that detected `fault` (see the module docstring)."""
     kind, node, rank, at = fault["fault"], fault.get("node"), fault.get("rank"), fault["time"]
     after = [e for e in events if _detected_at(e) >= at]
-    if kind == "kill":
+    if PREFLIGHT_EXCLUSION in DETECTORS.get(kind, ()):  # slow_preflight: excluded before training
+        excluded = [e for e in after if e.get("kind") == "evict" and e.get("preflight")]
+        return next((e for e in excluded if e.get("node") == node), None)
+    if NODE_LOST in DETECTORS.get(kind, ()):  # kill: the controller finds the node lost
         for e in after:
             k = e.get("kind")
             if (
@@ -328,6 +325,8 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 
 
 def _detected_by(detection: dict) -> str:
+    if detection.get("kind") == "evict" and detection.get("preflight"):
+        return PREFLIGHT_EXCLUSION
     if detection.get("kind") == "anomaly":
         return f"{detection['type']} anomaly"
     if (

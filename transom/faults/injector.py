@@ -1,0 +1,131 @@
+"""The agent's side of fault injection: the hooks the node agent calls.
+
+    injector = FaultInjector(store, node_id, spec.faults)
+    slowdown = injector.on_preflight()                            # when the node joins
+    env[FAULTS] = injector.on_generation(generation, local_ranks)   # when workers start
+    injector.on_agent_tick(steps, pids, log_paths)                  # every agent tick
+    injector.on_worker_fired(fault, rank, step, when)               # a worker says it fired one
+
+A fault fires once in the whole job, across restarts: the first firing creates
+`faults/fired/<id>` in etcd and writes a `fault` event with its time, type, node, rank and step.
+This module must never fire a fault that is not in the schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from transom.common import keys
+from transom.faults.base import AGENT, PREFLIGHT, WORKER, AgentTarget, Fault
+from transom.faults.registry import FAULT_TYPES
+from transom.faults.schedule import from_dict
+
+EVENT_SOURCE_SUFFIX = "-fault"
+
+
+class FaultInjector:
+    """Fires the schedule's faults aimed at this node once their step (or place) is reached."""
+
+    def __init__(self, store, node_id: str, schedule: list[dict]):
+        self.store = store
+        self.node_id = node_id
+        self.generation = 0
+        self.schedule = [from_dict(f) for f in schedule]
+        self.fired: set[str] = set()
+
+    def _where(self, fault: Fault) -> str:
+        return FAULT_TYPES[fault.type].where
+
+    def _targets_here(self, fault: Fault, local_ranks: list[int]) -> list[int]:
+        if fault.node is not None:
+            return local_ranks if fault.node == self.node_id else []
+        return [fault.rank] if fault.rank in local_ranks else []
+
+    def _refresh_fired(self) -> None:
+        if self.schedule:
+            self.fired = set(self.store.get_prefix(keys.FAULTS_FIRED))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_preflight(self) -> float:
+        """How many times slower this node's compute benchmark must run (1.0: no fault)."""
+        self._refresh_fired()
+        slowdown = 1.0
+        for f in self.schedule:
+            if (
+                self._where(f) == PREFLIGHT
+                and f.node == self.node_id
+                and self._record(f, None, None)
+            ):
+                slowdown = max(slowdown, FAULT_TYPES[f.type].preflight_slowdown(f))
+        return slowdown
+
+    def on_generation(self, generation: int, local_ranks: list[int]) -> str:
+        """The workers' FAULTS value: unfired worker-side faults for this node's ranks (JSON)."""
+        self._refresh_fired()
+        self.generation = generation
+        out = []
+        for f in self.schedule:
+            if self._where(f) == WORKER and f.id not in self.fired:
+                out += [{**f.to_dict(), "rank": r} for r in self._targets_here(f, local_ranks)]
+        return json.dumps(out)
+
+    def on_agent_tick(
+        self, steps: dict[int, int | None], pids: dict[int, int], log_paths: dict[int, Path]
+    ) -> None:
+        """Fire every agent-side fault whose target rank has reported its trigger step."""
+        for f in self.schedule:
+            if self._where(f) != AGENT or f.id in self.fired:
+                continue
+            for rank in self._targets_here(f, sorted(steps)):
+                step = steps.get(rank)
+                if step is None or step < f.step:
+                    continue
+                if self._record(f, rank, step):
+                    FAULT_TYPES[f.type].fire_agent(f, AgentTarget(pids[rank], log_paths[rank]))
+                break
+
+    def on_worker_fired(
+        self, fault: dict, rank: int | None, step: int | None, when: float | None = None
+    ) -> bool:
+        """A worker reports that it fired `fault` (a datagram: checked against the schedule)."""
+        try:
+            reported = from_dict(fault)
+        except (ValueError, TypeError, KeyError):
+            return False
+        scheduled = next((f for f in self.schedule if f.id == reported.id), None)
+        if scheduled is None or scheduled.type != reported.type:
+            return False
+        return self._record(scheduled, rank, step, when)
+
+    # -- the record of a firing -----------------------------------------------------------------
+    def _record(
+        self, fault: Fault, rank: int | None, step: int | None, when: float | None = None
+    ) -> bool:
+        """Mark `fault` fired (False if it already was) and write its `fault` event."""
+        if fault.id in self.fired:
+            return False
+        self.fired.add(fault.id)
+        if not self.store.create(
+            keys.fault_fired(fault.id), {"node": self.node_id, "rank": rank, "step": step}
+        ):
+            return False
+        when = when or time.time()
+        where = f" rank {rank} at step {step}" if rank is not None or step is not None else ""
+        self.store.put(
+            keys.event(when, self.node_id + EVENT_SOURCE_SUFFIX),
+            {
+                "time": when,
+                "kind": "fault",
+                "fault": fault.type,
+                "generation": self.generation,
+                "id": fault.id,
+                "node": self.node_id,
+                "rank": rank,
+                "step": step,
+                "message": f"injected {fault.type} on {self.node_id}{where}"
+                + FAULT_TYPES[fault.type].note(fault),
+            },
+        )
+        return True

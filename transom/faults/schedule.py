@@ -1,0 +1,126 @@
+"""The fault schedule: parsing and validating `--faults`, and seeded random schedules.
+
+A schedule is a comma-separated list of FAULT@step=N[:rank=R][:node=NODE][:factor=F][:line=TEXT]
+(the fault types are in registry.py), e.g.
+"crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2", or
+"random[:count=N][:steps=A-B]" for N faults of random types, ranks and steps (--fault-seed), or
+the path of a file holding such items, one a line. A fault without a rank or node gets a random
+rank from the seed. This module must never fire a fault: it only turns text into `Fault`s.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from transom.config import ConfigError
+from transom.faults.base import DEFAULT_FACTOR, DEFAULT_LOG_LINE, Fault
+from transom.faults.registry import FAULT_TYPES, RANDOM_TYPES
+
+RANDOM_COUNT = 3
+RANDOM_STEPS = (10, 100)
+KEYS = {"step", "rank", "node", "factor", "line"}
+
+
+def _parse_one(text: str) -> tuple[str, dict]:
+    if "@" not in text:
+        raise ConfigError(
+            f"--faults {text!r}: expected TYPE@step=N[:rank=R][:node=NODE][:factor=F]"
+        )
+    kind, _, rest = text.partition("@")
+    kind = kind.strip()
+    if kind not in FAULT_TYPES:
+        raise ConfigError(
+            f"--faults {text!r}: unknown fault type {kind!r} (one of {', '.join(FAULT_TYPES)})"
+        )
+    fields: dict = {}
+    for part in rest.split(":"):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ConfigError(f"--faults {text!r}: {part!r} is not KEY=VALUE")
+        fields[key.strip()] = value if key.strip() == "line" else value.strip()
+    return kind, fields
+
+
+def _random(item: str, rng: random.Random, world_size: int, first_id: int) -> list[Fault]:
+    opts = dict(p.split("=", 1) for p in item.split(":")[1:] if "=" in p)
+    try:
+        count = int(opts.get("count", RANDOM_COUNT))
+        lo, hi = (
+            int(x) for x in opts.get("steps", f"{RANDOM_STEPS[0]}-{RANDOM_STEPS[1]}").split("-")
+        )
+    except ValueError as e:
+        raise ConfigError(f"--faults {item!r}: expected random[:count=N][:steps=A-B]") from e
+    return [
+        Fault(
+            f"f{first_id + i}",
+            rng.choice(RANDOM_TYPES),
+            rng.randint(lo, hi),
+            rank=rng.randrange(world_size),
+        )
+        for i in range(count)
+    ]
+
+
+def _fault(item: str, rng: random.Random, world_size: int, fault_id: str) -> Fault:
+    kind, fields = _parse_one(item)
+    fault_type = FAULT_TYPES[kind]
+    unknown = set(fields) - KEYS
+    if fault_type.needs_step:
+        if unknown or "step" not in fields:
+            raise ConfigError(
+                f"--faults {item!r}: needs step=N; unknown keys {sorted(unknown) or 'none'}"
+            )
+    elif unknown:
+        raise ConfigError(f"--faults {item!r}: unknown keys {sorted(unknown)}")
+    try:
+        step = int(fields.get("step", 0))
+        rank = int(fields["rank"]) if "rank" in fields else None
+        factor = float(fields.get("factor", DEFAULT_FACTOR))
+    except ValueError as e:
+        raise ConfigError(f"--faults {item!r}: step and rank are integers, factor a number") from e
+    node = fields.get("node")
+    if rank is not None and not 0 <= rank < world_size:
+        raise ConfigError(
+            f"--faults {item!r}: rank {rank} is outside the world (size {world_size})"
+        )
+    fault = Fault(fault_id, kind, step, rank, node, factor, fields.get("line", DEFAULT_LOG_LINE))
+    problem = fault_type.validate(fault)
+    if problem:
+        raise ConfigError(f"--faults {item!r}: {problem}")
+    if fault.rank is None and fault.node is None:
+        fault.rank = rng.randrange(world_size)
+    return fault
+
+
+def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[dict]:
+    """The schedule as a list of fault dicts (ranks resolved), or ConfigError for bad input."""
+    text = spec.strip()
+    if os.path.isfile(text):
+        text = Path(text).read_text().strip().replace("\n", ",")
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item.split(":")[0] == "random":
+            faults += _random(item, rng, world_size, len(faults))
+        else:
+            faults.append(_fault(item, rng, world_size, f"f{len(faults)}"))
+    return [f.to_dict() for f in faults]
+
+
+def from_dict(data: dict) -> Fault:
+    """A scheduled fault read back from the job spec or TRANSOM_FAULTS (validated)."""
+    if not isinstance(data, dict) or data.get("type") not in FAULT_TYPES:
+        raise ValueError(f"not a fault: {data!r}")
+    return Fault(
+        id=str(data["id"]),
+        type=str(data["type"]),
+        step=int(data.get("step", 0)),
+        rank=None if data.get("rank") is None else int(data["rank"]),
+        node=None if data.get("node") is None else str(data["node"]),
+        factor=float(data.get("factor", DEFAULT_FACTOR)),
+        line=str(data.get("line", DEFAULT_LOG_LINE)),
+    )
