@@ -43,18 +43,18 @@ number exactly on hand-made records.
 from __future__ import annotations
 
 import math
-import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from transom.common.records import EventKind
+
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
 NOT_DETECTED = "not detected"
-FINAL_KINDS = ("succeeded", "failed")
+FINAL_KINDS = (EventKind.SUCCEEDED, EventKind.FAILED)
 ACTING_DECISIONS = ("restart", "evict", "rollback")
 NODE_LOST = "node lost"
-_DIAGNOSIS_PREFIX = re.compile(r"^generation \d+: ")
 # Fault type -> anomaly types that detect it (kill is found by the controller, not an anomaly).
 DETECTORS = {
     "crash": ("crash",),
@@ -117,7 +117,7 @@ def outcome(events: list[dict], status: dict | None) -> dict:
             job.get("state", "UNKNOWN"),
             "the run has no succeeded/failed event: it did not finish",
         )
-    generations = [e for e in events if e.get("kind") == "generation"]
+    generations = [e for e in events if e.get("kind") == EventKind.GENERATION]
     return {
         "state": state,
         "reason": reason,
@@ -140,7 +140,7 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
     """The job's generations in order, each with its progress samples."""
     gens: dict[int, Generation] = {}
     for e in events:
-        if e.get("kind") == "generation":
+        if e.get("kind") == EventKind.GENERATION:
             gens[e["generation"]] = Generation(
                 e["generation"],
                 e["time"],
@@ -148,13 +148,16 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
                 list(e.get("spares", [])),
                 e.get("restore_step") or 0,
             )
-        elif e.get("kind") == "running" and e.get("generation") in gens:
+        elif e.get("kind") == EventKind.RUNNING and e.get("generation") in gens:
             gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
     # Progress samples, and with them each fault injection: the step its target rank had reached
-    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last one).
+    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
+    # one).
     points = [p for p in progress or [] if p.get("step") is not None]
     if points:
-        points += [e for e in events if e.get("kind") == "fault" and e.get("step") is not None]
+        points += [
+            e for e in events if e.get("kind") == EventKind.FAULT and e.get("step") is not None
+        ]
     for p in sorted(points, key=lambda p: p["time"]):
         g = gens.get(p.get("generation"))
         if g is not None and (
@@ -178,10 +181,12 @@ def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -
     out = []
     for g, nxt in pairwise(gens):
         between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
-        diagnosis = next((e for e in reversed(between) if e.get("kind") == "diagnosis"), None)
-        incident = next((e for e in reversed(between) if e.get("kind") == "incident"), None)
+        diagnosis = next(
+            (e for e in reversed(between) if e.get("kind") == EventKind.DIAGNOSIS), None
+        )
+        incident = next((e for e in reversed(between) if e.get("kind") == EventKind.INCIDENT), None)
         cause = (
-            _DIAGNOSIS_PREFIX.sub("", diagnosis["message"])
+            diagnosis.get("cause")
             if diagnosis is not None
             else incident.get("message")
             if incident is not None
@@ -211,7 +216,8 @@ def goodput(
     have_progress: bool,
     reference: dict | None,
 ) -> dict:
-    """Wall time, steps, and the wall time split into effective, start-up, lost, downtime, shutdown."""
+    """Wall time, steps, and the wall time split into effective, start-up, lost, downtime and
+    shutdown."""
     wall = end - start
     result = {
         "wall_s": wall,
@@ -276,23 +282,22 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     if kind == "kill":
         for e in after:
             k = e.get("kind")
-            if (
-                (k == "incident" and node in (e.get("lost") or []))
-                or (
-                    k == "diagnosis"
-                    and node in (e.get("blamed") or [])
-                    and f"{node} lost" in e.get("message", "")
-                )
-                or (k == "evict" and e.get("node") == node and NODE_LOST in e.get("message", ""))
+            # the incident, diagnosis or eviction that names `node` among the lost members
+            if k in (EventKind.INCIDENT, EventKind.DIAGNOSIS, EventKind.EVICT) and node in (
+                e.get("lost") or []
             ):
                 return e
         return None
     anomalies = [
-        e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())
+        e
+        for e in after
+        if e.get("kind") == EventKind.ANOMALY and e.get("type") in DETECTORS.get(kind, ())
     ]
     if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
         anomalies = [e for e in anomalies if _names(e, node, rank)] + [
-            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])
+            e
+            for e in after
+            if e.get("kind") == EventKind.INCIDENT and node in (e.get("failed") or [])
         ]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
@@ -308,11 +313,11 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
 
 def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
     """Whether the controller answered the detection with a restart, an eviction or a rollback."""
-    if detection.get("kind") != "anomaly" or detection.get("type") == "crash":
+    if detection.get("kind") != EventKind.ANOMALY or detection.get("type") == "crash":
         return True  # a crashed worker or a lost node always opens an incident
     for e in events:
         if (
-            e.get("kind") == "decision"
+            e.get("kind") == EventKind.DECISION
             and _detected_at(detection) <= e["time"] <= until
             and e.get("action") in ACTING_DECISIONS
             and (
@@ -328,10 +333,10 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 
 
 def _detected_by(detection: dict) -> str:
-    if detection.get("kind") == "anomaly":
+    if detection.get("kind") == EventKind.ANOMALY:
         return f"{detection['type']} anomaly"
     if (
-        detection.get("kind") == "incident"
+        detection.get("kind") == EventKind.INCIDENT
         and detection.get("failed")
         and not detection.get("lost")
     ):
@@ -345,7 +350,7 @@ def fault_rows(
     """One row per `fault` event: detection, recovery, lost steps and status."""
     rows = []
     lost_by_next = {i["next_generation"]: i["lost_steps"] for i in incident_rows}
-    for f in (e for e in events if e.get("kind") == "fault"):
+    for f in (e for e in events if e.get("kind") == EventKind.FAULT):
         row = {
             "id": f.get("id"),
             "type": f["fault"],
@@ -412,7 +417,7 @@ def membership(
     changes: list[tuple[float, dict[str, str | None]]] = []
     for e in events:
         kind = e.get("kind")
-        if kind == "generation":
+        if kind == EventKind.GENERATION:
             changes.append(
                 (
                     e["time"],
