@@ -108,10 +108,7 @@ def test_hang_timeout_is_learned_from_step_times_and_phases_are_exempt():
 
 
 def test_no_hang_before_every_rank_finished_a_step():
-    assert (
-        hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)])
-        is None
-    )
+    assert hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)]) is None
 
 
 def test_rank_views_add_the_publication_lag_to_ages():
@@ -158,11 +155,14 @@ def test_straggler_needs_three_nodes_and_confirmation():
     two = [view("node0", 0, 40, compute_s=0.1), view("node1", 1, 40, compute_s=0.3)]
     assert detectors.straggler_candidate(two) is None
     tracker = detectors.StragglerTracker()
-    slow = lambda step: [
-        view("node0", 0, step, compute_s=0.1),
-        view("node1", 1, step, compute_s=0.1),  # noqa: E731
-        view("node2", 2, step, compute_s=0.3),
-    ]
+
+    def slow(step):
+        return [
+            view("node0", 0, step, compute_s=0.1),
+            view("node1", 1, step, compute_s=0.1),
+            view("node2", 2, step, compute_s=0.3),
+        ]
+
     assert tracker.update(slow(40)) is None
     assert tracker.update(slow(40)) is None  # no fresh samples: not a confirmation
     a = tracker.update(slow(45))
@@ -267,8 +267,6 @@ def test_preflight_outliers_are_nodes_far_below_the_median():
     def results(**gflops: float) -> dict[str, PreflightResult]:
         return {n: PreflightResult(True, compute_gflops=g) for n, g in gflops.items()}
 
-    assert list(slow_outliers(results(node0=50.0, node1=12.0, node2=45.0, node3=40.0))) == [
-        "node1"
-    ]
+    assert list(slow_outliers(results(node0=50.0, node1=12.0, node2=45.0, node3=40.0))) == ["node1"]
     assert slow_outliers(results(node0=50.0, node1=12.0)) == {}
     assert slow_outliers(results(a=30.0, b=31.0, c=32.0)) == {}

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 from conftest import REPO, wait_for
 
+from transom.config import JobSpec
 from transom.control.preflight import TEST_HOOK_SLOW_ENV
 
 pytestmark = pytest.mark.slow
