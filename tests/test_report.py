@@ -65,6 +65,8 @@ def synthetic_events() -> list[dict]:
             "generation 1: n1: rank 1 killed by SIGKILL; blamed: n1",
             generation=1,
             blamed=["n1"],
+            cause="n1: rank 1 killed by SIGKILL; blamed: n1",
+            lost=[],
             detection=T0 + 7.0,
         ),
         ev(8.0, "generation", generation=2, members=["n0", "n1"], spares=["n2"], restore_step=20),
@@ -77,9 +79,18 @@ def synthetic_events() -> list[dict]:
             "generation 2: n0 lost; blamed: n0",
             generation=2,
             blamed=["n0"],
+            cause="n0 lost; blamed: n0",
+            lost=["n0"],
             detection=T0 + 15.0,
         ),
-        ev(15.1, "evict", "n0 evicted: node lost: its lease expired", generation=2, node="n0"),
+        ev(
+            15.1,
+            "evict",
+            "n0 evicted: node lost: its lease expired",
+            generation=2,
+            node="n0",
+            lost=["n0"],
+        ),
         ev(15.1, "spare", "spare n2 joins the job", generation=2, node="n2"),
         ev(15.2, "generation", generation=3, members=["n1", "n2"], spares=[], restore_step=40),
         ev(16.0, "running", generation=3),
@@ -454,7 +465,9 @@ def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
 def test_report_of_a_recorded_demo_run(tmp_path):
     """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 51389fb):
     4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered,
-    then the fault-free torchrun reference (reference.json)."""
+    then the fault-free torchrun reference (reference.json). Its diagnosis and evict events were
+    given the structured fields the controller writes since (`cause`, `lost`), taken from their
+    messages once, when the report stopped reading messages."""
     run_dir = shutil.copytree(DATA / "demo-run", tmp_path / "run")
     s = write_report(run_dir)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 5

@@ -287,11 +287,12 @@ class Tick:
         )
         for node in incident.stuck:
             d.evict.setdefault(node, f"did not start workers within {spec.warmup_timeout_s:.0f} s")
+        cause = f"{d.summary}; blamed: {', '.join(d.blamed) or 'nobody'}"
         self.event(
             EventKind.DIAGNOSIS,
-            f"generation {j.generation}: {d.summary}; blamed: {', '.join(d.blamed) or 'nobody'}",
+            f"generation {j.generation}: {cause}",
             blamed=d.blamed,
-            cause=d.summary,
+            cause=cause,
             lost=lost,
             detection=incident.since,
         )
