@@ -71,6 +71,9 @@ class Child:
                 preexec_fn=die_with_parent,
             )
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
 
 @dataclass
 class Launch:
@@ -101,6 +104,12 @@ class Launcher:
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
         self._last_progress: dict | None = None
 
+    @property
+    def connected(self) -> Store:
+        """The job's store (connected by `run` before anything uses it)."""
+        assert self.store is not None
+        return self.store
+
     # -- set-up -------------------------------------------------------------------------------
     def _connect(self) -> Store:
         L = self.launch
@@ -119,20 +128,20 @@ class Launcher:
         return store
 
     def _publish_spec(self) -> None:
-        job = _job_record(self.store.get(keys.JOB))
+        job = _job_record(self.connected.get(keys.JOB))
         if job and job.state.terminal:
             raise ConfigError(
                 f"job {self.launch.spec.job_id} already ended ({job.state.value}); "
                 f"choose another --job-id"
             )
-        if not self.store.create(keys.SPEC, self.launch.spec.to_dict()):
-            theirs = JobSpec.from_dict(self.store.get(keys.SPEC))
+        if not self.connected.create(keys.SPEC, self.launch.spec.to_dict()):
+            theirs = JobSpec.from_dict(self.connected.get(keys.SPEC) or {})
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
         base = [sys.executable, "-m", "transom", "--log-level", "info"]
-        common = ["--store", self.store.url, "--job-id", spec.job_id]
+        common = ["--store", self.connected.url, "--job-id", spec.job_id]
         simulated = L.store_url is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
         n_controllers = L.controllers or (2 if simulated else 1)
@@ -163,7 +172,7 @@ class Launcher:
             "info",
             "agent",
             "--store",
-            self.store.url,
+            self.connected.url,
             "--job-id",
             L.spec.job_id,
             "--node-id",
@@ -215,7 +224,7 @@ class Launcher:
             live.start()
         try:
             while True:
-                snap = snapshot(self.store)
+                snap = snapshot(self.connected)
                 self._mirror(snap, live)
                 job = _job_record(snap.get("job"))
                 if job and job.state.terminal:
@@ -224,7 +233,7 @@ class Launcher:
                 if self.launch.refill_spares and self.launch.store_url is None:
                     self._refill(job)
                 if (
-                    not any(c.process.poll() is None for c in self.children if c.kind == "agent")
+                    not any(c.alive() for c in self.children if c.kind == "agent")
                     and self.launch.store_url is None
                 ):
                     raise ConfigError(
@@ -248,7 +257,7 @@ class Launcher:
             with open(run_dir / files.PROGRESS, "a") as f:
                 f.write(json.dumps(record) + "\n")
         new = []
-        for key, event in self.store.get_prefix(keys.EVENTS).items():
+        for key, event in self.connected.get_prefix(keys.EVENTS).items():
             if key not in self._events_seen:
                 self._events_seen.add(key)
                 new.append(event)
@@ -281,12 +290,12 @@ class Launcher:
                 node=child.name,
                 extra={"replaces": node},
             )
-            self.store.put(keys.event(event.time, "launcher"), event.to_dict())
+            self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
 
     def _keep_controllers(self) -> None:
         """A controller candidate that died while the job goes on is replaced."""
         for child in self.children:
-            if child.kind == "controller" and child.process.poll() is not None:
+            if child.kind == "controller" and child.process and child.process.poll() is not None:
                 # A new incarnation gets a new id: fencing compares ids, so ids are never reused.
                 base = child.name.split(".")[0]
                 incarnation = int(child.name.split(".")[1]) + 1 if "." in child.name else 1

@@ -53,6 +53,7 @@ def snapshot(store: Store) -> dict:
 def read_events(store: Store | None = None, run_dir: Path | None = None) -> list[dict]:
     if store is not None:
         return list(store.get_prefix(keys.EVENTS).values())
+    assert run_dir is not None, "read events from a store or a run directory"
     path = Path(run_dir) / files.EVENTS
     if not path.exists():
         return []
@@ -75,6 +76,7 @@ def progress_record(snap: dict) -> dict | None:
     steps = [
         statuses[m].step for m in members if m in statuses and statuses[m].generation == generation
     ]
+    known = [step for step in steps if step is not None]
     evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
@@ -83,9 +85,7 @@ def progress_record(snap: dict) -> dict | None:
         "time": snap.get("time", time.time()),
         "state": job.state.value,
         "generation": generation,
-        "step": min(steps)
-        if members and len(steps) == len(members) and None not in steps
-        else None,
+        "step": min(known) if members and len(known) == len(members) else None,
         "members": members,
         "spares": spares,
         "evicted": evicted,
@@ -243,7 +243,7 @@ def render_status(summary: dict) -> Group:
             show(r.get("tokens_per_s"), "{:.0f}"),
             ", ".join(r.get("anomalies", [])) or "-",
         )
-    parts = [head, table]
+    parts: list[Text | Table] = [head, table]
     for r in summary["nodes"]:
         if r["role"] == "evicted":  # the table cuts long reasons short
             parts.append(Text(f"{r['node']} evicted: {r['health']}", style="red"))

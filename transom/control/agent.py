@@ -37,6 +37,7 @@ from transom.monitor.faults import FaultInjector
 from transom.monitor.node import NodeMonitor
 from transom.monitor.reporter import FAULTS_ENV
 from transom.store import Store, StoreError
+from transom.store.client import Lease
 from transom.utils.net import free_port
 
 log = logging.getLogger("transom.agent")
@@ -54,7 +55,7 @@ class NodeAgent:
         self.run_dir = Path(run_dir)
         self.host = host
         self.spec: JobSpec | None = None
-        self.lease = None
+        self.lease: Lease | None = None
         self.lease_lost = threading.Event()
         self.stopping = threading.Event()
         self.generation = 0
@@ -160,6 +161,7 @@ class NodeAgent:
             stored_plan = self.store.get(keys.PLAN)
             self.last_store_ok = time.monotonic()
             try:
+                assert self.ckpt is not None
                 self.ckpt.ensure_running()
             except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
                 log.warning("%s", e)
@@ -207,6 +209,7 @@ class NodeAgent:
         if self.node_id not in plan.members:
             self._report(NodeState.SPARE)
             return
+        assert self.preflight_result is not None
         passed, evidence = self.preflight_result
         if not passed:
             self._report(
@@ -224,6 +227,7 @@ class NodeAgent:
 
     def _preflight(self) -> None:
         """Check this node once, when it joins; publish the result for the controller to compare."""
+        assert self.spec is not None
         self.preflight_result = preflight(self.run_dir, self.spec.script, self.node_id)
         passed, evidence = self.preflight_result
         result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
@@ -238,6 +242,7 @@ class NodeAgent:
         except RecordError as e:
             log.warning("invalid master address: %s", e)
             return
+        assert self.spec is not None and self.ckpt is not None and self.faults is not None
         self.waiting_for_master = None
         assignment = Assignment(
             job_id=self.spec.job_id,
@@ -279,6 +284,7 @@ class NodeAgent:
         self._report(NodeState.RUNNING, pids=self.group.pids)
 
     def _watch_group(self) -> None:
+        assert self.group is not None
         polled, failures = self.group.poll()
         state = NodeState(polled)
         if state is NodeState.RUNNING:
@@ -301,6 +307,7 @@ class NodeAgent:
 
     def _monitor_tick(self) -> None:
         """Fire due faults, run the node's detectors, publish the summary and new anomalies."""
+        assert self.faults is not None
         g = self.group
         if g is not None and self.group_state is NodeState.RUNNING:
             ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]

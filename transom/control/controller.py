@@ -36,6 +36,7 @@ from transom.config import JobSpec
 from transom.control.decisions import Memory, Snapshot, decide
 from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
+from transom.store.client import Lease
 from transom.utils.net import host_address
 
 log = logging.getLogger("transom.controller")
@@ -58,7 +59,7 @@ class Controller:
         self.candidate_id = candidate_id
         self.spec: JobSpec | None = None
         self.job: JobRecord | None = None
-        self.lease = None
+        self.lease: Lease | None = None
         self.leading = threading.Event()
         self.stopping = threading.Event()
         self.exporter = MonitorExporter()
@@ -91,9 +92,11 @@ class Controller:
         return True
 
     def _keep_leading(self) -> None:
+        lease = self.lease
+        assert lease is not None
         while self.leading.is_set() and not self.stopping.wait(LEADER_TTL_S / 4):
             try:
-                if not self.store.refresh(self.lease):
+                if not self.store.refresh(lease):
                     log.warning("leadership lease expired")
                     self.leading.clear()
             except StoreError:
@@ -141,7 +144,7 @@ class Controller:
         finally:
             self.stopping.set()
             self.exporter.stop()
-            if self.leading.is_set():
+            if self.leading.is_set() and self.lease is not None:
                 self.leading.clear()
                 try:
                     self.store.revoke(self.lease)

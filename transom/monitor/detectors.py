@@ -262,7 +262,7 @@ class StragglerTracker:
         self.confirmations = confirmations
         self.node: str | None = None
         self.count = 0
-        self.last_key = None
+        self.last_key: tuple | None = None
 
     def update(self, views: list[dict]) -> Anomaly | None:
         key = tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))

@@ -8,6 +8,7 @@ nothing else in the process leaks into the endpoint. It only exports; it never d
 from __future__ import annotations
 
 import logging
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -52,13 +53,13 @@ class MonitorExporter:
             "transom_anomalies", "anomalies raised", ["type", "node"], registry=r
         )
         self.port: int | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         """Start the HTTP endpoint; the port it listens on, or None if it cannot."""
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-            self.port = self._server.server_port
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self.port = server, server.server_port
         except OSError as e:
             log.warning("metrics endpoint on port %s unavailable: %s", port, e)
         return self.port

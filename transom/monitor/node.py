@@ -136,14 +136,11 @@ class NodeMonitor:
             self._pending.append(found)
         elif loss is not None:
             r.losses.append(loss)
-        duration = m.get("dur")
-        comparable = (
-            duration is not None and not m.get("phase") and step >= r.first_step + WARMUP_STEPS
-        )
-        if not comparable:
-            return
+        if m.get("dur") is None or m.get("phase") or step < r.first_step + WARMUP_STEPS:
+            return  # not comparable: no timing, a phase (checkpoint, eval) or a warm-up step
+        duration = float(m["dur"])
         r.durations.append(duration)
-        r.computes.append(m.get("compute", duration))
+        r.computes.append(float(m.get("compute", duration)))
         if m.get("tokens"):
             r.tokens_per_s = round(m["tokens"] / duration, 1) if duration > 0 else None
         (r.baseline if len(r.baseline) < BASELINE_STEPS else r.recent).append(duration)

@@ -93,15 +93,22 @@ class Generation:
             return None
         return next(t for t, s in self.samples if s == self.reached_step)
 
+    def training_span(self) -> tuple[float, float]:
+        """(trained_at, reached_at) of a generation that trained."""
+        trained_at, reached_at = self.trained_at, self.reached_at
+        assert trained_at is not None and reached_at is not None, "it never trained"
+        return trained_at, reached_at
+
     def time_of_step(self, step: int) -> float:
         """When it reached `step`, interpolated between samples and clipped to its training time."""
-        trained = [(t, s) for t, s in self.samples if t >= self.trained_at]
+        trained_at, reached_at = self.training_span()
+        trained = [(t, s) for t, s in self.samples if t >= trained_at]
         steps = [s for _, s in trained]
         i = bisect_left(steps, step)
         if i == 0:
             return trained[0][0]
         if i == len(trained):
-            return self.reached_at
+            return reached_at
         (t0, s0), (t1, s1) = trained[i - 1], trained[i]
         return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
@@ -159,7 +166,7 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
             e for e in events if e.get("kind") == EventKind.FAULT and e.get("step") is not None
         ]
     for p in sorted(points, key=lambda p: p["time"]):
-        g = gens.get(p.get("generation"))
+        g = gens.get(int(p.get("generation") or 0))  # generations count from 1
         if g is not None and (
             not g.samples or p["step"] > g.samples[-1][1]
         ):  # the first sample of each new step
@@ -234,8 +241,9 @@ def goodput(
         "progress_available": have_progress,
     }
     if reference and reference.get("wall_s"):
-        result["reference_wall_s"] = float(reference["wall_s"])
-        result["slowdown_x"] = wall / result["reference_wall_s"]
+        reference_wall = float(reference["wall_s"])
+        result["reference_wall_s"] = reference_wall
+        result["slowdown_x"] = wall / reference_wall
     if not have_progress:
         return result
     result["lost_steps"] = sum(i["lost_steps"] for i in incident_rows)
@@ -247,19 +255,20 @@ def goodput(
         return result
     effective = lost = downtime = 0.0
     for n, (g, k) in enumerate(trained):
-        kept_until = g.time_of_step(k) if k > g.restore_step else g.trained_at
-        kept_until = min(max(kept_until, g.trained_at), g.reached_at)
-        effective += kept_until - g.trained_at
-        lost += g.reached_at - kept_until
+        trained_at, reached_at = g.training_span()
+        kept_until = g.time_of_step(k) if k > g.restore_step else trained_at
+        kept_until = min(max(kept_until, trained_at), reached_at)
+        effective += kept_until - trained_at
+        lost += reached_at - kept_until
         if n + 1 < len(trained):
-            downtime += trained[n + 1][0].trained_at - g.reached_at
+            downtime += trained[n + 1][0].training_span()[0] - reached_at
     result.update(
         effective_training_s=effective,
         effective_ratio_x=effective / wall if wall > 0 else None,
-        startup_s=trained[0][0].trained_at - start,
+        startup_s=trained[0][0].training_span()[0] - start,
         lost_compute_s=lost,
         downtime_s=downtime,
-        shutdown_s=end - trained[-1][0].reached_at,
+        shutdown_s=end - trained[-1][0].training_span()[1],
     )
     return result
 
@@ -407,74 +416,6 @@ def fault_counts(rows: list[dict]) -> dict:
         "not_recovered": sum(r["status"] == NOT_RECOVERED for r in rows),
         "not_detected": sum(r["status"] == NOT_DETECTED for r in rows),
     }
-
-
-def membership(
-    events: list[dict], progress: list[dict] | None, end: float
-) -> dict[str, list[tuple[float, float, str]]]:
-    """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
-    evict and spare events and the progress samples' member lists."""
-    changes: list[tuple[float, dict[str, str | None]]] = []
-    for e in events:
-        kind = e.get("kind")
-        if kind == EventKind.GENERATION:
-            changes.append(
-                (
-                    e["time"],
-                    {
-                        **{n: "member" for n in e.get("members", [])},
-                        **{n: "spare" for n in e.get("spares", [])},
-                        "*": None,
-                    },
-                )
-            )
-        elif kind == "evict" and e.get("node"):
-            changes.append((e["time"], {e["node"]: "evicted"}))
-        elif kind == "spare" and e.get("node"):
-            changes.append((e["time"], {e["node"]: "member"}))
-    for p in progress or []:
-        if p.get("members") is not None:
-            evicted = p.get("evicted") or []
-            changes.append(
-                (
-                    p["time"],
-                    {
-                        **{n: "member" for n in p["members"]},
-                        **{n: "spare" for n in p.get("spares") or []},
-                        **{n: "evicted" for n in evicted},
-                        "*": None,
-                    },
-                )
-            )
-    changes.sort(key=lambda c: c[0])
-    role: dict[str, str] = {}
-    spans: dict[str, list[list]] = {}
-    for t, change in changes:
-        full = "*" in change
-        new = dict(role)
-        if (
-            full
-        ):  # a full snapshot: members and spares not named are out of the job (unless evicted)
-            for n, r in role.items():
-                if r != "evicted" and n not in change:
-                    new.pop(n)
-        new.update({n: r for n, r in change.items() if n != "*"})
-        for n in set(role) | set(new):
-            if role.get(n) != new.get(n):
-                if role.get(n) is not None:
-                    spans[n][-1][1] = t
-                if new.get(n) is not None:
-                    spans.setdefault(n, []).append([t, None, new[n]])
-        role = new
-    for n in role:
-        spans[n][-1][1] = end
-    return {n: [tuple(s) for s in spans[n]] for n in sorted(spans, key=_natural)}
-
-
-def _natural(name: str) -> tuple:
-    head = name.rstrip("0123456789")
-    tail = name[len(head) :]
-    return (head, int(tail) if tail else -1)
 
 
 def analyse(
