@@ -30,10 +30,10 @@ T0 = 1000.0
 
 def spec(**overrides) -> JobSpec:
     fields = dict(script="train.py", nnodes_min=2, nnodes_max=2, max_restarts=2)
-    return JobSpec(**{**fields, **overrides})  # type: ignore[arg-type]
+    return JobSpec(**{**fields, **overrides})
 
 
-def nodes(*names: str) -> dict[str, NodeRegistration]:
+def nodes(*names: str) -> dict[str, NodeRegistration | None]:
     return {n: NodeRegistration(n, "127.0.0.1", 1, T0) for n in names}
 
 

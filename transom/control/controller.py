@@ -156,8 +156,11 @@ class Controller:
         assert self.job is not None and self.spec is not None
         job, get = self.job, self.store.get_prefix
         summaries = parse_all(MonitorSummary, get(keys.MONITOR))
+        # A node is alive while its registration key exists (its lease holds), whatever it holds.
+        registered = get(keys.NODES)
+        valid = parse_all(NodeRegistration, registered)
         snap = Snapshot(
-            nodes=parse_all(NodeRegistration, get(keys.NODES)),
+            nodes={n: valid.get(n) for n in registered},
             statuses=parse_all(NodeStatus, get(keys.STATUS)),
             summaries={n: s for n, s in summaries.items() if n in job.members},
             preflight=parse_all(PreflightResult, get(keys.PREFLIGHT)),

@@ -47,7 +47,8 @@ PREFLIGHT_WAIT_S = 30.0
 class Snapshot:
     """What the agents published, read once per tick by the I/O loop."""
 
-    nodes: dict[str, NodeRegistration]  # live nodes (their lease holds)
+    # live nodes (their lease holds), with their registration (None: not a valid record)
+    nodes: dict[str, NodeRegistration | None]
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     summaries: dict[str, MonitorSummary] = field(default_factory=dict)  # the members'
     preflight: dict[str, PreflightResult] = field(default_factory=dict)
