@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 
+from transom.common.records import Anomaly, MonitorSummary, PreflightResult, Severity
+from transom.config import JobSpec
 from transom.control.policy import on_anomaly
 from transom.faults import MockNvml
 from transom.monitor import detectors, patterns
 from transom.monitor.collect import gpu_problems
 
 MEMBERS = ["node0", "node1", "node2"]
+HANG_FLOOR_S = JobSpec(script="train.py").hang_floor_s
+
+
+def hang(views):
+    return detectors.hang(views, HANG_FLOOR_S)
 
 
 def view(node, rank, step, step_age=0.1, beat_age=0.2, phase=None, step_s=0.2, compute_s=0.1):
@@ -64,9 +71,9 @@ def test_no_hang_while_some_rank_progresses_or_before_the_timeout():
         view("node1", 1, 51, step_age=0.1),
         view("node2", 2, 50, step_age=20),
     ]
-    assert detectors.hang(views) is None
+    assert hang(views) is None
     views = [view(f"node{i}", i, 50, step_age=5.0) for i in range(3)]
-    assert detectors.hang(views) is None
+    assert hang(views) is None
 
 
 def test_hang_blames_the_rank_whose_heartbeat_stopped():
@@ -75,9 +82,9 @@ def test_hang_blames_the_rank_whose_heartbeat_stopped():
         view("node1", 1, 50, step_age=9, beat_age=8.5),
         view("node2", 2, 50, step_age=9),
     ]
-    a = detectors.hang(views)
+    a = hang(views)
     assert a.type == "hang" and a.nodes == ["node1"] and a.ranks == [1]
-    assert a.evidence["timeout_s"] == detectors.HANG_FLOOR_S
+    assert a.evidence["timeout_s"] == HANG_FLOOR_S
 
 
 def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
@@ -86,41 +93,41 @@ def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
         view("node1", 1, 49, step_age=9.5),
         view("node2", 2, 50, step_age=9),
     ]
-    assert detectors.hang(views).nodes == ["node1"]
+    assert hang(views).nodes == ["node1"]
     same = [view(f"node{i}", i, 50, step_age=9) for i in range(3)]
-    a = detectors.hang(same)
+    a = hang(same)
     assert a.nodes == [] and "collective" in a.evidence["why"]
 
 
 def test_hang_timeout_is_learned_from_step_times_and_phases_are_exempt():
     slow = [view(f"node{i}", i, 50, step_age=9, step_s=3.0) for i in range(3)]
-    assert detectors.hang(slow) is None  # 4 x 3 s = 12 s timeout
+    assert hang(slow) is None  # 4 x 3 s = 12 s timeout
     checkpointing = [view("node0", 0, 50, step_age=60, phase="checkpoint")] + [
         view(f"node{i}", i, 50, step_age=60) for i in (1, 2)
     ]
-    assert detectors.hang(checkpointing) is None
+    assert hang(checkpointing) is None
 
 
 def test_no_hang_before_every_rank_finished_a_step():
-    assert (
-        detectors.hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)])
-        is None
-    )
+    assert hang([view("node0", 0, None, step_age=None), view("node1", 1, 3, step_age=50)]) is None
 
 
 def test_rank_views_add_the_publication_lag_to_ages():
     summaries = {
         "node0": {
+            "node": "node0",
             "generation": 2,
             "t": 100.0,
             "ranks": {"0": {"step": 5, "step_age": 1.0, "beat_age": 0.5}},
         },
         "node1": {
+            "node": "node1",
             "generation": 1,
             "t": 100.0,
             "ranks": {"1": {"step": 5, "step_age": 1.0, "beat_age": 0.5}},
         },
     }
+    summaries = {n: MonitorSummary.from_dict(s) for n, s in summaries.items()}
     views = detectors.rank_views(summaries, 2, now=102.0)
     assert len(views) == 1 and views[0]["step_age"] == 3.0 and views[0]["beat_age"] == 2.5
 
@@ -149,11 +156,14 @@ def test_straggler_needs_three_nodes_and_confirmation():
     two = [view("node0", 0, 40, compute_s=0.1), view("node1", 1, 40, compute_s=0.3)]
     assert detectors.straggler_candidate(two) is None
     tracker = detectors.StragglerTracker()
-    slow = lambda step: [
-        view("node0", 0, step, compute_s=0.1),
-        view("node1", 1, step, compute_s=0.1),  # noqa: E731
-        view("node2", 2, step, compute_s=0.3),
-    ]
+
+    def slow(step):
+        return [
+            view("node0", 0, step, compute_s=0.1),
+            view("node1", 1, step, compute_s=0.1),
+            view("node2", 2, step, compute_s=0.3),
+        ]
+
     assert tracker.update(slow(40)) is None
     assert tracker.update(slow(40)) is None  # no fresh samples: not a confirmation
     a = tracker.update(slow(45))
@@ -195,7 +205,7 @@ def test_fake_nvml_counters_become_hardware_problems():
 
 
 def anomaly(type_, nodes=(), step=None, hardware=False):
-    return {"type": type_, "nodes": list(nodes), "step": step, "hardware": hardware, "message": "m"}
+    return Anomaly(type_, Severity.WARNING, "m", list(nodes), step=step, hardware=hardware)
 
 
 def test_policy_rolls_back_numerics_and_fails_when_they_repeat_at_the_same_step():
@@ -255,17 +265,9 @@ def test_crash_suspects_only_workers_that_failed_by_themselves():
 def test_preflight_outliers_are_nodes_far_below_the_median():
     from transom.control.policy import slow_outliers
 
-    results = {
-        "node0": {"compute_gflops": 50.0},
-        "node1": {"compute_gflops": 12.0},
-        "node2": {"compute_gflops": 45.0},
-        "node3": {"compute_gflops": 40.0},
-    }
-    assert list(slow_outliers(results)) == ["node1"]
-    assert (
-        slow_outliers({"node0": {"compute_gflops": 50.0}, "node1": {"compute_gflops": 12.0}}) == {}
-    )
-    assert (
-        slow_outliers({n: {"compute_gflops": 30.0 + i} for i, n in enumerate(["a", "b", "c"])})
-        == {}
-    )
+    def results(**gflops: float) -> dict[str, PreflightResult]:
+        return {n: PreflightResult(True, compute_gflops=g) for n, g in gflops.items()}
+
+    assert list(slow_outliers(results(node0=50.0, node1=12.0, node2=45.0, node3=40.0))) == ["node1"]
+    assert slow_outliers(results(node0=50.0, node1=12.0)) == {}
+    assert slow_outliers(results(a=30.0, b=31.0, c=32.0)) == {}

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from conftest import REPO, wait_for
 
-from transom.monitor.detectors import HANG_FLOOR_S
+from transom.config import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +201,7 @@ def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
     log = job.log_text("g001/rank0.log")
     stepped = float(re.search(r"^step 30 loss \S+ t=(\S+)$", log, re.M).group(1))
     evaluated = float(re.search(r"^eval step 30 loss \S+ t=(\S+)$", log, re.M).group(1))
-    assert evaluated - stepped > HANG_FLOOR_S
+    assert evaluated - stepped > JobSpec(script="train.py").hang_floor_s
     out = subprocess.run(
         [sys.executable, "-m", "transom", "status", "--run-dir", str(job.run_dir)],
         capture_output=True,

@@ -41,6 +41,12 @@ def test_calls_are_no_ops_without_an_agent(monkeypatch):
     assert reporter._channel is None
 
 
+def published(node: NodeMonitor) -> tuple[dict, list[dict]]:
+    """What the agent writes to etcd: the summary and the anomaly events as stored values."""
+    summary, events = node.collect()
+    return summary.to_dict(), [e.to_dict() for e in events]
+
+
 def test_steps_sections_and_heartbeats_reach_the_agent(node):
     for step in range(1, WARMUP_STEPS + 8):
         with reporter.step(step) as s:
@@ -49,13 +55,13 @@ def test_steps_sections_and_heartbeats_reach_the_agent(node):
                 time.sleep(0.008)
             s.report(loss=2.0, tokens=100)
     wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 7, 5, "the last step to arrive")
-    summary, events = node.collect()
+    summary, events = published(node)
     r = summary["ranks"]["3"]
     assert events == [] and summary["anomalies"] == []
     assert r["step_s"] >= 0.012 and 0.004 <= r["compute_s"] < r["step_s"] - 0.006  # sync kept apart
     assert r["tokens_per_s"] > 0
     wait_for(
-        lambda: node.collect()[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5,
+        lambda: published(node)[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5,
         5,
         "the background heartbeat",
     )
@@ -78,7 +84,7 @@ def test_nan_loss_is_an_anomaly_at_once(node):
     reporter.report(7, loss=2.0)
     reporter.report(8, loss=float("nan"))
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
-    summary, events = node.collect()
+    summary, events = published(node)
     assert (
         [e["type"] for e in events] == ["nan"]
         and events[0]["step"] == 8
@@ -138,8 +144,8 @@ def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
     node.nvml.gpus[0]["ecc_uncorrected"] = 2
     node._hardware_at = 0.0
     node.check({}, {3: log})
-    _, events = node.collect()
+    _, events = published(node)
     found = {(e["type"], e["hardware"]) for e in events}
     assert found == {("xid", True), ("ecc", True)}  # the traceback line is info: no anomaly event
     node.check({}, {3: log})
-    assert node.collect()[1] == []  # each line is read once
+    assert published(node)[1] == []  # each line is read once

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from transom.control.policy import Decision, common_signature, decide, root_cause
+from transom.common.records import NodeStatus
+from transom.common.states import NodeState
+from transom.control.policy import Diagnosis, common_signature, diagnose, root_cause
 
 WINDOW = 300.0
 
@@ -32,11 +34,11 @@ def failure(
     }
 
 
-def report(*failures: dict, generation: int = 1) -> dict:
-    return {"state": "failed", "generation": generation, "failures": list(failures)}
+def report(*failures: dict, generation: int = 1) -> NodeStatus:
+    return NodeStatus("node", generation, NodeState.FAILED, 1000.0, failures=list(failures))
 
 
-def preflight_report(problem: str) -> dict:
+def preflight_report(problem: str) -> NodeStatus:
     return report({"kind": "preflight", "describe": problem})
 
 
@@ -45,8 +47,8 @@ PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer
 
 def _decide(
     members, lost=(), failed=None, history=None, last_signature=None, now=1000.0, window=WINDOW
-) -> Decision:
-    return decide(
+) -> Diagnosis:
+    return diagnose(
         list(members),
         list(lost),
         failed or {},

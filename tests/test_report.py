@@ -1,11 +1,12 @@
-"""The run report: exact numbers on hand-made run directories, the weights check, the files and the CLI.
+"""The run report: exact numbers on hand-made run directories, the weights check, files, CLI.
 
 The synthetic run (`write_synthetic_run`) is small enough to check every number by hand:
 
   t=1000 leader; 1002 generation 1 (n0, n1; spare n2) starts fresh; progress 10, 20, 30 at 1004-1006
   1006.5 crash on n1 rank 1, seen at 1006.75; 1008 generation 2 restores step 20;
          progress 25, 35, 45 at 1010-1012
-  1012.2 n0 killed, found lost at 1015.0; n0 evicted, spare n2 joins; 1015.2 generation 3 restores 40;
+  1012.2 n0 killed, found lost at 1015.0; n0 evicted, spare n2 joins;
+         1015.2 generation 3 restores 40;
          progress 50, 60 at 1017, 1018
   1017.5 n2 made slow: a straggler seen at 1017.8, answered with a warning only
   1017.6 a log fault on n1 that nothing detects; 1018.5 succeeded
@@ -26,7 +27,8 @@ from conftest import REPO
 
 from transom.cli import main
 from transom.report import build_summary, read_run, write_report
-from transom.report.analysis import NOT_DETECTED, NOT_RECOVERED, RECOVERED, membership
+from transom.report.analysis import NOT_DETECTED, NOT_RECOVERED, RECOVERED
+from transom.report.membership import membership
 from transom.report.render import weights_line
 from transom.report.weights import compare_files
 
@@ -65,6 +67,8 @@ def synthetic_events() -> list[dict]:
             "generation 1: n1: rank 1 killed by SIGKILL; blamed: n1",
             generation=1,
             blamed=["n1"],
+            cause="n1: rank 1 killed by SIGKILL; blamed: n1",
+            lost=[],
             detection=T0 + 7.0,
         ),
         ev(8.0, "generation", generation=2, members=["n0", "n1"], spares=["n2"], restore_step=20),
@@ -77,9 +81,18 @@ def synthetic_events() -> list[dict]:
             "generation 2: n0 lost; blamed: n0",
             generation=2,
             blamed=["n0"],
+            cause="n0 lost; blamed: n0",
+            lost=["n0"],
             detection=T0 + 15.0,
         ),
-        ev(15.1, "evict", "n0 evicted: node lost: its lease expired", generation=2, node="n0"),
+        ev(
+            15.1,
+            "evict",
+            "n0 evicted: node lost: its lease expired",
+            generation=2,
+            node="n0",
+            lost=["n0"],
+        ),
         ev(15.1, "spare", "spare n2 joins the job", generation=2, node="n2"),
         ev(15.2, "generation", generation=3, members=["n1", "n2"], spares=[], restore_step=40),
         ev(16.0, "running", generation=3),
@@ -318,7 +331,7 @@ def test_an_unfinished_run_ends_at_its_last_record(tmp_path):
 
 
 def png_size(path: Path) -> tuple[int, int]:
-    """Width and height from a PNG's header chunk, after checking the signature and the chunk's CRC."""
+    """Width and height from a PNG's header chunk, after checking the signature and its CRC."""
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE, "not a PNG"
     length, kind = struct.unpack(">I4s", data[8:16])
@@ -395,7 +408,8 @@ def test_weights_check_names_each_differing_tensor(tmp_path):
     )
     assert result["missing"] == ["step"] and result["extra"] == ["extra.buffer"]
     assert weights_line({"available": True, **result}) == (
-        "2 of 3 tensors differ from the fault-free run; largest difference 0.5 in embed.weight; 1 missing; 1 extra"
+        "2 of 3 tensors differ from the fault-free run; largest difference 0.5 in embed.weight; "
+        "1 missing; 1 extra"
     )
 
 
@@ -454,7 +468,9 @@ def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
 def test_report_of_a_recorded_demo_run(tmp_path):
     """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 51389fb):
     4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered,
-    then the fault-free torchrun reference (reference.json)."""
+    then the fault-free torchrun reference (reference.json). Its diagnosis and evict events were
+    given the structured fields the controller writes since (`cause`, `lost`), taken from their
+    messages once, when the report stopped reading messages."""
     run_dir = shutil.copytree(DATA / "demo-run", tmp_path / "run")
     s = write_report(run_dir)
     assert s["outcome"]["state"] == "SUCCEEDED" and s["outcome"]["restarts"] == 5
@@ -493,7 +509,7 @@ def test_report_of_a_recorded_demo_run(tmp_path):
 
 @pytest.mark.slow
 def test_report_of_a_real_run_with_a_crash(start_job, tmp_path):
-    """A real two-node job with a crash: the report finds the crash, its detection and the recovery."""
+    """A real two-node job with a crash: the report finds the crash, its detection, the recovery."""
     job = start_job(
         "--nnodes",
         "2",

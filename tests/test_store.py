@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+from transom.common.records import Plan
+from transom.common.states import JobState
 from transom.config import JobSpec
 from transom.control.controller import Controller
 from transom.store import EmbeddedEtcd, Store, StoreError
@@ -154,11 +156,11 @@ def test_exactly_one_controller_leads_and_the_successor_resumes(store, controlle
     assert b._try_lead() is False  # still held: the keep-alive refreshes it
 
     # The leader makes progress; it is in etcd, fenced on its leadership.
-    a.job["generation"] = 4
-    a.job["members"] = ["node0", "node1"]
-    a.job["restarts_used"] = 3
-    a.job["state"] = "RUNNING"
-    a._commit({"generation": 4})
+    a.job.generation = 4
+    a.job.members = ["node0", "node1"]
+    a.job.restarts_used = 3
+    a.job.state = JobState.RUNNING
+    a._commit([], Plan(4, ["node0", "node1"], JobState.RUNNING))
     written = store.get("job")
     assert written["generation"] == 4
 
@@ -171,11 +173,11 @@ def test_exactly_one_controller_leads_and_the_successor_resumes(store, controlle
     assert b.leading.is_set()
     assert store.get("leader") == "ctl-b"
     for key in ("generation", "members", "restarts_used", "state", "since"):
-        assert b.job[key] == written[key]
+        assert b.job.to_dict()[key] == written[key]
 
     # The deposed leader's writes are refused and it notices it lost the lead.
-    a.job["generation"] = 99
-    a._commit()
+    a.job.generation = 99
+    a._commit([])
     assert not a.leading.is_set()
     assert store.get("job")["generation"] == 4
 

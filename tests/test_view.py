@@ -12,10 +12,14 @@ def _snap(steps: dict, generation: int = 3) -> dict:
             "state": "RUNNING",
             "generation": generation,
             "members": ["node0", "node1"],
-            "evicted": {"node2": {"reason": "lost"}},
+            "since": 90.0,
+            "evicted": {"node2": {"reason": "lost", "time": 80.0, "generation": 1}},
         },
         "nodes": {"node0": {}, "node1": {}, "node3": {}},
-        "statuses": {n: {"generation": g, "step": s} for n, (g, s) in steps.items()},
+        "statuses": {
+            n: {"node": n, "generation": g, "state": "running", "time": 99.0, "step": s}
+            for n, (g, s) in steps.items()
+        },
     }
 
 

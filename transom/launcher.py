@@ -28,14 +28,13 @@ from rich.console import Console
 from rich.live import Live
 
 from transom.checkpoint.shm_dirs import default_shm_dir
-from transom.config import ConfigError, JobSpec
+from transom.common import files, keys
+from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
+from transom.config import ConfigError, JobSpec
 from transom.store import EmbeddedEtcd, Store, StoreError
 from transom.utils.procs import die_with_parent, stop_process
 from transom.view import (
-    EVENTS_FILE,
-    PROGRESS_FILE,
-    STATUS_FILE,
     EventFilter,
     format_event,
     progress_record,
@@ -72,6 +71,9 @@ class Child:
                 preexec_fn=die_with_parent,
             )
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
 
 @dataclass
 class Launch:
@@ -102,12 +104,18 @@ class Launcher:
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
         self._last_progress: dict | None = None
 
+    @property
+    def connected(self) -> Store:
+        """The job's store (connected by `run` before anything uses it)."""
+        assert self.store is not None
+        return self.store
+
     # -- set-up -------------------------------------------------------------------------------
     def _connect(self) -> Store:
         L = self.launch
         if L.store_url is None:
             self.etcd = EmbeddedEtcd(
-                L.run_dir / "etcd", log_path=L.run_dir / "logs" / "etcd.log"
+                L.run_dir / "etcd", log_path=files.log_file(L.run_dir, "etcd")
             ).start()
             url = self.etcd.url
         else:
@@ -120,25 +128,24 @@ class Launcher:
         return store
 
     def _publish_spec(self) -> None:
-        job = self.store.get("job")
-        if job and JobState(job["state"]).terminal:
+        job = _job_record(self.connected.get(keys.JOB))
+        if job and job.state.terminal:
             raise ConfigError(
-                f"job {self.launch.spec.job_id} already ended ({job['state']}); "
+                f"job {self.launch.spec.job_id} already ended ({job.state.value}); "
                 f"choose another --job-id"
             )
-        if not self.store.create("spec", self.launch.spec.to_dict()):
-            theirs = JobSpec.from_dict(self.store.get("spec"))
+        if not self.connected.create(keys.SPEC, self.launch.spec.to_dict()):
+            theirs = JobSpec.from_dict(self.connected.get(keys.SPEC) or {})
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
         base = [sys.executable, "-m", "transom", "--log-level", "info"]
-        common = ["--store", self.store.url, "--job-id", spec.job_id]
+        common = ["--store", self.connected.url, "--job-id", spec.job_id]
         simulated = L.store_url is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
         n_controllers = L.controllers or (2 if simulated else 1)
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
-        logs = L.run_dir / "logs"
         children = []
         for i in range(n_controllers):
             name = f"controller-{socket.gethostname()}-{i}"
@@ -147,7 +154,7 @@ class Launcher:
                     name,
                     "controller",
                     base + ["controller", *common, "--candidate-id", name],
-                    logs / f"{name}.log",
+                    files.log_file(L.run_dir, name),
                 )
             )
         for i in range(n_agents):
@@ -165,7 +172,7 @@ class Launcher:
             "info",
             "agent",
             "--store",
-            self.store.url,
+            self.connected.url,
             "--job-id",
             L.spec.job_id,
             "--node-id",
@@ -175,7 +182,7 @@ class Launcher:
             "--host",
             L.host,
         ]
-        return Child(name, "agent", argv, L.run_dir / "logs" / f"agent-{name}.log")
+        return Child(name, "agent", argv, files.agent_log(L.run_dir, name))
 
     # -- running ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -193,14 +200,12 @@ class Launcher:
             for child in self.children:
                 child.start()
             job = self._watch()
-            if job["state"] == JobState.SUCCEEDED.value:
+            if job.state is JobState.SUCCEEDED:
                 self.console.print(
-                    f"[green]job {self.launch.spec.job_id} succeeded[/]: {job['reason']}"
+                    f"[green]job {self.launch.spec.job_id} succeeded[/]: {job.reason}"
                 )
                 return 0
-            print(
-                f"transom: job {self.launch.spec.job_id} failed: {job['reason']}", file=sys.stderr
-            )
+            print(f"transom: job {self.launch.spec.job_id} failed: {job.reason}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             self._shutdown(wait_for_exit=False)
@@ -211,7 +216,7 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _watch(self) -> dict:
+    def _watch(self) -> JobRecord:
         """Mirror events and status until the job is over; return the final job record."""
         live = None
         if self.console.is_terminal:
@@ -219,21 +224,21 @@ class Launcher:
             live.start()
         try:
             while True:
-                snap = snapshot(self.store)
+                snap = snapshot(self.connected)
                 self._mirror(snap, live)
-                job = snap.get("job")
-                if job and JobState(job["state"]).terminal:
+                job = _job_record(snap.get("job"))
+                if job and job.state.terminal:
                     return job
                 self._keep_controllers()
                 if self.launch.refill_spares and self.launch.store_url is None:
                     self._refill(job)
                 if (
-                    not any(c.process.poll() is None for c in self.children if c.kind == "agent")
+                    not any(c.alive() for c in self.children if c.kind == "agent")
                     and self.launch.store_url is None
                 ):
                     raise ConfigError(
                         "every node agent exited before the job ended; see the logs in "
-                        f"{self.launch.run_dir / 'logs'}"
+                        f"{self.launch.run_dir / files.LOGS}"
                     )
                 time.sleep(POLL_S)
         finally:
@@ -242,22 +247,22 @@ class Launcher:
 
     def _mirror(self, snap: dict, live: Live | None) -> None:
         run_dir = self.launch.run_dir
-        (run_dir / STATUS_FILE).write_text(json.dumps(snap, indent=1))
+        (run_dir / files.STATUS).write_text(json.dumps(snap, indent=1))
         record = progress_record(snap)
         if (
             record is not None
             and {k: v for k, v in record.items() if k != "time"} != self._last_progress
         ):
             self._last_progress = {k: v for k, v in record.items() if k != "time"}
-            with open(run_dir / PROGRESS_FILE, "a") as f:
+            with open(run_dir / files.PROGRESS, "a") as f:
                 f.write(json.dumps(record) + "\n")
         new = []
-        for key, event in self.store.get_prefix("events/").items():
+        for key, event in self.connected.get_prefix(keys.EVENTS).items():
             if key not in self._events_seen:
                 self._events_seen.add(key)
                 new.append(event)
         if new:
-            with open(run_dir / EVENTS_FILE, "a") as f:
+            with open(run_dir / files.EVENTS, "a") as f:
                 for event in new:
                     f.write(json.dumps(event) + "\n")
         for event in sorted(new, key=lambda e: e["time"]):
@@ -266,9 +271,9 @@ class Launcher:
         if live is not None:
             live.update(render_live(status_summary(snap), self.launch.total_steps))
 
-    def _refill(self, job: dict | None) -> None:
-        """Play the cluster's scheduler: a new simulated node for every one the controller evicted."""
-        evicted = (job or {}).get("evicted", {})
+    def _refill(self, job: JobRecord | None) -> None:
+        """Play the cluster's scheduler: a new simulated node for each evicted one."""
+        evicted = job.evicted if job else {}
         for node in sorted(set(evicted) - self._replaced):
             if node not in self._local_nodes:
                 continue
@@ -277,23 +282,20 @@ class Launcher:
             self._local_nodes.append(child.name)
             self.children.append(child)
             child.start()
-            now = time.time()
-            self.store.put(
-                f"events/{int(now * 1e9):020d}-launcher",
-                {
-                    "time": now,
-                    "kind": "provision",
-                    "node": child.name,
-                    "replaces": node,
-                    "message": f"cluster: new node {child.name} started to replace evicted {node}; "
-                    f"it joins as a spare (--refill-spares)",
-                },
+            event = Event(
+                time.time(),
+                EventKind.PROVISION,
+                f"cluster: new node {child.name} started to replace evicted {node}; "
+                f"it joins as a spare (--refill-spares)",
+                node=child.name,
+                extra={"replaces": node},
             )
+            self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
 
     def _keep_controllers(self) -> None:
         """A controller candidate that died while the job goes on is replaced."""
         for child in self.children:
-            if child.kind == "controller" and child.process.poll() is not None:
+            if child.kind == "controller" and child.process and child.process.poll() is not None:
                 # A new incarnation gets a new id: fencing compares ids, so ids are never reused.
                 base = child.name.split(".")[0]
                 incarnation = int(child.name.split(".")[1]) + 1 if "." in child.name else 1
@@ -319,7 +321,7 @@ class Launcher:
                 stop_process(child.process)
         if self.store is not None and self.etcd is not None and self.children:
             try:
-                (self.launch.run_dir / STATUS_FILE).write_text(
+                (self.launch.run_dir / files.STATUS).write_text(
                     json.dumps(snapshot(self.store), indent=1)
                 )
             except StoreError:
@@ -332,3 +334,11 @@ class Launcher:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+def _job_record(value: object) -> JobRecord | None:
+    """The stored job record, or None when there is none (or it is not a valid one yet)."""
+    try:
+        return JobRecord.from_dict(value) if value else None
+    except RecordError:
+        return None

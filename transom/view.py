@@ -1,7 +1,9 @@
-"""What a person sees: the job snapshot, `transom status` and `transom events` rendering, the live view.
+"""What a person sees: the job snapshot, `transom status`/`transom events` rendering, live view.
 
-A snapshot is a plain dict read from etcd (or from `status.json` in the run directory after the
-job ended), so the same rendering serves a live job and a finished one.
+A snapshot is a plain dict of the stored values read from etcd (or from `status.json` in the
+run directory after the job ended), so the same rendering serves a live job and a finished one.
+Its values are parsed into the records of transom.common.records where they are read (a value
+that is not a valid record is left out). This module never writes to etcd.
 """
 
 from __future__ import annotations
@@ -10,94 +12,111 @@ import datetime as dt
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from transom.control.controller import natural_key
-from transom.store import Store
+from transom.common import files, keys
+from transom.common.names import natural_key
+from transom.common.records import (
+    EventKind,
+    JobRecord,
+    MonitorSummary,
+    NodeStatus,
+    RecordError,
+    parse_all,
+)
+from transom.common.states import JobState, NodeState
 
-STATUS_FILE = "status.json"
-EVENTS_FILE = "events.jsonl"
-PROGRESS_FILE = "progress.jsonl"
+if TYPE_CHECKING:  # the etcd client is imported only by those who read etcd
+    from transom.store import Store
 
 
 def snapshot(store: Store) -> dict:
     """Everything `transom status` shows, read from etcd in a few requests."""
     return {
         "job_id": store.job_id,
-        "spec": store.get("spec"),
-        "job": store.get("job"),
-        "leader": store.get("leader"),
-        "nodes": store.get_prefix("nodes/"),
-        "statuses": store.get_prefix("status/"),
-        "monitor": store.get_prefix("monitor/"),
-        "exporter": store.get("exporter"),
+        "spec": store.get(keys.SPEC),
+        "job": store.get(keys.JOB),
+        "leader": store.get(keys.LEADER),
+        "nodes": store.get_prefix(keys.NODES),
+        "statuses": store.get_prefix(keys.STATUS),
+        "monitor": store.get_prefix(keys.MONITOR),
+        "exporter": store.get(keys.EXPORTER),
         "time": time.time(),
     }
 
 
 def read_events(store: Store | None = None, run_dir: Path | None = None) -> list[dict]:
     if store is not None:
-        return list(store.get_prefix("events/").values())
-    path = Path(run_dir) / EVENTS_FILE
+        return list(store.get_prefix(keys.EVENTS).values())
+    assert run_dir is not None, "read events from a store or a run directory"
+    path = Path(run_dir) / files.EVENTS
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_snapshot(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / STATUS_FILE
+    path = Path(run_dir) / files.STATUS
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def progress_record(snap: dict) -> dict | None:
     """One line of progress.jsonl: the job's state, its step (the newest step every member of the
     current generation has finished; None until each has reported one) and its membership."""
-    job = snap.get("job")
-    if not job:
+    job = _job(snap)
+    if job is None:
         return None
-    members, generation = job.get("members", []), job.get("generation", 0)
-    statuses = snap.get("statuses", {})
+    members, generation = job.members, job.generation
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
     steps = [
-        statuses.get(m, {}).get("step")
-        for m in members
-        if statuses.get(m, {}).get("generation") == generation
+        statuses[m].step for m in members if m in statuses and statuses[m].generation == generation
     ]
-    evicted = sorted(job.get("evicted", {}), key=natural_key)
+    known = [step for step in steps if step is not None]
+    evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
     )
     return {
         "time": snap.get("time", time.time()),
-        "state": job.get("state"),
+        "state": job.state.value,
         "generation": generation,
-        "step": min(steps)
-        if members and len(steps) == len(members) and None not in steps
-        else None,
+        "step": min(known) if members and len(known) == len(members) else None,
         "members": members,
         "spares": spares,
         "evicted": evicted,
     }
 
 
+def _job(snap: dict) -> JobRecord | None:
+    try:
+        return JobRecord.from_dict(snap["job"]) if snap.get("job") else None
+    except RecordError:
+        return None
+
+
 def node_rows(snap: dict) -> list[dict]:
     """One row per node ever seen: role, health, generation, step."""
-    job = snap.get("job") or {}
-    members = job.get("members", [])
-    evicted = job.get("evicted", {})
-    names = set(snap.get("nodes", {})) | set(snap.get("statuses", {})) | set(evicted) | set(members)
+    job = _job(snap)
+    members = job.members if job else []
+    evicted = job.evicted if job else {}
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+    summaries = parse_all(MonitorSummary, snap.get("monitor") or {})
+    names = set(snap.get("nodes", {})) | set(statuses) | set(evicted) | set(members)
     rows = []
     for name in sorted(names, key=natural_key):
-        status = snap.get("statuses", {}).get(name, {})
+        status = statuses.get(name)
         alive = name in snap.get("nodes", {})
         if name in evicted:
-            role, health = "evicted", evicted[name]["reason"]
+            role, health = "evicted", evicted[name].reason
         elif name in members:
-            ended = job.get("state") in ("SUCCEEDED", "FAILED")
-            role, health = "member", status.get("state", "?") if alive or ended else "lost"
+            ended = job is not None and job.state.terminal
+            shown = status.state.value if status else "?"
+            role, health = "member", shown if alive or ended else "lost"
         else:
             role, health = "spare", "ready" if alive else "gone"
         nproc = (snap.get("spec") or {}).get("nproc_per_node", 1)
@@ -114,60 +133,67 @@ def node_rows(snap: dict) -> list[dict]:
                 "ranks": ranks,
                 "health": health,
                 "alive": alive,
-                "generation": status.get("generation"),
-                "step": status.get("step"),
-                **monitor_columns(snap.get("monitor", {}).get(name), job.get("generation")),
+                "generation": status.generation if status else None,
+                "step": status.step if status else None,
+                **monitor_columns(summaries.get(name), job.generation if job else None),
             }
         )
     return rows
 
 
-def monitor_columns(summary: dict | None, generation: int | None) -> dict:
+def monitor_columns(summary: MonitorSummary | None, generation: int | None) -> dict:
     """A node's monitor summary in a row: slowest rank's median step and compute time, throughput,
     and its anomalies in the current generation."""
-    if not summary or summary.get("generation") != generation:
+    if summary is None or summary.generation != generation:
         return {"step_s": None, "compute_s": None, "tokens_per_s": None, "anomalies": []}
-    ranks = summary.get("ranks", {}).values()
+    ranks = summary.ranks.values()
 
-    def worst(key):
-        values = [r[key] for r in ranks if r.get(key) is not None]
-        return max(values) if values else None
+    def worst(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
 
-    tokens = [r["tokens_per_s"] for r in ranks if r.get("tokens_per_s") is not None]
+    tokens = [r.tokens_per_s for r in ranks if r.tokens_per_s is not None]
     return {
-        "step_s": worst("step_s"),
-        "compute_s": worst("compute_s"),
+        "step_s": worst([r.step_s for r in ranks]),
+        "compute_s": worst([r.compute_s for r in ranks]),
         "tokens_per_s": round(sum(tokens), 1) if tokens else None,
-        "anomalies": [a["type"] for a in summary.get("anomalies", [])],
+        "anomalies": [a.type for a in summary.anomalies],
     }
 
 
 def status_summary(snap: dict) -> dict:
-    job = snap.get("job") or {}
+    job = _job(snap)
     spec = snap.get("spec") or {}
-    steps = [s.get("step") for s in snap.get("statuses", {}).values() if s.get("step") is not None]
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+    steps = [s.step for s in statuses.values() if s.step is not None]
+    used = job.restarts_used if job else 0
     return {
         "job_id": snap.get("job_id"),
-        "state": job.get("state", "UNKNOWN"),
-        "reason": job.get("reason"),
-        "generation": job.get("generation", 0),
-        "restarts_used": job.get("restarts_used", 0),
-        "restarts_left": max(0, spec.get("max_restarts", 0) - job.get("restarts_used", 0)),
+        "state": job.state.value if job else "UNKNOWN",
+        "reason": job.reason if job else None,
+        "generation": job.generation if job else 0,
+        "restarts_used": used,
+        "restarts_left": max(0, spec.get("max_restarts", 0) - used),
         "newest_step": max(steps) if steps else None,
         "leader": snap.get("leader"),
         "metrics": (snap.get("exporter") or {}).get("url"),
-        "rollback_before": job.get("rollback_before"),
+        "rollback_before": job.rollback_before if job else None,
         "nodes": node_rows(snap),
     }
 
 
-_STATE_STYLE = {"SUCCEEDED": "green", "FAILED": "red", "RECOVERING": "yellow", "RUNNING": "cyan"}
+_STATE_STYLE = {
+    JobState.SUCCEEDED.value: "green",
+    JobState.FAILED.value: "red",
+    JobState.RECOVERING.value: "yellow",
+    JobState.RUNNING.value: "cyan",
+}
 _HEALTH_STYLE = {
-    "running": "green",
-    "succeeded": "green",
-    "ready": "blue",
-    "failed": "red",
-    "lost": "red",
+    NodeState.RUNNING.value: "green",
+    NodeState.SUCCEEDED.value: "green",
+    NodeState.FAILED.value: "red",
+    "ready": "blue",  # a live spare
+    "lost": "red",  # a member whose lease expired
 }
 
 
@@ -217,7 +243,7 @@ def render_status(summary: dict) -> Group:
             show(r.get("tokens_per_s"), "{:.0f}"),
             ", ".join(r.get("anomalies", [])) or "-",
         )
-    parts = [head, table]
+    parts: list[Text | Table] = [head, table]
     for r in summary["nodes"]:
         if r["role"] == "evicted":  # the table cuts long reasons short
             parts.append(Text(f"{r['node']} evicted: {r['health']}", style="red"))
@@ -234,12 +260,16 @@ ROUTINE_CHECKPOINT_ACTIONS = ("saved", "replicated", "persisted")
 
 def is_routine(event: dict) -> bool:
     """An event a live view leaves out (`transom events` and events.jsonl still have it)."""
-    return event.get("kind") == "checkpoint" and event.get("action") in ROUTINE_CHECKPOINT_ACTIONS
+    return (
+        event.get("kind") == EventKind.CHECKPOINT.value
+        and event.get("action") in ROUTINE_CHECKPOINT_ACTIONS
+    )
 
 
 class EventFilter:
-    """Which events a live view prints: no routine ones, and each kind of anomaly or warning once a
-    generation (a NaN is seen by every rank on every step until the rollback; events.jsonl keeps all)."""
+    """Which events a live view prints: no routine ones, and each kind of anomaly or warning once
+    a generation (a NaN is seen by every rank on every step until the rollback; events.jsonl
+    keeps all)."""
 
     def __init__(self) -> None:
         self._seen: set[tuple] = set()
@@ -248,10 +278,10 @@ class EventFilter:
         if is_routine(event):
             return False
         kind = event.get("kind")
-        if kind == "anomaly":
+        if kind == EventKind.ANOMALY.value:
             key = (kind, event.get("generation"), event.get("type"))
-        elif kind == "warning":
-            key = (kind, event.get("generation"), event.get("message", "").split(" ")[0])
+        elif kind == EventKind.WARNING.value:
+            key = (kind, event.get("generation"), event.get("anomaly_type"))
         else:
             return True
         if key in self._seen:

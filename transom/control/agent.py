@@ -16,7 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-from transom.common.env import FAULTS as FAULTS_ENV
+from transom.common import env, files, keys
+from transom.common.records import (
+    MasterAddress,
+    NodeRegistration,
+    NodeStatus,
+    Plan,
+    PreflightResult,
+    RecordError,
+)
+from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
@@ -26,6 +35,7 @@ from transom.faults import FaultInjector
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
+from transom.store.client import Lease
 from transom.utils.net import free_port
 
 log = logging.getLogger("transom.agent")
@@ -43,13 +53,13 @@ class NodeAgent:
         self.run_dir = Path(run_dir)
         self.host = host
         self.spec: JobSpec | None = None
-        self.lease = None
+        self.lease: Lease | None = None
         self.lease_lost = threading.Event()
         self.stopping = threading.Event()
         self.generation = 0
         self.group: WorkerGroup | None = None
-        self.group_state = "idle"
-        self.waiting_for_master: dict | None = None  # the plan whose master address we await
+        self.group_state = NodeState.IDLE
+        self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.preflight_result: tuple[bool, dict] | None = None
         self.monitor = NodeMonitor(node_id)
         self.faults: FaultInjector | None = None
@@ -65,16 +75,8 @@ class NodeAgent:
         assert self.spec is not None
         self.lease = self.store.lease(self.spec.node_ttl_s)
         self.lease_lost.clear()
-        self.store.put(
-            f"nodes/{self.node_id}",
-            {
-                "node": self.node_id,
-                "host": self.host,
-                "pid": os.getpid(),
-                "since": time.time(),
-            },
-            lease=self.lease,
-        )
+        registration = NodeRegistration(self.node_id, self.host, os.getpid(), time.time())
+        self.store.put(keys.node(self.node_id), registration.to_dict(), lease=self.lease)
         self._report(self.group_state)
 
     def _keep_alive(self) -> None:
@@ -90,32 +92,32 @@ class NodeAgent:
             except StoreError:
                 pass  # the main loop's self-fencing handles a long outage
 
-    def _report(self, state: str, **extra) -> None:
+    def _report(self, state: NodeState, **extra) -> None:
         self.group_state = state
         self._published_extra = extra
-        value = {
-            "node": self.node_id,
-            "generation": self.generation,
-            "state": state,
-            "time": time.time(),
-            "step": self.monitor.newest_step(),
-            "warm": self.warm.warm_count() if self.warm else 0,
+        status = NodeStatus(
+            node=self.node_id,
+            generation=self.generation,
+            state=state,
+            time=time.time(),
+            step=self.monitor.newest_step(),
+            warm=self.warm.warm_count() if self.warm else 0,
             **extra,
-        }
+        )
         # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
-        self.store.put(f"status/{self.node_id}", value)
-        self._published = (value["step"], value["warm"])
+        self.store.put(keys.status(self.node_id), status.to_dict())
+        self._published = (status.step, status.warm)
         self._published_at = time.monotonic()
 
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
-        self.spec = JobSpec.from_dict(self.store.wait_for("spec", SPEC_WAIT_S))
+        self.spec = JobSpec.from_dict(self.store.wait_for(keys.SPEC, SPEC_WAIT_S))
         if self.spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
-            env = {"OMP_NUM_THREADS": "1", **os.environ, "TRANSOM_JOB_ID": self.spec.job_id}
+            warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: self.spec.job_id}
             self.warm = WarmPool(
-                self.spec.nproc_per_node, env, self.run_dir / "logs" / f"warm-{self.node_id}.log"
+                self.spec.nproc_per_node, warm_env, files.warm_log(self.run_dir, self.node_id)
             )
             self.warm.fill()
         self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
@@ -154,9 +156,10 @@ class NodeAgent:
             if self.lease_lost.is_set():
                 self._stop_group()
                 self._register()
-            plan = self.store.get("plan")
+            stored_plan = self.store.get(keys.PLAN)
             self.last_store_ok = time.monotonic()
             try:
+                assert self.ckpt is not None
                 self.ckpt.ensure_running()
             except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
                 log.warning("%s", e)
@@ -166,21 +169,26 @@ class NodeAgent:
                     "cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e
                 )
                 self._stop_group()
-                self.group_state = "idle"
+                self.group_state = NodeState.IDLE
             return None
-        if plan is None:
+        if stored_plan is None:
             return None
-        if plan.get("job_state") in ("SUCCEEDED", "FAILED"):
-            log.info("job ended: %s", plan["job_state"])
-            return 0 if plan["job_state"] == "SUCCEEDED" else 1
-        if self.node_id in plan.get("evicted", {}):
-            log.warning("node evicted: %s", plan["evicted"][self.node_id])
+        try:
+            plan = Plan.from_dict(stored_plan)
+        except RecordError as e:
+            log.warning("ignoring an invalid plan: %s", e)
+            return None
+        if plan.job_state.terminal:
+            log.info("job ended: %s", plan.job_state.value)
+            return 0 if plan.job_state is JobState.SUCCEEDED else 1
+        if self.node_id in plan.evicted:
+            log.warning("node evicted: %s", plan.evicted[self.node_id].reason)
             return EXIT_EVICTED
-        if plan["generation"] != self.generation:
+        if plan.generation != self.generation:
             self._follow(plan)
         elif self.waiting_for_master is not None:
             self._start_group(plan)
-        elif self.group is not None and self.group_state == "running":
+        elif self.group is not None and self.group_state is NodeState.RUNNING:
             self._watch_group()
         self._monitor_tick()
         self._publish_progress()
@@ -191,71 +199,77 @@ class NodeAgent:
         return None
 
     # -- generations --------------------------------------------------------------------------
-    def _follow(self, plan: dict) -> None:
+    def _follow(self, plan: Plan) -> None:
         """A new generation: stop the old workers, then start ours if this node is a member."""
         self._stop_group()
-        self.generation = plan["generation"]
+        self.generation = plan.generation
         self.monitor.new_generation(self.generation)
-        if self.node_id not in plan["members"]:
-            self._report("spare")
+        if self.node_id not in plan.members:
+            self._report(NodeState.SPARE)
             return
+        assert self.preflight_result is not None
         passed, evidence = self.preflight_result
         if not passed:
             self._report(
-                "failed",
+                NodeState.FAILED,
                 preflight=evidence,
                 failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}],
             )
             return
-        if plan["members"][0] == self.node_id:
-            self.store.put(
-                f"master/{self.generation}", {"addr": self.host, "port": free_port(self.host)}
-            )
+        if plan.members[0] == self.node_id:
+            master = MasterAddress(self.host, free_port(self.host))
+            self.store.put(keys.master(self.generation), master.to_dict())
         self.waiting_for_master = plan
-        self._report("starting")
+        self._report(NodeState.STARTING)
         self._start_group(plan)
 
     def _preflight(self) -> None:
-        """Check this node once, when it joins, and publish the result for the controller to compare."""
+        """Check this node once, when it joins; publish the result for the controller to compare."""
+        assert self.spec is not None
         slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
         self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
         passed, evidence = self.preflight_result
-        self.store.put(
-            f"preflight/{self.node_id}", {"passed": passed, "time": time.time(), **evidence}
-        )
+        result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
+        self.store.put(keys.preflight(self.node_id), result.to_dict())
 
-    def _start_group(self, plan: dict) -> None:
-        master = self.store.get(f"master/{plan['generation']}")
-        if master is None:
+    def _start_group(self, plan: Plan) -> None:
+        stored = self.store.get(keys.master(plan.generation))
+        if stored is None:
             return  # the master node's agent has not published its address yet
+        try:
+            master = MasterAddress.from_dict(stored)
+        except RecordError as e:
+            log.warning("invalid master address: %s", e)
+            return
+        assert self.spec is not None and self.ckpt is not None and self.faults is not None
         self.waiting_for_master = None
         assignment = Assignment(
             job_id=self.spec.job_id,
             node_id=self.node_id,
-            generation=plan["generation"],
-            restart_count=plan["restart_count"],
+            generation=plan.generation,
+            restart_count=plan.restart_count,
             max_restarts=self.spec.max_restarts,
-            group_rank=plan["members"].index(self.node_id),
-            group_world_size=len(plan["members"]),
+            group_rank=plan.members.index(self.node_id),
+            group_world_size=len(plan.members),
             nproc_per_node=self.spec.nproc_per_node,
-            master_addr=master["addr"],
-            master_port=int(master["port"]),
+            master_addr=master.addr,
+            master_port=master.port,
         )
         local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {
-            FAULTS_ENV: self.faults.on_generation(plan["generation"], local_ranks),
-            "TRANSOM_STORE": self.store.url,
-            "TRANSOM_RUN_DIR": str(self.run_dir),
-            "TRANSOM_MONITOR_PORT": str(self.monitor.port),
+            env.FAULTS: self.faults.on_generation(plan.generation, local_ranks),
+            env.STORE: self.store.url,
+            env.RUN_DIR: str(self.run_dir),
+            env.MONITOR_PORT: str(self.monitor.port),
             **self.ckpt.worker_env(),
         }
-        if plan.get("restore_step") is not None:
-            extra_env["TRANSOM_RESTORE_STEP"] = str(plan["restore_step"])
+        if plan.restore_step is not None:
+            extra_env[env.RESTORE_STEP] = str(plan.restore_step)
         self.group = WorkerGroup(
             assignment,
             self.spec.script,
             self.spec.script_args,
-            self.run_dir / "logs" / f"g{self.generation:03d}",
+            files.generation_logs(self.run_dir, self.generation),
             extra_env,
         )
         self.group.start(self.warm)
@@ -264,13 +278,15 @@ class NodeAgent:
             self.generation,
             [assignment.global_rank(i) for i in range(assignment.nproc_per_node)],
         )
-        self._report("running", pids=self.group.pids)
+        self._report(NodeState.RUNNING, pids=self.group.pids)
 
     def _watch_group(self) -> None:
-        state, failures = self.group.poll()
-        if state == "running":
+        assert self.group is not None
+        polled, failures = self.group.poll()
+        state = NodeState(polled)
+        if state is NodeState.RUNNING:
             return
-        if state == "failed":
+        if state is NodeState.FAILED:
             # The first failure decides; the rest of this node's workers cannot go on alone.
             self.monitor.raise_anomaly(
                 detectors.crash(
@@ -279,19 +295,21 @@ class NodeAgent:
             )
             self._monitor_tick()
             self._report(
-                "failed", failures=[f.to_dict() | {"describe": f.describe()} for f in failures]
+                NodeState.FAILED,
+                failures=[f.to_dict() | {"describe": f.describe()} for f in failures],
             )
             self._stop_group()
         else:
-            self._report("succeeded")
+            self._report(NodeState.SUCCEEDED)
 
     def _monitor_tick(self) -> None:
         """Fire due faults, run the node's detectors, publish the summary and new anomalies."""
+        assert self.faults is not None
         g = self.group
-        if g is not None and self.group_state == "running":
+        if g is not None and self.group_state is NodeState.RUNNING:
             ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]
             pids = {int(rank): pid for rank, pid in g.pids.items()}
-            logs = dict(zip(ranks, g.log_paths))
+            logs = dict(zip(ranks, g.log_paths, strict=False))
             steps = self.monitor.steps()
             self.faults.on_agent_tick({r: steps.get(r) for r in ranks}, pids, logs)
             self.monitor.check(pids, logs)
@@ -301,9 +319,9 @@ class NodeAgent:
             return
         summary, events = self.monitor.collect()
         for e in events:
-            self.store.put(f"events/{int(e['time'] * 1e9):020d}-{self.node_id}-{e['id']}", e)
+            self.store.put(keys.event(e.time, f"{self.node_id}-{e.id}"), e.to_dict())
         if g is not None or events:
-            self.store.put(f"monitor/{self.node_id}", summary)
+            self.store.put(keys.monitor(self.node_id), summary.to_dict())
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None
@@ -316,7 +334,7 @@ class NodeAgent:
         now = (self.monitor.newest_step(), self.warm.warm_count() if self.warm else 0)
         if (
             now != self._published
-            and self.group_state in ("running", "spare")
+            and self.group_state in (NodeState.RUNNING, NodeState.SPARE)
             and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S
         ):
             self._report(self.group_state, **self._published_extra)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transom.common.records import Anomaly, NodeStatus, PreflightResult, Severity
+
 
 @dataclass
-class Decision:
+class Diagnosis:
     """What to do about one incident."""
 
     blamed: list[str] = field(default_factory=list)
@@ -26,24 +28,20 @@ class Decision:
     summary: str = ""
 
 
-def _worker_failures(report: dict) -> list[dict]:
-    return [f for f in report.get("failures", []) if f.get("kind") != "preflight"]
+def _worker_failures(report: NodeStatus) -> list[dict]:
+    return [f for f in report.failures if f.get("kind") != "preflight"]
 
 
-def root_cause(failed: dict[str, dict]) -> list[str]:
+def root_cause(failed: dict[str, NodeStatus]) -> list[str]:
     """Nodes whose workers failed by themselves; if every failure is a peer error, the earliest."""
-    own = [
-        node
-        for node, report in failed.items()
-        if any(not f.get("peer_error") for f in report.get("failures", []))
-    ]
+    own = [node for node, report in failed.items() if report.own_fault()]
     if own or not failed:
         return sorted(own)
-    earliest = min(failed, key=lambda n: min(f.get("time", 0) for f in failed[n]["failures"]))
+    earliest = min(failed, key=lambda n: min(f.get("time", 0) for f in failed[n].failures))
     return [earliest]
 
 
-def common_signature(members: list[str], failed: dict[str, dict]) -> str | None:
+def common_signature(members: list[str], failed: dict[str, NodeStatus]) -> str | None:
     """The exception every member's workers raised, when all raised the same one by themselves."""
     if set(members) != set(failed):
         return None
@@ -59,25 +57,25 @@ def common_signature(members: list[str], failed: dict[str, dict]) -> str | None:
     return signatures.pop() if len(signatures) == 1 else None
 
 
-def decide(
+def diagnose(
     members: list[str],
     lost: list[str],
-    failed: dict[str, dict],
+    failed: dict[str, NodeStatus],
     history: dict[str, list[float]],
     last_signature: str | None,
     evict_window_s: float,
     now: float,
-) -> Decision:
+) -> Diagnosis:
     """Decide an incident. `history` (node -> times of past failures) is updated in place."""
-    d = Decision()
+    d = Diagnosis()
     parts = []
     for node in lost:
         d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
         parts.append(f"{node} lost")
     for node, report in failed.items():
-        if any(f.get("kind") == "preflight" for f in report.get("failures", [])):
+        if any(f.get("kind") == "preflight" for f in report.failures):
             reason = "; ".join(
-                f["describe"] for f in report["failures"] if f.get("kind") == "preflight"
+                f["describe"] for f in report.failures if f.get("kind") == "preflight"
             )
             d.evict[node] = f"pre-flight check failed: {reason}"
             parts.append(f"{node} failed pre-flight")
@@ -101,7 +99,10 @@ def decide(
     # The second time, the nodes that reported first are enough: the others may still be starting.
     repeated = d.signature or (common_signature(list(failed), failed) if failed else None)
     if repeated is not None and repeated == last_signature:
-        d.fail = f"every rank failed with the same error twice in a row (a bug in the script?): {repeated}"
+        d.fail = (
+            "every rank failed with the same error twice in a row (a bug in the script?): "
+            f"{repeated}"
+        )
     d.summary = "; ".join(parts) or "generation stopped"
     return d
 
@@ -120,47 +121,44 @@ class Action:
 
 
 def on_anomaly(
-    anomaly: dict,
+    anomaly: Anomaly,
     members: list[str],
     free_spares: int,
     nnodes_min: int,
     numerics_history: list[int],
     hang_history: list[int],
 ) -> Action:
-    """Decide an anomaly (a transom.monitor.detectors.Anomaly as a dict).
+    """Decide an anomaly.
 
     `numerics_history` and `hang_history` are the first bad steps of earlier NaN and hang
     incidents; the same failure at the same step again means retrying will not help: fail.
     """
-    kind, nodes, step = (
-        anomaly["type"],
-        [n for n in anomaly.get("nodes", []) if n in members],
-        anomaly.get("step"),
-    )
-    what = f"{kind} ({anomaly.get('message', '')})"
+    kind, nodes, step = anomaly.type, [n for n in anomaly.nodes if n in members], anomaly.step
+    message = anomaly.message
+    what = f"{kind} ({message})"
     replaceable = len(nodes) <= free_spares or len(members) - len(nodes) >= nnodes_min
     if kind in ("crash", "peer_exit"):
         return Action("none", "worker failures are decided when the incident's reports are in")
-    if anomaly.get("severity") == "info":
+    if anomaly.severity is Severity.INFO:
         return Action("none", "for the record only")
     if kind == "nan":
         if step is not None and step in numerics_history:
             return Action(
                 "fail",
                 f"loss became NaN/Inf at step {step} again after rolling back before it: "
-                f"the data or the model is bad there ({anomaly.get('message', '')})",
+                f"the data or the model is bad there ({message})",
             )
         return Action(
             "rollback",
             f"{what}: roll back to a checkpoint before step {step}",
             rollback_before=step,
         )
-    if anomaly.get("hardware"):
+    if anomaly.hardware:
         if nodes and replaceable:
             return Action(
                 "evict",
                 f"hardware error on {', '.join(nodes)}: {what}",
-                evict={n: f"hardware error: {anomaly.get('message', kind)}" for n in nodes},
+                evict={n: f"hardware error: {message or kind}" for n in nodes},
             )
         return Action("warn", f"{what}; no spare to replace {', '.join(nodes) or 'the node'}")
     if kind == "straggler":
@@ -168,19 +166,17 @@ def on_anomaly(
             return Action(
                 "evict",
                 f"{what}: replacing it with a spare",
-                evict={n: f"straggler: {anomaly.get('message', '')}" for n in nodes},
+                evict={n: f"straggler: {message}" for n in nodes},
             )
         return Action("warn", f"{what}; no spare to replace it, training goes on at its pace")
     if kind == "hang":
         if step is not None and step in hang_history:
-            return Action(
-                "fail", f"the job hung at step {step} again: {anomaly.get('message', '')}"
-            )
+            return Action("fail", f"the job hung at step {step} again: {message}")
         if nodes and len(nodes) <= free_spares:
             return Action(
                 "evict",
                 f"{what}: evicting the blamed node(s) and restarting",
-                evict={n: f"hang: {anomaly.get('message', '')}" for n in nodes},
+                evict={n: f"hang: {message}" for n in nodes},
             )
         return Action("restart", f"{what}: restarting every worker")
     return Action("warn", what)
@@ -193,9 +189,9 @@ PREFLIGHT_SLOW_RATIO = 0.5
 PREFLIGHT_MIN_NODES = 3
 
 
-def slow_outliers(results: dict[str, dict]) -> dict[str, str]:
-    """Nodes far below their peers in the pre-flight compute benchmark -> the reason to exclude them."""
-    scores = {n: r["compute_gflops"] for n, r in results.items() if r.get("compute_gflops")}
+def slow_outliers(results: dict[str, PreflightResult]) -> dict[str, str]:
+    """Nodes far below their peers in the pre-flight compute benchmark -> why to exclude them."""
+    scores = {n: r.compute_gflops for n, r in results.items() if r.compute_gflops}
     if len(scores) < PREFLIGHT_MIN_NODES:
         return {}
     ordered = sorted(scores.values())

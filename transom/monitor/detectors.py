@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
 
-# Hang: no rank made progress for max(HANG_FLOOR_S, HANG_STEP_FACTOR x median step time).
-HANG_FLOOR_S = 8.0
+from transom.common.records import Anomaly, MonitorSummary, Severity
+
+__all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the detectors' users
+
+# Hang: no rank made progress for max(spec.hang_floor_s, HANG_STEP_FACTOR x median step time).
 HANG_STEP_FACTOR = 4.0
 # While a rank is in a phase (checkpoint save, evaluation) a hang takes this long.
 PHASE_HANG_S = 300.0
@@ -40,29 +42,6 @@ STRAGGLER_CONFIRMATIONS = 2
 MAD_TO_SIGMA = 1.4826
 
 
-@dataclass
-class Anomaly:
-    """Something wrong, with whom to suspect and why."""
-
-    type: str  # crash | hang | straggler | nan | loss_spike | throughput_drop | telemetry_gap | <log type>
-    severity: str  # info | warning | critical
-    message: str
-    nodes: list[str] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)
-    time: float = field(default_factory=time.time)
-    step: int | None = None
-    hardware: bool = False  # a signature of a bad node
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Anomaly:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
 def median_mad(values: list[float]) -> tuple[float, float]:
     m = statistics.median(values)
     return m, statistics.median(abs(v - m) for v in values)
@@ -78,7 +57,9 @@ def crash(node: str, failures: list[dict]) -> Anomaly:
     `peer_exit` of severity info, so only the node whose worker failed by itself is suspected.
     """
     own = [f for f in failures if not f.get("peer_error")]
-    type_, severity, shown = ("crash", "critical", own) if own else ("peer_exit", "info", failures)
+    type_, severity, shown = (
+        ("crash", Severity.CRITICAL, own) if own else ("peer_exit", Severity.INFO, failures)
+    )
     return Anomaly(
         type_,
         severity,
@@ -104,7 +85,7 @@ def numerics(
     if not math.isfinite(loss):
         return Anomaly(
             "nan",
-            "critical",
+            Severity.CRITICAL,
             f"rank {rank} loss is {loss} at step {step}",
             [node],
             [rank],
@@ -116,7 +97,7 @@ def numerics(
         if loss > m + LOSS_SPIKE_MADS * MAD_TO_SIGMA * mad and loss > LOSS_SPIKE_RATIO * m:
             return Anomaly(
                 "loss_spike",
-                "warning",
+                Severity.WARNING,
                 f"rank {rank} loss {loss:.4g} at step {step} is "
                 f"{loss / m:.1f}x the recent median {m:.4g}",
                 [node],
@@ -135,7 +116,7 @@ def throughput_drop(node: str, baseline_s: list[float], recent_s: list[float]) -
     if base > 0 and now > THROUGHPUT_DROP_RATIO * base:
         return Anomaly(
             "throughput_drop",
-            "warning",
+            Severity.WARNING,
             f"{node}: median step time {now:.3f} s, "
             f"{now / base:.1f}x the generation's baseline {base:.3f} s",
             [node],
@@ -148,12 +129,12 @@ def throughput_drop(node: str, baseline_s: list[float], recent_s: list[float]) -
 def telemetry_gap(
     node: str, rank: int, beat_age_s: float, process_state: str | None
 ) -> Anomaly | None:
-    """A live worker whose heartbeat stopped (stopped by a signal, or its monitor thread is stuck)."""
+    """A live worker whose heartbeat stopped (stopped by a signal, or its monitor thread stuck)."""
     if beat_age_s < (HEARTBEAT_GAP_S if process_state == "stopped" else TELEMETRY_GAP_S):
         return None
     return Anomaly(
         "telemetry_gap",
-        "warning",
+        Severity.WARNING,
         f"rank {rank}: no heartbeat for {beat_age_s:.1f} s "
         f"(process state {process_state or 'unknown'})",
         [node],
@@ -166,7 +147,7 @@ def log_signature(node: str, rank: int, pattern, line: str) -> Anomaly:
     """A classified log line (see transom.monitor.patterns)."""
     return Anomaly(
         pattern.type,
-        pattern.severity,
+        Severity(pattern.severity),
         f"rank {rank} log: {line.strip()[:200]}",
         [node],
         [rank],
@@ -178,36 +159,35 @@ def log_signature(node: str, rank: int, pattern, line: str) -> Anomaly:
 # -- across nodes (controller) ------------------------------------------------------------------
 
 
-def rank_views(summaries: dict[str, dict], generation: int, now: float) -> list[dict]:
+def rank_views(summaries: dict[str, MonitorSummary], generation: int, now: float) -> list[dict]:
     """Flatten agents' summaries of `generation` into one dict per rank, ages taken at `now`."""
     views = []
     for node, s in summaries.items():
-        if s.get("generation") != generation:
+        if s.generation != generation:
             continue
-        lag = max(0.0, now - s.get("t", now))
-        for rank, r in s.get("ranks", {}).items():
+        lag = max(0.0, now - s.t)
+        for rank, r in s.ranks.items():
             views.append(
                 {
-                    **r,
+                    **r.to_dict(),
                     "node": node,
                     "rank": int(rank),
-                    "step_age": (r["step_age"] + lag) if r.get("step_age") is not None else None,
-                    "beat_age": (r["beat_age"] + lag) if r.get("beat_age") is not None else None,
+                    "step_age": (r.step_age + lag) if r.step_age is not None else None,
+                    "beat_age": (r.beat_age + lag) if r.beat_age is not None else None,
                 }
             )
     return views
 
 
-def hang(views: list[dict]) -> Anomaly | None:
-    """No rank progressed for the learned timeout; blame the ranks that stopped, else those behind."""
+def hang(views: list[dict], floor_s: float) -> Anomaly | None:
+    """No rank progressed for the learned timeout (at least `floor_s`, the spec's hang floor);
+    blame the ranks that stopped, else those behind."""
     stepping = [v for v in views if v.get("step") is not None and v.get("step_age") is not None]
     if not stepping or len(stepping) < len(views):
         return None  # some rank has not finished a first step yet: start-up, not a hang
     step_times = [v["step_s"] for v in stepping if v.get("step_s")]
     timeout = (
-        max(HANG_FLOOR_S, HANG_STEP_FACTOR * statistics.median(step_times))
-        if step_times
-        else HANG_FLOOR_S
+        max(floor_s, HANG_STEP_FACTOR * statistics.median(step_times)) if step_times else floor_s
     )
     if any(v.get("phase") for v in views):
         timeout = max(timeout, PHASE_HANG_S)
@@ -228,7 +208,7 @@ def hang(views: list[dict]) -> Anomaly | None:
     named = ", ".join(f"rank {v['rank']} on {v['node']}" for v in suspects) or "none"
     return Anomaly(
         "hang",
-        "critical",
+        Severity.CRITICAL,
         f"no progress for {quiet:.1f} s (timeout {timeout:.1f} s) at step "
         f"{newest}; suspects: {named} ({why})",
         nodes,
@@ -282,7 +262,7 @@ class StragglerTracker:
         self.confirmations = confirmations
         self.node: str | None = None
         self.count = 0
-        self.last_key = None
+        self.last_key: tuple | None = None
 
     def update(self, views: list[dict]) -> Anomaly | None:
         key = tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))
@@ -301,7 +281,7 @@ class StragglerTracker:
         step = max((v["step"] for v in views if v.get("step") is not None), default=None)
         return Anomaly(
             "straggler",
-            "warning",
+            Severity.WARNING,
             f"{node} (rank {rank}) computes {evidence['ratio_x']}x slower "
             f"than its peers' median ({evidence['compute_s']} s vs {evidence['peer_median_s']} s)",
             [node],

@@ -1,4 +1,4 @@
-"""The controller's Prometheus endpoint: job state, generation, restarts, per-node and per-rank signals.
+"""The controller's Prometheus endpoint: job state, generation, restarts, per-node/rank signals.
 
 The leading controller updates these gauges from the job record and the agents' monitor
 summaries each tick and serves them over HTTP (prometheus-client). It has its own registry, so
@@ -8,9 +8,11 @@ nothing else in the process leaks into the endpoint. It only exports; it never d
 from __future__ import annotations
 
 import logging
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from transom.common.records import Anomaly, JobRecord, MonitorSummary
 from transom.common.states import JobState
 
 log = logging.getLogger("transom.exporter")
@@ -51,13 +53,13 @@ class MonitorExporter:
             "transom_anomalies", "anomalies raised", ["type", "node"], registry=r
         )
         self.port: int | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         """Start the HTTP endpoint; the port it listens on, or None if it cannot."""
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-            self.port = self._server.server_port
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self.port = server, server.server_port
         except OSError as e:
             log.warning("metrics endpoint on port %s unavailable: %s", port, e)
         return self.port
@@ -67,31 +69,31 @@ class MonitorExporter:
             self._server.shutdown()
             self._server = None
 
-    def update(self, job: dict, summaries: dict[str, dict]) -> None:
+    def update(self, job: JobRecord, summaries: dict[str, MonitorSummary]) -> None:
         for s in JobState:
-            self.state.labels(s.value).set(1 if job.get("state") == s.value else 0)
-        self.generation.set(job.get("generation", 0))
-        self.restarts.set(job.get("restarts_used", 0))
+            self.state.labels(s.value).set(1 if job.state is s else 0)
+        self.generation.set(job.generation)
+        self.restarts.set(job.restarts_used)
         for g in (self.step, self.step_s, self.compute_s, self.tokens, self.node_step_s):
             g.clear()
-        for node, s in summaries.items():
-            if s.get("generation") != job.get("generation"):
+        for node, summary in summaries.items():
+            if summary.generation != job.generation:
                 continue
             times = []
-            for rank, r in s.get("ranks", {}).items():
-                for gauge, key in (
-                    (self.step, "step"),
-                    (self.step_s, "step_s"),
-                    (self.compute_s, "compute_s"),
-                    (self.tokens, "tokens_per_s"),
+            for rank, r in summary.ranks.items():
+                for gauge, value in (
+                    (self.step, r.step),
+                    (self.step_s, r.step_s),
+                    (self.compute_s, r.compute_s),
+                    (self.tokens, r.tokens_per_s),
                 ):
-                    if r.get(key) is not None:
-                        gauge.labels(node, rank).set(r[key])
-                if r.get("step_s") is not None:
-                    times.append(r["step_s"])
+                    if value is not None:
+                        gauge.labels(node, rank).set(value)
+                if r.step_s is not None:
+                    times.append(r.step_s)
             if times:
                 self.node_step_s.labels(node).set(max(times))
 
-    def count(self, anomaly: dict) -> None:
-        for node in anomaly.get("nodes") or ["-"]:
-            self.anomalies.labels(anomaly["type"], node).inc()
+    def count(self, anomaly: Anomaly) -> None:
+        for node in anomaly.nodes or ["-"]:
+            self.anomalies.labels(anomaly.type, node).inc()

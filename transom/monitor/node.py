@@ -23,9 +23,9 @@ from pathlib import Path
 
 import psutil
 
+from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
 from transom.monitor import detectors
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
-from transom.monitor.detectors import Anomaly
 
 SUMMARY_PERIOD_S = 1.0
 HARDWARE_PERIOD_S = 5.0
@@ -54,20 +54,20 @@ class RankTrack:
         self.tokens_per_s: float | None = None
         self.gap_raised = False
 
-    def view(self, now: float) -> dict:
-        return {
-            "step": self.step,
-            "phase": self.phase,
-            "step_age": round(now - self.step_at, 3) if self.step_at is not None else None,
-            "beat_age": round(now - self.beat_at, 3) if self.beat_at is not None else None,
-            "step_s": round(statistics.median(self.durations), 5) if self.durations else None,
-            "compute_s": (
+    def view(self, now: float) -> RankSummary:
+        return RankSummary(
+            step=self.step,
+            phase=self.phase,
+            step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
+            beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
+            step_s=round(statistics.median(self.durations), 5) if self.durations else None,
+            compute_s=(
                 round(statistics.median(self.computes), 5)
                 if len(self.computes) >= MIN_TIMING_SAMPLES
                 else None
             ),
-            "tokens_per_s": self.tokens_per_s,
-        }
+            tokens_per_s=self.tokens_per_s,
+        )
 
 
 class NodeMonitor:
@@ -82,7 +82,7 @@ class NodeMonitor:
         self.port = self.sock.getsockname()[1]
         self.generation = 0
         self.ranks: dict[int, RankTrack] = {}
-        self.anomalies: list[dict] = []  # this generation's, newest last
+        self.anomalies: list[Anomaly] = []  # this generation's, newest last
         self.fired_faults: list[
             tuple[dict, int, int | None, float]
         ] = []  # (fault, rank, step, time)
@@ -136,14 +136,11 @@ class NodeMonitor:
             self._pending.append(found)
         elif loss is not None:
             r.losses.append(loss)
-        duration = m.get("dur")
-        comparable = (
-            duration is not None and not m.get("phase") and step >= r.first_step + WARMUP_STEPS
-        )
-        if not comparable:
-            return
+        if m.get("dur") is None or m.get("phase") or step < r.first_step + WARMUP_STEPS:
+            return  # not comparable: no timing, a phase (checkpoint, eval) or a warm-up step
+        duration = float(m["dur"])
         r.durations.append(duration)
-        r.computes.append(m.get("compute", duration))
+        r.computes.append(float(m.get("compute", duration)))
         if m.get("tokens"):
             r.tokens_per_s = round(m["tokens"] / duration, 1) if duration > 0 else None
         (r.baseline if len(r.baseline) < BASELINE_STEPS else r.recent).append(duration)
@@ -185,7 +182,7 @@ class NodeMonitor:
     def check(self, pids: dict[int, int], logs: dict[int, Path]) -> None:
         """Run the polling detectors: log lines, heartbeats of live workers, GPUs."""
         for rank, pattern, line in self._scanner.poll(logs):
-            if pattern.severity != "info":
+            if Severity(pattern.severity) is not Severity.INFO:
                 self.raise_anomaly(detectors.log_signature(self.node_id, rank, pattern, line))
         now = time.monotonic()
         with self._lock:
@@ -207,7 +204,7 @@ class NodeMonitor:
                 self.raise_anomaly(
                     Anomaly(
                         type_,
-                        "critical" if hardware else "warning",
+                        Severity.CRITICAL if hardware else Severity.WARNING,
                         message,
                         [self.node_id],
                         [],
@@ -221,57 +218,32 @@ class NodeMonitor:
         with self._lock:
             return bool(self._pending) or now - self._published_at >= SUMMARY_PERIOD_S
 
-    def collect(self) -> tuple[dict, list[dict]]:
-        """(the summary to publish, the new anomalies as event values)."""
+    def collect(self) -> tuple[MonitorSummary, list[Event]]:
+        """(the summary to publish, the new anomalies' events)."""
         now_mono, now = time.monotonic(), time.time()
         with self._lock:
             new = []
             for a in self._pending:
                 self._seq += 1
-                d = a.to_dict() | {
-                    "id": f"{self.node_id}-{self.generation}-{self._seq}",
-                    "generation": self.generation,
-                }
-                new.append(d)
+                a.id = f"{self.node_id}-{self.generation}-{self._seq}"
+                a.generation = self.generation
+                new.append(a)
             self._pending.clear()
             self.anomalies = (self.anomalies + new)[-ANOMALIES_KEPT:]
-            summary = {
-                "node": self.node_id,
-                "generation": self.generation,
-                "t": now,
-                "ranks": {str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
-                "anomalies": self.anomalies,
-                "host": self._host,
-                "gpus": [
+            summary = MonitorSummary(
+                node=self.node_id,
+                generation=self.generation,
+                t=now,
+                ranks={str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
+                anomalies=list(self.anomalies),
+                host=self._host,
+                gpus=[
                     {k: g.get(k) for k in ("index", "util", "temperature", "memory_used")}
                     for g in self._gpus
                 ],
-            }
+            )
         self._published_at = now_mono
-        events = [
-            {
-                "time": now,
-                "kind": "anomaly",
-                "message": f"{a['type']}: {a['message']}",
-                "observed": a["time"],
-                "writer": self.node_id,
-                **{
-                    k: a[k]
-                    for k in (
-                        "id",
-                        "type",
-                        "severity",
-                        "nodes",
-                        "ranks",
-                        "evidence",
-                        "step",
-                        "hardware",
-                        "generation",
-                    )
-                },
-            }
-            for a in new
-        ]
+        events = [Event.of_anomaly(a, now, writer=self.node_id) for a in new]
         return summary, events
 
     def close(self) -> None:

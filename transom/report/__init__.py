@@ -38,7 +38,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transom.report.analysis import analyse, generations, membership
+from transom.report.analysis import analyse, generations
+from transom.report.membership import membership
 from transom.report.render import render_markdown, render_text, weights_line
 from transom.report.rundir import (
     FINAL_WEIGHTS_FILE,
@@ -77,6 +78,7 @@ def _weights(records: RunRecords) -> dict:
         }
     from transom.report.weights import compare_files  # torch is slow to import: only when needed
 
+    assert records.final_weights is not None and records.reference_weights is not None
     return {
         "available": True,
         "note": "",
@@ -85,7 +87,7 @@ def _weights(records: RunRecords) -> dict:
 
 
 def build_summary(records: RunRecords) -> dict:
-    """The JSON summary of a run (see the module docstring for its keys), without writing anything."""
+    """The JSON summary of a run (see the module docstring for its keys); writes nothing."""
     summary = {
         "job_id": records.job_id,
         "run_dir": str(records.run_dir),

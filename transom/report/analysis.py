@@ -44,19 +44,18 @@ number exactly on hand-made records.
 from __future__ import annotations
 
 import math
-import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from transom.common.records import EventKind
 from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
 
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
 NOT_DETECTED = "not detected"
-FINAL_KINDS = ("succeeded", "failed")
+FINAL_KINDS = (EventKind.SUCCEEDED, EventKind.FAILED)
 ACTING_DECISIONS = ("restart", "evict", "rollback")
-_DIAGNOSIS_PREFIX = re.compile(r"^generation \d+: ")
 
 
 @dataclass
@@ -87,15 +86,22 @@ class Generation:
             return None
         return next(t for t, s in self.samples if s == self.reached_step)
 
+    def training_span(self) -> tuple[float, float]:
+        """(trained_at, reached_at) of a generation that trained."""
+        trained_at, reached_at = self.trained_at, self.reached_at
+        assert trained_at is not None and reached_at is not None, "it never trained"
+        return trained_at, reached_at
+
     def time_of_step(self, step: int) -> float:
         """When it reached `step`, interpolated between samples and clipped to its training time."""
-        trained = [(t, s) for t, s in self.samples if t >= self.trained_at]
+        trained_at, reached_at = self.training_span()
+        trained = [(t, s) for t, s in self.samples if t >= trained_at]
         steps = [s for _, s in trained]
         i = bisect_left(steps, step)
         if i == 0:
             return trained[0][0]
         if i == len(trained):
-            return self.reached_at
+            return reached_at
         (t0, s0), (t1, s1) = trained[i - 1], trained[i]
         return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
@@ -111,7 +117,7 @@ def outcome(events: list[dict], status: dict | None) -> dict:
             job.get("state", "UNKNOWN"),
             "the run has no succeeded/failed event: it did not finish",
         )
-    generations = [e for e in events if e.get("kind") == "generation"]
+    generations = [e for e in events if e.get("kind") == EventKind.GENERATION]
     return {
         "state": state,
         "reason": reason,
@@ -134,7 +140,7 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
     """The job's generations in order, each with its progress samples."""
     gens: dict[int, Generation] = {}
     for e in events:
-        if e.get("kind") == "generation":
+        if e.get("kind") == EventKind.GENERATION:
             gens[e["generation"]] = Generation(
                 e["generation"],
                 e["time"],
@@ -142,15 +148,18 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
                 list(e.get("spares", [])),
                 e.get("restore_step") or 0,
             )
-        elif e.get("kind") == "running" and e.get("generation") in gens:
+        elif e.get("kind") == EventKind.RUNNING and e.get("generation") in gens:
             gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
     # Progress samples, and with them each fault injection: the step its target rank had reached
-    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last one).
+    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
+    # one).
     points = [p for p in progress or [] if p.get("step") is not None]
     if points:
-        points += [e for e in events if e.get("kind") == "fault" and e.get("step") is not None]
+        points += [
+            e for e in events if e.get("kind") == EventKind.FAULT and e.get("step") is not None
+        ]
     for p in sorted(points, key=lambda p: p["time"]):
-        g = gens.get(p.get("generation"))
+        g = gens.get(int(p.get("generation") or 0))  # generations count from 1
         if g is not None and (
             not g.samples or p["step"] > g.samples[-1][1]
         ):  # the first sample of each new step
@@ -172,10 +181,12 @@ def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -
     out = []
     for g, nxt in pairwise(gens):
         between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
-        diagnosis = next((e for e in reversed(between) if e.get("kind") == "diagnosis"), None)
-        incident = next((e for e in reversed(between) if e.get("kind") == "incident"), None)
+        diagnosis = next(
+            (e for e in reversed(between) if e.get("kind") == EventKind.DIAGNOSIS), None
+        )
+        incident = next((e for e in reversed(between) if e.get("kind") == EventKind.INCIDENT), None)
         cause = (
-            _DIAGNOSIS_PREFIX.sub("", diagnosis["message"])
+            diagnosis.get("cause")
             if diagnosis is not None
             else incident.get("message")
             if incident is not None
@@ -205,7 +216,8 @@ def goodput(
     have_progress: bool,
     reference: dict | None,
 ) -> dict:
-    """Wall time, steps, and the wall time split into effective, start-up, lost, downtime, shutdown."""
+    """Wall time, steps, and the wall time split into effective, start-up, lost, downtime and
+    shutdown."""
     wall = end - start
     result = {
         "wall_s": wall,
@@ -222,8 +234,9 @@ def goodput(
         "progress_available": have_progress,
     }
     if reference and reference.get("wall_s"):
-        result["reference_wall_s"] = float(reference["wall_s"])
-        result["slowdown_x"] = wall / result["reference_wall_s"]
+        reference_wall = float(reference["wall_s"])
+        result["reference_wall_s"] = reference_wall
+        result["slowdown_x"] = wall / reference_wall
     if not have_progress:
         return result
     result["lost_steps"] = sum(i["lost_steps"] for i in incident_rows)
@@ -235,19 +248,20 @@ def goodput(
         return result
     effective = lost = downtime = 0.0
     for n, (g, k) in enumerate(trained):
-        kept_until = g.time_of_step(k) if k > g.restore_step else g.trained_at
-        kept_until = min(max(kept_until, g.trained_at), g.reached_at)
-        effective += kept_until - g.trained_at
-        lost += g.reached_at - kept_until
+        trained_at, reached_at = g.training_span()
+        kept_until = g.time_of_step(k) if k > g.restore_step else trained_at
+        kept_until = min(max(kept_until, trained_at), reached_at)
+        effective += kept_until - trained_at
+        lost += reached_at - kept_until
         if n + 1 < len(trained):
-            downtime += trained[n + 1][0].trained_at - g.reached_at
+            downtime += trained[n + 1][0].training_span()[0] - reached_at
     result.update(
         effective_training_s=effective,
         effective_ratio_x=effective / wall if wall > 0 else None,
-        startup_s=trained[0][0].trained_at - start,
+        startup_s=trained[0][0].training_span()[0] - start,
         lost_compute_s=lost,
         downtime_s=downtime,
-        shutdown_s=end - trained[-1][0].reached_at,
+        shutdown_s=end - trained[-1][0].training_span()[1],
     )
     return result
 
@@ -273,23 +287,22 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
     if NODE_LOST in DETECTORS.get(kind, ()):  # kill: the controller finds the node lost
         for e in after:
             k = e.get("kind")
-            if (
-                (k == "incident" and node in (e.get("lost") or []))
-                or (
-                    k == "diagnosis"
-                    and node in (e.get("blamed") or [])
-                    and f"{node} lost" in e.get("message", "")
-                )
-                or (k == "evict" and e.get("node") == node and NODE_LOST in e.get("message", ""))
+            # the incident, diagnosis or eviction that names `node` among the lost members
+            if k in (EventKind.INCIDENT, EventKind.DIAGNOSIS, EventKind.EVICT) and node in (
+                e.get("lost") or []
             ):
                 return e
         return None
     anomalies = [
-        e for e in after if e.get("kind") == "anomaly" and e.get("type") in DETECTORS.get(kind, ())
+        e
+        for e in after
+        if e.get("kind") == EventKind.ANOMALY and e.get("type") in DETECTORS.get(kind, ())
     ]
     if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
         anomalies = [e for e in anomalies if _names(e, node, rank)] + [
-            e for e in after if e.get("kind") == "incident" and node in (e.get("failed") or [])
+            e
+            for e in after
+            if e.get("kind") == EventKind.INCIDENT and node in (e.get("failed") or [])
         ]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
@@ -305,11 +318,11 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
 
 def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
     """Whether the controller answered the detection with a restart, an eviction or a rollback."""
-    if detection.get("kind") != "anomaly" or detection.get("type") == "crash":
+    if detection.get("kind") != EventKind.ANOMALY or detection.get("type") == "crash":
         return True  # a crashed worker or a lost node always opens an incident
     for e in events:
         if (
-            e.get("kind") == "decision"
+            e.get("kind") == EventKind.DECISION
             and _detected_at(detection) <= e["time"] <= until
             and e.get("action") in ACTING_DECISIONS
             and (
@@ -325,12 +338,12 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
 
 
 def _detected_by(detection: dict) -> str:
-    if detection.get("kind") == "evict" and detection.get("preflight"):
+    if detection.get("kind") == EventKind.EVICT and detection.get("preflight"):
         return PREFLIGHT_EXCLUSION
-    if detection.get("kind") == "anomaly":
+    if detection.get("kind") == EventKind.ANOMALY:
         return f"{detection['type']} anomaly"
     if (
-        detection.get("kind") == "incident"
+        detection.get("kind") == EventKind.INCIDENT
         and detection.get("failed")
         and not detection.get("lost")
     ):
@@ -344,7 +357,7 @@ def fault_rows(
     """One row per `fault` event: detection, recovery, lost steps and status."""
     rows = []
     lost_by_next = {i["next_generation"]: i["lost_steps"] for i in incident_rows}
-    for f in (e for e in events if e.get("kind") == "fault"):
+    for f in (e for e in events if e.get("kind") == EventKind.FAULT):
         row = {
             "id": f.get("id"),
             "type": f["fault"],
@@ -401,74 +414,6 @@ def fault_counts(rows: list[dict]) -> dict:
         "not_recovered": sum(r["status"] == NOT_RECOVERED for r in rows),
         "not_detected": sum(r["status"] == NOT_DETECTED for r in rows),
     }
-
-
-def membership(
-    events: list[dict], progress: list[dict] | None, end: float
-) -> dict[str, list[tuple[float, float, str]]]:
-    """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
-    evict and spare events and the progress samples' member lists."""
-    changes: list[tuple[float, dict[str, str | None]]] = []
-    for e in events:
-        kind = e.get("kind")
-        if kind == "generation":
-            changes.append(
-                (
-                    e["time"],
-                    {
-                        **{n: "member" for n in e.get("members", [])},
-                        **{n: "spare" for n in e.get("spares", [])},
-                        "*": None,
-                    },
-                )
-            )
-        elif kind == "evict" and e.get("node"):
-            changes.append((e["time"], {e["node"]: "evicted"}))
-        elif kind == "spare" and e.get("node"):
-            changes.append((e["time"], {e["node"]: "member"}))
-    for p in progress or []:
-        if p.get("members") is not None:
-            evicted = p.get("evicted") or []
-            changes.append(
-                (
-                    p["time"],
-                    {
-                        **{n: "member" for n in p["members"]},
-                        **{n: "spare" for n in p.get("spares") or []},
-                        **{n: "evicted" for n in evicted},
-                        "*": None,
-                    },
-                )
-            )
-    changes.sort(key=lambda c: c[0])
-    role: dict[str, str] = {}
-    spans: dict[str, list[list]] = {}
-    for t, change in changes:
-        full = "*" in change
-        new = dict(role)
-        if (
-            full
-        ):  # a full snapshot: members and spares not named are out of the job (unless evicted)
-            for n, r in role.items():
-                if r != "evicted" and n not in change:
-                    new.pop(n)
-        new.update({n: r for n, r in change.items() if n != "*"})
-        for n in set(role) | set(new):
-            if role.get(n) != new.get(n):
-                if role.get(n) is not None:
-                    spans[n][-1][1] = t
-                if new.get(n) is not None:
-                    spans.setdefault(n, []).append([t, None, new[n]])
-        role = new
-    for n in role:
-        spans[n][-1][1] = end
-    return {n: [tuple(s) for s in spans[n]] for n in sorted(spans, key=_natural)}
-
-
-def _natural(name: str) -> tuple:
-    head = name.rstrip("0123456789")
-    tail = name[len(head) :]
-    return (head, int(tail) if tail else -1)
 
 
 def analyse(

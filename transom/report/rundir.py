@@ -14,12 +14,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from transom.common import files
 from transom.config import ConfigError
-from transom.view import EVENTS_FILE, PROGRESS_FILE, STATUS_FILE  # noqa: F401 - what a run directory holds
 
-REFERENCE_FILE = "reference.json"
-FINAL_WEIGHTS_FILE = "final_weights.pt"
-REFERENCE_WEIGHTS_FILE = "reference_weights.pt"
+# What a run directory holds (defined in transom.common.files).
+EVENTS_FILE = files.EVENTS
+PROGRESS_FILE = files.PROGRESS
+STATUS_FILE = files.STATUS
+REFERENCE_FILE = files.REFERENCE
+FINAL_WEIGHTS_FILE = files.FINAL_WEIGHTS
+REFERENCE_WEIGHTS_FILE = files.REFERENCE_WEIGHTS
 
 
 @dataclass
@@ -40,7 +44,7 @@ class RunRecords:
 
 
 def _json_lines(path: Path) -> list[dict]:
-    """The JSON objects of a JSON-lines file; a torn last line (a run killed mid-write) is skipped."""
+    """The JSON objects of a JSON-lines file; a torn last line (run killed mid-write) is skipped."""
     records = []
     lines = path.read_text(errors="replace").splitlines()
     for number, line in enumerate(lines, 1):

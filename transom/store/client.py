@@ -1,18 +1,7 @@
 """`Store`: the job's view of etcd, with JSON values under one key prefix per job.
 
-Key layout under /transom/<job-id>/ (all values JSON):
-  spec              the job spec the first launcher wrote
-  nodes/<node>      a node agent's registration, attached to its lease (node death = expiry)
-  status/<node>     what the agent's workers are doing for which generation
-  leader            the controller leader's id, attached to its lease
-  job               the controller's state: state, generation, members, evictions, restarts
-  plan              what every agent must run: generation, members, rank map, master node
-  master/<gen>      the master address and port chosen by the master node's agent
-  events/<seq>      the decision log, one event per key
-  monitor/<node>    the agent's monitor summary: per-rank step, ages, timings; its anomalies
-  preflight/<node>  the node's pre-flight result (checks, compute benchmark score)
-  faults/fired/<id> injected faults that already fired (each fires once per job)
-  exporter          the leading controller's Prometheus endpoint
+Every key of a job lives under /transom/<job-id>/; the key names and what each holds are
+defined once in transom.common.keys, the values' shapes in transom.common.records.
 
 Writes that only the leader may make go through `put_if_leader`, a transaction that compares
 the leader key, so a deposed controller cannot overwrite its successor's decisions.
@@ -29,6 +18,8 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 from etcd3gw.lease import Lease
 from etcd3gw.utils import _encode
+
+from transom.common import keys
 
 REQUEST_TIMEOUT_S = 5.0
 
@@ -132,7 +123,7 @@ class Store:
         txn = {
             "compare": [
                 {
-                    "key": _encode(self.key("leader")),
+                    "key": _encode(self.key(keys.LEADER)),
                     "result": "EQUAL",
                     "target": "VALUE",
                     "value": _encode(json.dumps(leader_id)),

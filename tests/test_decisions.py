@@ -1,0 +1,373 @@
+"""Unit tests of the controller's rules (transom/control/decisions.py), one rule at a time.
+
+No etcd, no processes: a job record and a snapshot go in, a Decision comes out.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from transom.common.records import (
+    Anomaly,
+    EventKind,
+    JobRecord,
+    MonitorSummary,
+    NextGeneration,
+    NodeRegistration,
+    NodeStatus,
+    PreflightResult,
+    Severity,
+)
+from transom.common.states import JobState, NodeState
+from transom.config import JobSpec
+from transom.control.decisions import PREFLIGHT_WAIT_S, Decision, Memory, Snapshot, decide
+
+T0 = 1000.0
+
+
+def spec(**overrides) -> JobSpec:
+    fields = dict(script="train.py", nnodes_min=2, nnodes_max=2, max_restarts=2)
+    return JobSpec(**{**fields, **overrides})
+
+
+def nodes(*names: str) -> dict[str, NodeRegistration | None]:
+    return {n: NodeRegistration(n, "127.0.0.1", 1, T0) for n in names}
+
+
+def passed(*names: str, gflops: float = 50.0) -> dict[str, PreflightResult]:
+    return {n: PreflightResult(True, T0, compute_gflops=gflops) for n in names}
+
+
+def status(node: str, generation: int, state: NodeState, **fields) -> NodeStatus:
+    return NodeStatus(node, generation, state, T0, **fields)
+
+
+def statuses(generation: int, state: NodeState, *names: str) -> dict[str, NodeStatus]:
+    return {n: status(n, generation, state) for n in names}
+
+
+def crash(rank: int, peer_error: bool = False) -> dict:
+    return {
+        "rank": rank,
+        "exitcode": -9,
+        "signal": "SIGKILL",
+        "signature": None,
+        "peer_error": peer_error,
+        "time": T0,
+        "describe": f"rank {rank} killed by SIGKILL",
+    }
+
+
+def kinds(d: Decision) -> list[str]:
+    return [e.kind.value for e in d.events]
+
+
+def run(job: JobRecord, snap: Snapshot, s: JobSpec, now: float, memory=None) -> Decision:
+    """One tick, checking that decide() is pure and what it writes survives etcd's JSON."""
+    before = job.to_dict()
+    d = decide(job, snap, s, now, memory)
+    assert job.to_dict() == before  # the input record is not modified
+    assert JobRecord.from_dict(d.job.to_dict()) == d.job
+    return d
+
+
+def started(members: list[str], s: JobSpec, now: float = T0, restore: int | None = None):
+    """A job whose generation 1 of `members` was just written (WARMUP)."""
+    job = JobRecord.new(now - 10)
+    job.next_generation = NextGeneration(members, "start")
+    d = run(job, Snapshot(nodes(*members), restore_step=restore), s, now)
+    assert d.job.state is JobState.WARMUP and d.job.generation == 1
+    return d.job
+
+
+def running(members: list[str], s: JobSpec, now: float = T0) -> JobRecord:
+    job = started(members, s, now - 1)
+    d = run(job, Snapshot(nodes(*members), statuses(1, NodeState.RUNNING, *members)), s, now)
+    assert d.job.state is JobState.RUNNING
+    return d.job
+
+
+# -- PENDING --------------------------------------------------------------------------------------
+
+
+def test_starts_when_enough_nodes_registered_then_writes_the_plan_next_tick():
+    s = spec(spares=1)
+    job = JobRecord.new(T0)
+    few = Snapshot(nodes("node0", "node1"), preflight=passed("node0", "node1"))
+    assert not run(job, few, s, T0 + 1).changed  # 2 of 2 + 1 spare: wait for the join timeout
+    snap = Snapshot(nodes("node0", "node1", "node2"), preflight=passed("node0", "node1", "node2"))
+    d = run(job, snap, s, T0 + 1)
+    assert d.job.next_generation is not None and d.job.next_generation.members == [
+        "node0",
+        "node1",
+    ]
+    assert d.job.state is JobState.PENDING and d.plan is None
+    snap.restore_step = None  # what the I/O loop read from the catalog for those members
+    d = run(d.job, snap, s, T0 + 1.2)
+    assert d.job.state is JobState.WARMUP and d.job.generation == 1
+    assert d.plan is not None and d.plan.members == ["node0", "node1"]
+    (generation,) = d.events
+    assert generation.kind is EventKind.GENERATION and generation.spares == ["node2"]
+    assert "resuming fresh" in generation.message
+
+
+def test_starts_with_fewer_nodes_after_the_join_timeout():
+    s = spec(nnodes_min=2, nnodes_max=3, join_timeout_s=30.0)
+    snap = Snapshot(nodes("node0", "node1"), preflight=passed("node0", "node1"))
+    assert run(JobRecord.new(T0), snap, s, T0 + 29).job.next_generation is None
+    assert run(JobRecord.new(T0), snap, s, T0 + 31).job.next_generation is not None
+
+
+def test_waits_for_preflight_results_then_excludes_failed_and_slow_nodes():
+    s = spec(nnodes_min=2, nnodes_max=3, join_timeout_s=0.0)
+    live = nodes("node0", "node1", "node2", "node3")
+    some = passed("node0", "node1")
+    assert not run(JobRecord.new(T0), Snapshot(live, preflight=some), s, T0 + 1).changed
+    results = passed("node0", "node1", "node2") | {
+        "node3": PreflightResult(False, T0, ["only 12 MiB of disk free"], 50.0)
+    }
+    results["node2"].compute_gflops = 10.0  # far below the median
+    d = run(JobRecord.new(T0), Snapshot(live, preflight=results), s, T0 + 1)
+    assert set(d.job.evicted) == {"node2", "node3"}
+    assert "pre-flight check failed: only 12 MiB" in d.job.evicted["node3"].reason
+    assert {e.node for e in d.events if e.kind is EventKind.EVICT} == {"node2", "node3"}
+    assert d.job.next_generation is not None and d.job.next_generation.members == ["node0", "node1"]
+    # without every result, start after PREFLIGHT_WAIT_S anyway
+    late = run(JobRecord.new(T0), Snapshot(live, preflight=some), s, T0 + PREFLIGHT_WAIT_S)
+    assert late.job.next_generation is not None
+
+
+# -- WARMUP and RUNNING ---------------------------------------------------------------------------
+
+
+def test_running_once_every_member_started_and_succeeded_when_all_finished():
+    s = spec()
+    job = started(["node0", "node1"], s)
+    half = {"node0": status("node0", 1, NodeState.RUNNING)}
+    assert not run(job, Snapshot(nodes("node0", "node1"), half), s, T0 + 1).changed
+    job = running(["node0", "node1"], s, T0 + 1)
+    done = statuses(1, NodeState.SUCCEEDED, "node0", "node1")
+    d = run(job, Snapshot(nodes("node0", "node1"), done), s, T0 + 5)
+    assert d.job.state is JobState.SUCCEEDED and kinds(d) == ["succeeded"]
+    assert d.plan is not None and d.plan.job_state is JobState.SUCCEEDED
+
+
+def test_warmup_timeout_is_an_incident_that_evicts_the_stuck_member():
+    s = spec(warmup_timeout_s=60.0, nnodes_max=2, spares=1)
+    job = started(["node0", "node1"], s)
+    snap = Snapshot(
+        nodes("node0", "node1", "node2"),
+        {"node0": status("node0", 1, NodeState.RUNNING)},
+        preflight=passed("node0", "node1", "node2"),
+    )
+    assert not run(job, snap, s, T0 + 59).changed
+    d = run(job, snap, s, T0 + 61)
+    assert d.job.state is JobState.RECOVERING and d.job.incident is not None
+    assert d.job.incident.stuck == ["node1"]
+    (incident,) = d.events
+    assert incident.stuck == ["node1"] and "did not start workers within 60 s" in incident.message
+    # a stuck member is a known cause: no need to wait for a report from it
+    d = run(d.job, snap, s, T0 + 61 + s.settle_s)
+    assert "node1" in d.job.evicted and d.job.next_generation is not None
+    assert d.job.next_generation.members == ["node0", "node2"]
+
+
+def test_recovering_is_committed_before_the_restart_writes_the_next_generation():
+    s = spec(spares=1)
+    job = running(["node0", "node1"], s)
+    failed = {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
+    snap = Snapshot(
+        nodes("node0", "node1"), failed | {"node1": status("node1", 1, NodeState.RUNNING)}
+    )
+    d = run(job, snap, s, T0 + 2)
+    assert d.job.state is JobState.RECOVERING and kinds(d) == ["incident"]
+    assert d.plan is not None and d.plan.job_state is JobState.RECOVERING
+    assert d.plan.generation == 1  # the agents keep the generation until the restart
+    incident = d.events[0]
+    assert incident.failed == ["node0"] and incident.lost == []
+
+
+def test_settle_waits_for_silent_members_unless_the_cause_is_known():
+    s = spec(settle_s=0.5, node_ttl_s=10.0)
+    live = nodes("node0", "node1")
+    peer_only = {
+        "node0": status("node0", 1, NodeState.FAILED, failures=[crash(0, peer_error=True)]),
+        "node1": status("node1", 1, NodeState.RUNNING),
+    }
+    job = run(running(["node0", "node1"], s), Snapshot(live, peer_only), s, T0 + 2).job
+    # only a peer error so far: wait for node1's report (up to the lease time)
+    assert run(job, Snapshot(live, peer_only), s, T0 + 3).job.next_generation is None
+    assert run(job, Snapshot(live, peer_only), s, T0 + 2 + 11.0).job.next_generation is not None
+    # its own fault: diagnose after settle_s
+    own = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
+    assert run(job, Snapshot(live, own), s, T0 + 2.4).job.next_generation is None
+    d = run(job, Snapshot(live, own), s, T0 + 2.5)
+    assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
+    # every member reported: no wait at all
+    both = own | {"node1": status("node1", 1, NodeState.FAILED, failures=[crash(1, True)])}
+    assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None
+
+
+def test_a_lost_node_is_evicted_and_a_spare_takes_its_place():
+    s = spec(spares=1, settle_s=0.5)
+    job = running(["node0", "node1"], s)
+    after = Snapshot(
+        nodes("node0", "node2"),
+        statuses(1, NodeState.RUNNING, "node0"),
+        preflight=passed("node0", "node1", "node2"),
+    )
+    d = run(job, after, s, T0 + 2)
+    assert d.events[0].lost == ["node1"] and d.job.state is JobState.RECOVERING
+    d = run(d.job, after, s, T0 + 2.5)
+    assert kinds(d) == ["diagnosis", "evict", "spare"]
+    assert d.events[0].lost == ["node1"] and d.events[1].lost == ["node1"]
+    assert d.events[2].node == "node2"
+    nxt = d.job.next_generation
+    assert nxt is not None and nxt.members == ["node0", "node2"] and nxt.lost == ["node1"]
+    assert d.job.restarts_used == 1
+    after.restore_step = 40
+    d = run(d.job, after, s, T0 + 2.7)
+    assert d.job.generation == 2 and d.job.restore_step == 40 and d.plan is not None
+    assert d.plan.restore_step == 40 and d.plan.evicted.keys() == {"node1"}
+    assert "restart 1 of 2" in d.events[0].message and "from step 40" in d.events[0].message
+
+
+def test_not_enough_nodes_left_fails_the_job():
+    s = spec(settle_s=0.0)
+    job = running(["node0", "node1"], s)
+    alone = Snapshot(nodes("node0"), statuses(1, NodeState.RUNNING, "node0"))
+    d = run(run(job, alone, s, T0 + 2).job, alone, s, T0 + 2.1)
+    assert d.job.state is JobState.FAILED and "not enough nodes: 1 healthy" in d.job.reason
+    assert d.plan is not None and d.plan.job_state is JobState.FAILED
+
+
+def _fail_and_restart(job: JobRecord, s: JobSpec, now: float) -> JobRecord:
+    """node0's worker fails by itself in the current generation; recover up to the next plan."""
+    g = job.generation
+    snap = Snapshot(
+        nodes("node0", "node1"),
+        {
+            "node0": status("node0", g, NodeState.FAILED, failures=[crash(0)]),
+            "node1": status("node1", g, NodeState.FAILED, failures=[crash(1, True)]),
+        },
+    )
+    job = run(job, snap, s, now).job
+    assert job.state is JobState.RECOVERING
+    job = run(job, snap, s, now + 0.1).job
+    if job.state is JobState.FAILED:
+        return job
+    assert job.next_generation is not None
+    return run(job, snap, s, now + 0.2).job
+
+
+def test_one_restart_per_incident_and_failed_when_the_budget_is_spent():
+    s = spec(max_restarts=1, evict_window_s=0.0)
+    job = running(["node0", "node1"], s)
+    job = _fail_and_restart(job, s, T0 + 10)
+    assert job.restarts_used == 1 and job.incident_open and job.generation == 2
+    # generation 2 fails before it ever ran: the same incident, not charged again
+    job = _fail_and_restart(job, s, T0 + 20)
+    assert job.restarts_used == 1 and job.state is JobState.WARMUP and job.generation == 3
+    # generation 3 runs: the incident is over
+    up = Snapshot(nodes("node0", "node1"), statuses(3, NodeState.RUNNING, "node0", "node1"))
+    job = run(job, up, s, T0 + 30).job
+    assert job.state is JobState.RUNNING and not job.incident_open
+    # a new incident needs a new restart, and the budget is spent
+    job = _fail_and_restart(job, s, T0 + 40)
+    assert job.state is JobState.FAILED and "restart budget spent" in job.reason
+
+
+def _nan(node: str, step: int, at: float, generation: int = 1) -> Anomaly:
+    return Anomaly(
+        "nan",
+        Severity.CRITICAL,
+        f"loss is nan at step {step}",
+        [node],
+        [0],
+        time=at,
+        step=step,
+        id=f"{node}-{step}",
+        generation=generation,
+    )
+
+
+def _summary(node: str, generation: int, t: float, *anomalies: Anomaly) -> MonitorSummary:
+    return MonitorSummary(node, generation, t, anomalies=list(anomalies))
+
+
+def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generation_runs():
+    s = spec()
+    job = running(["node0", "node1"], s)
+    live = nodes("node0", "node1")
+    up = statuses(1, NodeState.RUNNING, "node0", "node1")
+    summaries = {
+        "node0": _summary("node0", 1, T0 + 5, _nan("node0", 31, T0 + 5)),
+        "node1": _summary("node1", 1, T0 + 5, _nan("node1", 30, T0 + 5.1)),
+    }
+    snap = Snapshot(live, up, summaries)
+    held = run(job, snap, s, T0 + 5.2)  # NaN reports are held for a moment: the earliest wins
+    assert held.job.state is JobState.RUNNING and held.job.rollback_before is None
+    d = run(job, snap, s, T0 + 6)
+    assert kinds(d) == ["decision", "rollback", "incident"]
+    assert d.job.rollback_before == 30 and d.job.numerics_steps == [30]
+    assert d.job.state is JobState.RECOVERING and d.job.next_generation is not None
+    assert set(d.job.handled_anomalies) == {"node0-31", "node1-30"}
+    assert [a.id for a in d.anomalies] == ["node1-30"]
+    snap.restore_step = 20  # the I/O loop asked the catalog for a step before 30
+    d = run(d.job, snap, s, T0 + 6.2)
+    assert d.job.generation == 2 and d.plan is not None and d.plan.restore_step == 20
+    started_at = d.job.generation_started
+    assert d.job.rollback_before == 30 and d.discard_poisoned is None
+    d = run(d.job, Snapshot(live, statuses(2, NodeState.RUNNING, "node0", "node1")), s, T0 + 9)
+    assert d.job.state is JobState.RUNNING and d.job.rollback_before is None
+    assert d.discard_poisoned == (30, started_at)
+
+
+def test_warnings_are_given_once_per_generation_and_kept_in_memory():
+    s = spec()
+    job = running(["node0", "node1"], s)
+    spike = Anomaly("loss_spike", Severity.WARNING, "spike", ["node0"], id="a1", generation=1)
+    again = Anomaly("loss_spike", Severity.WARNING, "spike", ["node0"], id="a2", generation=1)
+    live, up = nodes("node0", "node1"), statuses(1, NodeState.RUNNING, "node0", "node1")
+    d = run(job, Snapshot(live, up, {"node0": _summary("node0", 1, T0 + 3, spike)}), s, T0 + 3)
+    assert kinds(d) == ["warning"] and d.events[0].anomaly_type == "loss_spike"
+    snap = Snapshot(live, up, {"node0": _summary("node0", 1, T0 + 4, spike, again)})
+    d2 = run(d.job, snap, s, T0 + 4, d.memory)
+    assert kinds(d2) == [] and d2.changed  # handled (recorded), but not warned again
+    assert d2.job.handled_anomalies == ["a1", "a2"]
+    assert d.memory is not d2.memory and not Memory().warned
+
+
+def test_a_new_leader_continuing_from_the_stored_record_decides_the_same():
+    s = spec(spares=1, settle_s=0.5)
+    job = running(["node0", "node1"], s)
+    after = Snapshot(
+        nodes("node0", "node2"),
+        statuses(1, NodeState.RUNNING, "node0"),
+        preflight=passed("node0", "node1", "node2"),
+    )
+    job = run(job, after, s, T0 + 2).job
+    stored = job.to_dict()  # what the old leader committed before it died
+    ours = run(job, after, s, T0 + 2.6)
+    theirs = run(JobRecord.from_dict(stored), after, s, T0 + 2.6, Memory())
+    assert theirs.job == ours.job and theirs.plan == ours.plan
+    assert [e.to_dict() for e in theirs.events] == [e.to_dict() for e in ours.events]
+
+
+@pytest.mark.parametrize("state", [JobState.SUCCEEDED, JobState.FAILED])
+def test_an_ended_job_decides_nothing(state):
+    job = JobRecord(state, 3, ["node0"], T0)
+    assert not run(job, Snapshot(nodes("node0")), spec(), T0 + 1).changed
+
+
+def test_the_report_imports_neither_the_controller_nor_the_etcd_client():
+    code = (
+        "import sys, transom.report, transom.report.analysis, transom.report.rundir\n"
+        "bad = [m for m in ('transom.control.controller', 'etcd3gw', 'transom.store') "
+        "if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,65 @@
+"""The shared records (transom/common/records.py): round trips, and validation at the boundary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from transom.common.records import (
+    Event,
+    EventKind,
+    JobRecord,
+    MonitorSummary,
+    NodeStatus,
+    Plan,
+    PreflightResult,
+    RecordError,
+    parse_all,
+)
+from transom.common.states import JobState, NodeState
+
+
+def test_records_survive_json_and_tolerate_unknown_keys():
+    job = JobRecord.new(100.0)
+    job.members = ["node0"]
+    stored = json.loads(json.dumps(job.to_dict()))
+    assert stored["state"] == "PENDING" and JobRecord.from_dict(stored) == job
+    newer = stored | {"a_field_from_a_newer_writer": 1}
+    assert JobRecord.from_dict(newer) == job
+    # an older writer without the later, optional fields
+    old = {"state": "RUNNING", "generation": 2, "members": ["node0"], "since": 1.0}
+    assert JobRecord.from_dict(old).restore_step is None
+
+
+@pytest.mark.parametrize(
+    "cls, value, why",
+    [
+        (JobRecord, {"state": "RUNNING", "generation": 1, "members": []}, "missing field 'since'"),
+        (JobRecord, {"state": "DANCING", "generation": 1, "members": [], "since": 1}, "JobState"),
+        (Plan, {"generation": "1", "members": [], "job_state": "RUNNING"}, "expected int"),
+        (Plan, {"generation": 1, "members": "node0", "job_state": "RUNNING"}, "expected a list"),
+        (NodeStatus, {"node": "n", "generation": 1, "state": "RUNNING", "time": 0}, "NodeState"),
+        (PreflightResult, ["passed"], "expected an object"),
+        (MonitorSummary, {"node": "n", "generation": 1, "t": 0, "ranks": {"0": 5}}, "ranks"),
+        (Plan, {"generation": True, "members": [], "job_state": "RUNNING"}, "expected int"),
+    ],
+)
+def test_invalid_values_raise_one_error_type(cls, value, why):
+    with pytest.raises(RecordError, match=why):
+        cls.from_dict(value)
+
+
+def test_events_keep_extra_fields_and_omit_unused_ones():
+    stored = {"time": 1.0, "kind": "fault", "message": "m", "fault": "kill", "rank": 3}
+    e = Event.from_dict(stored)
+    assert e.kind is EventKind.FAULT and e.extra == {"fault": "kill", "rank": 3}
+    assert e.to_dict() == stored
+    assert "lost" not in Event(1.0, EventKind.RUNNING, "m").to_dict()
+
+
+def test_parse_all_leaves_out_invalid_values():
+    good = NodeStatus("node0", 1, NodeState.RUNNING, 1.0).to_dict()
+    parsed = parse_all(NodeStatus, {"node0": good, "node1": {"state": "running"}})
+    assert list(parsed) == ["node0"] and parsed["node0"].state is NodeState.RUNNING
+    assert JobState("RUNNING") is JobState.RUNNING

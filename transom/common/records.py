@@ -1,0 +1,293 @@
+"""The typed records processes exchange through etcd (and the run directory's event log).
+
+One dataclass per value stored under a key of `common.keys`: `JobRecord` (job), `Plan` (plan),
+`NodeRegistration` (nodes/<node>), `NodeStatus` (status/<node>), `MonitorSummary`
+(monitor/<node>), `Anomaly` (in summaries and anomaly events), `PreflightResult`
+(preflight/<node>), `MasterAddress` (master/<gen>), `Event` (events/<seq>).
+
+Every value crosses a process boundary, so `from_dict` validates (see `record_base`): it ignores
+keys it does not know (an older or newer writer), and raises `RecordError` on a missing required
+field or a value of the wrong type. Records with an `extra` field keep the unknown keys and
+write them back. This module must never do I/O or import another transom package but `common`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+# Readers import RecordError and parse_all from here, with the records.
+from transom.common.record_base import Record
+from transom.common.record_base import RecordError as RecordError
+from transom.common.record_base import parse_all as parse_all
+from transom.common.states import JobState, NodeState
+
+# -- the controller's ---------------------------------------------------------------------------
+
+
+@dataclass
+class Eviction(Record):
+    reason: str
+    time: float
+    generation: int
+
+
+@dataclass
+class Incident(Record):
+    """An open incident: when it was detected, and members that never started (warm-up timeout)."""
+
+    since: float
+    generation: int
+    stuck: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NextGeneration(Record):
+    """A generation decided but not yet written: the I/O loop looks up its restore step first."""
+
+    members: list[str]
+    why: str
+    lost: list[str] = field(default_factory=list)  # nodes whose memory tier is gone
+
+
+@dataclass
+class JobRecord(Record):
+    """The controller's state (`job`): everything a new leader needs to continue."""
+
+    state: JobState
+    generation: int
+    members: list[str]
+    since: float  # when the job entered `state`... of PENDING: when the job began waiting
+    evicted: dict[str, Eviction] = field(default_factory=dict)
+    restarts_used: int = 0
+    failures: dict[str, list[float]] = field(default_factory=dict)  # node -> failure times
+    last_signature: str | None = None
+    incident: Incident | None = None
+    # True from a restart until its generation runs: a restart is charged once per incident.
+    incident_open: bool = False
+    reason: str = ""
+    updated: float = 0.0
+    handled_anomalies: list[str] = field(default_factory=list)
+    numerics_steps: list[int] = field(default_factory=list)
+    hang_steps: list[int] = field(default_factory=list)
+    rollback_before: int | None = None
+    restore_step: int | None = None
+    generation_started: float | None = None
+    next_generation: NextGeneration | None = None
+
+    @classmethod
+    def new(cls, now: float) -> JobRecord:
+        return cls(JobState.PENDING, 0, [], now, reason="waiting for nodes", updated=now)
+
+
+@dataclass
+class Plan(Record):
+    """What every agent must run (`plan`)."""
+
+    generation: int
+    members: list[str]
+    job_state: JobState
+    evicted: dict[str, Eviction] = field(default_factory=dict)
+    restart_count: int = 0
+    restore_step: int | None = None
+
+
+# -- the agents' ----------------------------------------------------------------------------------
+
+
+@dataclass
+class NodeRegistration(Record):
+    """A live node agent (`nodes/<node>`, under the node's lease)."""
+
+    node: str
+    host: str
+    pid: int
+    since: float
+
+
+@dataclass
+class NodeStatus(Record):
+    """What a node's workers do for which generation (`status/<node>`).
+
+    `failures` are the workers' failure reports (`WorkerFailure.to_dict()` plus `describe`, or a
+    pre-flight failure `{"kind": "preflight", "describe": ...}`).
+    """
+
+    node: str
+    generation: int
+    state: NodeState
+    time: float
+    step: int | None = None
+    warm: int = 0
+    failures: list[dict] = field(default_factory=list)
+    preflight: dict | None = None
+    pids: dict | None = None
+
+    def own_fault(self) -> bool:
+        """A worker failed by itself (not only because a peer went away)."""
+        return any(not f.get("peer_error") for f in self.failures)
+
+
+@dataclass
+class PreflightResult(Record):
+    """A node's pre-flight checks (`preflight/<node>`); `extra` holds the measurements."""
+
+    passed: bool
+    time: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    compute_gflops: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class MasterAddress(Record):
+    """Where generation g's rank 0 listens (`master/<g>`)."""
+
+    addr: str
+    port: int
+
+
+# -- the monitor's --------------------------------------------------------------------------------
+
+
+class Severity(str, Enum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+@dataclass
+class Anomaly(Record):
+    """Something wrong, with whom to suspect and why.
+
+    `type`: crash | peer_exit | hang | straggler | nan | loss_spike | throughput_drop |
+    telemetry_gap | a log pattern's type (transom.monitor.patterns). `id` and `generation` are
+    set by whoever publishes it.
+    """
+
+    type: str
+    severity: Severity
+    message: str
+    nodes: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+    step: int | None = None
+    hardware: bool = False  # a signature of a bad node
+    id: str = ""
+    generation: int | None = None
+
+
+@dataclass
+class RankSummary(Record):
+    """One rank in a monitor summary; ages are seconds at the summary's time `t`."""
+
+    step: int | None = None
+    phase: str | None = None
+    step_age: float | None = None
+    beat_age: float | None = None
+    step_s: float | None = None
+    compute_s: float | None = None
+    tokens_per_s: float | None = None
+
+
+@dataclass
+class MonitorSummary(Record):
+    """A node agent's monitor summary (`monitor/<node>`)."""
+
+    node: str
+    generation: int
+    t: float
+    ranks: dict[str, RankSummary] = field(default_factory=dict)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    host: dict = field(default_factory=dict)
+    gpus: list[dict] = field(default_factory=list)
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+class EventKind(str, Enum):
+    LEADER = "leader"  # a controller took the lead
+    GENERATION = "generation"  # a generation's plan was written
+    RUNNING = "running"  # every member runs it
+    INCIDENT = "incident"  # it stopped: lost / failed / stuck members, or an acting anomaly
+    DIAGNOSIS = "diagnosis"  # the incident's blame
+    EVICT = "evict"
+    SPARE = "spare"
+    ANOMALY = "anomaly"
+    WARNING = "warning"
+    DECISION = "decision"  # the policy's action on an anomaly
+    ROLLBACK = "rollback"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PROVISION = "provision"  # the launcher replaced an evicted node
+    CHECKPOINT = "checkpoint"
+    FAULT = "fault"  # an injected fault fired
+
+
+@dataclass
+class Event(Record):
+    """One entry of the decision log (`events/<seq>`, key from `keys.event`).
+
+    `message` is for people; readers use the structured fields. Fields a kind does not use stay
+    None (and are not written); `extra` keeps the rest (e.g. a fault's or a checkpoint's details).
+    """
+
+    time: float
+    kind: EventKind
+    message: str
+    generation: int | None = None
+    controller: str | None = None  # the writer, when a controller
+    writer: str | None = None  # the writer, when a node agent
+    node: str | None = None  # the node evicted / joining as spare / concerned
+    nodes: list[str] | None = None
+    members: list[str] | None = None
+    spares: list[str] | None = None
+    lost: list[str] | None = None  # members whose lease expired
+    failed: list[str] | None = None  # members that reported a failure
+    stuck: list[str] | None = None  # members that did not start workers in time
+    blamed: list[str] | None = None
+    cause: str | None = None  # a diagnosis's summary of what happened
+    restore_step: int | None = None
+    rollback_before: int | None = None
+    detection: float | None = None  # when the incident was detected
+    observed: float | None = None  # when the anomaly was observed
+    action: str | None = None
+    anomaly: str | None = None  # the id of the anomaly decided on
+    anomaly_type: str | None = None
+    preflight: dict | None = None
+    # an anomaly event's copy of the anomaly
+    id: str | None = None
+    type: str | None = None
+    severity: Severity | None = None
+    ranks: list[int] | None = None
+    evidence: dict | None = None
+    step: int | None = None
+    hardware: bool | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in super().to_dict().items() if v is not None}
+
+    @classmethod
+    def of_anomaly(cls, a: Anomaly, time_s: float, **fields: Any) -> Event:
+        """The event that records anomaly `a` (observed at `a.time`)."""
+        return cls(
+            time_s,
+            EventKind.ANOMALY,
+            f"{a.type}: {a.message}",
+            generation=a.generation,
+            observed=a.time,
+            id=a.id,
+            type=a.type,
+            severity=a.severity,
+            nodes=a.nodes,
+            ranks=a.ranks,
+            evidence=a.evidence,
+            step=a.step,
+            hardware=a.hardware,
+            **fields,
+        )

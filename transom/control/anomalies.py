@@ -1,0 +1,152 @@
+"""The controller's monitor rules: cross-node detectors, then the policy's action per anomaly.
+
+Part of one `decisions.decide` tick while the job is RUNNING: collects the agents' new
+anomalies and runs the cross-node detectors (hang, straggler, telemetry gap) on their summaries,
+then applies `policy.on_anomaly` to each. Pure like `decisions`: no etcd, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transom.common.records import Anomaly, Event, EventKind, Severity
+from transom.common.states import JobState, NodeState
+from transom.control.policy import on_anomaly
+from transom.monitor import detectors
+
+if TYPE_CHECKING:
+    from transom.control.decisions import Tick
+
+# A member whose monitor summary is older than this (while its agent lives) has a telemetry gap.
+SUMMARY_GAP_S = 5.0
+# After the first NaN report, wait this long for the other nodes' (the first bad step may be
+# elsewhere).
+NUMERICS_SETTLE_S = 0.5
+
+
+def watch_monitor(t: Tick) -> None:
+    """Cross-node detectors on the agents' summaries; every anomaly goes through the policy."""
+    j, memory, now = t.job, t.decision.memory, t.now
+    if memory.generation != j.generation:
+        memory.generation = j.generation
+        memory.stragglers = detectors.StragglerTracker()
+        memory.warned.clear()
+    summaries = t.snap.summaries
+    handled = set(j.handled_anomalies)
+    found = [
+        a
+        for s in summaries.values()
+        if s.generation == j.generation
+        for a in s.anomalies
+        if a.id not in handled
+    ]
+    found = earliest_numerics(t, found)
+    views = detectors.rank_views(summaries, j.generation, now)
+    finishing = bool(t.reports(NodeState.SUCCEEDED))  # ranks that are done make no progress
+    for anomaly in (
+        None if finishing else detectors.hang(views, t.spec.hang_floor_s),
+        memory.stragglers.update(views),
+    ):
+        if anomaly is not None:
+            found.append(anomaly)
+            controller_anomaly(t, anomaly)
+    for node in j.members:
+        s = summaries.get(node)
+        if node in t.snap.nodes and s is not None and s.generation == j.generation:
+            if now - s.t > SUMMARY_GAP_S:
+                gap = Anomaly(
+                    "telemetry_gap",
+                    Severity.WARNING,
+                    f"{node}: no monitor summary for {now - s.t:.1f} s while its agent is alive",
+                    [node],
+                    time=now,
+                )
+                found.append(gap)
+                controller_anomaly(t, gap)
+    for anomaly in found:
+        if not anomaly.id:
+            continue  # a repeated warning of the controller's own
+        j.handled_anomalies.append(anomaly.id)
+        t.decision.anomalies.append(anomaly)
+        if act(t, anomaly):
+            return
+
+
+def earliest_numerics(t: Tick, found: list[Anomaly]) -> list[Anomaly]:
+    """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the earliest step's.
+
+    A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
+    must go before the first bad step, which the slowest reporter may hold.
+    """
+    nans = [a for a in found if a.type == "nan"]
+    if not nans:
+        return found
+    if t.now - min(a.time for a in nans) < NUMERICS_SETTLE_S:
+        return [a for a in found if a.type != "nan"]
+    first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
+    t.job.handled_anomalies.extend(a.id for a in nans if a is not first)
+    return [a for a in found if a.type != "nan" or a is first]
+
+
+def controller_anomaly(t: Tick, anomaly: Anomaly) -> None:
+    """An anomaly the controller found itself: give it an id and write its event.
+
+    A warning already given for the same nodes this generation stays without id (not acted on).
+    """
+    anomaly.generation = t.job.generation
+    if anomaly.severity is not Severity.CRITICAL and (
+        (anomaly.type, tuple(anomaly.nodes)) in t.decision.memory.warned
+    ):
+        return
+    anomaly.id = f"controller-{t.job.generation}-{anomaly.type}-{t.now:.3f}"
+    t.decision.events.append(Event.of_anomaly(anomaly, t.now + len(t.decision.events) * 1e-6))
+
+
+def act(t: Tick, anomaly: Anomaly) -> bool:
+    """Apply the policy's action for one anomaly; True when it ended the generation."""
+    j, spec = t.job, t.spec
+    free = len([n for n in t.healthy_nodes() if n not in j.members])
+    action = on_anomaly(anomaly, j.members, free, spec.nnodes_min, j.numerics_steps, j.hang_steps)
+    if action.kind == "none":
+        return False
+    key = (anomaly.type, tuple(anomaly.nodes))
+    if action.kind == "warn":
+        if key not in t.decision.memory.warned:
+            t.decision.memory.warned.add(key)
+            t.event(
+                EventKind.WARNING,
+                action.reason,
+                anomaly=anomaly.id,
+                anomaly_type=anomaly.type,
+                nodes=anomaly.nodes,
+            )
+        return False
+    t.event(
+        EventKind.DECISION,
+        f"{action.kind}: {action.reason}",
+        action=action.kind,
+        anomaly=anomaly.id,
+        anomaly_type=anomaly.type,
+        nodes=anomaly.nodes,
+        detection=anomaly.time,
+    )
+    if action.kind == "fail":
+        t.finish(JobState.FAILED, action.reason)
+        return True
+    if anomaly.type == "hang" and anomaly.step is not None:
+        j.hang_steps.append(anomaly.step)
+    if action.rollback_before is not None:
+        j.numerics_steps.append(action.rollback_before)
+        previous = j.rollback_before
+        j.rollback_before = (
+            min(previous, action.rollback_before) if previous else action.rollback_before
+        )
+        t.event(
+            EventKind.ROLLBACK,
+            f"next generation restores a checkpoint from before step {j.rollback_before}",
+            rollback_before=j.rollback_before,
+        )
+    t.set_state(JobState.RECOVERING, action.reason)
+    t.event(EventKind.INCIDENT, action.reason, detection=anomaly.time, anomaly=anomaly.id)
+    t.restart(action.evict, action.reason)
+    return True
