@@ -4,8 +4,9 @@ Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training
 state (past step 12 and, under Transom, every agent's warm interpreter ready, as it is hours into
 a real job):
   transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
-  transom_node_death     SIGKILL of node1's agent (its workers die with it; the spare replaces it)
-  torchrun_worker_crash  SIGKILL of rank 1's worker under `torchrun --nproc-per-node 3 --max-restarts 3`
+  transom_node_death     SIGKILL of node1's agent (its workers die with it; a spare replaces it)
+  torchrun_worker_crash  SIGKILL of rank 1's worker under
+                         `torchrun --nproc-per-node 3 --max-restarts 3`
 The transom runs checkpoint with transom.checkpoint (in node memory, replicated, persisted in the
 background); the torchrun baseline with torch.save files (train_gpt.py --checkpoint torch).
 and splits the time from the fault to the first step completed afterwards into
@@ -149,9 +150,12 @@ def run_transom(fault: str, work: Path) -> dict:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    logs = lambda: "".join(
-        p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log"))
-    )
+
+    def logs():
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(run_dir.glob("logs/g*/rank*.log"))
+        )
+
     try:
         wait_for_step(logs, FAULT_AT_STEP, process)
         wait_until_warm(run_dir)
@@ -210,7 +214,10 @@ def run_torchrun(work: Path) -> dict:
         env=env,
         start_new_session=True,
     )
-    text = lambda: out_path.read_text(errors="replace")
+
+    def text():
+        return out_path.read_text(errors="replace")
+
     try:
         wait_for_step(text, FAULT_AT_STEP, process)
         victim = find_process(

@@ -1,4 +1,4 @@
-"""Shared fixtures: run `transom` as a real subprocess, and prove that nothing of a job outlives it."""
+"""Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def start_job(tmp_path):
         # The job ended by itself: nothing of it may remain (allow a moment for reaping).
         try:
             wait_for(
-                lambda: not (job_processes(job.job_id) + job_processes(str(job.run_dir))),
+                lambda job=job: not (job_processes(job.job_id) + job_processes(str(job.run_dir))),
                 10,
                 "the job's processes to exit",
             )

@@ -121,7 +121,7 @@ def test_without_spares_the_job_shrinks_to_its_minimum_or_fails(start_job):
     elastic = start_job("--nnodes", "1:2", TOY, "--steps", "40", "--step-delay", "0.15")
     rigid = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
     for job in (elastic, rigid):
-        wait_for(lambda: "step 3 " in job.log_text(), 90, "training to reach step 3")
+        wait_for(lambda job=job: "step 3 " in job.log_text(), 90, "training to reach step 3")
         agent = next(
             p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())
         )
@@ -141,7 +141,7 @@ def test_ctrl_c_stops_everything(start_job):
 
 
 def test_machines_of_one_job_organise_through_an_existing_etcd(start_job, tmp_path):
-    """Two `transom run --store` launchers (two "machines") form one 2-node job; one controller leads."""
+    """Two `transom run --store` launchers ("machines") form a 2-node job; one controller leads."""
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:
         common = ["--store", etcd.url, "--nnodes", "2", TOY, "--steps", "5"]
         first = start_job("--node-id", "alpha", *common)

@@ -203,7 +203,7 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
 def _run_failing(
     args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60
 ) -> tuple[int, str, float]:
-    """Run a command that may fail; its exit code, output and run time. No process outlives this call."""
+    """Run a command that may fail: its exit code, output and run time. No process outlives it."""
     started = time.monotonic()
     proc = subprocess.Popen(
         args,

@@ -17,7 +17,8 @@ import json, os, sys
 print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
                   "rank": os.environ.get("RANK"), "path0": sys.path[0],
                   "torch_loaded": "torch" in sys.modules, "policy": os.sched_getscheduler(0),
-                  "idle_env": [k for k in os.environ if k.startswith("TRANSOM_WARM_IDLE")]}), flush=True)
+                  "idle_env": [k for k in os.environ if k.startswith("TRANSOM_WARM_IDLE")]}),
+      flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if sys.argv[1] == "raise":
     raise ValueError("boom")

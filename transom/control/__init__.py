@@ -1,1 +1,1 @@
-"""Launcher and controller (the paper's TOL): node agents, worker supervision, the job state machine."""
+"""Launcher and controller (the paper's TOL): node agents, worker supervision, the state machine."""

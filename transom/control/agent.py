@@ -225,7 +225,7 @@ class NodeAgent:
 
     def _preflight(self) -> None:
         """Check this node once, when it joins; publish the result for the controller to compare."""
-        assert self.spec is not None
+        assert self.spec is not None and self.faults is not None
         slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
         self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
         passed, evidence = self.preflight_result

@@ -74,7 +74,7 @@ class Nvml:
 
 
 def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bool]]:
-    """(type, message, hardware) for each GPU whose Xid/ECC counters grew or that throttles badly."""
+    """(type, message, hardware) for each GPU whose Xid/ECC counters grew or that throttles hard."""
     old = {g["index"]: g for g in before}
     found = []
     for g in now:
