@@ -371,3 +371,26 @@ def test_the_report_imports_neither_the_controller_nor_the_etcd_client():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_registered_cluster_detector_is_run_each_tick_and_its_anomaly_goes_to_the_policy(
+    monkeypatch,
+):
+    """A new cross-node detector is one class plus one line in `cluster.REGISTERED`."""
+    from transom.monitor import cluster
+
+    seen: list[cluster.ClusterView] = []
+
+    class SlowLinkDetector:  # what a new file would hold
+        def update(self, view: cluster.ClusterView) -> Anomaly | None:
+            seen.append(view)
+            return Anomaly("slow_link", Severity.WARNING, "node1's link is slow", ["node1"])
+
+    monkeypatch.setattr(cluster, "REGISTERED", [*cluster.REGISTERED, SlowLinkDetector])
+    s = spec()
+    job = running(["node0", "node1"], s)
+    live, up = nodes("node0", "node1"), statuses(1, NodeState.RUNNING, "node0", "node1")
+    d = run(job, Snapshot(live, up, {"node0": _summary("node0", 1, T0 + 3)}), s, T0 + 3)
+    assert seen[-1].now == T0 + 3 and seen[-1].hang_floor_s == s.hang_floor_s
+    assert kinds(d) == ["anomaly", "warning"]
+    assert d.events[0].type == "slow_link" and d.events[1].nodes == ["node1"]

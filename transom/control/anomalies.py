@@ -1,8 +1,8 @@
 """The controller's monitor rules: cross-node detectors, then the policy's action per anomaly.
 
 Part of one `decisions.decide` tick while the job is RUNNING: collects the agents' new
-anomalies and runs the cross-node detectors (hang, straggler, telemetry gap) on their summaries,
-then applies `policy.on_anomaly` to each. Pure like `decisions`: no etcd, no clock.
+anomalies, runs the registered cross-node detectors (transom.monitor.cluster) and the telemetry
+gap check on their summaries, then applies `policy.on_anomaly` to each. Pure like `decisions`: no etcd, no clock.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from transom.common.records import Anomaly, Event, EventKind, Severity
 from transom.common.states import JobState, NodeState
 from transom.control.policy import on_anomaly
-from transom.monitor import detectors
+from transom.monitor import cluster, detectors
 
 if TYPE_CHECKING:
     from transom.control.decisions import Tick
@@ -29,7 +29,7 @@ def watch_monitor(t: Tick) -> None:
     j, memory, now = t.job, t.decision.memory, t.now
     if memory.generation != j.generation:
         memory.generation = j.generation
-        memory.stragglers = detectors.StragglerTracker()
+        memory.detectors = cluster.fresh()
         memory.warned.clear()
     summaries = t.snap.summaries
     handled = set(j.handled_anomalies)
@@ -41,12 +41,14 @@ def watch_monitor(t: Tick) -> None:
         if a.id not in handled
     ]
     found = earliest_numerics(t, found)
-    views = detectors.rank_views(summaries, j.generation, now)
-    finishing = bool(t.reports(NodeState.SUCCEEDED))  # ranks that are done make no progress
-    for anomaly in (
-        None if finishing else detectors.hang(views, t.spec.hang_floor_s),
-        memory.stragglers.update(views),
-    ):
+    view = cluster.ClusterView(
+        detectors.rank_views(summaries, j.generation, now),
+        now,
+        t.spec.hang_floor_s,
+        finishing=bool(t.reports(NodeState.SUCCEEDED)),  # ranks that are done make no progress
+    )
+    for detector in memory.detectors:
+        anomaly = detector.update(view)
         if anomaly is not None:
             found.append(anomaly)
             controller_anomaly(t, anomaly)

@@ -37,7 +37,7 @@ from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.anomalies import watch_monitor
 from transom.control.policy import diagnose, slow_outliers
-from transom.monitor.detectors import StragglerTracker
+from transom.monitor import cluster
 
 # How long to wait for a node's pre-flight result before starting without comparing it.
 PREFLIGHT_WAIT_S = 30.0
@@ -62,7 +62,7 @@ class Memory:
     """Detector state the controller keeps in memory only (a new leader starts it afresh)."""
 
     generation: int = 0
-    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+    detectors: list[cluster.ClusterDetector] = field(default_factory=cluster.fresh)
     warned: set[tuple[str, tuple]] = field(default_factory=set)  # (type, nodes) warned about
 
 
