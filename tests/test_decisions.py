@@ -394,3 +394,6 @@ def test_a_registered_cluster_detector_is_run_each_tick_and_its_anomaly_goes_to_
     assert seen[-1].now == T0 + 3 and seen[-1].hang_floor_s == s.hang_floor_s
     assert kinds(d) == ["anomaly", "warning"]
     assert d.events[0].type == "slow_link" and d.events[1].nodes == ["node1"]
+    # observed on the controller's clock, never after the events that answer it (the report
+    # credits a decision only if it comes at or after the detection)
+    assert d.events[0].to_dict()["observed"] == T0 + 3 <= d.events[1].time

@@ -96,6 +96,7 @@ def controller_anomaly(t: Tick, anomaly: Anomaly) -> None:
     A warning already given for the same nodes this generation stays without id (not acted on).
     """
     anomaly.generation = t.job.generation
+    anomaly.time = t.now  # observed now, on the controller's clock (events are timed by it too)
     if anomaly.severity is not Severity.CRITICAL and (
         (anomaly.type, tuple(anomaly.nodes)) in t.decision.memory.warned
     ):
