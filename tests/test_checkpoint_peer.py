@@ -259,7 +259,7 @@ class Flood:
     """`idle` connections to a port kept open (reopened, at most `reopen_per_s` a second, when
     the server closes them) and `slow` ones that send a garbage byte every `slow_every_s`."""
 
-    def __init__(self, addr, idle: int, slow: int, reopen_per_s: int = 2000):
+    def __init__(self, addr, idle: int, slow: int, reopen_per_s: int = 1000):
         self.addr, self.idle, self.slow = addr, idle, slow
         self.reopen_per_s = reopen_per_s
         self.stop = threading.Event()

@@ -70,7 +70,9 @@ class PeerService:
             try:
                 request = replication.parse_request(msg)
             except ValueError as e:
-                send_msg(sock, {"ok": False, "error": f"bad request: {e}"}, deadline_in(1.0))
+                send_msg(
+                    sock, {"ok": False, "error": f"bad request: {e}"}, deadline_in(FRAME_TIMEOUT_S)
+                )
                 raise
             if isinstance(request, replication.PutRequest):
                 self._put(sock, request)
@@ -123,7 +125,7 @@ class PeerService:
         try:
             replication.receive_put(sock, request, reserve, commit)
         except (BudgetExceeded, layout.ShardError) as e:
-            send_msg(sock, {"ok": False, "error": str(e)}, deadline_in(FRAME_TIMEOUT_S))
+            replication.refuse_put(sock, request, str(e))
 
     def _get(self, sock: socket.socket, step: int, rank: int) -> None:
         with self.memory.lock:

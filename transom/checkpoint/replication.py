@@ -52,6 +52,10 @@ MIN_TRANSFER_BYTES_PER_S = 16 << 20
 SOCKET_BUFFER = 4 << 20
 # A peer's request or reply is a small JSON object.
 MAX_PEER_MESSAGE = 64 << 10
+# A refused put's sender is still sending: this much of it is read and dropped (for at most
+# DRAIN_TIMEOUT_S), so the sender reads the reply instead of a reset connection.
+DRAIN_MAX_BYTES = 64 << 20
+DRAIN_TIMEOUT_S = 2.0
 MIN_HEADER_SPAN = layout.header_span(0)
 MAX_HEADER_SPAN = layout.header_span(layout.MAX_HEADER_BYTES)
 
@@ -238,6 +242,21 @@ def receive_put(
         raise
     commit(region, header)
     send_msg(sock, {"ok": True}, deadline_in(FRAME_TIMEOUT_S))
+
+
+def refuse_put(sock: socket.socket, request: PutRequest, error: str) -> None:
+    """Answer a put with `error`, then drop what its sender still sends (within limits)."""
+    send_msg(sock, {"ok": False, "error": error}, deadline_in(FRAME_TIMEOUT_S))
+    sock.shutdown(socket.SHUT_WR)
+    deadline = deadline_in(DRAIN_TIMEOUT_S)
+    left = min(DRAIN_MAX_BYTES, request.header_len + request.data_len)
+    scratch = memoryview(bytearray(min(left, 1 << 20) or 1))
+    try:
+        while left > 0:
+            recv_into(sock, scratch[: min(left, len(scratch))], deadline)
+            left -= min(left, len(scratch))
+    except ProtocolError:  # the sender stopped, or took too long: either way, done
+        pass
 
 
 def serve_get(sock: socket.socket, header_bytes: bytes, region_path: Path, data_len: int) -> None:
