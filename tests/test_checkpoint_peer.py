@@ -165,8 +165,9 @@ def test_a_frame_that_stops_half_way_times_out() -> None:
         with pytest.raises(ProtocolTimeout):
             recv_msg(b, frame_timeout_s=0.3)
         assert time.monotonic() - t0 < 5
-        with pytest.raises(ProtocolTimeout):  # and a silent side past the caller's deadline
-            recv_msg(socket.socketpair()[0], deadline=time.monotonic() + 0.2)
+    c, d = socket.socketpair()
+    with c, d, pytest.raises(ProtocolTimeout):  # and a silent side past the caller's deadline
+        recv_msg(c, deadline=time.monotonic() + 0.2)
 
 
 def test_throttle_reports_once_per_interval_with_the_count() -> None:
@@ -256,8 +257,9 @@ def test_a_replica_never_replaces_a_shard_of_this_nodes_workers(tmp_path: Path) 
 
 
 class Flood:
-    """`idle` connections to a port kept open (reopened, at most `reopen_per_s` a second, when
-    the server closes them) and `slow` ones that send a garbage byte every `slow_every_s`."""
+    """`idle` connections to a port, opened at once and kept open (those the server closes are
+    reopened, at most `reopen_per_s` a second), `slow` of them sending a garbage byte every
+    0.2 s."""
 
     def __init__(self, addr, idle: int, slow: int, reopen_per_s: int = 1000):
         self.addr, self.idle, self.slow = addr, idle, slow
@@ -288,14 +290,15 @@ class Flood:
         rng = random.Random(5)
         next_drip = 0.0
         try:
+            budget = self.idle + self.slow  # all at once, then reopened at reopen_per_s
             while not self.stop.is_set():
-                budget = max(1, self.reopen_per_s // 20)
                 while len(self.socks) < self.idle + self.slow and budget:
                     sock = self._open(sel)
                     budget -= 1
                     if len(slow) < self.slow:
                         slow.append(sock)
                 self.most_open = max(self.most_open, len(self.socks))
+                budget = max(1, self.reopen_per_s // 20)
                 for key, _ in sel.select(timeout=0.05):
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
