@@ -88,7 +88,7 @@ def parse_request(msg: dict) -> PutRequest | GetRequest:
             rank=field_int(msg, "rank"),
             header_len=field_int(msg, "header_len", MIN_HEADER_SPAN, MAX_HEADER_SPAN),
             data_len=field_int(msg, "data_len", 0, MAX_SHARD_BYTES),
-            origin=check_id("origin", msg.get("origin")),
+            origin=check_id("origin", msg.get("origin", "")),
         )
     if op == "get":
         return GetRequest(step=field_int(msg, "step"), rank=field_int(msg, "rank"))
