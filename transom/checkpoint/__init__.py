@@ -4,12 +4,14 @@ Shards live in a per-node server's shared memory, are replicated to a peer node 
 to storage in the background, listed in etcd, and loaded back from the fastest tier holding a
 good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storage).
   engine.py          the worker's API (`Engine`, `SaveHandle`, `save`/`load`)
+    client.py        its requests to the node's server, each with a time limit
   tiers/             where the loader reads from: one `LoadTier` a file, registered in order
   server.py          the per-node server, wiring:
     config.py        its configuration and command line (`ServerConfig`, `default_budget`)
     budget.py        its memory: shards, region pool, budget, eviction
     pipeline.py      the save pipeline: checksums, replication, persistence (background)
     worker_service.py / peer_service.py   its Unix-socket and TCP request handling
+    peer_port.py     its TCP port: a cap on connections, a thread each
     publisher.py     its etcd side: lease, catalog listings, events, the plan it follows
   catalog.py         the shard catalog in etcd; replication.py, protocol.py the wire
   storage.py, shm.py, shm_dirs.py, layout.py   files, shared memory, the shard format

@@ -17,6 +17,11 @@ tensors: asynchronously into that region registered as pinned memory, then commi
 background thread once the copy has finished). A load from local memory maps the server's region
 copy-on-write: no copy, and the server never writes into that region again (shm.py). Every load
 path verifies the shard's checksums; a bad copy is reported as an event and the next tier tried.
+
+Every request to the server has a time limit (client.py; `locate` LOCATE_TIMEOUT_S), so a
+stuck or silent server never stops training: a save whose request times out is a refused save
+(the handle says why, `wait` raises SaveRefused, a `refused` event is sent in the background), and
+a load whose `locate` times out reads the tiers it can reach itself (storage).
 This module never pickles or unpickles.
 """
 
@@ -25,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -37,7 +41,13 @@ import psutil
 import torch
 
 from transom.checkpoint import layout, replication, storage, tiers
-from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
+from transom.checkpoint.client import (
+    REQUEST_TIMEOUT_S,
+    CheckpointError,
+    RequestTimeout,
+    ServerConnection,
+)
+from transom.checkpoint.protocol import deadline_in
 from transom.checkpoint.shm import MappingCache, anonymous_buffer, as_bytes
 from transom.checkpoint.shm_dirs import SHM_ROOT
 from transom.checkpoint.tiers import LoaderContext
@@ -49,16 +59,17 @@ log = logging.getLogger("transom.ckpt")
 DEFAULT_STORAGE = files.CHECKPOINTS
 # The tier names of earlier releases, accepted by `SaveHandle.wait` with a DeprecationWarning.
 DEPRECATED_TIERS = {"replicated": Tier.PEER, "persisted": Tier.STORAGE}
-CONNECT_TIMEOUT_S = 10.0
+# `locate` may wait for checksums being computed (worker_service.STAGED_WAIT_S): a longer limit.
+LOCATE_TIMEOUT_S = 60.0
+# `SaveHandle.wait` without a timeout asks the server again every this many seconds, so a server
+# that stops answering is noticed.
+WAIT_POLL_S = 60.0
 EMBEDDED_PREFIX = "transom-local-"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; the message says why."""
-
-
 class SaveRefused(CheckpointError):
-    """The node's checkpoint server refused a save (memory budget); training can go on."""
+    """The node's checkpoint server refused a save (memory budget, or no answer in time);
+    training can go on."""
 
 
 class SaveHandle:
@@ -86,16 +97,22 @@ class SaveHandle:
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
-        reply = self.engine._request(
-            {
-                "op": "wait",
-                "step": self.step,
-                "rank": self.rank,
-                "tier": tier.value,
-                "timeout": timeout,
-            },
-            fresh=True,
-        )
+        deadline = deadline_in(timeout)
+        while True:  # without a timeout: in rounds of WAIT_POLL_S, each answered in time
+            left = WAIT_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = self.engine._request(
+                {
+                    "op": "wait",
+                    "step": self.step,
+                    "rank": self.rank,
+                    "tier": tier.value,
+                    "timeout": left,
+                },
+                fresh=True,
+                timeout=left + self.engine.request_timeout_s,
+            )
+            if not (reply.get("timeout") and deadline is None):
+                break
         if reply.get("timeout"):
             raise TimeoutError(reply["error"])
         if not reply.get("ok"):
@@ -114,7 +131,12 @@ class Engine:
         memory_bytes: int | None = None,
         keep: int | None = None,
         secret: bytes | None = None,
+        request_timeout_s: float | None = None,
     ):
+        self.request_timeout_s = (
+            REQUEST_TIMEOUT_S if request_timeout_s is None else float(request_timeout_s)
+        )
+        self.locate_timeout_s = max(LOCATE_TIMEOUT_S, self.request_timeout_s)  # tests may lower it
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.world_size = (
             int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -129,10 +151,9 @@ class Engine:
         else:
             self.server = self._embedded_server(memory_bytes, keep)
             self.socket_path = str(self.server.cfg.socket_path)
+        self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
         self._maps = MappingCache()
         self._pinned: set[str] = set()
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
 
@@ -154,50 +175,19 @@ class Engine:
         return CheckpointServer(cfg).start()
 
     # -- talking to the server -------------------------------------------------------------------
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CONNECT_TIMEOUT_S)
-        try:
-            sock.connect(self.socket_path)
-        except OSError as e:
-            sock.close()
-            raise CheckpointError(
-                f"cannot reach the checkpoint server at {self.socket_path}: {e}"
-            ) from e
-        sock.settimeout(None)
-        return sock
-
-    def _request(self, msg: dict, fresh: bool = False) -> dict:
-        """One request/reply; `fresh` uses its own connection (for requests that block)."""
-        if fresh:
-            sock = self._connect()
-            try:
-                send_msg(sock, msg)
-                return recv_msg(sock)
-            except (ProtocolError, OSError) as e:
-                raise CheckpointError(f"checkpoint server connection lost: {e}") from e
-            finally:
-                sock.close()
-        with self._lock:
-            for attempt in (0, 1):
-                if self._sock is None:
-                    self._sock = self._connect()
-                try:
-                    send_msg(self._sock, msg)
-                    return recv_msg(self._sock)
-                except (ProtocolError, OSError) as e:
-                    self._sock.close()
-                    self._sock = None
-                    if attempt or msg.get("op") == "commit":
-                        raise CheckpointError(f"checkpoint server connection lost: {e}") from e
-        raise AssertionError("unreachable")
+    def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
+        return self.connection.request(msg, fresh, timeout)
 
     # -- save ------------------------------------------------------------------------------------
     def prepare(self, state: Any) -> bool:
         """Have the server populate a region for a save of `state`'s size ahead of time, so even the
         first save is a plain memory copy. False when the budget has no room for a spare region."""
         plan = layout.plan_state(state, 0, self.rank, self.world_size)
-        reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
+        try:
+            reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
+        except RequestTimeout as e:
+            log.warning("%s: no region prepared", e)
+            return False
         if reply.get("ok") and reply.get("path") and plan.data_len:
             self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
         return bool(reply.get("ok"))
@@ -206,25 +196,28 @@ class Engine:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the
         background.
 
-        A save the server refuses (memory budget) does not raise: the handle says why, `wait`
-        raises SaveRefused, and a warning is logged.
+        A save the server refuses (memory budget) or does not answer in time does not raise:
+        the handle says why, `wait` raises SaveRefused, and a warning is logged (a timeout is
+        also reported as a `refused` event, in the background).
         """
         t0 = time.perf_counter()
         plan = layout.plan_state(state, step, self.rank, self.world_size)
-        reply = self._request(
-            {
-                "op": "reserve",
-                "step": step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "nbytes": plan.data_len,
-            }
-        )
+        try:
+            reply = self._request(
+                {
+                    "op": "reserve",
+                    "step": step,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "nbytes": plan.data_len,
+                }
+            )
+        except RequestTimeout as e:
+            return self._refused(step, str(e), report=True)
         if not reply.get("ok"):
             if not reply.get("refused"):
                 raise CheckpointError(f"save of step {step} failed: {reply.get('error')}")
-            log.warning("checkpoint of step %d refused: %s", step, reply.get("error"))
-            return SaveHandle(self, step, self.rank, error=reply.get("error"))
+            return self._refused(step, str(reply.get("error")))
         self._forget_unlinked()
         data = self._maps.get(reply["path"], reply["nbytes"])
         handle = SaveHandle(self, step, self.rank)
@@ -234,7 +227,10 @@ class Engine:
                 self._pin(reply["path"], data)
             layout.copy_into(plan, data, non_blocking=on_gpu)
         except BaseException:
-            self._request({"op": "abort", "step": step, "rank": self.rank})
+            try:
+                self._request({"op": "abort", "step": step, "rank": self.rank})
+            except CheckpointError:
+                pass  # the connection is closed: the server gives the region back itself
             raise
         if on_gpu:
             done = torch.cuda.Event()
@@ -250,6 +246,19 @@ class Engine:
         handle.blocking_s = time.perf_counter() - t0
         return handle
 
+    def _refused(self, step: int, error: str, report: bool = False) -> SaveHandle:
+        """The handle of a save that did not happen; `report` sends a `refused` event."""
+        log.warning("checkpoint of step %d refused: %s", step, error)
+        if report:
+            self._report_later(
+                "refused",
+                f"rank {self.rank} step {step}: save refused: {error}",
+                step=step,
+                rank=self.rank,
+                error=error,
+            )
+        return SaveHandle(self, step, self.rank, error=error)
+
     def _commit(self, handle: SaveHandle, header: dict) -> None:
         try:
             reply = self._request(
@@ -257,6 +266,9 @@ class Engine:
             )
             if not reply.get("ok"):
                 handle.error = reply.get("error")
+        except RequestTimeout as e:
+            handle.error = str(e)
+            self._refused(handle.step, handle.error, report=True)
         except CheckpointError as e:
             handle.error = str(e)
         finally:
@@ -332,8 +344,14 @@ class Engine:
         verifies; CheckpointError naming each bad copy when none does."""
         t0 = time.perf_counter()
         try:
-            located = self._request({"op": "locate", "step": step, "rank": rank}).get("sources", [])
-        except CheckpointError:
+            reply = self._request(
+                {"op": "locate", "step": step, "rank": rank}, timeout=self.locate_timeout_s
+            )
+            located = reply.get("sources", [])
+            if not isinstance(located, list):
+                located = []
+        except CheckpointError as e:
+            log.warning("%s; reading the tiers the loader reaches itself", e)
             located = []
         ctx = LoaderContext(self.storage_dir, self.secret, located)
         problems = []
@@ -374,8 +392,18 @@ class Engine:
 
     def _report(self, action: str, message: str, **fields) -> None:
         log.info("%s", message)
+        self._send_event(action, message, fields)
+
+    def _report_later(self, action: str, message: str, **fields) -> None:
+        """`_report` without waiting, on a connection of its own: for a server that may not be
+        answering (the event is lost if it does not take it within request_timeout_s)."""
+        args = (action, message, fields, True)
+        threading.Thread(target=self._send_event, args=args, daemon=True).start()
+
+    def _send_event(self, action: str, message: str, fields: dict, fresh: bool = False) -> None:
         try:
-            self._request({"op": "event", "action": action, "message": message, "fields": fields})
+            msg = {"op": "event", "action": action, "message": message, "fields": fields}
+            self._request(msg, fresh=fresh)
         except CheckpointError:
             pass
 
@@ -387,10 +415,7 @@ class Engine:
             thread.join()
         if self.server is not None and wait:
             self.server.drain()
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+        self.connection.close()
         self._maps.clear()
         if self.server is not None:
             self.server.stop()

@@ -1,11 +1,17 @@
 """The server side of the peer protocol: other nodes' servers push replicas and fetch shards.
 
-A TCP connection must pass the mutual HMAC challenge (the job's checkpoint secret) before any
-request; a failed one is reported as an `auth` event. Then one request (replication.py has the
-wire format):
+A TCP connection (admitted by peer_port.py) must pass the mutual HMAC challenge (the job's
+checkpoint secret) within AUTH_TIMEOUT_S, or it is closed; failed challenges are reported as an
+`auth` event, at most once a minute with their count. Then one request, read within
+FRAME_TIMEOUT_S and validated by `replication.parse_request` (replication.py has the wire
+format):
     put  a replica arrives: it is written straight into a region of this server's memory,
-         verified, and kept like a shard of this node (its origin is the sending node)
+         verified, and kept like a shard of this node (its origin is the sending node). A
+         replica may replace an earlier replica of the same step and rank (a step saved again
+         after a rollback), never a shard of this node's own workers.
     get  a shard this server holds in memory is sent from its region (pinned meanwhile)
+A request that is malformed, too large or late ends its connection, with an error reply where
+one can still be sent; it never raises out of `serve`'s caller's thread into anything shared.
 This module never decides placement or retention, and never reads shard bytes into Python.
 """
 
@@ -15,9 +21,19 @@ import logging
 import socket
 
 from transom.checkpoint import layout, replication
-from transom.checkpoint.budget import BudgetExceeded, ShardMemory
+from transom.checkpoint.budget import LOCAL, BudgetExceeded, ShardMemory
+from transom.checkpoint.peer_port import Throttle
 from transom.checkpoint.pipeline import SavePipeline
-from transom.checkpoint.protocol import AuthError, ProtocolError, authenticate, recv_msg, send_msg
+from transom.checkpoint.protocol import (
+    AUTH_TIMEOUT_S,
+    FRAME_TIMEOUT_S,
+    AuthError,
+    ProtocolError,
+    authenticate,
+    deadline_in,
+    recv_msg,
+    send_msg,
+)
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
@@ -37,35 +53,63 @@ class PeerService:
         self.memory = memory
         self.pipeline = pipeline
         self.publisher = publisher
+        self._auth_reports = Throttle()
+        self._request_reports = Throttle()
 
     def serve(self, sock: socket.socket) -> None:
         """Authenticate one peer connection and answer its request."""
         try:
-            sock.settimeout(replication.TRANSFER_TIMEOUT_S)
-            authenticate(sock, self.secret, initiator=False)
+            authenticate(sock, self.secret, initiator=False, deadline=deadline_in(AUTH_TIMEOUT_S))
         except AuthError as e:
-            self.publisher.event(
-                "auth", f"rejected a peer connection from {sock.getpeername()[0]}: {e}"
-            )
+            self._auth_failed(sock, e)
             return
-        except (ProtocolError, OSError):
+        except (ProtocolError, OSError):  # closed, or silent past the deadline
             return
         try:
-            msg = recv_msg(sock)
-            if msg.get("op") == "put":
-                self._put(sock, msg)
-            elif msg.get("op") == "get":
-                self._get(sock, int(msg["step"]), int(msg["rank"]))
+            msg = recv_msg(sock, deadline_in(FRAME_TIMEOUT_S), replication.MAX_PEER_MESSAGE)
+            try:
+                request = replication.parse_request(msg)
+            except ValueError as e:
+                send_msg(
+                    sock, {"ok": False, "error": f"bad request: {e}"}, deadline_in(FRAME_TIMEOUT_S)
+                )
+                raise
+            if isinstance(request, replication.PutRequest):
+                self._put(sock, request)
             else:
-                send_msg(sock, {"ok": False, "error": f"unknown request {msg.get('op')!r}"})
-        except (ProtocolError, OSError, KeyError, ValueError) as e:
-            log.warning("peer request failed: %s", e)
+                self._get(sock, request.step, request.rank)
+        except (ProtocolError, OSError, ValueError) as e:
+            count = self._request_reports.hit()
+            if count:
+                log.warning("peer request failed (%d since the last report): %s", count, e)
 
-    def _put(self, sock: socket.socket, msg: dict) -> None:
-        origin = str(msg.get("origin", "peer"))
-        step, rank = int(msg["step"]), int(msg["rank"])
+    def _auth_failed(self, sock: socket.socket, error: AuthError) -> None:
+        count = self._auth_reports.hit()
+        if count is None:
+            return
+        try:
+            who = sock.getpeername()[0]
+        except OSError:
+            who = "a peer that left"
+        self.publisher.event(
+            "auth",
+            f"rejected {count} peer connection(s) since the last report, the latest from "
+            f"{who}: {error}",
+            count=count,
+        )
+
+    def _put(self, sock: socket.socket, request: replication.PutRequest) -> None:
+        step, rank, origin = request.step, request.rank, request.origin
 
         def reserve(step: int, rank: int, nbytes: int) -> Region:
+            if origin == LOCAL:
+                raise BudgetExceeded(f"a replica cannot name {LOCAL!r} as its origin")
+            with self.memory.lock:
+                held = self.memory.shards.get((step, rank))
+                if held is not None and held.origin == LOCAL:
+                    raise BudgetExceeded(
+                        f"step {step} rank {rank} is a shard of this node's own workers here"
+                    )
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
         def commit(region: Region, header: dict | None) -> None:
@@ -79,9 +123,9 @@ class PeerService:
             self.pipeline.committed(shard)
 
         try:
-            replication.receive_put(sock, msg, reserve, commit)
+            replication.receive_put(sock, request, reserve, commit)
         except (BudgetExceeded, layout.ShardError) as e:
-            send_msg(sock, {"ok": False, "error": str(e)})
+            replication.refuse_put(sock, request, str(e))
 
     def _get(self, sock: socket.socket, step: int, rank: int) -> None:
         with self.memory.lock:
@@ -90,7 +134,7 @@ class PeerService:
             if shard is not None and ok:
                 shard.pins += 1
         if shard is None or not ok:
-            send_msg(sock, {"ok": False, "error": "not held here"})
+            send_msg(sock, {"ok": False, "error": "not held here"}, deadline_in(FRAME_TIMEOUT_S))
             return
         try:
             assert shard.header is not None

@@ -1,10 +1,16 @@
 """Shard transfer between nodes over TCP: push a replica to a peer's server, fetch one back.
 
-A connection starts with the mutual HMAC challenge of protocol.py (the job's checkpoint secret),
-then carries requests:
+A connection starts with the mutual HMAC challenge of protocol.py (the job's checkpoint secret,
+within AUTH_TIMEOUT_S), then carries one request:
     {"op": "put", "step", "rank", "header_len", "data_len", "origin"} + header bytes + data bytes
         -> {"ok": true} once the receiver holds the shard in memory with its checksums verified
     {"op": "get", "step", "rank"} -> {"ok": true, "header_len", "data_len"} + header + data
+`parse_request` is the one reader of a request: it names the fields, their types and bounds
+(a shard's data at most MAX_SHARD_BYTES, its header at most layout's MAX_HEADER_BYTES). Both
+sides read the shard header's prefix first and check it against the lengths the message named
+before reading (or allocating) anything more. Messages must arrive within FRAME_TIMEOUT_S; shard
+bytes within TRANSFER_TIMEOUT_S plus their size at MIN_TRANSFER_BYTES_PER_S.
+
 Data leaves a region with sendfile (no copy through Python) and lands with recv_into straight in
 the destination memory. The placement rule (`ring_peer`) puts a node's replicas on the next member
 of the plan's ring, so losing one node never loses both copies of a shard. This module moves
@@ -14,21 +20,85 @@ bytes; it never decides what a server keeps.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from transom.checkpoint import layout
-from transom.checkpoint.protocol import ProtocolError, authenticate, recv_into, recv_msg, send_msg
-from transom.checkpoint.shm import anonymous_buffer, as_bytes
+from transom.checkpoint.protocol import (
+    AUTH_TIMEOUT_S,
+    FRAME_TIMEOUT_S,
+    MAX_SHARD_BYTES,
+    ProtocolError,
+    authenticate,
+    deadline_in,
+    field_int,
+    recv_exact,
+    recv_into,
+    recv_msg,
+    send_all,
+    send_msg,
+)
+from transom.checkpoint.shm import Region, anonymous_buffer, as_bytes
+from transom.common.names import check_id
 
 CONNECT_TIMEOUT_S = 5.0
+# Shard bytes may stall this long at most; a whole transfer may take this long plus its size at
+# MIN_TRANSFER_BYTES_PER_S.
 TRANSFER_TIMEOUT_S = 120.0
+MIN_TRANSFER_BYTES_PER_S = 16 << 20
 SOCKET_BUFFER = 4 << 20
+# A peer's request or reply is a small JSON object.
+MAX_PEER_MESSAGE = 64 << 10
+# A refused put's sender is still sending: this much of it is read and dropped (for at most
+# DRAIN_TIMEOUT_S), so the sender reads the reply instead of a reset connection.
+DRAIN_MAX_BYTES = 64 << 20
+DRAIN_TIMEOUT_S = 2.0
+MIN_HEADER_SPAN = layout.header_span(0)
+MAX_HEADER_SPAN = layout.header_span(layout.MAX_HEADER_BYTES)
 
 
 class ReplicationError(ConnectionError):
     """A peer could not be reached, refused the shard, or sent a bad one."""
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    step: int
+    rank: int
+    header_len: int  # the shard's prefix, JSON header and padding: layout.header_span
+    data_len: int
+    origin: str  # the node whose shard this is a replica of
+
+
+@dataclass(frozen=True)
+class GetRequest:
+    step: int
+    rank: int
+
+
+def parse_request(msg: dict) -> PutRequest | GetRequest:
+    """The request in a peer's message; ValueError naming what is wrong with it."""
+    op = msg.get("op")
+    if op == "put":
+        return PutRequest(
+            step=field_int(msg, "step"),
+            rank=field_int(msg, "rank"),
+            header_len=field_int(msg, "header_len", MIN_HEADER_SPAN, MAX_HEADER_SPAN),
+            data_len=field_int(msg, "data_len", 0, MAX_SHARD_BYTES),
+            origin=check_id("origin", msg.get("origin", "")),
+        )
+    if op == "get":
+        return GetRequest(step=field_int(msg, "step"), rank=field_int(msg, "rank"))
+    raise ValueError(f"unknown request {str(op)[:40]!r}: put or get")
+
+
+def transfer_deadline(nbytes: int) -> float:
+    deadline = deadline_in(TRANSFER_TIMEOUT_S + nbytes / MIN_TRANSFER_BYTES_PER_S)
+    assert deadline is not None
+    return deadline
 
 
 def ring_peer(members: list[str], node: str) -> str | None:
@@ -42,13 +112,12 @@ def connect(addr: str, secret: bytes) -> socket.socket:
     host, _, port = addr.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ReplicationError(f"cannot reach checkpoint server at {addr}: {e}") from e
-    sock.settimeout(TRANSFER_TIMEOUT_S)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
     try:
-        authenticate(sock, secret, initiator=True)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        authenticate(sock, secret, initiator=True, deadline=deadline_in(AUTH_TIMEOUT_S))
     except (ProtocolError, OSError) as e:
         sock.close()
         raise ReplicationError(f"checkpoint server at {addr}: {e}") from e
@@ -56,11 +125,28 @@ def connect(addr: str, secret: bytes) -> socket.socket:
 
 
 def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
-    """The first `nbytes` of a region file, kernel to kernel."""
+    """The first `nbytes` of a region file, kernel to kernel (stalls: TRANSFER_TIMEOUT_S)."""
     if nbytes == 0:
         return
+    sock.settimeout(TRANSFER_TIMEOUT_S)
     with open(region_path, "rb") as f:
         sock.sendfile(f, 0, nbytes)
+
+
+def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> dict:
+    """The shard header that follows a message naming `header_len` and `data_len`: its prefix
+    is read and checked against them before the rest is read. ShardError when they differ."""
+    deadline = transfer_deadline(header_len)
+    prefix = recv_exact(sock, layout.PREFIX.size, deadline)
+    body_len, _, prefix_data_len = layout.decode_prefix(prefix)
+    if layout.header_span(body_len) != header_len or prefix_data_len != data_len:
+        raise layout.ShardError(
+            f"shard header ({layout.header_span(body_len)} bytes, data {prefix_data_len}) does "
+            f"not match the request ({header_len} bytes, data {data_len})"
+        )
+    rest = recv_exact(sock, header_len - layout.PREFIX.size, deadline)
+    header, _ = layout.decode_header(prefix + rest)
+    return header
 
 
 def push(
@@ -79,20 +165,21 @@ def push(
                 "header_len": len(header_bytes),
                 "data_len": header["data_len"],
             },
+            deadline_in(FRAME_TIMEOUT_S),
         )
-        sock.sendall(header_bytes)
+        send_all(sock, header_bytes, transfer_deadline(len(header_bytes)))
         send_region(sock, region_path, header["data_len"])
-        reply = recv_msg(sock)
+        reply = recv_msg(sock, deadline_in(TRANSFER_TIMEOUT_S), MAX_PEER_MESSAGE)
     except (OSError, ProtocolError) as e:
         raise ReplicationError(
             f"sending step {header['step']} rank {header['rank']} to {addr}: {e}"
         ) from e
     finally:
         sock.close()
-    if not reply.get("ok"):
+    if reply.get("ok") is not True:
         raise ReplicationError(
             f"peer at {addr} refused step {header['step']} rank {header['rank']}: "
-            f"{reply.get('error')}"
+            f"{str(reply.get('error'))[:500]}"
         )
 
 
@@ -100,20 +187,22 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
     """(header, data) of a shard held by the server at `addr`, checksums verified."""
     sock = connect(addr, secret)
     try:
-        send_msg(sock, {"op": "get", "step": step, "rank": rank})
-        reply = recv_msg(sock)
-        if not reply.get("ok"):
+        send_msg(sock, {"op": "get", "step": step, "rank": rank}, deadline_in(FRAME_TIMEOUT_S))
+        reply = recv_msg(sock, deadline_in(TRANSFER_TIMEOUT_S), MAX_PEER_MESSAGE)
+        if reply.get("ok") is not True:
             raise ReplicationError(
-                f"server at {addr} has no step {step} rank {rank}: {reply.get('error')}"
+                f"server at {addr} has no step {step} rank {rank}: {str(reply.get('error'))[:500]}"
             )
-        head = bytearray(reply["header_len"])
-        recv_into(sock, memoryview(head))
-        header, _ = layout.decode_header(bytes(head))
+        try:
+            header_len = field_int(reply, "header_len", MIN_HEADER_SPAN, MAX_HEADER_SPAN)
+            data_len = field_int(reply, "data_len", 0, MAX_SHARD_BYTES)
+        except ValueError as e:
+            raise ReplicationError(f"server at {addr} sent a bad reply: {e}") from e
+        header = recv_shard_header(sock, header_len, data_len)
         layout.check_identity(header, step, rank)
-        data_len = header["data_len"]
         buf = anonymous_buffer(data_len)
         view = memoryview(buf)[:data_len]
-        recv_into(sock, view)
+        recv_into(sock, view, transfer_deadline(data_len))
     except (OSError, ProtocolError) as e:
         raise ReplicationError(f"fetching step {step} rank {rank} from {addr}: {e}") from e
     finally:
@@ -123,27 +212,58 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
     return header, as_bytes(buf)[:data_len]
 
 
-def receive_put(sock: socket.socket, msg: dict, reserve, commit) -> None:
+def check_put_header(header: dict, request: PutRequest) -> None:
+    """ShardError unless the shard header is the one `request` announced, with a world size."""
+    layout.check_identity(header, request.step, request.rank)
+    world_size = header.get("world_size")
+    if type(world_size) is not int or world_size < 1:
+        raise layout.ShardError(f"shard header has a bad world size {str(world_size)[:40]!r}")
+
+
+def receive_put(
+    sock: socket.socket,
+    request: PutRequest,
+    reserve: Callable[[int, int, int], Region],
+    commit: Callable[[Region, dict | None], None],
+) -> None:
     """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header)`
-    keeps it (`commit(region, None)` gives it back)."""
-    head = bytearray(int(msg["header_len"]))
-    recv_into(sock, memoryview(head))
-    header, _ = layout.decode_header(bytes(head))
-    layout.check_identity(header, msg["step"], msg["rank"])
-    region = reserve(header["step"], header["rank"], header["data_len"])
+    keeps it (`commit(region, None)` gives it back). ShardError for a shard that is not the one
+    announced or does not verify; nothing is reserved before its header has been checked."""
+    header = recv_shard_header(sock, request.header_len, request.data_len)
+    check_put_header(header, request)
+    region = reserve(request.step, request.rank, request.data_len)
     try:
-        view = region.view()[: header["data_len"]]
-        recv_into(sock, view)
+        view = region.view()[: request.data_len]
+        recv_into(sock, view, transfer_deadline(request.data_len))
         layout.verify_data(header, view)
         del view
     except BaseException:
         commit(region, None)  # gives the region back
         raise
     commit(region, header)
-    send_msg(sock, {"ok": True})
+    send_msg(sock, {"ok": True}, deadline_in(FRAME_TIMEOUT_S))
+
+
+def refuse_put(sock: socket.socket, request: PutRequest, error: str) -> None:
+    """Answer a put with `error`, then drop what its sender still sends (within limits)."""
+    send_msg(sock, {"ok": False, "error": error}, deadline_in(FRAME_TIMEOUT_S))
+    sock.shutdown(socket.SHUT_WR)
+    deadline = deadline_in(DRAIN_TIMEOUT_S)
+    left = min(DRAIN_MAX_BYTES, request.header_len + request.data_len)
+    scratch = memoryview(bytearray(min(left, 1 << 20) or 1))
+    try:
+        while left > 0:
+            recv_into(sock, scratch[: min(left, len(scratch))], deadline)
+            left -= min(left, len(scratch))
+    except ProtocolError:  # the sender stopped, or took too long: either way, done
+        pass
 
 
 def serve_get(sock: socket.socket, header_bytes: bytes, region_path: Path, data_len: int) -> None:
-    send_msg(sock, {"ok": True, "header_len": len(header_bytes), "data_len": data_len})
-    sock.sendall(header_bytes)
+    send_msg(
+        sock,
+        {"ok": True, "header_len": len(header_bytes), "data_len": data_len},
+        deadline_in(FRAME_TIMEOUT_S),
+    )
+    send_all(sock, header_bytes, transfer_deadline(len(header_bytes)))
     send_region(sock, region_path, data_len)

@@ -8,9 +8,9 @@ A save goes: the worker asks to `reserve` a region of the shard's size (budget.p
 tensors into it (shm.py), and `commit`s the header (worker_service.py); from then on the server
 works alone, in the background (pipeline.py): checksums (the shard is then in the `memory` tier
 and listed in etcd, publisher.py), a replica pushed to the ring peer's server (`peer`,
-peer_service.py on the other side), the file written to storage (`storage`). Loads ask to
-`locate` a shard and get its sources, fastest first. This module only wires those parts and runs
-their threads; it must never grow request handling or policy of its own.
+peer_port.py and peer_service.py on the other side), the file written to storage (`storage`).
+Loads ask to `locate` a shard and get its sources, fastest first. This module only wires those
+parts and runs their threads; it must never grow request handling or policy of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from transom.checkpoint import config
 from transom.checkpoint.budget import ShardMemory
 from transom.checkpoint.config import ServerConfig
+from transom.checkpoint.peer_port import PeerPort
 from transom.checkpoint.peer_service import PeerService
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
@@ -58,22 +59,18 @@ class CheckpointServer:
         self.workers = WorkerService(cfg, self.memory, self.pipeline, self.publisher)
         self.peers = PeerService(cfg.secret, self.memory, self.pipeline, self.publisher)
         self._unix: socketserver.ThreadingUnixStreamServer | None = None
-        self._tcp: socketserver.ThreadingTCPServer | None = None
+        self._tcp: PeerPort | None = None
         self.addr = ""
 
     def _follow_plan(self, plan: PlanView) -> None:
         self.memory.protected_step = plan.restore_step
 
     def start(self) -> CheckpointServer:
-        workers, peers = self.workers, self.peers
+        workers = self.workers
 
         class UnixHandler(socketserver.BaseRequestHandler):
             def handle(self):
                 workers.serve(self.request)
-
-        class TcpHandler(socketserver.BaseRequestHandler):
-            def handle(self):
-                peers.serve(self.request)
 
         path = Path(self.cfg.socket_path)
         if len(str(path)) > SOCKET_PATH_MAX:
@@ -82,14 +79,12 @@ class CheckpointServer:
         socketserver.ThreadingUnixStreamServer.daemon_threads = True
         self._unix = socketserver.ThreadingUnixStreamServer(str(path), UnixHandler)
         if self.cfg.secret:  # peers authenticate with the secret: without one, no peer port
-            socketserver.ThreadingTCPServer.allow_reuse_address = True
-            socketserver.ThreadingTCPServer.daemon_threads = True
-            self._tcp = socketserver.ThreadingTCPServer((self.cfg.host, self.cfg.port), TcpHandler)
-            self.addr = f"{self.cfg.host}:{self._tcp.server_address[1]}"
+            self._tcp = PeerPort(self.cfg.host, self.cfg.port, self.peers.serve)
+            self.addr = f"{self.cfg.host}:{self._tcp.port}"
         self.publisher.start(self.addr)
         threads = [(self._unix.serve_forever, "ckpt-unix"), *self.pipeline.threads()]
         if self._tcp is not None:
-            threads.append((self._tcp.serve_forever, "ckpt-tcp"))
+            self._tcp.start()
         if self.publisher.store is not None:
             threads.append((lambda: self.publisher.follow(self.stopping), "ckpt-control"))
         for target, name in threads:
@@ -109,10 +104,11 @@ class CheckpointServer:
 
     def stop(self) -> None:
         self.stopping.set()
-        for srv in (self._unix, self._tcp):
-            if srv is not None:
-                srv.shutdown()
-                srv.server_close()
+        if self._unix is not None:
+            self._unix.shutdown()
+            self._unix.server_close()
+        if self._tcp is not None:
+            self._tcp.close()
         self.pipeline.stop()
         Path(self.cfg.socket_path).unlink(missing_ok=True)
         self.publisher.stop()

@@ -10,9 +10,13 @@ Each message (protocol.py framing) is one request with one reply:
     steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
     event   {action, message, fields}        a `checkpoint` event on the worker's behalf
     status                    -> what the server holds
-A refused save answers {"ok": false, "refused": true, "error"}; a bad request {"ok": false,
-"error"}. Regions a connection reserved and never committed are given back when it closes.
-This module only parses requests and routes them; it never holds shard bytes.
+A refused save answers {"ok": false, "refused": true, "error"}; a bad request (a field of the
+wrong type or out of bounds, a shard over MAX_SHARD_BYTES) {"ok": false, "error"}. A connection
+may idle between requests, but a request must arrive within FRAME_TIMEOUT_S of its first byte and
+its reply be taken within REPLY_TIMEOUT_S, or the connection is closed. Regions a connection
+reserved and never committed are given back when it closes. The worker gives up on a reply after
+its own limit (engine.py); this module only parses requests and routes them, and never holds
+shard bytes.
 """
 
 from __future__ import annotations
@@ -26,15 +30,25 @@ from transom.checkpoint import layout, storage
 from transom.checkpoint.budget import STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.pipeline import SavePipeline
-from transom.checkpoint.protocol import ProtocolError, recv_msg, send_msg
+from transom.checkpoint.protocol import (
+    MAX_SHARD_BYTES,
+    ProtocolError,
+    deadline_in,
+    field_int,
+    recv_msg,
+    send_msg,
+)
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt.server")
 
-# A load of a shard whose checksums are still being computed waits this long for them.
+# A load of a shard whose checksums are still being computed waits this long for them (the
+# worker's `locate` waits longer: engine.LOCATE_TIMEOUT_S).
 STAGED_WAIT_S = 30.0
+# A worker that does not take its reply within this is gone or stuck: its connection is closed.
+REPLY_TIMEOUT_S = 10.0
 
 
 class WorkerService:
@@ -65,7 +79,10 @@ class WorkerService:
                     reply = self.handle(msg, reserved)
                 except (BudgetExceeded, layout.ShardError, KeyError, ValueError, TypeError) as e:
                     reply = {"ok": False, "error": str(e), "refused": isinstance(e, BudgetExceeded)}
-                send_msg(sock, reply)
+                try:
+                    send_msg(sock, reply, deadline_in(REPLY_TIMEOUT_S))
+                except (ProtocolError, OSError):
+                    return
         finally:
             for (step, rank), region in reserved.items():
                 self.memory.abort(step, rank, region)
@@ -73,36 +90,48 @@ class WorkerService:
     def handle(self, msg: dict, reserved: dict[tuple[int, int], Region]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "reserve":
-            step, rank = int(msg["step"]), int(msg["rank"])
-            region = self.memory.reserve(step, rank, int(msg["nbytes"]), int(msg["world_size"]))
+            step, rank = field_int(msg, "step"), field_int(msg, "rank")
+            nbytes = field_int(msg, "nbytes", 0, MAX_SHARD_BYTES)
+            world_size = field_int(msg, "world_size", 1)
+            region = self.memory.reserve(step, rank, nbytes, world_size)
             reserved[(step, rank)] = region
             return {"ok": True, "path": str(region.path), "nbytes": region.nbytes}
         if op == "commit":
-            step, rank = int(msg["step"]), int(msg["rank"])
+            step, rank = field_int(msg, "step"), field_int(msg, "rank")
+            header = msg.get("header")
+            if not isinstance(header, dict):
+                raise ValueError("commit needs the shard's header (an object)")
             region = reserved.pop((step, rank))
-            self.pipeline.commit(step, rank, region, msg["header"])
+            self.pipeline.commit(step, rank, region, header)
             return {"ok": True}
         if op == "abort":
-            step, rank = int(msg["step"]), int(msg["rank"])
+            step, rank = field_int(msg, "step"), field_int(msg, "rank")
             aborted = reserved.pop((step, rank), None)
             if aborted is not None:
                 self.memory.abort(step, rank, aborted)
             return {"ok": True}
         if op == "wait":
-            tier = parse_tier(msg["tier"])
-            return self.pipeline.wait(int(msg["step"]), int(msg["rank"]), tier, msg.get("timeout"))
+            tier = parse_tier(msg.get("tier"))
+            step, rank = field_int(msg, "step"), field_int(msg, "rank")
+            return self.pipeline.wait(step, rank, tier, parse_timeout(msg.get("timeout")))
         if op == "locate":
-            return {"ok": True, "sources": self.locate(int(msg["step"]), int(msg["rank"]))}
+            step, rank = field_int(msg, "step"), field_int(msg, "rank")
+            return {"ok": True, "sources": self.locate(step, rank)}
         if op == "prepare":
-            nbytes = int(msg["nbytes"])
-            spare = self.memory.prepare_spare(nbytes, int(msg.get("rank", 0)))
+            nbytes = field_int(msg, "nbytes", 0, MAX_SHARD_BYTES)
+            rank = field_int(msg, "rank") if "rank" in msg else 0
+            spare = self.memory.prepare_spare(nbytes, rank)
             return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
         if op == "steps":
-            return {"ok": True, "steps": self.steps(int(msg["world_size"]))}
+            return {"ok": True, "steps": self.steps(field_int(msg, "world_size", 1))}
         if op == "event":
-            self.publisher.event(
-                msg.get("action", "restored"), msg.get("message", ""), **msg.get("fields", {})
-            )
+            action, message = msg.get("action", "restored"), msg.get("message", "")
+            fields = msg.get("fields", {})
+            if not (isinstance(action, str) and isinstance(message, str)):
+                raise ValueError("an event's action and message are strings")
+            if not isinstance(fields, dict) or {"action", "message"} & set(fields):
+                raise ValueError("an event's fields are an object without action or message")
+            self.publisher.event(action, message, **fields)
             return {"ok": True}
         if op == "status":
             return {
@@ -111,7 +140,7 @@ class WorkerService:
                 "addr": self.publisher.addr,
                 **self.memory.status(),
             }
-        raise ValueError(f"unknown request {op!r}")
+        raise ValueError(f"unknown request {str(op)[:40]!r}")
 
     def locate(self, step: int, rank: int) -> list[dict]:
         """Where shard (step, rank) can be read from, fastest first."""
@@ -166,6 +195,15 @@ class WorkerService:
                 if manifest and manifest.get("world_size") == world_size:
                     steps.add(step)
         return sorted(steps, reverse=True)
+
+
+def parse_timeout(value: Any) -> float | None:
+    """A `wait` request's timeout: None (no limit) or seconds >= 0; ValueError else."""
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+        raise ValueError(f"timeout must be null or seconds >= 0, not {str(value)[:40]!r}")
+    return float(value)
 
 
 def parse_tier(name: Any) -> Tier:
