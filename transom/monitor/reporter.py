@@ -57,8 +57,8 @@ class _Channel:
         try:
             data = datagram.encode(kind, self.rank, self.generation, time.time(), **values)
             self.sock.sendto(data, self.path)
-        except (OSError, ValueError):
-            pass  # the agent is gone, the buffer is full, a value is not JSON: one sample fewer
+        except Exception:  # noqa: BLE001 - the agent is gone, its queue is full, a value is not JSON
+            pass  # one sample fewer; the heartbeat thread must live on
 
     def _beat(self) -> None:
         while True:
