@@ -6,17 +6,28 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import stat
 import struct
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
 from transom.faults import MockNvml
 from transom.monitor import datagram, detectors
-from transom.monitor.channel import PATH_LIMIT, dir_prefix
+from transom.monitor.channel import (
+    DIR_PREFIX,
+    PATH_LIMIT,
+    SOCKET_NAME,
+    STALE_AFTER_S,
+    dir_prefix,
+    sweep_stale,
+)
 from transom.monitor.node import (
     ACCEPTED,
     FOREIGN_RANK,
@@ -194,6 +205,29 @@ def test_the_socket_lives_in_a_private_directory_removed_on_close():
     assert len(os.fsencode(path)) < PATH_LIMIT
     monitor.close()
     assert not path.parent.exists()
+
+
+def test_directories_of_dead_channels_are_swept_and_live_ones_kept():
+    base = Path(tempfile.mkdtemp(prefix="sweep-", dir="/tmp"))  # short: socket paths fit
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        dead, empty, alive, young = (
+            base / f"{DIR_PREFIX}{name}" for name in ("dead", "empty", "alive", "young")
+        )
+        for path in (dead, empty, alive, young):
+            path.mkdir(mode=0o700)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.bind(str(dead / SOCKET_NAME))  # closed without unlinking: refuses connections
+        live.bind(str(alive / SOCKET_NAME))
+        (base / f"{DIR_PREFIX}link").symlink_to(empty)  # not a directory itself: left alone
+        old = time.time() - 2 * STALE_AFTER_S
+        for path in (dead, empty, alive):
+            os.utime(path, (old, old))
+        assert sorted(sweep_stale(base)) == [dead, empty]
+        assert alive.exists() and young.exists() and not dead.exists()
+    finally:
+        live.close()
+        shutil.rmtree(base)
 
 
 @pytest.mark.skipif(

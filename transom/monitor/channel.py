@@ -8,6 +8,9 @@ it (transom.monitor.reporter). Another local user cannot search the directory, s
 the socket. The kernel also hands the listener each sender's credentials (SO_PASSCRED), and a
 datagram from another uid is refused: a second check should the directory ever be opened up.
 
+An agent killed outright leaves its directory behind: each new channel removes this user's
+directories whose socket is gone or refuses connections (`sweep_stale`).
+
 A process of the same user can write to the socket. That is out of scope: such a process can
 ptrace the workers, read their memory and environment, and signal them anyway.
 
@@ -24,15 +27,18 @@ import socket
 import stat
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from transom.monitor.datagram import MAX_BYTES
 
 SOCKET_NAME = "monitor.sock"
+DIR_PREFIX = "transom-mon-"
 PATH_LIMIT = 100  # sun_path holds 108 bytes on Linux, 104 on macOS; keep a margin
 FALLBACK_TMP = "/tmp"
 RECEIVE_TIMEOUT_S = 0.5
+STALE_AFTER_S = 60.0  # a younger directory may belong to an agent that is binding its socket
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _PASSCRED = getattr(socket, "SO_PASSCRED", None)  # Linux only
 _CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", None)
@@ -50,7 +56,7 @@ class Received:
 def dir_prefix(scope: str, node_id: str) -> str:
     """The start of the name of a node's socket directory (`scope`: the job's run directory)."""
     digest = hashlib.sha256(scope.encode() + b"\0" + node_id.encode()).hexdigest()
-    return f"transom-mon-{digest[:12]}-"
+    return f"{DIR_PREFIX}{digest[:12]}-"
 
 
 def private_dir(scope: str, node_id: str) -> Path:
@@ -60,10 +66,33 @@ def private_dir(scope: str, node_id: str) -> Path:
     for base in (tempfile.gettempdir(), FALLBACK_TMP):
         # mkdtemp's random part is 8 characters; "/" + SOCKET_NAME follows.
         if len(os.fsencode(base)) + len(f"/{prefix}12345678/{SOCKET_NAME}") < PATH_LIMIT:
+            sweep_stale(Path(base))
             path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
             check_private(path)
             return path
     raise OSError(f"no temporary directory short enough for a Unix socket path: {base}")
+
+
+def sweep_stale(base: Path) -> list[Path]:
+    """Remove this user's channel directories under `base` whose socket is gone or refuses
+    connections (its agent died without closing it). Returns those removed; never raises."""
+    removed = []
+    for path in base.glob(f"{DIR_PREFIX}*"):
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            if time.time() - info.st_mtime < STALE_AFTER_S:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+                probe.connect(str(path / SOCKET_NAME))  # sends nothing
+            continue  # a live channel
+        except (ConnectionRefusedError, FileNotFoundError):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def check_private(path: Path) -> None:
