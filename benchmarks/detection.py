@@ -244,7 +244,7 @@ def overhead(tmp: Path, steps: int, rounds: int) -> dict:
                 }
                 env["OMP_NUM_THREADS"] = "1"
                 if mode == "on":
-                    env[env_names.MONITOR_PORT] = str(monitor.port)
+                    env[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
                 out = subprocess.run(
                     [
                         sys.executable,
@@ -289,7 +289,7 @@ def api_call_s(calls: int = 20000) -> float:
     from transom.monitor.node import NodeMonitor
 
     monitor = NodeMonitor("bench-api")
-    os.environ[env_names.MONITOR_PORT] = str(monitor.port)
+    os.environ[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
     try:
         t0 = time.perf_counter()
         for i in range(calls):

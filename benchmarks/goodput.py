@@ -14,8 +14,8 @@ and, unless --no-reference, a fault-free torchrun run (`floor`) whose final weig
 must match.
 
 Faults under torchrun are injected by this benchmark, of the same type at the same step: it listens
-to the workers' monitor datagrams (transom.monitor.reporter, pointed at its own UDP port) to see
-each rank's steps, and
+to the workers' monitor datagrams (transom.monitor.reporter, pointed at its own monitor socket) to
+see each rank's steps, and
   crash  SIGKILLs the rank's worker;
   kill   SIGKILLs the node's torchrun agent and its worker, and starts a replacement agent at once
          (a hot spare, which favours the baseline);

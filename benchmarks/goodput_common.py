@@ -54,7 +54,7 @@ def worker_env() -> dict[str, str]:
         "LOCAL_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
-        env_names.MONITOR_PORT,
+        env_names.MONITOR_SOCKET,
         env_names.FAULTS,
         env_names.CHECKPOINT_DIR,
         "TORCHELASTIC_RUN_ID",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,8 @@ from goodput_common import (  # noqa: E402
 
 from transom.common import env as env_names  # noqa: E402
 from transom.faults import WORKER_FAULTS  # noqa: E402
+from transom.monitor import datagram  # noqa: E402
+from transom.monitor.channel import ChannelSocket  # noqa: E402
 
 # -- torchrun --------------------------------------------------------------------------------
 
@@ -51,9 +52,7 @@ class TorchrunJob:
         self.ckpt = work / f"{self.run_id}-ckpt"
         self.final = work / f"{self.run_id}-final.pt"
         self.rdzv_port = free_port()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
+        self.channel = ChannelSocket(self.run_id)  # the workers' monitor datagrams
         self.lock = threading.Lock()
         self.agents: dict[str, subprocess.Popen] = {}  # node -> its current torchrun agent
         self.killed: list[subprocess.Popen] = []
@@ -102,7 +101,7 @@ class TorchrunJob:
                     | ({"rank": None} if f["node"] else {})
                 )
         return worker_env() | {
-            env_names.MONITOR_PORT: str(self.sock.getsockname()[1]),
+            env_names.MONITOR_SOCKET: str(self.channel.path),
             env_names.FAULTS: json.dumps(faults),
         }
 
@@ -138,17 +137,16 @@ class TorchrunJob:
     def listen(self) -> None:
         pending = [f for f in self.schedule if f["type"] not in WORKER_FAULTS]
         while not self.stopping.is_set():
-            try:
-                message = json.loads(self.sock.recv(65536))
-            except (TimeoutError, ValueError):
+            received = self.channel.receive()
+            message = datagram.parse(received.data) if received is not None else None
+            if not isinstance(message, datagram.Datagram):
                 continue
-            rank = message.get("rank")
-            if message.get("k") == "fault":  # the reporter fired a worker-side fault
-                f = message["fault"]
-                self.record(f, message["t"], message.get("step"), rank)
-            elif message.get("k") == "step" and rank is not None:
-                self.steps[rank] = message["step"]
-                for f in [f for f in pending if message["step"] >= f["step"]]:
+            rank, step = message.rank, message.values.get("step")
+            if message.kind == "fault":  # the reporter fired a worker-side fault
+                self.record(message.values["fault"], message.t or time.time(), step, rank)
+            elif message.kind == "step" and step is not None:
+                self.steps[rank] = step
+                for f in [f for f in pending if step >= f["step"]]:
                     if self.inject(f):
                         pending.remove(f)
 
@@ -221,7 +219,7 @@ class TorchrunJob:
             kill_marked(
                 str(self.ckpt)
             )  # workers (a stopped one included) live in sessions of their own
-            self.sock.close()
+            self.channel.close()
         if any(code != 0 for code in codes):
             raise RuntimeError(
                 f"the torchrun job failed (agents exited {codes}); see {self.outputs}"

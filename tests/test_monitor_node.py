@@ -1,5 +1,5 @@
-"""The worker API talking to a real agent-side NodeMonitor over loopback UDP, log scanning,
-MockNvml hardware signals, and the fault schedule parser."""
+"""The worker API talking to a real agent-side NodeMonitor over its monitor channel (a Unix
+datagram socket), log scanning, MockNvml hardware signals, and the fault schedule parser."""
 
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ from transom.monitor.node import WARMUP_STEPS, NodeMonitor
 
 @pytest.fixture
 def node(monkeypatch):
-    """A NodeMonitor and a fresh worker-side channel pointed at it, as rank 3."""
+    """A NodeMonitor and a fresh worker-side channel pointed at it, as rank 3 of generation 0."""
     monitor = NodeMonitor("nodeX", nvml=MockNvml())
-    monkeypatch.setenv(env.MONITOR_PORT, str(monitor.port))
+    monitor.expect_ranks([3])
+    monkeypatch.setenv(env.MONITOR_SOCKET, str(monitor.socket_path))
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv(env.GENERATION, "0")
     monkeypatch.setattr(reporter, "_channel", None)
     yield monitor
     monitor.close()
 
 
 def test_calls_are_no_ops_without_an_agent(monkeypatch):
-    monkeypatch.delenv(env.MONITOR_PORT, raising=False)
+    monkeypatch.delenv(env.MONITOR_SOCKET, raising=False)
     monkeypatch.setattr(reporter, "_channel", None)
     with reporter.step(1) as s:
         with s.section("sync"):

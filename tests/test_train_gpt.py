@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ def _env() -> dict[str, str]:
         "MASTER_ADDR",
         "MASTER_PORT",
         "TRANSOM_CHECKPOINT_DIR",
-        "TRANSOM_MONITOR_PORT",
+        "TRANSOM_MONITOR_SOCKET",
         "TORCHELASTIC_RUN_ID",
     ):
         env.pop(name, None)
@@ -227,13 +226,11 @@ def _run_failing(
     return proc.returncode, out, time.monotonic() - started
 
 
-def _with_faults(faults: list[dict]) -> dict[str, str]:
-    """The environment of a worker that applies `faults` itself (reporter.py needs a monitor port;
-    nothing listens on it, which the reporter tolerates)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return _env() | {"TRANSOM_MONITOR_PORT": str(port), "TRANSOM_FAULTS": json.dumps(faults)}
+def _with_faults(faults: list[dict], tmp_path: Path) -> dict[str, str]:
+    """The environment of a worker that applies `faults` itself (reporter.py needs a monitor
+    socket; nothing listens at this path, which the reporter tolerates)."""
+    nowhere = str(tmp_path / "no-monitor.sock")
+    return _env() | {"TRANSOM_MONITOR_SOCKET": nowhere, "TRANSOM_FAULTS": json.dumps(faults)}
 
 
 def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path: Path) -> None:
@@ -246,7 +243,8 @@ def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path
                 "rank": None,
                 "once_file": str(tmp_path / "f0.fired"),
             }
-        ]
+        ],
+        tmp_path,
     )
     args = [
         sys.executable,
@@ -281,7 +279,9 @@ def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path
 def test_collective_timeout_ends_a_job_whose_peer_stalls(tmp_path: Path) -> None:
     """Rank 1 stalls for ~20 s in step 3 (an injected slow-down); with a 2 s collective timeout,
     rank 0's all-reduce gives up long before that (gloo's default would wait 30 minutes)."""
-    env = _with_faults([{"id": "f0", "type": "slow", "step": 3, "rank": 1, "factor": 2000.0}])
+    env = _with_faults(
+        [{"id": "f0", "type": "slow", "step": 3, "rank": 1, "factor": 2000.0}], tmp_path
+    )
     code, out, seconds = _run_failing(
         [
             sys.executable,

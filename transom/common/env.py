@@ -20,8 +20,9 @@ CHECKPOINT_DIR = "TRANSOM_CHECKPOINT_DIR"
 # The node's checkpoint server: its Unix socket and the secret that authenticates requests.
 CKPT_SOCKET = "TRANSOM_CKPT_SOCKET"
 CKPT_SECRET = "TRANSOM_CKPT_SECRET"
-# Where transom.monitor sends its samples (the agent's monitor listener).
-MONITOR_PORT = "TRANSOM_MONITOR_PORT"
+# Where transom.monitor sends its samples: the path of the agent's monitor channel (a Unix
+# datagram socket in a private directory, see transom.monitor.channel).
+MONITOR_SOCKET = "TRANSOM_MONITOR_SOCKET"
 # Faults the worker applies itself (JSON list), for tests, benchmarks and the demo.
 FAULTS = "TRANSOM_FAULTS"
 

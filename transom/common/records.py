@@ -204,6 +204,8 @@ class MonitorSummary(Record):
     anomalies: list[Anomaly] = field(default_factory=list)
     host: dict = field(default_factory=dict)
     gpus: list[dict] = field(default_factory=list)
+    # The monitor channel's counters: datagrams accepted and dropped by reason, since the start.
+    datagrams: dict[str, int] = field(default_factory=dict)
 
 
 # -- events ---------------------------------------------------------------------------------------

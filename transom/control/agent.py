@@ -61,7 +61,7 @@ class NodeAgent:
         self.group_state = NodeState.IDLE
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.preflight_result: tuple[bool, dict] | None = None
-        self.monitor = NodeMonitor(node_id)
+        self.monitor = NodeMonitor(node_id, scope=str(self.run_dir))
         self.faults: FaultInjector | None = None
         self.last_store_ok = time.monotonic()
         self._published: tuple = (None, 0)  # (step, warm interpreters) last published
@@ -260,11 +260,12 @@ class NodeAgent:
             env.FAULTS: self.faults.on_generation(plan.generation, local_ranks),
             env.STORE: self.store.url,
             env.RUN_DIR: str(self.run_dir),
-            env.MONITOR_PORT: str(self.monitor.port),
+            env.MONITOR_SOCKET: str(self.monitor.socket_path),
             **self.ckpt.worker_env(),
         }
         if plan.restore_step is not None:
             extra_env[env.RESTORE_STEP] = str(plan.restore_step)
+        self.monitor.expect_ranks(local_ranks)
         self.group = WorkerGroup(
             assignment,
             self.spec.script,

@@ -1,20 +1,27 @@
 """The node agent's monitor: receives its workers' reports, runs the per-rank detectors, publishes.
 
-Workers send step timings, metrics, phases, heartbeats and fired faults as UDP datagrams (see
-transom.monitor.reporter) to a loopback port; the raw samples stay here. The agent calls
-`tick()` every loop: it scans new worker log lines against the failure patterns, checks
-heartbeats and GPUs, writes an `anomaly` event for each new anomaly, and publishes a compact
-summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S, at once when there is a new
-anomaly): per rank the newest step, the ages of the last step and heartbeat, the phase, and
-median step and compute times. The controller compares nodes from these summaries.
+Workers send step timings, metrics, phases, heartbeats and fired faults as datagrams (see
+transom.monitor.reporter) to the node's monitor channel, a Unix datagram socket in a private
+directory (transom.monitor.channel); the raw samples stay here. Every datagram is checked at the
+boundary: against the schema (transom.monitor.datagram), then its sender's uid, its generation
+(the current one) and its rank (one of this node's ranks in this generation, `expect_ranks`).
+A datagram that fails is counted (the summary's `datagrams` counters) and dropped: it never
+raises, never stops the listener and never makes an anomaly.
+
+The agent calls `tick()` every loop: it scans new worker log lines against the failure
+patterns, checks heartbeats and GPUs, writes an `anomaly` event for each new anomaly, and
+publishes a compact summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S, at once when
+there is a new anomaly): per rank the newest step, the ages of the last step and heartbeat, the
+phase, and median step and compute times. The controller compares nodes from these summaries.
 
 This module never stops or restarts anything: it reports, the controller decides.
 """
 
 from __future__ import annotations
 
-import json
-import socket
+import logging
+import math
+import os
 import statistics
 import threading
 import time
@@ -24,7 +31,8 @@ from pathlib import Path
 import psutil
 
 from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
-from transom.monitor import detectors
+from transom.monitor import datagram, detectors
+from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 
 SUMMARY_PERIOD_S = 1.0
@@ -35,6 +43,27 @@ MIN_TIMING_SAMPLES = 5
 BASELINE_STEPS = 20  # steps of a generation that set its throughput baseline
 RECENT_STEPS = 10
 ANOMALIES_KEPT = 20
+FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
+DROP_LOG_PERIOD_S = 60.0
+
+log = logging.getLogger("transom.monitor")
+
+# The channel's counters: datagrams accepted, and dropped by reason (the parser's three first).
+ACCEPTED = "accepted"
+FOREIGN_SENDER = "foreign_sender"  # another uid (the socket's directory should prevent it)
+STALE_GENERATION = "stale_generation"
+FOREIGN_RANK = "foreign_rank"  # not one of this node's ranks in this generation
+ERROR = "error"  # a bug in handling a valid datagram: counted, logged, the listener goes on
+COUNTERS = (
+    ACCEPTED,
+    datagram.OVERSIZE,
+    datagram.NOT_JSON,
+    datagram.INVALID,
+    FOREIGN_SENDER,
+    STALE_GENERATION,
+    FOREIGN_RANK,
+    ERROR,
+)
 
 
 class RankTrack:
@@ -73,14 +102,16 @@ class RankTrack:
 class NodeMonitor:
     """Per-node signal collection and per-rank detection; one per agent."""
 
-    def __init__(self, node_id: str, nvml=None) -> None:
+    def __init__(self, node_id: str, nvml=None, scope: str = "") -> None:
+        """`scope` (the job's run directory) and the node id name the channel's directory."""
         self.node_id = node_id
         self.nvml = nvml if nvml is not None else Nvml()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.5)
-        self.port = self.sock.getsockname()[1]
+        self.channel = ChannelSocket(node_id, scope)
+        self.socket_path = self.channel.path  # what workers get in env.MONITOR_SOCKET
         self.generation = 0
+        self.expected_ranks: frozenset[int] = frozenset()
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._dropped_logged_at = -DROP_LOG_PERIOD_S
         self.ranks: dict[int, RankTrack] = {}
         self.anomalies: list[Anomaly] = []  # this generation's, newest last
         self.fired_faults: list[
@@ -96,37 +127,82 @@ class NodeMonitor:
         self._host: dict = {}
         self._throughput_raised = False
         self._seq = 0
-        threading.Thread(target=self._serve, name="monitor-listener", daemon=True).start()
+        self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
+        self.listener.start()
 
     # -- receiving ----------------------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                data, _ = self.sock.recvfrom(65536)
-                message = json.loads(data)
-                rank = int(message["rank"])
-            except (TimeoutError, ValueError, KeyError, TypeError):
-                continue
+                received = self.channel.receive()
             except OSError:
-                return
-            with self._lock:
-                self._receive(rank, message, time.monotonic())
+                return  # closed
+            if received is None:
+                continue
+            try:
+                dropped = self._handle(received, time.monotonic())
+            except Exception:  # noqa: BLE001 - the listener must outlive any datagram
+                log.exception("monitor channel: a datagram could not be handled")
+                with self._lock:
+                    self.counts[ERROR] += 1
+                continue
+            if dropped is not None:
+                self._log_drop(dropped)
 
-    def _receive(self, rank: int, m: dict, now: float) -> None:
-        r = self.ranks.setdefault(rank, RankTrack())
+    def _handle(self, received: Received, now: float) -> datagram.Rejection | None:
+        """Check one datagram and take it in; the rejection if it was dropped."""
+        if received.uid is not None and received.uid != os.geteuid():
+            verdict: datagram.Datagram | datagram.Rejection = datagram.Rejection(
+                FOREIGN_SENDER, f"uid {received.uid}"
+            )
+        elif received.truncated:
+            verdict = datagram.Rejection(datagram.OVERSIZE, "longer than the receive buffer")
+        else:
+            verdict = datagram.parse(received.data)
+        with self._lock:
+            if isinstance(verdict, datagram.Datagram):
+                if verdict.generation != self.generation:
+                    verdict = datagram.Rejection(STALE_GENERATION, f"gen {verdict.generation}")
+                elif verdict.rank not in self.expected_ranks:
+                    verdict = datagram.Rejection(FOREIGN_RANK, f"rank {verdict.rank}")
+                else:
+                    self._receive(verdict, now)
+                    self.counts[ACCEPTED] += 1
+                    return None
+            self.counts[verdict.reason] += 1
+            return verdict
+
+    def _log_drop(self, rejection: datagram.Rejection) -> None:
+        now = time.monotonic()
+        if now - self._dropped_logged_at < DROP_LOG_PERIOD_S:
+            return
+        self._dropped_logged_at = now
+        with self._lock:
+            counts = {k: v for k, v in self.counts.items() if v}
+        log.warning(
+            "monitor channel of %s dropped a datagram (%s: %s); counts so far %s",
+            self.node_id,
+            rejection.reason,
+            rejection.detail,
+            counts,
+        )
+
+    def _receive(self, d: datagram.Datagram, now: float) -> None:
+        r = self.ranks.setdefault(d.rank, RankTrack())
         r.beat_at = now
-        kind = m.get("k", "step")
-        if kind == "beat":
-            r.phase = m.get("phase")
-        elif kind == "phase":
-            r.phase = m.get("phase")
-        elif kind == "fault":
-            self.fired_faults.append((m["fault"], rank, m.get("step"), m.get("t", time.time())))
-        elif kind == "step":
-            self._step(rank, r, m, now)
+        v = d.values
+        if d.kind in ("beat", "phase"):
+            r.phase = v.get("phase")
+        elif d.kind == "fault":
+            if len(self.fired_faults) < FIRED_FAULTS_KEPT:
+                when = d.t if d.t is not None else time.time()
+                self.fired_faults.append((v["fault"], d.rank, v.get("step"), when))
+        elif d.kind == "step":
+            self._step(d.rank, r, v, now)
 
     def _step(self, rank: int, r: RankTrack, m: dict, now: float) -> None:
-        step = int(m["step"])
+        """A step datagram's values (checked: see transom.monitor.datagram.SCHEMA["step"])."""
+        step = m["step"]
         r.step, r.step_at = step, now
         if r.first_step is None:
             r.first_step = step
@@ -138,11 +214,13 @@ class NodeMonitor:
             r.losses.append(loss)
         if m.get("dur") is None or m.get("phase") or step < r.first_step + WARMUP_STEPS:
             return  # not comparable: no timing, a phase (checkpoint, eval) or a warm-up step
-        duration = float(m["dur"])
+        duration = m["dur"]
         r.durations.append(duration)
-        r.computes.append(float(m.get("compute", duration)))
+        compute = m.get("compute")
+        r.computes.append(duration if compute is None else compute)
         if m.get("tokens"):
-            r.tokens_per_s = round(m["tokens"] / duration, 1) if duration > 0 else None
+            rate = m["tokens"] / duration if duration > 0 else math.inf
+            r.tokens_per_s = round(rate, 1) if math.isfinite(rate) else None
         (r.baseline if len(r.baseline) < BASELINE_STEPS else r.recent).append(duration)
         drop = detectors.throughput_drop(self.node_id, r.baseline, list(r.recent))
         if drop is not None and not self._throughput_raised:
@@ -154,12 +232,24 @@ class NodeMonitor:
 
     # -- the agent's side ---------------------------------------------------------------------
     def new_generation(self, generation: int) -> None:
+        """A new generation: forget the old one's ranks; no rank is accepted until expect_ranks."""
         with self._lock:
             self.generation = generation
+            self.expected_ranks = frozenset()
             self.ranks.clear()
             self.anomalies = []
             self._pending.clear()
             self._throughput_raised = False
+
+    def expect_ranks(self, ranks: list[int]) -> None:
+        """This node's global ranks in the current generation: datagrams of others are dropped."""
+        with self._lock:
+            self.expected_ranks = frozenset(ranks)
+
+    def counters(self) -> dict[str, int]:
+        """The channel's counters: datagrams accepted, and dropped by reason (see COUNTERS)."""
+        with self._lock:
+            return dict(self.counts)
 
     def newest_step(self) -> int | None:
         with self._lock:
@@ -241,6 +331,7 @@ class NodeMonitor:
                     {k: g.get(k) for k in ("index", "util", "temperature", "memory_used")}
                     for g in self._gpus
                 ],
+                datagrams=dict(self.counts),
             )
         self._published_at = now_mono
         events = [Event.of_anomaly(a, now, writer=self.node_id) for a in new]
@@ -248,7 +339,7 @@ class NodeMonitor:
 
     def close(self) -> None:
         self._stop.set()
-        self.sock.close()
+        self.channel.close()
 
 
 def _process_state(pid: int) -> str | None:

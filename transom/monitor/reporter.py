@@ -7,11 +7,13 @@
         s.report(loss=loss.item(), tokens=n)
     with monitor.phase("checkpoint"): save()      # step timing not comparable: no detector fires
 
-Everything goes to the node agent as small UDP datagrams on loopback. A background thread sends
-a heartbeat every HEARTBEAT_S, so the agent can tell a rank that is alive but stuck (heartbeat
-goes on, steps stop) from one that is stopped or dead (heartbeat stops). The calls must never
-block and never raise into training: without an agent (TRANSOM_MONITOR_PORT unset) they do
-nothing, and a lost datagram only means one sample fewer.
+Everything goes to the node agent as small datagrams (schema: transom.monitor.datagram) on its
+monitor channel, a Unix socket only the job's user can reach (transom.monitor.channel), each
+naming this rank and generation. A background thread sends a heartbeat every HEARTBEAT_S, so the
+agent can tell a rank that is alive but stuck (heartbeat goes on, steps stop) from one that is
+stopped or dead (heartbeat stops). The calls must never block and never raise into training:
+without an agent (TRANSOM_MONITOR_SOCKET unset) they do nothing, and a lost datagram only means
+one sample fewer.
 
 The agent may also hand this rank in-process faults to inject (TRANSOM_FAULTS): this module
 calls their hooks (transom.faults.worker) when a step begins and in `StepTimer.inject(loss)`,
@@ -20,7 +22,6 @@ and stretches the compute of a rank made slow; what each fault does is defined t
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 
 from transom.common import env
 from transom.faults.worker import WorkerFaults, parse_worker_faults
+from transom.monitor import datagram
 
 HEARTBEAT_S = 0.5
 SYNC_SECTION = "sync"
@@ -37,11 +39,12 @@ SYNC_SECTION = "sync"
 class _Channel:
     """The datagram socket to the agent, the heartbeat thread, and this rank's current phase."""
 
-    def __init__(self, port: int) -> None:
-        self.addr = ("127.0.0.1", port)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.rank = int(os.environ.get("RANK", -1))
+        self.generation = int(os.environ.get(env.GENERATION, 0))
         self.phase: str | None = None
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
@@ -50,21 +53,20 @@ class _Channel:
         )
         threading.Thread(target=self._beat, name="transom-monitor-heartbeat", daemon=True).start()
 
-    def send(self, message: dict) -> None:
-        message["rank"] = self.rank
-        message["t"] = time.time()
+    def send(self, kind: str, /, **values) -> None:
         try:
-            self.sock.sendto(json.dumps(message).encode(), self.addr)
-        except OSError:
-            pass  # the agent is gone or the buffer is full: one sample fewer
+            data = datagram.encode(kind, self.rank, self.generation, time.time(), **values)
+            self.sock.sendto(data, self.path)
+        except Exception:  # noqa: BLE001 - the agent is gone, its queue is full, a value is not JSON
+            pass  # one sample fewer; the heartbeat thread must live on
 
     def _beat(self) -> None:
         while True:
-            self.send({"k": "beat", "step": self.last_step, "phase": self.phase})
+            self.send("beat", step=self.last_step, phase=self.phase)
             time.sleep(HEARTBEAT_S)
 
     def _announce_fault(self, fault: dict, step: int) -> None:
-        self.send({"k": "fault", "fault": fault, "step": step})
+        self.send("fault", fault=fault, step=step)
 
 
 _channel: _Channel | None = None
@@ -74,12 +76,15 @@ _channel_lock = threading.Lock()
 def _get() -> _Channel | None:
     global _channel
     if _channel is None:
-        port = os.environ.get(env.MONITOR_PORT)
-        if not port:
+        path = os.environ.get(env.MONITOR_SOCKET)
+        if not path:
             return None
         with _channel_lock:
             if _channel is None:
-                _channel = _Channel(int(port))
+                try:
+                    _channel = _Channel(path)
+                except (OSError, ValueError):  # no socket, or a RANK / generation not a number
+                    return None
     return _channel
 
 
@@ -97,9 +102,8 @@ def report(step: int, **metrics: float) -> None:
         if ch is None:
             return
         ch.last_step = int(step)
-        message = {"k": "step", "step": int(step)}
-        message.update({k: _number(v) for k, v in metrics.items()})
-        ch.send(message)
+        values = {k: _number(v) for k, v in metrics.items() if k != "step"}
+        ch.send("step", **values, step=int(step))
     except Exception:  # noqa: BLE001 - monitoring must never break training
         pass
 
@@ -109,16 +113,17 @@ def phase(name: str):
     """Mark a stretch (checkpoint save, evaluation) whose step timing is not comparable."""
     ch = _get()
     previous = ch.phase if ch else None
+    name = str(name)[: datagram.MAX_NAME]
     if ch:
         ch.phase = name
         ch.phases_seen.add(name)
-        ch.send({"k": "phase", "phase": name, "step": ch.last_step})
+        ch.send("phase", phase=name, step=ch.last_step)
     try:
         yield
     finally:
         if ch:
             ch.phase = previous
-            ch.send({"k": "phase", "phase": previous, "step": ch.last_step})
+            ch.send("phase", phase=previous, step=ch.last_step)
 
 
 class StepTimer:
@@ -175,15 +180,13 @@ class StepTimer:
             ch.last_step = self.step
             comm = sum(self.sections.values())
             message = {
-                "k": "step",
-                "step": self.step,
                 "dur": duration,
                 "comm": comm,
-                "compute": duration - comm,
-                "phase": sorted(ch.phases_seen) or None,
+                "compute": max(0.0, duration - comm),
+                "phase": sorted(ch.phases_seen)[: datagram.MAX_PHASES] or None,
             }
-            message.update(self.metrics)
-            ch.send(message)
+            message.update({k: v for k, v in self.metrics.items() if k != "step"})
+            ch.send("step", **message, step=self.step)
         except Exception:  # noqa: BLE001 - monitoring must never break training
             pass
 
