@@ -427,11 +427,16 @@ def hardware_lines(rng: random.Random) -> list[tuple[str, str]]:
     return out
 
 
-def main() -> None:
+def corpora() -> tuple[list[str], list[tuple[str, str]]]:
+    """(benign lines, (expected type, line) hardware rows): what the two files hold."""
     rng = random.Random(SEED)
     benign = [benign_line(rng) for _ in range(GENERATED_BENIGN)] + BENIGN_BY_HAND
+    return benign, hardware_lines(rng)
+
+
+def main() -> None:
+    benign, hardware = corpora()
     (HERE / "benign.txt").write_text("\n".join(benign) + "\n")
-    hardware = hardware_lines(rng)
     (HERE / "hardware.txt").write_text("".join(f"{t}\t{line}\n" for t, line in hardware))
     print(f"benign.txt: {len(benign)} lines; hardware.txt: {len(hardware)} lines")
 
