@@ -151,10 +151,8 @@ def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bo
     found: list[tuple[str, str, bool]] = []
     for g in now:
         i, prev = g["index"], old.get(g["index"], {})
-        if "lost" in g or "error" in g:
-            found.append(
-                (anomalies.GPU_LOST, f"GPU {i}: NVML: {g.get('lost', g.get('error'))}", True)
-            )
+        if "lost" in g:
+            found.append((anomalies.GPU_LOST, f"GPU {i}: NVML: {g['lost']}", True))
             continue
         if "unreadable" in g:
             continue  # NVML could not open it for another reason: no reading, no verdict
