@@ -14,6 +14,9 @@ jobs' event logs:
 A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
 anomaly above info severity, any decision), and a single-process run of train_gpt with the
 monitor on and off (alternating, same steps) gives the step-time overhead of monitoring.
+Without running anything, the log classifier (transom.monitor.patterns) is measured on the
+corpora in tests/data/log_corpus: precision and recall of its hardware classifications
+(`--patterns-only` measures just that).
 
 Targets (issue 4): crash < 2 s; hang within max(10 s, 5 x median step); a 2x slower node within
 30 steps; NaN within 1 step; right node >= 95%; no false positive in 30 fault-free minutes;
@@ -41,9 +44,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
+LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
 sys.path.insert(0, str(REPO))
+from transom.common import anomalies  # noqa: E402
 from transom.common import env as env_names  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
+from transom.monitor import patterns  # noqa: E402
 
 NODES = 3
 STEP_DELAY_S = 0.05
@@ -302,6 +308,40 @@ def api_call_s(calls: int = 20000) -> float:
         monitor.close()
 
 
+def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
+    """Precision and recall of the log classifier's hardware classifications on the corpora.
+
+    benign.txt holds harmless lines, hardware.txt "<type>\t<line>" real-format error lines. A
+    true positive is a line labelled with a hardware type and classified as exactly that type;
+    a false positive is any other line classified as hardware (benign, or of another type).
+    """
+    benign = [line for line in (corpus / "benign.txt").read_text().splitlines() if line]
+    labelled = [
+        tuple(row.split("\t", 1)) for row in (corpus / "hardware.txt").read_text().splitlines()
+    ]
+    true_pos = false_pos = right_type = benign_alerts = 0
+    for label, line in [("", line) for line in benign] + labelled:
+        found = patterns.classify(line)
+        right = found is not None and found.type == label
+        right_type += right and bool(label)
+        benign_alerts += not label and found is not None and found.severity != "info"
+        if found is not None and found.hardware:
+            true_pos += right
+            false_pos += not right
+    positives = sum(label in anomalies.HARDWARE for label, _ in labelled)
+    return {
+        "benign_lines": len(benign),
+        "hardware_corpus_lines": len(labelled),
+        "hardware_lines": positives,
+        "true_positives": true_pos,
+        "false_positives": false_pos,
+        "benign_alerts": benign_alerts,  # benign lines raised above info severity, of any type
+        "patterns_precision_x": true_pos / (true_pos + false_pos) if true_pos + false_pos else None,
+        "patterns_recall_x": true_pos / positives if positives else None,
+        "type_accuracy_x": right_type / len(labelled) if labelled else None,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -326,10 +366,21 @@ def main() -> int:
         "--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--patterns-only",
+        action="store_true",
+        help="only measure the log classifier on the corpora (no jobs)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
     rng = random.Random(args.seed)
     result: dict = {"transom": {}, "trials": args.trials, "seed": args.seed, "targets": TARGETS}
+    result["patterns"] = pattern_scores()
+    result["patterns_precision_x"] = result["patterns"]["patterns_precision_x"]
+    result["patterns_recall_x"] = result["patterns"]["patterns_recall_x"]
+    print(f"patterns: {json.dumps(result['patterns'])}", flush=True)
+    if args.patterns_only:
+        args.types, args.fault_free_minutes, args.overhead_rounds = "", 0, 0
     with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
@@ -361,6 +412,18 @@ def fmt(value, spec="{:.2f}") -> str:
 
 
 def print_table(result: dict) -> None:
+    if "patterns" in result:
+        pt = result["patterns"]
+        print(
+            f"log classifier: hardware precision {fmt(pt['patterns_precision_x'], '{:.3f}')}, "
+            f"recall {fmt(pt['patterns_recall_x'], '{:.3f}')} ({pt['true_positives']} of "
+            f"{pt['hardware_lines']} hardware lines, {pt['false_positives']} false positives "
+            f"over {pt['benign_lines']} benign lines); {pt['benign_alerts']} benign lines raised "
+            f"as warnings; right type for {fmt(pt['type_accuracy_x'], '{:.3f}')} of "
+            f"{pt['hardware_corpus_lines']} labelled lines"
+        )
+        if not result["transom"]:
+            return
     print(
         f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
         f"{'right node':>10} "

@@ -14,7 +14,9 @@ STRAGGLER = "straggler"
 NAN = "nan"
 
 # -- failure signatures in worker logs and GPU counters (transom/monitor/patterns.py) ---------
-XID = "xid"
+XID = "xid"  # an Xid that NVIDIA's catalogue ties to the hardware (patterns.HARDWARE_XIDS)
+XID_APP = "xid_app"  # an Xid an application causes (out-of-range access, page fault): a warning
+XID_OTHER = "xid_other"  # any other Xid (driver, informational): a warning
 GPU_LOST = "gpu_lost"
 ECC = "ecc"
 IB_ERROR = "ib_error"
