@@ -129,7 +129,7 @@ class Launcher:
         try:
             store.wait_healthy(STORE_CONNECT_TIMEOUT_S)
         except StoreError as e:
-            raise ConfigError(f"--store {access.url}: cannot reach etcd there") from e
+            raise ConfigError(f"--store: {e}") from e
         return store
 
     def _publish_spec(self) -> None:

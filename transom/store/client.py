@@ -80,6 +80,7 @@ class Store:
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if time.monotonic() > deadline:
+                self._call(self.client.status)  # raises the reason (e.g. a refused certificate)
                 raise StoreError(f"cannot reach etcd at {self.url}")
             time.sleep(0.2)
 
