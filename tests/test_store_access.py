@@ -157,3 +157,17 @@ def test_a_bad_spec_is_one_clear_error(value, message):
     with pytest.raises(ConfigError, match="refused") as refused:
         parse_spec(value, "j1", check_script=True)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_every_process_the_launcher_starts_reaches_etcd_the_same_way(tls, tmp_path):
+    from transom.launcher import Launch, Launcher
+
+    access = StoreAccess("https://10.0.0.7:2379", tls.ca, tls.client_cert, tls.client_key)
+    spec = JobSpec(script=__file__, job_id="j1", nnodes_min=2, nnodes_max=2)
+    launcher = Launcher(Launch(spec=spec, run_dir=tmp_path, store=access, local_nodes=2))
+    launcher.store = Store(access, spec.job_id)  # what `run` connects; nothing is started here
+    children = launcher._children()
+    assert {c.kind for c in children} == {"controller", "agent"}
+    for child in children:
+        at = child.argv.index("--store")
+        assert child.argv[at : at + 8] == access.argv(), child.name

@@ -21,8 +21,7 @@ from typing import Any
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import env
 from transom.common.sizes import parse_size
-from transom.store import access as store_access
-from transom.store.access import StoreAccess, StoreError
+from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, FLAG_URL, StoreAccess, StoreError
 
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
@@ -82,16 +81,10 @@ class ServerConfig:
     port: int = _option("--port", "TCP port for peers (default: any free port)", 0, type=int)
     # Not an option: peers authenticate with it, so it comes from the environment (CKPT_SECRET).
     secret: bytes = b""
-    store_url: str | None = _option(
-        store_access.FLAG_URL, "etcd URL of the job (catalog, peers, events)", None
-    )
-    store_ca: Path | None = _option(
-        store_access.FLAG_CA, "CA certificate of etcd's server", None, type=Path
-    )
-    store_cert: Path | None = _option(
-        store_access.FLAG_CERT, "client certificate for etcd", None, type=Path
-    )
-    store_key: Path | None = _option(store_access.FLAG_KEY, "client key for etcd", None, type=Path)
+    store_url: str | None = _option(FLAG_URL, "etcd URL of the job (catalog, peers, events)", None)
+    store_ca: Path | None = _option(FLAG_CA, "CA certificate of etcd's server", None, type=Path)
+    store_cert: Path | None = _option(FLAG_CERT, "client certificate for etcd", None, type=Path)
+    store_key: Path | None = _option(FLAG_KEY, "client key for etcd", None, type=Path)
     job_id: str = _option("--job-id", "job name in etcd", "local")
     lease_ttl_s: int = _option(
         "--lease-ttl", "seconds this server's etcd entries outlive it", 4, type=int
@@ -152,7 +145,7 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
     cfg = ServerConfig(**values)
     try:
         if cfg.store_url is None and (cfg.store_ca or cfg.store_cert or cfg.store_key):
-            raise StoreError(f"the etcd certificate options need {store_access.FLAG_URL}")
+            raise StoreError(f"the etcd certificate options need {FLAG_URL}")
         cfg.store_access()  # checks the URL and the files now
     except StoreError as e:
         raise ValueError(str(e)) from None
