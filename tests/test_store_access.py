@@ -171,3 +171,11 @@ def test_every_process_the_launcher_starts_reaches_etcd_the_same_way(tls, tmp_pa
     for child in children:
         at = child.argv.index("--store")
         assert child.argv[at : at + 8] == access.argv(), child.name
+
+
+def test_the_environment_cannot_replace_the_stores_ca(tls, monkeypatch):
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/elsewhere/ca.pem")
+    access = StoreAccess("https://10.0.0.7:2379", tls.ca, tls.client_cert, tls.client_key)
+    session = Store(access, "j").client.session
+    settings = session.merge_environment_settings("https://10.0.0.7:2379/v3/", {}, None, None, None)
+    assert settings["verify"] == str(tls.ca)

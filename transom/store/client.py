@@ -12,6 +12,7 @@ the leader key, so a deposed controller cannot overwrite its successor's decisio
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from typing import Any
 
@@ -28,6 +29,18 @@ REQUEST_TIMEOUT_S = 5.0
 
 def _text(path: object) -> str | None:
     return None if path is None else str(path)
+
+
+def _tls_failure(error: BaseException) -> str | None:
+    """The reason of the TLS error behind `error` (etcd3gw wraps requests' errors), if any."""
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain is short; this bounds a cyclic one
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLError):
+            return str(seen.reason or "SSL error")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class Store:
@@ -49,6 +62,10 @@ class Store:
             cert_key=_text(self.access.key),
             timeout=timeout,
         )
+        if self.access.ca is not None:
+            # requests lets REQUESTS_CA_BUNDLE (and proxies) from the environment override the
+            # session's CA: with a CA of its own the store takes nothing from the environment.
+            self.client.session.trust_env = False
         self.prefix = f"/transom/{job_id}/"
 
     # -- keys -------------------------------------------------------------------------------
@@ -60,10 +77,11 @@ class Store:
         try:
             return fn(*args, **kwargs)
         except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
-            if "SSL" in str(e):  # requests' SSLError: a certificate was refused, ours or etcd's
+            reason = _tls_failure(e)
+            if reason is not None:  # a certificate was refused: ours by etcd, or etcd's by us
                 raise StoreError(
-                    f"cannot reach etcd at {self.url}: the TLS handshake failed (check "
-                    f"{FLAG_CA}, {FLAG_CERT} and {FLAG_KEY})"
+                    f"cannot reach etcd at {self.url}: the TLS handshake failed ({reason}; "
+                    f"check {FLAG_CA}, {FLAG_CERT} and {FLAG_KEY})"
                 ) from e
             raise StoreError(f"cannot reach etcd at {self.url}: {type(e).__name__}") from e
         except etcd_errors.Etcd3Exception as e:
