@@ -336,3 +336,27 @@ def test_a_bad_spec_is_refused_with_one_line_and_an_event(store):
 
     store.put(keys.SPEC, JobSpec(script=__file__, job_id=store.job_id).to_dict())
     assert read_spec(store, 1.0, check_script=True, reader="node0").script == __file__
+
+
+def test_agent_and_controller_refuse_a_bad_spec_without_a_traceback(etcd, store, tmp_path):
+    """A spec whose script does not exist here: the agent (which would run it) and the
+    controller (which checks everything but the file) exit 2 with one line, run nothing."""
+    import subprocess
+    import sys
+
+    common = [*etcd.access.argv(), "--job-id", store.job_id]
+    bad = {"script": "/nonexistent/train.py", "job_id": store.job_id, "nproc_per_node": "8"}
+    store.put(keys.SPEC, bad)
+    for argv in (
+        ["agent", *common, "--node-id", "node0", "--run-dir", str(tmp_path)],
+        ["controller", *common, "--candidate-id", "ctl-0"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "transom", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "refused" in out.stderr.splitlines()[-1]
+        assert "nproc_per_node" in out.stderr
+    assert store.get(keys.LEADER) is None and store.get_prefix(keys.NODES) == {}
+    warnings = [e for e in store.get_prefix(keys.EVENTS).values() if e["kind"] == "warning"]
+    assert {e["writer"] for e in warnings} == {"node0", "ctl-0"}
