@@ -179,3 +179,17 @@ def test_the_environment_cannot_replace_the_stores_ca(tls, monkeypatch):
     session = Store(access, "j").client.session
     settings = session.merge_environment_settings("https://10.0.0.7:2379/v3/", {}, None, None, None)
     assert settings["verify"] == str(tls.ca)
+
+
+def test_commands_warn_in_one_line_about_plain_http_to_another_machine(capsys):
+    from transom import cli
+
+    parser = cli.build_parser()
+    store = ["--store", "http://10.0.0.7:2379"]
+    for argv in (["status", *store], ["agent", *store, "--job-id", "j"], ["run", *store, "t.py"]):
+        args = parser.parse_args(argv)
+        assert cli._store(args) == StoreAccess("http://10.0.0.7:2379")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "unauthenticated" in err[0], argv
+    cli._store(parser.parse_args(["status", "--store", "http://127.0.0.1:2379"]))
+    assert capsys.readouterr().err == ""
