@@ -318,6 +318,7 @@ def test_certificates_are_private_and_the_ca_key_is_not_kept(etcd):
     assert names == ["ca.crt", "client.crt", "client.key", "server.crt", "server.key"]
     for path in directory.iterdir():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert stat.S_IMODE(os.stat(etcd.data_dir).st_mode) == 0o700  # etcd's files hold every key
     access = etcd.access
     assert access.url.startswith("https://127.0.0.1:")
     assert {access.ca, access.cert, access.key} <= set(directory.iterdir())

@@ -71,7 +71,9 @@ class EmbeddedEtcd:
     def start(self) -> EmbeddedEtcd:
         from transom.store.tls import TlsError, write_certificates
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # etcd's files hold every key of the job (the checkpoint secret too): this user's only.
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         try:
             tls = write_certificates(self.tls_dir, [self.host])
