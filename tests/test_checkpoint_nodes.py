@@ -19,7 +19,7 @@ from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import catalog, storage
-from transom.store import EmbeddedEtcd, Store
+from transom.store import EmbeddedEtcd, Store, StoreAccess
 from transom.utils.procs import stop_process
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ class ServerProcess:
         tmp: Path,
         node: str,
         job: str,
-        store_url: str | None = None,
+        store: StoreAccess | None = None,
         storage_dir: Path | None = None,
         memory: str = "1G",
     ):
@@ -57,8 +57,8 @@ class ServerProcess:
             "--lease-ttl",
             "2",
         ]
-        if store_url:
-            argv += ["--store", store_url]
+        if store:
+            argv += store.argv()
         if storage_dir:
             argv += ["--storage", str(storage_dir)]
         self.log = open(tmp / f"server-{node}-{uuid.uuid4().hex[:4]}.log", "w+")
@@ -142,13 +142,13 @@ def test_worker_killed_right_after_save_resumes_from_memory(tmp_path, servers):
 def test_replacement_node_restores_from_the_peer_replica(tmp_path):
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:
         job = "j" + uuid.uuid4().hex[:6]
-        store = Store(etcd.url, job)
+        store = Store(etcd.access, job)
         store.put("plan", {"generation": 1, "members": ["node0", "node1"]})
         started = []
         try:
-            a = ServerProcess(tmp_path, "node0", job, etcd.url)
+            a = ServerProcess(tmp_path, "node0", job, etcd.access)
             started.append(a)
-            b = ServerProcess(tmp_path, "node1", job, etcd.url)
+            b = ServerProcess(tmp_path, "node1", job, etcd.access)
             started.append(b)
             engine = checkpoint.Engine(
                 socket_path=a.socket, rank=0, world_size=1, secret=SECRET.encode()
@@ -176,7 +176,7 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
             assert (
                 catalog.newest_restorable(store, world_size=1) == 3
             )  # the replica keeps step 3 restorable
-            replacement = ServerProcess(tmp_path, "node2", job, etcd.url)
+            replacement = ServerProcess(tmp_path, "node2", job, etcd.access)
             started.append(replacement)
             resumed = run_worker(tmp_path, replacement.socket, "load")
             assert resumed.returncode == 0, resumed.stderr

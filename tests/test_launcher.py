@@ -143,7 +143,7 @@ def test_ctrl_c_stops_everything(start_job):
 def test_machines_of_one_job_organise_through_an_existing_etcd(start_job, tmp_path):
     """Two `transom run --store` launchers ("machines") form a 2-node job; one controller leads."""
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:
-        common = ["--store", etcd.url, "--nnodes", "2", TOY, "--steps", "5"]
+        common = [*etcd.access.argv(), "--nnodes", "2", TOY, "--steps", "5"]
         first = start_job("--node-id", "alpha", *common)
         second = start_job("--node-id", "beta", *common, job_id=first.job_id)
         assert first.wait() == 0, first.output

@@ -1,17 +1,31 @@
-"""Tests for transom/store against a real (embedded) etcd, and controller leader election on it."""
+"""Tests for transom/store against a real (embedded) etcd, and controller leader election on it.
+
+The embedded etcd speaks only mutual TLS: a client without the run's client certificate gets
+no data and changes nothing (shown with plain HTTP clients below).
+"""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import socket
+import ssl
+import stat
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
 
+from transom.common import keys
 from transom.common.records import Plan
 from transom.common.states import JobState
-from transom.config import JobSpec
+from transom.config import ConfigError, JobSpec
 from transom.control.controller import Controller
-from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store.spec import read_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +43,7 @@ def etcd(tmp_path_factory):
 @pytest.fixture
 def store(etcd):
     """A Store for a job of its own, so tests sharing the server do not see each other's keys."""
-    s = Store(etcd.url, f"test-{uuid.uuid4().hex[:8]}")
+    s = Store(etcd.access, f"test-{uuid.uuid4().hex[:8]}")
     yield s
     try:
         s.delete_job()
@@ -68,7 +82,7 @@ def test_get_prefix_strips_the_prefix_and_sorts(store):
 
 def test_jobs_are_isolated(etcd, store):
     store.put("spec", {"a": 1})
-    other = Store(etcd.url, store.job_id + "-other")
+    other = Store(etcd.access, store.job_id + "-other")
     assert other.get("spec") is None
     store.delete_job()
     assert store.get("spec") is None
@@ -131,7 +145,7 @@ def controllers(store):
     made: list[Controller] = []
 
     def make(candidate_id: str) -> Controller:
-        c = Controller(Store(store.url, store.job_id), candidate_id)
+        c = Controller(Store(store.access, store.job_id), candidate_id)
         c.spec = JobSpec.from_dict(c.store.get("spec"))
         made.append(c)
         return c
@@ -224,3 +238,126 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
     assert dropped == [60]
     assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]
     assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}  # saved after the rollback: kept
+
+
+# -- mutual TLS: nothing without the run's client certificate --------------------------------------
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _post(url: str, path: str, body: dict, context: ssl.SSLContext | None) -> bytes:
+    request = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=5, context=context) as response:
+        return response.read()
+
+
+def test_anonymous_clients_get_no_data_and_change_nothing(etcd, store):
+    store.put(keys.CKPT_SECRET, "the-secret")
+    store.put(keys.LEADER, "ctl-real")
+    prefix = store.prefix
+    range_all = {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))}
+    forged_leader = {"key": _b64(store.key(keys.LEADER)), "value": _b64('"ctl-forged"')}
+    trusting = ssl.create_default_context(cafile=str(etcd.access.ca))  # trusts etcd, no client cert
+    blind = ssl._create_unverified_context()  # trusts anything, no client cert
+    for context in (trusting, blind):
+        for path, body in (("/v3/kv/range", range_all), ("/v3/kv/put", forged_leader)):
+            with pytest.raises(OSError):  # the handshake (or the first read) fails
+                _post(etcd.url, path, body, context)
+
+    secret_bytes = (b"the-secret", _b64('"the-secret"').encode())
+    # The same request with the client certificate gets the data: the refusals are the TLS's.
+    holder = ssl.create_default_context(cafile=str(etcd.access.ca))
+    holder.load_cert_chain(str(etcd.access.cert), str(etcd.access.key))
+    assert secret_bytes[1] in _post(etcd.url, "/v3/kv/range", range_all, holder)
+
+    plain = etcd.url.replace("https://", "http://")
+    for path, body in (("/v3/kv/range", range_all), ("/v3/kv/put", forged_leader)):
+        with pytest.raises(OSError) as refused:  # closed, or answered with an error status
+            _post(plain, path, body, None)
+        if isinstance(refused.value, urllib.error.HTTPError):
+            answer = refused.value.read()
+            assert not any(secret in answer for secret in secret_bytes)
+
+    # A raw request on the socket: no answer, or one that holds nothing of the job.
+    with socket.create_connection((etcd.access.host, etcd.access.port), timeout=5) as raw:
+        data = json.dumps(range_all).encode()
+        raw.sendall(
+            b"POST /v3/kv/range HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        try:
+            answer = raw.recv(65536)
+        except OSError:
+            answer = b""
+    assert not answer.startswith(b"HTTP/1.1 200")
+    assert not any(secret in answer for secret in secret_bytes)
+
+    assert store.get(keys.CKPT_SECRET) == "the-secret"  # with the certificate: works, unchanged
+    assert store.get(keys.LEADER) == "ctl-real"
+
+
+def test_a_client_without_the_certificate_is_refused_by_the_store(etcd):
+    no_cert = Store(StoreAccess(etcd.url, ca=etcd.access.ca), "j", timeout=2.0)
+    assert no_cert.healthy() is False
+    with pytest.raises(StoreError, match="TLS handshake failed"):
+        no_cert.get("spec")
+    wrong_ca = Store(StoreAccess(etcd.url, ca=etcd.access.cert), "j", timeout=2.0)
+    with pytest.raises(StoreError, match="TLS handshake failed"):
+        wrong_ca.get("spec")
+
+
+def test_certificates_are_private_and_the_ca_key_is_not_kept(etcd):
+    directory = etcd.tls_dir
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["ca.crt", "client.crt", "client.key", "server.crt", "server.key"]
+    for path in directory.iterdir():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert stat.S_IMODE(os.stat(etcd.data_dir).st_mode) == 0o700  # etcd's files hold every key
+    access = etcd.access
+    assert access.url.startswith("https://127.0.0.1:")
+    assert {access.ca, access.cert, access.key} <= set(directory.iterdir())
+
+
+# -- the spec, read back validated -----------------------------------------------------------------
+
+
+def test_a_bad_spec_is_refused_with_one_line_and_an_event(store):
+    store.put(keys.SPEC, {**JobSpec(script=__file__, job_id=store.job_id).to_dict(), "spares": "2"})
+    with pytest.raises(ConfigError, match="refused.*spares") as refused:
+        read_spec(store, 1.0, check_script=False, reader="node0")
+    assert "\n" not in str(refused.value)
+    events = list(store.get_prefix(keys.EVENTS).values())
+    assert [e["kind"] for e in events] == ["warning"] and "spares" in events[0]["message"]
+
+    store.put(keys.SPEC, JobSpec(script=__file__, job_id=store.job_id).to_dict())
+    assert read_spec(store, 1.0, check_script=True, reader="node0").script == __file__
+
+
+def test_agent_and_controller_refuse_a_bad_spec_without_a_traceback(etcd, store, tmp_path):
+    """A spec whose script does not exist here: the agent (which would run it) and the
+    controller (which checks everything but the file) exit 2 with one line, run nothing."""
+    import subprocess
+    import sys
+
+    common = [*etcd.access.argv(), "--job-id", store.job_id]
+    bad = {"script": "/nonexistent/train.py", "job_id": store.job_id, "nproc_per_node": "8"}
+    store.put(keys.SPEC, bad)
+    for argv in (
+        ["agent", *common, "--node-id", "node0", "--run-dir", str(tmp_path)],
+        ["controller", *common, "--candidate-id", "ctl-0"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "transom", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and "refused" in out.stderr.splitlines()[-1]
+        assert "nproc_per_node" in out.stderr
+    assert store.get(keys.LEADER) is None and store.get_prefix(keys.NODES) == {}
+    warnings = [e for e in store.get_prefix(keys.EVENTS).values() if e["kind"] == "warning"]
+    assert {e["writer"] for e in warnings} == {"node0", "ctl-0"}

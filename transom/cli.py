@@ -3,7 +3,8 @@
 Every refusal or failure exits non-zero with a one-line reason on stderr; every id given on the
 command line is checked with `transom.common.names.check_id` before a command runs. The job's
 options (`run`, `controller`) come from `JobSpec` (`transom.config.add_job_options`): this module
-must never define a job option or a default of its own.
+must never define a job option or a default of its own. How every command reaches etcd
+(`--store` and its TLS files) is `transom.store.access`'s to define.
 """
 
 from __future__ import annotations
@@ -27,18 +28,16 @@ from transom.config import (
     add_job_options,
     prepare_run_dir,
 )
+from transom.store import access as store_access
+from transom.store.access import StoreAccess
 
 EXIT_BAD_INPUT = 2
 DEFAULT_RUNS = Path("transom-runs")
 
 
 def _add_store_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument(
-        "--store",
-        required=required,
-        metavar="URL",
-        help="etcd to use, e.g. http://10.0.0.1:2379"
-        + ("" if required else " (default: start a private etcd on this machine)"),
+    store_access.add_store_options(
+        p, required, "" if required else "default: start a private etcd on this machine"
     )
     p.add_argument(
         "--job-id",
@@ -167,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
             description=f"Show {what}, from etcd "
             "(--store and --job-id) or from a run directory after the job ended.",
         )
-        p.add_argument("--store", metavar="URL")
+        store_access.add_store_options(p, required=False)
         p.add_argument("--job-id", metavar="J")
         p.add_argument("--run-dir", type=Path, help="a run directory")
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -242,6 +241,23 @@ def check_ids(args: argparse.Namespace) -> None:
                 raise ConfigError(str(e)) from None
 
 
+def _store(args: argparse.Namespace) -> StoreAccess | None:
+    """How this command reaches etcd (None without --store); plain http to another machine is
+    warned about on stderr, in one line."""
+    access = store_access.from_args(args)
+    warning = access.warning() if access is not None else None
+    if warning:
+        print(f"transom: {warning}", file=sys.stderr)
+    return access
+
+
+def _required_store(args: argparse.Namespace) -> StoreAccess:
+    access = _store(args)
+    if access is None:  # argparse makes --store required where this is called
+        raise ConfigError(f"{store_access.FLAG_URL} is required")
+    return access
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from transom.launcher import Launch, Launcher
     from transom.utils.net import host_address
@@ -250,6 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--store needs --job-id: every machine of the job must name the same job")
     if args.local_nodes is not None and args.local_nodes < 1:
         raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
+    store = _store(args)
     spec = spec_from_args(args)
     if args.store is None and spec.nnodes_max + spec.spares > MAX_SIMULATED_NODES:
         raise ConfigError(
@@ -263,7 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     launch = Launch(
         spec=spec,
         run_dir=run_dir,
-        store_url=args.store,
+        store=store,
         local_nodes=args.local_nodes,
         node_prefix=args.node_id,
         host=host,
@@ -289,7 +306,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from transom.store import Store
     from transom.utils.net import host_address
 
-    store = Store(args.store, args.job_id)
+    store = Store(_required_store(args), args.job_id)
     run_dir = prepare_run_dir(args.run_dir or DEFAULT_RUNS / args.job_id)
     return NodeAgent(store, args.node_id, run_dir, host=args.host or host_address()).run()
 
@@ -298,7 +315,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from transom.control.controller import Controller
     from transom.store import Store
 
-    store = Store(args.store, args.job_id)
+    store = Store(_required_store(args), args.job_id)
     if args.script:
         store.create(keys.SPEC, spec_from_args(args).to_dict())
     return Controller(store, args.candidate_id).run()
@@ -319,8 +336,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     events: list[dict] = []
     summary: dict = {}
-    if args.store and args.job_id:
-        store = Store(args.store, args.job_id)
+    access = _store(args)
+    if access is not None and args.job_id:
+        store = Store(access, args.job_id)
         store.wait_healthy(3.0)
         if store.get(keys.SPEC) is None:
             raise ConfigError(f"no job {args.job_id} in etcd at {args.store}")

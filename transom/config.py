@@ -5,7 +5,9 @@ command-line option (flag, help, argparse type) in its `dataclasses.field` metad
 `add_job_options` builds the options of `transom run` and `transom controller` from the
 dataclass and `JobSpec.from_args` builds the spec back from the parsed arguments; defaults
 live in the dataclass only. `JobSpec.validate()` turns every bad input into a `ConfigError`
-with a one-line message before anything is started.
+with a one-line message before anything is started. A spec read back from etcd crossed a
+process boundary: `JobSpec.from_dict` checks every field's type (a `ConfigError` too), and its
+readers validate it before they act on it (transom.store.spec).
 
 This module must never do I/O beyond checking the script and the run directory, and never
 import other transom subpackages except transom.common.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import uuid
@@ -25,6 +28,7 @@ from typing import Any
 
 from transom.common import sizes
 from transom.common.names import BadId, check_id
+from transom.common.record_base import Record, RecordError
 
 # Simulated nodes are real processes on one machine; more than this would swamp it.
 MAX_SIMULATED_NODES = 64
@@ -104,7 +108,7 @@ def _absolute_path(text: str) -> str:
 
 
 @dataclass
-class JobSpec:
+class JobSpec(Record):
     """Everything a controller and its agents need to know about one job."""
 
     script: str
@@ -279,6 +283,14 @@ class JobSpec:
     )
 
     def validate(self, check_script: bool = True) -> JobSpec:
+        if not self.script or "\0" in self.script:
+            raise ConfigError(f"script {self.script!r}: not a file name")
+        if any("\0" in arg for arg in self.script_args):
+            raise ConfigError("script arguments cannot contain NUL characters")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{_flag_of(f)} {value}: not a number")
         if check_script:
             if not os.path.isfile(self.script):
                 raise ConfigError(f"script not found: {self.script}")
@@ -305,6 +317,10 @@ class JobSpec:
             )
         if self.node_ttl_s < 2:
             raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
+        if self.join_timeout_s < 0:
+            raise ConfigError(f"--join-timeout {self.join_timeout_s}: cannot be negative")
+        if self.evict_window_s < 0:
+            raise ConfigError(f"--evict-window {self.evict_window_s}: cannot be negative")
         if self.warmup_timeout_s <= 0:
             raise ConfigError(f"--warmup-timeout {self.warmup_timeout_s}: must be positive")
         if not 0 <= self.settle_s <= 30:
@@ -333,9 +349,13 @@ class JobSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> JobSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: Any) -> JobSpec:
+        """The spec of a stored value, every field's type checked (keys it does not know are
+        ignored); ConfigError naming what is wrong. Not validated: call `validate()`."""
+        try:
+            return super().from_dict(data)
+        except RecordError as e:
+            raise ConfigError(f"not a valid job spec: {e}") from None
 
     @classmethod
     def from_args(
@@ -367,6 +387,14 @@ class JobSpec:
                 raise ConfigError("--faults cannot be used here")
             spec.faults = resolve_faults(faults_text, spec.world_size, spec.fault_seed)
         return spec
+
+
+def _flag_of(f: dataclasses.Field) -> str:
+    """The option that sets field `f` (its name when it has none)."""
+    opt = f.metadata.get(OPTION)
+    if opt is not None and (not opt.sets or opt.sets[0] == f.name):
+        return opt.flag
+    return f.name
 
 
 def job_options() -> Iterator[tuple[dataclasses.Field, Option]]:

@@ -1,14 +1,16 @@
 """`transom run`: start a job's control plane, controller candidates and node agents, and watch it.
 
-On one machine (no --store) it starts a private etcd and simulates `nnodes + spares` nodes,
-each a separate agent process. With --store it joins a job on an existing etcd and runs one
-agent (or --local-nodes of them) and one controller candidate on this machine; every machine
-runs the same command. It mirrors the job's events into the run directory, keeps `status.json`
-current, records the job's progress over time (`progress.jsonl`), shows a live view, replaces a
-controller candidate that died while the job goes on, and when the job ends (or on Ctrl-C) stops
-everything it started, etcd included. With `refill_spares` (simulated nodes only) it plays the
-cluster's scheduler too: every node the controller evicts is replaced by a newly started one,
-which joins as a spare, so the pool of spares stays full.
+On one machine (no --store) it starts a private etcd (mutual TLS, with certificates made for
+this run in RUN_DIR/etcd-tls) and simulates `nnodes + spares` nodes, each a separate agent
+process. With --store it joins a job on an existing etcd and runs one agent (or --local-nodes of
+them) and one controller candidate on this machine; every machine runs the same command. Every
+process it starts reaches etcd as it does (`StoreAccess.argv`); a spec another machine wrote is
+validated before this machine runs it. It mirrors the job's events into the run directory,
+keeps `status.json` current, records the job's progress over time (`progress.jsonl`), shows a
+live view, replaces a controller candidate that died while the job goes on, and when the job
+ends (or on Ctrl-C) stops everything it started, etcd included. With `refill_spares` (simulated
+nodes only) it plays the cluster's scheduler too: every node the controller evicts is replaced
+by a newly started one, which joins as a spare, so the pool of spares stays full.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
-from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store.spec import parse_spec
 from transom.utils.procs import die_with_parent, stop_process
 from transom.view import (
     EventFilter,
@@ -81,7 +84,7 @@ class Launch:
 
     spec: JobSpec
     run_dir: Path
-    store_url: str | None = None  # None: start a private etcd
+    store: StoreAccess | None = None  # None: start a private etcd
     local_nodes: int | None = None  # None: all nodes here without --store, else 1
     controllers: int | None = None  # controller candidates here: 2 without --store, else 1
     node_prefix: str | None = None
@@ -113,18 +116,20 @@ class Launcher:
     # -- set-up -------------------------------------------------------------------------------
     def _connect(self) -> Store:
         L = self.launch
-        if L.store_url is None:
+        if L.store is None:
             self.etcd = EmbeddedEtcd(
-                L.run_dir / "etcd", log_path=files.log_file(L.run_dir, "etcd")
+                L.run_dir / files.ETCD,
+                log_path=files.log_file(L.run_dir, "etcd"),
+                tls_dir=L.run_dir / files.ETCD_TLS,
             ).start()
-            url = self.etcd.url
+            access = self.etcd.access
         else:
-            url = L.store_url
-        store = Store(url, L.spec.job_id)
+            access = L.store
+        store = Store(access, L.spec.job_id)
         try:
             store.wait_healthy(STORE_CONNECT_TIMEOUT_S)
         except StoreError as e:
-            raise ConfigError(f"--store {url}: cannot reach etcd there") from e
+            raise ConfigError(f"--store: {e}") from e
         return store
 
     def _publish_spec(self) -> None:
@@ -135,14 +140,17 @@ class Launcher:
                 f"choose another --job-id"
             )
         if not self.connected.create(keys.SPEC, self.launch.spec.to_dict()):
-            theirs = JobSpec.from_dict(self.connected.get(keys.SPEC) or {})
+            # This machine's agents will run what another machine wrote: check it first.
+            theirs = parse_spec(
+                self.connected.get(keys.SPEC), self.launch.spec.job_id, check_script=True
+            )
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
         base = [sys.executable, "-m", "transom", "--log-level", "info"]
-        common = ["--store", self.connected.url, "--job-id", spec.job_id]
-        simulated = L.store_url is None
+        common = [*self.connected.access.argv(), "--job-id", spec.job_id]
+        simulated = L.store is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
         n_controllers = L.controllers or (2 if simulated else 1)
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
@@ -171,8 +179,7 @@ class Launcher:
             "--log-level",
             "info",
             "agent",
-            "--store",
-            self.connected.url,
+            *self.connected.access.argv(),
             "--job-id",
             L.spec.job_id,
             "--node-id",
@@ -230,11 +237,11 @@ class Launcher:
                 if job and job.state.terminal:
                     return job
                 self._keep_controllers()
-                if self.launch.refill_spares and self.launch.store_url is None:
+                if self.launch.refill_spares and self.launch.store is None:
                     self._refill(job)
                 if (
                     not any(c.alive() for c in self.children if c.kind == "agent")
-                    and self.launch.store_url is None
+                    and self.launch.store is None
                 ):
                     raise ConfigError(
                         "every node agent exited before the job ended; see the logs in "

@@ -4,7 +4,9 @@
 of `transom ckpt-server` (`python -m transom.checkpoint.server`) and its help, so the parser
 (`build_parser`), the reader of parsed options (`from_args`) and the argv a node agent builds
 (`to_argv`) are all generated from the fields and cannot drift from them. `default_budget` is
-defined here and nowhere else (`parse_size`: transom.common.sizes). It must never start anything.
+defined here and nowhere else (`parse_size`: transom.common.sizes). How the server reaches etcd
+(`--store` and its TLS files) is a `StoreAccess` (`store_access`), the same options as every
+other Transom command's. It must never start anything.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import env
 from transom.common.sizes import parse_size
+from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, FLAG_URL, StoreAccess, StoreError
 
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
@@ -78,7 +81,10 @@ class ServerConfig:
     port: int = _option("--port", "TCP port for peers (default: any free port)", 0, type=int)
     # Not an option: peers authenticate with it, so it comes from the environment (CKPT_SECRET).
     secret: bytes = b""
-    store_url: str | None = _option("--store", "etcd URL of the job (catalog, peers, events)", None)
+    store_url: str | None = _option(FLAG_URL, "etcd URL of the job (catalog, peers, events)", None)
+    store_ca: Path | None = _option(FLAG_CA, "CA certificate of etcd's server", None, type=Path)
+    store_cert: Path | None = _option(FLAG_CERT, "client certificate for etcd", None, type=Path)
+    store_key: Path | None = _option(FLAG_KEY, "client key for etcd", None, type=Path)
     job_id: str = _option("--job-id", "job name in etcd", "local")
     lease_ttl_s: int = _option(
         "--lease-ttl", "seconds this server's etcd entries outlive it", 4, type=int
@@ -90,6 +96,12 @@ class ServerConfig:
         None,
         metavar="HOST:PORT",
     )
+
+    def store_access(self) -> StoreAccess | None:
+        """How this server reaches etcd; None without --store."""
+        if self.store_url is None:
+            return None
+        return StoreAccess(self.store_url, self.store_ca, self.store_cert, self.store_key)
 
 
 def _options() -> list[tuple[str, dict[str, Any]]]:
@@ -130,7 +142,24 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
         )
     if not networked:
         values["replicas"] = 0
-    return ServerConfig(**values)
+    cfg = ServerConfig(**values)
+    try:
+        if cfg.store_url is None and (cfg.store_ca or cfg.store_cert or cfg.store_key):
+            raise StoreError(f"the etcd certificate options need {FLAG_URL}")
+        cfg.store_access()  # checks the URL and the files now
+    except StoreError as e:
+        raise ValueError(str(e)) from None
+    return cfg
+
+
+def store_options(access: StoreAccess) -> dict[str, Any]:
+    """The `to_argv` fields that give a server this access to etcd."""
+    return {
+        "store_url": access.url,
+        "store_ca": access.ca,
+        "store_cert": access.cert,
+        "store_key": access.key,
+    }
 
 
 def to_argv(**values: Any) -> list[str]:

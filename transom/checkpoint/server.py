@@ -44,7 +44,7 @@ class CheckpointServer:
         self.cfg = cfg
         self.node = cfg.node_id
         self.stopping = threading.Event()
-        store = Store(cfg.store_url, cfg.job_id) if cfg.store_url else None
+        store = Store(access, cfg.job_id) if (access := cfg.store_access()) else None
         self.publisher = Publisher(store, cfg.node_id, cfg.lease_ttl_s)
         self.memory = ShardMemory(
             RegionDir(cfg.shm_dir),

@@ -5,6 +5,9 @@ RUN_DIR/
   logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreters)
   logs/controller-HOST-I.log  a controller candidate's log (the candidate id is its name)
   logs/etcd.log, logs/reference.log   the embedded etcd; the demo's fault-free run
+  etcd/                   the embedded etcd's data
+  etcd-tls/               its certificates for this run (mode 0700, files 0600): ca.crt,
+                          server.crt/.key (etcd's), client.crt/.key (every Transom process's)
   events.jsonl            the decision log (one JSON event a line)
   status.json             the job's last snapshot
   progress.jsonl          the job's step, generation and membership whenever one changes
@@ -24,6 +27,8 @@ EVENTS = "events.jsonl"
 STATUS = "status.json"
 PROGRESS = "progress.jsonl"
 CHECKPOINTS = "checkpoints"
+ETCD = "etcd"
+ETCD_TLS = "etcd-tls"
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"

@@ -36,6 +36,7 @@ from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
+from transom.store.spec import read_spec
 from transom.utils.net import free_port
 
 log = logging.getLogger("transom.agent")
@@ -112,7 +113,7 @@ class NodeAgent:
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> int:
         """Serve the job until it ends; the exit code says how it ended for this node."""
-        self.spec = JobSpec.from_dict(self.store.wait_for(keys.SPEC, SPEC_WAIT_S))
+        self.spec = read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id)
         if self.spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
             warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: self.spec.job_id}

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from transom.checkpoint.config import SOCKET_NAME, to_argv
+from transom.checkpoint.config import SOCKET_NAME, store_options, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.common import env, files, keys
 from transom.config import JobSpec
@@ -58,7 +58,7 @@ class NodeCheckpointServer:
         argv = [sys.executable, "-m", "transom.checkpoint.server"] + to_argv(
             node_id=self.node_id,
             job_id=self.spec.job_id,
-            store_url=self.store.url,
+            **store_options(self.store.access),
             host=self.host,
             shm_dir=self.shm_dir,
             socket_path=self.socket_path,

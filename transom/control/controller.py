@@ -37,6 +37,7 @@ from transom.control.decisions import Memory, Snapshot, decide
 from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
 from transom.store.client import Lease
+from transom.store.spec import read_spec
 from transom.utils.net import host_address
 
 log = logging.getLogger("transom.controller")
@@ -120,7 +121,7 @@ class Controller:
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Lead or stand by until the job ends; 0 if it succeeded."""
-        self.spec = JobSpec.from_dict(self.store.wait_for(keys.SPEC, SPEC_WAIT_S))
+        self.spec = read_spec(self.store, SPEC_WAIT_S, check_script=False, reader=self.candidate_id)
         try:
             while not self.stopping.is_set():
                 try:

@@ -1,10 +1,12 @@
-"""The control plane: a thin etcd client (`Store`), the job's key layout, and an embedded etcd.
+"""The control plane: a thin etcd client (`Store`), how to reach etcd (`StoreAccess`: URL and
+TLS files), and an embedded etcd with per-run certificates.
 
 Everything the controller needs to resume after its own crash lives in etcd; checkpoint data
 and per-step monitoring samples never do.
 """
 
-from transom.store.client import Store, StoreError
+from transom.store.access import StoreAccess, StoreError
+from transom.store.client import Store
 from transom.store.embedded import EmbeddedEtcd
 
-__all__ = ["Store", "StoreError", "EmbeddedEtcd"]
+__all__ = ["Store", "StoreAccess", "StoreError", "EmbeddedEtcd"]

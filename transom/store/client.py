@@ -3,6 +3,8 @@
 Every key of a job lives under /transom/<job-id>/; the key names and what each holds are
 defined once in transom.common.keys, the values' shapes in transom.common.records.
 
+How it reaches etcd (URL, TLS files) is a `StoreAccess` (access.py).
+
 Writes that only the leader may make go through `put_if_leader`, a transaction that compares
 the leader key, so a deposed controller cannot overwrite its successor's decisions.
 """
@@ -10,9 +12,9 @@ the leader key, so a deposed controller cannot overwrite its successor's decisio
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from typing import Any
-from urllib.parse import urlparse
 
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
@@ -20,29 +22,50 @@ from etcd3gw.lease import Lease
 from etcd3gw.utils import _encode
 
 from transom.common import keys
+from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, StoreAccess, StoreError
 
 REQUEST_TIMEOUT_S = 5.0
 
 
-class StoreError(RuntimeError):
-    """etcd cannot be reached or refused a request."""
+def _text(path: object) -> str | None:
+    return None if path is None else str(path)
 
 
-def _parse_url(url: str) -> tuple[str, str, int]:
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise StoreError(f"bad store URL {url!r}: expected http://HOST:PORT")
-    return parsed.scheme, parsed.hostname, parsed.port or 2379
+def _tls_failure(error: BaseException) -> str | None:
+    """The reason of the TLS error behind `error` (etcd3gw wraps requests' errors), if any."""
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain is short; this bounds a cyclic one
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLError):
+            return str(seen.reason or "SSL error")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class Store:
-    """JSON key-value access to one job's keys in etcd."""
+    """JSON key-value access to one job's keys in etcd.
 
-    def __init__(self, url: str, job_id: str, timeout: float = REQUEST_TIMEOUT_S):
-        self.url = url
+    `access` is a `StoreAccess` (URL and TLS files) or, for plain http, just the URL.
+    """
+
+    def __init__(self, access: StoreAccess | str, job_id: str, timeout: float = REQUEST_TIMEOUT_S):
+        self.access = access if isinstance(access, StoreAccess) else StoreAccess(access)
+        self.url = self.access.url
         self.job_id = job_id
-        scheme, host, port = _parse_url(url)
-        self.client = Etcd3Client(host=host, port=port, protocol=scheme, timeout=timeout)
+        self.client = Etcd3Client(
+            host=self.access.host,
+            port=self.access.port,
+            protocol=self.access.scheme,
+            ca_cert=_text(self.access.ca),
+            cert_cert=_text(self.access.cert),
+            cert_key=_text(self.access.key),
+            timeout=timeout,
+        )
+        if self.access.ca is not None:
+            # requests lets REQUESTS_CA_BUNDLE (and proxies) from the environment override the
+            # session's CA: with a CA of its own the store takes nothing from the environment.
+            self.client.session.trust_env = False
         self.prefix = f"/transom/{job_id}/"
 
     # -- keys -------------------------------------------------------------------------------
@@ -54,6 +77,12 @@ class Store:
         try:
             return fn(*args, **kwargs)
         except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+            reason = _tls_failure(e)
+            if reason is not None:  # a certificate was refused: ours by etcd, or etcd's by us
+                raise StoreError(
+                    f"cannot reach etcd at {self.url}: the TLS handshake failed ({reason}; "
+                    f"check {FLAG_CA}, {FLAG_CERT} and {FLAG_KEY})"
+                ) from e
             raise StoreError(f"cannot reach etcd at {self.url}: {type(e).__name__}") from e
         except etcd_errors.Etcd3Exception as e:
             raise StoreError(f"etcd at {self.url} refused a request: {e}") from e
@@ -69,6 +98,7 @@ class Store:
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if time.monotonic() > deadline:
+                self._call(self.client.status)  # raises the reason (e.g. a refused certificate)
                 raise StoreError(f"cannot reach etcd at {self.url}")
             time.sleep(0.2)
 
