@@ -2,7 +2,8 @@
 
 Part of one `decisions.decide` tick while the job is RUNNING: collects the agents' new
 anomalies, runs the registered cross-node detectors (transom.monitor.cluster) and the telemetry
-gap check on their summaries, then applies `policy.on_anomaly` to each. Pure like `decisions`: no etcd, no clock.
+gap check on their summaries, then applies `policy.on_anomaly` to each. Pure like `decisions`:
+no etcd, no clock.
 """
 
 from __future__ import annotations
