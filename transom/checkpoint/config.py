@@ -4,7 +4,9 @@
 of `transom ckpt-server` (`python -m transom.checkpoint.server`) and its help, so the parser
 (`build_parser`), the reader of parsed options (`from_args`) and the argv a node agent builds
 (`to_argv`) are all generated from the fields and cannot drift from them. `default_budget` is
-defined here and nowhere else (`parse_size`: transom.common.sizes). It must never start anything.
+defined here and nowhere else (`parse_size`: transom.common.sizes). The peer port's address
+(`--host`) is never a wildcard: the server listens only where peers are told to connect. It must
+never start anything.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import env
 from transom.common.sizes import parse_size
+from transom.utils.net import LOOPBACK, WILDCARDS
 
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
@@ -74,7 +77,13 @@ class ServerConfig:
     replicas: int = _option(
         "--replicas", "replicas in peer memory (0 or 1)", 1, type=int, choices=(0, 1)
     )
-    host: str = _option("--host", "address peers reach this server at", "127.0.0.1")
+    # The peer port listens on this address and nowhere else (a wildcard is refused).
+    host: str = _option(
+        "--host",
+        "address peers reach this server at; its peer port listens there only "
+        "(default 127.0.0.1: peers on this machine only)",
+        LOOPBACK,
+    )
     port: int = _option("--port", "TCP port for peers (default: any free port)", 0, type=int)
     # Not an option: peers authenticate with it, so it comes from the environment (CKPT_SECRET).
     secret: bytes = b""
@@ -122,6 +131,11 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
     values.setdefault("socket_path", values["shm_dir"] / SOCKET_NAME)
     if "budget_bytes" not in values:
         values["budget_bytes"] = default_budget()
+    if values.get("host", LOOPBACK).strip("[]") in WILDCARDS:
+        raise ValueError(
+            f"--host {values['host']!r}: give the address peers reach this server at; "
+            "it never listens on every interface"
+        )
     networked = bool(values.get("store_url") or values.get("peer"))
     values["secret"] = environ.get(env.CKPT_SECRET, "").encode()
     if networked and not values["secret"]:

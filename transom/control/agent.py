@@ -36,7 +36,7 @@ from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
-from transom.utils.net import free_port
+from transom.utils.net import bind_address, free_port
 
 log = logging.getLogger("transom.agent")
 
@@ -51,7 +51,8 @@ class NodeAgent:
         self.store = store
         self.node_id = node_id
         self.run_dir = Path(run_dir)
-        self.host = host
+        # Where every port of this node listens and what peers connect to (never a wildcard).
+        self.host = bind_address(store.url, host)
         self.spec: JobSpec | None = None
         self.lease: Lease | None = None
         self.lease_lost = threading.Event()
@@ -254,6 +255,7 @@ class NodeAgent:
             nproc_per_node=self.spec.nproc_per_node,
             master_addr=master.addr,
             master_port=master.port,
+            host=self.host,
         )
         local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {

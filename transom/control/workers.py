@@ -3,7 +3,8 @@
 Each worker is `python SCRIPT ARGS` in its own process group with the environment torchrun
 gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its stdout and
 stderr in one log file per rank and generation. Workers die with their agent
-(PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree.
+(PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree. gloo listens only on the
+node's address (GLOO_SOCKET_IFNAME names its interface: `lo` in a single-machine job).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from pathlib import Path
 
 from transom.control.failures import WorkerFailure, classify_exit
 from transom.control.warm import WarmPool
+from transom.utils.net import interface_of
 from transom.utils.procs import new_session_dying_with_parent, stop_tree
 
 STOP_GRACE_S = 5.0
+# gloo listens on the address of this interface (torch reads it; without it, on the address the
+# machine's host name resolves to, which may be any interface).
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass
@@ -35,6 +40,7 @@ class Assignment:
     nproc_per_node: int
     master_addr: str
     master_port: int
+    host: str  # the address this node's ports listen on (transom.utils.net.bind_address)
 
     @property
     def world_size(self) -> int:
@@ -71,6 +77,10 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
         }
     )
     env.update(extra)
+    if GLOO_IFNAME not in os.environ:  # an operator's own choice of interface wins
+        interface = interface_of(a.host)
+        if interface is not None:  # else gloo picks the address the host name resolves to
+            env[GLOO_IFNAME] = interface
     return env
 
 
