@@ -18,7 +18,7 @@ import pytest
 from conftest import job_processes, wait_for
 
 from transom.checkpoint import config as ckpt_config
-from transom.control.workers import GLOO_IFNAME, Assignment, worker_env
+from transom.control.workers import GLOO_IFNAME, Assignment, TorchStore, worker_env
 from transom.monitor.exporter import MonitorExporter
 from transom.utils.net import (
     bind_address,
@@ -129,6 +129,36 @@ def test_an_operators_gloo_interface_wins(monkeypatch):
 def test_no_gloo_interface_when_no_interface_carries_the_address(monkeypatch):
     monkeypatch.delenv(GLOO_IFNAME, raising=False)
     assert GLOO_IFNAME not in worker_env(_assignment("no-such-host.invalid"), 0, {})
+
+
+def test_the_generations_torch_store_listens_on_the_nodes_address_only():
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host = TorchStore("127.0.0.1")
+    try:
+        # A rank may connect before the store is up: it waits in the socket's backlog.
+        client = TCPStore(
+            "127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        )
+        client.set("rendezvous", "here")
+        assert client.get("rendezvous") == b"here"
+        mine = [s for s in _listening(psutil.Process()) if s[2] == host.port]
+        assert mine == [("tcp", "127.0.0.1", host.port)]
+        del client
+    finally:
+        host.close()
+    wait_for(
+        lambda: not [s for s in _listening(psutil.Process()) if s[2] == host.port],
+        10,
+        "the store to stop listening",
+    )
+
+
+def test_every_rank_is_a_client_of_the_agents_torch_store():
+    env = worker_env(_assignment("127.0.0.1"), 0, {})
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 # -- the checkpoint server and the metrics endpoint ---------------------------------------------

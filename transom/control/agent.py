@@ -30,13 +30,13 @@ from transom.config import JobSpec
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
-from transom.control.workers import Assignment, WorkerGroup
+from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
-from transom.utils.net import bind_address, free_port
+from transom.utils.net import bind_address
 
 log = logging.getLogger("transom.agent")
 
@@ -70,6 +70,7 @@ class NodeAgent:
         self._published_extra: dict = {}
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
+        self.torch_store: TorchStore | None = None  # while this node is a generation's master
 
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
@@ -218,7 +219,8 @@ class NodeAgent:
             )
             return
         if plan.members[0] == self.node_id:
-            master = MasterAddress(self.host, free_port(self.host))
+            self.torch_store = TorchStore(self.host)  # the generation's rendezvous, on our address
+            master = MasterAddress(self.host, self.torch_store.port)
             self.store.put(keys.master(self.generation), master.to_dict())
         self.waiting_for_master = plan
         self._report(NodeState.STARTING)
@@ -330,6 +332,9 @@ class NodeAgent:
         if self.group is not None:
             self.group.stop()
             self.group = None
+        if self.torch_store is not None:
+            self.torch_store.close()
+            self.torch_store = None
 
     def _publish_progress(self) -> None:
         """Re-publish this node's status when its newest step or warm interpreters changed."""

@@ -54,7 +54,7 @@ def interface_of(host: str) -> str | None:
         address = LOOPBACK
     else:
         try:
-            address = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+            address = str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
         except (OSError, IndexError):
             return None
     for name, addresses in psutil.net_if_addrs().items():
