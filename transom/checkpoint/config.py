@@ -6,7 +6,8 @@ of `transom ckpt-server` (`python -m transom.checkpoint.server`) and its help, s
 (`to_argv`) are all generated from the fields and cannot drift from them. `default_budget` is
 defined here and nowhere else (`parse_size`: transom.common.sizes). How the server reaches etcd
 (`--store` and its TLS files) is a `StoreAccess` (`store_access`), the same options as every
-other Transom command's. It must never start anything.
+other Transom command's. The peer port's address (`--host`) is never a wildcard: the server
+listens only where peers are told to connect. It must never start anything.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import env
 from transom.common.sizes import parse_size
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, FLAG_URL, StoreAccess, StoreError
+from transom.utils.net import LOOPBACK, WILDCARDS
 
 DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
@@ -77,7 +79,13 @@ class ServerConfig:
     replicas: int = _option(
         "--replicas", "replicas in peer memory (0 or 1)", 1, type=int, choices=(0, 1)
     )
-    host: str = _option("--host", "address peers reach this server at", "127.0.0.1")
+    # The peer port listens on this address and nowhere else (a wildcard is refused).
+    host: str = _option(
+        "--host",
+        "address peers reach this server at; its peer port listens there only "
+        "(default 127.0.0.1: peers on this machine only)",
+        LOOPBACK,
+    )
     port: int = _option("--port", "TCP port for peers (default: any free port)", 0, type=int)
     # Not an option: peers authenticate with it, so it comes from the environment (CKPT_SECRET).
     secret: bytes = b""
@@ -134,6 +142,11 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
     values.setdefault("socket_path", values["shm_dir"] / SOCKET_NAME)
     if "budget_bytes" not in values:
         values["budget_bytes"] = default_budget()
+    if values.get("host", LOOPBACK).strip("[]") in WILDCARDS:
+        raise ValueError(
+            f"--host {values['host']!r}: give the address peers reach this server at; "
+            "it never listens on every interface"
+        )
     networked = bool(values.get("store_url") or values.get("peer"))
     values["secret"] = environ.get(env.CKPT_SECRET, "").encode()
     if networked and not values["secret"]:

@@ -30,14 +30,14 @@ from transom.config import JobSpec
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
-from transom.control.workers import Assignment, WorkerGroup
+from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
 from transom.store.spec import read_spec
-from transom.utils.net import free_port
+from transom.utils.net import bind_address
 
 log = logging.getLogger("transom.agent")
 
@@ -52,7 +52,8 @@ class NodeAgent:
         self.store = store
         self.node_id = node_id
         self.run_dir = Path(run_dir)
-        self.host = host
+        # Where every port of this node listens and what peers connect to (never a wildcard).
+        self.host = bind_address(store.url, host)
         self.spec: JobSpec | None = None
         self.lease: Lease | None = None
         self.lease_lost = threading.Event()
@@ -70,6 +71,7 @@ class NodeAgent:
         self._published_extra: dict = {}
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
+        self.torch_store: TorchStore | None = None  # while this node is a generation's master
 
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
@@ -218,7 +220,8 @@ class NodeAgent:
             )
             return
         if plan.members[0] == self.node_id:
-            master = MasterAddress(self.host, free_port(self.host))
+            self.torch_store = TorchStore(self.host)  # the generation's rendezvous, on our address
+            master = MasterAddress(self.host, self.torch_store.port)
             self.store.put(keys.master(self.generation), master.to_dict())
         self.waiting_for_master = plan
         self._report(NodeState.STARTING)
@@ -255,6 +258,7 @@ class NodeAgent:
             nproc_per_node=self.spec.nproc_per_node,
             master_addr=master.addr,
             master_port=master.port,
+            host=self.host,
         )
         local_ranks = [assignment.global_rank(i) for i in range(assignment.nproc_per_node)]
         extra_env = {
@@ -330,6 +334,9 @@ class NodeAgent:
         if self.group is not None:
             self.group.stop()
             self.group = None
+        if self.torch_store is not None:
+            self.torch_store.close()
+            self.torch_store = None
 
     def _publish_progress(self) -> None:
         """Re-publish this node's status when its newest step or warm interpreters changed."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from urllib.parse import urlparse
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
@@ -38,14 +37,13 @@ from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
 from transom.store.client import Lease
 from transom.store.spec import read_spec
-from transom.utils.net import host_address
+from transom.utils.net import bind_address, host_address
 
 log = logging.getLogger("transom.controller")
 
 TICK_S = 0.2
 LEADER_TTL_S = 3
 SPEC_WAIT_S = 120.0
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class Controller:
@@ -79,10 +77,9 @@ class Controller:
         stored = self.store.get(keys.JOB)
         self.job = JobRecord.from_dict(stored) if stored else JobRecord.new(time.time())
         if self.exporter.port is None and self.spec.metrics_port >= 0:
-            port = self.exporter.serve(self.spec.metrics_port)
+            host = bind_address(self.store.url, host_address())
+            port = self.exporter.serve(self.spec.metrics_port, host)
             if port is not None:
-                loopback = urlparse(self.store.url).hostname in LOOPBACK
-                host = "127.0.0.1" if loopback else host_address()
                 url = f"http://{host}:{port}/metrics"
                 self.store.put(keys.EXPORTER, {"url": url, "controller": self.candidate_id})
         message = (

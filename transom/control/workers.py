@@ -4,21 +4,37 @@ Each worker is `python SCRIPT ARGS` in its own process group with the environmen
 gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its stdout and
 stderr in one log file per rank and generation. Workers die with their agent
 (PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree.
+
+Nothing of a generation listens beyond the node's address: the generation's torch store is
+hosted by the master node's agent (`TorchStore`, as torchrun's agent hosts it; hosted by rank 0
+it would listen on every interface, since TCPStore takes no address), and gloo listens on the
+interface that carries the node's address (GLOO_SOCKET_IFNAME: `lo` in a single-machine job).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transom.control.failures import WorkerFailure, classify_exit
 from transom.control.warm import WarmPool
+from transom.utils.net import interface_of, listening_socket
 from transom.utils.procs import new_session_dying_with_parent, stop_tree
 
+log = logging.getLogger("transom.workers")
+
 STOP_GRACE_S = 5.0
+# gloo listens on the address of this interface (torch reads it; without it, on the address the
+# machine's host name resolves to, which may be any interface).
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass
@@ -35,6 +51,7 @@ class Assignment:
     nproc_per_node: int
     master_addr: str
     master_port: int
+    host: str  # the address this node's ports listen on (transom.utils.net.bind_address)
 
     @property
     def world_size(self) -> int:
@@ -64,14 +81,65 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
             "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
             "TORCHELASTIC_RUN_ID": a.job_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of TorchStore
             "TRANSOM_JOB_ID": a.job_id,
             "TRANSOM_NODE_ID": a.node_id,
             "TRANSOM_GENERATION": str(a.generation),
         }
     )
     env.update(extra)
+    if GLOO_IFNAME not in os.environ:  # an operator's own choice of interface wins
+        interface = interface_of(a.host)
+        if interface is not None:  # else gloo picks the address the host name resolves to
+            env[GLOO_IFNAME] = interface
     return env
+
+
+class TorchStore:
+    """The torch.distributed store (c10d TCPStore) of one generation, on the master node.
+
+    Its socket is bound to the node's address and listening before the address is published,
+    so the port cannot be taken in between and ranks that connect early wait in its backlog
+    while torch is imported (in a thread, the first time: the agent imports torch nowhere else).
+    `close()` stops it; a generation's store never outlives the generation."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._socket: socket.socket | None = listening_socket(host)
+        self.port: int = self._socket.getsockname()[1]
+        self._store: Any = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, name="torch-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        from torch.distributed import TCPStore  # seconds, once per agent
+
+        with self._lock:
+            if self._socket is None:
+                return  # closed before torch was imported
+            fd = self._socket.detach()  # the store owns the descriptor from here on
+            self._socket = None
+            try:
+                self._store = TCPStore(
+                    self.host,
+                    self.port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                    use_libuv=True,
+                )
+            except (RuntimeError, ValueError) as e:
+                # Refuse the ranks' connections, so they fail now instead of at their timeout.
+                log.warning("cannot host the torch store on %s:%d: %s", self.host, self.port, e)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
+            self._store = None  # the server stops with its last reference
 
 
 class WorkerGroup:

@@ -1,8 +1,10 @@
 """The controller's Prometheus endpoint: job state, generation, restarts, per-node/rank signals.
 
 The leading controller updates these gauges from the job record and the agents' monitor
-summaries each tick and serves them over HTTP (prometheus-client). It has its own registry, so
-nothing else in the process leaks into the endpoint. It only exports; it never decides.
+summaries each tick and serves them over HTTP (prometheus-client) on the address it is given
+(transom.utils.net.bind_address: loopback for a single-machine job), never on every interface.
+It has its own registry, so nothing else in the process leaks into the endpoint. It only
+exports; it never decides, and it never reads what a client sends beyond the HTTP request.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ class MonitorExporter:
         self.port: int | None = None
         self._server: WSGIServer | None = None
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
-        """Start the HTTP endpoint; the port it listens on, or None if it cannot."""
+    def serve(self, port: int, host: str) -> int | None:
+        """Start the HTTP endpoint on `host` (0: a free port); the port it listens on, or None
+        if it cannot."""
         try:
             server, _ = start_http_server(port, addr=host, registry=self.registry)
             self._server, self.port = server, server.server_port
