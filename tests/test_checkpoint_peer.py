@@ -423,13 +423,13 @@ def _frames(rng: random.Random, count: int, shard: tuple[dict, bytes]) -> list[t
     return [rng.choice(kinds)() for _ in range(count)]
 
 
-def _send_frame(addr, authenticated: bool, data: bytes) -> None:
+def _send_frame(addr, authenticated: bool, data: bytes, secret: bytes = SECRET) -> None:
     """One connection: (the handshake,) the bytes, end of sending, then read until closed."""
     for _attempt in range(5):
         try:
             with socket.create_connection(addr, timeout=30) as sock:
                 if authenticated:
-                    authenticate(sock, SECRET, initiator=True, deadline=time.monotonic() + 30)
+                    authenticate(sock, secret, initiator=True, deadline=time.monotonic() + 30)
                 with contextlib.suppress(OSError):
                     sock.sendall(data)
                     sock.shutdown(socket.SHUT_WR)

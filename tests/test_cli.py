@@ -143,6 +143,18 @@ def test_a_bad_id_is_refused_with_one_line(argv, capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
+def test_a_wildcard_host_is_refused_with_one_line(host, capsys, tmp_path, monkeypatch):
+    from transom.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["agent", "--store", "http://127.0.0.1:1", "--job-id", "j", "--host", host]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "wildcard address" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_too_many_simulated_nodes_is_refused(capsys, tmp_path, monkeypatch):
     from transom.cli import main
     from transom.config import MAX_SIMULATED_NODES

@@ -1,6 +1,7 @@
 """Fuzzing the monitor channel: at least 10,000 random and crafted datagrams at a live NodeMonitor
 (its listener survives, counts every one, and raises no anomaly), then at the monitor sockets of
-a real two-node job during training (the job ends as a fault-free run does, bit-identical)."""
+a real two-node job during training, together with 10,000 random and crafted frames at its
+checkpoint servers' peer ports (the job ends as a fault-free run does, bit-identical)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import json
 import random
 import socket
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import REPO, wait_for
+import torch
+from conftest import REPO, job_processes, wait_for
+from test_checkpoint_peer import _frames, _send_frame
 
+from transom.checkpoint import layout
+from transom.common import env
 from transom.faults import MockNvml
 from transom.monitor import datagram
 from transom.monitor.channel import SOCKET_NAME, dir_prefix
@@ -179,13 +186,47 @@ def _sockets(run_dir: Path, nodes: list[str]) -> dict[str, Path] | None:
     return found
 
 
+def _peer_ports(job_id: str) -> list[tuple[tuple[str, int], bytes, int]] | None:
+    """(address, the job's checkpoint secret, pid) of each checkpoint server's peer port."""
+    found = []
+    for proc in job_processes(job_id):
+        try:
+            if "transom.checkpoint.server" not in " ".join(proc.cmdline()):
+                continue
+            listening = [c.laddr for c in proc.net_connections("tcp") if c.status == "LISTEN"]
+            secret = proc.environ()[env.CKPT_SECRET].encode()
+        except (psutil.Error, KeyError):
+            return None
+        if len(listening) != 1:
+            return None
+        found.append(((listening[0].ip, listening[0].port), secret, proc.pid))
+    return found if len(found) == 2 else None
+
+
+def _fuzz_peer_ports(ports: list[tuple[tuple[str, int], bytes, int]], count: int) -> None:
+    """`count` random and crafted frames (as an outsider, and after a valid handshake)."""
+    plan = layout.plan_state({"w": torch.zeros(16)}, 9, 0, 2)
+    header = {**plan.header, "checksums": layout.checksum_data(memoryview(bytes(plan.data_len)))}
+    frames = _frames(random.Random(5), count, (header, layout.encode_header(header)))
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(_send_frame, ports[i % len(ports)][0], *frame, ports[i % len(ports)][1])
+            for i, frame in enumerate(frames)
+        ]
+        for future in futures:
+            future.result()
+
+
 @pytest.mark.slow
 def test_a_job_fuzzed_at_its_monitor_sockets_ends_as_a_fault_free_run(start_job, tmp_path):
-    args = ["--nnodes", "2", "--nproc-per-node", "1", TRAIN, "--steps", "80", "--seed", "3"]
+    args = ["--nnodes", "2", "--nproc-per-node", "1", TRAIN, "--steps", "400", "--seed", "3"]
     args += ["--ckpt-every", "20", "--step-delay", "0.05", "--log-every", "5"]
     job = start_job(*args, "--save-final", str(tmp_path / "fuzzed.pt"))
     sockets = wait_for(lambda: _sockets(job.run_dir, ["node0", "node1"]), 60, "the sockets")
+    ports = wait_for(lambda: _peer_ports(job.job_id), 60, "the checkpoint peer ports")
     wait_for(lambda: "step 10 " in job.log_text(), 120, "training to reach step 10")
+    _fuzz_peer_ports(ports, FUZZ_COUNT)
+    assert _peer_ports(job.job_id) == ports  # every checkpoint server lives on, unrestarted
     sent = {}
     for i, (node, path) in enumerate(sorted(sockets.items())):
         # node i runs rank i in generation 1; the other node's rank is a foreign rank here

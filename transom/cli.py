@@ -30,6 +30,7 @@ from transom.config import (
 )
 from transom.store import access as store_access
 from transom.store.access import StoreAccess
+from transom.utils.net import WILDCARDS
 
 EXIT_BAD_INPUT = 2
 DEFAULT_RUNS = Path("transom-runs")
@@ -231,7 +232,8 @@ ID_OPTIONS = {"job_id": "--job-id", "node_id": "--node-id", "candidate_id": "--c
 
 
 def check_ids(args: argparse.Namespace) -> None:
-    """ConfigError naming the first id option whose value is not a valid id."""
+    """ConfigError naming the first id option whose value is not a valid id, or a wildcard
+    `--host` (a node's address is what its peers connect to; nothing may listen everywhere)."""
     for dest, flag in ID_OPTIONS.items():
         value = getattr(args, dest, None)
         if value is not None:
@@ -239,6 +241,11 @@ def check_ids(args: argparse.Namespace) -> None:
                 check_id(flag, value)
             except BadId as e:
                 raise ConfigError(str(e)) from None
+    host = getattr(args, "host", None)
+    if host is not None and host.strip("[]") in WILDCARDS:
+        raise ConfigError(
+            f"--host {host!r} is a wildcard address: give the address other nodes reach this one at"
+        )
 
 
 def _store(args: argparse.Namespace) -> StoreAccess | None:
