@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
 
+# The smallest example GPT the tests train (examples/train_gpt.py options).
+SMALL_GPT = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 8".split()
+
+
 def job_processes(marker: str) -> list[psutil.Process]:
     """Processes whose command line or TRANSOM_JOB_ID mentions `marker` (a job id or run dir)."""
     found = []

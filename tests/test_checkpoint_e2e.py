@@ -7,22 +7,13 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import job_processes, wait_for
+from conftest import SMALL_GPT, job_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 SMALL = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "32",
-    "--batch-size",
-    "8",
+    *SMALL_GPT,
     "--ckpt-every",
     "3",
     "--log-every",

@@ -13,21 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import SMALL_GPT
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 # Small model and batch so that three torchrun jobs fit in well under a minute on two cores.
-SMALL = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "32",
-    "--batch-size",
-    "8",
-]
+SMALL = SMALL_GPT
 
 
 def _env() -> dict[str, str]:
