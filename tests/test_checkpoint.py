@@ -560,9 +560,16 @@ def test_the_plan_is_read_validated() -> None:
             assert key == "plan"
             return self.plan
 
-    good = {"generation": 3, "members": ["n0", "n1"], "restore_step": 20, "other": 1}
+    good = {
+        "generation": 3,
+        "members": ["n0", "n1"],
+        "job_state": "RUNNING",
+        "restore_step": 20,
+        "other": 1,  # a newer writer's field
+    }
     assert read_plan(FakeStore(good)) == PlanView(3, ["n0", "n1"], 20)  # type: ignore[arg-type]
-    bad = {"generation": "3", "members": ["n0", 5], "restore_step": True}
-    assert read_plan(FakeStore(bad)) == PlanView(None, ["n0"], None)  # type: ignore[arg-type]
+    for field, wrong in (("generation", "3"), ("members", ["n0", 5]), ("restore_step", True)):
+        bad = {**good, field: wrong}  # a plan that does not parse is no plan
+        assert read_plan(FakeStore(bad)) == PlanView()  # type: ignore[arg-type]
     assert read_plan(FakeStore(None)) == PlanView()  # type: ignore[arg-type]
     assert read_plan(FakeStore(["n0"])) == PlanView()  # type: ignore[arg-type]

@@ -19,6 +19,9 @@ from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import catalog, storage
+from transom.common import keys
+from transom.common.records import Plan
+from transom.common.states import JobState
 from transom.store import EmbeddedEtcd, Store, StoreAccess
 from transom.utils.procs import stop_process
 
@@ -143,7 +146,8 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:
         job = "j" + uuid.uuid4().hex[:6]
         store = Store(etcd.access, job)
-        store.put("plan", {"generation": 1, "members": ["node0", "node1"]})
+        plan = Plan(generation=1, members=["node0", "node1"], job_state=JobState.RUNNING)
+        store.put(keys.PLAN, plan.to_dict())
         started = []
         try:
             a = ServerProcess(tmp_path, "node0", job, etcd.access)

@@ -19,6 +19,7 @@ from typing import Any
 
 from transom.checkpoint import catalog
 from transom.common import keys
+from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
 from transom.store import Store, StoreError
 
@@ -37,26 +38,19 @@ class PlanView:
 
 
 def read_plan(store: Store) -> PlanView:
-    """The plan's generation, members and restore step, validated; empty when there is none.
+    """The plan's generation, members and restore step; empty when there is none.
 
-    The one place the checkpoint server reads the controller's plan (its schema is the
-    controller's); a value of the wrong type is treated as absent.
+    The one place the checkpoint server reads the controller's plan, parsed by the plan's one
+    definition (`transom.common.records.Plan`); a plan that does not parse is treated as absent.
     """
-    plan = store.get(keys.PLAN)
-    if not isinstance(plan, dict):
+    value = store.get(keys.PLAN)
+    if value is None:
         return PlanView()
-    generation = plan.get("generation")
-    members = plan.get("members")
-    restore = plan.get("restore_step")
-    return PlanView(
-        generation=generation if _is_int(generation) else None,
-        members=[m for m in members if isinstance(m, str)] if isinstance(members, list) else [],
-        restore_step=restore if _is_int(restore) else None,
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    try:
+        plan = Plan.from_dict(value)
+    except RecordError:
+        return PlanView()
+    return PlanView(plan.generation, list(plan.members), plan.restore_step)
 
 
 class Publisher:
