@@ -42,6 +42,8 @@ import time
 import uuid
 from pathlib import Path
 
+from jobs import transom_run
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
@@ -89,14 +91,8 @@ def run_job(
     run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]
 ) -> list[dict]:
     """Run one job to its end; its events."""
-    argv = [
-        sys.executable,
-        "-m",
-        "transom",
-        "run",
-        "--run-dir",
-        str(run_dir),
-        "--job-id",
+    argv = transom_run(
+        run_dir,
         "d-" + uuid.uuid4().hex[:6],
         "--nnodes",
         str(NODES),
@@ -117,7 +113,7 @@ def run_job(
         "--log-every",
         "1",
         *extra,
-    ]
+    )
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -54,7 +54,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jobs import Line, finish, parse
+from jobs import Line, finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -138,14 +138,8 @@ def run_transom(args, work: Path, reference: Path | None) -> dict:
     with open(work / f"{job_id}.out", "wb") as out:
         launched = time.time()
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "transom",
-                "run",
-                "--run-dir",
-                str(run_dir),
-                "--job-id",
+            transom_run(
+                run_dir,
                 job_id,
                 "--nnodes",
                 str(NODES),
@@ -157,7 +151,7 @@ def run_transom(args, work: Path, reference: Path | None) -> dict:
                 "--faults",
                 args.faults,
                 *script_args(args, final),
-            ],
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=worker_env(),

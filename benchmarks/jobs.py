@@ -1,4 +1,5 @@
-"""What the benchmarks running examples/train_gpt.py jobs share: its progress lines, stopping a job.
+"""What the benchmarks running examples/train_gpt.py jobs share: the `transom run` command line,
+its progress lines, stopping a job.
 
 train_gpt.py (transom/workloads/train_gpt.py) prints, each with t=time.time() (see its docstring):
     [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
@@ -13,6 +14,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import psutil
@@ -31,6 +34,14 @@ class Line(NamedTuple):
     step: int | None  # the step of a step line, the resumed/done step of the others
     rank: int | None  # None on step lines (rank 0 prints them)
     t: float
+
+
+def transom_run(run_dir: Path, job_id: str, *options: str) -> list[str]:
+    """The command line that starts job `job_id` under `transom run`, with `options` after."""
+    return [
+        sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", job_id,
+        *options,
+    ]  # fmt: skip
 
 
 def parse(text: str) -> list[Line]:

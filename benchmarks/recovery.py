@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import finish, parse
+from jobs import finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -131,21 +131,7 @@ def run_transom(fault: str, work: Path) -> dict:
     run_dir = work / job_id
     out = open(work / f"{job_id}.out", "wb")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "transom",
-            "run",
-            "--run-dir",
-            str(run_dir),
-            "--job-id",
-            job_id,
-            "--nnodes",
-            "3",
-            "--spares",
-            "1",
-            *train_args(),
-        ],
+        transom_run(run_dir, job_id, "--nnodes", "3", "--spares", "1", *train_args()),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
