@@ -186,6 +186,12 @@ def _sockets(run_dir: Path, nodes: list[str]) -> dict[str, Path] | None:
     return found
 
 
+def _a_load_warning(event: dict) -> bool:
+    """A throughput-drop anomaly or its warning: the job slowed while the test loaded the CPU."""
+    kind_of_anomaly = {"anomaly": event.get("type"), "warning": event.get("anomaly_type")}
+    return kind_of_anomaly.get(event["kind"]) == "throughput_drop"
+
+
 def _peer_ports(job_id: str) -> list[tuple[tuple[str, int], bytes, int]] | None:
     """(address, the job's checkpoint secret, pid) of each checkpoint server's peer port."""
     found = []
@@ -245,10 +251,13 @@ def test_a_job_fuzzed_at_its_monitor_sockets_ends_as_a_fault_free_run(start_job,
 
     wait_for(counted, 60, "the agents' summaries to count the fuzzed datagrams")
     assert job.wait(timeout=300) == 0, job.output
+    # The fuzzing itself takes the CPU of a small machine from the job: an honest throughput-drop
+    # warning may come (not acted on); anything else (a fault, a decision, a restart) is noise.
     noise = [
         (e["kind"], e.get("message"))
         for e in job.events()
         if e["kind"] in ("anomaly", "warning", "decision", "incident", "rollback", "failed")
+        and not _a_load_warning(e)
     ]
     assert noise == []
     assert job.status()["job"]["generation"] == 1  # no restart
