@@ -210,6 +210,7 @@ def test_every_option_sets_its_field():
         *("--nnodes", "2:4", "--spares", "1", "--nproc-per-node", "2", "--max-restarts", "7"),
         *("--evict-window", "12.5", "--node-ttl", "6", "--join-timeout", "3"),
         *("--warmup-timeout", "60", "--settle-time", "2", "--hang-floor", "12.5"),
+        *("--store-outage", "45"),
         *("--no-warm-workers", "--faults", "crash@step=4", "--fault-seed", "9"),
         *("--metrics-port", "-1", "--ckpt-memory", "1.5G", "--ckpt-storage", "rel/dir"),
         *("--ckpt-keep", "5", "--ckpt-replicas", "0"),
@@ -219,6 +220,7 @@ def test_every_option_sets_its_field():
     assert (spec.max_restarts, spec.evict_window_s, spec.node_ttl_s) == (7, 12.5, 6)
     assert (spec.join_timeout_s, spec.warmup_timeout_s, spec.settle_s) == (3.0, 60.0, 2.0)
     assert spec.hang_floor_s == 12.5 and spec.warm_workers is False
+    assert spec.store_outage_s == 45.0
     # The fault schedule is resolved against the world size and the seed.
     assert spec.faults == ["F"] and seen == [("crash@step=4", 8, 9)] and spec.fault_seed == 9
     assert spec.metrics_port == -1 and spec.ckpt_memory_bytes == 3 << 29
@@ -240,6 +242,7 @@ def test_options_are_checked_by_validate(tmp_path):
         (("--settle-time", "31"), "--settle-time 31.0: between 0 and 30 seconds"),
         (("--settle-time", "-1"), "--settle-time"),
         (("--hang-floor", "0.5"), "--hang-floor 0.5: at least 1 second"),
+        (("--store-outage", "-1"), "--store-outage -1.0: cannot be negative"),
         (("--node-ttl", "1"), "--node-ttl 1: at least 2 seconds"),
         (("--metrics-port", "70000"), "--metrics-port"),
         (("--ckpt-keep", "0"), "--ckpt-keep 0"),

@@ -159,6 +159,16 @@ class JobSpec(Record):
             metavar="SECONDS",
         ),
     )
+    store_outage_s: float = field(
+        default=60.0,
+        metadata=option(
+            "--store-outage",
+            "how long the job trains on through an outage of etcd that every node sees "
+            "(no restart, no eviction); longer than this, nodes stop their workers",
+            group=GROUP_TOLERANCE,
+            metavar="SECONDS",
+        ),
+    )
     join_timeout_s: float = field(
         default=30.0,
         metadata=option(
@@ -317,6 +327,8 @@ class JobSpec(Record):
             )
         if self.node_ttl_s < 2:
             raise ConfigError(f"--node-ttl {self.node_ttl_s}: at least 2 seconds")
+        if self.store_outage_s < 0:
+            raise ConfigError(f"--store-outage {self.store_outage_s}: cannot be negative")
         if self.join_timeout_s < 0:
             raise ConfigError(f"--join-timeout {self.join_timeout_s}: cannot be negative")
         if self.evict_window_s < 0:
