@@ -1,0 +1,233 @@
+"""Overhead benchmark: the same fault-free job under torchrun and under `transom run`.
+
+Runs examples/train_gpt.py (2 ranks, a checkpoint every --ckpt-every steps) in alternating pairs:
+  torchrun   `torchrun --standalone --nproc-per-node 2`, torch.save checkpoints (rank 0 writes)
+  transom    `transom run --nnodes 2 --nproc-per-node 1`, Transom's checkpoint engine
+and reports, from rank 0's step lines and psutil samples of every process each job started:
+  step_rate_x      steady-state steps/s under Transom / under torchrun (steps 20%..85% of the run)
+  startup_delta_s  Transom's time from launch to the first step, less torchrun's
+  transom_cpu_x    CPU of Transom's own processes over the steady state, in cores, by kind
+                   (etcd, checkpoint servers, agents, controllers, launcher, warm interpreters
+                   waiting, other); the workers are not Transom's and are reported apart
+Numbers are means over the pairs. On a machine shared with other work they are not final.
+
+    flock /work/wt/e2e.lock timeout 600 python benchmarks/overhead.py --json
+
+This module starts jobs and stops every process they started; it never changes the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+from jobs import Line, finish, parse, transom_run
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "examples" / "train_gpt.py"
+RUN_TIMEOUT_S = 240
+SAMPLE_EVERY_S = 0.5
+STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that one
+TIMES = ("startup_s", "step_rate", "wall_s")
+TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "warm", "other")
+
+
+def kind_of(cmdline: list[str], is_root: bool) -> str:
+    """What one process of a job is, from its command line (or its setproctitle title)."""
+    text = " ".join(cmdline)
+    words = text.split()
+    if "torch.distributed.run" in words:
+        return "torchrun"
+    if is_root:
+        return "launcher"
+    if words and Path(words[0]).name == "etcd":
+        return "etcd"
+    if "transom.checkpoint.server" in words or "ckpt-server" in words:
+        return "ckpt_servers"
+    if "transom warm interpreter" in text or "transom.control.warm" in words:
+        return "warm"
+    if "train_gpt" in text:
+        return "workers"
+    if "agent" in words:
+        return "agents"
+    if "controller" in words:
+        return "controllers"
+    return "other"
+
+
+class Sampler:
+    """CPU seconds of every process under `root`, by pid, every SAMPLE_EVERY_S."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self.procs: dict[int, psutil.Process] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(SAMPLE_EVERY_S):
+            try:
+                tree = [psutil.Process(self.root), *psutil.Process(self.root).children(True)]
+            except psutil.NoSuchProcess:
+                return
+            sample: dict[int, tuple[str, float]] = {}
+            for p in tree:
+                try:
+                    p = self.procs.setdefault(p.pid, p)
+                    cpu = p.cpu_times()
+                    sample[p.pid] = (
+                        kind_of(p.cmdline(), p.pid == self.root),
+                        cpu.user + cpu.system,
+                    )
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            self.samples.append((time.time(), sample))
+
+    def cores(self, start: float, end: float) -> dict[str, float]:
+        """Cores used by each kind of process between `start` and `end` (wall times)."""
+        inside = [(t, s) for t, s in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            raise RuntimeError("too few CPU samples in the steady state (a run too short?)")
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        seen: dict[int, tuple[str, float]] = {}  # pid -> (kind, cpu at its first sample inside)
+        for _, sample in inside:
+            for pid, value in sample.items():
+                seen.setdefault(pid, value)
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in last.items():
+            base = first[pid][1] if pid in first else seen[pid][1]
+            out[kind] = out.get(kind, 0.0) + (cpu - base) / (t1 - t0)
+        return out
+
+
+def rank0_steps(lines: list[Line]) -> dict[int, float]:
+    return {x.step: x.t for x in lines if x.what == "step" and x.step is not None}
+
+
+def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -> dict:
+    """Run one job to its end; its start-up, steady step rate and CPU by kind."""
+    with open(out_path, "wb") as out:
+        launched = time.time()
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sampler = Sampler(process.pid)
+        sampler.thread.start()
+        try:
+            ok = finish(process, marker, RUN_TIMEOUT_S)
+        finally:
+            sampler.stop.set()
+            sampler.thread.join()
+    if not ok:
+        raise RuntimeError(f"{command[:4]}... failed; see {out_path}")
+    t = rank0_steps(parse(logs()))
+    first, last = (max(2, int(steps * share)) for share in STEADY)
+    if first not in t or last not in t or steps not in t:
+        raise RuntimeError(f"rank 0 did not print steps {first}, {last} and {steps}: {out_path}")
+    return {
+        "startup_s": t[1] - launched,
+        "step_rate": (last - first) / (t[last] - t[first]),
+        "wall_s": t[steps] - launched,
+        "cores": sampler.cores(t[first], t[last]),
+    }
+
+
+def torchrun(work: Path, args) -> dict:
+    run_id = "overhead-" + uuid.uuid4().hex[:6]
+    out = work / f"{run_id}.out"
+    ckpt = work / f"{run_id}-ckpt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
+        "--ckpt-every", str(args.ckpt_every), "--checkpoint", "torch", "--ckpt-dir", str(ckpt),
+    ]  # fmt: skip
+    return run_job(command, lambda: out.read_text(errors="replace"), str(ckpt), out, args.steps)
+
+
+def transom(work: Path, args) -> dict:
+    job_id = "overhead-" + uuid.uuid4().hex[:6]
+    run_dir = work / job_id
+    command = transom_run(
+        run_dir, job_id, "--nnodes", "2", "--nproc-per-node", "1",
+        str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
+        "--ckpt-every", str(args.ckpt_every),
+    )  # fmt: skip
+
+    def logs() -> str:
+        paths = sorted(run_dir.glob("logs/g*/rank0.log"))
+        return "".join(p.read_text(errors="replace") for p in paths)
+
+    return run_job(command, logs, str(run_dir), work / f"{job_id}.out", args.steps)
+
+
+def summarize(pairs: list[tuple[dict, dict]]) -> dict:
+    """Means over the pairs (torchrun, transom) of what the issue asks for."""
+    ratios = [b["step_rate"] / a["step_rate"] for a, b in pairs]
+    deltas = [b["startup_s"] - a["startup_s"] for a, b in pairs]
+    kinds = {k for _, b in pairs for k in b["cores"]}
+    cpu = {k: statistics.mean(b["cores"].get(k, 0.0) for _, b in pairs) for k in sorted(kinds)}
+    own = {k: v for k, v in cpu.items() if k in TRANSOM_KINDS}
+    return {
+        "step_rate_x": statistics.mean(ratios),
+        "step_rate_x_pairs": ratios,
+        "startup_delta_s": statistics.mean(deltas),
+        "startup_delta_s_pairs": deltas,
+        "transom_cpu_x": own | {"total": sum(own.values())},
+        "transom_workers_cpu_x": cpu.get("workers", 0.0),
+        "torchrun_cpu_x": {
+            k: statistics.mean(a["cores"].get(k, 0.0) for a, _ in pairs)
+            for k in ("torchrun", "workers")
+        },
+        "torchrun": {k: statistics.mean(a[k] for a, _ in pairs) for k in TIMES},
+        "transom": {k: statistics.mean(b[k] for _, b in pairs) for k in TIMES},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pairs", type=int, default=2, help="torchrun/transom pairs (default 2)")
+    parser.add_argument("--steps", type=int, default=1200, help="steps per job (default 1200)")
+    parser.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (20)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args()
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="transom-overhead-") as tmp:
+        for i in range(args.pairs):
+            print(f"pair {i + 1}/{args.pairs}: torchrun ...", file=sys.stderr, flush=True)
+            a = torchrun(Path(tmp), args)
+            print(f"pair {i + 1}/{args.pairs}: transom ...", file=sys.stderr, flush=True)
+            b = transom(Path(tmp), args)
+            pairs.append((a, b))
+    result = summarize(pairs) | {
+        "pairs": args.pairs,
+        "steps": args.steps,
+        "ckpt_every": args.ckpt_every,
+        "cores": psutil.cpu_count(),
+    }
+    for name in ("torchrun", "transom"):
+        r = result[name]
+        print(f"{name:<9} start-up {r['startup_s']:6.2f} s  steady {r['step_rate']:6.1f} steps/s"
+              f"  wall {r['wall_s']:6.1f} s")  # fmt: skip
+    print(f"step_rate_x {result['step_rate_x']:.3f}  startup_delta_s "
+          f"{result['startup_delta_s']:+.2f}")  # fmt: skip
+    print("Transom's own processes in the steady state (cores): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in result["transom_cpu_x"].items()))  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
