@@ -1,0 +1,340 @@
+"""Scale benchmark: the real controller and the real agent logic on many nodes, one real etcd.
+
+For each size N (`--nodes 64,256,1024`) it starts an embedded etcd, writes a job spec (N nodes,
+1 spare, 1 rank a node), two real `transom controller` candidates (processes, as `transom run`
+starts them), and N + 1 simulated node agents spread over a few processes
+(benchmarks/scale_agents.py: each a real NodeAgent whose workers, monitor, checkpoint server and
+pre-flight are stand-ins; its docstring says how they differ from real agents). It measures:
+  startup_s              launch -> the job record says generation 1 is RUNNING on all N nodes
+  etcd_requests_per_s    requests etcd received per second in the steady state (its gRPC
+                         messages, which the HTTP gateway's requests become), and per node
+  etcd_cpu_x, controller_cpu_x   cores used in the steady state by etcd and the leading
+                         controller (standby_cpu_x: the other candidate; simulator_cpu_x: the
+                         simulated agents' processes); *_rss_mb their memory
+  agent_ticks_per_s      ticks an agent achieved per second (the design polls 5 a second: less
+                         means the simulator could not keep up, so the load it put on etcd is
+                         less than N real agents would)
+  fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
+                         moment its lease expires) -> the plan of the next generation arrives
+  fault_to_all_acting_s  the same moment -> every member of the new plan has followed it
+This measures the polling design of today. Numbers from a machine shared with other work are
+noisy; a size that does not start in --timeout seconds is reported with why, and larger sizes
+are skipped.
+
+    flock /work/wt/e2e.lock timeout 900 python benchmarks/scale.py --nodes 64,256,1024 --json
+
+This module starts etcd, controllers and simulator processes and stops every one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from transom.common import keys  # noqa: E402
+from transom.common.records import JobRecord  # noqa: E402
+from transom.common.states import JobState  # noqa: E402
+from transom.config import JobSpec  # noqa: E402
+from transom.store import EmbeddedEtcd, Store  # noqa: E402
+from transom.store.watch import PrefixWatch  # noqa: E402
+
+SCRIPT = REPO / "examples" / "train_gpt.py"
+AGENTS_PER_PROCESS = 256
+WINDOW_S = 10.0
+SETTLE_S = 3.0
+FAULT_TIMEOUT_S = 60.0
+MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def etcd_requests(store: Store) -> float:
+    """etcd's count of gRPC messages received (every gateway request is at least one)."""
+    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
+    return sum(float(v) for v in MESSAGES.findall(text))
+
+
+def cpu_s(process: psutil.Process) -> float:
+    try:
+        t = process.cpu_times()
+        return (
+            t.user
+            + t.system
+            + sum(
+                c.cpu_times().user + c.cpu_times().system for c in process.children(recursive=True)
+            )
+        )
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def rss_mb(process: psutil.Process) -> float:
+    try:
+        return process.memory_info().rss / 2**20
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def lines_of(paths: list[Path]) -> list[list[str]]:
+    return [line.split() for p in paths if p.exists() for line in p.read_text().splitlines()]
+
+
+def revoke_lease_of(store: Store, name: str) -> None:
+    """Revoke the lease `name` is held under: to etcd, the moment that lease expires."""
+    client = store.client
+    key = base64.b64encode(store.key(name).encode()).decode()
+    kvs = client.post(client.get_url("/kv/range"), json={"key": key}).get("kvs", [])
+    if not kvs or not kvs[0].get("lease"):
+        raise RuntimeError(f"{name} has no lease")
+    client.post(client.get_url("/lease/revoke"), json={"ID": kvs[0]["lease"]})
+
+
+def wait_job(watch: PrefixWatch, job: dict, until, timeout: float) -> float:
+    """Follow the `job` key until `until(JobRecord)` holds; the time it did."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if job.get("") is not None and until(JobRecord.from_dict(job[""])):
+            return time.time()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            state = JobRecord.from_dict(job[""]).state.value if job.get("") else "none"
+            raise TimeoutError(f"not reached in {timeout:.0f} s (job state {state})")
+        update = watch.get(timeout=min(left, 1.0))
+        if update is not None:
+            if update.snapshot is not None:
+                job.clear()
+                job.update(update.snapshot)
+            for e in update.events:
+                job[e.name] = None if e.deleted else e.value
+
+
+def run_size(n: int, work: Path, args) -> dict:
+    job_id = f"scale-{n}-{uuid.uuid4().hex[:6]}"
+    run_dir = work / job_id
+    (run_dir / "kill").mkdir(parents=True)
+    etcd = EmbeddedEtcd(run_dir / "etcd").start()
+    children: list[subprocess.Popen] = []
+    store = Store(etcd.access, job_id)
+    job_watch = PrefixWatch(store, keys.JOB)
+    plan_watch = PrefixWatch(store, keys.PLAN)
+    try:
+        spec = JobSpec(
+            script=str(SCRIPT),
+            job_id=job_id,
+            nnodes_min=n,
+            nnodes_max=n,
+            spares=1,
+            nproc_per_node=1,
+            warm_workers=False,
+            metrics_port=-1,
+            warmup_timeout_s=args.timeout,
+            join_timeout_s=args.timeout,
+        )
+        store.put(keys.SPEC, spec.validate().to_dict())
+        base = [sys.executable, "-m", "transom", "--log-level", "warning"]
+        common = [*etcd.access.argv(), "--job-id", job_id]
+        job = job_watch.start()
+        plan_watch.start()
+        launched = time.time()
+        controllers = {}
+        for i in range(2):
+            name = f"controller-{i}"
+            with open(run_dir / f"{name}.log", "wb") as log:
+                p = subprocess.Popen(
+                    [*base, "controller", *common, "--candidate-id", name],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            children.append(p)
+            controllers[name] = psutil.Process(p.pid)
+        nodes = [f"node{i}" for i in range(n + 1)]
+        parts = math.ceil(len(nodes) / AGENTS_PER_PROCESS)
+        outs = []
+        sims = []
+        for k in range(parts):
+            out = run_dir / f"agents-{k}.out"
+            outs.append(out)
+            with open(out, "wb") as f:
+                p = subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(Path(__file__).parent / "scale_agents.py"),
+                        *etcd.access.argv(),
+                        "--job-id",
+                        job_id,
+                        "--run-dir",
+                        str(run_dir),
+                        "--kill-dir",
+                        str(run_dir / "kill"),
+                        *nodes[k::parts],
+                    ],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            children.append(p)
+            sims.append(psutil.Process(p.pid))
+        say(f"{n} nodes: {parts} simulator processes, 2 controllers; waiting for generation 1")
+        running = wait_job(
+            job_watch,
+            job,
+            lambda j: j.state is JobState.RUNNING and j.generation >= 1,
+            args.timeout,
+        )
+        result: dict = {"nodes": n, "startup_s": running - launched, "simulator_processes": parts}
+        say(f"{n} nodes: running after {result['startup_s']:.1f} s; steady state ...")
+        time.sleep(SETTLE_S)
+        leader = store.get(keys.LEADER)
+        etcd_process = psutil.Process(etcd.process.pid)  # type: ignore[union-attr]
+        procs = {
+            "etcd": [etcd_process],
+            "controller": [controllers[leader]],
+            "standby": [p for c, p in controllers.items() if c != leader],
+            "simulator": sims,
+        }
+        before = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
+        requests_before, t0 = etcd_requests(store), time.time()
+        time.sleep(args.window)
+        after = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
+        requests_after, t1 = etcd_requests(store), time.time()
+        for k in procs:
+            result[f"{k}_cpu_x"] = (after[k] - before[k]) / (t1 - t0)
+        result["etcd_requests_per_s"] = (requests_after - requests_before) / (t1 - t0)
+        result["etcd_requests_per_node_s"] = result["etcd_requests_per_s"] / n
+        ticks = [(float(x[2]), int(x[1])) for x in lines_of(outs) if x[0] == "ticks"]
+        # each process prints its own total: sum per-process rates over the window
+        rate = 0.0
+        for out in outs:
+            own = [(float(x[2]), int(x[1])) for x in lines_of([out]) if x[0] == "ticks"]
+            inside = [(t, c) for t, c in own if t0 <= t <= t1]
+            if len(inside) >= 2:
+                rate += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+        result["agent_ticks_per_s"] = rate / (n + 1) if ticks else None
+        result["etcd_rss_mb"] = rss_mb(etcd_process)
+        result["controller_rss_mb"] = rss_mb(controllers[leader])
+        result.update(fault(store, plan_watch, run_dir, outs))
+        return result
+    finally:
+        for p in children:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in children:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        job_watch.stop()
+        plan_watch.stop()
+        etcd.stop()
+
+
+def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]) -> dict:
+    """Kill one member node; the times until the new plan and until every member acted on it."""
+    plan = store.get(keys.PLAN)
+    victim = plan["members"][-1]
+    (run_dir / "kill" / victim).touch()
+    deadline = time.monotonic() + 10
+    while not any(x[:2] == ["dead", victim] for x in lines_of(outs)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the simulated agent {victim} did not stop")
+        time.sleep(0.05)
+    while plan_watch.get(timeout=0) is not None:  # forget older plans
+        pass
+    revoke_lease_of(store, keys.node(victim))
+    t_fault = time.time()
+    deadline = time.monotonic() + FAULT_TIMEOUT_S
+    new_plan = None
+    while new_plan is None:
+        update = plan_watch.get(timeout=max(0.0, deadline - time.monotonic()))
+        if update is None:
+            raise TimeoutError(f"no new plan {FAULT_TIMEOUT_S:.0f} s after {victim}'s death")
+        values = [e.value for e in update.events] + list((update.snapshot or {}).values())
+        new_plan = next((p for p in values if p and p["generation"] > plan["generation"]), None)
+    t_plan = time.time()
+    gen, members = new_plan["generation"], set(new_plan["members"])
+    while True:
+        acted = {x[1]: float(x[3]) for x in lines_of(outs) if x[0] == "acted" and int(x[2]) == gen}
+        if members <= set(acted):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(members - set(acted))} members never acted on generation {gen}"
+            )
+        time.sleep(0.1)
+    return {
+        "fault_to_plan_s": t_plan - t_fault,
+        "fault_to_all_acting_s": max(acted[m] for m in members) - t_fault,
+        "victim": victim,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", default="64,256,1024", help="sizes, comma-separated")
+    parser.add_argument("--window", type=float, default=WINDOW_S, help="steady-state seconds")
+    parser.add_argument("--timeout", type=float, default=300.0, help="start-up limit per size")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args()
+    sizes, errors = [], {}
+    with tempfile.TemporaryDirectory(prefix="transom-scale-") as tmp:
+        for n in [int(x) for x in args.nodes.split(",")]:
+            try:
+                sizes.append(run_size(n, Path(tmp), args))
+            except Exception as e:  # noqa: BLE001 - reported, and the larger sizes skipped
+                errors[str(n)] = f"{type(e).__name__}: {e}"
+                say(f"{n} nodes: {errors[str(n)]}")
+                break
+    columns = [
+        "nodes",
+        "startup_s",
+        "fault_to_plan_s",
+        "fault_to_all_acting_s",
+        "etcd_requests_per_s",
+        "etcd_requests_per_node_s",
+        "etcd_cpu_x",
+        "controller_cpu_x",
+        "standby_cpu_x",
+        "simulator_cpu_x",
+        "agent_ticks_per_s",
+    ]
+    print(" ".join(f"{c:>12.12}" for c in columns))
+    for row in sizes:
+        print(
+            " ".join(
+                f"{row[c]:>12.3f}" if isinstance(row[c], float) else f"{row[c]:>12}"
+                for c in columns
+            )
+        )
+    for n, why in errors.items():
+        print(f"{n} nodes: not measured: {why}")
+    result = {
+        "sizes": sizes,
+        "errors": errors,
+        "reached": max((r["nodes"] for r in sizes), default=0),
+        "cores": psutil.cpu_count(),
+    }
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

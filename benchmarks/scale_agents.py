@@ -1,0 +1,228 @@
+"""Many simulated node agents in one process, for benchmarks/scale.py.
+
+Each simulated node is a real `transom.control.agent.NodeAgent` (its registration under a lease,
+lease keep-alive, plan polling, generation following, status and monitor publishing: the agent's
+whole control logic, unchanged) in a thread of its own, with the parts that touch the machine
+replaced by stand-ins:
+  - workers: `StandInGroup` starts no process; its ranks "train" one step every STEP_S from the
+    moment the group starts, and never fail;
+  - monitor: `StandInMonitor` reports those steps (a summary per SUMMARY_PERIOD_S, as the real
+    one) without a socket, log scanning or GPU reads;
+  - checkpoint server, pre-flight checks and the generation's torch store: do nothing (so the
+    etcd traffic of real checkpoint servers, catalog entries included, is not in the numbers).
+Real agents also differ in running one per machine, each with its own CPU; here hundreds share a
+process and its interpreter lock, so an agent's tick can run late when the process is busy
+(each process reports its agents' achieved ticks per second).
+
+Lines it prints (flushed), for scale.py:
+    ready N                 every agent thread is started
+    acted NODE GEN T        NODE followed the plan of generation GEN at time T (time.time())
+    dead NODE T             NODE stopped acting (told through its kill file)
+    ticks N T               N agent ticks were done in total by time T (every second)
+It stops on SIGTERM. A node dies (stops ticking, keeps its lease until someone revokes it) when
+the file KILL_DIR/NODE appears. This module never touches processes other than its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
+from transom.common.states import NodeState  # noqa: E402
+from transom.control import agent as agent_module  # noqa: E402
+from transom.monitor.node import SUMMARY_PERIOD_S  # noqa: E402
+from transom.store import Store, StoreAccess  # noqa: E402
+
+STEP_S = 0.5  # one stand-in training step
+KILL_POLL_S = 0.05
+_print_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    with _print_lock:
+        print(line, flush=True)
+
+
+class StandInGroup:
+    """A node's workers, without processes: `nproc_per_node` ranks that make steps."""
+
+    def __init__(self, assignment, script, script_args, log_dir, extra_env):
+        self.assignment = assignment
+        self.started = time.monotonic()
+        self.processes = [None] * assignment.nproc_per_node
+        self.log_paths = [Path(log_dir) / f"rank{i}.log" for i in range(len(self.processes))]
+        self.pids: dict[int, int] = {}
+
+    def start(self, warm) -> None:
+        self.started = time.monotonic()
+
+    def step(self) -> int:
+        return int((time.monotonic() - self.started) / STEP_S)
+
+    def poll(self):
+        return NodeState.RUNNING.value, []
+
+    def stop(self) -> None:
+        pass
+
+
+class StandInMonitor:
+    """The node monitor's interface, fed by the stand-in group's steps."""
+
+    def __init__(self, node_id: str, nvml=None, scope: str = "") -> None:
+        self.node_id = node_id
+        self.socket_path = Path("/nonexistent")
+        self.generation = 0
+        self.ranks: list[int] = []
+        self.group: StandInGroup | None = None
+        self._published_at = 0.0
+
+    def new_generation(self, generation: int) -> None:
+        self.generation, self.ranks = generation, []
+
+    def expect_ranks(self, ranks: list[int]) -> None:
+        self.ranks = list(ranks)
+
+    def steps(self) -> dict[int, int | None]:
+        step = self.group.step() if self.group is not None and self.ranks else None
+        return dict.fromkeys(self.ranks, step)
+
+    def newest_step(self) -> int | None:
+        return max((s for s in self.steps().values() if s is not None), default=None)
+
+    def raise_anomaly(self, anomaly) -> None:
+        pass
+
+    def take_fired_faults(self) -> list:
+        return []
+
+    def check(self, pids, logs) -> None:
+        pass
+
+    def due(self, now: float) -> bool:
+        return now - self._published_at >= SUMMARY_PERIOD_S
+
+    def collect(self):
+        self._published_at = time.monotonic()
+        ranks = {
+            str(rank): RankSummary(
+                step=step,
+                phase="step",
+                step_age=0.1,
+                beat_age=0.1,
+                step_s=STEP_S,
+                compute_s=STEP_S * 0.8,
+            )
+            for rank, step in self.steps().items()
+        }
+        return MonitorSummary(self.node_id, self.generation, time.time(), ranks=ranks), []
+
+    def close(self) -> None:
+        pass
+
+
+class StandInCheckpointServer:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def ensure_running(self) -> None:
+        pass
+
+    def worker_env(self) -> dict[str, str]:
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+
+class StandInTorchStore:
+    def __init__(self, host: str) -> None:
+        self.port = 1
+
+    def close(self) -> None:
+        pass
+
+
+def no_preflight(run_dir, script, slowdown=1.0):
+    return True, {"compute_gflops": 1.0, "problems": []}
+
+
+agent_module.WorkerGroup = StandInGroup  # type: ignore[misc,assignment]
+agent_module.NodeMonitor = StandInMonitor  # type: ignore[misc,assignment]
+agent_module.NodeCheckpointServer = StandInCheckpointServer  # type: ignore[misc,assignment]
+agent_module.TorchStore = StandInTorchStore  # type: ignore[misc,assignment]
+agent_module.preflight = no_preflight  # type: ignore[assignment]
+
+TICKS = [0]
+
+
+class SimulatedAgent(agent_module.NodeAgent):
+    """The real agent; it reports when it acts on a plan, and it can die."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dead = threading.Event()
+
+    def _follow(self, plan) -> None:
+        super()._follow(plan)
+        say(f"acted {self.node_id} {plan.generation} {time.time():.6f}")
+
+    def _start_group(self, plan) -> None:
+        super()._start_group(plan)
+        if self.group is not None:
+            self.monitor.group = self.group  # type: ignore[attr-defined]
+
+    def _tick(self):
+        if self.dead.is_set():  # a dead node: nothing more from it, its lease left to expire
+            self.stopping.wait()
+            return None
+        TICKS[0] += 1
+        return super()._tick()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--store-ca", required=True)
+    parser.add_argument("--store-cert", required=True)
+    parser.add_argument("--store-key", required=True)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--kill-dir", required=True, type=Path)
+    parser.add_argument("nodes", nargs="+")
+    args = parser.parse_args()
+    access = StoreAccess(
+        args.store, Path(args.store_ca), Path(args.store_cert), Path(args.store_key)
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    agents = {n: SimulatedAgent(Store(access, args.job_id), n, args.run_dir) for n in args.nodes}
+    for node, agent in agents.items():
+        threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True).start()
+    say(f"ready {len(agents)}")
+    last = time.monotonic()
+    while not stop.wait(KILL_POLL_S):
+        for node, agent in agents.items():
+            if not agent.dead.is_set() and (args.kill_dir / node).exists():
+                agent.dead.set()
+                say(f"dead {node} {time.time():.6f}")
+        if time.monotonic() - last >= 1.0:
+            last = time.monotonic()
+            say(f"ticks {TICKS[0]} {time.time():.6f}")
+    for agent in agents.values():
+        agent.stopping.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
