@@ -56,6 +56,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 AGENTS_PER_PROCESS = 256
 WINDOW_S = 10.0
 SETTLE_S = 3.0
+PROGRESS_S = 15.0
 FAULT_TIMEOUT_S = 60.0
 MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
 
@@ -105,16 +106,21 @@ def revoke_lease_of(store: Store, name: str) -> None:
     client.post(client.get_url("/lease/revoke"), json={"ID": kvs[0]["lease"]})
 
 
-def wait_job(watch: PrefixWatch, job: dict, until, timeout: float) -> float:
-    """Follow the `job` key until `until(JobRecord)` holds; the time it did."""
+def wait_job(watch: PrefixWatch, job: dict, until, timeout: float, progress) -> float:
+    """Follow the `job` key until `until(JobRecord)` holds; the time it did. `progress()` says
+    in words how far the job got (every PROGRESS_S, and in the error)."""
     deadline = time.monotonic() + timeout
+    said = time.monotonic()
     while True:
+        if time.monotonic() - said >= PROGRESS_S:
+            said = time.monotonic()
+            say(f"  {progress()}")
         if job.get("") is not None and until(JobRecord.from_dict(job[""])):
             return time.time()
         left = deadline - time.monotonic()
         if left <= 0:
             state = JobRecord.from_dict(job[""]).state.value if job.get("") else "none"
-            raise TimeoutError(f"not reached in {timeout:.0f} s (job state {state})")
+            raise TimeoutError(f"not reached in {timeout:.0f} s (job state {state}; {progress()})")
         update = watch.get(timeout=min(left, 1.0))
         if update is not None:
             if update.snapshot is not None:
@@ -195,6 +201,10 @@ def run_size(n: int, work: Path, args) -> dict:
             job,
             lambda j: j.state is JobState.RUNNING and j.generation >= 1,
             args.timeout,
+            lambda: (
+                f"{len(store.get_prefix(keys.NODES))} of {n + 1} nodes registered, "
+                f"{len(store.get_prefix(keys.STATUS))} statuses"
+            ),
         )
         result: dict = {"nodes": n, "startup_s": running - launched, "simulator_processes": parts}
         say(f"{n} nodes: running after {result['startup_s']:.1f} s; steady state ...")
