@@ -110,6 +110,7 @@ start() {
     alive "$DIR/slurmctld.pid" || slurmctld -f "$SLURM_CONF" -i \
         || die "slurmctld did not start: see $DIR/log/slurmctld.log"
     for i in $(seq 1 "$N"); do
+        mkdir -p "$DIR/spool/n$i"
         alive "$DIR/slurmd-n$i.pid" || slurmd -f "$SLURM_CONF" -N "n$i" \
             || die "slurmd -N n$i did not start: see $DIR/log/slurmd-n$i.log"
     done
