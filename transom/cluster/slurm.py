@@ -17,7 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from transom.common import env
@@ -71,9 +71,12 @@ def _number(environ: Mapping[str, str], name: str) -> str:
     return value
 
 
-def detect(environ: Mapping[str, str]) -> Allocation | None:
+def detect(
+    environ: Mapping[str, str], expand: Callable[[str], list[str]] | None = None
+) -> Allocation | None:
     """This task's allocation, None outside a Slurm job step (no SLURM_JOB_ID or no
-    SLURM_STEP_ID: e.g. the batch script itself, which must start `transom run` with srun)."""
+    SLURM_STEP_ID: e.g. the batch script itself, which must start `transom run` with srun).
+    `expand` turns a node list into names (default `expand_nodelist`, i.e. scontrol)."""
     if "SLURM_JOB_ID" not in environ or "SLURM_STEP_ID" not in environ:
         return None
     job = _number(environ, "SLURM_JOB_ID")
@@ -91,9 +94,15 @@ def detect(environ: Mapping[str, str]) -> Allocation | None:
         node = check_id("SLURMD_NODENAME", environ.get("SLURMD_NODENAME", ""))
     except BadId as e:
         raise SlurmError(str(e)) from None
-    nodes = expand_nodelist(
+    nodes = (expand or expand_nodelist)(
         environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
     )
+    try:
+        nodes = [check_id("node name", n) for n in nodes]
+    except BadId as e:
+        raise SlurmError(f"SLURM_JOB_NODELIST: {e}") from None
+    if not nodes:
+        raise SlurmError("SLURM_JOB_NODELIST: no nodes")
     if node_index >= len(nodes) or nodes[node_index] != node:
         raise SlurmError(
             f"SLURM_NODEID={node_index} does not name this node {node} in the node list {nodes}"
@@ -121,17 +130,11 @@ def _scontrol(*argv: str) -> str:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """`n[1-3],gpu7` -> ['n1', 'n2', 'n3', 'gpu7'] (by `scontrol show hostnames`), every name
-    checked."""
+    """`n[1-3],gpu7` -> ['n1', 'n2', 'n3', 'gpu7'] (by `scontrol show hostnames`; `detect`
+    checks every name)."""
     if not nodelist or any(c.isspace() for c in nodelist):
         raise SlurmError(f"SLURM_JOB_NODELIST={nodelist!r}: not a Slurm node list")
-    names = _scontrol("show", "hostnames", nodelist).split()
-    if not names:
-        raise SlurmError(f"SLURM_JOB_NODELIST={nodelist!r}: no nodes")
-    try:
-        return [check_id("node name", n) for n in names]
-    except BadId as e:
-        raise SlurmError(f"SLURM_JOB_NODELIST: {e}") from None
+    return _scontrol("show", "hostnames", nodelist).split()
 
 
 def drain(node: str, reason: str) -> None:

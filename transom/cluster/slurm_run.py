@@ -133,14 +133,18 @@ def run(
         log.warning("Slurm's time-limit signal: stopping this node's part of the job")
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGUSR1, time_limit)
+    signal.signal(signal.SIGUSR1, time_limit)
     code = EXIT_INTERRUPTED
     # One node shows the job's events on the step's output (srun merges every task's).
     console = None if allocation.is_first else Console(quiet=True)
     try:
         code = Launcher(launch, console).run()
+    except KeyboardInterrupt:  # a second signal while the launcher was stopping its processes
+        code = EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        # Stopping: Slurm's next signals (srun forwards scancel's again) must not cut it short.
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(s, signal.SIG_IGN)
         stopped.set()
         if watcher is not None:
             watcher.join(timeout=5.0)
