@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -24,8 +25,11 @@ from conftest import job_processes, wait_for
 
 from transom.checkpoint import storage
 from transom.checkpoint.shm_dirs import default_shm_dir
-from transom.cluster import slurm
+from transom.cluster import slurm, slurm_run
+from transom.common import files
+from transom.common.records import JobRecord
 from transom.common.states import JobState
+from transom.control.decisions import REASON_NOT_ENOUGH_NODES
 from transom.workloads.results import read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +95,22 @@ def test_outside_a_job_step_there_is_no_allocation():
 def test_an_environment_that_is_not_what_srun_gives_is_refused(changes, complaint):
     with pytest.raises(slurm.SlurmError, match=complaint):
         slurm.detect(_environ(**changes), _names)
+
+
+@pytest.mark.parametrize(
+    "state, reason, stopped",
+    [
+        (JobState.FAILED, f"{REASON_NOT_ENOUGH_NODES}: 2 healthy, at least 3 needed", True),
+        (JobState.FAILED, "restart budget spent: 3 restarts allowed", False),
+        (JobState.SUCCEEDED, "all 3 nodes finished generation 2", False),
+    ],
+)
+def test_only_a_job_that_ran_out_of_nodes_asks_for_a_requeue(tmp_path, state, reason, stopped):
+    job = JobRecord(state, 2, ["n1", "n2"], time.time(), reason=reason)
+    (tmp_path / files.STATUS).write_text(json.dumps({"job": job.to_dict()}))
+    assert slurm_run.ran_out_of_nodes(tmp_path) is stopped
+    (tmp_path / files.STATUS).write_text("{not json")
+    assert slurm_run.ran_out_of_nodes(tmp_path) is False
 
 
 # -- the cluster -------------------------------------------------------------------------------

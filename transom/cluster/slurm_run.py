@@ -19,7 +19,8 @@ where <job id> is `Allocation.job_id` (slurm-<job>.<step>[-r<requeues>]).
 Signals: Slurm sends the time limit's warning (`--signal=USR1@T`) and scancel's SIGTERM to every
 process of the step. Only the launcher acts on SIGUSR1 (its children ignore it, `env.IGNORE_USR1`);
 on either signal it stops the job's processes on its node and exits `EXIT_STOPPED`: storage
-holds the newest checkpoint persisted, and a requeue or re-submission resumes from it.
+holds the newest checkpoint persisted, and a requeue or re-submission resumes from it. A job that
+failed because too few nodes were left exits `EXIT_STOPPED` too: a requeue brings new nodes.
 
 With `drain_evicted`, a watcher drains every node the controller evicts (`slurm.drain`), once per
 job (the first launcher to claim it in etcd), and records it, or why it could not, as an event.
@@ -46,15 +47,17 @@ from transom.cluster.resume import adopt_storage
 from transom.common import env, files, keys
 from transom.common.names import BadId
 from transom.common.records import Event, EventKind, JobRecord, RecordError
+from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec, prepare_run_dir
+from transom.control.decisions import REASON_NOT_ENOUGH_NODES
 from transom.launcher import Launch, Launcher
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE
 
 log = logging.getLogger("transom.slurm")
 
-# `transom run` in a Slurm step stopped before the job's end (the time limit's signal, scancel):
-# the newest persisted checkpoint is in storage; requeue or re-submit to resume from it.
+# `transom run` in a Slurm step stopped before the job's end (the time limit's signal, scancel,
+# too few nodes left): the newest persisted checkpoint is in storage; requeue or re-submit.
 EXIT_STOPPED = 75  # EX_TEMPFAIL
 EXIT_INTERRUPTED = 130  # what the launcher returns when a signal stopped it
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long a node waits for the first node's etcd
@@ -152,16 +155,27 @@ def run(
             if code != EXIT_INTERRUPTED:  # the job ended: the other nodes should see it end
                 _linger(Store(store, spec.job_id))
             etcd.stop()
-    if code == EXIT_INTERRUPTED:
+    if code == EXIT_INTERRUPTED or ran_out_of_nodes(node_dir):
         newest = storage.complete_steps(Path(spec.ckpt_storage))
         print(
-            f"transom: {node} stopped before the job's end; exit {EXIT_STOPPED}: requeue or "
+            f"transom: {node}: the job stopped before its end; exit {EXIT_STOPPED}: requeue or "
             f"re-submit to resume from the newest checkpoint in {spec.ckpt_storage} "
             f"({f'step {newest[0]}' if newest else 'none yet'})",
             file=sys.stderr,
         )
         return EXIT_STOPPED
     return code
+
+
+def ran_out_of_nodes(node_dir: Path) -> bool:
+    """The job (per the launcher's last status.json) failed because too few nodes were left:
+    new nodes, from a requeue, let it go on."""
+    try:
+        snap = json.loads((node_dir / files.STATUS).read_text())
+        job = JobRecord.from_dict(snap.get("job"))
+    except (OSError, ValueError, AttributeError, RecordError):
+        return False
+    return job.state is JobState.FAILED and job.reason.startswith(REASON_NOT_ENOUGH_NODES)
 
 
 def start_store(here: Path, host: str, spec: JobSpec) -> EmbeddedEtcd:
