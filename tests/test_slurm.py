@@ -188,7 +188,7 @@ class Job:
             interval=0.5,
         )
 
-    def wait_end(self) -> str:
+    def wait_end(self, dead: str = "") -> str:
         wait_for(
             lambda: not self.cluster.slurm("squeue", "-h", "-j", self.id).strip(),
             JOB_TIMEOUT_S,
@@ -197,6 +197,11 @@ class Job:
         )
         # Nothing of the job outlives it.
         wait_for(lambda: not job_processes(self.job_id), 30, "the job's processes to exit")
+        shm = {default_shm_dir(self.job_id, f"n{i}") for i in range(1, NODES + 1)}
+        shm.discard(
+            default_shm_dir(self.job_id, dead)
+        )  # gone with a real machine; the test removes it
+        assert not [d for d in shm if d.exists()], "checkpoint memory outlived the job"
         return self.output.read_text() if self.output.exists() else ""
 
     def resumed_step(self) -> int:
@@ -280,7 +285,7 @@ def test_a_dead_node_is_replaced_by_the_spare_drained_and_the_weights_are_identi
         first = cluster.slurm("scontrol", "show", "hostnames", "n[1-4]").split()[0]
         victim = [m for m in progress["members"] if m != first][-1]  # the first node hosts etcd
         assert kill_node(cluster, victim)
-        output = job.wait_end()
+        output = job.wait_end(dead=victim)
         status = json.loads((job.run_dir / job.job_id / first / "status.json").read_text())
         assert status["job"]["state"] == JobState.SUCCEEDED.value, output
         events = [

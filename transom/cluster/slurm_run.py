@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -42,6 +43,7 @@ from pathlib import Path
 from rich.console import Console
 
 from transom.checkpoint import storage
+from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.cluster import slurm
 from transom.cluster.resume import adopt_storage
 from transom.common import env, files, keys
@@ -149,6 +151,8 @@ def run(
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(s, signal.SIG_IGN)
         stopped.set()
+        # Stopped while stopping, the launcher may have left its node's checkpoint memory behind.
+        shutil.rmtree(default_shm_dir(spec.job_id, node), ignore_errors=True)
         if watcher is not None:
             watcher.join(timeout=5.0)
         if etcd is not None:
