@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--store, else this machine's address)",
     )
     run.add_argument(
+        "--slurm-drain",
+        action="store_true",
+        help="in a Slurm job: drain every node the job evicts (scontrol update state=drain)",
+    )
+    run.add_argument(
         "--refill-spares",
         action="store_true",
         help="simulated nodes only: start a new node whenever one is evicted, as a cluster's "
@@ -266,15 +271,20 @@ def _required_store(args: argparse.Namespace) -> StoreAccess:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from transom.cluster import slurm, slurm_run
     from transom.launcher import Launch, Launcher
     from transom.utils.net import host_address
 
+    allocation = slurm.detect(os.environ)  # inside a Slurm step: job and nodes come from Slurm
+    args.job_id = args.job_id or (allocation.job_id if allocation else None)
     if args.store is not None and not args.job_id:
         raise ConfigError("--store needs --job-id: every machine of the job must name the same job")
     if args.local_nodes is not None and args.local_nodes < 1:
         raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
     store = _store(args)
     spec = spec_from_args(args)
+    if allocation is not None:
+        return slurm_run.run_args(allocation, spec, store, args, DEFAULT_RUNS)
     if args.store is None and spec.nnodes_max + spec.spares > MAX_SIMULATED_NODES:
         raise ConfigError(
             f"{spec.nnodes_max + spec.spares} simulated nodes on one machine is too many "
@@ -418,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return ckpt_server(argv[1:])
     args = build_parser().parse_args(argv)
+    from transom.cluster.slurm import ignore_usr1_if_told
+
+    ignore_usr1_if_told()  # a child of `transom run` in a Slurm step: only the launcher acts on it
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -156,7 +156,7 @@ class Launcher:
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
         children = []
         for i in range(n_controllers):
-            name = f"controller-{socket.gethostname()}-{i}"
+            name = f"controller-{L.node_prefix or socket.gethostname()}-{i}"  # unique per node
             children.append(
                 Child(
                     name,

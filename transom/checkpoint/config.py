@@ -31,10 +31,10 @@ SOCKET_NAME = "server.sock"
 
 
 def default_budget() -> int:
-    """Half of this machine's memory."""
-    import psutil
+    """Half of this machine's memory, or of the container's where a cgroup limits it."""
+    from transom.utils.memory import usable_memory
 
-    return psutil.virtual_memory().total // 2
+    return usable_memory() // 2
 
 
 def _size_option(text: str) -> int:

@@ -26,6 +26,11 @@ MONITOR_SOCKET = "TRANSOM_MONITOR_SOCKET"
 # Faults the worker applies itself (JSON list), for tests, benchmarks and the demo.
 FAULTS = "TRANSOM_FAULTS"
 
+# -- Slurm (transom.cluster) -------------------------------------------------------------------
+# Set for the processes `transom run` starts in a Slurm step: they ignore SIGUSR1, the time
+# limit's warning that Slurm sends to every process of the step, which only the launcher acts on.
+IGNORE_USR1 = "TRANSOM_IGNORE_USR1"
+
 # -- warm interpreters (control/warm.py) ------------------------------------------------------
 WARM_IMPORTS = "TRANSOM_WARM_IMPORTS"
 WARM_IDLE_IMPORTS = "TRANSOM_WARM_IDLE_IMPORTS"

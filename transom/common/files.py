@@ -29,6 +29,8 @@ PROGRESS = "progress.jsonl"
 CHECKPOINTS = "checkpoints"
 ETCD = "etcd"
 ETCD_TLS = "etcd-tls"
+# Where a Slurm job's first node tells the others how to reach the etcd it started.
+STORE_RENDEZVOUS = "store.json"
 REPORT_PNG = "report.png"
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"

@@ -17,6 +17,7 @@ with string literals of its own.
   ckpt/secret       the checkpoint peers' shared secret
   ckpt/servers/<node>            a checkpoint server's peer address, under its lease
   ckpt/shards/<step>/<rank>/<holder>  where a shard is held (memory of a node, or storage)
+  slurm/drained/<node>           a Slurm node --slurm-drain drained (transom.cluster)
 
 This module must never do I/O: it only names things.
 """
@@ -38,6 +39,7 @@ FAULTS_FIRED = "faults/fired/"
 CKPT_SECRET = "ckpt/secret"
 CKPT_SERVERS = "ckpt/servers/"
 CKPT_SHARDS = "ckpt/shards/"
+SLURM_DRAINED = "slurm/drained/"
 
 
 def node(node_id: str) -> str:
@@ -79,3 +81,8 @@ def ckpt_server(node_id: str) -> str:
 
 def ckpt_shard(step: int, rank: int, holder: str) -> str:
     return f"{CKPT_SHARDS}{step:012d}/{rank:06d}/{holder}"
+
+
+def slurm_drained(node_id: str) -> str:
+    """Claimed by the launcher that drains evicted `node_id` in Slurm (so one does, once)."""
+    return SLURM_DRAINED + node_id

@@ -42,6 +42,9 @@ from transom.monitor import cluster
 # How long to wait for a node's pre-flight result before starting without comparing it.
 PREFLIGHT_WAIT_S = 30.0
 
+# How a FAILED job that ran out of nodes says so (a scheduler may give it new ones: requeue).
+REASON_NOT_ENOUGH_NODES = "not enough nodes"
+
 
 @dataclass
 class Snapshot:
@@ -331,7 +334,7 @@ class Tick:
         if len(survivors) < spec.nnodes_min:
             self.finish(
                 JobState.FAILED,
-                f"not enough nodes: {len(survivors)} healthy, at least "
+                f"{REASON_NOT_ENOUGH_NODES}: {len(survivors)} healthy, at least "
                 f"{spec.nnodes_min} needed (--nnodes) and no spare left",
             )
             return
