@@ -151,15 +151,17 @@ class NodeAgent:
 
         Nothing started here outlives it, whichever way it ends."""
         previous = self._catch_sigterm()
+        code = 1
         try:
-            return self._serve()
+            code = self._serve()
         except StoreError as e:  # only start-up gives up on etcd (outage.STARTUP_WAIT_S)
             log.error("node %s: %s", self.node_id, e)
-            return 1
         finally:
             self._close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            log.info("agent of %s exits with code %d", self.node_id, code)
+        return code
 
     def _catch_sigterm(self):
         if threading.current_thread() is not threading.main_thread():

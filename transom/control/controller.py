@@ -125,36 +125,9 @@ class Controller:
 
         No etcd error ends it: a failed or stalled store call is a gap (`observed`), retried."""
         previous = self._catch_sigterm()
+        code = 1
         try:
-            while self.spec is None and not self.stopping.is_set():
-                try:
-                    self.spec = read_spec(
-                        self.store, SPEC_WAIT_S, check_script=False, reader=self.candidate_id
-                    )
-                except StoreError as e:
-                    log.warning("cannot read the job spec yet: %s", e)
-                    self.stopping.wait(1.0)
-            while not self.stopping.is_set():
-                started = time.monotonic()
-                try:
-                    if not self.leading.is_set():
-                        stored = self.store.get(keys.JOB)
-                        self.observed.reached(time.monotonic(), started)
-                        job = JobRecord.from_dict(stored) if stored else None
-                        if job and job.state.terminal:
-                            return 0 if job.state is JobState.SUCCEEDED else 1
-                        if not self._try_lead():
-                            self.stopping.wait(TICK_S)
-                            continue
-                    self._step(started)
-                    assert self.job is not None
-                    if self.job.state.terminal and self.leading.is_set():
-                        return 0 if self.job.state is JobState.SUCCEEDED else 1
-                except (StoreError, RecordError) as e:
-                    log.warning("store error: %s", e)
-                    self.stopping.wait(1.0)
-                self.stopping.wait(TICK_S)
-            return 0 if self.terminated else 1
+            code = self._serve()
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -163,9 +136,42 @@ class Controller:
             if self.leading.is_set() and self.lease is not None:
                 self.leading.clear()
                 try:
-                    self.store.revoke(self.lease)
+                    self.store.revoke(self.lease)  # a standby takes over at once
                 except StoreError:
                     pass
+            log.info("controller %s exits with code %d", self.candidate_id, code)
+        return code
+
+    def _serve(self) -> int:
+        while self.spec is None and not self.stopping.is_set():
+            try:
+                self.spec = read_spec(
+                    self.store, SPEC_WAIT_S, check_script=False, reader=self.candidate_id
+                )
+            except StoreError as e:
+                log.warning("cannot read the job spec yet: %s", e)
+                self.stopping.wait(1.0)
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                if not self.leading.is_set():
+                    stored = self.store.get(keys.JOB)
+                    self.observed.reached(time.monotonic(), started)
+                    job = JobRecord.from_dict(stored) if stored else None
+                    if job and job.state.terminal:
+                        return 0 if job.state is JobState.SUCCEEDED else 1
+                    if not self._try_lead():
+                        self.stopping.wait(TICK_S)
+                        continue
+                self._step(started)
+                assert self.job is not None
+                if self.job.state.terminal and self.leading.is_set():
+                    return 0 if self.job.state is JobState.SUCCEEDED else 1
+            except (StoreError, RecordError) as e:
+                log.warning("store error: %s", e)
+                self.stopping.wait(1.0)
+            self.stopping.wait(TICK_S)
+        return 0 if self.terminated else 1
 
     def _catch_sigterm(self):
         if threading.current_thread() is not threading.main_thread():
