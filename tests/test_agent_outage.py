@@ -66,7 +66,7 @@ def test_etcd_paused_longer_than_the_node_ttl_costs_no_restart_and_no_eviction(s
 
 
 def test_sigterm_to_an_agent_and_the_leader_leaves_cleanly(start_job):
-    job = start_job("--nnodes", "2", "--spares", "1", TOY, "--steps", "80", "--step-delay", "0.15")
+    job = start_job("--nnodes", "2", "--spares", "1", TOY, "--steps", "150", "--step-delay", "0.15")
     wait_for(lambda: "step 5 " in job.log_text(), 90, "training to reach step 5")
     agent = process_of(job, "--node-id node1")
     workers = [wait_for(lambda: job.worker(1), 10, "node1's worker (rank 1)")]
@@ -79,7 +79,7 @@ def test_sigterm_to_an_agent_and_the_leader_leaves_cleanly(start_job):
     assert not shm.exists(), "the checkpoint server's shared memory was left behind"
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     wait_for(lambda: "node1" in job.status().get("job", {}).get("evicted", {}), 30, "eviction")
-    leader_id = wait_for(lambda: job.status().get("leader"), 10, "the leader's id")
+    leader_id = [e["controller"] for e in job.events() if e["kind"] == "leader"][-1]
     leader = process_of(job, f"--candidate-id {leader_id}")
     leader.send_signal(signal.SIGTERM)
     leader.wait(timeout=30)

@@ -224,7 +224,12 @@ class NodeAgent:
                 log.warning("shutdown: cannot %s: %s", what, e)
 
     def _deregister(self) -> None:
-        """Revoke the lease (its node key goes with it); on SIGTERM say why in the event log."""
+        """Revoke the lease (its node key goes with it); on SIGTERM say why in the event log.
+
+        Not during an outage: each call would wait out the store's deadline, and the lease
+        expires by itself within the TTL (a scheduler's grace period is 30 s)."""
+        if self.link.in_outage:
+            return
         if self.terminated:
             now = time.time()
             event = Event(

@@ -90,6 +90,9 @@ class Controller:
             f"controller {self.candidate_id} leads the job "
             f"(state {self.job.state.value}, generation {self.job.generation})"
         )
+        since_gap = self.observed.since_gap(time.monotonic())
+        if since_gap is not None and since_gap < self.spec.node_ttl_s:
+            message += f", after etcd did not answer it for {self.observed.gap_s:.1f} s"
         self._commit([Event(time.time(), EventKind.LEADER, message, self.job.generation)])
         return True
 
