@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TOY, job_processes, wait_for
+from conftest import TOY, wait_for
 
 from transom.checkpoint.shm_dirs import default_shm_dir
 
@@ -36,13 +36,18 @@ def etcd_of(job) -> psutil.Process:
 
 
 def process_of(job, marker: str) -> psutil.Process:
-    return wait_for(
-        lambda: next(
-            (p for p in job_processes(job.job_id) if marker in " ".join(p.cmdline())), None
-        ),
-        30,
-        marker,
-    )
+    """The launcher's child (an agent or a controller candidate) whose command line has `marker`."""
+
+    def find():
+        for p in psutil.Process(job.process.pid).children():
+            try:
+                if marker in " ".join(p.cmdline()):
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    return wait_for(find, 30, marker)
 
 
 def test_etcd_paused_longer_than_the_node_ttl_costs_no_restart_and_no_eviction(start_job):
