@@ -2,9 +2,9 @@
 
 - etcd paused (SIGSTOP) for longer than the node TTL: every lease may expire at once on resume;
   that is a control-plane incident, not node deaths: no restart, no eviction, the job succeeds.
-- SIGTERM (what Slurm and Kubernetes send) to an agent and to the leading controller: each
-  leaves cleanly and exits 0 within 30 s; the agent deregisters, stops its workers and leaves no
-  shared memory behind; the job goes on without them.
+- SIGTERM (what Slurm and Kubernetes send) to an agent: it exits 0 within 30 s, deregistered,
+  its workers stopped, no shared memory left behind; the job goes on without it. (SIGTERM to a
+  controller: tests/test_agent_unreachable.py.)
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_etcd_paused_longer_than_the_node_ttl_costs_no_restart_and_no_eviction(s
     assert "incident" not in kinds and "evict" not in kinds
 
 
-def test_sigterm_to_an_agent_and_the_leader_leaves_cleanly(start_job):
+def test_sigterm_to_an_agent_leaves_cleanly_and_the_job_goes_on(start_job):
     job = start_job("--nnodes", "2", "--spares", "1", TOY, "--steps", "150", "--step-delay", "0.15")
     wait_for(lambda: "step 5 " in job.log_text(), 90, "training to reach step 5")
     agent = process_of(job, "--node-id node1")
@@ -84,12 +84,6 @@ def test_sigterm_to_an_agent_and_the_leader_leaves_cleanly(start_job):
     assert not shm.exists(), "the checkpoint server's shared memory was left behind"
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     wait_for(lambda: "node1" in job.status().get("job", {}).get("evicted", {}), 30, "eviction")
-    leader_id = [e["controller"] for e in job.events() if e["kind"] == "leader"][-1]
-    leader = process_of(job, f"--candidate-id {leader_id}")
-    leader.send_signal(signal.SIGTERM)
-    leader.wait(timeout=30)
-    leader_log = (job.run_dir / "logs" / f"{leader_id}.log").read_text()
-    assert "exits with code 0" in leader_log
     assert job.wait() == 0, job.output
     events = job.events()
     assert any("node1 left the job: SIGTERM" in e["message"] for e in events)

@@ -7,8 +7,13 @@ having closed everything it started. No etcd is started: the store's port is clo
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
+
+import pytest
 
 from transom.control import outage
 from transom.control.agent import NodeAgent
@@ -47,3 +52,29 @@ def test_a_controller_that_cannot_reach_etcd_keeps_trying_until_stopped(caplog):
     threading.Timer(2.0, controller.stopping.set).start()
     assert controller.run() == 0
     assert "cannot read the job spec yet" in caplog.text
+
+
+@pytest.mark.parametrize("role", ["agent", "controller"])
+def test_sigterm_ends_an_agent_or_controller_with_exit_0_even_while_etcd_is_unreachable(
+    role, tmp_path
+):
+    store = f"http://127.0.0.1:{free_port()}"
+    who = ["--node-id", "node0", "--run-dir", str(tmp_path)] if role == "agent" else []
+    if role == "controller":
+        who = ["--candidate-id", "controller-test"]
+    argv = [sys.executable, "-m", "transom", "--log-level", "info", role, "--store", store]
+    process = subprocess.Popen(
+        [*argv, "--job-id", "j-sigterm", *who],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        time.sleep(3)  # let it start and begin waiting for etcd (nothing to poll for)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, output
+    assert "exits with code 0" in output

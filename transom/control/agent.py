@@ -155,7 +155,9 @@ class NodeAgent:
         try:
             code = self._serve()
         except StoreError as e:  # only start-up gives up on etcd (outage.STARTUP_WAIT_S)
-            log.error("node %s: %s", self.node_id, e)
+            if not self.terminated:
+                log.error("node %s: %s", self.node_id, e)
+            code = 0 if self.terminated else 1
         finally:
             self._close()
             if previous is not None:
