@@ -71,7 +71,7 @@ def test_etcd_paused_longer_than_the_node_ttl_costs_no_restart_and_no_eviction(s
 
 
 def test_sigterm_to_an_agent_leaves_cleanly_and_the_job_goes_on(start_job):
-    job = start_job("--nnodes", "2", "--spares", "1", TOY, "--steps", "150", "--step-delay", "0.15")
+    job = start_job("--nnodes", "2", "--spares", "1", TOY, "--steps", "80", "--step-delay", "0.15")
     wait_for(lambda: "step 5 " in job.log_text(), 90, "training to reach step 5")
     agent = process_of(job, "--node-id node1")
     workers = [wait_for(lambda: job.worker(1), 10, "node1's worker (rank 1)")]
