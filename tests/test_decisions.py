@@ -310,7 +310,7 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     snap = Snapshot(live, up, summaries)
     held = run(job, snap, s, T0 + 5.2)  # NaN reports are held for a moment: the earliest wins
     assert held.job.state is JobState.RUNNING and held.job.rollback_before is None
-    d = run(job, snap, s, T0 + 6)
+    d = run(job, snap, s, T0 + 6, held.memory)  # held from when the controller first saw them
     assert kinds(d) == ["decision", "rollback", "incident"]
     assert d.job.rollback_before == 30 and d.job.numerics_steps == [30]
     assert d.job.state is JobState.RECOVERING and d.job.next_generation is not None

@@ -32,6 +32,9 @@ class Eviction(Record):
     reason: str
     time: float
     generation: int
+    # The evicted agent process (`NodeRegistration.incarnation`; "": unknown). An agent that
+    # starts again under the same node id is another incarnation and may rejoin as a spare.
+    incarnation: str = ""
 
 
 @dataclass
@@ -105,6 +108,7 @@ class NodeRegistration(Record):
     host: str
     pid: int
     since: float
+    incarnation: str = ""  # unique to the agent process (a restarted agent has a new one)
 
 
 @dataclass
@@ -124,6 +128,7 @@ class NodeStatus(Record):
     failures: list[dict] = field(default_factory=list)
     preflight: dict | None = None
     pids: dict | None = None
+    incarnation: str = ""  # the agent process that wrote it (`NodeRegistration.incarnation`)
 
     def own_fault(self) -> bool:
         """A worker failed by itself (not only because a peer went away)."""

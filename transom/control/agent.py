@@ -4,20 +4,33 @@ The agent registers its node in etcd under a lease it keeps alive (the node's de
 lease's expiry), reads the plan every tick, and for each new generation stops the old workers
 and, when the node is a member, runs its pre-flight checks (first time only) and starts the new
 ones. It reports what its workers do to `status/<node>`; the controller decides, the agent
-never restarts workers on its own. An agent cut off from etcd for longer than its lease stops
-its workers itself (self-fencing), and an evicted agent stops and exits.
+never restarts workers on its own.
+
+A fault of the control plane never ends the agent: an etcd call that fails (`StoreError`, after
+the store's own retries) is an outage; the workers keep training through it (their collectives
+never need etcd), reports wait for etcd to come back, and a lease that expired meanwhile is
+taken again under the same node id without touching the workers. Only the fence rule
+(transom.control.outage) stops workers of a node cut off from etcd. SIGTERM (a scheduler's stop)
+ends the agent cleanly: workers stopped, the checkpoint server told to free its shared memory,
+the node deregistered, exit 0. An evicted agent stops and exits; an agent restarted under an
+evicted node's id (a new incarnation) waits for the controller to take it back as a spare.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from transom.common import env, files, keys
 from transom.common.records import (
+    Event,
+    EventKind,
     MasterAddress,
     NodeRegistration,
     NodeStatus,
@@ -28,6 +41,7 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.ckpt_node import NodeCheckpointServer
+from transom.control.outage import StoreLink, fence_reason, stall_bound, until_reached
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
@@ -54,21 +68,29 @@ class NodeAgent:
         self.run_dir = Path(run_dir)
         # Where every port of this node listens and what peers connect to (never a wildcard).
         self.host = bind_address(store.url, host)
+        # This agent process among all that ever ran as `node_id` (a restarted pod is a new one).
+        self.incarnation = uuid.uuid4().hex
         self.spec: JobSpec | None = None
         self.lease: Lease | None = None
         self.lease_lost = threading.Event()
         self.stopping = threading.Event()
+        self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
         self.generation = 0
         self.group: WorkerGroup | None = None
+        self.group_started_at = 0.0  # monotonic
         self.group_state = NodeState.IDLE
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
+        self.unpublished_master: MasterAddress | None = None  # ours, not yet in etcd
         self.preflight_result: tuple[bool, dict] | None = None
-        self.monitor = NodeMonitor(node_id, scope=str(self.run_dir))
+        self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
-        self.last_store_ok = time.monotonic()
+        self.link = StoreLink(time.monotonic())
         self._published: tuple = (None, 0)  # (step, warm interpreters) last published
         self._published_at = 0.0
         self._published_extra: dict = {}
+        self._report_pending = False  # the last status did not reach etcd yet
+        self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
+        self._waiting_to_rejoin = False
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
         self.torch_store: TorchStore | None = None  # while this node is a generation's master
@@ -76,26 +98,31 @@ class NodeAgent:
     # -- registration -------------------------------------------------------------------------
     def _register(self) -> None:
         assert self.spec is not None
-        self.lease = self.store.lease(self.spec.node_ttl_s)
+        lease = self.store.lease(self.spec.node_ttl_s)
+        registration = NodeRegistration(
+            self.node_id, self.host, os.getpid(), time.time(), incarnation=self.incarnation
+        )
+        self.store.put(keys.node(self.node_id), registration.to_dict(), lease=lease)
+        self.lease = lease
         self.lease_lost.clear()
-        registration = NodeRegistration(self.node_id, self.host, os.getpid(), time.time())
-        self.store.put(keys.node(self.node_id), registration.to_dict(), lease=self.lease)
-        self._report(self.group_state)
+        self._report(self.group_state, **self._published_extra)
 
     def _keep_alive(self) -> None:
         assert self.spec is not None
         interval = self.spec.node_ttl_s / 4
         while not self.stopping.wait(interval):
-            if self.lease is None or self.lease_lost.is_set():
+            lease = self.lease
+            if lease is None or self.lease_lost.is_set():
                 continue
             try:
-                if not self.store.refresh(self.lease):
+                if not self.store.refresh(lease):
                     log.warning("node lease expired")
                     self.lease_lost.set()
             except StoreError:
-                pass  # the main loop's self-fencing handles a long outage
+                pass  # an outage: the main loop tracks it (transom.control.outage)
 
     def _report(self, state: NodeState, **extra) -> None:
+        """Publish this node's status; during an outage it is published when etcd is back."""
         self.group_state = state
         self._published_extra = extra
         status = NodeStatus(
@@ -103,77 +130,161 @@ class NodeAgent:
             generation=self.generation,
             state=state,
             time=time.time(),
-            step=self.monitor.newest_step(),
+            step=self.monitor.newest_step() if self.monitor else None,
             warm=self.warm.warm_count() if self.warm else 0,
+            incarnation=self.incarnation,
             **extra,
         )
-        # Not leased: the last status of a dead node stays readable; liveness is `nodes/<node>`.
-        self.store.put(keys.status(self.node_id), status.to_dict())
+        try:
+            # Not leased: the last status of a dead node stays readable; liveness is `nodes/`.
+            self.store.put(keys.status(self.node_id), status.to_dict())
+        except StoreError:
+            self._report_pending = True
+            return
+        self._report_pending = False
         self._published = (status.step, status.warm)
         self._published_at = time.monotonic()
 
-    # -- main loop ----------------------------------------------------------------------------
+    # -- start-up and shutdown ----------------------------------------------------------------
     def run(self) -> int:
-        """Serve the job until it ends; the exit code says how it ended for this node."""
-        self.spec = read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id)
-        if self.spec.warm_workers:
+        """Serve the job until it ends; the exit code says how it ended for this node.
+
+        Nothing started here outlives it, whichever way it ends."""
+        previous = self._catch_sigterm()
+        code = 1
+        try:
+            code = self._serve()
+        except StoreError as e:  # only start-up gives up on etcd (outage.STARTUP_WAIT_S)
+            if not self.terminated:
+                log.error("node %s: %s", self.node_id, e)
+            code = 0 if self.terminated else 1
+        finally:
+            self._close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            log.info("agent of %s exits with code %d", self.node_id, code)
+        return code
+
+    def _catch_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None  # signals reach the main thread only (an agent run in a test thread)
+
+        def leave(signum, frame):
+            if not self.terminated:
+                log.warning("SIGTERM: leaving the job (stopping workers, deregistering)")
+            self.terminated = True
+            self.stopping.set()
+
+        return signal.signal(signal.SIGTERM, leave)
+
+    def _serve(self) -> int:
+        self.spec = spec = until_reached(
+            "read the job spec",
+            lambda: read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id),
+            self.stopping,
+        )
+        self.monitor = NodeMonitor(self.node_id, scope=str(self.run_dir))
+        if spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
-            warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: self.spec.job_id}
+            warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: spec.job_id}
             self.warm = WarmPool(
-                self.spec.nproc_per_node, warm_env, files.warm_log(self.run_dir, self.node_id)
+                spec.nproc_per_node, warm_env, files.warm_log(self.run_dir, self.node_id)
             )
             self.warm.fill()
-        self.faults = FaultInjector(self.store, self.node_id, self.spec.faults)
-        self.ckpt = NodeCheckpointServer(
-            self.spec, self.store, self.node_id, self.run_dir, self.host
-        )
-        self.ckpt.start()
-        self._register()
+        self.faults = FaultInjector(self.store, self.node_id, spec.faults)
+        self.ckpt = NodeCheckpointServer(spec, self.store, self.node_id, self.run_dir, self.host)
+        until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
+        until_reached("register the node", self._register, self.stopping)
         threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
-        self._preflight()
+        until_reached("publish the pre-flight result", self._preflight, self.stopping)
         log.info("node %s registered", self.node_id)
-        try:
-            while not self.stopping.is_set():
+        while not self.stopping.is_set():
+            try:
                 outcome = self._tick()
-                if outcome is not None:
-                    return outcome
-                time.sleep(TICK_S)
-            return 0
-        finally:
-            self.stopping.set()
-            self._stop_group()
-            if self.warm is not None:
-                self.warm.close()
-            self.monitor.close()
-            if self.ckpt is not None:
-                self.ckpt.stop()
-            if self.lease is not None:
-                try:
-                    self.store.revoke(self.lease)
-                except StoreError:
-                    pass
+            except StoreError as e:
+                outcome = None
+                self._offline(e)
+            if outcome is not None:
+                return outcome
+            self.stopping.wait(TICK_S)
+        return 0
+
+    def _close(self) -> None:
+        """Stop everything this agent started; each step runs even if an earlier one failed."""
+        self.stopping.set()
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("stop the workers", self._stop_group),
+            ("stop the checkpoint server", lambda: self.ckpt.stop() if self.ckpt else None),
+            ("close the warm pool", lambda: self.warm.close() if self.warm else None),
+            ("close the monitor", lambda: self.monitor.close() if self.monitor else None),
+            ("deregister", self._deregister),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - the other steps must still run
+                log.warning("shutdown: cannot %s: %s", what, e)
+
+    def _deregister(self) -> None:
+        """Revoke the lease (its node key goes with it); on SIGTERM say why in the event log.
+
+        Not during an outage: each call would wait out the store's deadline, and the lease
+        expires by itself within the TTL (a scheduler's grace period is 30 s)."""
+        if self.link.in_outage:
+            return
+        if self.terminated:
+            now = time.time()
+            event = Event(
+                now, EventKind.WARNING, f"{self.node_id} left the job: SIGTERM", writer=self.node_id
+            )
+            try:
+                self.store.put(keys.event(now, f"{self.node_id}-leave"), event.to_dict())
+            except StoreError:
+                pass
+        if self.lease is not None:
+            try:
+                self.store.revoke(self.lease)
+            except StoreError:
+                pass  # the lease expires by itself within the TTL
+            self.lease = None
+
+    # -- main loop ----------------------------------------------------------------------------
+    def _offline(self, error: StoreError) -> None:
+        """A tick could not reach etcd: keep the workers, or fence them (outage.fence_reason)."""
+        assert self.spec is not None and self.monitor is not None
+        now = time.monotonic()
+        cut_off = self.link.failed(now, error, self.spec.store_outage_s)
+        if self.group is None or self.group_state is not NodeState.RUNNING:
+            return
+        self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
+        if self.group is None or self.group_state is not NodeState.RUNNING:
+            return
+        ranks = list(self.monitor.ranks.values())
+        quiet = now - max((r.step_at for r in ranks if r.step_at), default=self.group_started_at)
+        reason = fence_reason(
+            cut_off,
+            quiet,
+            stall_bound(t for r in ranks for t in list(r.durations)),
+            any(p.poll() is not None for p in self.group.processes),
+            self.spec.node_ttl_s,
+            self.spec.store_outage_s,
+        )
+        if reason is None:
+            return
+        log.warning("fencing this node: %s: stopping its workers", reason)
+        self._stop_group()
+        fenced = {"kind": "fenced", "peer_error": True, "time": time.time(), "describe": reason}
+        self._report(NodeState.FAILED, failures=[fenced])
 
     def _tick(self) -> int | None:
-        assert self.spec is not None
+        assert self.spec is not None and self.ckpt is not None
+        stored_plan = self.store.get(keys.PLAN)
+        self.link.ok(time.monotonic())
         try:
-            if self.lease_lost.is_set():
-                self._stop_group()
-                self._register()
-            stored_plan = self.store.get(keys.PLAN)
-            self.last_store_ok = time.monotonic()
-            try:
-                assert self.ckpt is not None
-                self.ckpt.ensure_running()
-            except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
-                log.warning("%s", e)
-        except StoreError as e:
-            if self.group and time.monotonic() - self.last_store_ok > self.spec.node_ttl_s:
-                log.warning(
-                    "cut off from etcd for %.0f s (%s): stopping workers", self.spec.node_ttl_s, e
-                )
-                self._stop_group()
-                self.group_state = NodeState.IDLE
-            return None
+            self.ckpt.ensure_running(self.stopping)
+        except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
+            log.warning("%s", e)
+        self._flush()
         if stored_plan is None:
             return None
         try:
@@ -184,9 +295,25 @@ class NodeAgent:
         if plan.job_state.terminal:
             log.info("job ended: %s", plan.job_state.value)
             return 0 if plan.job_state is JobState.SUCCEEDED else 1
-        if self.node_id in plan.evicted:
-            log.warning("node evicted: %s", plan.evicted[self.node_id].reason)
+        eviction = plan.evicted.get(self.node_id)
+        if eviction is not None:
+            if eviction.incarnation and eviction.incarnation != self.incarnation:
+                if not self._waiting_to_rejoin:
+                    log.warning(
+                        "node %s was evicted before this agent started (%s): waiting for the "
+                        "controller to take it back as a spare",
+                        self.node_id,
+                        eviction.reason,
+                    )
+                self._waiting_to_rejoin = True
+                return None
+            log.warning("node evicted: %s", eviction.reason)
             return EXIT_EVICTED
+        if self.lease_lost.is_set():
+            # etcd stalled or this node was cut off, and the controller has not evicted it:
+            # take a new lease under the same id and keep the workers.
+            self._register()
+            log.warning("node lease had expired: registered again, workers kept")
         if plan.generation != self.generation:
             self._follow(plan)
         elif self.waiting_for_master is not None:
@@ -196,14 +323,25 @@ class NodeAgent:
         self._monitor_tick()
         self._publish_progress()
         if self.warm is not None and self.waiting_for_master is None:
+            assert self.monitor is not None
             self.warm.fill(
                 workers_progressing=self.group is None or self.monitor.newest_step() is not None
             )
         return None
 
+    def _flush(self) -> None:
+        """Publish what an outage held back: the status, then monitor summaries and events."""
+        if self._report_pending:
+            self._report(self.group_state, **self._published_extra)
+        while self._unsent:
+            key = next(iter(self._unsent))
+            self.store.put(key, self._unsent[key])
+            del self._unsent[key]
+
     # -- generations --------------------------------------------------------------------------
     def _follow(self, plan: Plan) -> None:
         """A new generation: stop the old workers, then start ours if this node is a member."""
+        assert self.monitor is not None
         self._stop_group()
         self.generation = plan.generation
         self.monitor.new_generation(self.generation)
@@ -221,8 +359,7 @@ class NodeAgent:
             return
         if plan.members[0] == self.node_id:
             self.torch_store = TorchStore(self.host)  # the generation's rendezvous, on our address
-            master = MasterAddress(self.host, self.torch_store.port)
-            self.store.put(keys.master(self.generation), master.to_dict())
+            self.unpublished_master = MasterAddress(self.host, self.torch_store.port)
         self.waiting_for_master = plan
         self._report(NodeState.STARTING)
         self._start_group(plan)
@@ -230,13 +367,19 @@ class NodeAgent:
     def _preflight(self) -> None:
         """Check this node once, when it joins; publish the result for the controller to compare."""
         assert self.spec is not None and self.faults is not None
-        slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
-        self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
+        if self.preflight_result is None:
+            slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
+            self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
         passed, evidence = self.preflight_result
         result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
         self.store.put(keys.preflight(self.node_id), result.to_dict())
 
     def _start_group(self, plan: Plan) -> None:
+        """Start this node's workers once the master address is known (every etcd call first,
+        so an outage midway leaves the start to be retried next tick)."""
+        if self.unpublished_master is not None:
+            self.store.put(keys.master(plan.generation), self.unpublished_master.to_dict())
+            self.unpublished_master = None
         stored = self.store.get(keys.master(plan.generation))
         if stored is None:
             return  # the master node's agent has not published its address yet
@@ -246,7 +389,7 @@ class NodeAgent:
             log.warning("invalid master address: %s", e)
             return
         assert self.spec is not None and self.ckpt is not None and self.faults is not None
-        self.waiting_for_master = None
+        assert self.monitor is not None
         assignment = Assignment(
             job_id=self.spec.job_id,
             node_id=self.node_id,
@@ -270,6 +413,7 @@ class NodeAgent:
         }
         if plan.restore_step is not None:
             extra_env[env.RESTORE_STEP] = str(plan.restore_step)
+        self.waiting_for_master = None
         self.monitor.expect_ranks(local_ranks)
         self.group = WorkerGroup(
             assignment,
@@ -279,58 +423,59 @@ class NodeAgent:
             extra_env,
         )
         self.group.start(self.warm)
-        log.info(
-            "generation %d: started ranks %s",
-            self.generation,
-            [assignment.global_rank(i) for i in range(assignment.nproc_per_node)],
-        )
+        self.group_started_at = time.monotonic()
+        log.info("generation %d: started ranks %s", self.generation, local_ranks)
         self._report(NodeState.RUNNING, pids=self.group.pids)
 
     def _watch_group(self) -> None:
-        assert self.group is not None
+        assert self.group is not None and self.monitor is not None
         polled, failures = self.group.poll()
         state = NodeState(polled)
         if state is NodeState.RUNNING:
             return
         if state is NodeState.FAILED:
             # The first failure decides; the rest of this node's workers cannot go on alone.
-            self.monitor.raise_anomaly(
-                detectors.crash(
-                    self.node_id, [f.to_dict() | {"describe": f.describe()} for f in failures]
-                )
-            )
+            described = [f.to_dict() | {"describe": f.describe()} for f in failures]
+            self.monitor.raise_anomaly(detectors.crash(self.node_id, described))
             self._monitor_tick()
-            self._report(
-                NodeState.FAILED,
-                failures=[f.to_dict() | {"describe": f.describe()} for f in failures],
-            )
+            self._report(NodeState.FAILED, failures=described)
             self._stop_group()
         else:
             self._report(NodeState.SUCCEEDED)
 
     def _monitor_tick(self) -> None:
-        """Fire due faults, run the node's detectors, publish the summary and new anomalies."""
-        assert self.faults is not None
+        """Fire due faults, run the node's detectors, publish the summary and new anomalies.
+
+        During an outage what is to be published waits in `_unsent` (the newest summary)."""
+        assert self.faults is not None and self.monitor is not None
         g = self.group
-        if g is not None and self.group_state is NodeState.RUNNING:
-            ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]
-            pids = {int(rank): pid for rank, pid in g.pids.items()}
-            logs = dict(zip(ranks, g.log_paths, strict=False))
-            steps = self.monitor.steps()
-            self.faults.on_agent_tick({r: steps.get(r) for r in ranks}, pids, logs)
-            self.monitor.check(pids, logs)
-        for fault, rank, step, when in self.monitor.take_fired_faults():
-            self.faults.on_worker_fired(fault, rank, step, when)
+        try:
+            if g is not None and self.group_state is NodeState.RUNNING:
+                ranks = [g.assignment.global_rank(i) for i in range(len(g.processes))]
+                pids = {int(rank): pid for rank, pid in g.pids.items()}
+                logs = dict(zip(ranks, g.log_paths, strict=False))
+                steps = self.monitor.steps()
+                self.faults.on_agent_tick({r: steps.get(r) for r in ranks}, pids, logs)
+                self.monitor.check(pids, logs)
+            for fault, rank, step, when in self.monitor.take_fired_faults():
+                self.faults.on_worker_fired(fault, rank, step, when)
+        except StoreError as e:  # a fault's record is test machinery: never stop for it
+            log.warning("cannot record a fault: %s", e)
         if not self.monitor.due(time.monotonic()):
             return
         summary, events = self.monitor.collect()
-        for e in events:
-            self.store.put(keys.event(e.time, f"{self.node_id}-{e.id}"), e.to_dict())
+        for event in events:
+            self._unsent[keys.event(event.time, f"{self.node_id}-{event.id}")] = event.to_dict()
         if g is not None or events:
-            self.store.put(keys.monitor(self.node_id), summary.to_dict())
+            self._unsent[keys.monitor(self.node_id)] = summary.to_dict()
+        try:
+            self._flush()
+        except StoreError:
+            pass  # published next tick or when etcd is back
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None
+        self.unpublished_master = None
         if self.group is not None:
             self.group.stop()
             self.group = None
@@ -340,6 +485,7 @@ class NodeAgent:
 
     def _publish_progress(self) -> None:
         """Re-publish this node's status when its newest step or warm interpreters changed."""
+        assert self.monitor is not None
         now = (self.monitor.newest_step(), self.warm.warm_count() if self.warm else 0)
         if (
             now != self._published

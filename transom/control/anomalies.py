@@ -3,7 +3,8 @@
 Part of one `decisions.decide` tick while the job is RUNNING: collects the agents' new
 anomalies, runs the registered cross-node detectors (transom.monitor.cluster) and the telemetry
 gap check on their summaries, then applies `policy.on_anomaly` to each. Pure like `decisions`:
-no etcd, no clock.
+no etcd, no clock. Ages are the controller's own observations (`Snapshot.summary_ages`, see
+transom.control.observed), never an agent's timestamp subtracted from the controller's clock.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from transom.monitor import cluster, detectors
 if TYPE_CHECKING:
     from transom.control.decisions import Tick
 
-# A member whose monitor summary is older than this (while its agent lives) has a telemetry gap.
+# A member whose monitor summary has not changed for this long (as the controller saw it, while
+# its agent lives) has a telemetry gap.
 SUMMARY_GAP_S = 5.0
 # After the first NaN report, wait this long for the other nodes' (the first bad step may be
 # elsewhere).
@@ -43,7 +45,7 @@ def watch_monitor(t: Tick) -> None:
     ]
     found = earliest_numerics(t, found)
     view = cluster.ClusterView(
-        detectors.rank_views(summaries, j.generation, now),
+        detectors.rank_views(summaries, j.generation, now, t.snap.summary_ages),
         now,
         t.spec.hang_floor_s,
         finishing=bool(t.reports(NodeState.SUCCEEDED)),  # ranks that are done make no progress
@@ -56,11 +58,12 @@ def watch_monitor(t: Tick) -> None:
     for node in j.members:
         s = summaries.get(node)
         if node in t.snap.nodes and s is not None and s.generation == j.generation:
-            if now - s.t > SUMMARY_GAP_S:
+            age = t.snap.summary_ages.get(node, 0.0)
+            if age > SUMMARY_GAP_S:
                 gap = Anomaly(
                     "telemetry_gap",
                     Severity.WARNING,
-                    f"{node}: no monitor summary for {now - s.t:.1f} s while its agent is alive",
+                    f"{node}: no monitor summary for {age:.1f} s while its agent is alive",
                     [node],
                     time=now,
                 )
@@ -84,7 +87,11 @@ def earliest_numerics(t: Tick, found: list[Anomaly]) -> list[Anomaly]:
     nans = [a for a in found if a.type == "nan"]
     if not nans:
         return found
-    if t.now - min(a.time for a in nans) < NUMERICS_SETTLE_S:
+    # When the controller first saw each report (an agent's `time` is on the agent's clock).
+    seen = t.decision.memory.first_seen
+    for a in nans:
+        seen.setdefault(a.id, t.now)
+    if t.now - min(seen[a.id] for a in nans) < NUMERICS_SETTLE_S:
         return [a for a in found if a.type != "nan"]
     first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
     t.job.handled_anomalies.extend(a.id for a in nans if a is not first)

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,11 @@ from transom.utils.procs import die_with_parent, stop_process
 
 log = logging.getLogger("transom.agent")
 
+# A server not serving by then is reported (and waited for as long as it lives: start-up is
+# slow on a loaded machine, and slow is not dead).
 START_TIMEOUT_S = 30.0
+# Launches of a server that exits before it serves, before the agent gives up.
+START_ATTEMPTS = 3
 
 
 class NodeCheckpointServer:
@@ -46,8 +51,21 @@ class NodeCheckpointServer:
         self.process: subprocess.Popen | None = None
         self.secret = ""
 
-    def start(self) -> None:
-        """Start the server and wait until it serves. Call from the agent's main thread."""
+    def start_patiently(self, stopping: threading.Event | None = None) -> None:
+        """`start`, launched again (START_ATTEMPTS in all) when the server exits before it
+        serves; RuntimeError when the last one did too."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.start(stopping)
+                return
+            except RuntimeError as e:
+                if (stopping is not None and stopping.is_set()) or attempt == START_ATTEMPTS:
+                    raise
+                log.warning("%s (attempt %d of %d); starting it again", e, attempt, START_ATTEMPTS)
+
+    def start(self, stopping: threading.Event | None = None) -> None:
+        """Start the server and wait until it serves, for as long as it lives (a warning after
+        START_TIMEOUT_S) or until `stopping`. Call from the agent's main thread."""
         for stale in sweep_stale_shm():
             log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
         self.store.create(keys.CKPT_SECRET, secrets.token_hex(32))
@@ -79,11 +97,21 @@ class NodeCheckpointServer:
                 env={**os.environ, env.CKPT_SECRET: self.secret},
                 preexec_fn=die_with_parent,
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
+        started = time.monotonic()
+        warned = False
         while not self._serving():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.process.poll() is not None or (stopping is not None and stopping.is_set()):
+                self.stop()
                 raise RuntimeError(
                     f"checkpoint server of {self.node_id} did not start; see {log_path}"
+                )
+            if not warned and time.monotonic() - started > START_TIMEOUT_S:
+                warned = True
+                log.warning(
+                    "checkpoint server of %s not serving after %.0f s; still waiting (see %s)",
+                    self.node_id,
+                    START_TIMEOUT_S,
+                    log_path,
                 )
             time.sleep(0.05)
         log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
@@ -96,7 +124,7 @@ class NodeCheckpointServer:
             except OSError:
                 return False
 
-    def ensure_running(self) -> None:
+    def ensure_running(self, stopping: threading.Event | None = None) -> None:
         """Restart the server if it died (its shards are gone; peers and storage still have
         copies)."""
         if self.process is not None and self.process.poll() is not None:
@@ -105,7 +133,7 @@ class NodeCheckpointServer:
                 self.node_id,
                 self.process.returncode,
             )
-            self.start()
+            self.start(stopping)
 
     def worker_env(self) -> dict[str, str]:
         return {
@@ -115,6 +143,8 @@ class NodeCheckpointServer:
         }
 
     def stop(self) -> None:
+        """SIGTERM the server (it frees its shared memory), SIGKILL it after a grace, and remove
+        what it left in /dev/shm."""
         if self.process is not None:
             stop_process(self.process)
             self.process = None

@@ -13,6 +13,7 @@ The controller never touches processes: it writes the `plan` and the agents act 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -33,6 +34,7 @@ from transom.common.records import (
 from transom.common.states import JobState
 from transom.config import JobSpec
 from transom.control.decisions import Memory, Snapshot, decide
+from transom.control.observed import Observed
 from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
 from transom.store.client import Lease
@@ -63,6 +65,8 @@ class Controller:
         self.stopping = threading.Event()
         self.exporter = MonitorExporter()
         self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
+        self.observed = Observed()  # summary ages and store gaps, on this process's clock
+        self.terminated = False  # SIGTERM: hand leadership over and exit 0
 
     # -- leadership ---------------------------------------------------------------------------
     def _try_lead(self) -> bool:
@@ -86,6 +90,9 @@ class Controller:
             f"controller {self.candidate_id} leads the job "
             f"(state {self.job.state.value}, generation {self.job.generation})"
         )
+        since_gap = self.observed.since_gap(time.monotonic())
+        if since_gap is not None and since_gap < self.spec.node_ttl_s:
+            message += f", after etcd did not answer it for {self.observed.gap_s:.1f} s"
         self._commit([Event(time.time(), EventKind.LEADER, message, self.job.generation)])
         return True
 
@@ -117,39 +124,70 @@ class Controller:
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
-        """Lead or stand by until the job ends; 0 if it succeeded."""
-        self.spec = read_spec(self.store, SPEC_WAIT_S, check_script=False, reader=self.candidate_id)
+        """Lead or stand by until the job ends; 0 if it succeeded (or SIGTERM asked to stop).
+
+        No etcd error ends it: a failed or stalled store call is a gap (`observed`), retried."""
+        previous = self._catch_sigterm()
+        code = 1
         try:
-            while not self.stopping.is_set():
-                try:
-                    if not self.leading.is_set():
-                        stored = self.store.get(keys.JOB)
-                        job = JobRecord.from_dict(stored) if stored else None
-                        if job and job.state.terminal:
-                            return 0 if job.state is JobState.SUCCEEDED else 1
-                        if not self._try_lead():
-                            time.sleep(TICK_S)
-                            continue
-                    self._step()
-                    assert self.job is not None
-                    if self.job.state.terminal and self.leading.is_set():
-                        return 0 if self.job.state is JobState.SUCCEEDED else 1
-                except (StoreError, RecordError) as e:
-                    log.warning("store error: %s", e)
-                    time.sleep(1.0)
-                time.sleep(TICK_S)
-            return 1
+            code = self._serve()
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             self.stopping.set()
             self.exporter.stop()
             if self.leading.is_set() and self.lease is not None:
                 self.leading.clear()
                 try:
-                    self.store.revoke(self.lease)
+                    self.store.revoke(self.lease)  # a standby takes over at once
                 except StoreError:
                     pass
+            log.info("controller %s exits with code %d", self.candidate_id, code)
+        return code
 
-    def snapshot(self) -> Snapshot:
+    def _serve(self) -> int:
+        while self.spec is None and not self.stopping.is_set():
+            try:
+                self.spec = read_spec(
+                    self.store, SPEC_WAIT_S, check_script=False, reader=self.candidate_id
+                )
+            except StoreError as e:
+                log.warning("cannot read the job spec yet: %s", e)
+                self.stopping.wait(1.0)
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                if not self.leading.is_set():
+                    stored = self.store.get(keys.JOB)
+                    self.observed.reached(time.monotonic(), started)
+                    job = JobRecord.from_dict(stored) if stored else None
+                    if job and job.state.terminal:
+                        return 0 if job.state is JobState.SUCCEEDED else 1
+                    if not self._try_lead():
+                        self.stopping.wait(TICK_S)
+                        continue
+                self._step(started)
+                assert self.job is not None
+                if self.job.state.terminal and self.leading.is_set():
+                    return 0 if self.job.state is JobState.SUCCEEDED else 1
+            except (StoreError, RecordError) as e:
+                log.warning("store error: %s", e)
+                self.stopping.wait(1.0)
+            self.stopping.wait(TICK_S)
+        return 0 if self.terminated else 1
+
+    def _catch_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def leave(signum, frame):
+            log.warning("SIGTERM: handing leadership over and exiting")
+            self.terminated = True
+            self.stopping.set()
+
+        return signal.signal(signal.SIGTERM, leave)
+
+    def snapshot(self, started: float | None = None) -> Snapshot:
         """What `decide` needs, read from etcd (values that are not valid records are ignored)."""
         assert self.job is not None and self.spec is not None
         job, get = self.job, self.store.get_prefix
@@ -163,6 +201,10 @@ class Controller:
             summaries={n: s for n, s in summaries.items() if n in job.members},
             preflight=parse_all(PreflightResult, get(keys.PREFLIGHT)),
         )
+        now = time.monotonic()
+        self.observed.reached(now, now if started is None else started)
+        snap.summary_ages = self.observed.summary_ages(snap.summaries, now)
+        snap.store_gap_s, snap.since_store_gap_s = self.observed.gap_s, self.observed.since_gap(now)
         nxt = job.next_generation
         if nxt is not None and not job.state.terminal:
             snap.restore_step = newest_restorable(
@@ -173,9 +215,9 @@ class Controller:
             )
         return snap
 
-    def _step(self) -> None:
+    def _step(self, started: float | None = None) -> None:
         assert self.job is not None and self.spec is not None
-        snap = self.snapshot()
+        snap = self.snapshot(started)
         self.exporter.update(self.job, snap.summaries)
         d = decide(self.job, snap, self.spec, time.time(), self.memory)
         self.memory = d.memory

@@ -11,6 +11,9 @@ A generation starts in two ticks: the tick that decides it records `job.next_gen
 (members, why); the I/O loop then reads the newest restorable checkpoint step for it from the
 catalog into the snapshot, and the next tick writes the plan. So an incident is committed as
 RECOVERING (visible to `transom status` and the event log) before its restart is.
+
+Control-plane incidents (transom.control.grace) are told from node deaths here too: members
+whose leases vanished because etcd itself stalled are given time to register again.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.anomalies import watch_monitor
+from transom.control.grace import excused_lost, lift_evictions
 from transom.control.policy import diagnose, slow_outliers
 from transom.monitor import cluster
 
@@ -58,6 +62,12 @@ class Snapshot:
     # The newest checkpoint step every rank of `job.next_generation` can restore (None: fresh);
     # read from the checkpoint catalog only when a next generation is pending.
     restore_step: int | None = None
+    # Measured by the controller on its own clock (transom.control.observed): seconds since it
+    # saw each member's summary change; its newest gap in reaching etcd and how long ago it
+    # ended (None: no gap seen).
+    summary_ages: dict[str, float] = field(default_factory=dict)
+    store_gap_s: float = 0.0
+    since_store_gap_s: float | None = None
 
 
 @dataclass
@@ -67,6 +77,11 @@ class Memory:
     generation: int = 0
     detectors: list[cluster.ClusterDetector] = field(default_factory=cluster.fresh)
     warned: set[tuple[str, tuple]] = field(default_factory=set)  # (type, nodes) warned about
+    first_seen: dict[str, float] = field(default_factory=dict)  # anomaly id -> first seen (now)
+    # A control-plane incident (grace.py): until when lost members may register again, why.
+    grace_until: float | None = None
+    grace_reason: str = ""
+    lost_before: set[str] = field(default_factory=set)  # members lost at the previous tick
 
 
 @dataclass
@@ -90,6 +105,8 @@ def decide(
     """The job's next step; `job` and `memory` are not modified (the Decision holds new ones)."""
     t = Tick(copy.deepcopy(job), snapshot, spec, now, copy.deepcopy(memory or Memory()))
     state = t.job.state
+    if not state.terminal:
+        lift_evictions(t)
     if state.terminal:
         pass
     elif t.job.next_generation is not None:
@@ -150,8 +167,14 @@ class Tick:
             if m in s and s[m].generation == g and s[m].state is state
         }
 
+    def lost(self) -> list[str]:
+        """Members whose lease is gone, less those excused by a control-plane incident."""
+        return excused_lost(self, [m for m in self.job.members if m not in self.snap.nodes])
+
     def evict(self, node: str, reason: str, message: str, **fields) -> None:
-        self.job.evicted[node] = Eviction(reason, self.now, self.job.generation)
+        known = self.snap.nodes.get(node) or self.snap.statuses.get(node)
+        incarnation = known.incarnation if known is not None else ""
+        self.job.evicted[node] = Eviction(reason, self.now, self.job.generation, incarnation)
         self.event(EventKind.EVICT, message, node=node, **fields)
 
     # -- PENDING: wait for nodes ----------------------------------------------------------------
@@ -216,7 +239,7 @@ class Tick:
     # -- WARMUP and RUNNING ---------------------------------------------------------------------
     def watch_generation(self) -> None:
         j, spec = self.job, self.spec
-        lost = [m for m in j.members if m not in self.snap.nodes]
+        lost = self.lost()
         failed = self.reports(NodeState.FAILED)
         stuck: list[str] = []
         started_at = j.generation_started if j.generation_started is not None else self.now
@@ -269,7 +292,7 @@ class Tick:
         incident = j.incident
         if incident is None:  # a restart decided on an anomaly; nothing left to diagnose
             return
-        lost = [m for m in j.members if m not in self.snap.nodes]
+        lost = self.lost()
         failed = self.reports(NodeState.FAILED)
         silent = [m for m in j.members if m not in lost and m not in failed]
         own_fault = any(r.own_fault() for r in failed.values())

@@ -159,13 +159,21 @@ def log_signature(node: str, rank: int, pattern, line: str) -> Anomaly:
 # -- across nodes (controller) ------------------------------------------------------------------
 
 
-def rank_views(summaries: dict[str, MonitorSummary], generation: int, now: float) -> list[dict]:
-    """Flatten agents' summaries of `generation` into one dict per rank, ages taken at `now`."""
+def rank_views(
+    summaries: dict[str, MonitorSummary],
+    generation: int,
+    now: float,
+    ages: dict[str, float] | None = None,
+) -> list[dict]:
+    """Flatten agents' summaries of `generation` into one dict per rank, ages taken at `now`.
+
+    `ages`: each summary's age on the observer's clock (since it saw it change); without it
+    (or a node in it), `now - s.t`, which is right only when both clocks agree."""
     views = []
     for node, s in summaries.items():
         if s.generation != generation:
             continue
-        lag = max(0.0, now - s.t)
+        lag = ages[node] if ages is not None and node in ages else max(0.0, now - s.t)
         for rank, r in s.ranks.items():
             views.append(
                 {

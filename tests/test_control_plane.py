@@ -1,0 +1,215 @@
+"""Unit tests of the rules that keep a control-plane fault from becoming a job failure (issue 11).
+
+Pure: `decide` with snapshots (control-plane incidents, a cut-off node, a skewed agent clock,
+a restarted agent rejoining), the controller's observations on its own clock
+(control/observed.py) and the agent's fence rule (control/outage.py). No etcd, no processes.
+"""
+
+from __future__ import annotations
+
+from test_decisions import T0, kinds, nodes, run, running, spec, statuses
+
+from transom.common.records import (
+    Anomaly,
+    EventKind,
+    MonitorSummary,
+    NodeRegistration,
+    RankSummary,
+    Severity,
+)
+from transom.common.states import JobState, NodeState
+from transom.control.decisions import Snapshot
+from transom.control.grace import grace_s
+from transom.control.observed import MIN_GAP_S, Observed
+from transom.control.outage import STALL_MIN_S, fence_reason, stall_bound
+
+MEMBERS = ["node0", "node1", "node2"]
+
+
+def live_snapshot(*alive: str, **fields) -> Snapshot:
+    return Snapshot(nodes(*alive), statuses(1, NodeState.RUNNING, *MEMBERS), **fields)
+
+
+# -- control-plane incidents ----------------------------------------------------------------------
+
+
+def test_leases_lost_in_a_stall_the_controller_saw_are_excused_while_members_register_again():
+    s = spec(nnodes_min=3, nnodes_max=3, spares=1)
+    job = running(MEMBERS, s)
+    # etcd paused 6 s: the controller's own calls stalled (a gap that ended 0.2 s ago), and
+    # on resume etcd revoked every lease it had not renewed: node2's first.
+    stalled = live_snapshot("node0", "node1", store_gap_s=6.0, since_store_gap_s=0.2)
+    d = run(job, stalled, s, T0 + 10)
+    assert d.job.state is JobState.RUNNING and d.job.incident is None
+    assert kinds(d) == ["warning"] and "control-plane incident" in d.events[0].message
+    assert "etcd did not answer the controller for 6.0 s" in d.events[0].message
+    # every lease gone in the next tick: still the same incident (no second warning)
+    gone = live_snapshot(store_gap_s=6.0, since_store_gap_s=0.4)
+    d = run(d.job, gone, s, T0 + 10.2, d.memory)
+    assert d.job.state is JobState.RUNNING and not d.events
+    # the agents register again under the same ids: incident over, workers kept
+    back = live_snapshot(*MEMBERS, store_gap_s=6.0, since_store_gap_s=1.5)
+    d = run(d.job, back, s, T0 + 11.3, d.memory)
+    assert d.job.state is JobState.RUNNING and d.job.restarts_used == 0 and not d.job.evicted
+    assert kinds(d) == ["warning"] and "incident over" in d.events[0].message
+
+
+def test_a_member_that_does_not_return_within_the_grace_period_is_lost():
+    s = spec(nnodes_min=2, nnodes_max=3, spares=0)
+    job = running(MEMBERS, s)
+    d = run(job, live_snapshot("node0", "node1", store_gap_s=5.0, since_store_gap_s=0.1), s, T0)
+    assert d.job.state is JobState.RUNNING
+    late = T0 - 0.1 + grace_s(s) + 0.1  # the grace period, counted from the gap's end, is over
+    snap = live_snapshot("node0", "node1", store_gap_s=5.0, since_store_gap_s=late - T0 + 0.1)
+    d = run(d.job, snap, s, late, d.memory)
+    assert d.job.state is JobState.RECOVERING and "node2 lost" in d.job.reason
+
+
+def test_many_leases_vanishing_at_once_is_a_control_plane_incident_even_without_a_gap():
+    s = spec(nnodes_min=3, nnodes_max=3)
+    job = running(MEMBERS, s)
+    d = run(job, live_snapshot("node0"), s, T0 + 1)  # two of three in the same tick, no gap
+    assert d.job.state is JobState.RUNNING
+    assert "2 of 3 members' leases vanished at once" in d.events[0].message
+    d = run(d.job, live_snapshot("node0"), s, T0 + 1 + grace_s(s) + 0.1, d.memory)
+    assert d.job.state is JobState.RECOVERING
+
+
+def test_a_single_node_cut_off_while_etcd_answers_the_controller_is_still_lost():
+    s = spec(nnodes_min=2, nnodes_max=3, spares=1)
+    job = running(MEMBERS, s)
+    # no gap the controller saw (or one long over), one lease gone: a node death
+    for since_gap in (None, grace_s(s) + 1):
+        snap = live_snapshot(
+            "node0", "node1", "node3", store_gap_s=3.0, since_store_gap_s=since_gap
+        )
+        d = run(job, snap, s, T0 + 1)
+        assert d.job.state is JobState.RECOVERING and "node2 lost" in d.job.reason
+
+
+# -- one clock ----------------------------------------------------------------------------------
+
+
+def summary(node: str, t: float, step: int) -> MonitorSummary:
+    ranks = {str(MEMBERS.index(node)): RankSummary(step, None, 0.2, 0.1, 0.15)}
+    return MonitorSummary(node, 1, t, ranks)
+
+
+def test_agent_clocks_30_s_behind_give_no_false_hang_or_telemetry_gap():
+    s = spec(nnodes_min=3, nnodes_max=3, hang_floor_s=5.0)
+    job = running(MEMBERS, s)
+    observed = Observed()
+    memory = None
+    for tick in range(60):  # 12 s of ticks; the agents publish every second
+        now, mono = T0 + tick * 0.2, 100.0 + tick * 0.2
+        step = tick // 5
+        skews = {"node0": -30.0, "node1": -31.0, "node2": -29.0}  # every agent's clock behind
+        summaries = {n: summary(n, now + skew - tick % 5 * 0.2, step) for n, skew in skews.items()}
+        observed.reached(mono, mono)
+        ages = observed.summary_ages(summaries, mono)
+        snap = live_snapshot(*MEMBERS, summaries=summaries, summary_ages=ages)
+        d = run(job, snap, s, now, memory)
+        memory = d.memory
+        assert d.job.state is JobState.RUNNING, d.events
+        assert not [e for e in d.events if e.kind in (EventKind.ANOMALY, EventKind.WARNING)]
+        job = d.job
+
+
+def test_a_summary_that_stopped_changing_is_a_telemetry_gap_on_the_controllers_clock():
+    observed = Observed()
+    frozen = {"node1": summary("node1", T0 + 1000.0, 3)}  # far in the future: irrelevant
+    observed.reached(100.0, 100.0)
+    assert observed.summary_ages(frozen, 100.0) == {"node1": 0.0}
+    for tick in range(1, 31):  # 6 s of ordinary ticks, the summary never changes
+        observed.reached(100.0 + tick * 0.2, 100.0 + tick * 0.2 - 0.05)
+    assert observed.summary_ages(frozen, 106.0) == {"node1": 6.0}
+    s = spec(nnodes_min=3, nnodes_max=3, hang_floor_s=60.0)
+    job = running(MEMBERS, s)
+    snap = live_snapshot(*MEMBERS, summaries=frozen, summary_ages={"node1": 6.0})
+    d = run(job, snap, s, T0)
+    assert any(e.type == "telemetry_gap" for e in d.events)
+
+
+def test_a_gap_in_reaching_etcd_restarts_every_summary_age_and_is_reported():
+    observed = Observed()
+    summaries = {"node0": summary("node0", T0, 5)}
+    observed.reached(10.0, 10.0)
+    observed.summary_ages(summaries, 10.0)
+    observed.reached(10.3, 10.2)  # a normal tick: no gap
+    assert observed.since_gap(10.3) is None
+    observed.reached(17.0, 10.5)  # the snapshot stalled for 6.5 s (etcd paused)
+    assert observed.gap_s >= MIN_GAP_S and observed.since_gap(17.5) == 0.5
+    assert observed.summary_ages(summaries, 17.5) == {"node0": 0.5}  # not 7.5 s: unseen
+
+
+def test_nan_reports_are_held_from_when_the_controller_first_saw_them_not_their_agent_time():
+    s = spec(nnodes_min=3, nnodes_max=3)
+    job = running(MEMBERS, s)
+    nan = Anomaly("nan", Severity.CRITICAL, "loss is nan", ["node2"], [2], time=T0 + 30, step=9)
+    nan.id, nan.generation = "node2-1-1", 1
+    summaries = {"node2": MonitorSummary("node2", 1, T0 + 30, anomalies=[nan])}
+    snap = live_snapshot(*MEMBERS, summaries=summaries, summary_ages={"node2": 0.0})
+    d = run(job, snap, s, T0)  # the agent's clock is 30 s ahead: held, not forever
+    assert d.job.state is JobState.RUNNING
+    d = run(job, snap, s, T0 + 0.6, d.memory)
+    assert d.job.state is JobState.RECOVERING and d.job.rollback_before == 9
+
+
+# -- a restarted agent rejoins --------------------------------------------------------------------
+
+
+def test_an_evicted_node_whose_agent_started_again_rejoins_as_a_spare():
+    s = spec(nnodes_min=2, nnodes_max=2, spares=1)
+    job = running(["node0", "node1"], s)
+    first = NodeRegistration("node2", "127.0.0.1", 1, T0, incarnation="aaa")
+    snap = Snapshot(
+        {**nodes("node0", "node1"), "node2": first},
+        statuses(1, NodeState.RUNNING, "node0", "node1"),
+    )
+    d = run(job, snap, s, T0)
+    job = d.job
+    job.evicted = {}
+    from transom.common.records import Eviction
+
+    job.evicted["node2"] = Eviction("node lost", T0, 1, incarnation="aaa")
+    assert not run(job, snap, s, T0 + 1).job.evicted == {}  # the same agent: stays evicted
+    again = NodeRegistration("node2", "127.0.0.1", 2, T0 + 5, incarnation="bbb")
+    snap.nodes["node2"] = again
+    d = run(job, snap, s, T0 + 6)
+    assert "node2" not in d.job.evicted and d.plan is not None and "node2" not in d.plan.evicted
+    assert [e.kind for e in d.events] == [EventKind.SPARE] and "rejoins" in d.events[0].message
+
+
+def test_an_eviction_records_the_agent_incarnation_it_evicted():
+    s = spec(nnodes_min=2, nnodes_max=2, spares=1)
+    job = running(["node0", "node1"], s)
+    status1 = statuses(1, NodeState.RUNNING, "node0", "node1")
+    status1["node1"].incarnation = "n1-first"
+    snap = Snapshot(nodes("node0", "node2"), status1)
+    d = run(job, snap, s, T0 + 1)
+    d = run(d.job, snap, s, T0 + 3, d.memory)  # settled: node1 lost, evicted
+    assert d.job.evicted["node1"].incarnation == "n1-first"
+
+
+# -- the agent's fence rule -----------------------------------------------------------------------
+
+
+def test_fence_never_before_the_ttl_and_always_after_the_outage_limit():
+    ttl, limit = 4.0, 60.0
+    assert fence_reason(3.9, 100.0, 5.0, True, ttl, limit) is None  # the lease may still hold
+    assert "--store-outage" in fence_reason(60.0, 0.1, 5.0, False, ttl, limit)
+
+
+def test_fence_a_cut_off_node_only_once_its_workers_stop_progressing():
+    ttl, limit = 4.0, 60.0
+    # etcd down for everyone: the old collective goes on, workers keep stepping
+    assert fence_reason(30.0, 0.3, 5.0, False, ttl, limit) is None
+    # the generation went on elsewhere: the collective broke, no step for the stall bound
+    assert "no step finished" in fence_reason(10.0, 5.0, 5.0, False, ttl, limit)
+    assert "a worker exited" in fence_reason(5.0, 0.1, 5.0, True, ttl, limit)
+
+
+def test_the_stall_bound_scales_with_slow_steps():
+    assert stall_bound([]) == STALL_MIN_S
+    assert stall_bound([0.1, 0.2, 0.15]) == STALL_MIN_S
+    assert stall_bound([3.0, 3.0, 3.0]) == 12.0

@@ -1,0 +1,102 @@
+"""Control-plane incidents: when vanished leases are etcd's fault, not the nodes'.
+
+Part of one `decisions.decide` tick (pure: no etcd, no clock). A node's death is its lease's
+expiry, but etcd that stalls (paused, overloaded, restarted) expires every lease at once: on
+resume it may revoke them all in one go. That is one incident of the control plane, not N node
+deaths, and it costs no restart and no eviction: the members are excused for a grace period in
+which their agents, finding their lease gone while still members of the plan, register again
+under the same node id without touching their workers (transom.control.agent).
+
+A control-plane incident is either of:
+- the controller's own store calls failed or stalled (`Snapshot.store_gap_s`, measured on its
+  own clock by transom.control.observed) and that gap ended less than the grace period ago;
+- at least two members, and at least half of them, vanished in the same tick.
+The grace period is the node TTL + REREGISTER_MARGIN_S: an agent checks its lease every TTL/4
+and registers again on its next tick, so TTL covers it with margin to spare. A member still
+missing when it ends is lost (evicted as usual). A single node cut off while etcd answers the
+controller is never excused: no gap, and one lease alone is not "many at once". (That node's
+own agent fences itself: transom.control.outage.)
+
+`lift_evictions`: an evicted node whose agent started again (a new incarnation: a Kubernetes pod
+restarted under the same name) rejoins as a spare.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transom.common.records import EventKind
+from transom.config import JobSpec
+
+if TYPE_CHECKING:
+    from transom.control.decisions import Tick
+
+REREGISTER_MARGIN_S = 2.0
+
+
+def grace_s(spec: JobSpec) -> float:
+    """How long members whose leases vanished in a control-plane incident may take to return."""
+    return spec.node_ttl_s + REREGISTER_MARGIN_S
+
+
+def excused_lost(t: Tick, lost: list[str]) -> list[str]:
+    """`lost` (members without a lease), or none of them during a control-plane incident."""
+    memory, snap, now, members = t.decision.memory, t.snap, t.now, t.job.members
+    newly = [m for m in lost if m not in memory.lost_before]
+    memory.lost_before = set(lost)
+    grace = grace_s(t.spec)
+    until, reason = None, ""
+    if snap.since_store_gap_s is not None and snap.since_store_gap_s < grace:
+        until = now - snap.since_store_gap_s + grace
+        reason = f"etcd did not answer the controller for {snap.store_gap_s:.1f} s"
+    if len(newly) >= 2 and 2 * len(newly) >= len(members):
+        until = max(until or now, now + grace)
+        reason = f"{len(newly)} of {len(members)} members' leases vanished at once"
+    in_grace = memory.grace_until is not None and now < memory.grace_until
+    if until is not None and until > now and lost and not in_grace:
+        memory.grace_until, memory.grace_reason = until, reason
+        t.event(
+            EventKind.WARNING,
+            f"control-plane incident ({reason}): waiting up to {until - now:.1f} s for "
+            f"{', '.join(lost)} to register again; no restart, no eviction",
+            nodes=list(lost),
+        )
+        return []
+    if in_grace:
+        if lost:
+            return []
+        t.event(
+            EventKind.WARNING,
+            f"control-plane incident over ({memory.grace_reason}): every member registered "
+            f"again, workers kept",
+        )
+        memory.grace_until = None
+        return []
+    memory.grace_until = None
+    return lost
+
+
+def lift_evictions(t: Tick) -> None:
+    """Take back, as spares, evicted nodes whose agent started again (a new incarnation)."""
+    j = t.job
+    pending = j.next_generation.members if j.next_generation else []
+    for node, registration in t.snap.nodes.items():
+        eviction = j.evicted.get(node)
+        if (
+            eviction is None
+            or registration is None
+            or not eviction.incarnation
+            or not registration.incarnation
+            or registration.incarnation == eviction.incarnation
+            or node in j.members
+            or node in pending
+        ):
+            continue
+        del j.evicted[node]
+        t.event(
+            EventKind.SPARE,
+            f"{node} rejoins as a spare: its agent started again after its eviction "
+            f"({eviction.reason})",
+            node=node,
+        )
+        t.write_plan()
