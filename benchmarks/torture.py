@@ -64,7 +64,6 @@ def run_trial(
 ) -> dict:
     with held(lock):
         reference = reference_weights(work, scenario.steps, seed)
-    with held(lock):
         return _trial(scenario, work, seed, rng, kills, reference)
 
 
@@ -168,7 +167,7 @@ def main() -> int:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="transom-torture-"))
     work.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=160)
     console.print(f"run directories: {work}")
     rng = random.Random(args.seed)
     results = []

@@ -209,7 +209,7 @@ class Job:
     def reached(self, step: int) -> bool:
         return re.search(rf"^step {step} ", self.log_text("g*/rank0.log"), re.M) is not None
 
-    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+    def wait_for_step(self, step: int, timeout: float = 150) -> None:
         poll(lambda: self.reached(step) or self.ended(), timeout, f"step {step}")
         if not self.reached(step):
             raise RuntimeError(f"job {self.job_id} ended before step {step}")

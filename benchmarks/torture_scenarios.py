@@ -46,7 +46,9 @@ class Scenario:
     fault: Callable[[Job, random.Random], dict]
     expect: dict[str, tuple[str, object]]
     options: list[str] = field(default_factory=list)
-    timeout_s: float = 360
+    # After the fault, how long the job may take to end; with the start (150 s at most) and
+    # the fault it keeps one trial under 10 minutes (the shared lock's limit).
+    timeout_s: float = 240
 
 
 def check(scenario: Scenario, row: dict) -> list[str]:
