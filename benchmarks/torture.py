@@ -11,6 +11,7 @@ and processes or /dev/shm entries the job left behind. Every row is checked agai
     python benchmarks/torture.py --json --trials 3 --scenario etcd_stop_2s agent_sigkill
     python benchmarks/torture.py --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
     python benchmarks/torture.py --lock /work/wt/e2e.lock     # hold a lock file per trial only
+    python benchmarks/torture.py --markdown a.json b.json      # the README table of --json runs
 
 With --json the last line printed is one JSON object: {"scenarios": [...]} with every trial's
 row. Run directories stay under --work (default a new temporary directory) for inspection.
@@ -145,8 +146,29 @@ def table(results: list[dict]) -> Table:
     return t
 
 
+def markdown(results: list[dict]) -> str:
+    """The table as README markdown."""
+    lines = [
+        "| scenario | trials | succeeded | restarts | evictions | steps lost | wrong loads "
+        "| weights identical | left behind | meets issue 11 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in results:
+        n = s["trials"]
+        lines.append(
+            f"| `{s['scenario']}` | {n} | {s['succeeded']}/{n} | {_list(s['restarts'])} "
+            f"| {_list(s['evictions'])} | {_list(s['steps_lost'])} | {s['wrong_loads']} "
+            f"| {s['identical']}/{n} | {s['left_behind']} | {s['meets']}/{n} |"
+        )
+    return "\n".join(lines)
+
+
 def _list(values: list) -> str:
     return ",".join("?" if v is None else str(v) for v in values)
+
+
+def _last_json(path: Path) -> dict:
+    return json.loads(path.read_text().strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -154,6 +176,13 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only print the README table of earlier --json outputs (files), and exit",
+    )
     parser.add_argument("--trials", type=int, default=1, help="trials of each scenario")
     parser.add_argument(
         "--scenario", nargs="+", choices=list(BY_NAME), help="only these (default: all)"
@@ -165,6 +194,10 @@ def main() -> int:
     parser.add_argument("--work", type=Path, help="where run directories go (default: a temp dir)")
     parser.add_argument("--lock", type=Path, help="a lock file to hold (flock) for each trial")
     args = parser.parse_args()
+    if args.markdown:
+        results = [s for path in args.markdown for s in _last_json(path)["scenarios"]]
+        print(markdown(results))
+        return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="transom-torture-"))
     work.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=args.json, width=160)
@@ -180,7 +213,9 @@ def main() -> int:
             console.print(
                 f"{scenario.name} trial {trial + 1}/{args.trials}: "
                 f"{'meets issue 11' if row['meets'] else 'UNMET: ' + '; '.join(row['unmet'])} "
-                f"({time.monotonic() - started:.0f} s, {row['job_id']})",
+                f"({row['seconds']:.0f} s from the job's start to its end, "
+                f"{time.monotonic() - started:.0f} s with the lock wait and the reference; "
+                f"{work / row['job_id']})",
                 highlight=False,
                 markup=False,
             )
