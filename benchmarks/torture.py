@@ -82,6 +82,7 @@ def _trial(
     leftovers: dict = {"processes": [], "shm": []}
     try:
         job.start()
+        job.watch()
         job.wait_for_step(FAULT_STEP)
         extra = scenario.fault(job, rng)
         if job.wait(scenario.timeout_s):
@@ -92,6 +93,7 @@ def _trial(
     except Exception as e:  # noqa: BLE001 - a trial that breaks is a row that says why
         error = f"{type(e).__name__}: {e}"
     finally:
+        job.unwatch()
         job.stop()
     try:
         row = measure(job, reference, succeeded, leftovers)

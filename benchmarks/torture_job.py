@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -137,8 +138,30 @@ class Job:
         self.script_args = train_args(steps, seed, self.final)
         self._store: Store | None = None
         self.started = time.time()
+        # What this harness read from etcd itself while the job ran: the job's events and its
+        # newest job record survive a launcher that died before mirroring them.
+        self.seen_events: dict[str, dict] = {}
+        self.seen_record: dict = {}
+        self._watching = threading.Event()
 
     # -- etcd, read by this harness directly ---------------------------------------------------
+    def watch(self) -> None:
+        """Keep reading the job's events and record from etcd (every second) until `unwatch`."""
+
+        def run() -> None:
+            while not self._watching.wait(1.0):
+                events = self.read(keys.EVENTS, prefix=True)
+                if isinstance(events, dict):
+                    self.seen_events.update(events)
+                record = self.read(keys.JOB)
+                if isinstance(record, dict):
+                    self.seen_record = record
+
+        threading.Thread(target=run, daemon=True, name="torture-watch").start()
+
+    def unwatch(self) -> None:
+        self._watching.set()
+
     def access(self) -> StoreAccess | None:
         raise NotImplementedError
 
@@ -157,6 +180,7 @@ class Job:
                 return None
             return store.get_prefix(name) if prefix else store.get(name)
         except StoreError:
+            self._store = None  # etcd may have come back elsewhere (a restarted etcd)
             return None
 
     def job_state(self) -> str | None:
@@ -227,16 +251,24 @@ class Job:
             return False
 
     def events(self) -> list[dict]:
+        """The run directory's events and those this harness read from etcd, in time order."""
         path = self.run_dir / files.EVENTS
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        mirrored = []
+        if path.exists():
+            mirrored = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        merged = {(e["time"], e["kind"], e.get("message")): e for e in mirrored}
+        for e in self.seen_events.values():
+            merged.setdefault((e["time"], e["kind"], e.get("message")), e)
+        return sorted(merged.values(), key=lambda e: e["time"])
 
     def final_record(self) -> dict:
+        """The newest job record: the run directory's last snapshot or what this harness read."""
         try:
-            return json.loads((self.run_dir / files.STATUS).read_text()).get("job") or {}
+            mirrored = json.loads((self.run_dir / files.STATUS).read_text()).get("job") or {}
         except (OSError, ValueError):
-            return {}
+            mirrored = {}
+        newest = max((mirrored, self.seen_record), key=lambda r: (r.get("updated") or 0, len(r)))
+        return newest
 
     def leftovers(self) -> dict:
         """After the job ended by itself: its processes still alive after a grace period, and

@@ -7,6 +7,7 @@
                      the previous generation's rank 0 completed minus the step this one resumed at
   wrong_loads        ranks that resumed at another step than the one their generation's plan
                      chose (TRANSOM_RESTORE_STEP; 0 for the first generation)
+  unverified_loads   ranks of generations whose plan no event recorded (the launcher died first)
   restored_tiers     where the ranks of later generations restored from (memory, peer, storage)
   identical          final weights bit for bit those of the fault-free reference
   leftover_procs     processes of the job alive 10 s after it ended by itself
@@ -53,29 +54,32 @@ def steps_lost(run_dir: Path) -> int:
     return lost
 
 
-def loads(run_dir: Path, events: list[dict]) -> tuple[int, dict[str, int]]:
-    """(wrong loads, restored tiers counted) over every generation that started ranks."""
+def loads(run_dir: Path, events: list[dict]) -> tuple[int, int, dict[str, int]]:
+    """(wrong loads, unverified loads, restored tiers counted) over every generation that started
+    ranks; a load is unverified when no event of the run records its generation's plan."""
     chosen = {
         e["generation"]: e.get("restore_step") or 0
         for e in events
         if e.get("kind") == "generation" and e.get("generation") is not None
     }
-    wrong, tiers = 0, {}
+    wrong, unverified, tiers = 0, 0, {}
     for g in generations(run_dir):
         for log in files.generation_logs(run_dir, g).glob("rank*.log"):
             text = log.read_text(errors="replace")
             for m in RESUMED.finditer(text):
-                if int(m.group(1)) != chosen.get(g, 0):
+                if g not in chosen:
+                    unverified += 1
+                elif int(m.group(1)) != chosen[g]:
                     wrong += 1
             for m in RESTORED.finditer(text):
                 tiers[m.group(3)] = tiers.get(m.group(3), 0) + 1
-    return wrong, tiers
+    return wrong, unverified, tiers
 
 
 def measure(job, reference: Path, succeeded: bool, leftovers: dict) -> dict:
     record = job.final_record()
     events = job.events()
-    wrong, tiers = loads(job.run_dir, events)
+    wrong, unverified, tiers = loads(job.run_dir, events)
     identical = None
     if job.final.exists():
         identical = compare_files(job.final, reference)["identical"]
@@ -86,6 +90,7 @@ def measure(job, reference: Path, succeeded: bool, leftovers: dict) -> dict:
         "evictions": len(record.get("evicted") or {}),
         "steps_lost": steps_lost(job.run_dir),
         "wrong_loads": wrong,
+        "unverified_loads": unverified,
         "restored_tiers": tiers,
         "identical": identical,
         "leftover_procs": leftovers["processes"],
