@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
 from torture_job import STEP_DELAY_S, Job, poll
 from torture_measure import ExitWatch
 
@@ -169,12 +170,20 @@ def agent_signal(signum: int) -> Callable[[Job, random.Random], dict]:
         extra["agent_exit_after_s"] = after(watch.last_exit(), t0)
         if signum == signal.SIGTERM and watch.last_exit() is not None:
             time.sleep(1.0)  # what the agent left, before the launcher's own clean-up at the end
-            extra["server_alive_after_exit"] = server is not None and server.is_running()
+            extra["server_alive_after_exit"] = server is not None and alive(server)
             extra["shm_left_after_exit"] = default_shm_dir(job.job_id, VICTIM).exists()
             extra["still_registered"] = job.read(keys.node(VICTIM)) is not None
         return extra
 
     return fault
+
+
+def alive(process) -> bool:
+    """Running and not a zombie (psutil's is_running counts a zombie as running)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def signal_pid(pid: int, signum: int) -> None:
