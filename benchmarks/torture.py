@@ -1,0 +1,232 @@
+"""Torture suite: real faults in Transom's own control plane, and what each cost a real job.
+
+Each scenario (torture_scenarios.py) trains examples/train_gpt.py with the checkpoint engine on
+3 nodes + 1 spare, injects its fault once training passed step 8, lets the job finish and
+measures (torture_measure.py): did it succeed, restarts, evictions, steps trained twice, wrong
+checkpoint loads, final weights bit-identical to a fault-free torchrun run of the same training,
+and processes or /dev/shm entries the job left behind. Every row is checked against what issue
+11 asks of the scenario ("meets" column; the JSON lists each unmet expectation).
+
+    python benchmarks/torture.py                              # every scenario, 1 trial each
+    python benchmarks/torture.py --json --trials 3 --scenario etcd_stop_2s agent_sigkill
+    python benchmarks/torture.py --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
+    python benchmarks/torture.py --lock /work/wt/e2e.lock     # hold a lock file per trial only
+    python benchmarks/torture.py --markdown a.json b.json      # the README table of --json runs
+
+With --json the last line printed is one JSON object: {"scenarios": [...]} with every trial's
+row. Run directories stay under --work (default a new temporary directory) for inspection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from torture_job import LocalJob, ProxiedJob, reference_weights  # noqa: E402
+from torture_measure import measure  # noqa: E402
+from torture_scenarios import (  # noqa: E402
+    BY_NAME,
+    FAULT_STEP,
+    SCENARIOS,
+    Scenario,
+    check,
+    phases,
+)
+
+
+@contextlib.contextmanager
+def held(lock: Path | None):
+    """The lock file held (flock) for the duration, when one is given."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_trial(
+    scenario: Scenario, work: Path, seed: int, rng: random.Random, kills: int, lock: Path | None
+) -> dict:
+    with held(lock):
+        reference = reference_weights(work, scenario.steps, seed)
+        return _trial(scenario, work, seed, rng, kills, reference)
+
+
+def _trial(
+    scenario: Scenario, work: Path, seed: int, rng: random.Random, kills: int, reference: Path
+) -> dict:
+    job = (LocalJob if scenario.kind == "local" else ProxiedJob)(
+        work, scenario.steps, seed, scenario.options
+    )
+    job.kills = kills  # type: ignore[attr-defined]
+    job.moments = []  # type: ignore[attr-defined]
+    extra: dict = {}
+    error = None
+    succeeded = False
+    leftovers: dict = {"processes": [], "shm": []}
+    try:
+        job.start()
+        job.watch()
+        job.wait_for_step(FAULT_STEP)
+        extra = scenario.fault(job, rng)
+        if job.wait(scenario.timeout_s):
+            succeeded = job.succeeded()
+            leftovers = job.leftovers()
+        else:
+            error = f"the job did not end within {scenario.timeout_s:.0f} s of its fault"
+    except Exception as e:  # noqa: BLE001 - a trial that breaks is a row that says why
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        job.unwatch()
+        job.stop()
+    try:
+        row = measure(job, reference, succeeded, leftovers)
+        if job.moments:  # type: ignore[attr-defined]
+            extra["phases"] = phases(job, job.moments)  # type: ignore[attr-defined]
+    finally:
+        job.cleanup()
+        if isinstance(job, ProxiedJob):
+            job.close()
+    row["leftovers"] = len(row["leftover_procs"]) + len(row["leftover_shm"])
+    row |= extra
+    row["error"] = error
+    row["unmet"] = check(scenario, row) + ([f"error: {error}"] if error else [])
+    row["meets"] = not row["unmet"]
+    return row
+
+
+def summary(scenario: Scenario, rows: list[dict]) -> dict:
+    def values(name: str) -> list:
+        return [r.get(name) for r in rows]
+
+    return {
+        "scenario": scenario.name,
+        "what": scenario.what,
+        "trials": len(rows),
+        "succeeded": sum(bool(r["succeeded"]) for r in rows),
+        "restarts": values("restarts"),
+        "evictions": values("evictions"),
+        "steps_lost": values("steps_lost"),
+        "wrong_loads": sum(r["wrong_loads"] or 0 for r in rows),
+        "identical": sum(r["identical"] is True for r in rows),
+        "left_behind": sum(r["leftovers"] for r in rows),
+        "meets": sum(r["meets"] for r in rows),
+        "rows": rows,
+    }
+
+
+def table(results: list[dict]) -> Table:
+    t = Table(title="Transom torture suite")
+    for column in (
+        "scenario", "trials", "succeeded", "restarts", "evictions", "steps lost",
+        "wrong loads", "weights identical", "left behind", "meets issue 11",
+    ):  # fmt: skip
+        t.add_column(column)
+    for s in results:
+        n = s["trials"]
+        t.add_row(
+            s["scenario"], str(n), f"{s['succeeded']}/{n}", _list(s["restarts"]),
+            _list(s["evictions"]), _list(s["steps_lost"]), str(s["wrong_loads"]),
+            f"{s['identical']}/{n}", str(s["left_behind"]), f"{s['meets']}/{n}",
+        )  # fmt: skip
+    return t
+
+
+def markdown(results: list[dict]) -> str:
+    """The table as README markdown."""
+    lines = [
+        "| scenario | trials | succeeded | restarts | evictions | steps lost | wrong loads "
+        "| weights identical | left behind | meets issue 11 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in results:
+        n = s["trials"]
+        lines.append(
+            f"| `{s['scenario']}` | {n} | {s['succeeded']}/{n} | {_list(s['restarts'])} "
+            f"| {_list(s['evictions'])} | {_list(s['steps_lost'])} | {s['wrong_loads']} "
+            f"| {s['identical']}/{n} | {s['left_behind']} | {s['meets']}/{n} |"
+        )
+    return "\n".join(lines)
+
+
+def _list(values: list) -> str:
+    return ",".join("?" if v is None else str(v) for v in values)
+
+
+def _last_json(path: Path) -> dict:
+    return json.loads(path.read_text().strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only print the README table of earlier --json outputs (files), and exit",
+    )
+    parser.add_argument("--trials", type=int, default=1, help="trials of each scenario")
+    parser.add_argument(
+        "--scenario", nargs="+", choices=list(BY_NAME), help="only these (default: all)"
+    )
+    parser.add_argument(
+        "--kills", type=int, default=2, help="worker_kill_ckpt: SIGKILLs per trial (default 2)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training and the faults")
+    parser.add_argument("--work", type=Path, help="where run directories go (default: a temp dir)")
+    parser.add_argument("--lock", type=Path, help="a lock file to hold (flock) for each trial")
+    args = parser.parse_args()
+    if args.markdown:
+        results = [s for path in args.markdown for s in _last_json(path)["scenarios"]]
+        print(markdown(results))
+        return 0
+    work = args.work or Path(tempfile.mkdtemp(prefix="transom-torture-"))
+    work.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=args.json, width=160)
+    console.print(f"run directories: {work}")
+    rng = random.Random(args.seed)
+    results = []
+    for scenario in [BY_NAME[n] for n in args.scenario] if args.scenario else SCENARIOS:
+        rows = []
+        for trial in range(args.trials):
+            started = time.monotonic()
+            row = run_trial(scenario, work, args.seed, rng, args.kills, args.lock)
+            rows.append(row)
+            console.print(
+                f"{scenario.name} trial {trial + 1}/{args.trials}: "
+                f"{'meets issue 11' if row['meets'] else 'UNMET: ' + '; '.join(row['unmet'])} "
+                f"({row['seconds']:.0f} s from the job's start to its end, "
+                f"{time.monotonic() - started:.0f} s with the lock wait and the reference; "
+                f"{work / row['job_id']})",
+                highlight=False,
+                markup=False,
+            )
+        results.append(summary(scenario, rows))
+    console.print(table(results))
+    if args.json:
+        print(json.dumps({"work": str(work), "scenarios": results}))
+    return 0 if all(s["meets"] == s["trials"] for s in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
