@@ -1,12 +1,15 @@
 """Detection benchmark: how fast the monitor finds injected faults, whom it blames, what it costs.
 
-For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (3 nodes x 1
-worker) and injects --trials faults of that type into it one after another, each at a random
-rank and a random step (seeded); fault types whose answer is an eviction (hang, slow, log) need a
-spare per fault and a job has at most 3, so those run in jobs of 3 faults. Then it reads the
-jobs' event logs:
+For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (--nodes nodes,
+3 by default, x 1 worker) and injects --trials faults of that type into it one after another,
+each at a random rank and a random step (seeded); fault types whose answer is an eviction (hang,
+slow, throttle, log) need a spare per fault and a job has at most as many as nodes, so those run
+in jobs of that many faults. `throttle` slows a rank from outside its process (the agent stops
+and continues it, running 1/--throttle-factor of the time), as CPU throttling or a noisy
+neighbour would; its row also gives the job's slowdown it caused (median step time after the
+fault over before, rank 0's log). Then it reads the jobs' event logs:
   detection latency   fault event -> the first anomaly of the matching type (p50, p95)
-                      (and, for the slow node, in training steps)
+                      (and, for slow, throttle and nan, in training steps)
   attribution         the controller's decision (or diagnosis, for crashes) blames the node the
                       fault was injected on
   precision, recall   decisions that answer an injected fault / all decisions; faults detected
@@ -50,6 +53,7 @@ LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
 sys.path.insert(0, str(REPO))
 from transom.common import anomalies  # noqa: E402
 from transom.common import env as env_names  # noqa: E402
+from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
 from transom.monitor import patterns  # noqa: E402
 
@@ -64,8 +68,10 @@ DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
 # detection evicts the node, so that each fault needs a spare.
-FAULTS = ("crash", "hang", "slow", "nan", "log")
-EVICTING = ("hang", "slow", "log")
+FAULTS = ("crash", "hang", "slow", "throttle", "nan", "log")
+EVICTING = ("hang", "slow", "throttle", "log")
+THROTTLE_FACTOR = 2.0  # the throttled rank runs half of the time
+SLOWDOWN_STEPS = 15  # steps before the fault (and after it, to its detection) in its slowdown
 TARGETS = {
     "crash_s": 2.0,
     "hang_floor_s": 10.0,
@@ -88,14 +94,19 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run_job(
-    run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]
+    run_dir: Path,
+    faults: str | None,
+    spares: int,
+    steps: int,
+    extra: list[str],
+    nodes: int = NODES,
 ) -> list[dict]:
     """Run one job to its end; its events."""
     argv = transom_run(
         run_dir,
         "d-" + uuid.uuid4().hex[:6],
         "--nnodes",
-        str(NODES),
+        str(nodes),
         "--spares",
         str(spares),
         "--max-restarts",
@@ -136,13 +147,43 @@ def median_step_s(run_dirs: list[Path]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
+def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
+    """Per fired fault: the job's median step time (rank 0's log) in the SLOWDOWN_STEPS after
+    the fault over the SLOWDOWN_STEPS before it, in the fault's generation."""
+    out = []
+    for f in (e for e in events if e["kind"] == "fault" and e.get("step") is not None):
+        log = rank_log(run_dir, f.get("generation") or 0, 0)
+        if not log.exists():
+            continue
+        points = dict(
+            (int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))
+        )
+        at = f["step"]
+        before = _gaps(points, range(at - SLOWDOWN_STEPS, at))
+        after = _gaps(points, range(at + 2, at + 2 + SLOWDOWN_STEPS))
+        if len(before) >= 5 and len(after) >= 5:
+            out.append(round(statistics.median(after) / statistics.median(before), 3))
+    return out
+
+
+def _gaps(points: dict[int, float], steps: range) -> list[float]:
+    return [points[s] - points[s - 1] for s in steps if s in points and s - 1 in points]
+
+
+def schedule(
+    kind: str,
+    trials: int,
+    rng: random.Random,
+    nodes: int = NODES,
+    throttle_factor: float = THROTTLE_FACTOR,
+) -> tuple[str, int]:
     """A fault spec of `trials` faults of one type at random ranks and steps; the steps to run."""
     items, step = [], FIRST_FAULT_STEP
+    factor = {"slow": ":factor=2", "throttle": f":factor={throttle_factor:g}"}
     for _ in range(trials):
         at = step + rng.randint(0, 9)
-        item = f"{kind}@step={at}:rank={rng.randrange(NODES)}"
-        items.append(item + (":factor=2" if kind == "slow" else ""))
+        item = f"{kind}@step={at}:rank={rng.randrange(nodes)}"
+        items.append(item + factor.get(kind, ""))
         step += FAULT_SPACING_STEPS
     return ",".join(items), step + 15
 
@@ -170,7 +211,7 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         detected += 1
         latencies.append(max(0.0, hits[0]["time"] - f["time"]))
         if (
-            kind in ("slow", "nan")
+            kind in ("slow", "throttle", "nan")
             and hits[0].get("step") is not None
             and f.get("step") is not None
         ):
@@ -366,6 +407,13 @@ def main() -> int:
         "--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")
+    p.add_argument(
+        "--throttle-factor",
+        type=float,
+        default=THROTTLE_FACTOR,
+        help=f"a throttled rank runs 1/F of the time (default {THROTTLE_FACTOR:g})",
+    )
     p.add_argument(
         "--patterns-only",
         action="store_true",
@@ -385,15 +433,22 @@ def main() -> int:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
             # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
-            per_job = NODES if kind in EVICTING else args.trials
-            t0, events, dirs = time.time(), [], []
+            per_job = args.nodes if kind in EVICTING else args.trials
+            t0, events, dirs, slowed = time.time(), [], [], []
             for i in range(0, args.trials, per_job):
                 n = min(per_job, args.trials - i)
-                spec, steps = schedule(kind, n, rng)
+                spec, steps = schedule(kind, n, rng, args.nodes, args.throttle_factor)
                 dirs.append(tmp / f"{kind}{i}")
-                events += run_job(dirs[-1], spec, n if kind in EVICTING else 0, steps, [])
+                spares = n if kind in EVICTING else 0
+                job = run_job(dirs[-1], spec, spares, steps, [], args.nodes)
+                events += job
+                slowed += slowdowns(dirs[-1], job)
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
+            result["transom"][kind]["nodes"] = args.nodes
+            if kind == "throttle" and slowed:
+                result["transom"][kind]["job_slowdown_p50_x"] = statistics.median(slowed)
+                result["transom"][kind]["throttle_factor"] = args.throttle_factor
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
         if args.fault_free_minutes > 0:
             result["fault_free"] = fault_free(tmp, args.fault_free_minutes)
@@ -425,7 +480,7 @@ def print_table(result: dict) -> None:
         if not result["transom"]:
             return
     print(
-        f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
+        f"\n{'fault':<8} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
         f"{'right node':>10} "
         f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}"
     )
@@ -437,11 +492,17 @@ def print_table(result: dict) -> None:
             else "-"
         )
         print(
-            f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
+            f"{kind:<8} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
             f"{fmt(r['precision']):>9} {fmt(r['attribution']):>10} "
             f"{fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
             f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}"
         )
+    for kind, r in result["transom"].items():
+        if "job_slowdown_p50_x" in r:
+            print(
+                f"{kind} on {r['nodes']} nodes: the rank ran 1/{r['throttle_factor']:g} of the "
+                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median)"
+            )
     if "fault_free" in result:
         f = result["fault_free"]
         print(

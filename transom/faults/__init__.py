@@ -5,6 +5,7 @@ Layout:
   agent_side.py      crash, hang, log, kill: the node agent applies them
   worker_side.py     slow, nan: the worker applies them through the monitor API
   preflight_side.py  slow_preflight: a node whose pre-flight compute benchmark is slow
+  throttle.py        throttle: the agent stops and continues a worker with a duty cycle
   registry.py        FAULT_TYPES (name -> type) and DETECTORS (fault type -> anomaly types)
   schedule.py        parsing and validating `--faults`, random schedules
   injector.py        the agent's hooks (FaultInjector)
