@@ -211,14 +211,14 @@ def test_checkpoints_evaluation_and_warm_up_raise_no_anomaly(start_job):
     assert out.returncode == 0 and "compute_s" in out.stdout and "metrics: http://" in out.stdout
 
 
-def test_slow_node_is_excluded_by_the_preflight_before_training(start_job):
+def test_slow_node_and_slow_link_are_excluded_by_the_preflight_before_training(start_job):
     job = start_job(
         "--nnodes",
         "3",
         "--spares",
-        "1",
+        "2",
         "--faults",
-        "slow_preflight@node=node1:factor=5",
+        "slow_preflight@node=node1:factor=5,slow_link@node=node3:factor=20",
         TRAIN,
         "--steps",
         "10",
@@ -231,6 +231,12 @@ def test_slow_node_is_excluded_by_the_preflight_before_training(start_job):
         and "compute benchmark" in excluded["message"]
     )
     assert excluded["time"] < first(job, "generation")["time"]
+    slow_link = first(job, "evict", node="node3")
+    assert "pre-flight link test" in slow_link["message"], slow_link["message"]
+    assert slow_link["time"] < first(job, "generation")["time"]
+    assert set(slow_link["preflight"]["links"]) <= {"node0", "node1", "node2", "node4"}
     record = job.status()["job"]
-    assert record["members"] == ["node0", "node2", "node3"] and record["generation"] == 1
+    assert record["members"] == ["node0", "node2", "node4"] and record["generation"] == 1
     assert record["restarts_used"] == 0
+    scores = job.status()["preflight"]  # what `transom status` shows in its link column
+    assert scores["node0"]["link_mbps"] > 5 * scores["node3"]["link_mbps"]

@@ -27,6 +27,7 @@ from transom.common.records import (
 )
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
+from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.preflight import preflight
 from transom.control.warm import WarmPool
@@ -71,6 +72,7 @@ class NodeAgent:
         self._published_extra: dict = {}
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
+        self.link_server: links.LinkServer | None = None  # peers' pre-flight link tests
         self.torch_store: TorchStore | None = None  # while this node is a generation's master
 
     # -- registration -------------------------------------------------------------------------
@@ -145,6 +147,8 @@ class NodeAgent:
             if self.warm is not None:
                 self.warm.close()
             self.monitor.close()
+            if self.link_server is not None:
+                self.link_server.close()
             if self.ckpt is not None:
                 self.ckpt.stop()
             if self.lease is not None:
@@ -231,7 +235,13 @@ class NodeAgent:
         """Check this node once, when it joins; publish the result for the controller to compare."""
         assert self.spec is not None and self.faults is not None
         slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
+        self.link_server = links.LinkServer(self.host, self.faults.link_delay_s)
+        links.publish(self.store, self.node_id, self.link_server, self.lease)
         self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
+        peers = self.spec.nnodes_max + self.spec.spares - 1
+        self.preflight_result[1].update(
+            links.link_test(self.store, self.node_id, peers, self.faults.link_delay_s)
+        )
         passed, evidence = self.preflight_result
         result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
         self.store.put(keys.preflight(self.node_id), result.to_dict())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transom.faults.agent_side import Crash, Hang, Kill, LogLine
 from transom.faults.base import AGENT, PREFLIGHT, WORKER, FaultType
-from transom.faults.preflight_side import SlowPreflight
+from transom.faults.preflight_side import SlowLink, SlowPreflight
 from transom.faults.throttle import Throttle
 from transom.faults.worker_side import Nan, Slow
 
@@ -25,6 +25,7 @@ FAULT_TYPES: dict[str, FaultType] = {
         LogLine(),
         Kill(),
         SlowPreflight(),
+        SlowLink(),
         Throttle(),
     )
 }
