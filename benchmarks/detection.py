@@ -15,8 +15,9 @@ fault over before, rank 0's log). Then it reads the jobs' event logs:
   precision, recall   decisions that answer an injected fault / all decisions; faults detected
                       within DETECTION_WINDOW_S / faults fired
 A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
-anomaly above info severity, any decision), and a single-process run of train_gpt with the
-monitor on and off (alternating, same steps) gives the step-time overhead of monitoring.
+anomaly above info severity, any decision), and single-process runs of train_gpt with the
+monitor on and off (alternating pairs: benchmarks/monitor_overhead.py) give the step-time
+overhead of monitoring with a 95% confidence interval.
 Without running anything, the log classifier (transom.monitor.patterns) is measured on the
 corpora in tests/data/log_corpus: precision and recall of its hardware classifications
 (`--patterns-only` measures just that).
@@ -46,13 +47,14 @@ import uuid
 from pathlib import Path
 
 from jobs import transom_run
+from monitor_overhead import describe as describe_overhead
+from monitor_overhead import measure as measure_overhead
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
 sys.path.insert(0, str(REPO))
 from transom.common import anomalies  # noqa: E402
-from transom.common import env as env_names  # noqa: E402
 from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
 from transom.monitor import patterns  # noqa: E402
@@ -271,84 +273,6 @@ def fault_free(tmp: Path, minutes: float) -> dict:
     }
 
 
-def overhead(tmp: Path, steps: int, rounds: int) -> dict:
-    """Step time of a one-process train_gpt with the monitor on (a live NodeMonitor) and off."""
-    from transom.monitor.node import NodeMonitor
-
-    monitor = NodeMonitor("bench")
-    monitor.expect_ranks([0])  # the one rank of generation 0: its datagrams are accepted
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    try:
-        for r in range(rounds):
-            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                env = {
-                    k: v
-                    for k, v in os.environ.items()
-                    if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))
-                }
-                env["OMP_NUM_THREADS"] = "1"
-                if mode == "on":
-                    env[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
-                    env["RANK"] = "0"  # the monitor's datagrams name their rank
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        str(SCRIPT),
-                        "--steps",
-                        str(steps),
-                        "--ckpt-every",
-                        "0",
-                        "--log-every",
-                        "1",
-                    ],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    cwd=tmp,
-                    timeout=600,
-                ).stdout
-                points = [float(t) for _, t in STEP_LINE.findall(out)][
-                    5:
-                ]  # leave out the first steps
-                times[mode].append((points[-1] - points[0]) / (len(points) - 1))
-    finally:
-        monitor.close()
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    call = api_call_s()
-    return {
-        "step_on_s": on,
-        "step_off_s": off,
-        "overhead_x": on / off - 1.0,
-        "rounds": rounds,
-        "steps": steps,
-        "samples_on_s": times["on"],
-        "samples_off_s": times["off"],
-        "api_call_s": call,
-        "api_overhead_x": call / off,
-    }
-
-
-def api_call_s(calls: int = 20000) -> float:
-    """Seconds one step's monitor calls (step, sync section, report) cost, to a live listener."""
-    from transom.monitor import reporter
-    from transom.monitor.node import NodeMonitor
-
-    monitor = NodeMonitor("bench-api")
-    monitor.expect_ranks([0])
-    os.environ[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
-    os.environ["RANK"] = "0"
-    try:
-        t0 = time.perf_counter()
-        for i in range(calls):
-            with reporter.step(i) as s:
-                with s.section("sync"):
-                    pass
-                s.report(loss=1.0, tokens=768)
-        return (time.perf_counter() - t0) / calls
-    finally:
-        monitor.close()
-
-
 def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
     """Precision and recall of the log classifier's hardware classifications on the corpora.
 
@@ -404,7 +328,10 @@ def main() -> int:
         "--overhead-steps", type=int, default=300, help="steps per overhead run (default 300)"
     )
     p.add_argument(
-        "--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)"
+        "--overhead-rounds",
+        type=int,
+        default=20,
+        help="alternating on/off pairs (default 20; 0 skips; see monitor_overhead.py)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")
@@ -454,7 +381,7 @@ def main() -> int:
             result["fault_free"] = fault_free(tmp, args.fault_free_minutes)
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:
-            result["overhead"] = overhead(tmp, args.overhead_steps, args.overhead_rounds)
+            result["overhead"] = measure_overhead(tmp, args.overhead_rounds, args.overhead_steps)
             print(f"overhead: {json.dumps(result['overhead'])}", flush=True)
     print_table(result)
     if args.json:
@@ -511,13 +438,7 @@ def print_table(result: dict) -> None:
             f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)"
         )
     if "overhead" in result:
-        o = result["overhead"]
-        print(
-            f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs "
-            f"{o['step_off_s'] * 1000:.2f} ms off = {o['overhead_x'] * 100:+.2f}% "
-            f"(median of {o['rounds']} runs of {o['steps']} steps each); the calls themselves: "
-            f"{o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%"
-        )
+        print(describe_overhead(result["overhead"]))
 
 
 if __name__ == "__main__":
