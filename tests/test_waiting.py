@@ -18,9 +18,9 @@ COMPUTE_S = 0.10
 COMM_S = 0.02
 
 
-def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=node.TIMING_WINDOW, job_factor=1.0):
-    """Yield the views of a job of `nodes` nodes (one rank each) every `every` steps (the agent
-    publishes a summary every second: about a window of steps at the benchmarks' pace).
+def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=2, job_factor=1.0):
+    """Yield the views of a job of `nodes` nodes (one rank each) every `every` steps (the
+    controller looks often; the tracker counts evaluations STRAGGLER_EVALUATION_STEPS apart).
 
     `slow(step, rank, rng)` -> (extra compute, extra stall before the step, extra in the
     collective) seconds for that rank at that step.
@@ -113,21 +113,25 @@ def test_a_rank_stopped_between_steps_is_found_by_its_peers_wait_not_its_compute
     assert ev["peers_wait_s"] > ev["wait_s"]
 
 
+def found_after(nodes, seeds=10):
+    """Steps from a throttle's start (1.5x slower job) to its straggler, over seeds."""
+    latencies = []
+    for seed in range(seeds):
+        slow = throttled(rank=1, from_step=40, extra=0.06)  # 0.06 s more on a 0.12 s step
+        step, found = first_straggler(simulate(nodes, 200, slow, noise=0.1, seed=seed))
+        assert found is not None and found.nodes == ["node1"], seed
+        latencies.append(step - 40)
+    return latencies
+
+
 def test_outside_throttle_one_and_a_half_times_slower_on_four_nodes():
-    # extra 0.06 s a step on a 0.12 s step: the job runs about 1.5x slower.
-    for seed in range(5):
-        slow = throttled(rank=2, from_step=40, extra=0.06)
-        step, found = first_straggler(simulate(4, 160, slow, noise=0.1, seed=seed))
-        assert found is not None and found.nodes == ["node2"], seed
-        assert step <= 40 + 30, (seed, step)
+    latencies = found_after(4)
+    assert statistics.median(latencies) <= 20 and max(latencies) <= 40, latencies
 
 
 def test_outside_throttle_on_two_nodes():
-    for seed in range(5):
-        slow = throttled(rank=1, from_step=40, extra=0.06)
-        step, found = first_straggler(simulate(2, 160, slow, noise=0.1, seed=seed))
-        assert found is not None and found.nodes == ["node1"], seed
-        assert step <= 40 + 30, (seed, step)
+    latencies = found_after(2)
+    assert statistics.median(latencies) <= 20 and max(latencies) <= 40, latencies
 
 
 def test_no_straggler_in_noise_on_two_and_four_nodes():
@@ -190,4 +194,6 @@ def test_stale_views_are_not_confirmations():
     tracker = waiting.StragglerTracker()
     assert tracker.update(views) is None
     assert tracker.update(views) is None  # same steps: no new evidence
-    assert tracker.update([{**v, "step": 10} for v in views]).nodes == ["node1"]
+    assert tracker.update([{**v, "step": 12} for v in views]) is None  # 3 steps: too few
+    assert tracker.update([{**v, "step": 13} for v in views]) is None  # the second
+    assert tracker.update([{**v, "step": 17} for v in views]).nodes == ["node1"]  # the third

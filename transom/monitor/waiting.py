@@ -38,8 +38,11 @@ STRAGGLER_MIN_NODES = 2
 STRAGGLER_LATE_FRACTION = 0.2
 # ... and at least STRAGGLER_STANDOUT times the next node's delay (one node waited for).
 STRAGGLER_STANDOUT = 2.0
-STRAGGLER_CONFIRMATIONS = 2  # evaluations that name the node, of the last STRAGGLER_EVALUATIONS
-STRAGGLER_EVALUATIONS = 3
+STRAGGLER_CONFIRMATIONS = 3  # evaluations that name the node, of the last STRAGGLER_EVALUATIONS
+STRAGGLER_EVALUATIONS = 4
+# An evaluation counts once the job advanced this many steps since the last one (the summaries of
+# several nodes arrive at different times: their windows would overlap almost wholly otherwise).
+STRAGGLER_EVALUATION_STEPS = 4
 # Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
 # median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
 THROUGHPUT_DROP_RATIO = 2.0
@@ -147,7 +150,7 @@ def describe_wait(node: str, rank: int, evidence: dict) -> str:
 
 class StragglerTracker:
     """Raises a straggler only when the same node is waited for in STRAGGLER_CONFIRMATIONS of the
-    last STRAGGLER_EVALUATIONS fresh evaluations (fresh: some rank reported a new step)."""
+    last STRAGGLER_EVALUATIONS evaluations, each STRAGGLER_EVALUATION_STEPS steps after the last."""
 
     def __init__(
         self,
@@ -156,13 +159,16 @@ class StragglerTracker:
     ):
         self.confirmations = confirmations
         self.found: deque[str | None] = deque(maxlen=evaluations)
-        self.last_key: tuple | None = None
+        self.evaluated_at: int | None = None  # the newest step of the last evaluation
 
     def update(self, views: list[dict]) -> Anomaly | None:
-        key = _fresh_key(views)
-        if key == self.last_key:
-            return None  # no new samples since the last evaluation
-        self.last_key = key
+        newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
+        if newest is None or (
+            self.evaluated_at is not None
+            and newest < self.evaluated_at + STRAGGLER_EVALUATION_STEPS
+        ):
+            return None  # too few new samples since the last evaluation
+        self.evaluated_at = newest
         found = straggler_candidate(views)
         self.found.append(found[0] if found else None)
         if found is None:
@@ -170,7 +176,6 @@ class StragglerTracker:
         node, rank, evidence = found
         if self.found.count(node) < self.confirmations:
             return None
-        step = max((v["step"] for v in views if v.get("step") is not None), default=None)
         return Anomaly(
             anomalies.STRAGGLER,
             Severity.WARNING,
@@ -178,7 +183,7 @@ class StragglerTracker:
             [node],
             [rank],
             evidence,
-            step=step,
+            step=newest,
         )
 
 
