@@ -102,6 +102,7 @@ def run_job(
     steps: int,
     extra: list[str],
     nodes: int = NODES,
+    step_delay_s: float = STEP_DELAY_S,
 ) -> list[dict]:
     """Run one job to its end; its events."""
     argv = transom_run(
@@ -122,7 +123,7 @@ def run_job(
         "--ckpt-every",
         str(CKPT_EVERY),
         "--step-delay",
-        str(STEP_DELAY_S),
+        str(step_delay_s),
         "--log-every",
         "1",
         *extra,
@@ -336,6 +337,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")
     p.add_argument(
+        "--step-delay",
+        type=float,
+        default=STEP_DELAY_S,
+        help=f"train_gpt's sleep after each step (default {STEP_DELAY_S}; a throttled rank "
+        "stopped while it sleeps loses nothing)",
+    )
+    p.add_argument(
         "--throttle-factor",
         type=float,
         default=THROTTLE_FACTOR,
@@ -367,7 +375,7 @@ def main() -> int:
                 spec, steps = schedule(kind, n, rng, args.nodes, args.throttle_factor)
                 dirs.append(tmp / f"{kind}{i}")
                 spares = n if kind in EVICTING else 0
-                job = run_job(dirs[-1], spec, spares, steps, [], args.nodes)
+                job = run_job(dirs[-1], spec, spares, steps, [], args.nodes, args.step_delay)
                 events += job
                 slowed += slowdowns(dirs[-1], job)
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
@@ -375,6 +383,7 @@ def main() -> int:
             result["transom"][kind]["nodes"] = args.nodes
             if kind == "throttle" and slowed:
                 result["transom"][kind]["job_slowdown_p50_x"] = statistics.median(slowed)
+                result["transom"][kind]["job_slowdowns_x"] = slowed
                 result["transom"][kind]["throttle_factor"] = args.throttle_factor
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
         if args.fault_free_minutes > 0:
