@@ -250,13 +250,18 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     return out
 
 
-def fault_free(tmp: Path, minutes: float) -> dict:
+def fault_free(tmp: Path, minutes: float, nodes: int = NODES) -> dict:
     """A job without faults, with checkpoints and an evaluation pass every 100 steps."""
     per_step = 0.15  # about, on this machine; the job is sized to last `minutes`
     steps = max(60, int(minutes * 60 / per_step))
     t0 = time.time()
     events = run_job(
-        tmp / "fault-free", None, 0, steps, ["--eval-every", "100", "--eval-batches", "200"]
+        tmp / "fault-free",
+        None,
+        0,
+        steps,
+        ["--eval-every", "100", "--eval-batches", "200"],
+        nodes,
     )
     hours = (time.time() - t0) / 3600
     false = [
@@ -387,7 +392,7 @@ def main() -> int:
                 result["transom"][kind]["throttle_factor"] = args.throttle_factor
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
         if args.fault_free_minutes > 0:
-            result["fault_free"] = fault_free(tmp, args.fault_free_minutes)
+            result["fault_free"] = fault_free(tmp, args.fault_free_minutes, args.nodes)
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:
             result["overhead"] = measure_overhead(tmp, args.overhead_rounds, args.overhead_steps)
