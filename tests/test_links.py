@@ -98,3 +98,12 @@ def test_the_server_drops_bad_requests_and_serves_on(servers):
             sock.sendall(junk)
             assert sock.recv(1) == b""  # closed without an answer
     assert links.measure(server.address) is not None
+
+
+def test_each_node_tests_the_peers_after_it_so_no_node_serves_them_all():
+    names = [f"node{i}" for i in range(10)]
+    chosen = {n: links.neighbours(n, [p for p in names if p != n]) for n in names}
+    assert chosen["node8"] == ["node9", "node0", "node1", "node2"]
+    served = [sum(n in peers for peers in chosen.values()) for n in names]
+    assert served == [links.LINK_PEERS] * len(names)
+    assert links.neighbours("node0", ["node1"]) == ["node1"]

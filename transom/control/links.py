@@ -4,8 +4,9 @@ Warm-up measures each node's compute (transom.control.preflight); this measures 
 Every agent runs a `LinkServer`, a small TCP service on its node's address, published under
 `links/<node>` with the node's lease. When a node joins (before generation 1, or as a spare that
 may later replace a member) it measures the links to up to LINK_PEERS of the live peers that
-publish one, waiting at most LINK_WAIT_S for the peers it expects: per peer the median round
-trip of LINK_PINGS one-byte pings and the best of LINK_TRIES timed LINK_BYTES transfers. Its
+publish one (those after it in name order, so each node serves about as many tests), waiting
+at most LINK_WAIT_S for the peers it expects: per peer the median round trip of LINK_PINGS
+one-byte pings and the best of LINK_TRIES timed LINK_BYTES transfers. Its
 score is its *best* link (the highest bandwidth, the lowest latency): a node with a bad link is
 slow to every peer, while a good node has at least one good link even when a bad peer is among
 its peers. The controller compares the scores (`link_outliers`, through policy.slow_outliers) and
@@ -179,6 +180,14 @@ def peers(store, node_id: str) -> dict[str, tuple[str, int]]:
     return found
 
 
+def neighbours(node_id: str, peers: list[str]) -> list[str]:
+    """Up to LINK_PEERS peers that follow `node_id` in name order, wrapping around: every node is
+    tested by about LINK_PEERS others, however large the job (not all by the same first few)."""
+    ring = sorted({*peers, node_id}, key=natural_key)
+    at = ring.index(node_id)
+    return [n for n in ring[at + 1 :] + ring[:at]][:LINK_PEERS]
+
+
 def link_test(store, node_id: str, expected_peers: int, delay_s: float = 0.0) -> dict:
     """This node's link evidence for its pre-flight result: {} when there is no peer to test."""
     if expected_peers <= 0:
@@ -188,7 +197,7 @@ def link_test(store, node_id: str, expected_peers: int, delay_s: float = 0.0) ->
     while len(found) < min(expected_peers, LINK_PEERS) and time.monotonic() < deadline:
         time.sleep(0.2)
         found = peers(store, node_id)
-    chosen = sorted(found, key=natural_key)[:LINK_PEERS]
+    chosen = neighbours(node_id, list(found))
     links = {n: m for n in chosen if (m := measure(found[n], delay_s)) is not None}
     if not links:
         return {"links": {}}
