@@ -1,19 +1,23 @@
 """Detection benchmark: how fast the monitor finds injected faults, whom it blames, what it costs.
 
-For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (3 nodes x 1
-worker) and injects --trials faults of that type into it one after another, each at a random
-rank and a random step (seeded); fault types whose answer is an eviction (hang, slow, log) need a
-spare per fault and a job has at most 3, so those run in jobs of 3 faults. Then it reads the
-jobs' event logs:
+For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (--nodes nodes,
+3 by default, x 1 worker) and injects --trials faults of that type into it one after another,
+each at a random rank and a random step (seeded); fault types whose answer is an eviction (hang,
+slow, throttle, log) need a spare per fault and a job has at most as many as nodes, so those run
+in jobs of that many faults. `throttle` slows a rank from outside its process (the agent stops
+and continues it, running 1/--throttle-factor of the time), as CPU throttling or a noisy
+neighbour would; its row also gives the job's slowdown it caused (median step time after the
+fault over before, rank 0's log). Then it reads the jobs' event logs:
   detection latency   fault event -> the first anomaly of the matching type (p50, p95)
-                      (and, for the slow node, in training steps)
+                      (and, for slow, throttle and nan, in training steps)
   attribution         the controller's decision (or diagnosis, for crashes) blames the node the
                       fault was injected on
   precision, recall   decisions that answer an injected fault / all decisions; faults detected
                       within DETECTION_WINDOW_S / faults fired
 A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
-anomaly above info severity, any decision), and a single-process run of train_gpt with the
-monitor on and off (alternating, same steps) gives the step-time overhead of monitoring.
+anomaly above info severity, any decision), and single-process runs of train_gpt with the
+monitor on and off (alternating pairs: benchmarks/monitor_overhead.py) give the step-time
+overhead of monitoring with a 95% confidence interval.
 Without running anything, the log classifier (transom.monitor.patterns) is measured on the
 corpora in tests/data/log_corpus: precision and recall of its hardware classifications
 (`--patterns-only` measures just that).
@@ -43,13 +47,15 @@ import uuid
 from pathlib import Path
 
 from jobs import transom_run
+from monitor_overhead import describe as describe_overhead
+from monitor_overhead import measure as measure_overhead
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
 sys.path.insert(0, str(REPO))
 from transom.common import anomalies  # noqa: E402
-from transom.common import env as env_names  # noqa: E402
+from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
 from transom.monitor import patterns  # noqa: E402
 
@@ -64,8 +70,10 @@ DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
 # detection evicts the node, so that each fault needs a spare.
-FAULTS = ("crash", "hang", "slow", "nan", "log")
-EVICTING = ("hang", "slow", "log")
+FAULTS = ("crash", "hang", "slow", "throttle", "nan", "log")
+EVICTING = ("hang", "slow", "throttle", "log")
+THROTTLE_FACTOR = 2.0  # the throttled rank runs half of the time
+SLOWDOWN_STEPS = 15  # steps before the fault (and after it, to its detection) in its slowdown
 TARGETS = {
     "crash_s": 2.0,
     "hang_floor_s": 10.0,
@@ -88,14 +96,20 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run_job(
-    run_dir: Path, faults: str | None, spares: int, steps: int, extra: list[str]
+    run_dir: Path,
+    faults: str | None,
+    spares: int,
+    steps: int,
+    extra: list[str],
+    nodes: int = NODES,
+    step_delay_s: float = STEP_DELAY_S,
 ) -> list[dict]:
     """Run one job to its end; its events."""
     argv = transom_run(
         run_dir,
         "d-" + uuid.uuid4().hex[:6],
         "--nnodes",
-        str(NODES),
+        str(nodes),
         "--spares",
         str(spares),
         "--max-restarts",
@@ -109,7 +123,7 @@ def run_job(
         "--ckpt-every",
         str(CKPT_EVERY),
         "--step-delay",
-        str(STEP_DELAY_S),
+        str(step_delay_s),
         "--log-every",
         "1",
         *extra,
@@ -136,13 +150,43 @@ def median_step_s(run_dirs: list[Path]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def schedule(kind: str, trials: int, rng: random.Random) -> tuple[str, int]:
+def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
+    """Per fired fault: the job's median step time (rank 0's log) in the SLOWDOWN_STEPS after
+    the fault over the SLOWDOWN_STEPS before it, in the fault's generation."""
+    out = []
+    for f in (e for e in events if e["kind"] == "fault" and e.get("step") is not None):
+        log = rank_log(run_dir, f.get("generation") or 0, 0)
+        if not log.exists():
+            continue
+        points = dict(
+            (int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))
+        )
+        at = f["step"]
+        before = _gaps(points, range(at - SLOWDOWN_STEPS, at))
+        after = _gaps(points, range(at + 2, at + 2 + SLOWDOWN_STEPS))
+        if len(before) >= 5 and len(after) >= 5:
+            out.append(round(statistics.median(after) / statistics.median(before), 3))
+    return out
+
+
+def _gaps(points: dict[int, float], steps: range) -> list[float]:
+    return [points[s] - points[s - 1] for s in steps if s in points and s - 1 in points]
+
+
+def schedule(
+    kind: str,
+    trials: int,
+    rng: random.Random,
+    nodes: int = NODES,
+    throttle_factor: float = THROTTLE_FACTOR,
+) -> tuple[str, int]:
     """A fault spec of `trials` faults of one type at random ranks and steps; the steps to run."""
     items, step = [], FIRST_FAULT_STEP
+    factor = {"slow": ":factor=2", "throttle": f":factor={throttle_factor:g}"}
     for _ in range(trials):
         at = step + rng.randint(0, 9)
-        item = f"{kind}@step={at}:rank={rng.randrange(NODES)}"
-        items.append(item + (":factor=2" if kind == "slow" else ""))
+        item = f"{kind}@step={at}:rank={rng.randrange(nodes)}"
+        items.append(item + factor.get(kind, ""))
         step += FAULT_SPACING_STEPS
     return ",".join(items), step + 15
 
@@ -170,7 +214,7 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         detected += 1
         latencies.append(max(0.0, hits[0]["time"] - f["time"]))
         if (
-            kind in ("slow", "nan")
+            kind in ("slow", "throttle", "nan")
             and hits[0].get("step") is not None
             and f.get("step") is not None
         ):
@@ -206,13 +250,18 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     return out
 
 
-def fault_free(tmp: Path, minutes: float) -> dict:
+def fault_free(tmp: Path, minutes: float, nodes: int = NODES) -> dict:
     """A job without faults, with checkpoints and an evaluation pass every 100 steps."""
     per_step = 0.15  # about, on this machine; the job is sized to last `minutes`
     steps = max(60, int(minutes * 60 / per_step))
     t0 = time.time()
     events = run_job(
-        tmp / "fault-free", None, 0, steps, ["--eval-every", "100", "--eval-batches", "200"]
+        tmp / "fault-free",
+        None,
+        0,
+        steps,
+        ["--eval-every", "100", "--eval-batches", "200"],
+        nodes,
     )
     hours = (time.time() - t0) / 3600
     false = [
@@ -228,84 +277,6 @@ def fault_free(tmp: Path, minutes: float) -> dict:
         "false_positives_per_hour": len(false) / hours if hours else None,
         "examples": [e["message"][:120] for e in false[:5]],
     }
-
-
-def overhead(tmp: Path, steps: int, rounds: int) -> dict:
-    """Step time of a one-process train_gpt with the monitor on (a live NodeMonitor) and off."""
-    from transom.monitor.node import NodeMonitor
-
-    monitor = NodeMonitor("bench")
-    monitor.expect_ranks([0])  # the one rank of generation 0: its datagrams are accepted
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    try:
-        for r in range(rounds):
-            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                env = {
-                    k: v
-                    for k, v in os.environ.items()
-                    if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))
-                }
-                env["OMP_NUM_THREADS"] = "1"
-                if mode == "on":
-                    env[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
-                    env["RANK"] = "0"  # the monitor's datagrams name their rank
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        str(SCRIPT),
-                        "--steps",
-                        str(steps),
-                        "--ckpt-every",
-                        "0",
-                        "--log-every",
-                        "1",
-                    ],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    cwd=tmp,
-                    timeout=600,
-                ).stdout
-                points = [float(t) for _, t in STEP_LINE.findall(out)][
-                    5:
-                ]  # leave out the first steps
-                times[mode].append((points[-1] - points[0]) / (len(points) - 1))
-    finally:
-        monitor.close()
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    call = api_call_s()
-    return {
-        "step_on_s": on,
-        "step_off_s": off,
-        "overhead_x": on / off - 1.0,
-        "rounds": rounds,
-        "steps": steps,
-        "samples_on_s": times["on"],
-        "samples_off_s": times["off"],
-        "api_call_s": call,
-        "api_overhead_x": call / off,
-    }
-
-
-def api_call_s(calls: int = 20000) -> float:
-    """Seconds one step's monitor calls (step, sync section, report) cost, to a live listener."""
-    from transom.monitor import reporter
-    from transom.monitor.node import NodeMonitor
-
-    monitor = NodeMonitor("bench-api")
-    monitor.expect_ranks([0])
-    os.environ[env_names.MONITOR_SOCKET] = str(monitor.socket_path)
-    os.environ["RANK"] = "0"
-    try:
-        t0 = time.perf_counter()
-        for i in range(calls):
-            with reporter.step(i) as s:
-                with s.section("sync"):
-                    pass
-                s.report(loss=1.0, tokens=768)
-        return (time.perf_counter() - t0) / calls
-    finally:
-        monitor.close()
 
 
 def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
@@ -363,9 +334,26 @@ def main() -> int:
         "--overhead-steps", type=int, default=300, help="steps per overhead run (default 300)"
     )
     p.add_argument(
-        "--overhead-rounds", type=int, default=4, help="on/off pairs (default 4; 0 skips)"
+        "--overhead-rounds",
+        type=int,
+        default=20,
+        help="alternating on/off pairs (default 20; 0 skips; see monitor_overhead.py)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=STEP_DELAY_S,
+        help=f"train_gpt's sleep after each step (default {STEP_DELAY_S}; a throttled rank "
+        "stopped while it sleeps loses nothing)",
+    )
+    p.add_argument(
+        "--throttle-factor",
+        type=float,
+        default=THROTTLE_FACTOR,
+        help=f"a throttled rank runs 1/F of the time (default {THROTTLE_FACTOR:g})",
+    )
     p.add_argument(
         "--patterns-only",
         action="store_true",
@@ -385,21 +373,29 @@ def main() -> int:
         tmp = Path(tmp_name)
         for kind in [t for t in args.types.split(",") if t]:
             # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
-            per_job = NODES if kind in EVICTING else args.trials
-            t0, events, dirs = time.time(), [], []
+            per_job = args.nodes if kind in EVICTING else args.trials
+            t0, events, dirs, slowed = time.time(), [], [], []
             for i in range(0, args.trials, per_job):
                 n = min(per_job, args.trials - i)
-                spec, steps = schedule(kind, n, rng)
+                spec, steps = schedule(kind, n, rng, args.nodes, args.throttle_factor)
                 dirs.append(tmp / f"{kind}{i}")
-                events += run_job(dirs[-1], spec, n if kind in EVICTING else 0, steps, [])
+                spares = n if kind in EVICTING else 0
+                job = run_job(dirs[-1], spec, spares, steps, [], args.nodes, args.step_delay)
+                events += job
+                slowed += slowdowns(dirs[-1], job)
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
+            result["transom"][kind]["nodes"] = args.nodes
+            if kind == "throttle" and slowed:
+                result["transom"][kind]["job_slowdown_p50_x"] = statistics.median(slowed)
+                result["transom"][kind]["job_slowdowns_x"] = slowed
+                result["transom"][kind]["throttle_factor"] = args.throttle_factor
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
         if args.fault_free_minutes > 0:
-            result["fault_free"] = fault_free(tmp, args.fault_free_minutes)
+            result["fault_free"] = fault_free(tmp, args.fault_free_minutes, args.nodes)
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:
-            result["overhead"] = overhead(tmp, args.overhead_steps, args.overhead_rounds)
+            result["overhead"] = measure_overhead(tmp, args.overhead_rounds, args.overhead_steps)
             print(f"overhead: {json.dumps(result['overhead'])}", flush=True)
     print_table(result)
     if args.json:
@@ -425,7 +421,7 @@ def print_table(result: dict) -> None:
         if not result["transom"]:
             return
     print(
-        f"\n{'fault':<7} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
+        f"\n{'fault':<8} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
         f"{'right node':>10} "
         f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}"
     )
@@ -437,11 +433,17 @@ def print_table(result: dict) -> None:
             else "-"
         )
         print(
-            f"{kind:<7} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
+            f"{kind:<8} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
             f"{fmt(r['precision']):>9} {fmt(r['attribution']):>10} "
             f"{fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
             f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}"
         )
+    for kind, r in result["transom"].items():
+        if "job_slowdown_p50_x" in r:
+            print(
+                f"{kind} on {r['nodes']} nodes: the rank ran 1/{r['throttle_factor']:g} of the "
+                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median)"
+            )
     if "fault_free" in result:
         f = result["fault_free"]
         print(
@@ -450,13 +452,7 @@ def print_table(result: dict) -> None:
             f"({fmt(f['false_positives_per_hour'], '{:.1f}')} per hour)"
         )
     if "overhead" in result:
-        o = result["overhead"]
-        print(
-            f"monitoring overhead: step {o['step_on_s'] * 1000:.2f} ms on vs "
-            f"{o['step_off_s'] * 1000:.2f} ms off = {o['overhead_x'] * 100:+.2f}% "
-            f"(median of {o['rounds']} runs of {o['steps']} steps each); the calls themselves: "
-            f"{o['api_call_s'] * 1e6:.1f} us a step = {o['api_overhead_x'] * 100:.3f}%"
-        )
+        print(describe_overhead(result["overhead"]))
 
 
 if __name__ == "__main__":

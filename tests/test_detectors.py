@@ -50,12 +50,6 @@ def test_loss_spike_needs_a_window_and_a_large_jump():
     assert spike.type == "loss_spike" and spike.severity == "warning"
 
 
-def test_throughput_drop_compares_with_the_generations_baseline():
-    assert detectors.throughput_drop("n", [0.1] * 20, [0.12] * 10) is None
-    drop = detectors.throughput_drop("n", [0.1] * 20, [0.3] * 10)
-    assert drop.type == "throughput_drop" and drop.evidence["recent_step_s"] == 0.3
-
-
 def test_telemetry_gap_is_quick_for_a_stopped_process_and_patient_otherwise():
     assert detectors.telemetry_gap("n", 1, 3.5, "stopped").type == "telemetry_gap"
     assert detectors.telemetry_gap("n", 1, 3.5, "running") is None  # e.g. tearing down at exit
@@ -130,44 +124,6 @@ def test_rank_views_add_the_publication_lag_to_ages():
     summaries = {n: MonitorSummary.from_dict(s) for n, s in summaries.items()}
     views = detectors.rank_views(summaries, 2, now=102.0)
     assert len(views) == 1 and views[0]["step_age"] == 3.0 and views[0]["beat_age"] == 2.5
-
-
-# -- straggler ------------------------------------------------------------------------------------
-
-
-def test_straggler_found_by_compute_time_not_step_time():
-    views = [
-        view("node0", 0, 40, compute_s=0.10),
-        view("node1", 1, 40, compute_s=0.11),
-        view("node2", 2, 40, compute_s=0.21),
-        view("node3", 3, 40, compute_s=0.10),
-    ]
-    node, rank, evidence = detectors.straggler_candidate(views)
-    assert (node, rank) == ("node2", 2) and evidence["ratio_x"] > 1.9
-    noisy = [
-        view("node0", 0, 40, compute_s=0.10),
-        view("node1", 1, 40, compute_s=0.12),
-        view("node2", 2, 40, compute_s=0.13),
-    ]
-    assert detectors.straggler_candidate(noisy) is None
-
-
-def test_straggler_needs_three_nodes_and_confirmation():
-    two = [view("node0", 0, 40, compute_s=0.1), view("node1", 1, 40, compute_s=0.3)]
-    assert detectors.straggler_candidate(two) is None
-    tracker = detectors.StragglerTracker()
-
-    def slow(step):
-        return [
-            view("node0", 0, step, compute_s=0.1),
-            view("node1", 1, step, compute_s=0.1),
-            view("node2", 2, step, compute_s=0.3),
-        ]
-
-    assert tracker.update(slow(40)) is None
-    assert tracker.update(slow(40)) is None  # no fresh samples: not a confirmation
-    a = tracker.update(slow(45))
-    assert a.type == "straggler" and a.nodes == ["node2"]
 
 
 # -- logs and GPUs --------------------------------------------------------------------------------

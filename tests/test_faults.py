@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from transom.common import anomalies, keys
@@ -25,6 +29,7 @@ from transom.faults import (
     parse_schedule,
     parse_worker_faults,
 )
+from transom.faults.throttle import throttle
 from transom.monitor import patterns
 
 
@@ -55,7 +60,8 @@ def test_the_table_names_a_place_and_detectors_for_every_fault_type():
     assert DETECTORS["crash"] == ("crash",) and DETECTORS["hang"] == ("hang",)
     assert DETECTORS["slow"] == ("straggler",) and DETECTORS["nan"] == ("nan",)
     assert DETECTORS["kill"] == (NODE_LOST,)
-    assert set(AGENT_FAULTS) == {"crash", "hang", "log", "kill"}
+    assert set(AGENT_FAULTS) == {"crash", "hang", "log", "kill", "throttle"}
+    assert DETECTORS["throttle"] == ("straggler",)
     assert set(WORKER_FAULTS) == {"slow", "nan"}
     assert RANDOM_TYPES == ("crash", "hang", "slow", "nan", "log")  # the seeded draw's order
 
@@ -219,3 +225,44 @@ def test_a_new_fault_type_is_one_class_and_one_registration(monkeypatch, tmp_pat
     FaultInjector(store, "node0", schedule).on_agent_tick({0: 2}, {0: 42}, {0: tmp_path / "r0"})
     assert (tmp_path / "touched").read_text() == "42"
     assert store.events()[0]["fault"] == "touch"
+
+
+def test_throttle_stops_and_continues_the_worker_from_outside_until_it_exits():
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        thread = throttle(child.pid, run_fraction=0.5, period_s=0.05)
+        states = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            states.append(psutil.Process(child.pid).status())
+            time.sleep(0.005)
+        stopped = states.count(psutil.STATUS_STOPPED) / len(states)
+        assert 0.25 < stopped < 0.75, stopped  # stopped about half of the time
+    finally:
+        child.kill()
+        child.wait()
+    thread.join(timeout=2.0)
+    assert not thread.is_alive()  # the process is gone: the throttle ended
+
+
+def test_throttle_fires_once_at_its_step_on_the_target_rank(tmp_path):
+    store = DictStore()
+    injector = FaultInjector(store, "node0", parse_schedule("throttle@step=3:rank=1:factor=3", 2))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        injector.on_agent_tick({1: 2}, {1: child.pid}, {1: tmp_path / "log"})
+        assert store.events() == []
+        injector.on_agent_tick({1: 3}, {1: child.pid}, {1: tmp_path / "log"})
+        assert [e["fault"] for e in store.events()] == ["throttle"]
+        assert "runs 1/3 of the time" in store.events()[0]["message"]
+
+        def status() -> str:
+            return psutil.Process(child.pid).status()
+
+        deadline = time.monotonic() + 2.0
+        while status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert status() == psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()

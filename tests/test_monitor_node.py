@@ -56,11 +56,14 @@ def test_steps_sections_and_heartbeats_reach_the_agent(node):
             with s.section("sync"):
                 time.sleep(0.008)
             s.report(loss=2.0, tokens=100)
+        time.sleep(0.003)  # between steps: counts as busy (the peers would wait), not as wait
     wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 7, 5, "the last step to arrive")
     summary, events = published(node)
     r = summary["ranks"]["3"]
     assert events == [] and summary["anomalies"] == []
     assert r["step_s"] >= 0.012 and 0.004 <= r["compute_s"] < r["step_s"] - 0.006  # sync kept apart
+    assert 0.008 <= r["wait_s"] < r["step_s"]
+    assert r["busy_s"] >= r["compute_s"] + 0.003  # the end of a step to the next's, less the wait
     assert r["tokens_per_s"] > 0
     wait_for(
         lambda: published(node)[0]["ranks"]["3"]["beat_age"] < reporter.HEARTBEAT_S * 1.5,

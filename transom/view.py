@@ -45,6 +45,7 @@ def snapshot(store: Store) -> dict:
         "nodes": store.get_prefix(keys.NODES),
         "statuses": store.get_prefix(keys.STATUS),
         "monitor": store.get_prefix(keys.MONITOR),
+        "preflight": store.get_prefix(keys.PREFLIGHT),
         "exporter": store.get(keys.EXPORTER),
         "time": time.time(),
     }
@@ -136,6 +137,7 @@ def node_rows(snap: dict) -> list[dict]:
                 "generation": status.generation if status else None,
                 "step": status.step if status else None,
                 **monitor_columns(summaries.get(name), job.generation if job else None),
+                "link_mbps": ((snap.get("preflight") or {}).get(name) or {}).get("link_mbps"),
             }
         )
     return rows
@@ -219,6 +221,7 @@ def render_status(summary: dict) -> Group:
         "step_s",
         "compute_s",
         "tok/s",
+        "link MB/s",
         "anomalies",
     ):
         if column == "health":
@@ -241,6 +244,7 @@ def render_status(summary: dict) -> Group:
             show(r.get("step_s"), "{:.3f}"),
             show(r.get("compute_s"), "{:.3f}"),
             show(r.get("tokens_per_s"), "{:.0f}"),
+            show(r.get("link_mbps"), "{:.0f}"),  # the pre-flight link test's best link
             ", ".join(r.get("anomalies", [])) or "-",
         )
     parts: list[Text | Table] = [head, table]

@@ -11,7 +11,8 @@ with string literals of its own.
   master/<gen>      the master address and port chosen by the master node's agent
   events/<seq>      the decision log, one event per key, in time order
   monitor/<node>    the agent's monitor summary: per-rank step, ages, timings; its anomalies
-  preflight/<node>  the node's pre-flight result (checks, compute benchmark score)
+  preflight/<node>  the node's pre-flight result (checks, compute benchmark score, link scores)
+  links/<node>      the address of the node's link-test server, under its lease
   faults/fired/<id> injected faults that already fired (each fires once per job)
   exporter          the leading controller's Prometheus endpoint
   ckpt/secret       the checkpoint peers' shared secret
@@ -33,6 +34,7 @@ NODES = "nodes/"
 STATUS = "status/"
 MONITOR = "monitor/"
 PREFLIGHT = "preflight/"
+LINKS = "links/"
 MASTER = "master/"
 EVENTS = "events/"
 FAULTS_FIRED = "faults/fired/"
@@ -56,6 +58,10 @@ def monitor(node_id: str) -> str:
 
 def preflight(node_id: str) -> str:
     return PREFLIGHT + node_id
+
+
+def link(node_id: str) -> str:
+    return LINKS + node_id
 
 
 def master(generation: int) -> str:

@@ -195,6 +195,8 @@ class RankSummary(Record):
     beat_age: float | None = None
     step_s: float | None = None
     compute_s: float | None = None
+    wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
+    busy_s: float | None = None  # median time between steps' ends less the wait (monitor.waiting)
     tokens_per_s: float | None = None
 
 

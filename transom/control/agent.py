@@ -24,13 +24,10 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from transom.common import env, files, keys
 from transom.common.records import (
-    Event,
-    EventKind,
     MasterAddress,
     NodeRegistration,
     NodeStatus,
@@ -40,9 +37,11 @@ from transom.common.records import (
 )
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
+from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
+from transom.control.leaving import close_all, deregister
 from transom.control.outage import StoreLink, fence_reason, stall_bound, until_reached
-from transom.control.preflight import preflight
+from transom.control.preflight import joining_checks
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
@@ -93,6 +92,7 @@ class NodeAgent:
         self._waiting_to_rejoin = False
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
+        self.link_server: links.LinkServer | None = None  # peers' pre-flight link tests
         self.torch_store: TorchStore | None = None  # while this node is a generation's master
 
     # -- registration -------------------------------------------------------------------------
@@ -212,40 +212,24 @@ class NodeAgent:
     def _close(self) -> None:
         """Stop everything this agent started; each step runs even if an earlier one failed."""
         self.stopping.set()
-        steps: list[tuple[str, Callable[[], None]]] = [
+        close_all(
             ("stop the workers", self._stop_group),
             ("stop the checkpoint server", lambda: self.ckpt.stop() if self.ckpt else None),
             ("close the warm pool", lambda: self.warm.close() if self.warm else None),
             ("close the monitor", lambda: self.monitor.close() if self.monitor else None),
+            ("close the link-test port", self._close_link_server),
             ("deregister", self._deregister),
-        ]
-        for what, step in steps:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - the other steps must still run
-                log.warning("shutdown: cannot %s: %s", what, e)
+        )
+
+    def _close_link_server(self) -> None:
+        if self.link_server is not None:
+            self.link_server.close()
 
     def _deregister(self) -> None:
-        """Revoke the lease (its node key goes with it); on SIGTERM say why in the event log.
-
-        Not during an outage: each call would wait out the store's deadline, and the lease
+        """Not during an outage: each call would wait out the store's deadline, and the lease
         expires by itself within the TTL (a scheduler's grace period is 30 s)."""
-        if self.link.in_outage:
-            return
-        if self.terminated:
-            now = time.time()
-            event = Event(
-                now, EventKind.WARNING, f"{self.node_id} left the job: SIGTERM", writer=self.node_id
-            )
-            try:
-                self.store.put(keys.event(now, f"{self.node_id}-leave"), event.to_dict())
-            except StoreError:
-                pass
-        if self.lease is not None:
-            try:
-                self.store.revoke(self.lease)
-            except StoreError:
-                pass  # the lease expires by itself within the TTL
+        if not self.link.in_outage:
+            deregister(self.store, self.node_id, self.lease, self.terminated)
             self.lease = None
 
     # -- main loop ----------------------------------------------------------------------------
@@ -368,8 +352,17 @@ class NodeAgent:
         """Check this node once, when it joins; publish the result for the controller to compare."""
         assert self.spec is not None and self.faults is not None
         if self.preflight_result is None:
-            slowdown = self.faults.on_preflight()  # 1.0 unless a slow_preflight fault aims here
-            self.preflight_result = preflight(self.run_dir, self.spec.script, slowdown)
+            if self.link_server is None:
+                self.link_server = links.LinkServer(self.host, self.faults.link_delay_s)
+            self.preflight_result = joining_checks(
+                self.store,
+                self.node_id,
+                self.lease,
+                self.link_server,
+                self.spec,
+                self.run_dir,
+                self.faults,
+            )
         passed, evidence = self.preflight_result
         result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
         self.store.put(keys.preflight(self.node_id), result.to_dict())

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transom.common.records import Anomaly, NodeStatus, PreflightResult, Severity
+from transom.control.links import link_outliers
 
 
 @dataclass
@@ -190,17 +191,19 @@ PREFLIGHT_MIN_NODES = 3
 
 
 def slow_outliers(results: dict[str, PreflightResult]) -> dict[str, str]:
-    """Nodes far below their peers in the pre-flight compute benchmark -> why to exclude them."""
+    """Nodes far below their peers in the pre-flight compute benchmark or link test (links.py)
+    -> why to exclude them."""
+    slow_links = link_outliers({n: r.extra for n, r in results.items()})
     scores = {n: r.compute_gflops for n, r in results.items() if r.compute_gflops}
     if len(scores) < PREFLIGHT_MIN_NODES:
-        return {}
+        return slow_links
     ordered = sorted(scores.values())
     median = (
         ordered[len(ordered) // 2]
         if len(ordered) % 2
         else sum(ordered[len(ordered) // 2 - 1 :][:2]) / 2
     )
-    return {
+    return slow_links | {
         n: (
             f"pre-flight compute benchmark {s:.1f} GFLOP/s is {s / median:.2f}x its peers' median "
             f"{median:.1f} GFLOP/s (below {PREFLIGHT_SLOW_RATIO}x)"

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from transom.control import links
+
 MIN_FREE_DISK_BYTES = 256 << 20
 MIN_FREE_MEMORY_BYTES = 256 << 20
 BENCH_MATRIX = 256
@@ -112,3 +114,16 @@ def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, 
         problems.append(f"script {script} is not readable on this node")
     evidence["problems"] = problems
     return not problems, evidence
+
+
+def joining_checks(
+    store, node_id: str, lease, link_server: links.LinkServer, spec, run_dir: Path, faults
+) -> tuple[bool, dict]:
+    """Everything a joining node measures: its own checks and compute score (slowed only by an
+    injected `slow_preflight` fault), then its links to live peers; its own link-test port is
+    published first, so that peers joining later can test it too."""
+    links.publish(store, node_id, link_server, lease)
+    passed, found = preflight(run_dir, spec.script, faults.on_preflight())
+    peers = spec.nnodes_max + spec.spares - 1
+    found.update(links.link_test(store, node_id, peers, faults.link_delay_s))
+    return passed, found

@@ -4,7 +4,9 @@ Layout:
   base.py            what a fault type is (FaultType, Fault) and where faults apply
   agent_side.py      crash, hang, log, kill: the node agent applies them
   worker_side.py     slow, nan: the worker applies them through the monitor API
-  preflight_side.py  slow_preflight: a node whose pre-flight compute benchmark is slow
+  preflight_side.py  slow_preflight, slow_link: a node whose pre-flight compute benchmark or
+                     link test is slow
+  throttle.py        throttle: the agent stops and continues a worker with a duty cycle
   registry.py        FAULT_TYPES (name -> type) and DETECTORS (fault type -> anomaly types)
   schedule.py        parsing and validating `--faults`, random schedules
   injector.py        the agent's hooks (FaultInjector)

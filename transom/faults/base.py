@@ -90,6 +90,10 @@ class FaultType:
         """PREFLIGHT types: how many times slower the node's compute benchmark runs."""
         return 1.0
 
+    def preflight_link_delay_s(self, fault: Fault) -> float:
+        """PREFLIGHT types: the delay added to each of the node's link-test sends."""
+        return 0.0
+
     def describe(self, fault: Fault) -> str:
         return self.description
 

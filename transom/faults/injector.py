@@ -2,6 +2,7 @@
 
     injector = FaultInjector(store, node_id, spec.faults)
     slowdown = injector.on_preflight()                            # when the node joins
+    injector.link_delay_s                                           # set by on_preflight
     env[FAULTS] = injector.on_generation(generation, local_ranks)   # when workers start
     injector.on_agent_tick(steps, pids, log_paths)                  # every agent tick
     injector.on_worker_fired(fault, rank, step, when)               # a worker says it fired one
@@ -34,6 +35,7 @@ class FaultInjector:
         self.generation = 0
         self.schedule = [from_dict(f) for f in schedule]
         self.fired: set[str] = set()
+        self.link_delay_s = 0.0  # each pre-flight link-test send waits this long (slow_link)
 
     def _where(self, fault: Fault) -> str:
         return FAULT_TYPES[fault.type].where
@@ -59,6 +61,9 @@ class FaultInjector:
                 and self._record(f, None, None)
             ):
                 slowdown = max(slowdown, FAULT_TYPES[f.type].preflight_slowdown(f))
+                self.link_delay_s = max(
+                    self.link_delay_s, FAULT_TYPES[f.type].preflight_link_delay_s(f)
+                )
         return slowdown
 
     def on_generation(self, generation: int, local_ranks: list[int]) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from transom.faults.agent_side import Crash, Hang, Kill, LogLine
 from transom.faults.base import AGENT, PREFLIGHT, WORKER, FaultType
-from transom.faults.preflight_side import SlowPreflight
+from transom.faults.preflight_side import SlowLink, SlowPreflight
+from transom.faults.throttle import Throttle
 from transom.faults.worker_side import Nan, Slow
 
 # The order matters: `random` schedules draw from the in_random types in this order.
@@ -24,6 +25,8 @@ FAULT_TYPES: dict[str, FaultType] = {
         LogLine(),
         Kill(),
         SlowPreflight(),
+        SlowLink(),
+        Throttle(),
     )
 }
 

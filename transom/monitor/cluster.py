@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from transom.common.records import Anomaly
-from transom.monitor import detectors
+from transom.monitor import detectors, waiting
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,30 @@ class HangDetector:
 
 
 class StragglerDetector:
-    """A node slower than its peers in consecutive fresh evaluations (`StragglerTracker`)."""
+    """The node the others wait for, in most recent fresh evaluations (`StragglerTracker`)."""
 
     def __init__(self) -> None:
-        self.tracker = detectors.StragglerTracker()
+        self.tracker = waiting.StragglerTracker()
 
     def update(self, view: ClusterView) -> Anomaly | None:
-        return self.tracker.update(view.ranks)
+        return None if view.finishing else self.tracker.update(view.ranks)
 
 
-REGISTERED: list[Callable[[], ClusterDetector]] = [HangDetector, StragglerDetector]
+class ThroughputDetector:
+    """The job's step time doubled: blamed on the node waited for, else job-wide."""
+
+    def __init__(self) -> None:
+        self.tracker = waiting.ThroughputTracker()
+
+    def update(self, view: ClusterView) -> Anomaly | None:
+        return None if view.finishing else self.tracker.update(view.ranks)
+
+
+REGISTERED: list[Callable[[], ClusterDetector]] = [
+    HangDetector,
+    StragglerDetector,
+    ThroughputDetector,
+]
 
 
 def fresh() -> list[ClusterDetector]:

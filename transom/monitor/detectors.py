@@ -1,8 +1,9 @@
 """Detectors: pure functions (and two small stateful trackers) that turn signals into anomalies.
 
-Per-rank detectors (numerics, throughput, log lines, telemetry gaps) run in the node agent next
-to the raw samples; cross-node detectors (hang, straggler) run in the controller on the compact
-per-node summaries the agents publish (see transom.monitor.node). Every detector returns an
+Per-rank detectors (numerics, log lines, telemetry gaps) run in the node agent next to the raw
+samples; cross-node detectors (hang here; straggler and throughput drop in
+transom.monitor.waiting) run in the controller on the compact per-node summaries the agents
+publish (see transom.monitor.node). Every detector returns an
 `Anomaly` naming the node(s) and rank(s) to suspect and the evidence. Detectors never act:
 what to do about an anomaly is transom.control.policy's decision.
 """
@@ -31,14 +32,6 @@ LOSS_WINDOW = 50
 LOSS_MIN_SAMPLES = 20
 LOSS_SPIKE_MADS = 10.0
 LOSS_SPIKE_RATIO = 2.0
-# Throughput drop: recent median step time above THROUGHPUT_DROP_RATIO x the baseline median.
-THROUGHPUT_DROP_RATIO = 2.0
-# Straggler: a node's compute time above the nodes' median by STRAGGLER_MADS robust deviations
-# and by at least STRAGGLER_MIN_EXCESS (relative), in STRAGGLER_CONFIRMATIONS evaluations in a row.
-STRAGGLER_MIN_NODES = 3
-STRAGGLER_MADS = 5.0
-STRAGGLER_MIN_EXCESS = 0.4
-STRAGGLER_CONFIRMATIONS = 2
 MAD_TO_SIGMA = 1.4826
 
 
@@ -105,24 +98,6 @@ def numerics(
                 {"loss": loss, "median": m, "mad": mad},
                 step=step,
             )
-    return None
-
-
-def throughput_drop(node: str, baseline_s: list[float], recent_s: list[float]) -> Anomaly | None:
-    """Recent step times well above this generation's baseline."""
-    if len(baseline_s) < 5 or len(recent_s) < 5:
-        return None
-    base, now = statistics.median(baseline_s), statistics.median(recent_s)
-    if base > 0 and now > THROUGHPUT_DROP_RATIO * base:
-        return Anomaly(
-            "throughput_drop",
-            Severity.WARNING,
-            f"{node}: median step time {now:.3f} s, "
-            f"{now / base:.1f}x the generation's baseline {base:.3f} s",
-            [node],
-            [],
-            {"baseline_step_s": base, "recent_step_s": now},
-        )
     return None
 
 
@@ -229,71 +204,3 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
         },
         step=newest,
     )
-
-
-def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
-    """The node whose slowest rank's compute time stands out from the other nodes' (median/MAD)."""
-    per_node: dict[str, tuple[float, int]] = {}
-    for v in views:
-        c = v.get("compute_s")
-        if c is None:
-            continue
-        if v["node"] not in per_node or c > per_node[v["node"]][0]:
-            per_node[v["node"]] = (c, v["rank"])
-    if len(per_node) < STRAGGLER_MIN_NODES:
-        return None
-    values = [c for c, _ in per_node.values()]
-    m, mad = median_mad(values)
-    threshold = m + max(STRAGGLER_MADS * MAD_TO_SIGMA * mad, STRAGGLER_MIN_EXCESS * m)
-    worst = max(per_node, key=lambda n: per_node[n][0])
-    value, rank = per_node[worst]
-    if value <= threshold:
-        return None
-    return (
-        worst,
-        rank,
-        {
-            "compute_s": round(value, 4),
-            "peer_median_s": round(m, 4),
-            "mad_s": round(mad, 4),
-            "threshold_s": round(threshold, 4),
-            "ratio_x": round(value / m, 2) if m else None,
-            "nodes": {n: round(c, 4) for n, (c, _) in per_node.items()},
-        },
-    )
-
-
-class StragglerTracker:
-    """Raises a straggler only when the same node stands out in consecutive fresh evaluations."""
-
-    def __init__(self, confirmations: int = STRAGGLER_CONFIRMATIONS):
-        self.confirmations = confirmations
-        self.node: str | None = None
-        self.count = 0
-        self.last_key: tuple | None = None
-
-    def update(self, views: list[dict]) -> Anomaly | None:
-        key = tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))
-        if key == self.last_key:
-            return None  # no new samples since the last evaluation
-        self.last_key = key
-        found = straggler_candidate(views)
-        if found is None:
-            self.node, self.count = None, 0
-            return None
-        node, rank, evidence = found
-        self.count = self.count + 1 if node == self.node else 1
-        self.node = node
-        if self.count < self.confirmations:
-            return None
-        step = max((v["step"] for v in views if v.get("step") is not None), default=None)
-        return Anomaly(
-            "straggler",
-            Severity.WARNING,
-            f"{node} (rank {rank}) computes {evidence['ratio_x']}x slower "
-            f"than its peers' median ({evidence['compute_s']} s vs {evidence['peer_median_s']} s)",
-            [node],
-            [rank],
-            evidence,
-            step=step,
-        )

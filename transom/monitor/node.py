@@ -12,7 +12,8 @@ The agent calls `tick()` every loop: it scans new worker log lines against the f
 patterns, checks heartbeats and GPUs, writes an `anomaly` event for each new anomaly, and
 publishes a compact summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S, at once when
 there is a new anomaly): per rank the newest step, the ages of the last step and heartbeat, the
-phase, and median step and compute times. The controller compares nodes from these summaries.
+phase, and median step, compute and wait (sync section) times. The controller compares nodes
+from these summaries (who the others wait for: transom.monitor.waiting).
 
 This module never stops or restarts anything: it reports, the controller decides.
 """
@@ -40,8 +41,6 @@ HARDWARE_PERIOD_S = 5.0
 WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
 TIMING_WINDOW = 8  # comparable steps in a rank's compute-time median
 MIN_TIMING_SAMPLES = 5
-BASELINE_STEPS = 20  # steps of a generation that set its throughput baseline
-RECENT_STEPS = 10
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
@@ -77,9 +76,12 @@ class RankTrack:
         self.phase: str | None = None
         self.durations: deque[float] = deque(maxlen=TIMING_WINDOW)
         self.computes: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
+        # Time between the ends of consecutive steps less the wait: compute and anything the rank
+        # did (or was stopped in) between steps; its peers wait for this much.
+        self.busies: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.sent_at: float | None = None  # the sender's time of the last step datagram
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
-        self.baseline: list[float] = []
-        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.tokens_per_s: float | None = None
         self.gap_raised = False
 
@@ -90,11 +92,9 @@ class RankTrack:
             step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
             beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
             step_s=round(statistics.median(self.durations), 5) if self.durations else None,
-            compute_s=(
-                round(statistics.median(self.computes), 5)
-                if len(self.computes) >= MIN_TIMING_SAMPLES
-                else None
-            ),
+            compute_s=_median(self.computes),
+            wait_s=_median(self.waits),
+            busy_s=_median(self.busies),
             tokens_per_s=self.tokens_per_s,
         )
 
@@ -125,7 +125,6 @@ class NodeMonitor:
         self._hardware_at = 0.0
         self._gpus: list[dict] = []
         self._host: dict = {}
-        self._throughput_raised = False
         self._seq = 0
         self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
         self.listener.start()
@@ -198,12 +197,13 @@ class NodeMonitor:
                 when = d.t if d.t is not None else time.time()
                 self.fired_faults.append((v["fault"], d.rank, v.get("step"), when))
         elif d.kind == "step":
-            self._step(d.rank, r, v, now)
+            self._step(d.rank, r, v, now, d.t)
 
-    def _step(self, rank: int, r: RankTrack, m: dict, now: float) -> None:
+    def _step(self, rank: int, r: RankTrack, m: dict, now: float, sent: float | None) -> None:
         """A step datagram's values (checked: see transom.monitor.datagram.SCHEMA["step"])."""
         step = m["step"]
-        r.step, r.step_at = step, now
+        previous, previous_sent = r.step, r.sent_at
+        r.step, r.step_at, r.sent_at = step, now, sent
         if r.first_step is None:
             r.first_step = step
         loss = m.get("loss")
@@ -218,17 +218,16 @@ class NodeMonitor:
         r.durations.append(duration)
         compute = m.get("compute")
         r.computes.append(duration if compute is None else compute)
+        comm = m.get("comm")
+        wait = comm if comm is not None else duration - r.computes[-1]
+        r.waits.append(wait)
+        if previous == step - 1 and sent is not None and previous_sent is not None:
+            cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
+            if 0.0 <= cycle <= datagram.MAX_SECONDS:
+                r.busies.append(max(0.0, cycle - wait))
         if m.get("tokens"):
             rate = m["tokens"] / duration if duration > 0 else math.inf
             r.tokens_per_s = round(rate, 1) if math.isfinite(rate) else None
-        (r.baseline if len(r.baseline) < BASELINE_STEPS else r.recent).append(duration)
-        drop = detectors.throughput_drop(self.node_id, r.baseline, list(r.recent))
-        if drop is not None and not self._throughput_raised:
-            drop.ranks = [rank]
-            self._pending.append(drop)
-        self._throughput_raised = drop is not None or (
-            self._throughput_raised and len(r.recent) < RECENT_STEPS
-        )
 
     # -- the agent's side ---------------------------------------------------------------------
     def new_generation(self, generation: int) -> None:
@@ -239,7 +238,6 @@ class NodeMonitor:
             self.ranks.clear()
             self.anomalies = []
             self._pending.clear()
-            self._throughput_raised = False
 
     def expect_ranks(self, ranks: list[int]) -> None:
         """This node's global ranks in the current generation: datagrams of others are dropped."""
@@ -340,6 +338,10 @@ class NodeMonitor:
     def close(self) -> None:
         self._stop.set()
         self.channel.close()
+
+
+def _median(values: deque[float]) -> float | None:
+    return round(statistics.median(values), 5) if len(values) >= MIN_TIMING_SAMPLES else None
 
 
 def _process_state(pid: int) -> str | None:

@@ -1,0 +1,109 @@
+"""The pre-flight link test (transom.control.links): real TCP on loopback, a dict for etcd."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from transom.common import keys
+from transom.common.records import PreflightResult
+from transom.control import links
+from transom.control.policy import slow_outliers
+
+HOST = "127.0.0.1"
+DELAY_S = 0.005  # what `slow_link@node=N:factor=5` adds to each send
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def put(self, key: str, value, lease=None) -> None:
+        self.data[key] = value
+
+    def get_prefix(self, prefix: str) -> dict:
+        return {k[len(prefix) :]: v for k, v in self.data.items() if k.startswith(prefix)}
+
+
+@pytest.fixture
+def servers():
+    made: list[links.LinkServer] = []
+
+    def make(delay_s: float = 0.0) -> links.LinkServer:
+        made.append(links.LinkServer(HOST, delay_s))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_link_is_measured_and_a_slow_one_shows(servers):
+    fast = links.measure(servers().address)
+    slow = links.measure(servers(DELAY_S).address)
+    assert fast is not None and slow is not None
+    assert slow["latency_ms"] >= DELAY_S * 1000 > fast["latency_ms"]
+    assert fast["mbps"] > 5 * slow["mbps"]
+
+
+def test_a_node_with_a_slow_link_is_excluded_and_no_other(servers):
+    store = DictStore()
+    delays = {"node0": 0.0, "node1": 0.0, "node2": DELAY_S, "node3": 0.0}
+    for node, delay in delays.items():
+        store.put(keys.node(node), {})
+        links.publish(store, node, servers(delay))
+    results = {
+        node: PreflightResult(
+            passed=True, compute_gflops=10.0, extra=links.link_test(store, node, 3, delay)
+        )
+        for node, delay in delays.items()
+    }
+    assert set(results["node0"].extra["links"]) == {"node1", "node2", "node3"}
+    excluded = slow_outliers(results)
+    assert list(excluded) == ["node2"] and "pre-flight link test" in excluded["node2"]
+
+
+def test_two_nodes_cannot_tell_whose_link_is_slow():
+    scores = {"a": {"link_mbps": 1000.0}, "b": {"link_mbps": 10.0}}
+    assert links.link_outliers(scores) == {}
+    scores["c"] = {"link_mbps": 900.0, "link_latency_ms": 0.1}
+    assert list(links.link_outliers(scores)) == ["b"]
+    latency = {n: {"link_latency_ms": ms} for n, ms in {"a": 0.1, "b": 0.2, "c": 9.0}.items()}
+    assert list(links.link_outliers(latency)) == ["c"]
+    assert (
+        links.link_outliers({n: {"link_latency_ms": 0.1 * (i + 1)} for i, n in enumerate("abc")})
+        == {}
+    )
+
+
+def test_no_peer_no_test_and_gone_or_bogus_peers_are_left_out(servers):
+    store = DictStore()
+    assert links.link_test(store, "node0", 0) == {}
+    store.put(keys.node("node0"), {})
+    store.put(keys.node("node1"), {})
+    store.put(keys.node("node2"), {})
+    gone = servers()
+    links.publish(store, "node1", gone)
+    gone.close()
+    store.put(keys.link("node2"), {"host": HOST, "port": "not a port"})
+    store.put(keys.link("node9"), {"host": HOST, "port": 1})  # not a live node
+    assert links.link_test(store, "node0", 1) == {"links": {}}
+
+
+def test_the_server_drops_bad_requests_and_serves_on(servers):
+    server = servers()
+    for junk in (b"X", links.BULK + links._LENGTH.pack(links.LINK_MAX_BYTES + 1)):
+        with socket.create_connection(server.address, timeout=2) as sock:
+            sock.sendall(junk)
+            assert sock.recv(1) == b""  # closed without an answer
+    assert links.measure(server.address) is not None
+
+
+def test_each_node_tests_the_peers_after_it_so_no_node_serves_them_all():
+    names = [f"node{i}" for i in range(10)]
+    chosen = {n: links.neighbours(n, [p for p in names if p != n]) for n in names}
+    assert chosen["node8"] == ["node9", "node0", "node1", "node2"]
+    served = [sum(n in peers for peers in chosen.values()) for n in names]
+    assert served == [links.LINK_PEERS] * len(names)
+    assert links.neighbours("node0", ["node1"]) == ["node1"]

@@ -1,0 +1,199 @@
+"""Straggler attribution by waiting and the job's throughput drop, on synthetic step series.
+
+A small simulator plays a synchronous data-parallel job: every step each rank computes, then
+waits in the all-reduce until the last rank arrives; a rank may also stall between steps (outside
+its step timer) or inside the collective. The agent's medians over a window of steps
+(transom.monitor.node) become the views the controller's detectors see.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+
+from transom.monitor import node, waiting
+
+COMPUTE_S = 0.10
+COMM_S = 0.02
+
+
+def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=2, job_factor=1.0):
+    """Yield the views of a job of `nodes` nodes (one rank each) every `every` steps (the
+    controller looks often; the tracker counts evaluations STRAGGLER_EVALUATION_STEPS apart).
+
+    `slow(step, rank, rng)` -> (extra compute, extra stall before the step, extra in the
+    collective) seconds for that rank at that step.
+    """
+    rng = random.Random(seed)
+    windows = {
+        r: {k: deque(maxlen=node.TIMING_WINDOW) for k in ("dur", "compute", "wait", "busy")}
+        for r in range(nodes)
+    }
+    clock = 0.0
+    for step in range(1, steps + 1):
+        starts, arrivals, extra_comm = {}, {}, 0.0
+        for r in range(nodes):
+            compute = COMPUTE_S * job_factor * (1 + noise * rng.uniform(-1, 1))
+            if noise and rng.random() < 0.05:
+                compute *= 2  # an occasional hiccup on a shared machine
+            stall = 0.0
+            if slow is not None:
+                c, stall, comm = slow(step, r, rng)
+                compute += c
+                extra_comm += comm
+            starts[r] = clock + stall
+            arrivals[r] = starts[r] + compute
+        end = max(arrivals.values()) + COMM_S * job_factor + extra_comm
+        for r in range(nodes):
+            w = windows[r]
+            w["dur"].append(end - starts[r])
+            w["compute"].append(arrivals[r] - starts[r])
+            w["wait"].append(end - arrivals[r])
+            w["busy"].append(end - clock - (end - arrivals[r]))  # the cycle less the wait
+        clock = end
+        if step % every == 0 and step >= node.MIN_TIMING_SAMPLES:
+            yield (
+                step,
+                [
+                    {
+                        "node": f"node{r}",
+                        "rank": r,
+                        "step": step,
+                        "step_s": statistics.median(windows[r]["dur"]),
+                        "compute_s": statistics.median(windows[r]["compute"]),
+                        "wait_s": statistics.median(windows[r]["wait"]),
+                        "busy_s": statistics.median(windows[r]["busy"]),
+                    }
+                    for r in range(nodes)
+                ],
+            )
+
+
+def first_straggler(series):
+    tracker = waiting.StragglerTracker()
+    for step, views in series:
+        found = tracker.update(views)
+        if found is not None:
+            return step, found
+    return None, None
+
+
+def throttled(rank, from_step, extra):
+    """An outside slowdown of `rank`: `extra` seconds a step, landing at random in its compute,
+    before its step (stopped between steps) or inside the collective."""
+
+    def slow(step, r, rng):
+        if r != rank or step < from_step:
+            return 0.0, 0.0, 0.0
+        where = rng.choice(("compute", "compute", "stall", "comm"))
+        return (
+            extra if where == "compute" else 0.0,
+            extra if where == "stall" else 0.0,
+            extra if where == "comm" else 0.0,
+        )
+
+    return slow
+
+
+def test_two_nodes_slow_compute_found_on_the_right_node():
+    slow = lambda step, r, rng: (0.08 if r == 1 and step >= 40 else 0.0, 0.0, 0.0)  # noqa: E731
+    step, found = first_straggler(simulate(2, 120, slow, noise=0.1))
+    assert found is not None and found.type == "straggler" and found.nodes == ["node1"]
+    assert 40 < step <= 40 + 20
+    assert "the others wait for" in found.message
+
+
+def test_a_rank_stopped_between_steps_is_found_by_its_peers_wait_not_its_compute():
+    slow = lambda step, r, rng: (0.0, 0.07 if r == 0 and step >= 30 else 0.0, 0.0)  # noqa: E731
+    step, found = first_straggler(simulate(2, 100, slow, noise=0.05))
+    assert found is not None and found.nodes == ["node0"]
+    ev = found.evidence
+    assert abs(ev["compute_excess_s"]) < 0.02 and ev["late_s"] > 0.05  # waiting, not compute
+    assert ev["peers_wait_s"] > ev["wait_s"]
+
+
+def found_after(nodes, seeds=10):
+    """Steps from a throttle's start (1.5x slower job) to its straggler, over seeds."""
+    latencies = []
+    for seed in range(seeds):
+        slow = throttled(rank=1, from_step=40, extra=0.06)  # 0.06 s more on a 0.12 s step
+        step, found = first_straggler(simulate(nodes, 200, slow, noise=0.1, seed=seed))
+        assert found is not None and found.nodes == ["node1"], seed
+        latencies.append(step - 40)
+    return latencies
+
+
+def test_outside_throttle_one_and_a_half_times_slower_on_four_nodes():
+    latencies = found_after(4)
+    assert statistics.median(latencies) <= 20 and max(latencies) <= 40, latencies
+
+
+def test_outside_throttle_on_two_nodes():
+    latencies = found_after(2)
+    assert statistics.median(latencies) <= 20 and max(latencies) <= 40, latencies
+
+
+def test_no_straggler_in_noise_on_two_and_four_nodes():
+    for nodes in (2, 4):
+        for seed in range(10):
+            step, found = first_straggler(simulate(nodes, 400, noise=0.25, seed=seed))
+            assert found is None, (nodes, seed, found and found.message)
+
+
+def test_no_one_is_blamed_when_every_rank_is_slow_in_the_collective():
+    # A stall inside the collective slows every rank the same: nobody arrives late.
+    slow = lambda step, r, rng: (0.0, 0.0, 0.05 if r == 0 and step >= 20 else 0.0)  # noqa: E731
+    assert first_straggler(simulate(3, 120, slow, noise=0.05))[1] is None
+
+
+def throughput(series):
+    tracker = waiting.ThroughputTracker()
+    for _, views in series:
+        found = tracker.update(views)
+        if found is not None:
+            return found
+    return None
+
+
+def test_job_wide_slowdown_blames_no_node():
+    def series():
+        yield from simulate(4, 60, noise=0.05)
+        yield from ((60 + s, v) for s, v in simulate(4, 60, noise=0.05, seed=1, job_factor=3.0))
+
+    drop = throughput(series())
+    assert drop is not None and drop.type == "throughput_drop"
+    assert drop.nodes == [] and drop.evidence["cause"] == "job-wide"
+    assert "job-wide" in drop.message
+
+
+def test_throughput_drop_names_the_node_waited_for():
+    slow = lambda step, r, rng: (0.0, 0.25 if r == 3 and step >= 40 else 0.0, 0.0)  # noqa: E731
+    drop = throughput(simulate(4, 100, slow, noise=0.05))
+    assert drop is not None and drop.nodes == ["node3"]
+    assert "node3 (rank 3) is the one the others wait for" in drop.message
+
+
+def test_throughput_drop_is_raised_once_and_not_without_a_drop():
+    assert throughput(simulate(3, 200, noise=0.2)) is None
+    tracker = waiting.ThroughputTracker()
+
+    def views(step, step_s):
+        return [{"node": f"n{r}", "rank": r, "step": step, "step_s": step_s} for r in range(2)]
+
+    raised = [tracker.update(views(s, 0.1 if s < 10 else 0.3)) for s in range(20)]
+    assert sum(a is not None for a in raised) == 1
+    assert tracker.update(views(20, 0.3)) is None  # not a fresh evaluation
+
+
+def test_stale_views_are_not_confirmations():
+    views = [
+        {"node": "node0", "rank": 0, "step": 9, "step_s": 0.2, "compute_s": 0.1, "wait_s": 0.1},
+        {"node": "node1", "rank": 1, "step": 9, "step_s": 0.2, "compute_s": 0.2, "wait_s": 0.0},
+    ]
+    tracker = waiting.StragglerTracker()
+    assert tracker.update(views) is None
+    assert tracker.update(views) is None  # same steps: no new evidence
+    assert tracker.update([{**v, "step": 12} for v in views]) is None  # 3 steps: too few
+    assert tracker.update([{**v, "step": 13} for v in views]) is None  # the second
+    assert tracker.update([{**v, "step": 17} for v in views]).nodes == ["node1"]  # the third

@@ -1,0 +1,250 @@
+"""Who the job waits for: straggler attribution by waiting time, and job throughput drops.
+
+In a synchronous step every rank waits in the collective for the slowest one. Each rank reports
+its step's duration, compute time and the time it spent in its communication ("sync") section;
+over a window of steps the agent keeps their medians (`step_s`, `compute_s`, `wait_s`, see
+transom.monitor.node) and the median *busy* time: from the end of one step to the end of the
+next, less the wait (`busy_s`). Every rank of a synchronous job has the same cycle, so busy time
+plus wait is the same for all: the rank the others wait for is the one whose busy time stands
+out (it arrives last; its own wait stays small while its peers' grows), whether it was slowed
+in its compute, stopped between its steps, or both. Its *lateness* is its busy time minus the
+median of the other nodes' ranks' (medians of per-rank times are robust; a median of waits is
+not, as a wait is the distance to the slowest of many noisy ranks). A slowdown inside the compute
+section also shows as compute above the other nodes' (`compute excess`, all there is for a job
+without a sync section or without send times). A node's delay is
+the larger of the two for its latest rank; it is a straggler when that delay is a good share of
+the step (STRAGGLER_LATE_FRACTION), stands out from the other nodes' delays and is found in
+STRAGGLER_CONFIRMATIONS of the last STRAGGLER_EVALUATIONS fresh evaluations. It works with 2
+nodes as with many: nothing here needs a spread of peers.
+
+The job's throughput drop is judged across nodes too: the median step time of the generation's
+ranks against the generation's baseline. Its cause is named when one node is waited for; when
+every node slowed at once and none is waited for, the drop is job-wide (the machine is loaded,
+the storage or network is slow for everyone) and no node is blamed.
+
+This module must never act or do I/O: it returns anomalies, the policy decides.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from transom.common import anomalies
+from transom.common.records import Anomaly, Severity
+
+STRAGGLER_MIN_NODES = 2
+# A node is late when its delay is above this fraction of the job's median step time ...
+STRAGGLER_LATE_FRACTION = 0.2
+# ... and at least STRAGGLER_STANDOUT times the next node's delay (one node waited for).
+STRAGGLER_STANDOUT = 2.0
+STRAGGLER_CONFIRMATIONS = 3  # evaluations that name the node, of the last STRAGGLER_EVALUATIONS
+STRAGGLER_EVALUATIONS = 4
+# An evaluation counts once the job advanced this many steps since the last one (the summaries of
+# several nodes arrive at different times: their windows would overlap almost wholly otherwise).
+STRAGGLER_EVALUATION_STEPS = 4
+# Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
+# median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
+THROUGHPUT_DROP_RATIO = 2.0
+BASELINE_EVALUATIONS = 5
+THROUGHPUT_DROP = "throughput_drop"
+
+
+def _fresh_key(views: list[dict]) -> tuple:
+    return tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))
+
+
+def node_delays(views: list[dict]) -> dict[str, tuple[float, int, dict]]:
+    """node -> (its delay in seconds, its latest rank, evidence), for nodes with timings.
+
+    A rank's delay is max(lateness, compute excess), both against the ranks of the other nodes;
+    its lateness is its busy time (between the ends of its steps, less its wait) above theirs.
+    """
+    timed = [v for v in views if v.get("compute_s") is not None]
+    nodes = {v["node"] for v in timed}
+    if len(nodes) < STRAGGLER_MIN_NODES:
+        return {}
+    with_busy = all(v.get("busy_s") is not None for v in timed)
+    out: dict[str, tuple[float, int, dict]] = {}
+    for v in timed:
+        others = [o for o in timed if o["node"] != v["node"]]
+        others_compute = statistics.median(o["compute_s"] for o in others)
+        excess = v["compute_s"] - others_compute
+        late = v["busy_s"] - statistics.median(o["busy_s"] for o in others) if with_busy else excess
+        delay = max(late, excess)
+        if v["node"] not in out or delay > out[v["node"]][0]:
+            out[v["node"]] = (
+                delay,
+                v["rank"],
+                {
+                    "wait_s": _round(v.get("wait_s")),
+                    "peers_wait_s": _round(_median_of(others, "wait_s")),
+                    "compute_s": round(v["compute_s"], 4),
+                    "peers_compute_s": round(others_compute, 4),
+                    "late_s": round(late, 4),
+                    "compute_excess_s": round(excess, 4),
+                },
+            )
+    return out
+
+
+def _median_of(views: list[dict], key: str) -> float | None:
+    values = [v[key] for v in views if v.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def job_step_s(views: list[dict]) -> float | None:
+    """The median over ranks of their median step time (None before any has one)."""
+    values = [v["step_s"] for v in views if v.get("step_s")]
+    return statistics.median(values) if values else None
+
+
+def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
+    """The one node the others wait for: (node, its latest rank, evidence), or None."""
+    delays = node_delays(views)
+    step_s = job_step_s(views)
+    if not delays or not step_s:
+        return None
+    ranked = sorted(delays, key=lambda n: delays[n][0], reverse=True)
+    worst = ranked[0]
+    delay, rank, evidence = delays[worst]
+    runner_up = max(0.0, delays[ranked[1]][0]) if len(ranked) > 2 else 0.0
+    threshold = max(STRAGGLER_LATE_FRACTION * step_s, STRAGGLER_STANDOUT * runner_up)
+    if delay <= threshold:
+        return None
+    return (
+        worst,
+        rank,
+        {
+            **evidence,
+            "delay_s": round(delay, 4),
+            "step_s": round(step_s, 4),
+            "threshold_s": round(threshold, 4),
+            "delay_share": round(delay / step_s, 3),
+            "nodes": {n: round(d, 4) for n, (d, _, _) in delays.items()},
+        },
+    )
+
+
+def describe_wait(node: str, rank: int, evidence: dict) -> str:
+    """Why `node` is the one waited for, in words."""
+    share = f"{evidence['delay_share'] * 100:.0f}% of the {evidence['step_s']:.3f} s step"
+    waits = (
+        f"they wait {evidence['peers_wait_s']:.3f} s in the collective, it waits "
+        f"{evidence['wait_s']:.3f} s"
+        if evidence.get("wait_s") is not None and evidence.get("peers_wait_s") is not None
+        else f"it is {evidence['delay_s']:.3f} s late"
+    )
+    if evidence["late_s"] > evidence["compute_excess_s"]:
+        return f"{node} (rank {rank}) is the one the others wait for: {waits} ({share})"
+    return (
+        f"{node} (rank {rank}) is the one the others wait for: it computes "
+        f"{evidence['compute_s']:.3f} s against its peers' {evidence['peers_compute_s']:.3f} s; "
+        f"{waits} ({share})"
+    )
+
+
+class StragglerTracker:
+    """Raises a straggler only when the same node is waited for in STRAGGLER_CONFIRMATIONS of the
+    last STRAGGLER_EVALUATIONS evaluations, each STRAGGLER_EVALUATION_STEPS steps after the last."""
+
+    def __init__(
+        self,
+        confirmations: int = STRAGGLER_CONFIRMATIONS,
+        evaluations: int = STRAGGLER_EVALUATIONS,
+    ):
+        self.confirmations = confirmations
+        self.found: deque[str | None] = deque(maxlen=evaluations)
+        self.evaluated_at: int | None = None  # the newest step of the last evaluation
+
+    def update(self, views: list[dict]) -> Anomaly | None:
+        newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
+        if newest is None or (
+            self.evaluated_at is not None
+            and newest < self.evaluated_at + STRAGGLER_EVALUATION_STEPS
+        ):
+            return None  # too few new samples since the last evaluation
+        self.evaluated_at = newest
+        found = straggler_candidate(views)
+        self.found.append(found[0] if found else None)
+        if found is None:
+            return None
+        node, rank, evidence = found
+        if self.found.count(node) < self.confirmations:
+            return None
+        return Anomaly(
+            anomalies.STRAGGLER,
+            Severity.WARNING,
+            describe_wait(node, rank, evidence),
+            [node],
+            [rank],
+            evidence,
+            step=newest,
+        )
+
+
+class ThroughputTracker:
+    """The job's median step time against this generation's baseline; raised once a drop."""
+
+    def __init__(self) -> None:
+        self.baseline: list[float] = []
+        self.raised = False
+        self.last_key: tuple | None = None
+
+    def update(self, views: list[dict]) -> Anomaly | None:
+        key = _fresh_key(views)
+        if key == self.last_key:
+            return None
+        self.last_key = key
+        timed = [v for v in views if v.get("step_s")]
+        if not timed or len(timed) < len(views):
+            return None  # some rank has no comparable steps yet
+        now = job_step_s(timed)
+        if now is None:
+            return None
+        if len(self.baseline) < BASELINE_EVALUATIONS:
+            self.baseline.append(now)
+            return None
+        base = statistics.median(self.baseline)
+        dropped = base > 0 and now > THROUGHPUT_DROP_RATIO * base
+        was_raised, self.raised = self.raised, dropped
+        if not dropped or was_raised:
+            return None
+        return throughput_drop(views, base, now)
+
+
+def throughput_drop(views: list[dict], base: float, now: float) -> Anomaly:
+    """A drop from `base` to `now` seconds a step, blamed on the node waited for if there is one."""
+    what = f"median step time {now:.3f} s, {now / base:.1f}x the generation's baseline {base:.3f} s"
+    evidence: dict = {"baseline_step_s": round(base, 4), "recent_step_s": round(now, 4)}
+    found = straggler_candidate(views)
+    if found is not None:
+        node, rank, wait = found
+        return Anomaly(
+            THROUGHPUT_DROP,
+            Severity.WARNING,
+            f"{what}: {describe_wait(node, rank, wait)}",
+            [node],
+            [rank],
+            {**evidence, "cause": "waited_for", "waiting": wait},
+        )
+    nodes = sorted({v["node"] for v in views})
+    cause = "job-wide" if len(nodes) > 1 else "unknown"
+    why = (
+        "every node slowed at once and none is waited for: a job-wide slowdown "
+        "(the machine loaded, a shared resource slow), no node to blame"
+        if len(nodes) > 1
+        else "one node: whether the node or its surroundings slowed is not known"
+    )
+    return Anomaly(
+        THROUGHPUT_DROP,
+        Severity.WARNING,
+        f"{what}; {why}",
+        [],
+        [],
+        {**evidence, "cause": cause, "nodes": nodes},
+    )
