@@ -1,14 +1,17 @@
-"""Unit tests of the store's one retry policy (transom/store/retry.py): a fake clock, no etcd."""
+"""Unit tests of the store's one retry policy (store/retry.py) and of outage tracking
+(store/outage.py): a fake clock, no etcd."""
 
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 
 import pytest
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store.access import StoreError
+from transom.store.outage import StoreOutage
 from transom.store.retry import RetryPolicy, retry, tls_refusal, transient_reason
 
 
@@ -144,3 +147,22 @@ def test_each_attempt_ends_by_the_deadline():
 def test_a_policy_needs_a_positive_deadline():
     with pytest.raises(ValueError):
         RetryPolicy(deadline_s=0)
+
+
+def test_an_outage_is_logged_once_when_it_begins_and_once_when_it_ends(caplog):
+    clock = FakeClock()
+    outage = StoreOutage("agent node0", clock=clock)
+    assert outage.ok() is None and not outage.over(0)
+    with caplog.at_level(logging.WARNING, logger="transom.store"):
+        for _ in range(5):
+            outage.failed(StoreError("cannot reach etcd: refused"))
+            clock.now += 2.0
+        assert outage.lasted() == pytest.approx(10.0)
+        assert outage.over(9.0) and not outage.over(11.0)
+        assert outage.ok() == pytest.approx(10.0)
+        assert outage.ok() is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "agent node0: etcd unreachable (cannot reach etcd: refused); riding it out",
+        "agent node0: etcd reachable again after 10.0 s",
+    ]
