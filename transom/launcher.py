@@ -289,6 +289,7 @@ class Launcher:
 
     def _poll(self, live: Live | None) -> JobRecord | None:
         """One round with etcd: mirror, refill; the job record (None during an outage)."""
+        began = time.monotonic()
         try:
             snap = snapshot(self.connected)
             self._mirror(snap, live)
@@ -296,7 +297,7 @@ class Launcher:
             if self.launch.refill_spares and self.launch.store is None:
                 self._refill(job)
         except StoreError as e:
-            lasted = self.outage.failed(e)
+            lasted = self.outage.failed(e, began)
             limit = self.launch.spec.store_outage_s
             if lasted > limit:
                 raise ControlPlaneLost(

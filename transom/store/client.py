@@ -25,7 +25,13 @@ from etcd3gw.utils import _encode
 
 from transom.common import keys
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, StoreAccess, StoreError
-from transom.store.retry import DEFAULT_DEADLINE_S, RetryPolicy, retry, tls_refusal
+from transom.store.retry import (
+    DEFAULT_DEADLINE_S,
+    MIN_ATTEMPT_S,
+    RetryPolicy,
+    retry,
+    tls_refusal,
+)
 
 REQUEST_TIMEOUT_S = 5.0
 
@@ -37,11 +43,17 @@ def _text(path: object) -> str | None:
 
 
 class Lease(GatewayLease):
-    """An etcd lease that knows its time-to-live (a refresh never waits longer than half of it)."""
+    """An etcd lease that knows its time-to-live and when (on this process's monotonic clock)
+    it was last granted or renewed: from then on etcd keeps it for `ttl_s` at least."""
 
-    def __init__(self, id: int, client: Etcd3Client, ttl_s: float):
+    def __init__(self, id: int, client: Etcd3Client, ttl_s: float, renewed_at: float):
         super().__init__(id, client)
         self.ttl_s = ttl_s
+        self.renewed_at = renewed_at
+
+    def expires_in(self) -> float:
+        """Seconds until etcd may expire it, unless renewed before."""
+        return self.renewed_at + self.ttl_s - time.monotonic()
 
 
 class _Client(Etcd3Client):
@@ -222,20 +234,24 @@ class Store:
 
     def lease(self, ttl_s: int) -> Lease:
         """A new lease (a grant whose answer was lost leaves an unused lease that expires)."""
+        asked_at = time.monotonic()
         granted = self._call(self.client.lease, ttl_s)
-        return Lease(granted.id, self.client, ttl_s)
+        return Lease(granted.id, self.client, ttl_s, asked_at)
 
     def refresh(self, lease: Lease, deadline_s: float | None = None) -> bool:
         """Keep a lease alive; False when it has already expired.
 
-        It gives up (StoreError) after `deadline_s`, by default the store's deadline but never
-        more than half the lease's TTL: a refresh that comes later is no use to its caller.
+        It keeps trying (transient failures) until `deadline_s`, by default until the lease
+        may expire (a refresh after that is no use to its caller), but at least MIN_ATTEMPT_S
+        and at most the store's deadline; then StoreError.
         """
         if deadline_s is None:
-            deadline_s = self.policy.deadline_s
-            if isinstance(lease, Lease):
-                deadline_s = min(deadline_s, lease.ttl_s / 2)
-        return self._retried(lease.refresh, deadline_s) > 0
+            deadline_s = min(self.policy.deadline_s, max(MIN_ATTEMPT_S, lease.expires_in()))
+        asked_at = time.monotonic()
+        alive = self._retried(lease.refresh, deadline_s) > 0
+        if alive:
+            lease.renewed_at = asked_at  # etcd renewed it at or after this moment
+        return alive
 
     def revoke(self, lease: Lease) -> None:
         """End a lease and delete its keys; a lease already gone (expired, or revoked by an

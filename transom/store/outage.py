@@ -31,11 +31,12 @@ class StoreOutage:
         self.since: float | None = None
         self.reason = ""
 
-    def failed(self, error: BaseException) -> float:
-        """Record a failed round; how long the outage has lasted."""
+    def failed(self, error: BaseException, began: float | None = None) -> float:
+        """Record a failed round (that `began` at this clock's time, default now); how long
+        the outage has lasted, from the start of its first failed round."""
         now = self.clock()
         if self.since is None:
-            self.since, self.reason = now, str(error)
+            self.since, self.reason = (now if began is None else began), str(error)
             self.log.warning("%s: etcd unreachable (%s); riding it out", self.who, error)
         return now - self.since
 
