@@ -157,7 +157,8 @@ def retry(
             wait = min(policy.backoff_s(number, rand), deadline - now)
             if wait <= 0:
                 raise StoreError(
-                    f"{what}: gave up after {now - start:.1f} s and {number} attempts "
+                    f"{what}: gave up after {now - start:.1f} s and {number} attempt"
+                    f"{'' if number == 1 else 's'} "
                     f"(deadline {policy.deadline_s:g} s); last failure: {reason}"
                 ) from e
             log.debug("%s: attempt %d failed (%s); again in %.2f s", what, number, reason, wait)
