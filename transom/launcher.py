@@ -8,7 +8,13 @@ process it starts reaches etcd as it does (`StoreAccess.argv`); a spec another m
 validated before this machine runs it. It mirrors the job's events into the run directory,
 keeps `status.json` current, records the job's progress over time (`progress.jsonl`), shows a
 live view, replaces a controller candidate that died while the job goes on, and when the job
-ends (or on Ctrl-C) stops everything it started, etcd included. With `refill_spares` (simulated
+ends (or on Ctrl-C or SIGTERM) stops everything it started, etcd included.
+
+It rides out etcd's outages: an etcd it cannot reach is logged once when the outage begins and
+once when it ends (and an event says how long it lasted); only an outage longer than the
+spec's `store_outage_s` ends the job, deliberately and with its reason (exit 1, never the
+"bad input" exit 2). Its embedded etcd is restarted from its data directory when it dies, and
+kept compacted and defragmented (store/upkeep.py). With `refill_spares` (simulated
 nodes only) it plays the cluster's scheduler too: every node the controller evicts is replaced
 by a newly started one, which joins as a spare, so the pool of spares stays full.
 """
@@ -35,8 +41,10 @@ from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store.outage import StoreOutage
 from transom.store.spec import parse_spec
-from transom.utils.procs import die_with_parent, stop_process
+from transom.store.upkeep import EtcdUpkeep
+from transom.utils.procs import die_with_parent, stop_process, stop_tree
 from transom.view import (
     EventFilter,
     format_event,
@@ -50,7 +58,17 @@ log = logging.getLogger("transom.run")
 
 POLL_S = 0.5
 STORE_CONNECT_TIMEOUT_S = 5.0
-SHUTDOWN_GRACE_S = 15.0
+STORE_DEADLINE_S = 2.0  # one poll's etcd calls give up after this; the outage is then counted
+SHUTDOWN_GRACE_S = 15.0  # for children to exit by themselves after the job ended
+STOP_GRACE_S = 10.0  # for children to clean up after SIGTERM (within a scheduler's 30 s)
+UPKEEP_DEADLINE_S = 60.0  # a defragmentation of a large database takes a while
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class ControlPlaneLost(RuntimeError):
+    """The job cannot go on: etcd stayed unreachable longer than the job rides out, or every
+    node agent of this machine exited."""
 
 
 @dataclass
@@ -99,7 +117,9 @@ class Launcher:
         self.launch = launch
         self.console = console or Console(soft_wrap=True)
         self.etcd: EmbeddedEtcd | None = None
+        self.upkeep: EtcdUpkeep | None = None
         self.store: Store | None = None
+        self.outage = StoreOutage("launcher", logger=log)
         self.children: list[Child] = []
         self._events_seen: set[str] = set()
         self._event_filter = EventFilter()
@@ -123,9 +143,15 @@ class Launcher:
                 tls_dir=L.run_dir / files.ETCD_TLS,
             ).start()
             access = self.etcd.access
+            self.upkeep = EtcdUpkeep(
+                Store(
+                    access, L.spec.job_id, timeout=UPKEEP_DEADLINE_S, deadline_s=UPKEEP_DEADLINE_S
+                ),
+                self.etcd.quota_bytes,
+            ).start()
         else:
             access = L.store
-        store = Store(access, L.spec.job_id)
+        store = Store(access, L.spec.job_id, deadline_s=STORE_DEADLINE_S)
         try:
             store.wait_healthy(STORE_CONNECT_TIMEOUT_S)
         except StoreError as e:
@@ -195,10 +221,14 @@ class Launcher:
     def run(self) -> int:
         """Run the job to its end; the exit code is 0 if it succeeded."""
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        received: list[int] = []
 
         def interrupt(signum, frame):
-            raise KeyboardInterrupt
+            if not received:  # a second signal while stopping must not cut the clean-up short
+                received.append(signum)
+                raise KeyboardInterrupt
 
+        signal.signal(signal.SIGINT, interrupt)
         signal.signal(signal.SIGTERM, interrupt)
         try:
             self.store = self._connect()
@@ -213,12 +243,20 @@ class Launcher:
                 )
                 return 0
             print(f"transom: job {self.launch.spec.job_id} failed: {job.reason}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
         except KeyboardInterrupt:
+            received[:] = received or [signal.SIGINT]
             self._shutdown(wait_for_exit=False)
             print("transom: interrupted; stopped every process of the job", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED.get(signal.Signals(received[0]), 130)
+        except (ControlPlaneLost, StoreError) as e:
+            if self.store is None:
+                raise  # etcd never answered: the options are wrong (the "bad input" exit)
+            self._shutdown(wait_for_exit=False)
+            print(f"transom: job {self.launch.spec.job_id} stopped: {e}", file=sys.stderr)
+            return EXIT_FAILED
         finally:
+            received.append(0)  # from here on, signals are ignored until the handlers return
             self._shutdown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -231,19 +269,16 @@ class Launcher:
             live.start()
         try:
             while True:
-                snap = snapshot(self.connected)
-                self._mirror(snap, live)
-                job = _job_record(snap.get("job"))
+                self._keep_etcd()
+                job = self._poll(live)
                 if job and job.state.terminal:
                     return job
                 self._keep_controllers()
-                if self.launch.refill_spares and self.launch.store is None:
-                    self._refill(job)
                 if (
                     not any(c.alive() for c in self.children if c.kind == "agent")
                     and self.launch.store is None
                 ):
-                    raise ConfigError(
+                    raise ControlPlaneLost(
                         "every node agent exited before the job ended; see the logs in "
                         f"{self.launch.run_dir / files.LOGS}"
                     )
@@ -251,6 +286,57 @@ class Launcher:
         finally:
             if live is not None:
                 live.stop()
+
+    def _poll(self, live: Live | None) -> JobRecord | None:
+        """One round with etcd: mirror, refill; the job record (None during an outage)."""
+        began = time.monotonic()
+        try:
+            snap = snapshot(self.connected)
+            self._mirror(snap, live)
+            job = _job_record(snap.get("job"))
+            if self.launch.refill_spares and self.launch.store is None:
+                self._refill(job)
+        except StoreError as e:
+            lasted = self.outage.failed(e, began)
+            limit = self.launch.spec.store_outage_s
+            if lasted > limit:
+                raise ControlPlaneLost(
+                    f"etcd unreachable for {lasted:.0f} s, longer than the job rides out "
+                    f"(--store-outage {limit:g} s); last error: {e}"
+                ) from e
+            return None
+        reason, ended = self.outage.reason, self.outage.ok()
+        if ended is not None:
+            self._event(
+                EventKind.WARNING,
+                f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on",
+            )
+        return job
+
+    def _keep_etcd(self) -> None:
+        """Start the embedded etcd again (same data, ports, certificates) if it died."""
+        if self.etcd is None or self.etcd.alive():
+            return
+        code = self.etcd.process.returncode if self.etcd.process else None
+        log.warning("the embedded etcd exited (code %s); restarting it from its data", code)
+        try:
+            self.etcd.restart()
+        except StoreError as e:  # counted as an outage by the next poll; tried again after it
+            log.error("could not restart the embedded etcd: %s", e)
+            return
+        self._event(
+            EventKind.WARNING,
+            f"launcher: the embedded etcd exited (code {code}) and was restarted from its data "
+            f"directory (restart {self.etcd.restarts})",
+        )
+
+    def _event(self, kind: EventKind, message: str) -> None:
+        """Record a control-plane event (a log line if etcd cannot take it now)."""
+        event = Event(time.time(), kind, message)
+        try:
+            self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
+        except StoreError:
+            log.warning("%s (not recorded in etcd: it is unreachable)", message)
 
     def _mirror(self, snap: dict, live: Live | None) -> None:
         run_dir = self.launch.run_dir
@@ -323,9 +409,13 @@ class Launcher:
                     child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        # All at once (SIGTERM, then SIGKILL after STOP_GRACE_S), so stopping N children takes
+        # one grace period, not N.
+        running = [c.process for c in self.children if c.process and c.process.poll() is None]
+        stop_tree([p.pid for p in running], STOP_GRACE_S)
         for child in self.children:
             if child.process is not None:
-                stop_process(child.process)
+                stop_process(child.process, grace_s=1.0)  # reaps it (and kills a straggler)
         if self.store is not None and self.etcd is not None and self.children:
             try:
                 (self.launch.run_dir / files.STATUS).write_text(
@@ -338,6 +428,9 @@ class Launcher:
             self._local_nodes
         ):  # a node agent killed with SIGKILL left its checkpoint memory behind
             shutil.rmtree(default_shm_dir(self.launch.spec.job_id, node), ignore_errors=True)
+        if self.upkeep is not None:
+            self.upkeep.stop()
+            self.upkeep = None
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None

@@ -11,49 +11,95 @@ the leader key, so a deposed controller cannot overwrite its successor's decisio
 
 from __future__ import annotations
 
+import copy
 import json
-import ssl
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
-from etcd3gw.lease import Lease
+from etcd3gw.lease import Lease as GatewayLease
 from etcd3gw.utils import _encode
 
 from transom.common import keys
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, StoreAccess, StoreError
+from transom.store.retry import (
+    DEFAULT_DEADLINE_S,
+    MIN_ATTEMPT_S,
+    RetryPolicy,
+    retry,
+    tls_refusal,
+)
 
 REQUEST_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
 
 
 def _text(path: object) -> str | None:
     return None if path is None else str(path)
 
 
-def _tls_failure(error: BaseException) -> str | None:
-    """The reason of the TLS error behind `error` (etcd3gw wraps requests' errors), if any."""
-    seen: BaseException | None = error
-    for _ in range(16):  # a chain is short; this bounds a cyclic one
-        if seen is None:
-            break
-        if isinstance(seen, ssl.SSLError):
-            return str(seen.reason or "SSL error")
-        seen = seen.__cause__ or seen.__context__
-    return None
+class Lease(GatewayLease):
+    """An etcd lease that knows its time-to-live and when (on this process's monotonic clock)
+    it was last granted or renewed: from then on etcd keeps it for `ttl_s` at least."""
+
+    def __init__(self, id: int, client: Etcd3Client, ttl_s: float, renewed_at: float):
+        super().__init__(id, client)
+        self.ttl_s = ttl_s
+        self.renewed_at = renewed_at
+
+    def expires_in(self) -> float:
+        """Seconds until etcd may expire it, unless renewed before."""
+        return self.renewed_at + self.ttl_s - time.monotonic()
+
+
+class _Client(Etcd3Client):
+    """etcd3gw's client with a per-thread request timeout, so each attempt of a retried call
+    gets its own time limit while other threads use the same client."""
+
+    def __init__(self, **kwargs: Any):
+        self._attempt = threading.local()
+        super().__init__(**kwargs)
+
+    @property
+    def timeout(self) -> float | None:
+        return getattr(self._attempt, "timeout_s", None) or self._default_timeout_s
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._default_timeout_s = value
+
+    def attempt(self, timeout_s: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._attempt.timeout_s = timeout_s
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._attempt.timeout_s = None
 
 
 class Store:
     """JSON key-value access to one job's keys in etcd.
 
-    `access` is a `StoreAccess` (URL and TLS files) or, for plain http, just the URL.
+    `access` is a `StoreAccess` (URL and TLS files) or, for plain http, just the URL. Every
+    request goes through one `RetryPolicy` (retry.py): transient failures are retried for up to
+    `deadline_s` seconds, each attempt limited to `timeout` seconds; then StoreError.
     """
 
-    def __init__(self, access: StoreAccess | str, job_id: str, timeout: float = REQUEST_TIMEOUT_S):
+    def __init__(
+        self,
+        access: StoreAccess | str,
+        job_id: str,
+        timeout: float = REQUEST_TIMEOUT_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ):
         self.access = access if isinstance(access, StoreAccess) else StoreAccess(access)
         self.url = self.access.url
         self.job_id = job_id
-        self.client = Etcd3Client(
+        self.policy = RetryPolicy(deadline_s=deadline_s, request_timeout_s=timeout)
+        self.client = _Client(
             host=self.access.host,
             port=self.access.port,
             protocol=self.access.scheme,
@@ -61,6 +107,7 @@ class Store:
             cert_cert=_text(self.access.cert),
             cert_key=_text(self.access.key),
             timeout=timeout,
+            api_path="/v3/",  # etcd >= 3.4; no discovery request before the first real one
         )
         if self.access.ca is not None:
             # requests lets REQUESTS_CA_BUNDLE (and proxies) from the environment override the
@@ -68,16 +115,37 @@ class Store:
             self.client.session.trust_env = False
         self.prefix = f"/transom/{job_id}/"
 
+    def with_deadline(self, deadline_s: float) -> Store:
+        """This store (same connection pool) with another retry deadline."""
+        other = copy.copy(self)
+        other.policy = RetryPolicy(
+            deadline_s=deadline_s, request_timeout_s=self.policy.request_timeout_s
+        )
+        return other
+
     # -- keys -------------------------------------------------------------------------------
     def key(self, name: str) -> str:
         return self.prefix + name
 
     # -- plain access -----------------------------------------------------------------------
-    def _call(self, fn, *args, **kwargs):
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a request of the client) under the retry policy."""
+        return self._retried(lambda: fn(*args, **kwargs))
+
+    def _retried(self, request: Callable[[], T], deadline_s: float | None = None) -> T:
+        policy = self.policy
+        if deadline_s is not None:
+            policy = RetryPolicy(deadline_s=deadline_s, request_timeout_s=policy.request_timeout_s)
         try:
-            return fn(*args, **kwargs)
+            return retry(
+                lambda timeout_s: self.client.attempt(timeout_s, request),
+                policy,
+                f"cannot reach etcd at {self.url}",
+            )
+        except StoreError:
+            raise
         except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
-            reason = _tls_failure(e)
+            reason = tls_refusal(e)
             if reason is not None:  # a certificate was refused: ours by etcd, or etcd's by us
                 raise StoreError(
                     f"cannot reach etcd at {self.url}: the TLS handshake failed ({reason}; "
@@ -85,7 +153,12 @@ class Store:
                 ) from e
             raise StoreError(f"cannot reach etcd at {self.url}: {type(e).__name__}") from e
         except etcd_errors.Etcd3Exception as e:
-            raise StoreError(f"etcd at {self.url} refused a request: {e}") from e
+            raise StoreError(f"etcd at {self.url} refused a request: {_detail(e)}") from e
+
+    def request(self, path: str, body: dict, deadline_s: float | None = None) -> dict:
+        """One request to etcd's HTTP gateway (`path` under /v3/, e.g. "maintenance/status")."""
+        url = self.client.get_url(path)
+        return self._retried(lambda: self.client.post(url, json=body), deadline_s)
 
     def healthy(self) -> bool:
         try:
@@ -95,12 +168,8 @@ class Store:
             return False
 
     def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.healthy():
-            if time.monotonic() > deadline:
-                self._call(self.client.status)  # raises the reason (e.g. a refused certificate)
-                raise StoreError(f"cannot reach etcd at {self.url}")
-            time.sleep(0.2)
+        """Return once etcd answers; StoreError (with the reason) if it does not in `timeout_s`."""
+        self._retried(self.client.status, deadline_s=timeout_s)
 
     def get(self, name: str) -> Any | None:
         values = self._call(self.client.get, self.key(name))
@@ -125,8 +194,34 @@ class Store:
         self._call(self.client.put, self.key(name), json.dumps(value), lease)
 
     def create(self, name: str, value: Any, lease: Lease | None = None) -> bool:
-        """Write `name` only if it does not exist; True when this call created it."""
-        return bool(self._call(self.client.create, self.key(name), json.dumps(value), lease))
+        """Write `name` only if it does not exist; True when this call created it.
+
+        A transaction that puts only if the key was never created. When an attempt was lost
+        (its answer never came) and a later one finds the key, the key is ours if it holds
+        exactly our value (and lease): the lost attempt wrote it.
+        """
+        key, data = _encode(self.key(name)), _encode(json.dumps(value))
+        put: dict[str, Any] = {"key": key, "value": data}
+        if lease is not None:
+            put["lease"] = lease.id
+        txn = {
+            "compare": [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": key}}],
+        }
+        attempts = 0
+
+        def attempt() -> bool:
+            nonlocal attempts
+            attempts += 1
+            answer = self.client.transaction(txn)
+            if answer.get("succeeded", False):
+                return True
+            if attempts == 1:
+                return False
+            return _holds(answer, data, None if lease is None else lease.id)
+
+        return self._retried(attempt)
 
     def delete(self, name: str) -> None:
         self._call(self.client.delete, self.key(name))
@@ -138,14 +233,38 @@ class Store:
         self._call(self.client.delete_prefix, self.prefix)
 
     def lease(self, ttl_s: int) -> Lease:
-        return self._call(self.client.lease, ttl_s)
+        """A new lease (a grant whose answer was lost leaves an unused lease that expires)."""
+        asked_at = time.monotonic()
+        granted = self._call(self.client.lease, ttl_s)
+        return Lease(granted.id, self.client, ttl_s, asked_at)
 
-    def refresh(self, lease: Lease) -> bool:
-        """Keep a lease alive; False when it has already expired."""
-        return self._call(lease.refresh) > 0
+    def refresh(self, lease: Lease, deadline_s: float | None = None) -> bool:
+        """Keep a lease alive; False when it has already expired.
+
+        It keeps trying (transient failures) until `deadline_s`, by default until the lease
+        may expire (a refresh after that is no use to its caller), but at least MIN_ATTEMPT_S
+        and at most the store's deadline; then StoreError.
+        """
+        if deadline_s is None:
+            deadline_s = min(self.policy.deadline_s, max(MIN_ATTEMPT_S, lease.expires_in()))
+        asked_at = time.monotonic()
+        alive = self._retried(lease.refresh, deadline_s) > 0
+        if alive:
+            lease.renewed_at = asked_at  # etcd renewed it at or after this moment
+        return alive
 
     def revoke(self, lease: Lease) -> None:
-        self._call(lease.revoke)
+        """End a lease and delete its keys; a lease already gone (expired, or revoked by an
+        attempt whose answer was lost) is no error."""
+
+        def attempt() -> None:
+            try:
+                lease.revoke()
+            except etcd_errors.Etcd3Exception as e:
+                if "lease not found" not in (e.detail_text or ""):
+                    raise
+
+        self._retried(attempt)
 
     # -- fenced writes ----------------------------------------------------------------------
     def put_if_leader(self, leader_id: str, values: dict[str, Any]) -> bool:
@@ -171,3 +290,24 @@ class Store:
             "failure": [],
         }
         return bool(self._call(self.client.transaction, txn).get("succeeded", False))
+
+
+def _detail(error: etcd_errors.Etcd3Exception) -> str:
+    """The message of an etcd error (its gateway's JSON body), short."""
+    text = error.detail_text or ""
+    try:
+        body = json.loads(text)
+        return str(body.get("error") or body.get("message") or text)[:300]
+    except (TypeError, ValueError, AttributeError):
+        return (text or str(error) or type(error).__name__)[:300]
+
+
+def _holds(answer: Any, value: str, lease_id: int | None) -> bool:
+    """Whether the range in a transaction's failure answer holds `value` (base64) and lease."""
+    try:
+        kvs = answer["responses"][0]["response_range"].get("kvs", [])
+        kv = kvs[0]
+        same_lease = lease_id is None or int(kv.get("lease", 0)) == lease_id
+        return bool(kv.get("value") == value and same_lease)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False

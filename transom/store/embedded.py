@@ -2,7 +2,14 @@
 
 It listens on ports chosen free at start (on loopback unless given another address), keeps its
 data in a folder of the run directory, and is stopped (SIGTERM, then SIGKILL) by `stop()`. It
-dies with its parent too (PR_SET_PDEATHSIG), so a killed `transom run` never leaves it behind.
+dies with its parent too (PR_SET_PDEATHSIG, tied to the thread that started it: start and
+restart it from a thread that lives as long as it should), so a killed `transom run` never
+leaves it behind. `restart()` starts it again from its data directory on the same ports with
+the same certificates, so every client reconnects by itself.
+
+Its history is compacted by etcd itself (periodic auto-compaction, COMPACTION_RETENTION); the
+space compaction frees is given back by defragmentation, and a full database (the NOSPACE
+alarm) is handled, by `EtcdUpkeep` (upkeep.py).
 
 It only speaks mutual TLS: each start makes a new CA, server and client certificate (tls.py) in
 a private folder next to its data, and etcd accepts a client (and a peer) only with a
@@ -22,6 +29,10 @@ from transom.utils.net import free_port
 from transom.utils.procs import die_with_parent, stop_process
 
 START_TIMEOUT_S = 20.0
+QUOTA_BYTES = 1 << 30
+# Revisions older than this are compacted (etcd 3.5 compacts nothing unless told): no reader
+# of the job needs history; statuses and summaries are rewritten every second.
+COMPACTION_RETENTION = "1m"
 TLS_SUFFIX = "-tls"  # the certificates of DATA_DIR are in DATA_DIR-tls unless told otherwise
 
 
@@ -45,6 +56,7 @@ class EmbeddedEtcd:
         log_path: Path | None = None,
         tls_dir: Path | None = None,
         host: str = "127.0.0.1",
+        quota_bytes: int = QUOTA_BYTES,
     ):
         self.data_dir = Path(data_dir)
         self.log_path = log_path or self.data_dir.with_suffix(".log")
@@ -52,10 +64,13 @@ class EmbeddedEtcd:
             Path(tls_dir) if tls_dir else self.data_dir.with_name(self.data_dir.name + TLS_SUFFIX)
         )
         self.host = host
+        self.quota_bytes = quota_bytes
         self.client_port = free_port()
         self.peer_port = free_port()
         self.process: subprocess.Popen | None = None
         self._access: StoreAccess | None = None
+        self._command: list[str] | None = None
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -122,8 +137,32 @@ class EmbeddedEtcd:
             "--election-timeout",
             "500",
             "--quota-backend-bytes",
-            str(1 << 30),
+            str(self.quota_bytes),
+            "--auto-compaction-mode",
+            "periodic",
+            "--auto-compaction-retention",
+            COMPACTION_RETENTION,
         ]
+        self._command = cmd
+        return self._launch()
+
+    def alive(self) -> bool:
+        """Whether the etcd process this object started is running (a paused one counts)."""
+        return self.process is not None and self.process.poll() is None
+
+    def restart(self) -> EmbeddedEtcd:
+        """Start etcd again after it died: same data, ports and certificates (StoreError if it
+        does not come back)."""
+        if self._command is None:
+            raise StoreError("the embedded etcd has not been started")
+        if self.process is not None:
+            stop_process(self.process, grace_s=5.0)
+        self.restarts += 1
+        return self._launch()
+
+    def _launch(self) -> EmbeddedEtcd:
+        assert self._command is not None
+        cmd = self._command
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd,

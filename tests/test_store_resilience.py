@@ -1,0 +1,121 @@
+"""The store against a real etcd that stalls, dies and fills up: retries, upkeep, restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+from etcd3gw import exceptions as etcd_errors
+
+from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.store.upkeep import EtcdUpkeep
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = EmbeddedEtcd(tmp_path / "etcd", quota_bytes=8 << 20)
+    try:
+        server.start()
+        yield server
+    finally:
+        if server.process is not None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+def paused(etcd: EmbeddedEtcd, seconds: float) -> threading.Thread:
+    """SIGSTOP etcd now and SIGCONT it after `seconds` (in a thread)."""
+    assert etcd.process is not None
+    pid = etcd.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    resume.start()
+    return resume
+
+
+def test_a_call_in_flight_rides_out_a_two_second_stall(etcd):
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=6.0)
+    store.put("k", 1)
+    resume = paused(etcd, 2.0)
+    start = time.monotonic()
+    store.put("k", 2)  # in flight while etcd is stopped
+    took = time.monotonic() - start
+    resume.join()
+    assert store.get("k") == 2
+    assert 1.5 < took < 6.0
+
+
+def test_a_stall_longer_than_the_deadline_raises_within_it(etcd):
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=2.0)
+    store.put("k", 1)
+    resume = paused(etcd, 5.0)
+    start = time.monotonic()
+    with pytest.raises(StoreError, match=r"cannot reach etcd .* gave up after"):
+        store.get("k")
+    took = time.monotonic() - start
+    assert 1.9 < took < 2.0 + 1.0  # the deadline, plus at most one attempt's minimum
+    resume.join()
+    assert store.get("k") == 1  # and it answers again once etcd does
+
+
+def test_a_create_whose_answer_was_lost_is_still_ours(etcd):
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}")
+    real = store.client.transaction
+    lost: list[bool] = []
+
+    def answer_lost_once(txn):
+        result = real(txn)  # etcd applies it...
+        if not lost:
+            lost.append(True)
+            raise etcd_errors.ConnectionTimeoutError("read timed out")  # ...the answer is lost
+        return result
+
+    store.client.transaction = answer_lost_once  # type: ignore[method-assign]
+    assert store.create("leader", "me") is True
+    assert lost == [True]
+    store.client.transaction = real  # type: ignore[method-assign]
+    assert store.create("leader", "someone else") is False  # and another caller's create fails
+    assert store.get("leader") == "me"
+
+
+def test_a_full_database_is_compacted_defragmented_and_disarmed(etcd):
+    """With an 8 MiB quota, rewriting one key with 256 KiB values fills it within ~30 writes;
+    the upkeep frees it and every write succeeds (the writers' retries wait for it)."""
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=30.0)
+    upkeep = EtcdUpkeep(
+        Store(etcd.access, store.job_id, timeout=30.0, deadline_s=30.0),
+        etcd.quota_bytes,
+        check_every_s=0.5,
+    ).start()
+    try:
+        start_size = upkeep.status()["db_size"]
+        payload = "x" * (256 << 10)
+        for i in range(200):  # 50 MiB written in all, six times the quota
+            store.put("blob", {"i": i, "data": payload})
+        assert store.get("blob")["i"] == 199
+        assert upkeep.alarms_handled >= 1
+        end_size = upkeep.status()["db_size"]
+        print(f"db size: {start_size} -> {end_size} bytes (quota {etcd.quota_bytes})")
+        assert end_size < etcd.quota_bytes
+        events = store.get_prefix("events/")
+        assert any("NOSPACE" in e["message"] for e in events.values())
+    finally:
+        upkeep.stop()
+
+
+def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=10.0)
+    store.put("kept", {"v": 1})
+    assert etcd.process is not None
+    etcd.process.send_signal(signal.SIGKILL)
+    etcd.process.wait()
+    assert not etcd.alive()
+    etcd.restart()
+    assert etcd.alive() and etcd.restarts == 1
+    assert store.get("kept") == {"v": 1}  # same port, same client certificate, same data
