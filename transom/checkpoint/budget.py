@@ -71,9 +71,11 @@ class ShardMemory:
         memory_keep: int,
         node: str,
         on_evict: Callable[[Shard], None] = lambda shard: None,
+        budget_source: str = "the configured checkpoint memory budget",
     ):
         self.regions = regions
         self.budget_bytes = budget_bytes
+        self.budget_source = budget_source  # what sets the budget (capacity.py), for refusals
         self.memory_keep = memory_keep
         self.node = node
         self.on_evict = on_evict
@@ -109,8 +111,8 @@ class ShardMemory:
                     raise BudgetExceeded(
                         f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the "
                         f"checkpoint memory budget of {self.budget_bytes} bytes on node "
-                        f"{self.node} ({self.used} in use, holding steps {held}); "
-                        "raise --ckpt-memory"
+                        f"{self.node}, set by {self.budget_source} ({self.used} in use, holding "
+                        f"steps {held}); raise --ckpt-memory or free shared memory"
                     )
                 while region is None and self.used + nbytes > self.budget_bytes:
                     victims = self._victims()

@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from transom.checkpoint import config
+from transom.checkpoint import capacity, config
 from transom.checkpoint.budget import ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
@@ -46,12 +46,15 @@ class CheckpointServer:
         self.stopping = threading.Event()
         store = Store(access, cfg.job_id) if (access := cfg.store_access()) else None
         self.publisher = Publisher(store, cfg.node_id, cfg.lease_ttl_s)
+        regions = RegionDir(cfg.shm_dir, cfg.job_id, cfg.node_id)
+        self.budget = capacity.effective_budget(cfg.budget_bytes, cfg.shm_dir)
         self.memory = ShardMemory(
-            RegionDir(cfg.shm_dir),
-            cfg.budget_bytes,
+            regions,
+            self.budget.nbytes,
             cfg.memory_keep,
             cfg.node_id,
             on_evict=self.publisher.unlist_memory,
+            budget_source=self.budget.source,
         )
         self.publisher.held = lambda: self.memory.holding(Tier.MEMORY)
         self.publisher.on_plan = self._follow_plan
@@ -90,11 +93,12 @@ class CheckpointServer:
         for target, name in threads:
             threading.Thread(target=target, name=name, daemon=True).start()
         log.info(
-            "checkpoint server %s: socket %s, peers %s, budget %d bytes",
+            "checkpoint server %s: socket %s, peers %s, budget %d bytes (set by %s)",
             self.node,
             path,
             self.addr or "-",
-            self.cfg.budget_bytes,
+            self.memory.budget_bytes,
+            self.budget.source,
         )
         return self
 
