@@ -147,7 +147,10 @@ class Engine:
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
         # The timeline every shard is saved under (job, generation, world size: layout.py).
         self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
-        self.generation = int(os.environ.get(env.GENERATION) or 0)
+        # Under a launcher: the generation this worker belongs to (a server refuses saves of a
+        # replaced one), and the plan decides what `load` restores. None without a launcher.
+        launched = os.environ.get(env.GENERATION)
+        self.generation: int | None = int(launched) if launched else None
         self._finalizer: Any = None
         given_socket = socket_path or os.environ.get(env.CKPT_SOCKET)
         self.server: Any = None  # the embedded CheckpointServer, without a launcher
@@ -188,7 +191,7 @@ class Engine:
 
     def timeline(self) -> dict:
         """The timeline this engine's shards are saved under (layout.timeline)."""
-        return layout.timeline(self.job_id, self.generation, self.world_size)
+        return layout.timeline(self.job_id, self.generation or 0, self.world_size)
 
     # -- talking to the server -------------------------------------------------------------------
     def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
@@ -226,7 +229,7 @@ class Engine:
                     "rank": self.rank,
                     "world_size": self.world_size,
                     "nbytes": plan.data_len,
-                    "generation": self.generation,
+                    **({} if self.generation is None else {"generation": self.generation}),
                 }
             )
         except RequestTimeout as e:
@@ -335,11 +338,16 @@ class Engine:
         tier: str | None = None,
         rank: int | None = None,
     ) -> Any:
-        """The state saved at `step` (default: the controller's restore step, else the newest
-        restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
-        unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
-        `rank` reads another rank's shard (resharding)."""
+        """The state saved at `step` (default: under a launcher, the controller's restore step,
+        and nothing when the plan names none - a fresh start, never the newest step, which may be
+        poisoned; without a launcher the newest restorable step), bit for bit; None when there is
+        nothing to restore. Tensors are on the CPU unless `map_location` says otherwise; `tier`
+        ("memory", "peer", "storage") reads only there; `rank` reads another rank's shard
+        (resharding)."""
         step = step if step is not None else self.restore_step()
+        if step is None and self.generation is not None:
+            log.info("the plan names no restore step: starting fresh")
+            return None
         candidates = [step] if step is not None else self.steps()
         errors = []
         for s in candidates:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 from transom.checkpoint import layout, replication
 from transom.checkpoint.budget import LOCAL, BudgetExceeded, ShardMemory
@@ -116,10 +117,17 @@ class PeerService:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return
+            timeline = header.get("timeline")
+            generation = timeline.get("generation") if isinstance(timeline, dict) else None
+            stale = self.publisher.stale_generation(generation) if type(generation) is int else None
+            if stale is not None:
+                self.memory.abort(step, rank, region)
+                raise layout.ShardError(f"replica of step {step} rank {rank} refused: {stale}")
             with self.memory.lock:
                 shard = self.memory.shards[(step, rank)]
                 shard.header, shard.world_size = header, header["world_size"]
                 shard.header_bytes = layout.encode_header(header)
+                shard.staged_at = time.time()
             self.pipeline.committed(shard)
 
         try:
