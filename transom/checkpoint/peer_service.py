@@ -22,7 +22,7 @@ import socket
 import time
 
 from transom.checkpoint import layout, replication
-from transom.checkpoint.budget import LOCAL, BudgetExceeded, ShardMemory
+from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMemory
 from transom.checkpoint.peer_port import Throttle
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.protocol import (
@@ -111,6 +111,18 @@ class PeerService:
                     raise BudgetExceeded(
                         f"step {step} rank {rank} is a shard of this node's own workers here"
                     )
+                # One replica per rank: the older one makes way (its region takes the new one),
+                # so replicas cost this node 1x its peer's share, not 2x.
+                for old in list(self.memory.shards.values()):
+                    if (
+                        old.rank == rank
+                        and old.origin != LOCAL
+                        and old.step < step
+                        and old.state == COMMITTED
+                        and not old.pins
+                        and old.step != self.memory.protected_step
+                    ):
+                        self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
         def commit(region: Region, header: dict | None) -> None:
