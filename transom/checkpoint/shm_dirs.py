@@ -36,6 +36,8 @@ SHM_HASH_CHARS = 16
 READABLE_CHARS = 12
 # A server's socket file older than this that refuses connections belongs to a dead server.
 STALE_SOCKET_AGE_S = 60.0
+# How long `claim` waits for a live owner of the folder to exit before refusing to take it.
+CLAIM_WAIT_S = 5.0
 
 
 def shm_key(job_id: str, node_id: str) -> str:
@@ -137,6 +139,14 @@ def claim(directory: Path, job_id: str = "", node_id: str = "") -> None:
     directory = Path(directory)
     if directory.exists():
         owner = read_owner(directory)
+        deadline = time.monotonic() + CLAIM_WAIT_S  # a previous owner may be exiting right now
+        while (
+            owner is not None
+            and owner["pid"] != os.getpid()
+            and owner_alive(owner)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
         if owner is not None and owner["pid"] != os.getpid() and owner_alive(owner):
             raise OwnedBySomeoneElse(
                 f"{directory} belongs to a running process (pid {owner['pid']}, job "
