@@ -64,8 +64,7 @@ LOCATE_TIMEOUT_S = 60.0
 # that stops answering is noticed.
 WAIT_POLL_S = 60.0
 EMBEDDED_PREFIX = "transom-local-"
-# The job id of shards saved without a launcher.
-LOCAL_JOB = "local"
+LOCAL_JOB = "local"  # the job id of shards saved without a launcher
 
 
 class SaveRefused(CheckpointError):
@@ -147,11 +146,10 @@ class Engine:
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
         # The timeline every shard is saved under (job, generation, world size: layout.py).
         self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
-        # Under a launcher: the generation this worker belongs to (a server refuses saves of a
-        # replaced one), and the plan decides what `load` restores. None without a launcher.
+        # Under a launcher: this worker's generation (the plan decides what `load` restores).
         launched = os.environ.get(env.GENERATION)
         self.generation: int | None = int(launched) if launched else None
-        self._finalizer: Any = None
+        self._finalizer: Any = None  # frees an embedded server's regions at exit
         given_socket = socket_path or os.environ.get(env.CKPT_SOCKET)
         self.server: Any = None  # the embedded CheckpointServer, without a launcher
         if given_socket:
@@ -222,16 +220,11 @@ class Engine:
         t0 = time.perf_counter()
         plan = layout.plan_state(state, step, self.rank, self.world_size, self.timeline())
         try:
-            reply = self._request(
-                {
-                    "op": "reserve",
-                    "step": step,
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "nbytes": plan.data_len,
-                    **({} if self.generation is None else {"generation": self.generation}),
-                }
-            )
+            msg = {"op": "reserve", "step": step, "rank": self.rank, "nbytes": plan.data_len}
+            msg |= {"world_size": self.world_size}
+            if self.generation is not None:
+                msg["generation"] = self.generation
+            reply = self._request(msg)
         except RequestTimeout as e:
             return self._refused(step, str(e), report=True)
         if not reply.get("ok"):
@@ -338,12 +331,11 @@ class Engine:
         tier: str | None = None,
         rank: int | None = None,
     ) -> Any:
-        """The state saved at `step` (default: under a launcher, the controller's restore step,
-        and nothing when the plan names none - a fresh start, never the newest step, which may be
-        poisoned; without a launcher the newest restorable step), bit for bit; None when there is
-        nothing to restore. Tensors are on the CPU unless `map_location` says otherwise; `tier`
-        ("memory", "peer", "storage") reads only there; `rank` reads another rank's shard
-        (resharding)."""
+        """The state saved at `step` (default: under a launcher the plan's restore step, None
+        when it names none - a fresh start, never the newest step, which may be poisoned; without
+        one the newest restorable), bit for bit; None when there is nothing to restore. Tensors
+        are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
+        "storage") reads only there; `rank` reads another rank's shard (resharding)."""
         step = step if step is not None else self.restore_step()
         if step is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
