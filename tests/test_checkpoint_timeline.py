@@ -146,3 +146,33 @@ def test_no_restore_step_in_the_plan_means_fresh(tmp_path: Path, monkeypatch) ->
     monkeypatch.delenv("TRANSOM_RESTORE_STEP")
     with checkpoint.Engine(storage_dir=tmp_path / "ckpt") as engine:  # no launcher: the newest
         assert float(engine.load()["w"][0]) == 1.0
+
+
+@pytest.mark.slow
+def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path: Path) -> None:
+    from transom.checkpoint import catalog
+    from transom.checkpoint.config import store_options
+    from transom.store import EmbeddedEtcd, Store
+
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        store = Store(etcd.access, "job")
+        server = _server(tmp_path, memory_keep=3, job_id="job", **store_options(etcd.access))
+        try:
+            engine = checkpoint.Engine(
+                socket_path=str(server.cfg.socket_path), rank=0, world_size=1
+            )
+            for step in (1, 2, 3):
+                engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
+            assert catalog.restorable_steps(store, 1) == [3, 2, 1]
+            catalog.discard_poisoned(store, 2, time.time())
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and storage.complete_steps(tmp_path / "ckpt") != [1]:
+                time.sleep(0.1)
+            assert storage.complete_steps(tmp_path / "ckpt") == [1]
+            assert {s.step for s in server.memory.shards.values()} == {1}
+            server.publisher._new_lease()  # a lost lease: everything held is listed again
+            assert catalog.restorable_steps(store, 1) == [1]
+            assert float(engine.load()["w"][0]) == 1.0
+            engine.close()
+        finally:
+            server.stop()
