@@ -21,7 +21,11 @@ per rank, and reports the slowest rank:
 and ratios (`_x`) against the baselines of the same run. Two checkpoint servers run as processes on
 this machine: "node0" (the ranks' own) replicating to "node1". peak_gib is the most memory the
 machine had in use during the case beyond what it used before (shared memory included, page cache
-not; sampled every 50 ms, so other processes on the machine count too). Run it alone:
+not; sampled every 50 ms, so other processes on the machine count too). shm_own_gib and
+shm_peer_gib are the most shared memory (allocated bytes of region files, sampled every 50 ms)
+the ranks' own server ("node0") and the peer holding their replicas ("node1") held during the
+case: the node's bound is 2x its share of the state (newest complete step + the save in
+progress) plus the replicas it holds. Run it alone:
 flock /tmp/transom-heavy.lock python benchmarks/checkpoint.py --json
 
     python benchmarks/checkpoint.py                 # 0.25 and 1 GiB; 1 and 2 ranks; a table
@@ -270,7 +274,22 @@ def memory_in_use() -> int:
     return vm.total - vm.available
 
 
+def shm_in_use(directory: Path) -> int:
+    """Bytes of shared memory the region files in `directory` hold (allocated, not apparent)."""
+    total = 0
+    try:
+        for entry in os.scandir(directory):
+            try:
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:
+        pass
+    return total
+
+
 def run_case(size_gib: float, ranks: int, root: Path) -> dict:
+    from transom.checkpoint.shm_dirs import default_shm_dir
     from transom.utils.net import free_port
     from transom.utils.procs import die_with_parent, stop_process
 
@@ -280,7 +299,7 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     big = size_gib >= 4
     # Memory: a 4 GiB state fits on this machine only with one region per rank in each server and
     # a single (prepared) save; smaller states get room for steady-state saves (regions reused).
-    regions = 1 if big else 3
+    regions = 1 if big else 2
     budget = regions * (per_rank + (64 << 20)) * ranks
     baseline = memory_in_use()
     peer, _, peer_addr = start_server(work, "node1", budget, ["--replicas", "0"])
@@ -294,9 +313,11 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
             "--storage",
             str(work / "storage"),
             "--memory-keep",
-            "1" if big else "2",
+            "1",
         ],
     )
+    shm_dirs = {node: default_shm_dir(f"bench-{os.getpid()}", node) for node in ("node0", "node1")}
+    shm_peak = dict.fromkeys(shm_dirs, 0)
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -344,6 +365,8 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
             try:
                 while any(p.poll() is None for p in procs):
                     peak = max(peak, memory_in_use() - baseline)
+                    for node, directory in shm_dirs.items():
+                        shm_peak[node] = max(shm_peak[node], shm_in_use(directory))
                     time.sleep(0.05)
             finally:
                 for p in procs:
@@ -365,6 +388,8 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
         values = [r[key] for r in results]
         row[key] = max(values)
     row["peak_gib"] = peak / GIB
+    row["shm_own_gib"] = shm_peak["node0"] / GIB
+    row["shm_peer_gib"] = shm_peak["node1"] / GIB
     row["transom_save_vs_torch_save_x"] = row["torch_save_s"] / row["transom_save_s"]
     row["transom_save_vs_floor_x"] = row["transom_save_s"] / row["floor_s"]
     if "dcp_async_save_s" in row:
@@ -396,6 +421,8 @@ COLUMNS = [
     ("load_memory_vs_torch_load_x", "mem x torch", "{:.1f}"),
     ("load_peer_vs_torch_load_x", "peer x torch", "{:.1f}"),
     ("peak_gib", "peak GiB", "{:.1f}"),
+    ("shm_own_gib", "shm own", "{:.2f}"),
+    ("shm_peer_gib", "shm peer", "{:.2f}"),
 ]
 
 

@@ -5,7 +5,10 @@ in bytes. A rank's newest complete shard, shards being saved or transferred (pin
 plan's restore step are never evicted; beyond those, the oldest go first, and beyond
 `memory_keep` steps per rank shards are evicted after each save (their regions kept in the free
 pool for the next save of the same size). A spare region can be prepared (populated) ahead of a
-rank's first save. A reservation that cannot fit is refused with `BudgetExceeded`, before
+rank's next save, only within the budget and only while the rank holds at most `memory_keep`
+regions: with the default `memory_keep` of 1 a node holds its newest complete step and the region
+of the save in progress (2x its share), and each replica it holds counts against its budget.
+A reservation that cannot fit is refused with `BudgetExceeded`, before
 anything is evicted.
 
 `lock` (a Condition) guards every shard's state; whoever changes one notifies it. This module
@@ -71,9 +74,11 @@ class ShardMemory:
         memory_keep: int,
         node: str,
         on_evict: Callable[[Shard], None] = lambda shard: None,
+        budget_source: str = "the configured checkpoint memory budget",
     ):
         self.regions = regions
         self.budget_bytes = budget_bytes
+        self.budget_source = budget_source  # what sets the budget (capacity.py), for refusals
         self.memory_keep = memory_keep
         self.node = node
         self.on_evict = on_evict
@@ -109,8 +114,8 @@ class ShardMemory:
                     raise BudgetExceeded(
                         f"save of step {step} rank {rank} ({nbytes} bytes) does not fit the "
                         f"checkpoint memory budget of {self.budget_bytes} bytes on node "
-                        f"{self.node} ({self.used} in use, holding steps {held}); "
-                        "raise --ckpt-memory"
+                        f"{self.node}, set by {self.budget_source} ({self.used} in use, holding "
+                        f"steps {held}); raise --ckpt-memory or free shared memory"
                     )
                 while region is None and self.used + nbytes > self.budget_bytes:
                     victims = self._victims()
@@ -210,8 +215,8 @@ class ShardMemory:
             if spare is not None:
                 spare.prepared_for = rank
                 return spare
-            if self.used + nbytes > self.budget_bytes:
-                return None
+            if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > self.memory_keep:
+                return None  # beyond the budget, or beyond `memory_keep` steps + one save
             self.used += nbytes
             self.preparing += 1
         region = None
@@ -228,6 +233,11 @@ class ShardMemory:
                 self.free.append(region)
             self.lock.notify_all()
         return region
+
+    def _regions_of(self, rank: int) -> int:
+        """Regions this node's workers of `rank` hold: their shards and spares (lock held)."""
+        shards = sum(1 for s in self.shards.values() if s.rank == rank and s.origin == LOCAL)
+        return shards + sum(1 for r in self.free if r.prepared_for == rank)
 
     def pin(self, shard: Shard) -> bool:
         """Keep `shard` from eviction while its region is read; False when it is gone already."""

@@ -2,6 +2,8 @@
 
 Keys under the job's prefix (values JSON):
     ckpt/servers/<node>                      a checkpoint server's peer address (under its lease)
+    ckpt/discarded                           steps discarded as poisoned: a list of
+                                             {first_bad_step, saved_before}, DISCARDS_KEPT newest
     ckpt/shards/<step:012d>/<rank:06d>/<holder>
         holder "mem-<node>": the shard is in that node's server memory (under that server's lease,
                              so it disappears when the node dies)
@@ -25,6 +27,7 @@ SHARDS = keys.CKPT_SHARDS
 SERVERS = keys.CKPT_SERVERS
 STORAGE_HOLDER = "storage"
 shard_key = keys.ckpt_shard
+DISCARDS_KEPT = 16
 
 
 def memory_holder(node: str) -> str:
@@ -55,7 +58,10 @@ def withdraw_storage(store: Store, step: int) -> None:
 def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> list[int]:
     """Forget every shard of a step at or after `first_bad_step` saved before `saved_before` (the
     checkpoints a rolled-back generation may have written after its numerics went bad); returns
-    the steps."""
+    the steps. The discard is recorded (`discards`): every server removes those shards from its
+    memory and from storage, and never lists them again."""
+    marks = [*discards(store), {"first_bad_step": first_bad_step, "saved_before": saved_before}]
+    store.put(keys.CKPT_DISCARDED, marks[-DISCARDS_KEPT:])
     dropped = set()
     for step, ranks in shards(store).items():
         if step < first_bad_step:
@@ -66,6 +72,25 @@ def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> 
                     store.delete(shard_key(step, rank, holder))
                     dropped.add(step)
     return sorted(dropped)
+
+
+def discards(store: Store) -> list[dict]:
+    """The recorded discards ({first_bad_step, saved_before}); malformed entries left out."""
+    value = store.get(keys.CKPT_DISCARDED)
+    if not isinstance(value, list):
+        return []
+    return [
+        d
+        for d in value
+        if isinstance(d, dict)
+        and type(d.get("first_bad_step")) is int
+        and type(d.get("saved_before")) in (int, float)
+    ]
+
+
+def is_discarded(marks: list[dict], step: int, saved_at: float) -> bool:
+    """Whether a shard of `step` saved at `saved_at` falls under one of the discards `marks`."""
+    return any(step >= d["first_bad_step"] and saved_at < d["saved_before"] for d in marks)
 
 
 def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:

@@ -25,7 +25,9 @@ from transom.common.sizes import parse_size
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, FLAG_URL, StoreAccess, StoreError
 from transom.utils.net import LOOPBACK, WILDCARDS
 
-DEFAULT_MEMORY_KEEP = 2
+# Complete steps per rank kept in memory: with the region of the save in progress (a freed
+# region waits for it), a node holds at most twice its share of the state, plus replicas.
+DEFAULT_MEMORY_KEEP = 1
 DEFAULT_STORAGE_KEEP = 3
 SOCKET_NAME = "server.sock"
 

@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
+import secrets
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from transom.checkpoint import layout, replication, storage, tiers
@@ -49,7 +48,7 @@ from transom.checkpoint.client import (
 )
 from transom.checkpoint.protocol import deadline_in
 from transom.checkpoint.shm import MappingCache, anonymous_buffer, as_bytes
-from transom.checkpoint.shm_dirs import SHM_ROOT
+from transom.checkpoint.shm_dirs import SHM_ROOT, sweep_stale_shm
 from transom.checkpoint.tiers import LoaderContext
 from transom.common import env, files
 from transom.common.states import Tier
@@ -65,6 +64,7 @@ LOCATE_TIMEOUT_S = 60.0
 # that stops answering is noticed.
 WAIT_POLL_S = 60.0
 EMBEDDED_PREFIX = "transom-local-"
+LOCAL_JOB = "local"  # the job id of shards saved without a launcher
 
 
 class SaveRefused(CheckpointError):
@@ -144,6 +144,12 @@ class Engine:
         storage_env = os.environ.get(env.CHECKPOINT_DIR)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
+        # The timeline every shard is saved under (job, generation, world size: layout.py).
+        self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
+        # Under a launcher: this worker's generation (the plan decides what `load` restores).
+        launched = os.environ.get(env.GENERATION)
+        self.generation: int | None = int(launched) if launched else None
+        self._finalizer: Any = None  # frees an embedded server's regions at exit
         given_socket = socket_path or os.environ.get(env.CKPT_SOCKET)
         self.server: Any = None  # the embedded CheckpointServer, without a launcher
         if given_socket:
@@ -161,8 +167,10 @@ class Engine:
         from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
         from transom.checkpoint.server import CheckpointServer
 
-        _remove_stale_embedded_regions()
-        shm_dir = Path(tempfile.mkdtemp(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-", dir=SHM_ROOT))
+        for stale in sweep_stale_shm():
+            log.info("removed the shared memory of a dead checkpoint process: %s", stale)
+        name = f"{EMBEDDED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        shm_dir = SHM_ROOT / name
         cfg = ServerConfig(
             node_id=f"local-{os.getpid()}",
             socket_path=shm_dir / SOCKET_NAME,
@@ -171,8 +179,17 @@ class Engine:
             storage_dir=self.storage_dir,
             replicas=0,
             storage_keep=keep or ServerConfig.storage_keep,
+            job_id=self.job_id,
         )
-        return CheckpointServer(cfg).start()
+        server = CheckpointServer(cfg).start()
+        # Freed when this process exits normally even if `close` is never called (a SIGKILLed
+        # process's folder is swept by the next engine or node agent on this machine).
+        self._finalizer = weakref.finalize(self, server.stop)
+        return server
+
+    def timeline(self) -> dict:
+        """The timeline this engine's shards are saved under (layout.timeline)."""
+        return layout.timeline(self.job_id, self.generation or 0, self.world_size)
 
     # -- talking to the server -------------------------------------------------------------------
     def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
@@ -201,17 +218,13 @@ class Engine:
         also reported as a `refused` event, in the background).
         """
         t0 = time.perf_counter()
-        plan = layout.plan_state(state, step, self.rank, self.world_size)
+        plan = layout.plan_state(state, step, self.rank, self.world_size, self.timeline())
         try:
-            reply = self._request(
-                {
-                    "op": "reserve",
-                    "step": step,
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "nbytes": plan.data_len,
-                }
-            )
+            msg = {"op": "reserve", "step": step, "rank": self.rank, "nbytes": plan.data_len}
+            msg |= {"world_size": self.world_size}
+            if self.generation is not None:
+                msg["generation"] = self.generation
+            reply = self._request(msg)
         except RequestTimeout as e:
             return self._refused(step, str(e), report=True)
         if not reply.get("ok"):
@@ -318,11 +331,15 @@ class Engine:
         tier: str | None = None,
         rank: int | None = None,
     ) -> Any:
-        """The state saved at `step` (default: the controller's restore step, else the newest
-        restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
-        unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
-        `rank` reads another rank's shard (resharding)."""
+        """The state saved at `step` (default: under a launcher the plan's restore step, None
+        when it names none - a fresh start, never the newest step, which may be poisoned; without
+        one the newest restorable), bit for bit; None when there is nothing to restore. Tensors
+        are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
+        "storage") reads only there; `rank` reads another rank's shard (resharding)."""
         step = step if step is not None else self.restore_step()
+        if step is None and self.generation is not None:
+            log.info("the plan names no restore step: starting fresh")
+            return None
         candidates = [step] if step is not None else self.steps()
         errors = []
         for s in candidates:
@@ -418,6 +435,7 @@ class Engine:
         self.connection.close()
         self._maps.clear()
         if self.server is not None:
+            self._finalizer.detach()
             self.server.stop()
             self.server = None
 
@@ -442,14 +460,6 @@ def _tier(tier: Tier | str) -> Tier:
         raise ValueError(
             f"unknown tier {tier!r}: one of {', '.join(t.value for t in Tier)}"
         ) from None
-
-
-def _remove_stale_embedded_regions() -> None:
-    """Region folders of embedded servers whose process died without cleaning up (SIGKILL)."""
-    for path in SHM_ROOT.glob(f"{EMBEDDED_PREFIX}*-*"):
-        pid = path.name[len(EMBEDDED_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _to_device(value: Any, device) -> Any:

@@ -43,39 +43,25 @@ STORAGE_ALIGN = 64
 DATA_CHUNK = 64 << 20
 VERIFY_THREADS = 4
 MAX_HEADER_BYTES = 256 << 20
+# Limits a header must respect (anything beyond is a crafted or corrupt shard, `ShardError`):
+# nesting of the value tree, dimensions of a tensor, any size or offset, and how many times a
+# tensor's elements may outnumber the bytes it views (stride 0: `expand`) - a crafted shape of
+# 2**60 elements over 4 bytes would exhaust memory on the first copy.
+MAX_TREE_DEPTH = 256
+MAX_DIMS = 64
+MAX_INT = 1 << 62
+MAX_EXPANSION = 1024
 
 # Every dtype a shard may name; anything else in a header is rejected.
 DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex128,
-        torch.complex64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        *(
-            getattr(torch, n)
-            for n in (
-                "uint16",
-                "uint32",
-                "uint64",
-                "float8_e4m3fn",
-                "float8_e5m2",
-                "float8_e4m3fnuz",
-                "float8_e5m2fnuz",
-                "float8_e8m0fnu",
-                "complex32",
-            )
-            if hasattr(torch, n)
-        ),
+    name: getattr(torch, name)
+    for name in (
+        *("float64", "float32", "float16", "bfloat16", "complex128", "complex64"),
+        *("int64", "int32", "int16", "int8", "uint8", "bool", "uint16", "uint32", "uint64"),
+        *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"),
+        *("float8_e8m0fnu", "complex32"),
     )
+    if isinstance(getattr(torch, name, None), torch.dtype)
 }
 
 
@@ -89,6 +75,11 @@ class UnsupportedValue(TypeError):
 
 def align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _expansion_ok(logical_bytes: int, span_bytes: int) -> bool:
+    """Whether a tensor of `logical_bytes` (elements x size) may view `span_bytes` of storage."""
+    return logical_bytes <= max(span_bytes, 1) * MAX_EXPANSION
 
 
 # -- flattening -------------------------------------------------------------------------------
@@ -138,10 +129,25 @@ def _check_tensor(t: torch.Tensor) -> None:
         raise UnsupportedValue(f"cannot checkpoint tensors of dtype {t.dtype}")
     if any(s < 0 for s in t.stride()):
         raise UnsupportedValue("cannot checkpoint a tensor with negative strides")
+    lo, hi = _span(t)
+    if not _expansion_ok(t.numel() * t.element_size(), hi - lo):
+        raise UnsupportedValue(
+            f"cannot checkpoint a tensor expanded {MAX_EXPANSION}x beyond its storage: "
+            "call .contiguous() on it first"
+        )
 
 
-def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
-    """Flatten `state` into a header (tensor table, storage table, value tree) and byte ranges."""
+def timeline(job: str, generation: int, world_size: int) -> dict:
+    """The timeline a shard belongs to: its job, the generation that saved it, its world size.
+    Shards of one step are one checkpoint only when their timelines are equal."""
+    return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
+
+
+def plan_state(
+    state: Any, step: int, rank: int, world_size: int, timeline: dict | None = None
+) -> Plan:
+    """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
+    byte ranges."""
     tensors: list[dict] = []
     storages: dict[tuple, dict] = {}  # (device, storage pointer) -> {"tensors": [...], "lo", "hi"}
 
@@ -235,6 +241,8 @@ def plan_state(state: Any, step: int, rank: int, world_size: int) -> Plan:
         "storages": storage_table,
         "data_len": offset,
     }
+    if timeline is not None:
+        plan.header["timeline"] = timeline
     return plan
 
 
@@ -312,8 +320,8 @@ def decode_header(prefix_and_body: bytes) -> tuple[dict, int]:
         raise ShardError("shard header checksum mismatch: the header is corrupt")
     try:
         header = json.loads(body)
-    except ValueError as e:
-        raise ShardError(f"shard header is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise ShardError(f"shard header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict) or header.get("data_len") != data_len:
         raise ShardError("shard header does not match its prefix")
     return header, align(PREFIX.size + header_len, DATA_ALIGN)
@@ -333,13 +341,49 @@ def check_identity(header: dict, step: int | None, rank: int | None) -> None:
         raise ShardError(f"shard holds rank {header.get('rank')}, not rank {rank}")
 
 
-def rebuild(header: dict, data: torch.Tensor) -> Any:
+def check_timeline(header: dict, expected: dict) -> None:
+    """ShardError unless the shard was saved under the timeline `expected` (see `timeline`)."""
+    found = header.get("timeline")
+    if found != expected:
+        raise ShardError(
+            f"shard of step {header.get('step')} rank {header.get('rank')} belongs to timeline "
+            f"{found}, not {expected}: it is not part of this checkpoint"
+        )
+
+
+def rebuild(header: dict, data: torch.Tensor, expected_timeline: dict | None = None) -> Any:
     """The state saved in a shard, its tensors viewing `data` (a uint8 CPU tensor of the data
     region).
 
     The header's tables are validated against the data length first, so a crafted header
-    cannot make a tensor reach outside the data.
+    cannot make a tensor reach outside the data. Every malformed header raises `ShardError`
+    (never RecursionError, RuntimeError, OverflowError, ...), so a loader falls back to the next
+    copy. `expected_timeline`: also refuse a shard of another timeline (see `timeline`).
     """
+    if not isinstance(header, dict):
+        raise ShardError("shard header is not an object")
+    if expected_timeline is not None:
+        check_timeline(header, expected_timeline)
+    try:
+        return _rebuild(header, data)
+    except ShardError:
+        raise
+    except (
+        RecursionError,
+        RuntimeError,
+        OverflowError,
+        MemoryError,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+    ) as e:
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        raise ShardError(f"shard header is malformed ({reason})") from None
+
+
+def _rebuild(header: dict, data: torch.Tensor) -> Any:
     if header.get("format") != FORMAT_VERSION:
         raise ShardError(f"shard format {header.get('format')} is not supported")
     data_len = data.numel()
@@ -349,6 +393,8 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
         tree = header["tree"]
     except (KeyError, TypeError, ValueError) as e:
         raise ShardError(f"shard header lacks its tables: {e}") from e
+    if not isinstance(table, list):
+        raise ShardError("shard tensor table is not a list")
     for off, n in storages:
         if off < 0 or n < 0 or off + n > data_len:
             raise ShardError(
@@ -357,16 +403,19 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
     built: list[torch.Tensor | None] = [None] * len(table)
 
     def tensor(i: Any) -> torch.Tensor:
-        if not isinstance(i, int) or not 0 <= i < len(table):
+        if type(i) is not int or not 0 <= i < len(table):
             raise ShardError(f"shard tree names tensor {i!r}, which is not in its table")
         made = built[i]
         if made is None:
             made = built[i] = _make_tensor(table[i], storages, data)
         return made
 
-    def decode(node: Any) -> Any:
+    def decode(node: Any, depth: int = 0) -> Any:
         if node is None or isinstance(node, (bool, str)):
             return node
+        if depth > MAX_TREE_DEPTH:
+            raise ShardError(f"shard tree is nested deeper than {MAX_TREE_DEPTH} levels")
+        sub = depth + 1
         if not isinstance(node, dict) or len(node) not in (1, 2):
             raise ShardError(f"shard tree has an unknown node {str(node)[:80]!r}")
         ((tag, v),) = list(node.items())[:1]
@@ -390,20 +439,20 @@ def rebuild(header: dict, data: torch.Tensor) -> Any:
             if tag == "sz":
                 return torch.Size(int(x) for x in v)
             if tag == "l":
-                return [decode(x) for x in v]
+                return [decode(x, sub) for x in v]
             if tag == "t":
-                return tuple(decode(x) for x in v)
+                return tuple(decode(x, sub) for x in v)
             if tag == "d":
-                return {decode(k): decode(x) for k, x in v}
+                return {decode(k, sub): decode(x, sub) for k, x in v}
             if tag == "od":
-                out = OrderedDict((decode(k), decode(x)) for k, x in v)
+                out = OrderedDict((decode(k, sub), decode(x, sub)) for k, x in v)
                 if "meta" in node:
-                    out._metadata = decode(node["meta"])  # type: ignore[attr-defined]
+                    out._metadata = decode(node["meta"], sub)  # type: ignore[attr-defined]
                 return out
         except ShardError:
             raise
-        except (TypeError, ValueError, KeyError, OverflowError) as e:
-            raise ShardError(f"shard tree node {tag!r} is malformed: {e}") from e
+        except (TypeError, ValueError, KeyError, OverflowError, RuntimeError, IndexError) as e:
+            raise ShardError(f"shard tree node {str(tag)[:40]!r} is malformed: {e}") from None
         raise ShardError(f"shard tree has an unknown node type {tag!r}")
 
     return decode(tree)
@@ -421,17 +470,23 @@ def _make_tensor(entry: dict, storages: list[tuple[int, int]], data: torch.Tenso
     size = dtype.itemsize
     if (
         len(shape) != len(stride)
-        or any(n < 0 for n in shape)
-        or any(s < 0 for s in stride)
-        or byte < 0
+        or len(shape) > MAX_DIMS
+        or any(not 0 <= n < MAX_INT for n in shape)
+        or any(not 0 <= s < MAX_INT for s in stride)
+        or not 0 <= byte < MAX_INT
     ):
-        raise ShardError("shard tensor has a bad shape or stride")
+        raise ShardError("shard tensor has a bad shape, stride or offset")
     numel = math.prod(shape)
     end = byte + (
         (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * size if numel else 0
     )
     if end > nbytes or (off + byte) % size:
         raise ShardError("shard tensor reaches outside its storage: corrupt or mismatched shard")
+    if numel * size >= MAX_INT or not _expansion_ok(numel * size, end - byte):
+        raise ShardError(
+            f"shard tensor of shape {shape[:8]} views only {end - byte} bytes (a zero stride "
+            f"expanding it over {MAX_EXPANSION}x): corrupt or crafted shard"
+        )
     t = torch.empty(0, dtype=dtype)
     t.set_(data.untyped_storage(), (data.storage_offset() + off + byte) // size, shape, stride)
     if entry.get("param"):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 from transom.checkpoint import layout, replication
-from transom.checkpoint.budget import LOCAL, BudgetExceeded, ShardMemory
+from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMemory
 from transom.checkpoint.peer_port import Throttle
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.protocol import (
@@ -110,16 +111,35 @@ class PeerService:
                     raise BudgetExceeded(
                         f"step {step} rank {rank} is a shard of this node's own workers here"
                     )
+                # One replica per rank: the older one makes way (its region takes the new one),
+                # so replicas cost this node 1x its peer's share, not 2x.
+                for old in list(self.memory.shards.values()):
+                    if (
+                        old.rank == rank
+                        and old.origin != LOCAL
+                        and old.step < step
+                        and old.state == COMMITTED
+                        and not old.pins
+                        and old.step != self.memory.protected_step
+                    ):
+                        self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
         def commit(region: Region, header: dict | None) -> None:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return
+            timeline = header.get("timeline")
+            generation = timeline.get("generation") if isinstance(timeline, dict) else None
+            stale = self.publisher.stale_generation(generation) if type(generation) is int else None
+            if stale is not None:
+                self.memory.abort(step, rank, region)
+                raise layout.ShardError(f"replica of step {step} rank {rank} refused: {stale}")
             with self.memory.lock:
                 shard = self.memory.shards[(step, rank)]
                 shard.header, shard.world_size = header, header["world_size"]
                 shard.header_bytes = layout.encode_header(header)
+                shard.staged_at = time.time()
             self.pipeline.committed(shard)
 
         try:

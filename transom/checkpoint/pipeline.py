@@ -291,11 +291,17 @@ class SavePipeline:
                 t0 = time.time()
                 root.mkdir(parents=True, exist_ok=True)
                 data = shard.region.view()[: shard.header["data_len"]]
-                path = storage.write_shard(root, shard.step, shard.rank, shard.header_bytes, data)
+                timeline = shard.header.get("timeline")
+                path = storage.write_shard(
+                    root, shard.step, shard.rank, shard.header_bytes, data, timeline
+                )
                 del data
                 removed = storage.complete_step(
-                    root, shard.step, shard.world_size, self.cfg.storage_keep
+                    root, shard.step, shard.world_size, self.cfg.storage_keep, timeline
                 )
+            except storage.StaleTimeline as e:
+                self._fail(shard, Tier.STORAGE, str(e))
+                return
             except OSError as e:
                 retry = attempt < len(PERSIST_RETRY_S)
                 self.publisher.event(

@@ -65,13 +65,32 @@ class Publisher:
         self.plan = PlanView()
         self.held: Callable[[], list] = list  # the shards in memory, to re-list on a new lease
         self.on_plan: Callable[[PlanView], None] = lambda plan: None
+        # Poisoned steps (catalog.discards): applied by `on_discard`, never listed again.
+        self.discards: list[dict] = []
+        self.on_discard: Callable[[list[dict]], None] = lambda marks: None
 
     def start(self, addr: str) -> None:
         """Take a lease and register `addr`; no-op without a store."""
         self.addr = addr
         if self.store is not None:
             self.store.wait_healthy(10.0)
+            try:
+                self.plan = read_plan(self.store)
+                self.discards = catalog.discards(self.store)
+                self.on_plan(self.plan)
+            except StoreError as e:
+                log.warning("cannot read the plan yet: %s", e)
             self._new_lease()
+
+    def stale_generation(self, generation: int) -> str | None:
+        """Why a write from `generation` is refused (older than the plan's), None when it is not."""
+        current = self.plan.generation
+        if current is not None and generation < current:
+            return (
+                f"generation {generation} is older than the plan's generation {current}: "
+                "a write of a replaced generation is refused"
+            )
+        return None
 
     def stop(self) -> None:
         if self.store is not None and self.lease is not None:
@@ -94,10 +113,14 @@ class Publisher:
             return
         while not stopping.wait(CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)):
             try:
-                if not self.store.refresh(self.lease):
-                    self._new_lease()
                 self.plan = read_plan(self.store)
                 self.on_plan(self.plan)
+                marks = catalog.discards(self.store)
+                if marks != self.discards:  # before a new lease re-lists what memory holds
+                    self.discards = marks
+                    self.on_discard(marks)
+                if not self.store.refresh(self.lease):
+                    self._new_lease()
             except StoreError as e:
                 log.debug("control tick: %s", e)
 
@@ -107,8 +130,8 @@ class Publisher:
 
     # -- the catalog ---------------------------------------------------------------------------
     def list_memory(self, shard) -> None:
-        """List a shard this server's memory holds (under the lease)."""
-        if self.store is None:
+        """List a shard this server's memory holds (under the lease); never a discarded one."""
+        if self.store is None or catalog.is_discarded(self.discards, shard.step, shard.staged_at):
             return
         try:
             catalog.publish(

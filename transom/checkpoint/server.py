@@ -22,8 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
-from transom.checkpoint import config
-from transom.checkpoint.budget import ShardMemory
+from transom.checkpoint import capacity, catalog, config, storage
+from transom.checkpoint.budget import COMMITTED, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
 from transom.checkpoint.peer_service import PeerService
@@ -46,15 +46,19 @@ class CheckpointServer:
         self.stopping = threading.Event()
         store = Store(access, cfg.job_id) if (access := cfg.store_access()) else None
         self.publisher = Publisher(store, cfg.node_id, cfg.lease_ttl_s)
+        regions = RegionDir(cfg.shm_dir, cfg.job_id, cfg.node_id)
+        self.budget = capacity.effective_budget(cfg.budget_bytes, cfg.shm_dir)
         self.memory = ShardMemory(
-            RegionDir(cfg.shm_dir),
-            cfg.budget_bytes,
+            regions,
+            self.budget.nbytes,
             cfg.memory_keep,
             cfg.node_id,
             on_evict=self.publisher.unlist_memory,
+            budget_source=self.budget.source,
         )
         self.publisher.held = lambda: self.memory.holding(Tier.MEMORY)
         self.publisher.on_plan = self._follow_plan
+        self.publisher.on_discard = self._discard
         self.pipeline = SavePipeline(cfg, self.memory, self.publisher, self.stopping)
         self.workers = WorkerService(cfg, self.memory, self.pipeline, self.publisher)
         self.peers = PeerService(cfg.secret, self.memory, self.pipeline, self.publisher)
@@ -64,6 +68,22 @@ class CheckpointServer:
 
     def _follow_plan(self, plan: PlanView) -> None:
         self.memory.protected_step = plan.restore_step
+
+    def _discard(self, marks: list[dict]) -> None:
+        """Drop poisoned steps (catalog.discards) from this server's memory and from storage."""
+        with self.memory.lock:
+            for shard in list(self.memory.shards.values()):
+                poisoned = catalog.is_discarded(marks, shard.step, shard.staged_at)
+                if poisoned and shard.state == COMMITTED and not shard.pins:
+                    self.memory.evict(shard)
+        if self.cfg.storage_dir is not None:
+            for mark in marks:
+                try:
+                    storage.discard_steps(
+                        Path(self.cfg.storage_dir), mark["first_bad_step"], mark["saved_before"]
+                    )
+                except OSError as e:
+                    log.warning("cannot remove discarded steps from storage: %s", e)
 
     def start(self) -> CheckpointServer:
         workers = self.workers
@@ -90,11 +110,12 @@ class CheckpointServer:
         for target, name in threads:
             threading.Thread(target=target, name=name, daemon=True).start()
         log.info(
-            "checkpoint server %s: socket %s, peers %s, budget %d bytes",
+            "checkpoint server %s: socket %s, peers %s, budget %d bytes (set by %s)",
             self.node,
             path,
             self.addr or "-",
-            self.cfg.budget_bytes,
+            self.memory.budget_bytes,
+            self.budget.source,
         )
         return self
 

@@ -2,8 +2,10 @@
 
 Touching a fresh shared mapping for the first time costs about 2 s per GiB in page faults, more
 than writing the bytes; a region is therefore created populated (MAP_POPULATE) once, ahead of the
-save that uses it, and then reused by later saves of the same size. Workers keep their mappings
-open across saves (`MappingCache`), so a steady-state save is a plain memory copy.
+save that uses it, and then reused by later saves of the same size. A region's pages are
+allocated up front (posix_fallocate) before it is mapped: a full /dev/shm is an OSError when the
+region is created (a refused save), never a SIGBUS in the middle of a copy. Workers keep their
+mappings open across saves (`MappingCache`), so a steady-state save is a plain memory copy.
 
 A region a worker has loaded from is mapped copy-on-write (MAP_PRIVATE): the worker may change
 the loaded tensors without touching the checkpoint. Such a region is "loaned" and never written
@@ -13,6 +15,7 @@ it keeps them. This module never decides what to keep: that is the server's job.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -20,6 +23,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from transom.checkpoint.shm_dirs import claim
 
 
 def populated_map(
@@ -36,12 +41,34 @@ def populated_map(
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, nbytes)
+            allocate(fd, nbytes, path)
         elif os.fstat(fd).st_size < nbytes:
             raise OSError(f"shared-memory region {path} is smaller than {nbytes} bytes")
         return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def allocate(fd: int, nbytes: int, path: Path) -> None:
+    """Give the file `fd` `nbytes` of real pages now (ENOSPC now rather than SIGBUS later); the
+    file is removed again when they cannot all be had."""
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):  # no fallocate here: a sparse file
+            os.ftruncate(fd, nbytes)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise OSError(
+            e.errno,
+            f"cannot allocate a shared-memory region of {nbytes} bytes in {path.parent} "
+            f"({free} bytes free there): {e.strerror}",
+        ) from e
 
 
 def as_bytes(m: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
@@ -96,13 +123,12 @@ class Region:
 
 
 class RegionDir:
-    """The folder of one server's regions: created empty (stale files of a dead server removed)."""
+    """The folder of one server's regions: created empty and owned by this process (a dead
+    owner's leftovers removed; a live owner's folder is never taken: OwnedBySomeoneElse)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, job_id: str = "", node_id: str = ""):
         self.path = Path(path)
-        if self.path.exists():
-            shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(parents=True, mode=0o700)
+        claim(self.path, job_id, node_id)
         self._lock = threading.Lock()
         self._next = 0
 

@@ -2,7 +2,8 @@
 
 Layout of a storage directory:
     step_000000000012/rank_000003.shard   one shard: prefix + header + data (see layout.py)
-    step_000000000012/manifest.json       written last, once every rank's shard is there
+    step_000000000012/manifest.json       written last, once every rank's shard is there, all of
+                                          one timeline (job, generation, world size: layout.py)
     latest                                the newest step with a manifest (text, one integer)
     .lock                                 serialises manifest, `latest` and retention among writers
 
@@ -10,7 +11,12 @@ Every file is written to a temporary name, fsynced, renamed into place, and its 
 fsynced, so a crash at any moment leaves either the old state or the new one, never a file that
 looks complete but is not; a torn shard is also caught by its checksums when loaded. Several
 servers (one per node) write into one directory; the one that completes a step writes its
-manifest. This module never deletes a step that is newer than the K newest complete ones.
+manifest. A manifest names its timeline and covers only shards of that timeline: a shard of a
+newer timeline written into a complete step withdraws the old manifest first (the step is being
+re-saved after a fresh start or a rollback); one of an older generation is refused
+(`StaleTimeline`); a read checks the shard against its step's manifest. Steps discarded as
+poisoned are removed (`discard_steps`). Retention never deletes a step that is newer than the K
+newest complete ones.
 """
 
 from __future__ import annotations
@@ -79,10 +85,43 @@ def _locked(root: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_shard(root: Path, step: int, rank: int, header_bytes: bytes, data: memoryview) -> Path:
-    """Write one shard durably; OSError when the disk is full or not writable."""
+class StaleTimeline(OSError):
+    """A shard of an older generation than the complete step it would be written into."""
+
+
+def _older(a: dict | None, b: dict | None) -> bool:
+    """Whether timeline `a` is of an older generation of the same job than `b`."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or a.get("job") != b.get("job"):
+        return False
+    ga, gb = a.get("generation"), b.get("generation")
+    return isinstance(ga, int) and isinstance(gb, int) and ga < gb
+
+
+def write_shard(
+    root: Path,
+    step: int,
+    rank: int,
+    header_bytes: bytes,
+    data: memoryview,
+    timeline: dict | None = None,
+) -> Path:
+    """Write one shard durably; OSError when the disk is full or not writable, StaleTimeline when
+    `step` is complete under a newer generation. A complete step of another timeline stops being
+    complete (its manifest is withdrawn) before the shard replaces one of its files."""
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(root, step)
+    if manifest is not None and manifest.get("timeline") != timeline:
+        with _locked(Path(root)):
+            manifest = read_manifest(root, step)
+            if manifest is not None and manifest.get("timeline") != timeline:
+                if _older(timeline, manifest.get("timeline")):
+                    raise StaleTimeline(
+                        f"step {step} is complete under {manifest.get('timeline')}; a shard of "
+                        f"the older {timeline} is not written over it"
+                    )
+                (directory / MANIFEST).unlink(missing_ok=True)
+                _write_latest(Path(root))
     path = shard_path(root, step, rank)
     atomic_write(path, [header_bytes, data])
     return path
@@ -100,6 +139,7 @@ def read_shard(
             head += f.read(span - len(head))
             header, offset = layout.decode_header(head)
             layout.check_identity(header, step, rank)
+            _check_manifest(Path(path), header)
             size = os.fstat(f.fileno()).st_size
             if size != offset + data_len:
                 raise layout.ShardError(
@@ -119,6 +159,25 @@ def read_shard(
     layout.verify_data(header, view)
     del view
     return header, as_bytes(buf)[:data_len]
+
+
+def _check_manifest(path: Path, header: dict) -> None:
+    """ShardError when `path`'s step has a manifest of another timeline than the shard's."""
+    try:
+        manifest = json.loads((path.parent / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(manifest, dict) and "timeline" in manifest:
+        layout.check_timeline(header, manifest["timeline"])
+
+
+def read_header(path: Path) -> dict:
+    """The header of a shard file (no data read, no checksum of the data); ShardError when bad."""
+    with open(path, "rb") as f:
+        head = f.read(layout.PREFIX.size)
+        header_len, _, _ = layout.decode_prefix(head)
+        head += f.read(layout.header_span(header_len) - len(head))
+    return layout.decode_header(head)[0]
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -147,8 +206,21 @@ def read_manifest(root: Path, step: int) -> dict | None:
         return None
 
 
-def complete_step(root: Path, step: int, world_size: int, keep: int) -> list[int]:
-    """If every rank's shard of `step` is on disk, write its manifest and `latest`; apply retention.
+def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict | None) -> bool:
+    for rank in ranks:
+        try:
+            if read_header(shard_path(root, step, rank)).get("timeline") != timeline:
+                return False
+        except (OSError, layout.ShardError):
+            return False
+    return True
+
+
+def complete_step(
+    root: Path, step: int, world_size: int, keep: int, timeline: dict | None = None
+) -> list[int]:
+    """If every rank's shard of `step` is on disk, all of `timeline`, write its manifest and
+    `latest`; apply retention.
 
     Returns the steps removed by retention.
     """
@@ -157,18 +229,60 @@ def complete_step(root: Path, step: int, world_size: int, keep: int) -> list[int
         if (step_dir(root, step) / MANIFEST).exists():
             return []
         ranks = shard_ranks(root, step)
-        if ranks != set(range(world_size)):
+        if ranks != set(range(world_size)) or not _same_timeline(root, step, ranks, timeline):
             return []
         manifest = {
             "step": step,
             "world_size": world_size,
+            "timeline": timeline,
             "time": time.time(),
             "shards": {str(r): shard_path(root, step, r).stat().st_size for r in sorted(ranks)},
         }
         atomic_write(step_dir(root, step) / MANIFEST, [json.dumps(manifest, indent=1).encode()])
-        complete = complete_steps(root)
-        atomic_write(root / LATEST, [f"{complete[0]}\n".encode()])
+        complete = _write_latest(root)
         return _retain(root, complete, keep)
+
+
+def _write_latest(root: Path) -> list[int]:
+    """Point `latest` at the newest complete step (remove it when there is none); the complete
+    steps, newest first (lock held)."""
+    complete = complete_steps(root)
+    if complete:
+        atomic_write(root / LATEST, [f"{complete[0]}\n".encode()])
+    else:
+        (root / LATEST).unlink(missing_ok=True)
+    return complete
+
+
+def discard_steps(root: Path, first_bad_step: int, saved_before: float) -> list[int]:
+    """Remove what was written of steps >= `first_bad_step` before `saved_before` (the poisoned
+    steps of a rolled-back generation): their shard files and manifests; the steps touched."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    touched = []
+    with _locked(root):
+        for entry in root.iterdir():
+            m = STEP_RE.match(entry.name)
+            if not m or int(m.group(1)) < first_bad_step:
+                continue
+            old = [
+                f
+                for f in entry.iterdir()
+                if (SHARD_RE.match(f.name) or f.name == MANIFEST)
+                and f.stat().st_mtime < saved_before
+            ]
+            if not old:
+                continue
+            (entry / MANIFEST).unlink(missing_ok=True)  # the step is no longer complete
+            for f in old:
+                f.unlink(missing_ok=True)
+            if not any(entry.iterdir()):
+                entry.rmdir()
+            touched.append(int(m.group(1)))
+        if touched:
+            _write_latest(root)
+    return sorted(touched)
 
 
 def _retain(root: Path, complete: list[int], keep: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The requests of this node's workers, on the server's Unix socket.
 
 Each message (protocol.py framing) is one request with one reply:
-    reserve {step, rank, nbytes, world_size} -> {path, nbytes} a region to copy the shard into
+    reserve {step, rank, nbytes, world_size[, generation]} -> {path, nbytes} a region to copy the
+                                       shard into (refused for a generation older than the plan's)
     commit  {step, rank, header}             the copy is done (the save pipeline takes over)
     abort   {step, rank}                     the copy failed: give the region back
     wait    {step, rank, tier, timeout}      once the shard reached (or failed) a `Tier`
@@ -93,6 +94,10 @@ class WorkerService:
             step, rank = field_int(msg, "step"), field_int(msg, "rank")
             nbytes = field_int(msg, "nbytes", 0, MAX_SHARD_BYTES)
             world_size = field_int(msg, "world_size", 1)
+            if "generation" in msg:  # a worker of a replaced generation: refused
+                stale = self.publisher.stale_generation(field_int(msg, "generation"))
+                if stale is not None:
+                    raise BudgetExceeded(f"save of step {step} rank {rank} refused: {stale}")
             region = self.memory.reserve(step, rank, nbytes, world_size)
             reserved[(step, rank)] = region
             return {"ok": True, "path": str(region.path), "nbytes": region.nbytes}

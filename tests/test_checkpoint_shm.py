@@ -1,0 +1,248 @@
+"""Checkpoint shared memory on one machine: unique names per job, owners, sweeps of dead processes
+only, capacity from the real limits (a small /dev/shm refuses saves, never kills), and an
+in-process engine's cleanup at exit (normal or SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from transom.checkpoint import capacity, shm_dirs
+from transom.checkpoint.shm import RegionDir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_two_jobs_with_a_long_common_prefix_get_distinct_folders_and_sockets() -> None:
+    a = shm_dirs.default_shm_dir("pretrain-llama3-8b-2026-11-30-run-01", "node-000001")
+    b = shm_dirs.default_shm_dir("pretrain-llama3-8b-2026-11-30-run-02", "node-000001")
+    c = shm_dirs.default_shm_dir("pretrain-llama3-8b-2026-11-30-run-01", "node-000002")
+    assert len({a, b, c}) == 3
+    assert a == shm_dirs.default_shm_dir("pretrain-llama3-8b-2026-11-30-run-01", "node-000001")
+    assert len(str(a / shm_dirs.SOCKET_NAME)) < 100  # fits a Unix socket address
+    # Ids that differ only after the readable part, or in characters a path cannot hold.
+    assert shm_dirs.default_shm_dir("x" * 200 + "1", "n") != shm_dirs.default_shm_dir(
+        "x" * 200 + "2", "n"
+    )
+    assert "/" not in shm_dirs.default_shm_dir("a/b", "../n").name
+
+
+def test_a_live_jobs_folder_is_never_taken_or_swept(tmp_path: Path) -> None:
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = tmp_path / "transom-run-02-node-abc"
+        other.mkdir()
+        (other / "r000001-64").write_bytes(b"x" * 64)
+        owner = {"pid": live.pid, "start": shm_dirs._start_time(live.pid), "job": "run-02"}
+        (other / shm_dirs.OWNER_FILE).write_text(__import__("json").dumps(owner))
+        with pytest.raises(shm_dirs.OwnedBySomeoneElse, match="running process"):
+            RegionDir(other, "run-01", "node")
+        assert shm_dirs.sweep_stale_shm(tmp_path) == []
+        assert (other / "r000001-64").exists()
+    finally:
+        live.kill()
+        live.wait()
+    # Its owner is gone: the next sweep frees it, and the folder can be claimed again.
+    assert shm_dirs.sweep_stale_shm(tmp_path) == [other]
+    assert not other.exists()
+
+
+def test_sweep_removes_dead_owners_folders_and_keeps_foreign_ones(tmp_path: Path) -> None:
+    dead = tmp_path / "transom-dead-n-0123"
+    RegionDir(dead, "job", "n")
+    owner = shm_dirs.read_owner(dead)
+    assert owner is not None and owner["pid"] == os.getpid()
+    mine = tmp_path / "transom-mine-n-4567"
+    RegionDir(mine, "job", "n")
+    (dead / shm_dirs.OWNER_FILE).write_text(
+        __import__("json").dumps({"pid": _dead_pid(), "start": 1.0})
+    )
+    reused = tmp_path / "transom-reused-n-89ab"  # a pid now used by another (younger) process
+    RegionDir(reused, "job", "n")
+    (reused / shm_dirs.OWNER_FILE).write_text(
+        __import__("json").dumps({"pid": os.getpid(), "start": 12345.0})
+    )
+    foreign = tmp_path / "transom-something-else"  # no owner, no socket: not a server's
+    foreign.mkdir()
+    assert shm_dirs.sweep_stale_shm(tmp_path) == [dead, reused]
+    assert mine.exists() and foreign.exists()
+
+
+def test_capacity_is_the_smallest_real_limit(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    limit = capacity.effective_budget(1 << 62, tmp_path / "regions")
+    assert limit.nbytes <= free and limit.source != "the configured checkpoint memory budget"
+    assert capacity.effective_budget(4096, tmp_path).nbytes == 4096
+    # cgroup v2: the tightest memory.max along the path; "max" is no limit.
+    root = tmp_path / "cg"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    (root / "a" / "memory.max").write_text("1000\n")
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    assert capacity.cgroup_memory_limit(root, proc) == 1000
+    proc.write_text("4:memory:/x\n")  # v1; the huge "unlimited" number is no limit
+    (root / "memory").mkdir()
+    (root / "memory" / "memory.limit_in_bytes").write_text(str(capacity.V1_UNLIMITED))
+    assert capacity.cgroup_memory_limit(root, proc) is None
+    (root / "memory" / "memory.limit_in_bytes").write_text("2000\n")
+    assert capacity.cgroup_memory_limit(root, proc) == 2000
+
+
+SMALL_SHM_SCRIPT = """
+import os, shutil, sys, torch
+from transom import checkpoint
+from transom.checkpoint.shm import RegionDir
+# 1. A 256 MiB state against a 64 MiB /dev/shm: refused with the reason, training goes on.
+ckpt = checkpoint.Engine(storage_dir=sys.argv[1], memory_bytes=1 << 40)
+state = {"w": torch.ones(64 << 20)}  # 256 MiB
+for step in range(3):
+    state["w"] += 1  # training goes on
+    h = ckpt.save(step, state)
+    assert not h.ok, "a 256 MiB save fitted a 64 MiB /dev/shm"
+    assert "free space of /dev/shm" in h.error, h.error
+    print("refused:", h.error.splitlines()[0])
+small = {"w": torch.ones(1 << 20)}  # 4 MiB fits
+h = ckpt.save(10, small)
+assert h.ok, h.error
+h.wait("storage")
+# 2. /dev/shm fills up after the budget was set: the region cannot be allocated -> refused.
+with open("/dev/shm/filler", "wb") as f:
+    f.write(b"x" * (shutil.disk_usage("/dev/shm").free - (2 << 20)))
+h = ckpt.save(11, {"w": torch.ones(4 << 20)})  # 16 MiB, within the budget, not within tmpfs
+assert not h.ok and "cannot" in h.error, h.error
+print("refused:", h.error.splitlines()[0])
+ckpt.close()
+assert float(checkpoint.Engine(storage_dir=sys.argv[1]).load(10)["w"][0]) == 1.0
+print("TRAINING WENT ON")
+"""
+
+
+def _can_unshare() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return f"no private mount namespace here (unshare -m: {probe.stderr.strip()[:100]})"
+    return None
+
+
+def test_a_small_dev_shm_refuses_saves_with_a_reason_and_training_goes_on(tmp_path: Path) -> None:
+    why = _can_unshare()
+    if why:
+        pytest.skip(why)
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM_SCRIPT)
+    shell = (
+        "mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+        f"exec {sys.executable} {script} {tmp_path / 'ckpt'}"
+    )
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", shell],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]  # no SIGBUS (-7), no exception
+    assert done.stdout.count("refused:") == 4 and "TRAINING WENT ON" in done.stdout, out[-3000:]
+
+
+EXIT_SCRIPT = """
+import os, sys, time, torch
+from transom import checkpoint
+ckpt = checkpoint.Engine(storage_dir=sys.argv[1], memory_bytes=64 << 20)
+h = ckpt.save(1, {"w": torch.ones(1 << 18)})
+h.wait("memory")
+print("SAVED", ckpt.server.cfg.shm_dir, flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(600)
+# normal exit without close(): the finalizer frees the regions
+"""
+
+
+def test_single_process_engines_leave_nothing_in_dev_shm(tmp_path: Path) -> None:
+    """RUNS runs (half exit normally without close(), half are SIGKILLed after a save), then a
+    new engine: nothing of theirs is left in /dev/shm."""
+    runs = 6
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT)
+    environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+    left: list[Path] = []
+    for i in range(runs):
+        mode = "exit" if i % 2 == 0 else "hang"
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpt"), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=environ,
+        )
+        try:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("SAVED"), line
+            folder = Path(line.split()[1])
+            assert any(folder.iterdir())  # it held regions while alive
+            if mode == "hang":
+                p.send_signal(signal.SIGKILL)
+            assert p.wait(60) in (0, -signal.SIGKILL)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if mode == "exit":
+            assert not folder.exists(), "a normal exit left its regions in /dev/shm"
+        left.append(folder)
+    from transom import checkpoint
+
+    with checkpoint.Engine(storage_dir=tmp_path / "ckpt2", memory_bytes=16 << 20):
+        remaining = [f for f in left if f.exists()]
+        assert remaining == []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(f.exists() for f in left):
+        time.sleep(0.1)
+    assert not any(f.exists() for f in left)
+
+
+def test_server_sigterm_frees_shared_memory_and_exits_0(tmp_path: Path) -> None:
+    shm_dir = Path("/dev/shm") / f"transom-test-sigterm-{os.getpid()}"
+    p = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "transom.checkpoint.server"),
+            *("--node-id", "n1", "--shm-dir", str(shm_dir), "--memory", "64M"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("ready")
+        assert shm_dirs.read_owner(shm_dir)["pid"] == p.pid  # type: ignore[index]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        assert not shm_dir.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)

@@ -1,0 +1,178 @@
+"""Timelines: shards of different jobs, generations or world sizes never form one checkpoint; a
+replaced generation's saves are refused; poisoned steps leave every tier; no restore step in the
+plan means a fresh start."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from transom import checkpoint
+from transom.checkpoint import layout, storage
+from transom.checkpoint.config import ServerConfig
+from transom.checkpoint.publisher import PlanView
+from transom.checkpoint.server import CheckpointServer
+
+
+def _shard(step: int, rank: int, tl: dict, value: float = 0.0) -> tuple[bytes, memoryview]:
+    plan = layout.plan_state({"w": torch.full((16,), value)}, step, rank, tl["world_size"], tl)
+    data = torch.zeros(plan.data_len, dtype=torch.uint8)
+    layout.copy_into(plan, data)
+    view = memoryview(data.numpy())
+    plan.header["chunks"] = layout.checksum_data(view)
+    return layout.encode_header(plan.header), view
+
+
+def _write(root: Path, step: int, rank: int, tl: dict, value: float = 0.0) -> list[int]:
+    head, data = _shard(step, rank, tl, value)
+    storage.write_shard(root, step, rank, head, data, tl)
+    return storage.complete_step(root, step, tl["world_size"], keep=3, timeline=tl)
+
+
+def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> None:
+    one, two = layout.timeline("j", 0, 1), layout.timeline("j", 1, 2)
+    _write(tmp_path, 7, 0, one)
+    assert storage.complete_steps(tmp_path) == [7]
+    _write(tmp_path, 7, 1, two)  # rank 1 of a world of 2: rank 0 on disk is a world of 1's
+    assert storage.complete_steps(tmp_path) == []  # the old manifest is withdrawn
+    assert storage.latest_step(tmp_path) is None
+    _write(tmp_path, 7, 0, two)
+    manifest = storage.read_manifest(tmp_path, 7)
+    assert manifest is not None and manifest["timeline"] == two
+    header, _ = storage.read_shard(storage.shard_path(tmp_path, 7, 1), 7, 1)
+    assert header["timeline"] == two
+
+
+def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refused(
+    tmp_path: Path,
+) -> None:
+    old, new = layout.timeline("j", 1, 2), layout.timeline("j", 2, 2)
+    for rank in (0, 1):
+        _write(tmp_path, 5, rank, old, 1.0)
+    assert storage.complete_steps(tmp_path) == [5]
+    _write(tmp_path, 5, 0, new, 2.0)  # a rollback re-saves step 5: not complete until rank 1
+    assert storage.complete_steps(tmp_path) == []
+    _write(tmp_path, 5, 1, new, 2.0)
+    assert storage.read_manifest(tmp_path, 5)["timeline"] == new  # type: ignore[index]
+    with pytest.raises(storage.StaleTimeline):  # a zombie of generation 1 persisting late
+        _write(tmp_path, 5, 1, old, 1.0)
+    for rank in (0, 1):
+        _, data = storage.read_shard(storage.shard_path(tmp_path, 5, rank), 5, rank)
+        assert float(layout.rebuild(_, data)["w"][0]) == 2.0
+
+
+def test_a_shard_that_does_not_match_its_manifest_is_a_shard_error(tmp_path: Path) -> None:
+    tl = layout.timeline("j", 0, 1)
+    _write(tmp_path, 3, 0, tl)
+    other_head, other_data = _shard(3, 0, layout.timeline("other-job", 0, 1))
+    storage.atomic_write(storage.shard_path(tmp_path, 3, 0), [other_head, other_data])
+    with pytest.raises(layout.ShardError, match="timeline"):
+        storage.read_shard(storage.shard_path(tmp_path, 3, 0), 3, 0)
+
+
+def test_discarded_steps_leave_storage(tmp_path: Path) -> None:
+    tl = layout.timeline("j", 0, 1)
+    for step in (1, 2, 3):
+        _write(tmp_path, step, 0, tl)
+    cut = time.time() + 1  # everything above was written before the rollback's generation
+    assert storage.discard_steps(tmp_path, 2, cut) == [2, 3]
+    assert storage.complete_steps(tmp_path) == [1] and storage.latest_step(tmp_path) == 1
+    assert not storage.step_dir(tmp_path, 3).exists()
+    assert storage.discard_steps(tmp_path, 2, cut) == []
+
+
+def _server(tmp_path: Path, **kw) -> CheckpointServer:
+    cfg = ServerConfig(
+        node_id="n0",
+        socket_path=Path("/dev/shm") / f"transom-test-tl-{os.getpid()}" / "s.sock",
+        shm_dir=Path("/dev/shm") / f"transom-test-tl-{os.getpid()}",
+        budget_bytes=1 << 30,
+        replicas=0,
+        storage_dir=tmp_path / "ckpt",
+        **kw,
+    )
+    return CheckpointServer(cfg).start()
+
+
+def test_a_server_refuses_saves_of_a_replaced_generation(tmp_path: Path, monkeypatch) -> None:
+    server = _server(tmp_path)
+    try:
+        server.publisher.plan = PlanView(generation=3)
+        monkeypatch.setenv("TRANSOM_GENERATION", "2")
+        zombie = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
+        h = zombie.save(10, {"w": torch.ones(4)})
+        assert not h.ok and "older than the plan's generation 3" in str(h.error)
+        zombie.close()
+        monkeypatch.setenv("TRANSOM_GENERATION", "3")
+        current = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
+        h = current.save(10, {"w": torch.ones(4)})
+        h.wait("storage", timeout=30)
+        header, _ = storage.read_shard(storage.shard_path(tmp_path / "ckpt", 10, 0))
+        assert header["timeline"] == {"job": "local", "generation": 3, "world_size": 1}
+        current.close()
+    finally:
+        server.stop()
+
+
+def test_discarded_steps_leave_memory_and_storage(tmp_path: Path) -> None:
+    server = _server(tmp_path, memory_keep=3)
+    try:
+        engine = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
+        for step in (1, 2, 3):
+            engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
+        server._discard([{"first_bad_step": 2, "saved_before": time.time()}])
+        assert {s.step for s in server.memory.shards.values()} == {1}
+        assert storage.complete_steps(tmp_path / "ckpt") == [1]
+        assert float(engine.load()["w"][0]) == 1.0  # the newest step left is the pre-NaN one
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_no_restore_step_in_the_plan_means_fresh(tmp_path: Path, monkeypatch) -> None:
+    with checkpoint.Engine(storage_dir=tmp_path / "ckpt") as engine:
+        engine.save(4, {"w": torch.ones(4)}).wait("storage", timeout=30)
+    monkeypatch.setenv("TRANSOM_GENERATION", "2")  # under a launcher whose plan names no step
+    monkeypatch.delenv("TRANSOM_RESTORE_STEP", raising=False)
+    with checkpoint.Engine(storage_dir=tmp_path / "ckpt") as engine:
+        assert engine.load() is None
+        monkeypatch.setenv("TRANSOM_RESTORE_STEP", "4")
+        assert float(engine.load()["w"][0]) == 1.0
+    monkeypatch.delenv("TRANSOM_GENERATION")
+    monkeypatch.delenv("TRANSOM_RESTORE_STEP")
+    with checkpoint.Engine(storage_dir=tmp_path / "ckpt") as engine:  # no launcher: the newest
+        assert float(engine.load()["w"][0]) == 1.0
+
+
+@pytest.mark.slow
+def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path: Path) -> None:
+    from transom.checkpoint import catalog
+    from transom.checkpoint.config import store_options
+    from transom.store import EmbeddedEtcd, Store
+
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        store = Store(etcd.access, "job")
+        server = _server(tmp_path, memory_keep=3, job_id="job", **store_options(etcd.access))
+        try:
+            engine = checkpoint.Engine(
+                socket_path=str(server.cfg.socket_path), rank=0, world_size=1
+            )
+            for step in (1, 2, 3):
+                engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
+            assert catalog.restorable_steps(store, 1) == [3, 2, 1]
+            catalog.discard_poisoned(store, 2, time.time())
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and storage.complete_steps(tmp_path / "ckpt") != [1]:
+                time.sleep(0.1)
+            assert storage.complete_steps(tmp_path / "ckpt") == [1]
+            assert {s.step for s in server.memory.shards.values()} == {1}
+            server.publisher._new_lease()  # a lost lease: everything held is listed again
+            assert catalog.restorable_steps(store, 1) == [1]
+            assert float(engine.load()["w"][0]) == 1.0
+            engine.close()
+        finally:
+            server.stop()
