@@ -34,13 +34,14 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from transom.checkpoint import layout, replication, storage, tiers
+from transom.checkpoint import layout, replication, reshard, storage, tiers
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -156,6 +157,7 @@ class Engine:
         self._pinned: set[str] = set()
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
+        self.last_shard: dict = {}  # the world size and resharding record of the shard read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None):
         from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
@@ -182,7 +184,7 @@ class Engine:
     def prepare(self, state: Any) -> bool:
         """Have the server populate a region for a save of `state`'s size ahead of time, so even the
         first save is a plain memory copy. False when the budget has no room for a spare region."""
-        plan = layout.plan_state(state, 0, self.rank, self.world_size)
+        plan = reshard.plan_state(state, 0, self.rank, self.world_size)
         try:
             reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
         except RequestTimeout as e:
@@ -192,16 +194,17 @@ class Engine:
             self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
         return bool(reply.get("ok"))
 
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, replicated: Iterable[str] = ()) -> SaveHandle:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the
-        background.
+        background. `replicated` names the values the same on every rank ("model", "optim/state",
+        "" for all), so a world of another size can load this step (reshard.py).
 
         A save the server refuses (memory budget) or does not answer in time does not raise:
         the handle says why, `wait` raises SaveRefused, and a warning is logged (a timeout is
         also reported as a `refused` event, in the background).
         """
         t0 = time.perf_counter()
-        plan = layout.plan_state(state, step, self.rank, self.world_size)
+        plan = reshard.plan_state(state, step, self.rank, self.world_size, replicated)
         try:
             reply = self._request(
                 {
@@ -321,13 +324,17 @@ class Engine:
         """The state saved at `step` (default: the controller's restore step, else the newest
         restorable), bit for bit; None when there is nothing to restore. Tensors are on the CPU
         unless `map_location` says otherwise; `tier` ("memory", "peer", "storage") reads only there;
-        `rank` reads another rank's shard (resharding)."""
+        `rank` reads that rank's shard as saved. A step saved by a world of another size is
+        resharded for this rank (reshard.py; `last_load["resharded"]` says what was left out)."""
         step = step if step is not None else self.restore_step()
         candidates = [step] if step is not None else self.steps()
         errors = []
         for s in candidates:
             try:
-                state = self._load_step(s, tier, self.rank if rank is None else rank)
+                if rank is None:
+                    state = reshard.load(self, s, tier)
+                else:
+                    state = self._load_step(s, tier, rank)
             except CheckpointError as e:
                 errors.append(str(e))
                 if step is not None:
@@ -376,6 +383,7 @@ class Engine:
                     continue
                 took = time.perf_counter() - t0
                 self.last_load = {"step": step, "tier": name, "seconds": took}
+                self.last_shard = reshard.load_info(header)
                 self._report(
                     "restored",
                     f"rank {rank} restored step {step} from {name} in {took:.3f} s",
