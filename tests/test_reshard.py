@@ -45,6 +45,11 @@ def test_copy_overlap_moves_only_the_overlapping_block() -> None:
     assert copy_overlap(grid, [0, 0], torch.ones(2, 3, dtype=torch.long), [3, 2]) == 2
     assert grid.sum() == 2 and grid[3, 2] == 1 and grid[3, 3] == 1
     assert copy_overlap(grid, [0, 0], torch.ones(1, 1, dtype=torch.long), [9, 9]) == 0
+    # what was filled is marked, so a gap between saved chunks is found, not left as garbage
+    target, filled = torch.empty(6), torch.zeros(6, dtype=torch.bool)
+    copy_overlap(target, [0], torch.ones(2), [0], filled)
+    copy_overlap(target, [0], torch.ones(2), [4], filled)
+    assert filled.tolist() == [True, True, False, False, True, True]
 
 
 # -- which steps ----------------------------------------------------------------------------------

@@ -101,6 +101,11 @@ def describe(state: Any, replicated: Iterable[str | Path_] = ()) -> tuple[Any, d
 
     def walk(value: Any, path: Path_) -> Any:
         if dtensor is not None and isinstance(value, dtensor):
+            if not all(type(k) in (str, int) for k in path):
+                raise layout.UnsupportedValue(
+                    f"cannot record where DTensor {list(map(repr, path))} is: its keys must be "
+                    f"strings or integers"
+                )
             return _local_chunk(value, path, rep, sharded)
         if isinstance(value, dict):
             new = {k: walk(v, (*path, k)) for k, v in value.items()}
@@ -194,13 +199,18 @@ def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def copy_overlap(
-    target: torch.Tensor, target_offsets: list[int], piece: torch.Tensor, offsets: list[int]
+    target: torch.Tensor,
+    target_offsets: list[int],
+    piece: torch.Tensor,
+    offsets: list[int],
+    filled: torch.Tensor | None = None,
 ) -> int:
     """Copy the part of `piece` (at global `offsets`) that overlaps `target` (at
-    `target_offsets`) into `target`; the number of elements copied."""
+    `target_offsets`) into `target`, marking it in `filled` (a bool tensor of target's shape)
+    when given; the number of elements copied."""
     if piece.dim() != target.dim() or len(offsets) != piece.dim():
         raise CheckpointError("a saved chunk does not have the tensor's number of dimensions")
-    src, dst = piece, target
+    src, dst, mark = piece, target, filled
     for d in range(piece.dim()):
         lo = max(offsets[d], target_offsets[d])
         hi = min(offsets[d] + piece.shape[d], target_offsets[d] + target.shape[d])
@@ -208,7 +218,11 @@ def copy_overlap(
             return 0
         src = src.narrow(d, lo - offsets[d], hi - lo)
         dst = dst.narrow(d, lo - target_offsets[d], hi - lo)
+        if mark is not None:
+            mark = mark.narrow(d, lo - target_offsets[d], hi - lo)
     dst.copy_(src)
+    if mark is not None:
+        mark.fill_(True)
     return src.numel()
 
 
@@ -287,7 +301,11 @@ class _Resharder:
             dim = None if dim is None else int(dim)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"step {self.step}: malformed record of {path}: {e}") from e
-        if not isinstance(example, torch.Tensor) or (dim is not None and not 0 <= dim < len(shape)):
+        if (
+            not isinstance(example, torch.Tensor)
+            or any(n < 0 for n in shape)
+            or (dim is not None and not 0 <= dim < len(shape))
+        ):
             raise CheckpointError(f"step {self.step}: {path} does not match its record")
         offsets = [0] * len(shape)
         local = list(shape)
@@ -302,19 +320,23 @@ class _Resharder:
                 < min(end, chunk_range(shape[dim], self.saved_world, q)[1])
             ]
         out = torch.empty(local, dtype=example.dtype)
-        copied = 0
+        filled = torch.zeros(local, dtype=torch.bool)
         for q in sources:
             state, record = self.shard(q)
-            entry = dict((tuple(p), i) for p, i in record.get("sharded", [])).get(path)
-            piece = _at(state, path)
-            if entry is None or not isinstance(piece, torch.Tensor):
-                raise CheckpointError(f"step {self.step} rank {q} holds no chunk of {path}")
-            if piece.dtype != out.dtype or [int(n) for n in entry["global_shape"]] != shape:
-                raise CheckpointError(f"step {self.step} rank {q}: {path} has another shape")
-            copied += copy_overlap(out, offsets, piece, [int(o) for o in entry["offsets"]])
-        if copied != out.numel():
+            try:
+                entry = dict((tuple(p), i) for p, i in record.get("sharded", [])).get(path)
+                piece = _at(state, path)
+                entry = entry if isinstance(entry, dict) else {}
+                same = [int(n) for n in entry.get("global_shape", [-1])] == shape
+                chunk_offsets = [int(o) for o in entry.get("offsets", [])]
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                raise CheckpointError(f"step {self.step} rank {q}: bad chunk of {path}: {e}") from e
+            if not same or not isinstance(piece, torch.Tensor) or piece.dtype != out.dtype:
+                raise CheckpointError(f"step {self.step} rank {q} holds no chunk of {path} to fit")
+            copy_overlap(out, offsets, piece, chunk_offsets, filled)
+        if not bool(filled.all()):
             raise CheckpointError(
-                f"step {self.step}: the saved chunks of {path} cover {copied} of "
+                f"step {self.step}: the saved chunks of {path} cover {int(filled.sum())} of "
                 f"{out.numel()} elements of rank {rank}'s slice"
             )
         return out
