@@ -297,3 +297,21 @@ def test_collective_timeout_ends_a_job_whose_peer_stalls(tmp_path: Path) -> None
     assert re.search(r"^\[rank0\]:.*[Tt]imed out", out, re.M), out
     assert re.search(r"^step 2 loss ", out, re.M) and not re.search(r"^step 3 ", out, re.M), out
     assert seconds < 15, f"the job took {seconds:.1f} s to fail"
+
+
+def test_resumes_after_a_shrink_and_after_a_grow(tmp_path: Path) -> None:
+    """3 ranks train to step 4; 2 ranks resume there (resharded) and train to step 6; 3 ranks
+    resume at step 6. Never from step 0: every value train_gpt saves is declared replicated."""
+    common = ["--ckpt-every", "2", "--log-every", "2", "--ckpt-dir", str(tmp_path / "c")]
+    out = _torchrun(3, "--steps", "4", *common, cwd=tmp_path)
+    assert "[train_gpt] done step=4 rank=2" in out, out
+    out = _torchrun(2, "--steps", "6", *common, cwd=tmp_path)
+    for rank in (0, 1):
+        assert f"[train_gpt] resumed step=4 rank={rank}" in out, out
+        assert re.search(rf"restored step=4 rank={rank} .*resharded_from=3", out), out
+    assert "[train_gpt] done step=6 rank=1" in out, out
+    out = _torchrun(3, "--steps", "8", *common, cwd=tmp_path)
+    for rank in (0, 1, 2):
+        assert f"[train_gpt] resumed step=6 rank={rank}" in out, out
+    assert re.search(r"restored step=6 rank=2 .*resharded_from=2", out), out
+    assert "[train_gpt] done step=8 rank=2" in out, out

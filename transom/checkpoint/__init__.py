@@ -3,7 +3,8 @@
 Shards live in a per-node server's shared memory, are replicated to a peer node and persisted
 to storage in the background, listed in etcd, and loaded back from the fastest tier holding a
 good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storage).
-  engine.py          the worker's API (`Engine`, `SaveHandle`, `save`/`load`)
+  engine.py          the worker's API (`Engine`, `SaveHandle`)
+  single_file.py     `save`/`load`: a torch.save / torch.load pair in the shard format
     client.py        its requests to the node's server, each with a time limit
   tiers/             where the loader reads from: one `LoadTier` a file, registered in order
   server.py          the per-node server, wiring:
@@ -26,8 +27,8 @@ _EXPORTS = {
     "SaveHandle": "engine",
     "CheckpointError": "engine",
     "SaveRefused": "engine",
-    "save": "engine",
-    "load": "engine",
+    "save": "single_file",
+    "load": "single_file",
     "ShardError": "layout",
     "UnsupportedValue": "layout",
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from transom.checkpoint import reshard_steps
 from transom.common import keys
 from transom.common.states import Tier
 from transom.store import Store
@@ -112,19 +113,14 @@ def holders(store: Store, step: int, rank: int) -> dict[str, dict]:
 
 def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
     """Steps whose every rank 0..world_size-1 is held by a live tier, saved with this world size,
+    or saved by another world whose every rank's shard is held and reshardable (reshard.py),
     newest first. Memory on a node in `lost` does not count (its lease may not have expired yet)."""
-    catalog = shards(store)
 
-    def usable(info: dict) -> bool:
-        return info.get("world_size") == world_size and not (
-            info.get("tier") == Tier.MEMORY and info.get("node") in lost
-        )
+    def live(info: dict) -> bool:
+        return not (info.get("tier") == Tier.MEMORY and info.get("node") in lost)
 
-    return [
-        step
-        for step in sorted(catalog, reverse=True)
-        if all(any(usable(i) for i in catalog[step].get(r, {}).values()) for r in range(world_size))
-    ]
+    entries = reshard_steps.catalog_entries(shards(store), live)
+    return sorted(reshard_steps.restorable(entries, world_size), reverse=True)
 
 
 def newest_restorable(

@@ -10,6 +10,8 @@ carries DCP's global metadata, encoded as a tree of plain values (no pickle), so
 reshard: any rank reads the items it needs from any saved rank's shard, from the fastest tier
 that holds it (local memory, a peer, storage). DCP's own "bytes" items (objects DCP serialised
 itself) are stored as opaque bytes; DCP decides how to read them back. Checkpoint ids are steps.
+Each shard is declared a DCP shard (reshard.DcpShard), so the controller counts a step saved by
+a world of another size as restorable: DCP's planner re-slices it (DTensors, ShardedTensors).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from transom.checkpoint.engine import CheckpointError, Engine, SaveHandle
+from transom.checkpoint.reshard import DcpShard
 
 
 def _index_key(index: MetadataIndex) -> str:
@@ -153,7 +156,8 @@ class TransomWriter(StorageWriter):
 
     def _save(self, metadata: dict | None) -> None:
         assert self.step is not None  # write_data checked it
-        handle = self.engine.save(self.step, {"dcp_items": self.items, "dcp_metadata": metadata})
+        state = DcpShard(dcp_items=self.items, dcp_metadata=metadata)  # the planner reshards it
+        handle = self.engine.save(self.step, state)
         self.handle = handle
         if not handle.ok:
             raise CheckpointError(f"DCP save of step {self.step} refused: {handle.error}")

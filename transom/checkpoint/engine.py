@@ -34,12 +34,13 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, replication, storage, tiers
+from transom.checkpoint import layout, replication, reshard, tiers
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -47,8 +48,9 @@ from transom.checkpoint.client import (
     ServerConnection,
 )
 from transom.checkpoint.protocol import deadline_in
-from transom.checkpoint.shm import MappingCache, anonymous_buffer, as_bytes
+from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.shm_dirs import SHM_ROOT, sweep_stale_shm
+from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
 from transom.common import env, files
 from transom.common.states import Tier
@@ -162,6 +164,7 @@ class Engine:
         self._pinned: set[str] = set()
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
+        self.last_shard: dict = {}  # the world size and resharding record of the shard read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None):
         from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
@@ -199,7 +202,7 @@ class Engine:
     def prepare(self, state: Any) -> bool:
         """Have the server populate a region for a save of `state`'s size ahead of time, so even the
         first save is a plain memory copy. False when the budget has no room for a spare region."""
-        plan = layout.plan_state(state, 0, self.rank, self.world_size)
+        plan = reshard.plan_state(state, 0, self.rank, self.world_size)
         try:
             reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
         except RequestTimeout as e:
@@ -209,16 +212,19 @@ class Engine:
             self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
         return bool(reply.get("ok"))
 
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, replicated: Iterable[str] = ()) -> SaveHandle:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the
-        background.
+        background. `replicated` names the values the same on every rank ("model", "optim/state",
+        "" for all), so a world of another size can load this step (reshard.py).
 
         A save the server refuses (memory budget) or does not answer in time does not raise:
         the handle says why, `wait` raises SaveRefused, and a warning is logged (a timeout is
         also reported as a `refused` event, in the background).
         """
         t0 = time.perf_counter()
-        plan = layout.plan_state(state, step, self.rank, self.world_size, self.timeline())
+        plan = reshard.plan_state(
+            state, step, self.rank, self.world_size, replicated, self.timeline()
+        )
         try:
             msg = {"op": "reserve", "step": step, "rank": self.rank, "nbytes": plan.data_len}
             msg |= {"world_size": self.world_size}
@@ -335,7 +341,9 @@ class Engine:
         when it names none - a fresh start, never the newest step, which may be poisoned; without
         one the newest restorable), bit for bit; None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
-        "storage") reads only there; `rank` reads another rank's shard (resharding)."""
+        "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
+        world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
+        says what was left out)."""
         step = step if step is not None else self.restore_step()
         if step is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
@@ -344,14 +352,17 @@ class Engine:
         errors = []
         for s in candidates:
             try:
-                state = self._load_step(s, tier, self.rank if rank is None else rank)
+                if rank is None:
+                    state = reshard.load(self, s, tier)
+                else:
+                    state = self._load_step(s, tier, rank)
             except CheckpointError as e:
                 errors.append(str(e))
                 if step is not None:
                     raise
                 log.warning("%s; trying an older step", e)
                 continue
-            return _to_device(state, map_location) if map_location is not None else state
+            return to_device(state, map_location) if map_location is not None else state
         if errors:
             raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
         return None
@@ -393,6 +404,7 @@ class Engine:
                     continue
                 took = time.perf_counter() - t0
                 self.last_load = {"step": step, "tier": name, "seconds": took}
+                self.last_shard = reshard.load_info(header)
                 self._report(
                     "restored",
                     f"rank {rank} restored step {step} from {name} in {took:.3f} s",
@@ -460,40 +472,3 @@ def _tier(tier: Tier | str) -> Tier:
         raise ValueError(
             f"unknown tier {tier!r}: one of {', '.join(t.value for t in Tier)}"
         ) from None
-
-
-def _to_device(value: Any, device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        out = type(value)((k, _to_device(v, device)) for k, v in value.items())
-        if hasattr(value, "_metadata"):
-            out._metadata = value._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-# -- a torch.save / torch.load pair --------------------------------------------------------------
-
-
-def save(obj: Any, path: str | os.PathLike) -> None:
-    """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
-    plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
-    buf = anonymous_buffer(plan.data_len)
-    data = as_bytes(buf)[: plan.data_len]
-    layout.copy_into(plan, data)
-    if any(r.source.is_cuda for r in plan.ranges):
-        torch.cuda.synchronize()
-    view = memoryview(buf)[: plan.data_len]
-    plan.header["chunks"] = layout.checksum_data(view)
-    path = Path(path)
-    storage.atomic_write(path, [layout.encode_header(plan.header), view])
-
-
-def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:
-    """Like torch.load(weights_only=True) for files written by `save`; ShardError when corrupt."""
-    header, data = storage.read_shard(Path(path))
-    state = layout.rebuild(header, data)
-    return _to_device(state, map_location) if map_location is not None else state

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transom.checkpoint import catalog
+from transom.checkpoint.reshard_steps import CATALOG_FLAG, reshardable
 from transom.common import keys
 from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
@@ -141,6 +142,7 @@ class Publisher:
                 catalog.memory_holder(self.node),
                 {
                     "world_size": shard.world_size,
+                    CATALOG_FLAG: reshardable(shard.header),
                     "node": self.node,
                     "tier": Tier.MEMORY,
                     "addr": self.addr,
@@ -178,6 +180,7 @@ class Publisher:
                 catalog.STORAGE_HOLDER,
                 {
                     "world_size": shard.world_size,
+                    CATALOG_FLAG: reshardable(shard.header),
                     "node": self.node,
                     "tier": Tier.STORAGE,
                     "path": path,

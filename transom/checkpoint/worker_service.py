@@ -40,6 +40,8 @@ from transom.checkpoint.protocol import (
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
+from transom.checkpoint.reshard import storage_steps
+from transom.checkpoint.reshard_steps import reshardable, restorable
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 
@@ -188,17 +190,13 @@ class WorkerService:
         listed = self.publisher.restorable_steps(world_size)
         if listed is not None:
             return listed
-        by_step: dict[int, set[int]] = {}
-        for s in self.memory.holding(Tier.MEMORY):
-            if s.world_size == world_size:
-                by_step.setdefault(s.step, set()).add(s.rank)
-        steps = {s for s, ranks in by_step.items() if ranks == set(range(world_size))}
+        held = [
+            (s.step, s.rank, s.world_size, reshardable(s.header))
+            for s in self.memory.holding(Tier.MEMORY)
+        ]
+        steps = restorable(held, world_size)
         if self.cfg.storage_dir is not None:
-            root = Path(self.cfg.storage_dir)
-            for step in storage.complete_steps(root):
-                manifest = storage.read_manifest(root, step)
-                if manifest and manifest.get("world_size") == world_size:
-                    steps.add(step)
+            steps.update(storage_steps(Path(self.cfg.storage_dir), world_size))
         return sorted(steps, reverse=True)
 
 

@@ -166,11 +166,17 @@ def engine_load(engine):
         return None
     if state is not None:
         info = engine.last_load
+        resharded = info.get("resharded")
+        how = f" resharded_from={resharded['from_world_size']}" if resharded else ""
         log(
             f"[train_gpt] restored step={info['step']} rank={RANK} tier={info['tier']} "
-            f"seconds={info['seconds']:.3f}"
+            f"seconds={info['seconds']:.3f}{how}"
         )
     return state
+
+
+# The keys of engine_save's state that are the same on every rank: all of them.
+REPLICATED = ("step", "model", "optim", "seed", "world_size")
 
 
 def engine_save(engine, step, model, optimizer, seed, world_size):
@@ -182,7 +188,9 @@ def engine_save(engine, step, model, optimizer, seed, world_size):
         "seed": seed,
         "world_size": world_size,
     }
-    handle = engine.save(step, state)
+    # Every value is the same on every rank (DDP), so a world of another size can resume from it;
+    # the data position is a function of the step (gpt_model.get_batch), not saved per rank.
+    handle = engine.save(step, state, replicated=REPLICATED)
     if not handle.ok:
         log(f"[train_gpt] warning: rank={RANK} checkpoint of step {step} refused: {handle.error}")
     return handle

@@ -24,6 +24,12 @@ went through uninterrupted or was killed and resumed from a checkpoint. That hol
   * the checkpoint holds the model and the optimizer state (AdamW moments and step counts);
   * DDP keeps one fixed gradient bucket layout for the whole run (see make_ddp), so gradients are
     summed in the same order on every step.
+A run that resumes with another world size (an elastic shrink or grow under `transom run
+--nnodes MIN:MAX`, or torchrun with another --nproc-per-node) resumes from the newest checkpoint
+too: every value saved is the same on every rank and declared so (gpt_checkpoints.REPLICATED),
+so any rank's copy serves any new rank (transom/checkpoint/reshard.py), and a rank's batches are
+a function of (seed, step, rank), so the data order is deterministic for the new world; it is
+not bit-identical to a run that kept its world size (it prints a warning saying so).
 
 Checkpoints: the checkpoint for step s holds the state after step s was applied; a run that finds
 it resumes at step s+1 (steps are numbered 1..--steps). Two implementations (--checkpoint):
@@ -220,7 +226,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = GPT(len(chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = 0
+    start_step = saved_world = 0
     engine = None
     if args.checkpoint == "transom":
         engine = checkpoint.Engine(
@@ -239,15 +245,16 @@ def main(argv=None):
             )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
-        start_step = state["step"]
+        start_step, saved_world = state["step"], int(state.get("world_size") or 0)
         del state
-    if distributed:  # all ranks must resume from the same step, or they would silently diverge
-        lo, hi = torch.tensor([start_step]), torch.tensor([start_step])
+    if distributed:  # all ranks must resume from the same checkpoint, or they would diverge
+        lo, hi = torch.tensor([start_step, saved_world]), torch.tensor([start_step, saved_world])
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        if lo.item() != hi.item():
+        if not torch.equal(lo, hi):
             raise RuntimeError(
-                f"ranks found different checkpoints (steps {lo.item()}..{hi.item()}); "
+                f"ranks found different checkpoints (steps {lo[0].item()}..{hi[0].item()}, "
+                f"saved by worlds of {lo[1].item()}..{hi[1].item()}); "
                 f"is {args.ckpt_dir} shared by all ranks?"
             )
     log(f"[train_gpt] resumed step={start_step} rank={rank} t={time.time():.3f}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from transom.checkpoint import storage
+from transom.checkpoint import reshard, storage
 from transom.checkpoint.tiers.base import LoaderContext, LoadTier
 from transom.common.states import Tier
 
@@ -31,9 +31,4 @@ class StorageTier(LoadTier):
         return storage.read_shard(Path(source["path"]), step, rank)
 
     def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
-        root = ctx.storage_dir
-        return [
-            s
-            for s in storage.complete_steps(root)
-            if (storage.read_manifest(root, s) or {}).get("world_size") == world_size
-        ]
+        return reshard.storage_steps(ctx.storage_dir, world_size)

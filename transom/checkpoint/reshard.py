@@ -1,0 +1,407 @@
+"""Resharding restore: a world of W ranks loads a step saved by a world of W' ranks.
+
+What a shard says about itself (its header's "reshard" record, written at save time):
+    {"replicated": [path, ...],          values the same on every rank (declared by the saver,
+                                         `Engine.save(..., replicated=("model", "optim"))`, or
+                                         detected: a DTensor replicated over its mesh)
+     "sharded": [[path, {"global_shape": [...], "offsets": [...], "dim": d | null}], ...]}
+                                         DTensors, saved as their local chunk: the global shape,
+                                         where the chunk starts, and the dimension a 1-D mesh
+                                         splits it along (Shard(d); null for other meshes)
+    {"dcp": true}                        a torch.distributed.checkpoint shard (dcp.py): its
+                                         metadata describes every chunk and DCP's planner reshards
+A path is the list of dict keys (and list indices) from the state's root; a declared path covers
+everything below it. Everything neither replicated nor sharded is per-rank state.
+
+A step is restorable for a world of W ranks (`restorable`) when every rank 0..W-1 holds a shard
+saved by a world of W (as before), or when every rank 0..W'-1 of the world that saved it holds a
+shard that has a resharding record. `load` then builds rank r's state:
+  * replicated values from one saved rank's copy, preferring a shard in this node's memory, then
+    whichever the tiers serve (a peer's memory, storage);
+  * sharded tensors re-sliced: rank r's slice of the global tensor along the same dimension (the
+    DTensor `Shard(d)` rule: chunks of ceil(n / W)), copied from the saved chunks that overlap it
+    (only those shards are read); the whole global tensor when the mesh was not 1-D;
+  * per-rank values are left out (the caller re-derives them: a data position and RNG state are
+    functions of the global step, as in workloads/train_gpt.py); `Engine.last_load["resharded"]`
+    lists them.
+This module never pickles, never talks to etcd, and never guesses: a step saved by another world
+without a record is not restorable for this one, and a record that does not match the chunks the
+shards hold raises CheckpointError (the loader tries an older step).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from transom.checkpoint import layout, storage
+from transom.checkpoint.client import CheckpointError
+from transom.checkpoint.reshard_steps import HEADER_KEY, reshardable
+
+if TYPE_CHECKING:
+    from transom.checkpoint.engine import Engine
+
+# A rank whose own shard is missing (a grown world) asks its server where this many saved ranks'
+# shards are, to read the replicated state from one in its node's memory.
+PROBE_RANKS = 16
+
+Path_ = tuple[Any, ...]
+
+
+class DcpShard(dict):
+    """The state of one rank's torch.distributed.checkpoint shard (dcp.py declares it so)."""
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def _declared(paths: Iterable[str | Path_]) -> list[Path_]:
+    out = []
+    for p in paths:
+        out.append(tuple(k for k in p.split("/") if k) if isinstance(p, str) else tuple(p))
+    return out
+
+
+def _covered(path: Path_, declared: Collection[Path_]) -> bool:
+    """`path` is at or below a declared path (keys compared as strings: "optim/state/0")."""
+    return any(
+        len(d) <= len(path) and all(str(a) == str(b) for a, b in zip(d, path, strict=False))
+        for d in declared
+    )
+
+
+def _above(path: Path_, declared: Collection[Path_]) -> bool:
+    """Some declared path lies strictly below `path`."""
+    return any(
+        len(d) > len(path) and all(str(a) == str(b) for a, b in zip(d, path, strict=False))
+        for d in declared
+    )
+
+
+def _dtensor_type() -> type | None:
+    """DTensor, when the program has imported it (else no value can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def describe(state: Any, replicated: Iterable[str | Path_] = ()) -> tuple[Any, dict | None]:
+    """(the state to save, its resharding record or None). DTensors become their local chunk;
+    `replicated` names the paths the same on every rank."""
+    if isinstance(state, DcpShard):
+        return dict(state), {"dcp": True}
+    declared = _declared(replicated)
+    sharded: list[list] = []
+    rep: list[list] = [list(p) for p in declared]
+    dtensor = _dtensor_type()
+
+    def walk(value: Any, path: Path_) -> Any:
+        if dtensor is not None and isinstance(value, dtensor):
+            if not all(type(k) in (str, int) for k in path):
+                raise layout.UnsupportedValue(
+                    f"cannot record where DTensor {list(map(repr, path))} is: its keys must be "
+                    f"strings or integers"
+                )
+            return _local_chunk(value, path, rep, sharded)
+        if isinstance(value, dict):
+            new = {k: walk(v, (*path, k)) for k, v in value.items()}
+            if all(new[k] is v for k, v in value.items()):
+                return value
+            out = type(value)(new)
+            if hasattr(value, "_metadata"):
+                out._metadata = value._metadata  # type: ignore[attr-defined]
+            return out
+        if type(value) in (list, tuple):
+            elems = [walk(v, (*path, i)) for i, v in enumerate(value)]
+            if all(a is b for a, b in zip(elems, value, strict=True)):
+                return value
+            return type(value)(elems)
+        return value
+
+    out = walk(state, ()) if dtensor is not None else state
+    if not rep and not sharded:
+        return out, None
+    return out, {"replicated": rep, "sharded": sharded}
+
+
+def _local_chunk(t: Any, path: Path_, rep: list[list], sharded: list[list]) -> torch.Tensor:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    placements = tuple(t.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        rep.append(list(path))
+        return local
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    dim = placements[0].dim if len(placements) == 1 and isinstance(placements[0], Shard) else None
+    info = {"global_shape": list(t.shape), "offsets": [int(o) for o in offsets], "dim": dim}
+    sharded.append([list(path), info])
+    return local
+
+
+def plan_state(
+    state: Any,
+    step: int,
+    rank: int,
+    world_size: int,
+    replicated: Iterable[str | Path_] = (),
+    timeline: dict | None = None,
+) -> layout.Plan:
+    """`layout.plan_state` of the state `describe` makes, its header carrying the record."""
+    state, record = describe(state, replicated)
+    plan = layout.plan_state(state, step, rank, world_size, timeline)
+    if record is not None:
+        plan.header[HEADER_KEY] = record
+    return plan
+
+
+def load_info(header: dict) -> dict:
+    """What `Engine.last_shard` says of the shard a load read: its world size and record."""
+    return {"world_size": header.get("world_size"), HEADER_KEY: header.get(HEADER_KEY)}
+
+
+# -- which steps ---------------------------------------------------------------------------------
+
+
+def read_header(path: Path) -> dict | None:
+    """A shard file's header (storage.read_header); None when it is missing or unreadable."""
+    try:
+        return storage.read_header(path)
+    except (OSError, layout.ShardError):
+        return None
+
+
+def storage_steps(root: Path, world_size: int) -> list[int]:
+    """Complete steps in a storage directory restorable for `world_size`, newest first."""
+    out = []
+    for step in storage.complete_steps(root):
+        saved = (storage.read_manifest(root, step) or {}).get("world_size")
+        if saved == world_size or (
+            type(saved) is int and reshardable(read_header(storage.shard_path(root, step, 0)))
+        ):
+            out.append(step)
+    return out
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of chunk `index` of `n` items split into `parts` (DTensor's Shard rule:
+    chunks of ceil(n / parts), the last ones shorter or empty)."""
+    size = math.ceil(n / parts) if parts else 0
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+def copy_overlap(
+    target: torch.Tensor,
+    target_offsets: list[int],
+    piece: torch.Tensor,
+    offsets: list[int],
+    filled: torch.Tensor | None = None,
+) -> int:
+    """Copy the part of `piece` (at global `offsets`) that overlaps `target` (at
+    `target_offsets`) into `target`, marking it in `filled` (a bool tensor of target's shape)
+    when given; the number of elements copied."""
+    if piece.dim() != target.dim() or len(offsets) != piece.dim():
+        raise CheckpointError("a saved chunk does not have the tensor's number of dimensions")
+    src, dst, mark = piece, target, filled
+    for d in range(piece.dim()):
+        lo = max(offsets[d], target_offsets[d])
+        hi = min(offsets[d] + piece.shape[d], target_offsets[d] + target.shape[d])
+        if hi <= lo:
+            return 0
+        src = src.narrow(d, lo - offsets[d], hi - lo)
+        dst = dst.narrow(d, lo - target_offsets[d], hi - lo)
+        if mark is not None:
+            mark = mark.narrow(d, lo - target_offsets[d], hi - lo)
+    dst.copy_(src)
+    if mark is not None:
+        mark.fill_(True)
+    return src.numel()
+
+
+def _at(state: Any, path: Path_) -> Any:
+    for key in path:
+        state = state[key]
+    return state
+
+
+class _Resharder:
+    """Rank `engine.rank`'s state of `step` from shards saved by another world."""
+
+    def __init__(self, engine: Engine, step: int, tier: str | None):
+        self.engine, self.step, self.tier = engine, step, tier
+        self.shards: dict[int, tuple[Any, dict]] = {}  # saved rank -> (state, record)
+        self.saved_world = 0
+
+    def shard(self, rank: int) -> tuple[Any, dict]:
+        if rank not in self.shards:
+            state = self.engine._load_step(self.step, self.tier, rank)
+            info = self.engine.last_shard
+            if info.get("world_size") != self.saved_world or not isinstance(
+                info.get(HEADER_KEY), dict
+            ):
+                raise CheckpointError(
+                    f"step {self.step} rank {rank} was saved by a world of "
+                    f"{info.get('world_size')} ranks, not {self.saved_world}: mixed checkpoints"
+                )
+            self.shards[rank] = (state, info[HEADER_KEY])
+        return self.shards[rank]
+
+    def build(self, base_rank: int, base: Any, record: dict) -> Any:
+        self.shards[base_rank] = (base, record)
+        try:
+            replicated = [tuple(p) for p in record.get("replicated", [])]
+            sharded = {tuple(p): dict(info) for p, info in record.get("sharded", [])}
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"step {self.step}: malformed resharding record: {e}") from e
+        dropped: list[str] = []
+
+        def rebuild(value: Any, path: Path_) -> tuple[Any, bool]:
+            if path in sharded:
+                return self.reslice(path, sharded[path], value), True
+            if _covered(path, replicated):
+                return value, True
+            if not _above(path, [*replicated, *sharded]):
+                dropped.append("/".join(str(k) for k in path))
+                return None, False
+            if isinstance(value, dict):
+                out = type(value)()
+                for k, v in value.items():
+                    new, keep = rebuild(v, (*path, k))
+                    if keep:
+                        out[k] = new
+                if hasattr(value, "_metadata"):
+                    out._metadata = value._metadata  # type: ignore[attr-defined]
+                return out, True
+            if isinstance(value, (list, tuple)):
+                return type(value)(rebuild(v, (*path, i))[0] for i, v in enumerate(value)), True
+            raise CheckpointError(f"step {self.step}: sharded path {path} is not in the state")
+
+        state, _ = rebuild(base, ())
+        self.engine.last_load["resharded"] = {
+            "from_world_size": self.saved_world,
+            "source_rank": base_rank,
+            "dropped": dropped,
+        }
+        return state
+
+    def reslice(self, path: Path_, info: dict, example: Any) -> torch.Tensor:
+        """This rank's slice of a sharded tensor, from the saved chunks that overlap it."""
+        rank, world = self.engine.rank, self.engine.world_size
+        try:
+            shape = [int(n) for n in info["global_shape"]]
+            dim = info.get("dim")
+            dim = None if dim is None else int(dim)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"step {self.step}: malformed record of {path}: {e}") from e
+        if (
+            not isinstance(example, torch.Tensor)
+            or any(n < 0 for n in shape)
+            or (dim is not None and not 0 <= dim < len(shape))
+        ):
+            raise CheckpointError(f"step {self.step}: {path} does not match its record")
+        offsets = [0] * len(shape)
+        local = list(shape)
+        sources = list(range(self.saved_world))
+        if dim is not None:
+            offsets[dim], end = chunk_range(shape[dim], world, rank)
+            local[dim] = end - offsets[dim]
+            sources = [  # the saved chunks that overlap this rank's
+                q
+                for q in sources
+                if max(offsets[dim], chunk_range(shape[dim], self.saved_world, q)[0])
+                < min(end, chunk_range(shape[dim], self.saved_world, q)[1])
+            ]
+        out = torch.empty(local, dtype=example.dtype)
+        filled = torch.zeros(local, dtype=torch.bool)
+        for q in sources:
+            state, record = self.shard(q)
+            try:
+                entry = dict((tuple(p), i) for p, i in record.get("sharded", [])).get(path)
+                piece = _at(state, path)
+                entry = entry if isinstance(entry, dict) else {}
+                same = [int(n) for n in entry.get("global_shape", [-1])] == shape
+                chunk_offsets = [int(o) for o in entry.get("offsets", [])]
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                raise CheckpointError(f"step {self.step} rank {q}: bad chunk of {path}: {e}") from e
+            if not same or not isinstance(piece, torch.Tensor) or piece.dtype != out.dtype:
+                raise CheckpointError(f"step {self.step} rank {q} holds no chunk of {path} to fit")
+            copy_overlap(out, offsets, piece, chunk_offsets, filled)
+        if not bool(filled.all()):
+            raise CheckpointError(
+                f"step {self.step}: the saved chunks of {path} cover {int(filled.sum())} of "
+                f"{out.numel()} elements of rank {rank}'s slice"
+            )
+        return out
+
+
+def _memory_ranks(engine: Engine, step: int, limit: int) -> list[int]:
+    """Saved ranks (below `limit`) whose shard of `step` is in this node's memory."""
+    found: list[int] = []
+    for rank in range(min(limit, PROBE_RANKS)):
+        try:
+            reply = engine._request({"op": "locate", "step": step, "rank": rank})
+        except CheckpointError:
+            return found
+        sources = reply.get("sources")
+        if isinstance(sources, list) and any(
+            isinstance(s, dict) and s.get("tier") == "memory" for s in sources
+        ):
+            found.append(rank)
+    return found
+
+
+def load(engine: Engine, step: int, tier: str | None) -> Any:
+    """Rank `engine.rank`'s state of `step`: its own shard when the step was saved by a world of
+    this size, else resharded from the saving world's shards; CheckpointError when neither."""
+    try:
+        state = engine._load_step(step, tier, engine.rank)
+        base_rank = engine.rank
+    except CheckpointError as own_error:
+        if engine.rank == 0:
+            raise
+        # A rank the saving world did not have (or whose shard is gone): replicated state from
+        # a saved rank's copy, one in this node's memory first.
+        base_rank = (_memory_ranks(engine, step, engine.rank) or [0])[0]
+        try:
+            state = engine._load_step(step, tier, base_rank)
+        except CheckpointError:
+            raise own_error from None
+        if engine.last_shard.get("world_size") == engine.world_size:
+            raise own_error from None  # saved by this world: this rank's shard is missing
+    saved_world, record = engine.last_shard.get("world_size"), engine.last_shard.get(HEADER_KEY)
+    if saved_world == engine.world_size:
+        return state
+    if not isinstance(record, dict) or type(saved_world) is not int or saved_world < 1:
+        raise CheckpointError(
+            f"step {step} was saved by a world of {saved_world} ranks without a resharding "
+            f"record; it cannot be loaded by a world of {engine.world_size} (declare the state "
+            f"the ranks share: Engine.save(..., replicated=(...)))"
+        )
+    if record.get("dcp"):
+        raise CheckpointError(
+            f"step {step} is a torch.distributed.checkpoint: load it with dcp.load and "
+            f"transom.checkpoint.dcp.TransomReader, whose planner reshards it"
+        )
+    resharder = _Resharder(engine, step, tier)
+    resharder.saved_world = saved_world
+    out = resharder.build(base_rank, state, record)
+    resharded = engine.last_load["resharded"]
+    engine._report(
+        "resharded",
+        f"rank {engine.rank} restored step {step} saved by {saved_world} ranks (now "
+        f"{engine.world_size}) from rank {base_rank}'s copy; per-rank values left out: "
+        f"{', '.join(resharded['dropped']) or 'none'}",
+        step=step,
+        rank=engine.rank,
+        from_world_size=saved_world,
+    )
+    return out

@@ -1,0 +1,51 @@
+"""Which checkpoint steps a world of W ranks can restore, resharding included (no torch here).
+
+A step is restorable for W when every rank 0..W-1 holds a shard saved by a world of W, or when
+every rank 0..W'-1 of the world W' that saved it holds a shard whose header carries a resharding
+record (reshard.py writes and reads those records). The catalog (catalog.py, etcd) and a server
+without etcd (its memory and storage) both answer with `restorable`. This module must never
+import torch or touch shard bytes: node agents and the controller import it through the catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+HEADER_KEY = "reshard"  # the shard header's field (reshard.py)
+CATALOG_FLAG = "reshardable"  # the catalog entry's field (publisher.py sets it from the header)
+
+
+def reshardable(header: dict | None) -> bool:
+    """Whether a shard's header carries a resharding record."""
+    return isinstance(header, dict) and isinstance(header.get(HEADER_KEY), dict)
+
+
+def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -> set[int]:
+    """Steps restorable for a world of `world_size`, from (step, rank, saved world size,
+    reshardable) of every shard a live tier holds: complete for this world, or complete for the
+    world that saved it with every shard reshardable."""
+    same: dict[int, set[int]] = {}
+    other: dict[tuple[int, int], set[int]] = {}
+    for step, rank, saved_world, flag in entries:
+        if saved_world == world_size:
+            same.setdefault(step, set()).add(rank)
+        if flag and type(saved_world) is int and saved_world > 0:
+            other.setdefault((step, saved_world), set()).add(rank)
+    steps = {s for s, ranks in same.items() if ranks >= set(range(world_size))}
+    steps |= {s for (s, w), ranks in other.items() if ranks >= set(range(w))}
+    return steps
+
+
+def catalog_entries(
+    catalog: dict[int, dict[int, dict[str, dict]]], usable: Callable[[dict], bool]
+) -> list[tuple[int, int, Any, bool]]:
+    """`restorable`'s entries from the catalog (step -> rank -> holder -> info) and which
+    holders count."""
+    return [
+        (step, rank, info.get("world_size"), bool(info.get(CATALOG_FLAG)))
+        for step, ranks in catalog.items()
+        for rank, held in ranks.items()
+        for info in held.values()
+        if usable(info)
+    ]

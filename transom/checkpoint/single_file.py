@@ -1,0 +1,52 @@
+"""A torch.save / torch.load pair in the shard format: one file, atomic, checksummed, no pickle.
+
+`save(obj, path)` writes what `Engine` would hold for one rank (layout.py's format) with an
+atomic rename; `load(path)` reads it back bit for bit or raises the format's error (ShardError).
+This module must never unpickle anything: files cross trust boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transom.checkpoint import layout, storage
+from transom.checkpoint.shm import anonymous_buffer, as_bytes
+
+
+def to_device(value: Any, device) -> Any:
+    """`value` with every tensor in it moved to `device` (containers keep their types)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        out = type(value)((k, to_device(v, device)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def save(obj: Any, path: str | os.PathLike) -> None:
+    """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
+    plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
+    buf = anonymous_buffer(plan.data_len)
+    data = as_bytes(buf)[: plan.data_len]
+    layout.copy_into(plan, data)
+    if any(r.source.is_cuda for r in plan.ranges):
+        torch.cuda.synchronize()
+    view = memoryview(buf)[: plan.data_len]
+    plan.header["chunks"] = layout.checksum_data(view)
+    path = Path(path)
+    storage.atomic_write(path, [layout.encode_header(plan.header), view])
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:
+    """Like torch.load(weights_only=True) for files written by `save`; ShardError when corrupt."""
+    header, data = storage.read_shard(Path(path))
+    state = layout.rebuild(header, data)
+    return to_device(state, map_location) if map_location is not None else state
