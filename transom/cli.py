@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -421,7 +420,6 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `transom events | head` ends quietly
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["ckpt-server"]:
         from transom.checkpoint.server import main as ckpt_server
@@ -445,3 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `transom events | head` ends quietly. Not by restoring SIGPIPE's default action: that
+        # would kill an agent or launcher that writes to a socket its peer closed.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
