@@ -22,6 +22,7 @@ and stretches the compute of a rank made slow; what each fault does is defined t
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -33,6 +34,7 @@ from transom.faults.worker import WorkerFaults, parse_worker_faults
 from transom.monitor import datagram
 
 HEARTBEAT_S = 0.5
+RECONNECT_S = 1.0  # how often a rank with no agent socket tries to connect again
 SYNC_SECTION = "sync"
 
 
@@ -43,9 +45,9 @@ class _Channel:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
-        # Connected once: a sendto(path) looks the path up in the file system on every datagram
-        # (about 4x the cost of a send on a connected socket).
-        self.sock.connect(path)
+        self.connected = False
+        self.connect_tried_at = -math.inf
+        self._connect(time.monotonic())
         self.rank = int(os.environ.get("RANK", -1))
         self.generation = int(os.environ.get(env.GENERATION, 0))
         self.phase: str | None = None
@@ -56,11 +58,32 @@ class _Channel:
         )
         threading.Thread(target=self._beat, name="transom-monitor-heartbeat", daemon=True).start()
 
+    def _connect(self, now: float) -> None:
+        """Connect to the agent's socket: a connected send skips sendto(path)'s file-system lookup
+        (about 4x the cost of the send). No agent listening yet, or its socket made anew (a new
+        monitor), is no error: tried again at most every RECONNECT_S, samples dropped meanwhile.
+        """
+        self.connect_tried_at = now
+        try:
+            self.sock.connect(self.path)
+            self.connected = True
+        except OSError:
+            self.connected = False
+
     def send(self, kind: str, /, **values) -> None:
+        if not self.connected:
+            now = time.monotonic()
+            if now - self.connect_tried_at < RECONNECT_S:
+                return
+            self._connect(now)
         try:
             data = datagram.encode(kind, self.rank, self.generation, time.time(), **values)
             self.sock.send(data)
-        except Exception:  # noqa: BLE001 - the agent is gone, its queue is full, a value is not JSON
+        except BlockingIOError:
+            pass  # the agent's queue is full: one sample fewer
+        except OSError:
+            self.connected = False  # the agent's socket is gone: reconnect later
+        except Exception:  # noqa: BLE001 - a value that is not JSON
             pass  # one sample fewer; the heartbeat thread must live on
 
     def _beat(self) -> None:
