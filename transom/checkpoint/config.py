@@ -31,6 +31,11 @@ DEFAULT_MEMORY_KEEP = 1
 DEFAULT_STORAGE_KEEP = 3
 SOCKET_NAME = "server.sock"
 
+# On SIGTERM (a scheduler's stop, the time limit's signal) a server with storage first waits this
+# long for the shards its workers saved to reach storage, so the newest step outlives the node;
+# the agent gives it this much more than its usual grace (schedulers give 30 s).
+PERSIST_ON_STOP_S = 15.0
+
 
 def default_budget() -> int:
     """Half of this machine's memory, or of the container's where a cgroup limits it."""

@@ -115,9 +115,10 @@ class SavePipeline:
                     }
                 self.lock.wait(left if left is not None else 1.0)
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every shard this node's workers saved is in storage, or failed to get
-        there, or was evicted (an embedded server's `close`)."""
+        there, or was evicted (an embedded server's `close`); False when `timeout_s` ran out."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.lock:
             shards = [s for s in self.memory.shards.values() if s.origin == LOCAL]
         for s in shards:
@@ -128,7 +129,11 @@ class SavePipeline:
                     and Tier.MEMORY not in s.failed
                     and self.memory.shards.get(s.key) is s
                 ):
-                    self.lock.wait(1.0)
+                    left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                    if left <= 0:
+                        return False
+                    self.lock.wait(left)
+        return True
 
     def _reached(self, shard: Shard, tier: Tier) -> None:
         with self.lock:

@@ -119,9 +119,10 @@ class CheckpointServer:
         )
         return self
 
-    def drain(self) -> None:
-        """Wait until every shard saved by this node's workers reached storage or failed to."""
-        self.pipeline.drain()
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every shard saved by this node's workers reached storage or failed to;
+        False when `timeout_s` ran out first."""
+        return self.pipeline.drain(timeout_s)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -154,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, lambda *_: stop.set())
     server.start()
     print(f"ready {server.cfg.socket_path} {server.addr}", flush=True)
-    stop.wait()
+    while not stop.wait(1.0):
+        pass  # a timed wait: a signal delivered to another thread is handled within a second
+    if server.cfg.storage_dir is not None and not server.drain(config.PERSIST_ON_STOP_S):
+        log.warning(
+            "stopping before every saved shard reached storage (%.0f s)", config.PERSIST_ON_STOP_S
+        )
     server.stop()
     return 0
 

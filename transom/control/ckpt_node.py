@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from transom.checkpoint.config import SOCKET_NAME, store_options, to_argv
+from transom.checkpoint.config import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.common import env, files, keys
 from transom.config import JobSpec
@@ -143,9 +143,9 @@ class NodeCheckpointServer:
         }
 
     def stop(self) -> None:
-        """SIGTERM the server (it frees its shared memory), SIGKILL it after a grace, and remove
-        what it left in /dev/shm."""
+        """SIGTERM the server (it persists what its workers saved, then frees its shared memory),
+        SIGKILL it after a grace, and remove what it left in /dev/shm."""
         if self.process is not None:
-            stop_process(self.process)
+            stop_process(self.process, grace_s=PERSIST_ON_STOP_S + 3)
             self.process = None
         shutil.rmtree(self.shm_dir, ignore_errors=True)
