@@ -244,7 +244,10 @@ class NodeAgent:
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
         ranks = list(self.monitor.ranks.values())
-        quiet = now - max((r.step_at for r in ranks if r.step_at), default=self.group_started_at)
+        # A script that reports no steps (an unmodified torchrun script) gives no progress to
+        # judge: only a worker's exit or the outage limit fences it, never its silence.
+        steps_at = [r.step_at for r in ranks if r.step_at]
+        quiet = now - max(steps_at) if steps_at else 0.0
         reason = fence_reason(
             cut_off,
             quiet,
