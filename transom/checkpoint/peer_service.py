@@ -131,9 +131,11 @@ class PeerService:
                 return
             timeline = header.get("timeline")
             generation = timeline.get("generation") if isinstance(timeline, dict) else None
-            # Generation 0: saved outside a launcher (generations start at 1), so no plan's.
-            launched = type(generation) is int and generation > 0
-            stale = self.publisher.stale_generation(generation) if launched else None
+            stale = (
+                self.publisher.stale_generation(generation)
+                if isinstance(generation, int) and generation > 0  # 0: saved outside a launcher
+                else None
+            )
             if stale is not None:
                 self.memory.abort(step, rank, region)
                 raise layout.ShardError(f"replica of step {step} rank {rank} refused: {stale}")
