@@ -14,8 +14,32 @@ from pathlib import Path
 import psutil
 import pytest
 
+from transom.store import EmbeddedEtcd, Store, StoreError
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real embedded etcd shared by one test module (a module that restarts it has its own)."""
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "etcd")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store(etcd):
+    """A Store for a job of its own, so tests sharing the server do not see each other's keys."""
+    s = Store(etcd.access, f"test-{uuid.uuid4().hex[:8]}")
+    yield s
+    try:
+        s.delete_job()
+    except StoreError:
+        pass
 
 
 # The smallest example GPT the tests train (examples/train_gpt.py options).

@@ -15,7 +15,6 @@ import stat
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 
@@ -24,31 +23,10 @@ from transom.common.records import Plan
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
 from transom.control.controller import Controller
-from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store import Store, StoreAccess, StoreError
 from transom.store.spec import read_spec
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("store") / "etcd")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def store(etcd):
-    """A Store for a job of its own, so tests sharing the server do not see each other's keys."""
-    s = Store(etcd.access, f"test-{uuid.uuid4().hex[:8]}")
-    yield s
-    try:
-        s.delete_job()
-    except StoreError:
-        pass
 
 
 # -- plain access ---------------------------------------------------------------------------------

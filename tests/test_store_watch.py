@@ -4,7 +4,6 @@ and once, a compaction turns into a full re-read, an etcd restart mid-watch lose
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
@@ -12,23 +11,6 @@ from transom.store import EmbeddedEtcd, Store
 from transom.store.watch import PrefixWatch, Update, WatchEvent
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("watch") / "etcd")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def store(etcd):
-    s = Store(etcd.access, f"watch-{uuid.uuid4().hex[:8]}")
-    yield s
-    s.delete_job()
 
 
 def events(watch: PrefixWatch, count: int, timeout: float = 20.0) -> list[WatchEvent]:
