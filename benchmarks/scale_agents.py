@@ -54,13 +54,20 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+class StandInProcess:
+    """A worker process that never exits."""
+
+    def poll(self) -> int | None:
+        return None
+
+
 class StandInGroup:
     """A node's workers, without processes: `nproc_per_node` ranks that make steps."""
 
     def __init__(self, assignment, script, script_args, log_dir, extra_env):
         self.assignment = assignment
         self.started = time.monotonic()
-        self.processes = [None] * assignment.nproc_per_node
+        self.processes = [StandInProcess() for _ in range(assignment.nproc_per_node)]
         self.log_paths = [Path(log_dir) / f"rank{i}.log" for i in range(len(self.processes))]
         self.pids: dict[int, int] = {}
 

@@ -34,13 +34,16 @@ from transom.monitor.detectors import HEARTBEAT_GAP_S
 from transom.monitor.node import SUMMARY_PERIOD_S
 from transom.store import Store, StoreError
 
-# A summary that says nothing new is written at most this often: 2 s keeps a beating rank's
-# heartbeat, as the controller extrapolates it, under HEARTBEAT_GAP_S (3 s) with BEAT_MARGIN_S
-# to spare, and the summary's age under the controller's telemetry-gap bound (5 s).
+# A summary that says nothing new is written at most this often (half the writes of the 1 s
+# period before): with BEAT_MARGIN_S it keeps a beating rank's heartbeat, as the controller
+# extrapolates it, under HEARTBEAT_GAP_S (3 s), and the summary's age far under the
+# controller's telemetry-gap bound (5 s). Longer would need the controller to stop
+# extrapolating heartbeat ages (transom.monitor.detectors).
 SUMMARY_HEARTBEAT_S = 2.0
 SUMMARY_FLOOR_S = SUMMARY_PERIOD_S
-# Room left under HEARTBEAT_GAP_S for the agent's tick and the controller's observation delay.
-BEAT_MARGIN_S = 0.5
+# Room left under HEARTBEAT_GAP_S for a late agent tick (TICK_S is 0.2 s; more on a busy
+# machine), the controller's observation delay and a late heartbeat.
+BEAT_MARGIN_S = 1.0
 # A rank's heartbeat this old has stopped (as far as this node's summary goes).
 BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
 # Status progress (step, warm interpreters) is for people only: refreshed at most this often.
