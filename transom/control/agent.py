@@ -217,11 +217,17 @@ class NodeAgent:
         """One turn of the loop: a tick while etcd answers, the fence rule while it does not."""
         assert self.spec is not None
         self._check_contact(time.monotonic())
+        self.reports.held, self.reports.failure = self.link.in_outage, None
         if not self.link.in_outage:
             try:
-                return self._tick()
+                outcome = self._tick()
             except StoreError as e:
-                self.link.failed(time.monotonic(), e, self.spec.store_outage_s)
+                outcome, self.reports.failure = None, e
+            failure = self.reports.failure  # a call that failed, or a write the tick let pass
+            if failure is None or outcome is not None:
+                return outcome
+            self.link.failed(time.monotonic(), failure, self.spec.store_outage_s)
+            self.reports.held = True
         self._resync = True
         self._offline()
         return None

@@ -16,7 +16,10 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   (detectors.HEARTBEAT_GAP_S), never a telemetry gap (anomalies.SUMMARY_GAP_S, 5 s); and it
   is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
 - events (the anomalies'): with the summary that announces them.
-During an outage the newest of each waits and is written when etcd is back (`flush`).
+During an outage the newest of each waits and is written when etcd is back (`flush`): while
+`held` (the agent knows etcd does not answer, or a write just failed) nothing is tried, so a
+cut-off agent never spends its loop waiting on writes that cannot succeed (its fence rule must
+run every tick); `failure` is the write that failed since the agent last cleared it.
 
 It never reads etcd and decides nothing; StoreError from `flush` is the caller's outage.
 """
@@ -90,6 +93,8 @@ class NodeReports:
         self.state = NodeState.IDLE
         self.extra: dict = {}
         self.writes = 0  # puts made (status, summaries, events)
+        self.held = False  # etcd does not answer: queue everything, write nothing
+        self.failure: StoreError | None = None
         self._status_pending = False  # the newest status did not reach etcd yet
         self._status_shown: tuple[int | None, int] = (None, 0)  # (step, warm) last written
         self._status_at = -math.inf
@@ -104,7 +109,7 @@ class NodeReports:
         self.state, self.extra = state, extra
         self._status_pending = True
         try:
-            self._write_status()
+            self.flush()
         except StoreError:
             pass
 
@@ -154,12 +159,18 @@ class NodeReports:
             self._summary_allowance = allowance(summary, self.hang_floor_s)
 
     def flush(self) -> None:
-        """Write what waits: the status, then monitor summaries and events (StoreError: etcd
-        could not be reached; what is left is written by the next call)."""
-        if self._status_pending:
-            self._write_status()
-        while self._unsent:
-            key = next(iter(self._unsent))
-            self.store.put(key, self._unsent[key])
-            self.writes += 1
-            del self._unsent[key]
+        """Write what waits, unless `held`: the status, then monitor summaries and events.
+        StoreError: etcd could not be reached (now `held`; what is left waits)."""
+        if self.held:
+            return
+        try:
+            if self._status_pending:
+                self._write_status()
+            while self._unsent:
+                key = next(iter(self._unsent))
+                self.store.put(key, self._unsent[key])
+                self.writes += 1
+                del self._unsent[key]
+        except StoreError as e:
+            self.held, self.failure = True, e
+            raise
