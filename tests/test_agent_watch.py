@@ -255,3 +255,27 @@ def test_status_progress_is_written_at_its_slow_pace_and_state_changes_at_once(s
     assert (
         written.writes == 2 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
     )
+
+
+def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back(store, proxied):
+    cut_store, proxy = proxied
+    node = reports.NodeReports(cut_store, "node0", "inc", lambda: (1, 5, 0))
+    node.status(NodeState.RUNNING)
+    assert node.writes == 1 and not node.held
+    proxy.set_blackhole()
+    try:
+        started = time.monotonic()
+        node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])  # fails: etcd is cut off
+        assert node.held and node.failure is not None
+        first = time.monotonic() - started
+        for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
+            node.summary(summary(float(i), i), [], float(i))
+            node.flush()
+            node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])
+        assert time.monotonic() - started < first + 0.5
+    finally:
+        proxy.set_pass()
+    node.held = False  # the agent reached etcd again
+    node.flush()
+    assert store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
+    assert store.get(keys.monitor("node0"))["ranks"]["0"]["step"] == 9  # the newest summary
