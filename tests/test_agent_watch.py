@@ -269,7 +269,7 @@ def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back
         assert node.held and node.failure is not None
         first = time.monotonic() - started
         for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
-            node.summary(summary(float(i), i), [], float(i))
+            node.summary(summary(i * 2.0, i), [], i * 2.0)  # each one due
             node.flush()
             node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])
         assert time.monotonic() - started < first + 0.5
