@@ -1,15 +1,18 @@
 """Many simulated node agents in one process, for benchmarks/scale.py.
 
 Each simulated node is a real `transom.control.agent.NodeAgent` (its registration under a lease,
-lease keep-alive, plan polling, generation following, status and monitor publishing: the agent's
-whole control logic, unchanged) in a thread of its own, with the parts that touch the machine
-replaced by stand-ins:
+lease keep-alive, the plan followed through its etcd watch, generation following, status and
+monitor publishing only on change or at their heartbeats, outage handling: the agent's whole
+control logic, unchanged) in a thread of its own, with the parts that touch the machine replaced
+by stand-ins:
   - workers: `StandInGroup` starts no process; its ranks "train" one step every STEP_S from the
     moment the group starts, and never fail;
   - monitor: `StandInMonitor` reports those steps (a summary per SUMMARY_PERIOD_S, as the real
     one) without a socket, log scanning or GPU reads;
-  - checkpoint server, pre-flight checks and the generation's torch store: do nothing (so the
-    etcd traffic of real checkpoint servers, catalog entries included, is not in the numbers).
+  - checkpoint server, pre-flight checks (the node's own and its link tests to peers, with their
+    link-test port) and the generation's torch store: do nothing, and pass (so the etcd traffic
+    of real checkpoint servers, catalog entries included, and of link tests is not in the
+    numbers).
 Real agents also differ in running one per machine, each with its own CPU; here hundreds share a
 process and its interpreter lock, so an agent's tick can run late when the process is busy
 (each process reports its agents' achieved ticks per second).
@@ -18,7 +21,7 @@ Lines it prints (flushed), for scale.py:
     ready N                 every agent thread is started
     acted NODE GEN T        NODE followed the plan of generation GEN at time T (time.time())
     dead NODE T             NODE stopped acting (told through its kill file)
-    ticks N T               N agent ticks were done in total by time T (every second)
+    ticks N T               N agent loop turns were done in total by time T (every second)
 It stops on SIGTERM. A node dies (stops ticking, keeps its lease until someone revokes it) when
 the file KILL_DIR/NODE appears. This module never touches processes other than its own.
 """
@@ -31,6 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -50,13 +54,20 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+class StandInProcess:
+    """A worker process that never exits."""
+
+    def poll(self) -> int | None:
+        return None
+
+
 class StandInGroup:
     """A node's workers, without processes: `nproc_per_node` ranks that make steps."""
 
     def __init__(self, assignment, script, script_args, log_dir, extra_env):
         self.assignment = assignment
         self.started = time.monotonic()
-        self.processes = [None] * assignment.nproc_per_node
+        self.processes = [StandInProcess() for _ in range(assignment.nproc_per_node)]
         self.log_paths = [Path(log_dir) / f"rank{i}.log" for i in range(len(self.processes))]
         self.pids: dict[int, int] = {}
 
@@ -80,19 +91,20 @@ class StandInMonitor:
         self.node_id = node_id
         self.socket_path = Path("/nonexistent")
         self.generation = 0
-        self.ranks: list[int] = []
+        self.ranks: dict[int, object] = {}  # the real one's rank tracks (none: nothing to fence)
+        self.expected: list[int] = []
         self.group: StandInGroup | None = None
         self._published_at = 0.0
 
     def new_generation(self, generation: int) -> None:
-        self.generation, self.ranks = generation, []
+        self.generation, self.expected = generation, []
 
     def expect_ranks(self, ranks: list[int]) -> None:
-        self.ranks = list(ranks)
+        self.expected = list(ranks)
 
     def steps(self) -> dict[int, int | None]:
-        step = self.group.step() if self.group is not None and self.ranks else None
-        return dict.fromkeys(self.ranks, step)
+        step = self.group.step() if self.group is not None and self.expected else None
+        return dict.fromkeys(self.expected, step)
 
     def newest_step(self) -> int | None:
         return max((s for s in self.steps().values() if s is not None), default=None)
@@ -132,10 +144,10 @@ class StandInCheckpointServer:
     def __init__(self, *args, **kwargs) -> None:
         pass
 
-    def start(self) -> None:
+    def start_patiently(self, stopping=None) -> None:
         pass
 
-    def ensure_running(self) -> None:
+    def ensure_running(self, stopping=None) -> None:
         pass
 
     def worker_env(self) -> dict[str, str]:
@@ -153,7 +165,15 @@ class StandInTorchStore:
         pass
 
 
-def no_preflight(run_dir, script, slowdown=1.0):
+class StandInLinkServer:
+    def __init__(self, host: str, delay_s: float = 0.0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def no_preflight(store, node_id, lease, link_server, spec, run_dir, faults):
     return True, {"compute_gflops": 1.0, "problems": []}
 
 
@@ -161,7 +181,8 @@ agent_module.WorkerGroup = StandInGroup  # type: ignore[misc,assignment]
 agent_module.NodeMonitor = StandInMonitor  # type: ignore[misc,assignment]
 agent_module.NodeCheckpointServer = StandInCheckpointServer  # type: ignore[misc,assignment]
 agent_module.TorchStore = StandInTorchStore  # type: ignore[misc,assignment]
-agent_module.preflight = no_preflight  # type: ignore[assignment]
+agent_module.joining_checks = no_preflight  # type: ignore[assignment]
+agent_module.links = SimpleNamespace(LinkServer=StandInLinkServer)  # type: ignore[assignment]
 
 TICKS = [0]
 
@@ -182,12 +203,12 @@ class SimulatedAgent(agent_module.NodeAgent):
         if self.group is not None:
             self.monitor.group = self.group  # type: ignore[attr-defined]
 
-    def _tick(self):
+    def _step(self):
         if self.dead.is_set():  # a dead node: nothing more from it, its lease left to expire
             self.stopping.wait()
             return None
         TICKS[0] += 1
-        return super()._tick()
+        return super()._step()
 
 
 def main() -> int:

@@ -1,15 +1,20 @@
 """The node agent: one per node; registers the node, follows the controller's plan, runs workers.
 
 The agent registers its node in etcd under a lease it keeps alive (the node's death is the
-lease's expiry), reads the plan every tick, and for each new generation stops the old workers
-and, when the node is a member, runs its pre-flight checks (first time only) and starts the new
-ones. It reports what its workers do to `status/<node>`; the controller decides, the agent
-never restarts workers on its own.
+lease's expiry; transom.control.lease_keeper), follows the plan through an etcd watch
+(transom.control.plan_follow: etcd pushes each new plan, nothing is polled), and for each new
+generation stops the old workers and, when the node is a member, runs its pre-flight checks
+(first time only) and starts the new ones. It reports what its workers do to `status/<node>`
+and `monitor/<node>`, each written only when it changed or at a slow heartbeat
+(transom.control.reports). Its loop ticks every TICK_S to watch its workers; a tick costs etcd
+nothing unless something is to be written. The controller decides, the agent never restarts
+workers on its own.
 
 A fault of the control plane never ends the agent: an etcd call that fails (`StoreError`, after
-the store's own retries) is an outage; the workers keep training through it (their collectives
-never need etcd), reports wait for etcd to come back, and a lease that expired meanwhile is
-taken again under the same node id without touching the workers. Only the fence rule
+the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
+workers keep training through it (their collectives never need etcd), reports wait for etcd to
+come back, the plan is read again and its watch reconnected, and a lease that expired meanwhile
+is taken again under the same node id without touching the workers. Only the fence rule
 (transom.control.outage) stops workers of a node cut off from etcd. SIGTERM (a scheduler's stop)
 ends the agent cleanly: workers stopped, the checkpoint server told to free its shared memory,
 the node deregistered, exit 0. An evicted agent stops and exits; an agent restarted under an
@@ -30,7 +35,6 @@ from transom.common import env, files, keys
 from transom.common.records import (
     MasterAddress,
     NodeRegistration,
-    NodeStatus,
     Plan,
     PreflightResult,
     RecordError,
@@ -39,9 +43,12 @@ from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
+from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
 from transom.control.outage import StoreLink, fence_reason, stall_bound, until_reached
+from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import joining_checks
+from transom.control.reports import NodeReports
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
@@ -54,9 +61,10 @@ from transom.utils.net import bind_address
 
 log = logging.getLogger("transom.agent")
 
-TICK_S = 0.2
+TICK_S = 0.2  # the local loop (workers, monitor, warm pool); it costs etcd nothing by itself
 SPEC_WAIT_S = 120.0
-PROGRESS_PUBLISH_S = 1.0
+# No answer from etcd for this share of the node TTL (two lease renewals) is an outage.
+OVERDUE_TTL_SHARE = 0.5
 EXIT_EVICTED = 3
 
 
@@ -71,8 +79,9 @@ class NodeAgent:
         self.incarnation = uuid.uuid4().hex
         self.spec: JobSpec | None = None
         self.lease: Lease | None = None
-        self.lease_lost = threading.Event()
         self.stopping = threading.Event()
+        self.keeper = LeaseKeeper(store, self.stopping)
+        self.plan = PlanFollower(store)
         self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
         self.generation = 0
         self.group: WorkerGroup | None = None
@@ -84,11 +93,9 @@ class NodeAgent:
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
         self.link = StoreLink(time.monotonic())
-        self._published: tuple = (None, 0)  # (step, warm interpreters) last published
-        self._published_at = 0.0
-        self._published_extra: dict = {}
-        self._report_pending = False  # the last status did not reach etcd yet
-        self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
+        self.reports = NodeReports(store, node_id, self.incarnation, self._facts)
+        self._resync = False  # read the plan again and reconnect its watch (after an outage)
+        self._lease_loss_seen = False
         self._waiting_to_rejoin = False
         self.warm: WarmPool | None = None
         self.ckpt: NodeCheckpointServer | None = None
@@ -104,46 +111,19 @@ class NodeAgent:
         )
         self.store.put(keys.node(self.node_id), registration.to_dict(), lease=lease)
         self.lease = lease
-        self.lease_lost.clear()
-        self._report(self.group_state, **self._published_extra)
-
-    def _keep_alive(self) -> None:
-        assert self.spec is not None
-        interval = self.spec.node_ttl_s / 4
-        while not self.stopping.wait(interval):
-            lease = self.lease
-            if lease is None or self.lease_lost.is_set():
-                continue
-            try:
-                if not self.store.refresh(lease):
-                    log.warning("node lease expired")
-                    self.lease_lost.set()
-            except StoreError:
-                pass  # an outage: the main loop tracks it (transom.control.outage)
+        self.keeper.hold(lease)
+        self._lease_loss_seen = False
+        self._report(self.group_state, **self.reports.extra)
 
     def _report(self, state: NodeState, **extra) -> None:
         """Publish this node's status; during an outage it is published when etcd is back."""
         self.group_state = state
-        self._published_extra = extra
-        status = NodeStatus(
-            node=self.node_id,
-            generation=self.generation,
-            state=state,
-            time=time.time(),
-            step=self.monitor.newest_step() if self.monitor else None,
-            warm=self.warm.warm_count() if self.warm else 0,
-            incarnation=self.incarnation,
-            **extra,
-        )
-        try:
-            # Not leased: the last status of a dead node stays readable; liveness is `nodes/`.
-            self.store.put(keys.status(self.node_id), status.to_dict())
-        except StoreError:
-            self._report_pending = True
-            return
-        self._report_pending = False
-        self._published = (status.step, status.warm)
-        self._published_at = time.monotonic()
+        self.reports.status(state, **extra)
+
+    def _facts(self) -> tuple[int, int | None, int]:
+        """(generation, newest step, warm interpreters): what a status says besides its state."""
+        step = self.monitor.newest_step() if self.monitor else None
+        return self.generation, step, self.warm.warm_count() if self.warm else 0
 
     # -- start-up and shutdown ----------------------------------------------------------------
     def run(self) -> int:
@@ -191,22 +171,20 @@ class NodeAgent:
                 spec.nproc_per_node, warm_env, files.warm_log(self.run_dir, self.node_id)
             )
             self.warm.fill()
+        self.reports.hang_floor_s = spec.hang_floor_s  # bounds how long a summary may stand
         self.faults = FaultInjector(self.store, self.node_id, spec.faults)
         self.ckpt = NodeCheckpointServer(spec, self.store, self.node_id, self.run_dir, self.host)
         until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
         until_reached("register the node", self._register, self.stopping)
-        threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True).start()
+        self.keeper.start(spec.node_ttl_s)
         until_reached("publish the pre-flight result", self._preflight, self.stopping)
+        until_reached("read the plan", lambda: self.plan.start(time.monotonic()), self.stopping)
         log.info("node %s registered", self.node_id)
         while not self.stopping.is_set():
-            try:
-                outcome = self._tick()
-            except StoreError as e:
-                outcome = None
-                self._offline(e)
+            outcome = self._step()
             if outcome is not None:
                 return outcome
-            self.stopping.wait(TICK_S)
+            self.plan.wait(TICK_S)  # returns at once when a new plan arrives
         return 0
 
     def _close(self) -> None:
@@ -218,6 +196,7 @@ class NodeAgent:
             ("close the warm pool", lambda: self.warm.close() if self.warm else None),
             ("close the monitor", lambda: self.monitor.close() if self.monitor else None),
             ("close the link-test port", self._close_link_server),
+            ("stop following the plan", self.plan.stop),
             ("deregister", self._deregister),
         )
 
@@ -231,13 +210,45 @@ class NodeAgent:
         if not self.link.in_outage:
             deregister(self.store, self.node_id, self.lease, self.terminated)
             self.lease = None
+            self.keeper.hold(None)
 
     # -- main loop ----------------------------------------------------------------------------
-    def _offline(self, error: StoreError) -> None:
-        """A tick could not reach etcd: keep the workers, or fence them (outage.fence_reason)."""
+    def _step(self) -> int | None:
+        """One turn of the loop: a tick while etcd answers, the fence rule while it does not."""
+        assert self.spec is not None
+        self._check_contact(time.monotonic())
+        self.reports.held, self.reports.failure = self.link.in_outage, None
+        if not self.link.in_outage:
+            try:
+                outcome = self._tick()
+            except StoreError as e:
+                outcome, self.reports.failure = None, e
+            failure = self.reports.failure  # a call that failed, or a write the tick let pass
+            if failure is None or outcome is not None:
+                return outcome
+            self.link.failed(time.monotonic(), failure, self.spec.store_outage_s)
+            self.reports.held = True
+        self._resync = True
+        self._offline()
+        return None
+
+    def _check_contact(self, now: float) -> None:
+        """Take the lease keeper's word for whether etcd answers (the agent polls nothing)."""
+        assert self.spec is not None
+        if self.keeper.reached_at > self.link.last_ok:
+            self.link.ok(self.keeper.reached_at)
+        silent_s = now - self.link.last_ok
+        error = self.keeper.error
+        if error is None and silent_s > OVERDUE_TTL_SHARE * self.spec.node_ttl_s:
+            error = StoreError(f"no answer to a lease renewal for {silent_s:.1f} s")
+        if error is not None:
+            self.link.failed(now, error, self.spec.store_outage_s)
+
+    def _offline(self) -> None:
+        """etcd cannot be reached: keep the workers, or fence them (outage.fence_reason)."""
         assert self.spec is not None and self.monitor is not None
         now = time.monotonic()
-        cut_off = self.link.failed(now, error, self.spec.store_outage_s)
+        cut_off = now - self.link.last_ok
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
         self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
@@ -265,19 +276,22 @@ class NodeAgent:
 
     def _tick(self) -> int | None:
         assert self.spec is not None and self.ckpt is not None
-        stored_plan = self.store.get(keys.PLAN)
-        self.link.ok(time.monotonic())
+        now = time.monotonic()
         try:
             self.ckpt.ensure_running(self.stopping)
         except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
             log.warning("%s", e)
-        self._flush()
-        if stored_plan is None:
-            return None
-        try:
-            plan = Plan.from_dict(stored_plan)
-        except RecordError as e:
-            log.warning("ignoring an invalid plan: %s", e)
+        self.reports.flush()
+        lease_lost = self.keeper.lost.is_set()
+        if lease_lost and not self._lease_loss_seen:
+            self._lease_loss_seen = self._resync = True  # etcd stalled or this node was cut off
+        if self._resync:
+            # The newest plan, read now (before taking a lease again, an eviction the watch
+            # has not delivered yet must not be missed).
+            self.plan.resync(now)
+            self._resync = False
+        plan = self.plan.current(now)
+        if plan is None:
             return None
         if plan.job_state.terminal:
             log.info("job ended: %s", plan.job_state.value)
@@ -296,7 +310,7 @@ class NodeAgent:
                 return None
             log.warning("node evicted: %s", eviction.reason)
             return EXIT_EVICTED
-        if self.lease_lost.is_set():
+        if lease_lost:
             # etcd stalled or this node was cut off, and the controller has not evicted it:
             # take a new lease under the same id and keep the workers.
             self._register()
@@ -308,22 +322,13 @@ class NodeAgent:
         elif self.group is not None and self.group_state is NodeState.RUNNING:
             self._watch_group()
         self._monitor_tick()
-        self._publish_progress()
+        self.reports.progress(time.monotonic())
         if self.warm is not None and self.waiting_for_master is None:
             assert self.monitor is not None
             self.warm.fill(
                 workers_progressing=self.group is None or self.monitor.newest_step() is not None
             )
         return None
-
-    def _flush(self) -> None:
-        """Publish what an outage held back: the status, then monitor summaries and events."""
-        if self._report_pending:
-            self._report(self.group_state, **self._published_extra)
-        while self._unsent:
-            key = next(iter(self._unsent))
-            self.store.put(key, self._unsent[key])
-            del self._unsent[key]
 
     # -- generations --------------------------------------------------------------------------
     def _follow(self, plan: Plan) -> None:
@@ -440,9 +445,8 @@ class NodeAgent:
             self._report(NodeState.SUCCEEDED)
 
     def _monitor_tick(self) -> None:
-        """Fire due faults, run the node's detectors, publish the summary and new anomalies.
-
-        During an outage what is to be published waits in `_unsent` (the newest summary)."""
+        """Fire due faults, run the node's detectors, publish the summary (when it changed or
+        is due, see transom.control.reports) and new anomalies; during an outage they wait."""
         assert self.faults is not None and self.monitor is not None
         g = self.group
         try:
@@ -457,15 +461,15 @@ class NodeAgent:
                 self.faults.on_worker_fired(fault, rank, step, when)
         except StoreError as e:  # a fault's record is test machinery: never stop for it
             log.warning("cannot record a fault: %s", e)
-        if not self.monitor.due(time.monotonic()):
+        now = time.monotonic()
+        running = g is not None
+        if not (self.monitor.due(now) or (running and self.reports.summary_due(now))):
             return
         summary, events = self.monitor.collect()
-        for event in events:
-            self._unsent[keys.event(event.time, f"{self.node_id}-{event.id}")] = event.to_dict()
-        if g is not None or events:
-            self._unsent[keys.monitor(self.node_id)] = summary.to_dict()
+        if running or events:
+            self.reports.summary(summary, events, now)
         try:
-            self._flush()
+            self.reports.flush()
         except StoreError:
             pass  # published next tick or when etcd is back
 
@@ -478,14 +482,3 @@ class NodeAgent:
         if self.torch_store is not None:
             self.torch_store.close()
             self.torch_store = None
-
-    def _publish_progress(self) -> None:
-        """Re-publish this node's status when its newest step or warm interpreters changed."""
-        assert self.monitor is not None
-        now = (self.monitor.newest_step(), self.warm.warm_count() if self.warm else 0)
-        if (
-            now != self._published
-            and self.group_state in (NodeState.RUNNING, NodeState.SPARE)
-            and time.monotonic() - self._published_at >= PROGRESS_PUBLISH_S
-        ):
-            self._report(self.group_state, **self._published_extra)

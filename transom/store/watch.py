@@ -10,7 +10,9 @@ revision order:
     (the caller replaces what it knows with it), then follows on from there.
 After a disconnect (etcd restarted, a network cut) the thread reconnects, with a backoff, and
 resumes from the revision after the last one it delivered, so no change is lost or delivered
-twice. `stop()` ends the stream and the thread within a bounded time.
+twice. A caller that knows the way to etcd was cut (a stream's TCP connection can stay open
+and silent through a network cut) calls `reconnect()`: the stream is dropped and resumed the
+same way. `stop()` ends the stream and the thread within a bounded time.
 
 It only reads; it must never write to etcd, and it never raises into the caller's thread from
 its own (a failure to reach etcd is retried; `healthy` says whether the stream is up now).
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 QUEUE_SIZE = 1024  # updates not yet taken by the caller; the stream waits while it is full
 BACKOFF_S = (0.05, 2.0)  # first and longest wait before a reconnection
 CONNECT_TIMEOUT_S = 5.0
+# etcd answers a watch request at once (headers, then "created"); no answer in this long means
+# the way to it is cut. Once the stream is up it may stay quiet for as long as nothing changes.
+ANSWER_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 
 
@@ -122,6 +127,11 @@ class PrefixWatch:
         except queue.Empty:
             return None
 
+    def reconnect(self) -> None:
+        """Drop the stream now; the thread resumes from the revision after the last one it
+        delivered (nothing lost, nothing twice)."""
+        self._close_stream()
+
     def stop(self) -> None:
         """End the stream and the thread (within STOP_TIMEOUT_S)."""
         self._stopping.set()
@@ -195,8 +205,11 @@ class PrefixWatch:
             client.get_url("/watch"),
             json=request,
             stream=True,
-            timeout=(CONNECT_TIMEOUT_S, None),
+            timeout=(CONNECT_TIMEOUT_S, ANSWER_TIMEOUT_S),
         )
+        sock = _socket_of(response)
+        if sock is not None:
+            sock.settimeout(None)  # answered: from now on quiet only means nothing changed
         with self._lock:
             self._response = response
         if self._stopping.is_set():
@@ -261,9 +274,14 @@ class PrefixWatch:
         if response is None:
             return
         try:
-            sock = getattr(getattr(response.raw, "_connection", None), "sock", None)
+            sock = _socket_of(response)
             if sock is not None:
                 sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         response.close()
+
+
+def _socket_of(response: requests.Response) -> socket.socket | None:
+    """The socket a streamed response reads from (urllib3 2.x), if it can be found."""
+    return getattr(getattr(response.raw, "_connection", None), "sock", None)

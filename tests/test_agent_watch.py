@@ -1,0 +1,281 @@
+"""The node agent's side of an event-driven control plane (issue 14), against a real etcd.
+
+- The plan reaches an agent through its watch: no read per tick (etcd's own request counter says
+  so), and a plan the stream missed while the node was cut off is read on `resync`; a stream
+  that stays down is replaced by direct reads.
+- The lease keeper is the agent's evidence that etcd answers: a node cut off from etcd (a
+  blackholed proxy in front of it) enters an outage and its time cut off grows towards the TTL
+  (the fence rule's input), and it leaves the outage when etcd answers again.
+- Status and summaries are written when they change or at their heartbeat, and the heartbeat
+  keeps the controller's extrapolated view of a rank true (no false stopped heartbeat, no
+  false hang, no telemetry gap).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from transom.common import keys
+from transom.common.records import Anomaly, MonitorSummary, Plan, RankSummary, Severity
+from transom.common.states import JobState, NodeState
+from transom.config import JobSpec
+from transom.control import agent as agent_module
+from transom.control import plan_follow, reports
+from transom.control.agent import NodeAgent
+from transom.control.anomalies import SUMMARY_GAP_S
+from transom.control.lease_keeper import LeaseKeeper
+from transom.control.plan_follow import PlanFollower
+from transom.monitor.detectors import HEARTBEAT_GAP_S
+from transom.store import EmbeddedEtcd, Store, StoreAccess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from torture_proxy import StoreProxy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("agentwatch") / "etcd")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store(etcd):
+    s = Store(etcd.access, f"aw-{uuid.uuid4().hex[:8]}")
+    yield s
+    s.delete_job()
+
+
+@pytest.fixture
+def proxied(etcd, store):
+    """(a store reaching etcd through a proxy the test can blackhole, the proxy)."""
+    proxy = StoreProxy(etcd.access.host, etcd.access.port, "agent")
+    access = StoreAccess(proxy.url, etcd.access.ca, etcd.access.cert, etcd.access.key)
+    try:
+        yield Store(access, store.job_id), proxy
+    finally:
+        proxy.close()
+
+
+def plan(generation: int, **fields) -> dict:
+    return Plan(generation, ["node0", "node1"], JobState.RUNNING, **fields).to_dict()
+
+
+def etcd_requests(store: Store) -> float:
+    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
+    return sum(float(v) for v in MESSAGES.findall(text))
+
+
+def follow_until(follower: PlanFollower, generation: int, timeout: float) -> float:
+    """Seconds until the follower knows `generation` (waiting as the agent's loop does)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        current = follower.current(time.monotonic())
+        if current is not None and current.generation == generation:
+            return time.monotonic() - started
+        follower.wait(0.2)
+    raise AssertionError(f"generation {generation} did not reach the follower in {timeout} s")
+
+
+# -- the plan, followed -------------------------------------------------------------------------
+
+
+def test_a_new_plan_reaches_the_agent_through_its_watch_without_polling(store):
+    store.put(keys.PLAN, plan(1))
+    follower = PlanFollower(store)
+    try:
+        follower.start(time.monotonic())
+        assert follower.current(time.monotonic()).generation == 1
+        wait_for(lambda: follower.watch.healthy, 10, "the watch stream to be up")
+        before = etcd_requests(store)
+        deadline = time.monotonic() + 2.0  # ten ticks of the old polling agent
+        while time.monotonic() < deadline:
+            follower.current(time.monotonic())
+            follower.wait(agent_module.TICK_S)
+        assert etcd_requests(store) - before < 2  # no read a tick: nothing at all
+        store.put(keys.PLAN, plan(2, restart_count=1))
+        assert follow_until(follower, 2, 10) < 1.0  # pushed: the waiting loop wakes at once
+        assert follower.reads == 1  # only the first read; the new plan came pushed
+    finally:
+        follower.stop()
+
+
+def test_a_plan_missed_while_cut_off_is_read_on_resync_and_the_stream_comes_back(store, proxied):
+    cut_store, proxy = proxied
+    store.put(keys.PLAN, plan(1))
+    follower = PlanFollower(cut_store)
+    try:
+        follower.start(time.monotonic())
+        wait_for(lambda: follower.watch.healthy, 10, "the watch stream to be up")
+        proxy.set_blackhole()
+        store.put(keys.PLAN, plan(2, restart_count=1))  # written while this node is cut off
+        time.sleep(1.0)
+        assert follower.current(time.monotonic()).generation == 1  # nothing came through
+        proxy.set_pass()
+        follower.resync(time.monotonic())
+        assert follower.current(time.monotonic()).generation == 2
+        reads = follower.reads
+        wait_for(lambda: follower.watch.healthy, 20, "the watch stream to reconnect")
+        store.put(keys.PLAN, plan(3, restart_count=2))
+        follow_until(follower, 3, 10)
+        assert follower.reads == reads  # pushed again, not read
+    finally:
+        proxy.set_pass()
+        follower.stop()
+
+
+def test_while_the_stream_is_down_the_plan_is_read_directly_at_a_bounded_rate(store):
+    store.put(keys.PLAN, plan(1))
+    follower = PlanFollower(store)
+    try:
+        follower.start(time.monotonic())
+        follower.watch.stop()  # a stream that never comes back
+        store.put(keys.PLAN, plan(2, restart_count=1))
+        took = follow_until(follower, 2, 10)
+        assert took < plan_follow.FALLBACK_AFTER_S + plan_follow.FALLBACK_READ_S + 1.0
+        reads = follower.reads
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            follower.current(time.monotonic())
+            follower.wait(agent_module.TICK_S)
+        assert follower.reads - reads <= 2.0 / plan_follow.FALLBACK_READ_S + 1
+    finally:
+        follower.stop()
+
+
+# -- the lease keeper: is etcd there? -----------------------------------------------------------
+
+
+def test_a_node_cut_off_from_etcd_enters_an_outage_and_its_cut_off_time_reaches_the_ttl(
+    tmp_path, proxied
+):
+    cut_store, proxy = proxied
+    ttl = 2
+    agent = NodeAgent(cut_store, "node0", tmp_path)
+    agent.spec = JobSpec(script="train.py", job_id=cut_store.job_id, node_ttl_s=ttl)
+    stopping = threading.Event()
+    keeper = agent.keeper = LeaseKeeper(cut_store, stopping)
+    keeper.hold(cut_store.lease(ttl))
+    keeper.start(ttl)
+    try:
+        time.sleep(1.0)
+        agent._check_contact(time.monotonic())
+        assert not agent.link.in_outage
+        proxy.set_blackhole()
+        cut_at = time.monotonic()
+
+        def in_outage() -> bool:
+            agent._check_contact(time.monotonic())
+            return agent.link.in_outage
+
+        wait_for(in_outage, 10, "the agent to notice it is cut off")
+        # Noticed within two renewals (no read of the plan needed), before the lease can expire.
+        assert time.monotonic() - cut_at < ttl
+        wait_for(lambda: time.monotonic() - agent.link.last_ok >= ttl, 10, "a TTL cut off")
+        assert in_outage()  # still cut off: the fence rule's input has reached the TTL
+        proxy.set_pass()
+        wait_for(lambda: not in_outage(), 20, "the agent to reach etcd again")
+        assert keeper.lost.is_set()  # the lease expired meanwhile: the agent registers again
+    finally:
+        stopping.set()
+        proxy.set_pass()
+        agent.plan.stop()
+
+
+# -- writes only when something changes ---------------------------------------------------------
+
+
+def summary(t: float, step: int, beat_age: float = 0.2, anomalies=()) -> MonitorSummary:
+    rank = RankSummary(step=step, step_age=0.1, beat_age=beat_age, step_s=0.1)
+    return MonitorSummary("node0", 1, t, {"0": rank}, anomalies=list(anomalies))
+
+
+def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(store):
+    node = reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
+    node.hang_floor_s = JobSpec(script="train.py").hang_floor_s
+    times = []
+    for i in range(31):  # 3 s of collections every 0.1 s, a step each
+        now = 100.0 + i * 0.1
+        before = dict(node._unsent)
+        node.summary(summary(now, i), [], now)
+        if node._unsent != before:
+            times.append(now)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    allowed = reports.allowance(summary(0, 0), node.hang_floor_s)
+    assert len(times) == 2 and gaps[0] >= allowed - 1e-9 >= 1.5  # progress waits: no news
+    node.flush()
+    anomaly = Anomaly("nan", Severity.CRITICAL, "nan", ["node0"], [0])
+    anomaly.id = "a1"
+    node.summary(summary(103.2, 33, anomalies=[anomaly]), [], 103.2)
+    assert keys.monitor("node0") in node._unsent  # news: at once, not at the heartbeat
+    node.flush()
+    assert store.get(keys.monitor("node0"))["anomalies"][0]["id"] == "a1"
+    node.summary(summary(103.3, 34, beat_age=2.6, anomalies=[anomaly]), [], 103.3)
+    assert keys.monitor("node0") in node._unsent  # a heartbeat stopped: at once
+
+
+def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
+    floor = JobSpec(script="train.py").hang_floor_s
+    assert reports.SUMMARY_HEARTBEAT_S < SUMMARY_GAP_S  # never a telemetry gap
+    for beat_age in (0.0, 0.5, 1.0, 1.5):
+        allowed = reports.allowance(summary(0, 1, beat_age), floor)
+        # A rank that beats on never looks stopped (the agent's tick and the controller's
+        # observation fit in the margin), unless its beat was nearly stopped already.
+        assert beat_age + allowed + reports.BEAT_MARGIN_S <= HEARTBEAT_GAP_S or allowed == 1.0
+        assert allowed <= floor / 2 or allowed == reports.SUMMARY_FLOOR_S  # never a false hang
+    assert reports.allowance(summary(0, 1, 0.2), 1.0) == reports.SUMMARY_FLOOR_S
+    stopped = reports.allowance(summary(0, 1, reports.BEAT_STOPPED_S), floor)
+    assert stopped == reports.SUMMARY_HEARTBEAT_S  # a stopped beat ages truly between writes
+
+
+def test_status_progress_is_written_at_its_slow_pace_and_state_changes_at_once(store):
+    step = [0]
+    written = reports.NodeReports(store, "node0", "inc", lambda: (1, step[0], 0))
+    written.status(NodeState.RUNNING, pids={"0": 1})
+    assert written.writes == 1
+    for i in range(20):
+        step[0] = i
+        written.progress(time.monotonic())
+    assert written.writes == 1  # progress only: not before STATUS_PROGRESS_S
+    written.status(NodeState.FAILED, failures=[])
+    assert (
+        written.writes == 2 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
+    )
+
+
+def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back(store, proxied):
+    cut_store, proxy = proxied
+    node = reports.NodeReports(cut_store, "node0", "inc", lambda: (1, 5, 0))
+    node.status(NodeState.RUNNING)
+    assert node.writes == 1 and not node.held
+    proxy.set_blackhole()
+    try:
+        started = time.monotonic()
+        node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])  # fails: etcd is cut off
+        assert node.held and node.failure is not None
+        first = time.monotonic() - started
+        for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
+            node.summary(summary(i * 2.0, i), [], i * 2.0)  # each one due
+            node.flush()
+            node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])
+        assert time.monotonic() - started < first + 0.5
+    finally:
+        proxy.set_pass()
+    node.held = False  # the agent reached etcd again
+    node.flush()
+    assert store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
+    assert store.get(keys.monitor("node0"))["ranks"]["0"]["step"] == 9  # the newest summary

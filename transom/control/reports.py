@@ -1,0 +1,176 @@
+"""What a node agent writes about its node, and when: its status, monitor summary and events.
+
+Every write is an etcd request on every node, so each is made when the controller has something
+new to learn from it, or at a slow heartbeat, never on a timer alone:
+- `status/<node>`: at once when the node's state or its facts (pids, failures) change. Its
+  step and warm interpreter count only people read (`transom status`, the launcher's progress
+  bar; the controller acts on states): at most every STATUS_PROGRESS_S.
+- `monitor/<node>`: at once when it carries something the controller acts on (a new anomaly,
+  the generation, the ranks, a phase, a rank's first step, a rank's heartbeat stopping or
+  coming back); otherwise only when `_allowance` of the last written one is used up. The
+  controller ages a summary on its own clock from when it saw it change
+  (transom.control.observed) and adds that age to the summary's step and heartbeat ages
+  (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
+  as if it stopped when the last was written. The allowance keeps that view true enough: never
+  a false hang (the hang floor, 1 s at least), never a stopped heartbeat of a rank that beats
+  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (anomalies.SUMMARY_GAP_S, 5 s); and it
+  is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
+- events (the anomalies'): with the summary that announces them.
+During an outage the newest of each waits and is written when etcd is back (`flush`): while
+`held` (the agent knows etcd does not answer, or a write just failed) nothing is tried, so a
+cut-off agent never spends its loop waiting on writes that cannot succeed (its fence rule must
+run every tick); `failure` is the write that failed since the agent last cleared it.
+
+It never reads etcd and decides nothing; StoreError from `flush` is the caller's outage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from transom.common import keys
+from transom.common.records import Event, MonitorSummary, NodeStatus
+from transom.common.states import NodeState
+from transom.monitor.detectors import HEARTBEAT_GAP_S
+from transom.monitor.node import SUMMARY_PERIOD_S
+from transom.store import Store, StoreError
+
+# A summary that says nothing new is written at most this often (half the writes of the 1 s
+# period before): with BEAT_MARGIN_S it keeps a beating rank's heartbeat, as the controller
+# extrapolates it, under HEARTBEAT_GAP_S (3 s), and the summary's age far under the
+# controller's telemetry-gap bound (5 s). Longer would need the controller to stop
+# extrapolating heartbeat ages (transom.monitor.detectors).
+SUMMARY_HEARTBEAT_S = 2.0
+SUMMARY_FLOOR_S = SUMMARY_PERIOD_S
+# Room left under HEARTBEAT_GAP_S for a late agent tick (TICK_S is 0.2 s; more on a busy
+# machine), the controller's observation delay and a late heartbeat.
+BEAT_MARGIN_S = 1.0
+# A rank's heartbeat this old has stopped (as far as this node's summary goes).
+BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
+# Status progress (step, warm interpreters) is for people only: refreshed at most this often.
+STATUS_PROGRESS_S = 5.0
+
+
+def signature(summary: MonitorSummary) -> tuple:
+    """What in a summary the controller must see at once (all but progress, timings, ages)."""
+    return (
+        summary.generation,
+        tuple(a.id for a in summary.anomalies),
+        tuple(
+            (rank, r.phase, r.step is None, r.beat_age is None or r.beat_age >= BEAT_STOPPED_S)
+            for rank, r in sorted(summary.ranks.items())
+        ),
+    )
+
+
+def allowance(summary: MonitorSummary, hang_floor_s: float) -> float:
+    """How long `summary` may stand before the next must be written (see the module doc)."""
+    limit = min(SUMMARY_HEARTBEAT_S, hang_floor_s / 2)
+    for r in summary.ranks.values():
+        if r.beat_age is not None and r.beat_age < BEAT_STOPPED_S:
+            limit = min(limit, HEARTBEAT_GAP_S - BEAT_MARGIN_S - r.beat_age)
+    return max(SUMMARY_FLOOR_S, limit)
+
+
+class NodeReports:
+    """The agent's writes about its node. `facts()` gives (generation, newest step, warm
+    interpreters) at the moment a status is written."""
+
+    def __init__(
+        self,
+        store: Store,
+        node_id: str,
+        incarnation: str,
+        facts: Callable[[], tuple[int, int | None, int]],
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.hang_floor_s = math.inf  # the job spec's, once the agent has read it
+        self.facts = facts
+        self.state = NodeState.IDLE
+        self.extra: dict = {}
+        self.writes = 0  # puts made (status, summaries, events)
+        self.held = False  # etcd does not answer: queue everything, write nothing
+        self.failure: StoreError | None = None
+        self._status_pending = False  # the newest status did not reach etcd yet
+        self._status_shown: tuple[int | None, int] = (None, 0)  # (step, warm) last written
+        self._status_at = -math.inf
+        self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
+        self._summary_signature: tuple | None = None
+        self._summary_at = -math.inf
+        self._summary_allowance = SUMMARY_FLOOR_S
+
+    # -- status --------------------------------------------------------------------------------
+    def status(self, state: NodeState, **extra) -> None:
+        """Publish the node's state; during an outage it is published when etcd is back."""
+        self.state, self.extra = state, extra
+        self._status_pending = True
+        try:
+            self.flush()
+        except StoreError:
+            pass
+
+    def progress(self, now: float) -> None:
+        """Re-publish the status when its step or warm interpreters changed, now and then."""
+        _, step, warm = self.facts()
+        if (
+            (step, warm) != self._status_shown
+            and self.state in (NodeState.RUNNING, NodeState.SPARE)
+            and now - self._status_at >= STATUS_PROGRESS_S
+        ):
+            self.status(self.state, **self.extra)
+
+    def _write_status(self) -> None:
+        generation, step, warm = self.facts()
+        status = NodeStatus(
+            node=self.node_id,
+            generation=generation,
+            state=self.state,
+            time=time.time(),
+            step=step,
+            warm=warm,
+            incarnation=self.incarnation,
+            **self.extra,
+        )
+        # Not leased: the last status of a dead node stays readable; liveness is `nodes/`.
+        self.store.put(keys.status(self.node_id), status.to_dict())
+        self.writes += 1
+        self._status_pending = False
+        self._status_shown = (step, warm)
+        self._status_at = time.monotonic()
+
+    # -- monitor summaries ---------------------------------------------------------------------
+    def summary_due(self, now: float) -> bool:
+        """Whether the last summary written has used up its allowance."""
+        return now - self._summary_at >= self._summary_allowance
+
+    def summary(self, summary: MonitorSummary, events: list[Event], now: float) -> None:
+        """Queue `summary` (if it is to be written now) and `events`; `flush` writes them."""
+        for event in events:
+            self._unsent[keys.event(event.time, f"{self.node_id}-{event.id}")] = event.to_dict()
+        new = signature(summary)
+        if events or new != self._summary_signature or self.summary_due(now):
+            self._unsent[keys.monitor(self.node_id)] = summary.to_dict()
+            self._summary_signature = new
+            self._summary_at = now
+            self._summary_allowance = allowance(summary, self.hang_floor_s)
+
+    def flush(self) -> None:
+        """Write what waits, unless `held`: the status, then monitor summaries and events.
+        StoreError: etcd could not be reached (now `held`; what is left waits)."""
+        if self.held:
+            return
+        try:
+            if self._status_pending:
+                self._write_status()
+            while self._unsent:
+                key = next(iter(self._unsent))
+                self.store.put(key, self._unsent[key])
+                self.writes += 1
+                del self._unsent[key]
+        except StoreError as e:
+            self.held, self.failure = True, e
+            raise
