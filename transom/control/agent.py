@@ -40,7 +40,7 @@ from transom.config import JobSpec
 from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.leaving import close_all, deregister
-from transom.control.outage import StoreLink, fence_reason, stall_bound, until_reached
+from transom.control.outage import RIDING_OUT, fence_reason, stall_bound, until_reached
 from transom.control.preflight import joining_checks
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
@@ -49,6 +49,7 @@ from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
+from transom.store.outage import StoreOutage
 from transom.store.spec import read_spec
 from transom.utils.net import bind_address
 
@@ -83,7 +84,7 @@ class NodeAgent:
         self.preflight_result: tuple[bool, dict] | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
-        self.link = StoreLink(time.monotonic())
+        self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
         self._published: tuple = (None, 0)  # (step, warm interpreters) last published
         self._published_at = 0.0
         self._published_extra: dict = {}
@@ -237,7 +238,7 @@ class NodeAgent:
         """A tick could not reach etcd: keep the workers, or fence them (outage.fence_reason)."""
         assert self.spec is not None and self.monitor is not None
         now = time.monotonic()
-        cut_off = self.link.failed(now, error, self.spec.store_outage_s)
+        cut_off = self.link.failed(error)
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
         self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
@@ -266,7 +267,7 @@ class NodeAgent:
     def _tick(self) -> int | None:
         assert self.spec is not None and self.ckpt is not None
         stored_plan = self.store.get(keys.PLAN)
-        self.link.ok(time.monotonic())
+        self.link.ok()
         try:
             self.ckpt.ensure_running(self.stopping)
         except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
