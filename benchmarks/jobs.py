@@ -1,11 +1,12 @@
-"""What the benchmarks running examples/train_gpt.py jobs share: the `transom run` command line,
-its progress lines, stopping a job.
+"""What the benchmarks (and the end-to-end tests, through tests/conftest.py) running jobs share:
+the `transom run` command line, its progress lines, waiting with a deadline, finding and
+stopping a job's processes.
 
 train_gpt.py (transom/workloads/train_gpt.py) prints, each with t=time.time() (see its docstring):
     [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
     step N loss X t=... (rank 0)               [train_gpt] done step=N rank=R t=...
-under torchrun possibly prefixed with "[rankR]: ". This module only reads and stops; it never
-starts a job.
+under torchrun possibly prefixed with "[rankR]: ". This module only reads, waits and stops; it
+never starts a job.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import psutil
 
 STOP_GRACE_S = 20
+# The smallest example GPT (examples/train_gpt.py options) the tests and the torture suite train.
+SMALL_GPT = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 8".split()
 LINE = re.compile(
     r"^(?:\[\w+\]: )?(?:\[train_gpt\] (?P<what>start|resumed|done)\b(?P<fields>.*?)"
     r"|step (?P<step>\d+) .*?)t=(?P<t>\d+\.\d+)",
@@ -76,12 +80,42 @@ def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
     return process.returncode == 0
 
 
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process whose command line names `marker` (torchrun starts workers in sessions
-    of their own, so killing a process group does not reach them)."""
-    for p in psutil.process_iter():
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy and return that; TimeoutError naming
+    `what` after `timeout` seconds (a test fails on it, a benchmark may catch it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_processes(marker: str) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one) whose command line or TRANSOM_JOB_ID names
+    `marker` (a job id or a run directory)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == os.getpid():
+            continue
         try:
-            if marker in " ".join(p.cmdline()):
-                p.kill()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if marker in " ".join(p.info["cmdline"] or []) or (
+                p.environ().get("TRANSOM_JOB_ID") == marker
+            ):
+                found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process that names `marker` (torchrun starts workers in sessions of their
+    own, so killing a process group does not reach them)."""
+    for p in job_processes(marker):
+        try:
+            p.kill()
+        except psutil.Error:
             continue

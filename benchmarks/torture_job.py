@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import transom_run
+from jobs import SMALL_GPT, job_processes, transom_run, wait_for
 
 from transom.common import files, keys
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
@@ -43,8 +43,6 @@ from transom.utils.procs import new_session_dying_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
-# The smallest example GPT the tests train (tests/conftest.py SMALL_GPT).
-SMALL_GPT = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 8".split()
 STEP_DELAY_S = 0.2
 CKPT_EVERY = 3
 NODES, SPARES = 3, 1
@@ -95,34 +93,6 @@ def kill_session(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         process.wait()
-
-
-def job_processes(marker: str) -> list[psutil.Process]:
-    """Processes whose command line or TRANSOM_JOB_ID names `marker` (a job id or a run dir)."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if marker in " ".join(p.info["cmdline"] or []) or (
-                p.environ().get("TRANSOM_JOB_ID") == marker
-            ):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def poll(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Job:
@@ -234,7 +204,7 @@ class Job:
         return re.search(rf"^step {step} ", self.log_text("g*/rank0.log"), re.M) is not None
 
     def wait_for_step(self, step: int, timeout: float = 150) -> None:
-        poll(lambda: self.reached(step) or self.ended(), timeout, f"step {step}")
+        wait_for(lambda: self.reached(step) or self.ended(), timeout, f"step {step}")
         if not self.reached(step):
             raise RuntimeError(f"job {self.job_id} ended before step {step}")
 
@@ -245,7 +215,7 @@ class Job:
     def wait(self, timeout: float) -> bool:
         """Wait for the job to end by itself; True if it did in time."""
         try:
-            poll(self.ended, timeout, "the job to end", interval=0.5)
+            wait_for(self.ended, timeout, "the job to end", interval=0.5)
             return True
         except TimeoutError:
             return False

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
-from torture_job import STEP_DELAY_S, Job, poll
+from jobs import wait_for
+from torture_job import STEP_DELAY_S, Job
 from torture_measure import ExitWatch
 
 from transom.checkpoint.shm_dirs import default_shm_dir
@@ -121,7 +122,9 @@ def etcd_kill(job, rng) -> dict:
     t0 = time.time()
     etcd.kill()
     try:
-        new = poll(lambda: (p := job.etcd()) is not None and p.pid != etcd.pid and p, 30, "etcd")
+        new = wait_for(
+            lambda: (p := job.etcd()) is not None and p.pid != etcd.pid and p, 30, "etcd"
+        )
         return {"etcd_restarted_after_s": after(new.create_time(), t0)}
     except TimeoutError:
         return {"etcd_restarted_after_s": None}
@@ -136,7 +139,7 @@ def controller_kill(state: str) -> Callable[[Job, random.Random], dict]:
             if pid is not None:
                 signal_pid(pid, signal.SIGKILL)
         try:
-            poll(lambda: job.job_state() == state, 20, state, interval=0.02)
+            wait_for(lambda: job.job_state() == state, 20, state, interval=0.02)
         except TimeoutError:
             pass
         leader, name = job.leader(), job.read(keys.LEADER)
@@ -145,7 +148,7 @@ def controller_kill(state: str) -> Callable[[Job, random.Random], dict]:
         if leader is not None:
             leader.kill()
         try:
-            poll(lambda: job.read(keys.LEADER) not in (None, name), 30, "a new leader")
+            wait_for(lambda: job.read(keys.LEADER) not in (None, name), 30, "a new leader")
             extra["new_leader_after_s"] = after(time.time(), t0)
         except TimeoutError:
             extra["new_leader_after_s"] = None
@@ -163,7 +166,7 @@ def agent_signal(signum: int) -> Callable[[Job, random.Random], dict]:
         agent.send_signal(signum)
         extra: dict = {}
         try:
-            poll(watch.last_exit, 40, "the agent to exit", interval=0.05)
+            wait_for(watch.last_exit, 40, "the agent to exit", interval=0.05)
         except TimeoutError:
             pass
         watch.stop()
@@ -202,7 +205,7 @@ def worker_kills(job, rng) -> dict:
     moments, last = [], FAULT_STEP
     for _ in range(job.kills):
         try:
-            step = poll(
+            step = wait_for(
                 lambda last=last: _next_ckpt_step(job, last), 120, "a checkpoint step", 0.02
             )
         except TimeoutError:
@@ -217,7 +220,7 @@ def worker_kills(job, rng) -> dict:
         moments.append({"time": t, "rank": rank, "step": step})
         generation = (job.read(keys.JOB) or {}).get("generation", 0)
         try:  # recovered: the next generation trains again
-            poll(lambda g=generation: _generation_steps(job, g + 1), 120, "recovery", 0.2)
+            wait_for(lambda g=generation: _generation_steps(job, g + 1), 120, "recovery", 0.2)
         except TimeoutError:
             break
         last = _newest_step(job)
@@ -281,15 +284,15 @@ def cut_off(job, rng) -> dict:
     job.proxies[VICTIM].set_blackhole()
     extra: dict = {"old_workers": len(workers)}
     try:
-        evicted = poll(
+        evicted = wait_for(
             lambda: ((job.read(keys.JOB) or {}).get("evicted") or {}).get(VICTIM), 60, "eviction"
         )
         extra["evicted_after_s"] = after(evicted["time"], t0)
-        plan = poll(lambda: generation_event(job, generation + 1), 60, "the next generation")
+        plan = wait_for(lambda: generation_event(job, generation + 1), 60, "the next generation")
         extra["next_plan_after_s"] = after(plan["time"], t0)
-        start = poll(lambda: first_start(job, generation + 1), 60, "the next workers")
+        start = wait_for(lambda: first_start(job, generation + 1), 60, "the next workers")
         extra["next_workers_start_after_s"] = after(start, t0)
-        poll(old.last_exit, 30, "the old workers to stop", interval=0.05)
+        wait_for(old.last_exit, 30, "the old workers to stop", interval=0.05)
     except TimeoutError as e:
         extra["timeout"] = str(e)
     extra["old_workers_stopped_after_s"] = after(old.last_exit(), t0)

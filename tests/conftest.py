@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,11 @@ import pytest
 from transom.store import EmbeddedEtcd, Store, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+# Waiting with a deadline, finding a job's processes, the smallest example GPT: one definition,
+# the benchmarks' (the tests import them from here).
+from jobs import SMALL_GPT, job_processes, wait_for  # noqa: E402, F401
+
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
 
@@ -40,36 +44,6 @@ def store(etcd):
         s.delete_job()
     except StoreError:
         pass
-
-
-# The smallest example GPT the tests train (examples/train_gpt.py options).
-SMALL_GPT = "--n-layer 1 --n-head 2 --n-embd 32 --block-size 32 --batch-size 8".split()
-
-
-def job_processes(marker: str) -> list[psutil.Process]:
-    """Processes whose command line or TRANSOM_JOB_ID mentions `marker` (a job id or run dir)."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.pid == os.getpid():
-            continue
-        try:
-            cmdline = " ".join(p.info["cmdline"] or [])
-            if marker in cmdline or p.environ().get("TRANSOM_JOB_ID") == marker:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll `predicate` until it returns something truthy, or fail the test after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Job:
@@ -192,7 +166,7 @@ def start_job(tmp_path):
                 10,
                 "the job's processes to exit",
             )
-        except AssertionError:
+        except TimeoutError:
             leftovers += [" ".join(p.cmdline()) for p in job_processes(job.job_id)]
         job.kill()
     assert not leftovers, f"processes outlived their job: {leftovers}"

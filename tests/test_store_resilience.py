@@ -12,6 +12,7 @@ import pytest
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.store.outage import StoreOutage
 from transom.store.upkeep import EtcdUpkeep
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,6 +63,28 @@ def test_a_stall_longer_than_the_deadline_raises_within_it(etcd):
     assert 1.9 < took < 2.0 + 1.0  # the deadline, plus at most one attempt's minimum
     resume.join()
     assert store.get("k") == 1  # and it answers again once etcd does
+
+
+def test_an_outage_lasts_from_etcds_last_answer_to_its_next(etcd):
+    """The one definition of "etcd is unreachable" (store/outage.py, shared by the launcher and
+    the agents): it began when etcd last answered, not when the first failed call gave up (a
+    call waits out the store's deadline first), and ends with the next answer."""
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=1.0)
+    outage = StoreOutage("test")
+    store.put("k", 1)
+    outage.ok()
+    answered = time.monotonic()
+    resume = paused(etcd, 3.0)
+    with pytest.raises(StoreError) as failure:
+        store.get("k")
+    lasted = outage.failed(failure.value)
+    assert outage.in_outage and lasted >= time.monotonic() - answered - 0.1
+    assert lasted >= 0.9  # the deadline the failed call waited out counts
+    resume.join()
+    assert store.get("k") == 1
+    ended = outage.ok()
+    assert ended is not None and ended >= 3.0 - 0.1 and not outage.in_outage
+    assert outage.ok() is None and outage.lasted() == 0.0
 
 
 def test_a_create_whose_answer_was_lost_is_still_ours(etcd):

@@ -45,7 +45,7 @@ from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
-from transom.control.outage import StoreLink, fence_reason, stall_bound, until_reached
+from transom.control.outage import RIDING_OUT, fence_reason, stall_bound, until_reached
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import joining_checks
 from transom.control.reports import NodeReports
@@ -56,6 +56,7 @@ from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
+from transom.store.outage import StoreOutage
 from transom.store.spec import read_spec
 from transom.utils.net import bind_address
 
@@ -92,7 +93,7 @@ class NodeAgent:
         self.preflight_result: tuple[bool, dict] | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
-        self.link = StoreLink(time.monotonic())
+        self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
         self.reports = NodeReports(store, node_id, self.incarnation, self._facts)
         self._resync = False  # read the plan again and reconnect its watch (after an outage)
         self._lease_loss_seen = False
@@ -226,7 +227,7 @@ class NodeAgent:
             failure = self.reports.failure  # a call that failed, or a write the tick let pass
             if failure is None or outcome is not None:
                 return outcome
-            self.link.failed(time.monotonic(), failure, self.spec.store_outage_s)
+            self.link.failed(failure)
             self.reports.held = True
         self._resync = True
         self._offline()
@@ -242,7 +243,7 @@ class NodeAgent:
         if error is None and silent_s > OVERDUE_TTL_SHARE * self.spec.node_ttl_s:
             error = StoreError(f"no answer to a lease renewal for {silent_s:.1f} s")
         if error is not None:
-            self.link.failed(now, error, self.spec.store_outage_s)
+            self.link.failed(error)
 
     def _offline(self) -> None:
         """etcd cannot be reached: keep the workers, or fence them (outage.fence_reason)."""

@@ -1,4 +1,4 @@
-"""A node agent's link to etcd: when it last worked, outages logged once, and the fence rule.
+"""A node agent's fence rule: when a node cut off from etcd must stop its workers.
 
 The agent keeps training through an etcd outage: its workers' collectives run on their own
 store (the generation's TorchStore), so they never need etcd. What the agent must not do is
@@ -25,8 +25,10 @@ clock, never compared with another machine's clock):
   outage that long is no longer ridden out (the node reports its workers as fenced once it
   reaches etcd again, and the controller restarts the generation).
 
-`until_reached` retries a start-up step while etcd cannot be reached. This module never calls
-etcd itself and never stops anything; the agent does, on its answers.
+How long the agent has been cut off is the agent's `StoreOutage` (transom.store.outage, the one
+definition of an outage the launcher shares). `until_reached` retries a start-up step while etcd
+cannot be reached. This module never calls etcd itself and never stops anything; the agent does,
+on its answers.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ STALL_STEPS = 4
 # How long start-up (spec, checkpoint secret, registration) waits for etcd before giving up.
 STARTUP_WAIT_S = 300.0
 STARTUP_RETRY_S = 1.0
+# What an agent does while etcd is unreachable (the log line that opens an outage says it).
+RIDING_OUT = (
+    "workers keep training unless the generation goes on without this node, "
+    "for up to --store-outage"
+)
 T = TypeVar("T")
 
 
@@ -88,36 +95,6 @@ def fence_reason(
             f"(the generation may have gone on without this node)"
         )
     return None
-
-
-class StoreLink:
-    """When the agent last reached etcd; logs an outage once when it starts and when it ends."""
-
-    def __init__(self, now: float) -> None:
-        self.last_ok = now
-        self.outage_since: float | None = None  # when the first failed call came back
-
-    def ok(self, now: float) -> None:
-        if self.outage_since is not None:
-            log.warning("etcd reachable again after %.1f s without it", now - self.last_ok)
-            self.outage_since = None
-        self.last_ok = now
-
-    def failed(self, now: float, error: Exception, limit_s: float) -> float:
-        """Record a failed call; the seconds since etcd was last reached."""
-        if self.outage_since is None:
-            self.outage_since = now
-            log.warning(
-                "cannot reach etcd (%s): workers keep training for up to %.0f s (--store-outage) "
-                "unless the generation goes on without this node",
-                error,
-                limit_s,
-            )
-        return now - self.last_ok
-
-    @property
-    def in_outage(self) -> bool:
-        return self.outage_since is not None
 
 
 def until_reached(what: str, call: Callable[[], T], stopping: threading.Event) -> T:
