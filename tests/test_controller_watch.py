@@ -27,7 +27,7 @@ from transom.common.records import (
 )
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
-from transom.control.cluster_view import ClusterView
+from transom.control.cluster_view import WatchedCluster
 from transom.control.controller import LEADER_TTL_S, Controller
 from transom.store import EmbeddedEtcd, Store, StoreError
 
@@ -65,8 +65,8 @@ class FakeAgent:
     """A node's registration under its own lease, kept alive by a thread; like a real agent it
     registers again under a new lease when it finds its lease gone (a control-plane stall)."""
 
-    def __init__(self, store: Store, node: str, ttl_s: int = 2):
-        self.store, self.node, self.ttl_s = store, node, ttl_s
+    def __init__(self, store: Store, node: str, ttl_s: int = 2, rejoin_after_s: float = 0.0):
+        self.store, self.node, self.ttl_s, self.rejoin_after_s = store, node, ttl_s, rejoin_after_s
         self.stopping = threading.Event()
         self.registrations = 0
         self.lease = self._register()
@@ -84,6 +84,7 @@ class FakeAgent:
         while not self.stopping.wait(self.ttl_s / 4):
             try:
                 if not self.store.refresh(self.lease):
+                    self.stopping.wait(self.rejoin_after_s)  # the agent's next ticks
                     self.lease = self._register()
             except StoreError:
                 pass
@@ -95,17 +96,24 @@ class FakeAgent:
         self.store.revoke(self.lease)
 
 
-def publish_running(store: Store, node: str, generation: int = 1) -> None:
+def publish(store: Store, node: str, running: bool = True) -> None:
+    """A node's passed pre-flight and, for a member, its workers RUNNING generation 1."""
     now = time.time()
-    store.put(keys.status(node), NodeStatus(node, generation, NodeState.RUNNING, now).to_dict())
     store.put(keys.preflight(node), PreflightResult(True, now, compute_gflops=50.0).to_dict())
+    if running:
+        store.put(keys.status(node), NodeStatus(node, 1, NodeState.RUNNING, now).to_dict())
+
+
+def put_spec(store: Store, **spec_fields) -> JobSpec:
+    fields = dict(script="train.py", job_id=store.job_id, nproc_per_node=1, metrics_port=-1)
+    spec = JobSpec(**{**fields, **spec_fields}).validate()
+    store.put(keys.SPEC, spec.to_dict())
+    return spec
 
 
 def running_job(store: Store, members: list[str], **spec_fields) -> JobSpec:
     """A spec and a job record RUNNING generation 1 on `members`, as a leader left them."""
-    fields = dict(script="train.py", job_id=store.job_id, nproc_per_node=1, metrics_port=-1)
-    spec = JobSpec(**{**fields, **spec_fields}).validate()
-    store.put(keys.SPEC, spec.to_dict())
+    spec = put_spec(store, **spec_fields)
     job = JobRecord.new(time.time())
     job.state, job.generation, job.members = JobState.RUNNING, 1, list(members)
     job.generation_started = time.time()
@@ -149,7 +157,7 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         server.start()
         store = Store(server.access, "view")
         store.put(keys.node("a"), NodeRegistration("a", "h", 1, 1.0).to_dict())
-        view = ClusterView(store)
+        view = WatchedCluster(store)
         view.start()
         assert set(view.published().nodes) == {"a"}
         poll(lambda: view.current, 10, "the streams are up")
@@ -192,7 +200,7 @@ def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
     running_job(store, ["node0", "node1"], nnodes_min=2, nnodes_max=2, spares=1, settle_s=0.5)
     agents = {n: FakeAgent(store, n) for n in ("node0", "node1", "node2")}
     for n in agents:
-        publish_running(store, n)
+        publish(store, n, running=n != "node2")  # node2: a spare
     ctl = ControllerThread(store, "ctl-a")
     try:
         poll(lambda: store.get(keys.LEADER) == "ctl-a", 20, "ctl-a leads")
@@ -204,8 +212,8 @@ def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
         took = time.monotonic() - died
         plan = store.get(keys.PLAN)
         assert plan["members"] == ["node0", "node2"]
-        # settle_s, then one tick to decide and one to write the plan: not a polling interval
-        assert took < 0.5 + 2.0, took
+        # settle_s, then one tick to decide and one to write the plan: no polling interval
+        assert took < 0.5 + 2.5, took
     finally:
         ctl.stop()
         for agent in agents.values():
@@ -214,11 +222,15 @@ def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
 
 def test_an_etcd_stall_that_expires_a_lease_is_an_incident_not_an_eviction(etcd, store):
     # Two members: node1's lease outlives the stall, node0's does not. One of two vanishing is
-    # not "many at once", so only the gap the controller measured excuses node0.
+    # not "many at once", so only the gap the controller measured excuses node0, which comes
+    # back within the grace period (node TTL + 2 s).
     running_job(store, ["node0", "node1"], nnodes_min=2, nnodes_max=2, node_ttl_s=2)
-    agents = {"node0": FakeAgent(store, "node0", ttl_s=2), "node1": FakeAgent(store, "node1", 30)}
+    agents = {
+        "node0": FakeAgent(store, "node0", ttl_s=2, rejoin_after_s=1.5),
+        "node1": FakeAgent(store, "node1", ttl_s=30),
+    }
     for n in agents:
-        publish_running(store, n)
+        publish(store, n)
     ctl = ControllerThread(store, "ctl-a")
     try:
         poll(lambda: store.get(keys.LEADER) == "ctl-a", 20, "ctl-a leads")
@@ -228,9 +240,12 @@ def test_an_etcd_stall_that_expires_a_lease_is_an_incident_not_an_eviction(etcd,
         time.sleep(4.0)  # longer than node0's TTL and the leader's (LEADER_TTL_S)
         os.kill(etcd.process.pid, signal.SIGCONT)
         poll(lambda: agents["node0"].registrations >= 2, 20, "node0 registered again")
-        poll(lambda: "control-plane incident" in str(store.get_prefix(keys.EVENTS)), 10,
-             "the incident is reported")  # fmt: skip
-        time.sleep(2.0)  # what the controller does next, once node0 is back
+        poll(lambda: "control-plane incident over" in str(store.get_prefix(keys.EVENTS)), 10,
+             "the incident is over")  # fmt: skip
+        time.sleep(1.0)  # what the controller does next, once node0 is back
+        messages = [e["message"] for e in store.get_prefix(keys.EVENTS).values()]
+        # It lost its own lease in the stall too, led again and knew about the gap:
+        assert any("after etcd did not answer it for" in m for m in messages), messages
         kinds = event_kinds(store)
         assert "evict" not in kinds and "incident" not in kinds, kinds
         assert plan_generation(store) == 0  # no restart (generation 1 was never rewritten)
@@ -245,7 +260,7 @@ def test_an_etcd_stall_that_expires_a_lease_is_an_incident_not_an_eviction(etcd,
 
 
 def test_a_standby_takes_over_after_a_sigkill_and_at_once_after_a_hand_over(etcd, store):
-    running_job(store, [], nnodes_min=1, nnodes_max=1, join_timeout_s=600)
+    put_spec(store, nnodes_min=1, nnodes_max=1, join_timeout_s=600)  # PENDING: no node comes
     base = [sys.executable, "-m", "transom", "--log-level", "warning", "controller"]
     common = [*etcd.access.argv(), "--job-id", store.job_id]
     procs: dict[str, subprocess.Popen] = {}

@@ -1,4 +1,4 @@
-"""`ClusterView`: what the agents published, followed through etcd watches instead of re-read.
+"""`WatchedCluster`: what the agents published, followed through etcd watches, not re-read.
 
 The leading controller acts on four of a job's key names: `nodes/` (a node is alive while its
 lease-bound registration exists; a lease's expiry arrives as a delete), `status/`, `monitor/`
@@ -76,7 +76,7 @@ def read_direct(store: Store) -> Published:
     )
 
 
-class ClusterView:
+class WatchedCluster:
     """The watched records of one job; `start` it, read it with `published`, `stop` it."""
 
     def __init__(self, store: Store, changed: threading.Event | None = None):

@@ -8,13 +8,12 @@ is gone: a safety net under the leader-key watch). Each success is recorded in `
 the time the thread waited by choice left out, so a gap is a stretch in which calls failed or
 stalled, not the prober's own pauses.
 
-The controller asks it two things before it acts on its watched view:
-  - `stale(now)`: no call succeeded for longer than STALE_S (etcd may be paused or down):
-    the view may be silently old; do not act on it;
-  - `answered_since(t)`: a call succeeded after `t`; a lease expiry the view saw at `t` may be
-    etcd's own (it revokes every expired lease on resuming from a stall), so the controller
-    acts on it only once this call has recorded any gap that preceded it (`kick` asks for one
-    at once, and `wake` is set when it answers).
+Before the controller acts on its watched view it asks `confirm(t)`: did a call succeed
+after `t` and within STALE_S? If none did, it makes one at once and waits for it:
+  - without an answer for STALE_S, etcd may be paused or down, and the view silently old;
+  - a lease expiry the view saw at `t` may be etcd's own (it revokes every expired lease on
+    resuming from a stall), so the controller acts on it only once a call that answered after
+    it has recorded any gap that preceded it.
 
 It never raises into the controller: a failed call is logged and retried at the next round.
 `observed` is shared with the controller's thread; both use it under `lock`.
@@ -39,21 +38,14 @@ STALE_S = MIN_GAP_S  # without an answer this long, what the watches show may be
 class StoreContact:
     """Runs `probe` (a store call; StoreError when etcd did not answer) every PROBE_S."""
 
-    def __init__(
-        self,
-        probe: Callable[[], None],
-        observed: Observed,
-        stopping: threading.Event,
-        wake: threading.Event,
-    ):
+    def __init__(self, probe: Callable[[], None], observed: Observed, stopping: threading.Event):
         self.probe = probe
         self.observed = observed
         self.lock = threading.Lock()  # guards `observed`
         self.stopping = stopping
-        self.wake = wake
         self.last_ok: float | None = None  # monotonic time of the newest success
         self._kick = threading.Event()
-        self._wake_on_answer = False
+        self._answered = threading.Condition()  # notified at every success
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -62,16 +54,19 @@ class StoreContact:
             self._thread = threading.Thread(target=self._run, name="store-contact", daemon=True)
             self._thread.start()
 
-    def kick(self) -> None:
-        """Call now (not at the next round) and set `wake` when it answers."""
-        self._wake_on_answer = True
-        self._kick.set()
+    def confirm(self, since: float, timeout: float) -> bool:
+        """Whether etcd answered after `since` and within STALE_S; if not yet, a call is made
+        at once (unless one is under way) and its answer awaited for up to `timeout` seconds."""
 
-    def stale(self, now: float) -> bool:
-        return self.last_ok is None or now - self.last_ok > STALE_S
+        def confirmed() -> bool:
+            last = self.last_ok
+            return last is not None and last >= since and time.monotonic() - last <= STALE_S
 
-    def answered_since(self, t: float) -> bool:
-        return self.last_ok is not None and self.last_ok >= t
+        if confirmed():
+            return True
+        with self._answered:
+            self._kick.set()
+            return self._answered.wait_for(confirmed, timeout)
 
     def _run(self) -> None:
         answered = False  # the previous round succeeded (so the wait before this one was idle)
@@ -95,7 +90,7 @@ class StoreContact:
             now = time.monotonic()
             with self.lock:
                 self.observed.reached(now, started, started - waited_from if answered else 0.0)
-            self.last_ok, answered = now, True
-            if self._wake_on_answer:
-                self._wake_on_answer = False
-                self.wake.set()
+            answered = True
+            with self._answered:
+                self.last_ok = now
+                self._answered.notify_all()

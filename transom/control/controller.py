@@ -34,8 +34,8 @@ from transom.common import keys
 from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
 from transom.config import JobSpec
-from transom.control.cluster_view import ClusterView, read_direct
-from transom.control.contact import StoreContact
+from transom.control.cluster_view import WatchedCluster, read_direct
+from transom.control.contact import STALE_S, StoreContact
 from transom.control.decisions import Memory, Snapshot, decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
@@ -75,8 +75,8 @@ class Controller:
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
-        self.contact = StoreContact(self._probe, self.observed, self.stopping, self.wake)
-        self.view: ClusterView | None = None  # the leader's watched view of the agents
+        self.contact = StoreContact(self._probe, self.observed, self.stopping)
+        self.view: WatchedCluster | None = None  # the leader's watched view of the agents
         self.leader_watch: LeaderWatch | None = None  # a standby's watch on the leader key
 
     # -- leadership ---------------------------------------------------------------------------
@@ -280,24 +280,15 @@ class Controller:
             )
         return snap
 
-    def _view_answered(self) -> bool:
-        """Whether the view may be acted on: etcd answered the controller lately, and after the
-        newest lease expiry the view saw (so any gap before it is known); else ask it now."""
-        assert self.view is not None
-        if not self.contact.stale(time.monotonic()) and self.contact.answered_since(
-            self.view.node_deleted_at
-        ):
-            return True
-        self.contact.kick()  # sets `wake` when etcd answers
-        return False
-
     def _step(self) -> None:
         assert self.job is not None and self.spec is not None
         if self.view is None:
-            view = ClusterView(self.store, self.wake)
+            view = WatchedCluster(self.store, self.wake)
             view.start()  # StoreError: retried at the next tick
             self.view = view
-        if not self._view_answered():
+        # Act only on a view etcd answered for lately, and after the newest lease expiry the
+        # view saw (so any gap in reaching etcd before it is known: grace.py).
+        if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
             return
         snap = self.snapshot()
         self.exporter.update(self.job, snap.summaries)
