@@ -10,7 +10,10 @@ a full re-read, which replaces that name's records.
 
 It remembers when it received what matters to the controller's clocks (`Observed`): when each
 node's monitor summary changed and when a registration was last deleted, on this process's
-monotonic clock. Every applied change sets `changed`, the event the controller's loop waits on.
+monotonic clock. An applied change sets `changed`, the event the controller's loop waits on,
+except a monitor summary without anomalies: those arrive every second from every node, and the
+rules that read them (hang and telemetry-gap ages, stragglers) are time-based, so the
+controller's timer takes them in; a summary that reports an anomaly wakes it at once.
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -157,6 +160,7 @@ class WatchedCluster:
             self._replace(name, update.snapshot)
             return
         now = time.monotonic()
+        urgent = name != keys.MONITOR
         with self._lock:
             records = self._records[name]
             for event in update.events:
@@ -169,7 +173,9 @@ class WatchedCluster:
                     records[event.name] = record  # a registration counts, valid or not
                 if name == keys.MONITOR:
                     self.summary_changed_at[event.name] = now
-        self.changed.set()
+                    urgent = urgent or record is None or bool(record.anomalies)
+        if urgent:
+            self.changed.set()
 
     def _apply_updates(self, name: str, watch: PrefixWatch) -> None:
         while not self._stopping.is_set():
