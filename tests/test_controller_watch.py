@@ -105,7 +105,7 @@ def publish(store: Store, node: str, running: bool = True) -> None:
 
 
 def put_spec(store: Store, **spec_fields) -> JobSpec:
-    fields = dict(script="train.py", job_id=store.job_id, nproc_per_node=1, metrics_port=-1)
+    fields = dict(script=__file__, job_id=store.job_id, nproc_per_node=1, metrics_port=-1)
     spec = JobSpec(**{**fields, **spec_fields}).validate()
     store.put(keys.SPEC, spec.to_dict())
     return spec
