@@ -174,13 +174,15 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         assert published.summaries["a"].t == 5.0
         assert published.summary_arrived and "a" in published.summary_arrived
 
-        # A plain summary is taken in by the controller's timer; other changes wake it.
+        # Progress reports are taken in by the controller's timer; other changes wake it.
         poll(lambda: view.published().statuses, 10, "a's status")
         view.changed.clear()
         store.put(keys.monitor("a"), MonitorSummary("a", 1, 6.0).to_dict())
-        poll(lambda: view.published().summaries["a"].t == 6.0, 10, "the next summary")
+        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.RUNNING, 2.0, step=7).to_dict())
+        poll(lambda: view.published().statuses["a"].step == 7, 10, "the next status")
+        assert view.published().summaries["a"].t == 6.0
         assert not view.changed.is_set()
-        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.RUNNING, 2.0).to_dict())
+        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
         assert view.changed.wait(10)
 
         deleted_before = view.node_deleted_at

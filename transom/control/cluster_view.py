@@ -11,9 +11,11 @@ a full re-read, which replaces that name's records.
 It remembers when it received what matters to the controller's clocks (`Observed`): when each
 node's monitor summary changed and when a registration was last deleted, on this process's
 monotonic clock. An applied change sets `changed`, the event the controller's loop waits on,
-except a monitor summary without anomalies: those arrive every second from every node, and the
-rules that read them (hang and telemetry-gap ages, stragglers) are time-based, so the
-controller's timer takes them in; a summary that reports an anomaly wakes it at once.
+except progress reports: a monitor summary without anomalies, or a status that says only that
+the node's newest step (or warm interpreters, or its time) moved. Those arrive about every
+second from every node; the rules that read them (hang and telemetry-gap ages, stragglers) are
+time-based, so the controller's timer takes them in. A summary with an anomaly, a status with a
+new state, generation or failure, any registration or pre-flight change wakes it at once.
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -26,6 +28,7 @@ It only reads etcd; it never writes, and its threads never raise into the caller
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -65,6 +68,17 @@ class Published:
     preflight: dict[str, PreflightResult] = field(default_factory=dict)
     # When each node's summary reached the view (None: read directly, at the caller's now).
     summary_arrived: dict[str, float] | None = None
+
+
+def _progress_only(before: Any | None, after: Any | None) -> bool:
+    """Whether `after` differs from `before` only in what a running node re-publishes as it
+    makes progress (a monitor summary without anomalies; a status's time, step, warm count)."""
+    if isinstance(after, MonitorSummary):
+        return not after.anomalies
+    if isinstance(before, NodeStatus) and isinstance(after, NodeStatus):
+        same = dataclasses.replace(after, time=before.time, step=before.step, warm=before.warm)
+        return same == before
+    return False
 
 
 def read_direct(store: Store) -> Published:
@@ -160,11 +174,12 @@ class WatchedCluster:
             self._replace(name, update.snapshot)
             return
         now = time.monotonic()
-        urgent = name != keys.MONITOR
+        urgent = False
         with self._lock:
             records = self._records[name]
             for event in update.events:
                 record = None if event.deleted else self._parse(name, event.name, event.value)
+                urgent = urgent or not _progress_only(records.get(event.name), record)
                 if event.deleted or (record is None and name != keys.NODES):
                     records.pop(event.name, None)
                     if name == keys.NODES:
@@ -173,7 +188,6 @@ class WatchedCluster:
                     records[event.name] = record  # a registration counts, valid or not
                 if name == keys.MONITOR:
                     self.summary_changed_at[event.name] = now
-                    urgent = urgent or record is None or bool(record.anomalies)
         if urgent:
             self.changed.set()
 
