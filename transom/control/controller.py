@@ -1,4 +1,4 @@
-"""The controller's I/O loop: leadership, a snapshot of etcd each tick, `decide`, a fenced commit.
+"""The controller's I/O loop: leadership, a watched view of etcd, `decide`, a fenced commit.
 
 Several candidates may run; one wins leadership by creating the `leader` key under its lease,
 and every write it makes is fenced on still holding that key. All decisions and the state
@@ -6,6 +6,18 @@ they need (generation, members, evictions, failure history, restart budget) live
 `job` record, so a candidate that takes over after the leader died continues where it
 stopped. The rules themselves are in transom.control.decisions (pure, unit-tested); each
 decision is also an event with a reason in `events/`.
+
+Nothing is polled. The leader follows what the agents publish through etcd watches
+(transom.control.cluster_view) and ticks when something changed, a tick's commit asks for the
+next one, or a timer runs out (TICK_S while the job is changing, STEADY_TICK_S while it runs:
+the time-based rules, hang and telemetry-gap ages, warm-up and settle timeouts). A node's
+death is the delete of its lease-bound registration, pushed like any other change. A standby
+waits on the leader key's delete (transom.control.leader_watch) and only then tries to lead.
+Each candidate's one steady store call, the leader's lease refresh or a standby's read of the
+leader key (transom.control.contact), measures its gaps to etcd: the leader never acts on a
+view etcd has not answered for since (a paused etcd keeps a watch open and silent), nor on a
+lease expiry before it knows whether a gap preceded it (a control-plane incident, see
+control/grace.py); while a watch stream is down it reads etcd directly, as before watches.
 
 The controller never touches processes: it writes the `plan` and the agents act on it.
 """
@@ -19,21 +31,13 @@ import time
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
-from transom.common.records import (
-    Event,
-    EventKind,
-    JobRecord,
-    MonitorSummary,
-    NodeRegistration,
-    NodeStatus,
-    Plan,
-    PreflightResult,
-    RecordError,
-    parse_all,
-)
+from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
 from transom.config import JobSpec
+from transom.control.cluster_view import WatchedCluster, read_direct
+from transom.control.contact import STALE_S, StoreContact
 from transom.control.decisions import Memory, Snapshot, decide
+from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
 from transom.monitor.exporter import MonitorExporter
 from transom.store import Store, StoreError
@@ -43,7 +47,10 @@ from transom.utils.net import bind_address, host_address
 
 log = logging.getLogger("transom.controller")
 
-TICK_S = 0.2
+TICK_S = 0.2  # the shortest time between two ticks (changes that come faster are taken together)
+STEADY_TICK_S = 1.0  # while the job runs and nothing changes: the time-based rules' tick
+STANDBY_RETRY_S = 5.0  # a standby tries to lead this often even if nothing woke it
+STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
 SPEC_WAIT_S = 120.0
 
@@ -67,6 +74,10 @@ class Controller:
         self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
+        self.wake = threading.Event()  # something changed: tick (or try to lead) now
+        self.contact = StoreContact(self._probe, self.observed, self.stopping)
+        self.view: WatchedCluster | None = None  # the leader's watched view of the agents
+        self.leader_watch: LeaderWatch | None = None  # a standby's watch on the leader key
 
     # -- leadership ---------------------------------------------------------------------------
     def _try_lead(self) -> bool:
@@ -77,7 +88,7 @@ class Controller:
             return False
         self.lease = lease
         self.leading.set()
-        threading.Thread(target=self._keep_leading, name="leader-keepalive", daemon=True).start()
+        self.contact.start()  # keeps the lease alive from now on
         stored = self.store.get(keys.JOB)
         self.job = JobRecord.from_dict(stored) if stored else JobRecord.new(time.time())
         if self.exporter.port is None and self.spec.metrics_port >= 0:
@@ -90,22 +101,24 @@ class Controller:
             f"controller {self.candidate_id} leads the job "
             f"(state {self.job.state.value}, generation {self.job.generation})"
         )
-        since_gap = self.observed.since_gap(time.monotonic())
+        with self.contact.lock:
+            since_gap = self.observed.since_gap(time.monotonic())
         if since_gap is not None and since_gap < self.spec.node_ttl_s:
             message += f", after etcd did not answer it for {self.observed.gap_s:.1f} s"
         self._commit([Event(time.time(), EventKind.LEADER, message, self.job.generation)])
         return True
 
-    def _keep_leading(self) -> None:
+    def _probe(self) -> None:
+        """The steady store call (StoreContact, every PROBE_S): the leader keeps its lease
+        alive; a standby checks that a leader exists (and is woken if none does)."""
         lease = self.lease
-        assert lease is not None
-        while self.leading.is_set() and not self.stopping.wait(LEADER_TTL_S / 4):
-            try:
-                if not self.store.refresh(lease):
-                    log.warning("leadership lease expired")
-                    self.leading.clear()
-            except StoreError:
-                pass
+        if self.leading.is_set() and lease is not None:
+            if not self.store.refresh(lease):
+                log.warning("leadership lease expired")
+                self.leading.clear()
+                self.wake.set()
+        elif self.store.get(keys.LEADER) is None:
+            self.wake.set()
 
     def _commit(self, events: list[Event], plan: Plan | None = None) -> None:
         """Write the job record, the plan and new events in one transaction fenced on leadership."""
@@ -136,6 +149,9 @@ class Controller:
                 signal.signal(signal.SIGTERM, previous)
             self.stopping.set()
             self.exporter.stop()
+            self._close_view()
+            if self.leader_watch is not None:
+                self.leader_watch.stop()
             if self.leading.is_set() and self.lease is not None:
                 self.leading.clear()
                 try:
@@ -154,27 +170,72 @@ class Controller:
             except StoreError as e:
                 log.warning("cannot read the job spec yet: %s", e)
                 self.stopping.wait(1.0)
+        self.contact.start()
         while not self.stopping.is_set():
             started = time.monotonic()
             try:
                 if not self.leading.is_set():
-                    stored = self.store.get(keys.JOB)
-                    self.observed.reached(time.monotonic(), started)
-                    job = JobRecord.from_dict(stored) if stored else None
-                    if job and job.state.terminal:
-                        return 0 if job.state is JobState.SUCCEEDED else 1
-                    if not self._try_lead():
-                        self.stopping.wait(TICK_S)
-                        continue
-                self._step(started)
+                    self._close_view()
+                    code = self._stand_by()
+                    if code is not None:
+                        return code
+                    continue
+                self._step()
                 assert self.job is not None
                 if self.job.state.terminal and self.leading.is_set():
                     return 0 if self.job.state is JobState.SUCCEEDED else 1
             except (StoreError, RecordError) as e:
                 log.warning("store error: %s", e)
                 self.stopping.wait(1.0)
-            self.stopping.wait(TICK_S)
+            self._wait_for_change(started)
         return 0 if self.terminated else 1
+
+    def _stand_by(self) -> int | None:
+        """One attempt to lead, then a wait until the leader key goes (or STANDBY_RETRY_S);
+        the job's exit code if it already ended."""
+        if self.leader_watch is None:
+            watch = LeaderWatch(self.store, self.wake)
+            if watch.start():
+                self.leader_watch = watch
+        self.wake.clear()  # a delete from now on wakes the wait below
+        stored = self.store.get(keys.JOB)
+        job = JobRecord.from_dict(stored) if stored else None
+        if job and job.state.terminal:
+            return 0 if job.state is JobState.SUCCEEDED else 1
+        if self._try_lead():
+            if self.leader_watch is not None:
+                self.leader_watch.stop()
+                self.leader_watch = None
+            return None
+        self._wait_woken(STANDBY_RETRY_S)
+        return None
+
+    def _wait_for_change(self, started: float) -> None:
+        """Until something changed (at least TICK_S after `started`), or the timer ran out."""
+        if self.stopping.wait(max(0.0, TICK_S - (time.monotonic() - started))):
+            return
+        job = self.job
+        steady = (
+            job is not None
+            and job.state is JobState.RUNNING
+            and job.next_generation is None
+            and self.memory.grace_until is None
+        )
+        self._wait_woken(STEADY_TICK_S if steady else TICK_S)
+        self.wake.clear()
+
+    def _wait_woken(self, timeout: float) -> None:
+        """Until `wake` is set, `stopping` is set (checked every STOP_CHECK_S) or `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.wake.wait(min(left, STOP_CHECK_S)):
+                return
+
+    def _close_view(self) -> None:
+        if self.view is not None:
+            self.view.stop()
+            self.view = None
 
     def _catch_sigterm(self):
         if threading.current_thread() is not threading.main_thread():
@@ -187,24 +248,28 @@ class Controller:
 
         return signal.signal(signal.SIGTERM, leave)
 
-    def snapshot(self, started: float | None = None) -> Snapshot:
-        """What `decide` needs, read from etcd (values that are not valid records are ignored)."""
+    def snapshot(self) -> Snapshot:
+        """What `decide` needs: the watched view, or, while a watch stream is down, a direct
+        read of etcd (values that are not valid records are ignored)."""
         assert self.job is not None and self.spec is not None
-        job, get = self.job, self.store.get_prefix
-        summaries = parse_all(MonitorSummary, get(keys.MONITOR))
-        # A node is alive while its registration key exists (its lease holds), whatever it holds.
-        registered = get(keys.NODES)
-        valid = parse_all(NodeRegistration, registered)
+        job = self.job
+        view = self.view
+        published = view.published() if view is not None and view.current else None
+        if published is None:
+            published = read_direct(self.store)
         snap = Snapshot(
-            nodes={n: valid.get(n) for n in registered},
-            statuses=parse_all(NodeStatus, get(keys.STATUS)),
-            summaries={n: s for n, s in summaries.items() if n in job.members},
-            preflight=parse_all(PreflightResult, get(keys.PREFLIGHT)),
+            nodes=published.nodes,
+            statuses=published.statuses,
+            summaries={n: s for n, s in published.summaries.items() if n in job.members},
+            preflight=published.preflight,
         )
-        now = time.monotonic()
-        self.observed.reached(now, now if started is None else started)
-        snap.summary_ages = self.observed.summary_ages(snap.summaries, now)
-        snap.store_gap_s, snap.since_store_gap_s = self.observed.gap_s, self.observed.since_gap(now)
+        with self.contact.lock:
+            now = time.monotonic()
+            snap.summary_ages = self.observed.summary_ages(
+                snap.summaries, now, published.summary_arrived
+            )
+            snap.store_gap_s = self.observed.gap_s
+            snap.since_store_gap_s = self.observed.since_gap(now)
         nxt = job.next_generation
         if nxt is not None and not job.state.terminal:
             snap.restore_step = newest_restorable(
@@ -215,9 +280,17 @@ class Controller:
             )
         return snap
 
-    def _step(self, started: float | None = None) -> None:
+    def _step(self) -> None:
         assert self.job is not None and self.spec is not None
-        snap = self.snapshot(started)
+        if self.view is None:
+            view = WatchedCluster(self.store, self.wake)
+            view.start()  # StoreError: retried at the next tick
+            self.view = view
+        # Act only on a view etcd answered for lately, and after the newest lease expiry the
+        # view saw (so any gap in reaching etcd before it is known: grace.py).
+        if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
+            return
+        snap = self.snapshot()
         self.exporter.update(self.job, snap.summaries)
         d = decide(self.job, snap, self.spec, time.time(), self.memory)
         self.memory = d.memory
@@ -228,3 +301,4 @@ class Controller:
         if d.changed:
             self.job = d.job
             self._commit(d.events, d.plan)
+            self.wake.set()  # a decision often leads to the next (RECOVERING, then the plan)

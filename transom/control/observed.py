@@ -31,9 +31,11 @@ class Observed:
         self.gap_ended: float | None = None  # when it ended (None: never a gap)
         self._seen: dict[str, tuple[float, float]] = {}  # node -> (summary's t, seen change)
 
-    def reached(self, now: float, started: float) -> None:
-        """A round of store calls that began at `started` succeeded at `now`."""
-        gap = now - (self.last_ok if self.last_ok is not None else started)
+    def reached(self, now: float, started: float, idle_s: float = 0.0) -> None:
+        """A round of store calls that began at `started` succeeded at `now`; `idle_s`: how
+        long the caller chose to wait since its previous success (no call outstanding, so no
+        part of a gap: a prober that calls every 0.5 s is not in a 0.5 s gap)."""
+        gap = now - (self.last_ok if self.last_ok is not None else started) - idle_s
         if gap >= MIN_GAP_S:
             self.gap_s, self.gap_ended = gap, now
             # Nothing could be seen in the gap: every summary is as fresh as its end.
@@ -43,13 +45,22 @@ class Observed:
     def since_gap(self, now: float) -> float | None:
         return None if self.gap_ended is None else now - self.gap_ended
 
-    def summary_ages(self, summaries: dict[str, MonitorSummary], now: float) -> dict[str, float]:
-        """Seconds since this controller saw each node's summary change."""
+    def summary_ages(
+        self,
+        summaries: dict[str, MonitorSummary],
+        now: float,
+        arrived: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Seconds since this controller saw each node's summary change; `arrived`: when each
+        summary reached it (a watch delivered it), if before `now` (never before a gap's end)."""
         ages = {}
         for node, s in summaries.items():
             seen = self._seen.get(node)
             if seen is None or seen[0] != s.t:
-                seen = (s.t, now)
+                at = now if arrived is None else arrived.get(node, now)
+                if self.gap_ended is not None:
+                    at = max(at, self.gap_ended)
+                seen = (s.t, min(at, now))
                 self._seen[node] = seen
-            ages[node] = now - seen[1]
+            ages[node] = max(0.0, now - seen[1])  # a gap may end as the tick reads
         return ages

@@ -1,0 +1,301 @@
+"""The event-driven controller against a real embedded etcd: its watched view of the agents
+(transom/control/cluster_view.py) follows puts, deletes and an etcd restart; a member whose
+lease expires is seen and a new plan published; a stall of etcd that expires leases is a
+control-plane incident, not an eviction; a standby takes over within a bound after the leader
+is SIGKILLed or hands over on SIGTERM (real `transom controller` processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from transom.common import keys
+from transom.common.records import (
+    JobRecord,
+    MonitorSummary,
+    NodeRegistration,
+    NodeStatus,
+    PreflightResult,
+)
+from transom.common.states import JobState, NodeState
+from transom.config import JobSpec
+from transom.control.cluster_view import WatchedCluster
+from transom.control.controller import LEADER_TTL_S, Controller
+from transom.store import EmbeddedEtcd, Store, StoreError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def etcd(tmp_path) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(tmp_path / "etcd")
+    try:
+        server.start()
+        yield server
+    finally:
+        if server.process is not None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+@pytest.fixture
+def store(etcd) -> Store:
+    return Store(etcd.access, f"cw-{uuid.uuid4().hex[:8]}")
+
+
+def poll(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+class FakeAgent:
+    """A node's registration under its own lease, kept alive by a thread; like a real agent it
+    registers again under a new lease when it finds its lease gone (a control-plane stall)."""
+
+    def __init__(self, store: Store, node: str, ttl_s: int = 2, rejoin_after_s: float = 0.0):
+        self.store, self.node, self.ttl_s, self.rejoin_after_s = store, node, ttl_s, rejoin_after_s
+        self.stopping = threading.Event()
+        self.registrations = 0
+        self.lease = self._register()
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+        self.thread.start()
+
+    def _register(self):
+        lease = self.store.lease(self.ttl_s)
+        registration = NodeRegistration(self.node, "127.0.0.1", 1, time.time(), "inc-" + self.node)
+        self.store.put(keys.node(self.node), registration.to_dict(), lease=lease)
+        self.registrations += 1
+        return lease
+
+    def _keep(self) -> None:
+        while not self.stopping.wait(self.ttl_s / 4):
+            try:
+                if not self.store.refresh(self.lease):
+                    self.stopping.wait(self.rejoin_after_s)  # the agent's next ticks
+                    self.lease = self._register()
+            except StoreError:
+                pass
+
+    def die(self) -> None:
+        """Stop and revoke the lease: the moment a dead node's lease expires."""
+        self.stopping.set()
+        self.thread.join(5)
+        self.store.revoke(self.lease)
+
+
+def publish(store: Store, node: str, running: bool = True) -> None:
+    """A node's passed pre-flight and, for a member, its workers RUNNING generation 1."""
+    now = time.time()
+    store.put(keys.preflight(node), PreflightResult(True, now, compute_gflops=50.0).to_dict())
+    if running:
+        store.put(keys.status(node), NodeStatus(node, 1, NodeState.RUNNING, now).to_dict())
+
+
+def put_spec(store: Store, **spec_fields) -> JobSpec:
+    fields = dict(script=__file__, job_id=store.job_id, nproc_per_node=1, metrics_port=-1)
+    spec = JobSpec(**{**fields, **spec_fields}).validate()
+    store.put(keys.SPEC, spec.to_dict())
+    return spec
+
+
+def running_job(store: Store, members: list[str], **spec_fields) -> JobSpec:
+    """A spec and a job record RUNNING generation 1 on `members`, as a leader left them."""
+    spec = put_spec(store, **spec_fields)
+    job = JobRecord.new(time.time())
+    job.state, job.generation, job.members = JobState.RUNNING, 1, list(members)
+    job.generation_started = time.time()
+    store.put(keys.JOB, job.to_dict())
+    return spec
+
+
+class ControllerThread:
+    def __init__(self, store: Store, name: str):
+        self.controller = Controller(Store(store.access, store.job_id), name)
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.code = self.controller.run()
+
+    def stop(self) -> None:
+        self.controller.terminated = True
+        self.controller.stopping.set()
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+
+def plan_generation(store: Store) -> int:
+    plan = store.get(keys.PLAN)
+    return plan["generation"] if plan else 0
+
+
+def event_kinds(store: Store) -> list[str]:
+    return [e["kind"] for e in store.get_prefix(keys.EVENTS).values()]
+
+
+# -- the view ---------------------------------------------------------------------------------
+
+
+def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
+    server = EmbeddedEtcd(tmp_path / "etcd")
+    view = None
+    try:
+        server.start()
+        store = Store(server.access, "view")
+        store.put(keys.node("a"), NodeRegistration("a", "h", 1, 1.0).to_dict())
+        view = WatchedCluster(store)
+        view.start()
+        assert set(view.published().nodes) == {"a"}
+        poll(lambda: view.current, 10, "the streams are up")
+
+        store.put(keys.node("b"), {"not": "a registration"})  # alive, whatever it holds
+        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.RUNNING, 1.0).to_dict())
+        store.put(keys.status("b"), "not a status")
+        store.put(keys.monitor("a"), MonitorSummary("a", 1, 5.0).to_dict())
+        published = poll(
+            lambda: (p := view.published()).summaries and "b" in p.nodes and p, 10, "changes"
+        )
+        assert published.nodes["b"] is None and published.nodes["a"] is not None
+        assert set(published.statuses) == {"a"}
+        assert published.summaries["a"].t == 5.0
+        assert published.summary_arrived and "a" in published.summary_arrived
+
+        # Progress reports are taken in by the controller's timer; other changes wake it.
+        poll(lambda: view.published().statuses, 10, "a's status")
+        view.changed.clear()
+        store.put(keys.monitor("a"), MonitorSummary("a", 1, 6.0).to_dict())
+        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.RUNNING, 2.0, step=7).to_dict())
+        poll(lambda: view.published().statuses["a"].step == 7, 10, "the next status")
+        assert view.published().summaries["a"].t == 6.0
+        assert not view.changed.is_set()
+        store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
+        assert view.changed.wait(10)
+
+        deleted_before = view.node_deleted_at
+        store.delete(keys.node("a"))
+        poll(lambda: "a" not in view.published().nodes, 10, "a's registration deleted")
+        assert view.node_deleted_at > deleted_before
+
+        server.stop()
+        poll(lambda: not view.current, 10, "the view knows it is stale")
+        server.start()  # same data, same ports (new certificates in the same files)
+        store = Store(server.access, "view")
+        store.put(keys.node("c"), NodeRegistration("c", "h", 1, 2.0).to_dict())
+        store.delete(keys.node("b"))
+        poll(lambda: set(view.published().nodes) == {"c"}, 20, "changes after the restart")
+        poll(lambda: view.current, 10, "the streams are up again")
+    finally:
+        if view is not None:
+            view.stop()
+        server.stop()
+
+
+# -- the leader -------------------------------------------------------------------------------
+
+
+def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
+    running_job(store, ["node0", "node1"], nnodes_min=2, nnodes_max=2, spares=1, settle_s=0.5)
+    agents = {n: FakeAgent(store, n) for n in ("node0", "node1", "node2")}
+    for n in agents:
+        publish(store, n, running=n != "node2")  # node2: a spare
+    ctl = ControllerThread(store, "ctl-a")
+    try:
+        poll(lambda: store.get(keys.LEADER) == "ctl-a", 20, "ctl-a leads")
+        time.sleep(1.0)  # a few ticks on an unchanged cluster: nothing to decide
+        assert plan_generation(store) == 0 and "evict" not in event_kinds(store)
+        agents["node1"].die()
+        died = time.monotonic()
+        poll(lambda: plan_generation(store) == 2, 15, "the plan of generation 2")
+        took = time.monotonic() - died
+        plan = store.get(keys.PLAN)
+        assert plan["members"] == ["node0", "node2"]
+        # settle_s, then one tick to decide and one to write the plan: no polling interval
+        assert took < 0.5 + 2.5, took
+    finally:
+        ctl.stop()
+        for agent in agents.values():
+            agent.stopping.set()
+
+
+def test_an_etcd_stall_that_expires_a_lease_is_an_incident_not_an_eviction(etcd, store):
+    # Two members: node1's lease outlives the stall, node0's does not. One of two vanishing is
+    # not "many at once", so only the gap the controller measured excuses node0, which comes
+    # back within the grace period (node TTL + 2 s).
+    running_job(store, ["node0", "node1"], nnodes_min=2, nnodes_max=2, node_ttl_s=2)
+    agents = {
+        "node0": FakeAgent(store, "node0", ttl_s=2, rejoin_after_s=1.5),
+        "node1": FakeAgent(store, "node1", ttl_s=30),
+    }
+    for n in agents:
+        publish(store, n)
+    ctl = ControllerThread(store, "ctl-a")
+    try:
+        poll(lambda: store.get(keys.LEADER) == "ctl-a", 20, "ctl-a leads")
+        time.sleep(1.0)
+        assert etcd.process is not None
+        os.kill(etcd.process.pid, signal.SIGSTOP)
+        time.sleep(4.0)  # longer than node0's TTL and the leader's (LEADER_TTL_S)
+        os.kill(etcd.process.pid, signal.SIGCONT)
+        poll(lambda: agents["node0"].registrations >= 2, 20, "node0 registered again")
+        poll(lambda: "control-plane incident over" in str(store.get_prefix(keys.EVENTS)), 10,
+             "the incident is over")  # fmt: skip
+        time.sleep(1.0)  # what the controller does next, once node0 is back
+        messages = [e["message"] for e in store.get_prefix(keys.EVENTS).values()]
+        # It lost its own lease in the stall too, led again and knew about the gap:
+        assert any("after etcd did not answer it for" in m for m in messages), messages
+        kinds = event_kinds(store)
+        assert "evict" not in kinds and "incident" not in kinds, kinds
+        assert plan_generation(store) == 0  # no restart (generation 1 was never rewritten)
+        assert store.get(keys.JOB)["members"] == ["node0", "node1"]
+    finally:
+        ctl.stop()
+        for agent in agents.values():
+            agent.stopping.set()
+
+
+# -- standbys -------------------------------------------------------------------------------
+
+
+def test_a_standby_takes_over_after_a_sigkill_and_at_once_after_a_hand_over(etcd, store):
+    put_spec(store, nnodes_min=1, nnodes_max=1, join_timeout_s=600)  # PENDING: no node comes
+    base = [sys.executable, "-m", "transom", "--log-level", "warning", "controller"]
+    common = [*etcd.access.argv(), "--job-id", store.job_id]
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name in ("ctl-0", "ctl-1", "ctl-2"):
+            procs[name] = subprocess.Popen([*base, *common, "--candidate-id", name])
+        first = poll(lambda: store.get(keys.LEADER), 60, "a leader")
+        assert isinstance(first, str)
+        time.sleep(1.0)  # the standbys are waiting on the leader key by now
+        procs[first].kill()  # no hand-over: its lease must expire
+        killed = time.monotonic()
+        second = poll(lambda: (v := store.get(keys.LEADER)) not in (None, first) and v, 15, "b")
+        took = time.monotonic() - killed
+        # The lease expires LEADER_TTL_S after its last refresh (etcd checks every 0.5 s).
+        assert took < LEADER_TTL_S + 1.5, took
+        assert isinstance(second, str)
+        procs[second].send_signal(signal.SIGTERM)  # hands over: revokes its lease on exit
+        handed = time.monotonic()
+        third = poll(lambda: (v := store.get(keys.LEADER)) not in (None, second) and v, 10, "c")
+        assert time.monotonic() - handed < 2.0
+        assert third not in (first, second)
+        assert procs[second].wait(10) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)

@@ -1,0 +1,202 @@
+"""`WatchedCluster`: what the agents published, followed through etcd watches, not re-read.
+
+The leading controller acts on four of a job's key names: `nodes/` (a node is alive while its
+lease-bound registration exists; a lease's expiry arrives as a delete), `status/`, `monitor/`
+and `preflight/`. The view reads each once (`start`) and then applies the changes a
+`PrefixWatch` delivers, one thread per name, keeping the parsed records (a value that is not a
+valid record counts as absent, as a prefix read's `parse_all` would leave it out; a
+registration that is not valid still counts as a live node). After a compaction the watch hands
+a full re-read, which replaces that name's records.
+
+It remembers when it received what matters to the controller's clocks (`Observed`): when each
+node's monitor summary changed and when a registration was last deleted, on this process's
+monotonic clock. An applied change sets `changed`, the event the controller's loop waits on,
+except progress reports: a monitor summary without anomalies, or a status that says only that
+the node's newest step (or warm interpreters, or its time) moved. Those arrive about every
+second from every node; the rules that read them (hang and telemetry-gap ages, stragglers) are
+time-based, so the controller's timer takes them in. A summary with an anomaly, a status with a
+new state, generation or failure, any registration or pre-flight change wakes it at once.
+
+`current` says whether every stream is up: the view is then as new as etcd's watch delivery.
+While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
+read etcd directly (`read_direct`) instead of taking missing changes for an idle cluster. A
+stream that is up but silent because etcd is paused looks current: the controller's own store
+contact (transom.control.contact) tells that case apart.
+
+It only reads etcd; it never writes, and its threads never raise into the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transom.common import keys
+from transom.common.records import (
+    MonitorSummary,
+    NodeRegistration,
+    NodeStatus,
+    PreflightResult,
+    parse_all,
+)
+from transom.store import Store
+from transom.store.watch import PrefixWatch, Update
+
+log = logging.getLogger("transom.controller")
+
+# The record type of each watched name.
+WATCHED = {
+    keys.NODES: NodeRegistration,
+    keys.STATUS: NodeStatus,
+    keys.MONITOR: MonitorSummary,
+    keys.PREFLIGHT: PreflightResult,
+}
+WAIT_S = 0.5  # how long an applier thread waits for an update before checking for stop
+
+
+@dataclass
+class Published:
+    """The agents' records as of one moment (copies: the caller may keep them)."""
+
+    nodes: dict[str, NodeRegistration | None] = field(default_factory=dict)
+    statuses: dict[str, NodeStatus] = field(default_factory=dict)
+    summaries: dict[str, MonitorSummary] = field(default_factory=dict)
+    preflight: dict[str, PreflightResult] = field(default_factory=dict)
+    # When each node's summary reached the view (None: read directly, at the caller's now).
+    summary_arrived: dict[str, float] | None = None
+
+
+def _progress_only(before: Any | None, after: Any | None) -> bool:
+    """Whether `after` differs from `before` only in what a running node re-publishes as it
+    makes progress (a monitor summary without anomalies; a status's time, step, warm count)."""
+    if isinstance(after, MonitorSummary):
+        return not after.anomalies
+    if isinstance(before, NodeStatus) and isinstance(after, NodeStatus):
+        same = dataclasses.replace(after, time=before.time, step=before.step, warm=before.warm)
+        return same == before
+    return False
+
+
+def read_direct(store: Store) -> Published:
+    """The same records read with one prefix read per name (StoreError if etcd cannot answer)."""
+    registered = store.get_prefix(keys.NODES)
+    valid = parse_all(NodeRegistration, registered)
+    return Published(
+        nodes={n: valid.get(n) for n in registered},
+        statuses=parse_all(NodeStatus, store.get_prefix(keys.STATUS)),
+        summaries=parse_all(MonitorSummary, store.get_prefix(keys.MONITOR)),
+        preflight=parse_all(PreflightResult, store.get_prefix(keys.PREFLIGHT)),
+    )
+
+
+class WatchedCluster:
+    """The watched records of one job; `start` it, read it with `published`, `stop` it."""
+
+    def __init__(self, store: Store, changed: threading.Event | None = None):
+        self.store = store
+        self.changed = changed if changed is not None else threading.Event()
+        self._lock = threading.Lock()
+        self._records: dict[str, dict[str, Any]] = {name: {} for name in WATCHED}
+        self.summary_changed_at: dict[str, float] = {}  # node -> when its summary arrived
+        self.node_deleted_at = 0.0  # when a registration was last deleted (0: never)
+        self._watches: dict[str, PrefixWatch] = {}
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+
+    # -- life ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Read every name and follow it from there (StoreError if etcd cannot be read)."""
+        try:
+            for name in WATCHED:
+                watch = PrefixWatch(self.store, name)
+                self._watches[name] = watch
+                self._replace(name, watch.start())
+        except BaseException:
+            self.stop()
+            raise
+        for name, watch in self._watches.items():
+            thread = threading.Thread(
+                target=self._apply_updates, args=(name, watch), name=f"view-{name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for watch in self._watches.values():
+            watch.stop()
+        for thread in self._threads:
+            thread.join(WAIT_S * 2)
+
+    @property
+    def current(self) -> bool:
+        """Every stream is up (a change in etcd reaches the view within the watch's latency)."""
+        return bool(self._watches) and all(w.healthy for w in self._watches.values())
+
+    # -- reading -------------------------------------------------------------------------------
+    def published(self) -> Published:
+        with self._lock:
+            records = {name: dict(values) for name, values in self._records.items()}
+            arrived = dict(self.summary_changed_at)
+        return Published(
+            nodes=records[keys.NODES],
+            statuses=records[keys.STATUS],
+            summaries=records[keys.MONITOR],
+            preflight=records[keys.PREFLIGHT],
+            summary_arrived=arrived,
+        )
+
+    # -- applying ------------------------------------------------------------------------------
+    def _parse(self, name: str, node: str, value: Any) -> Any | None:
+        return parse_all(WATCHED[name], {node: value}).get(node)
+
+    def _replace(self, name: str, values: dict[str, Any]) -> None:
+        now = time.monotonic()
+        parsed = {node: self._parse(name, node, value) for node, value in values.items()}
+        with self._lock:
+            if name == keys.NODES:
+                if set(self._records[name]) - set(parsed):
+                    self.node_deleted_at = now
+                self._records[name] = parsed  # every live node, valid record or not
+            else:
+                self._records[name] = {n: r for n, r in parsed.items() if r is not None}
+            if name == keys.MONITOR:
+                for node in self._records[name]:
+                    self.summary_changed_at[node] = now
+        self.changed.set()
+
+    def _apply(self, name: str, update: Update) -> None:
+        if update.snapshot is not None:
+            self._replace(name, update.snapshot)
+            return
+        now = time.monotonic()
+        urgent = False
+        with self._lock:
+            records = self._records[name]
+            for event in update.events:
+                record = None if event.deleted else self._parse(name, event.name, event.value)
+                urgent = urgent or not _progress_only(records.get(event.name), record)
+                if event.deleted or (record is None and name != keys.NODES):
+                    records.pop(event.name, None)
+                    if name == keys.NODES:
+                        self.node_deleted_at = now
+                else:
+                    records[event.name] = record  # a registration counts, valid or not
+                if name == keys.MONITOR:
+                    self.summary_changed_at[event.name] = now
+        if urgent:
+            self.changed.set()
+
+    def _apply_updates(self, name: str, watch: PrefixWatch) -> None:
+        while not self._stopping.is_set():
+            update = watch.get(timeout=WAIT_S)
+            if update is None:
+                continue
+            try:
+                self._apply(name, update)
+            except Exception:  # noqa: BLE001 - a bad update must not end the view
+                log.exception("cannot apply a change of %s", name)

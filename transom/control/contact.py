@@ -1,0 +1,96 @@
+"""`StoreContact`: a controller's one steady store call, which also measures its gaps to etcd.
+
+With watches the controller's ticks no longer read etcd, so they can no longer tell by
+themselves that etcd stalled (a paused etcd keeps a watch stream open and silent). One thread
+makes one small call every PROBE_S instead: the leader refreshes its leadership lease (the
+keep-alive it needs anyway), a standby reads the leader key (and wakes its loop when the key
+is gone: a safety net under the leader-key watch). Each success is recorded in `Observed` with
+the time the thread waited by choice left out, so a gap is a stretch in which calls failed or
+stalled, not the prober's own pauses.
+
+Before the controller acts on its watched view it asks `confirm(t)`: did a call succeed
+after `t` and within STALE_S? If none did, it makes one at once and waits for it:
+  - without an answer for STALE_S, etcd may be paused or down, and the view silently old;
+  - a lease expiry the view saw at `t` may be etcd's own (it revokes every expired lease on
+    resuming from a stall), so the controller acts on it only once a call that answered after
+    it has recorded any gap that preceded it.
+
+It never raises into the controller: a failed call is logged and retried at the next round.
+`observed` is shared with the controller's thread; both use it under `lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from transom.control.observed import MIN_GAP_S, Observed
+from transom.store import StoreError
+
+log = logging.getLogger("transom.controller")
+
+PROBE_S = 0.5  # one call this often (the leader's lease TTL is 3 s: six refreshes per TTL)
+STALE_S = MIN_GAP_S  # without an answer this long, what the watches show may be old
+
+
+class StoreContact:
+    """Runs `probe` (a store call; StoreError when etcd did not answer) every PROBE_S."""
+
+    def __init__(self, probe: Callable[[], None], observed: Observed, stopping: threading.Event):
+        self.probe = probe
+        self.observed = observed
+        self.lock = threading.Lock()  # guards `observed`
+        self.stopping = stopping
+        self.last_ok: float | None = None  # monotonic time of the newest success
+        self._kick = threading.Event()
+        self._answered = threading.Condition()  # notified at every success
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread (once; later calls do nothing)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="store-contact", daemon=True)
+            self._thread.start()
+
+    def confirm(self, since: float, timeout: float) -> bool:
+        """Whether etcd answered after `since` and within STALE_S; if not yet, a call is made
+        at once (unless one is under way) and its answer awaited for up to `timeout` seconds."""
+
+        def confirmed() -> bool:
+            last = self.last_ok
+            return last is not None and last >= since and time.monotonic() - last <= STALE_S
+
+        if confirmed():
+            return True
+        with self._answered:
+            self._kick.set()
+            return self._answered.wait_for(confirmed, timeout)
+
+    def _run(self) -> None:
+        answered = False  # the previous round succeeded (so the wait before this one was idle)
+        while not self.stopping.is_set():
+            waited_from = time.monotonic()
+            if self._kick.wait(PROBE_S):
+                self._kick.clear()
+            if self.stopping.is_set():
+                break
+            started = time.monotonic()
+            try:
+                self.probe()
+            except StoreError as e:
+                answered = False
+                log.info("etcd did not answer the controller: %s", e)
+                continue
+            except Exception:  # noqa: BLE001 - the thread must go on: retried next round
+                answered = False
+                log.exception("store contact failed")
+                continue
+            now = time.monotonic()
+            with self.lock:
+                self.observed.reached(now, started, started - waited_from if answered else 0.0)
+            answered = True
+            with self._answered:
+                self.last_ok = now
+                self._answered.notify_all()
