@@ -43,7 +43,7 @@ TIMING_WINDOW = 8  # comparable steps in a rank's timing statistics
 MIN_TIMING_SAMPLES = 5
 # Compute and busy times: the mean of the window less its TRIM_HIGH highest and TRIM_LOW lowest
 # (of a full window; as many in proportion of one not yet full).
-TRIM_HIGH = 2
+TRIM_HIGH = 3
 TRIM_LOW = 1
 # A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, at most every
 # SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
