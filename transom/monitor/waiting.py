@@ -2,20 +2,25 @@
 
 In a synchronous step every rank waits in the collective for the slowest one. Each rank reports
 its step's duration, compute time and the time it spent in its communication ("sync") section;
-over a window of steps the agent keeps their medians (`step_s`, `compute_s`, `wait_s`, see
-transom.monitor.node) and the median *busy* time: from the end of one step to the end of the
-next, less the wait (`busy_s`). Every rank of a synchronous job has the same cycle, so busy time
-plus wait is the same for all: the rank the others wait for is the one whose busy time stands
-out (it arrives last; its own wait stays small while its peers' grows), whether it was slowed
-in its compute, stopped between its steps, or both. Its *lateness* is its busy time minus the
-median of the other nodes' ranks' (medians of per-rank times are robust; a median of waits is
-not, as a wait is the distance to the slowest of many noisy ranks). A slowdown inside the compute
-section also shows as compute above the other nodes' (`compute excess`, all there is for a job
-without a sync section or without send times). A node's delay is
-the larger of the two for its latest rank; it is a straggler when that delay is a good share of
-the step (STRAGGLER_LATE_FRACTION), stands out from the other nodes' delays and is named
-over CONFIRM_SPAN_STEPS steps of the job (StragglerTracker). It works with 2
-nodes as with many: nothing here needs a spread of peers.
+over a window of steps the agent keeps the median duration and wait (`step_s`, `wait_s`) and a
+trimmed mean (the window less its highest and lowest few, see transom.monitor.node) of the compute
+time and of the *busy* time: from the end of one step to the end of the next, less the wait
+(`compute_s`, `busy_s`). A trimmed mean, not a median: a slowdown from outside (a CPU quota, a
+rank stopped now and then) often hits only some of the steps, which a median ignores until it is
+half of them, while the machine's hiccups are left out. Every rank of a synchronous job has the
+same cycle, so busy time plus wait is the same for all: the rank the others wait for is the one
+whose busy time stands out (it arrives last; its own wait stays small while its peers' grows),
+whether it was slowed in its compute, stopped between its steps, or both. Its *lateness* is its
+busy time minus the median of the other nodes' ranks' (a median of waits would not do, as a wait
+is the distance to the slowest of many noisy ranks). A slowdown inside the compute section also
+shows as compute above the other nodes' (`compute excess`, all there is for a job without a sync
+section or without send times). A node's delay is the larger of the two for its latest rank; it
+is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION), stands out
+from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job
+(StragglerTracker). It works with 2 nodes as with many: nothing here needs a spread of peers.
+Its latency is bounded in steps: the window fills in a few steps, the agents publish every
+SUMMARY_STEPS steps, and the confirmation spans CONFIRM_SPAN_STEPS (tests/test_waiting_timeline.py
+pins a 1.5x slowdown found within 25 steps on a simulated job).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
