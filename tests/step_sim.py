@@ -4,8 +4,9 @@ summaries published every SUMMARY_PERIOD_S, the controller's cross-node detector
 No processes and no sockets: each rank's step is computed (its compute, the all-reduce every rank
 waits in, its work after the all-reduce, a sleep between steps, a checkpoint with a barrier every
 `ckpt_every` steps), its step datagram's values go to the real `node.RankTrack.add_timing`, each
-node's summary (`RankTrack.view`) is published at its own phase of the summary period, and every
-controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
+node's summary (`RankTrack.view`) is published at the agent's ticks when due (as
+`NodeMonitor.due`: every SUMMARY_PERIOD_S, or SUMMARY_STEPS new steps), and every controller
+tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
 (stopped for part of every period, `DutyCycle`) or as a CPU quota would (`CpuQuota`).
 
