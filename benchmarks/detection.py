@@ -470,7 +470,8 @@ def print_table(result: dict) -> None:
         if "job_slowdown_p50_x" in r:
             print(
                 f"{kind} on {r['nodes']} nodes: the rank ran 1/{r['throttle_factor']:g} of the "
-                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median)"
+                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median over "
+                f"the faults of the mean step time after the fault over before it)"
             )
         if "within_target_steps" in r:
             print(
