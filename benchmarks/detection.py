@@ -151,8 +151,9 @@ def median_step_s(run_dirs: list[Path]) -> float | None:
 
 
 def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
-    """Per fired fault: the job's median step time (rank 0's log) in the SLOWDOWN_STEPS after
-    the fault over the SLOWDOWN_STEPS before it, in the fault's generation."""
+    """Per fired fault: how many times as long the job took for the SLOWDOWN_STEPS steps after
+    the fault as for the SLOWDOWN_STEPS before it (rank 0's log, in the fault's generation). A
+    mean, not a median: a slowdown that hits half of the steps makes the job that much slower."""
     out = []
     for f in (e for e in events if e["kind"] == "fault" and e.get("step") is not None):
         log = rank_log(run_dir, f.get("generation") or 0, 0)
@@ -165,7 +166,7 @@ def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
         before = _gaps(points, range(at - SLOWDOWN_STEPS, at))
         after = _gaps(points, range(at + 2, at + 2 + SLOWDOWN_STEPS))
         if len(before) >= 5 and len(after) >= 5:
-            out.append(round(statistics.median(after) / statistics.median(before), 3))
+            out.append(round(statistics.fmean(after) / statistics.fmean(before), 3))
     return out
 
 
@@ -202,7 +203,10 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         blamed = lambda v: v.get("nodes", [])  # noqa: E731
     latencies, latency_steps, right, detected = [], [], 0, 0
     answered: set[int] = set()
+    trials: list[dict] = []  # one per fault: where it was, when and whom it was found on
     for i, f in enumerate(faults):
+        trial = {"node": f.get("node"), "step": f.get("step"), "found": False}
+        trials.append(trial)
         end = faults[i + 1]["time"] if i + 1 < len(faults) else f["time"] + DETECTION_WINDOW_S
         hits = [
             a
@@ -213,12 +217,18 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
             continue
         detected += 1
         latencies.append(max(0.0, hits[0]["time"] - f["time"]))
+        trial.update(
+            found=True,
+            anomaly_nodes=hits[0].get("nodes"),
+            latency_s=round(latencies[-1], 2),
+        )
         if (
             kind in ("slow", "throttle", "nan")
             and hits[0].get("step") is not None
             and f.get("step") is not None
         ):
             latency_steps.append(hits[0]["step"] - f["step"])
+            trial["latency_steps"] = latency_steps[-1]
         verdict = next(
             (
                 j
@@ -231,6 +241,7 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         )
         if verdict is not None:
             answered.add(verdict)
+            trial["blamed"] = blamed(verdicts[verdict])
             if kind == "nan" or blamed(verdicts[verdict]) == [f["node"]]:
                 right += 1
     out = {
@@ -247,6 +258,12 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     if latency_steps:
         out["latency_p50_steps"] = percentile(latency_steps, 0.5)
         out["latency_max_steps"] = max(latency_steps)
+        within = sum(s <= TARGETS["slow_steps"] for s in latency_steps)
+        out["within_target_steps"] = within / len(faults) if faults else None
+    if step_s and latencies:  # the issue's measure: within 30 x the median step time
+        within_s = sum(s <= TARGETS["slow_steps"] * step_s for s in latencies)
+        out["within_target_s"] = within_s / len(faults) if faults else None
+    out["trials"] = trials
     return out
 
 
@@ -360,6 +377,9 @@ def main() -> int:
         help="only measure the log classifier on the corpora (no jobs)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--keep-dir", default="", help="copy each job's events.jsonl here (to study a trial)"
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
     result: dict = {"transom": {}, "trials": args.trials, "seed": args.seed, "targets": TARGETS}
@@ -391,6 +411,14 @@ def main() -> int:
                 result["transom"][kind]["job_slowdowns_x"] = slowed
                 result["transom"][kind]["throttle_factor"] = args.throttle_factor
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
+            if args.keep_dir:
+                keep = Path(args.keep_dir) / f"{kind}-{args.nodes}n-{int(time.time())}"
+                keep.mkdir(parents=True, exist_ok=True)
+                for d in dirs:
+                    if (d / "events.jsonl").exists():
+                        (keep / f"{d.name}.events.jsonl").write_text(
+                            (d / "events.jsonl").read_text()
+                        )
         if args.fault_free_minutes > 0:
             result["fault_free"] = fault_free(tmp, args.fault_free_minutes, args.nodes)
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
@@ -442,7 +470,13 @@ def print_table(result: dict) -> None:
         if "job_slowdown_p50_x" in r:
             print(
                 f"{kind} on {r['nodes']} nodes: the rank ran 1/{r['throttle_factor']:g} of the "
-                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median)"
+                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median over "
+                f"the faults of the mean step time after the fault over before it)"
+            )
+        if "within_target_steps" in r:
+            print(
+                f"{kind}: found within 30 steps {fmt(r['within_target_steps'])}, within 30 x the "
+                f"median step time {fmt(r.get('within_target_s'))} of {r['faults']} faults"
             )
     if "fault_free" in result:
         f = result["fault_free"]

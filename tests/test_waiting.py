@@ -20,7 +20,7 @@ COMM_S = 0.02
 
 def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=2, job_factor=1.0):
     """Yield the views of a job of `nodes` nodes (one rank each) every `every` steps (the
-    controller looks often; the tracker counts evaluations STRAGGLER_EVALUATION_STEPS apart).
+    controller looks often; the tracker confirms over CONFIRM_SPAN_STEPS steps).
 
     `slow(step, rank, rng)` -> (extra compute, extra stall before the step, extra in the
     collective) seconds for that rank at that step.
@@ -186,14 +186,43 @@ def test_throughput_drop_is_raised_once_and_not_without_a_drop():
     assert tracker.update(views(20, 0.3)) is None  # not a fresh evaluation
 
 
-def test_stale_views_are_not_confirmations():
+def test_a_straggler_is_confirmed_over_steps_not_over_evaluations():
     views = [
         {"node": "node0", "rank": 0, "step": 9, "step_s": 0.2, "compute_s": 0.1, "wait_s": 0.1},
         {"node": "node1", "rank": 1, "step": 9, "step_s": 0.2, "compute_s": 0.2, "wait_s": 0.0},
     ]
     tracker = waiting.StragglerTracker()
-    assert tracker.update(views) is None
-    assert tracker.update(views) is None  # same steps: no new evidence
-    assert tracker.update([{**v, "step": 12} for v in views]) is None  # 3 steps: too few
-    assert tracker.update([{**v, "step": 13} for v in views]) is None  # the second
-    assert tracker.update([{**v, "step": 17} for v in views]).nodes == ["node1"]  # the third
+    assert tracker.update(views) is None  # the streak begins at step 9
+    for _ in range(5):
+        assert tracker.update(views) is None  # the same steps again: no new evidence
+    for step in (10, 11, 12, 13, 14, 15, 16):
+        assert tracker.update([{**v, "step": step} for v in views]) is None  # under 8 steps
+    found = tracker.update([{**v, "step": 17} for v in views])
+    assert found is not None and found.nodes == ["node1"] and found.step == 17
+    assert found.evidence["confirmed_over_steps"] == waiting.CONFIRM_SPAN_STEPS
+
+
+def test_a_streak_survives_one_miss_and_ends_at_two_or_at_another_node():
+    def views(step, slow):
+        return [
+            {"node": n, "rank": r, "step": step, "step_s": 0.2, "wait_s": 0.0, "compute_s": c}
+            for r, (n, c) in enumerate((("node0", 0.1), ("node1", 0.1), ("node2", 0.1)))
+        ] + ([] if slow is None else [{**_SLOW, "node": slow, "step": step}])
+
+    tracker = waiting.StragglerTracker()
+    assert tracker.update(views(1, "node3")) is None
+    assert tracker.update(views(3, None)) is None  # one miss: the streak goes on
+    assert tracker.update(views(5, "node3")) is None
+    assert tracker.update(views(9, "node3")).nodes == ["node3"]  # 1..9, named 3 times
+
+    tracker = waiting.StragglerTracker()
+    for step, slow in ((1, "node3"), (3, None), (4, None), (5, "node3"), (12, "node3")):
+        assert tracker.update(views(step, slow)) is None  # two misses: it began again at 5
+    assert tracker.update(views(13, "node3")).nodes == ["node3"]
+
+    tracker = waiting.StragglerTracker()
+    for step, slow in ((1, "node3"), (3, "node4"), (9, "node3"), (10, "node3")):
+        assert tracker.update(views(step, slow)) is None  # another node ended the streak
+
+
+_SLOW = {"rank": 3, "step_s": 0.2, "wait_s": 0.0, "compute_s": 0.3}

@@ -196,7 +196,7 @@ class RankSummary(Record):
     step_s: float | None = None
     compute_s: float | None = None
     wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
-    busy_s: float | None = None  # median time between steps' ends less the wait (monitor.waiting)
+    busy_s: float | None = None  # time between steps' ends less the wait, trimmed mean (waiting)
     tokens_per_s: float | None = None
 
 

@@ -39,8 +39,17 @@ from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 SUMMARY_PERIOD_S = 1.0
 HARDWARE_PERIOD_S = 5.0
 WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
-TIMING_WINDOW = 8  # comparable steps in a rank's compute-time median
+TIMING_WINDOW = 8  # comparable steps in a rank's timing statistics
 MIN_TIMING_SAMPLES = 5
+# Compute and busy times: the mean of the window less its TRIM_HIGH highest and TRIM_LOW lowest
+# (of a full window; as many in proportion of one not yet full).
+TRIM_HIGH = 3
+TRIM_LOW = 1
+# A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, at most every
+# SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
+# summaries must not lag many steps behind (a job of 1 s steps still publishes every second).
+SUMMARY_STEPS = 4
+SUMMARY_MIN_PERIOD_S = 0.25
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
@@ -85,6 +94,32 @@ class RankTrack:
         self.tokens_per_s: float | None = None
         self.gap_raised = False
 
+    def add_timing(
+        self,
+        step: int,
+        m: dict,
+        previous: int | None,
+        previous_sent: float | None,
+        sent: float | None,
+    ) -> bool:
+        """Take in step `step`'s timings (a checked step datagram's values `m`, sent at `sent` on
+        the worker's clock, after step `previous` sent at `previous_sent`); False when the step is
+        not comparable (no timing, a phase such as a checkpoint or evaluation, a warm-up step)."""
+        if m.get("dur") is None or m.get("phase") or step < (self.first_step or 0) + WARMUP_STEPS:
+            return False
+        duration = m["dur"]
+        self.durations.append(duration)
+        compute = m.get("compute")
+        self.computes.append(duration if compute is None else compute)
+        comm = m.get("comm")
+        wait = comm if comm is not None else duration - self.computes[-1]
+        self.waits.append(wait)
+        if previous == step - 1 and sent is not None and previous_sent is not None:
+            cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
+            if 0.0 <= cycle <= datagram.MAX_SECONDS:
+                self.busies.append(max(0.0, cycle - wait))
+        return True
+
     def view(self, now: float) -> RankSummary:
         return RankSummary(
             step=self.step,
@@ -92,9 +127,9 @@ class RankTrack:
             step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
             beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
             step_s=round(statistics.median(self.durations), 5) if self.durations else None,
-            compute_s=_median(self.computes),
+            compute_s=_trimmed_mean(self.computes),
             wait_s=_median(self.waits),
-            busy_s=_median(self.busies),
+            busy_s=_trimmed_mean(self.busies),
             tokens_per_s=self.tokens_per_s,
         )
 
@@ -122,6 +157,7 @@ class NodeMonitor:
         self._stop = threading.Event()
         self._scanner = LogScanner()
         self._published_at = 0.0
+        self._published_step: int | None = None  # the newest step in the last summary
         self._hardware_at = 0.0
         self._gpus: list[dict] = []
         self._host: dict = {}
@@ -212,20 +248,10 @@ class NodeMonitor:
             self._pending.append(found)
         elif loss is not None:
             r.losses.append(loss)
-        if m.get("dur") is None or m.get("phase") or step < r.first_step + WARMUP_STEPS:
-            return  # not comparable: no timing, a phase (checkpoint, eval) or a warm-up step
-        duration = m["dur"]
-        r.durations.append(duration)
-        compute = m.get("compute")
-        r.computes.append(duration if compute is None else compute)
-        comm = m.get("comm")
-        wait = comm if comm is not None else duration - r.computes[-1]
-        r.waits.append(wait)
-        if previous == step - 1 and sent is not None and previous_sent is not None:
-            cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
-            if 0.0 <= cycle <= datagram.MAX_SECONDS:
-                r.busies.append(max(0.0, cycle - wait))
+        if not r.add_timing(step, m, previous, previous_sent, sent):
+            return
         if m.get("tokens"):
+            duration = m["dur"]
             rate = m["tokens"] / duration if duration > 0 else math.inf
             r.tokens_per_s = round(rate, 1) if math.isfinite(rate) else None
 
@@ -236,6 +262,7 @@ class NodeMonitor:
             self.generation = generation
             self.expected_ranks = frozenset()
             self.ranks.clear()
+            self._published_step = None
             self.anomalies = []
             self._pending.clear()
 
@@ -304,7 +331,14 @@ class NodeMonitor:
 
     def due(self, now: float) -> bool:
         with self._lock:
-            return bool(self._pending) or now - self._published_at >= SUMMARY_PERIOD_S
+            if self._pending or now - self._published_at >= SUMMARY_PERIOD_S:
+                return True
+            newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
+        return (
+            now - self._published_at >= SUMMARY_MIN_PERIOD_S
+            and newest is not None
+            and newest >= (self._published_step or 0) + SUMMARY_STEPS
+        )
 
     def collect(self) -> tuple[MonitorSummary, list[Event]]:
         """(the summary to publish, the new anomalies' events)."""
@@ -332,6 +366,9 @@ class NodeMonitor:
                 datagrams=dict(self.counts),
             )
         self._published_at = now_mono
+        self._published_step = max(
+            (int(r.step) for r in summary.ranks.values() if r.step is not None), default=None
+        )
         events = [Event.of_anomaly(a, now, writer=self.node_id) for a in new]
         return summary, events
 
@@ -342,6 +379,17 @@ class NodeMonitor:
 
 def _median(values: deque[float]) -> float | None:
     return round(statistics.median(values), 5) if len(values) >= MIN_TIMING_SAMPLES else None
+
+
+def _trimmed_mean(values: deque[float]) -> float | None:
+    """The mean without the TRIM_HIGH highest and TRIM_LOW lowest values: a delay that hits only
+    some steps (a rank stopped from outside now and then) counts in proportion, where a median
+    would ignore it until it hits half of the steps; the hiccups of a busy machine are left out."""
+    if len(values) < MIN_TIMING_SAMPLES:
+        return None
+    low, high = (len(values) * trim // TIMING_WINDOW for trim in (TRIM_LOW, TRIM_HIGH))
+    kept = sorted(values)[low : len(values) - high]
+    return round(statistics.fmean(kept), 5)
 
 
 def _process_state(pid: int) -> str | None:

@@ -2,20 +2,25 @@
 
 In a synchronous step every rank waits in the collective for the slowest one. Each rank reports
 its step's duration, compute time and the time it spent in its communication ("sync") section;
-over a window of steps the agent keeps their medians (`step_s`, `compute_s`, `wait_s`, see
-transom.monitor.node) and the median *busy* time: from the end of one step to the end of the
-next, less the wait (`busy_s`). Every rank of a synchronous job has the same cycle, so busy time
-plus wait is the same for all: the rank the others wait for is the one whose busy time stands
-out (it arrives last; its own wait stays small while its peers' grows), whether it was slowed
-in its compute, stopped between its steps, or both. Its *lateness* is its busy time minus the
-median of the other nodes' ranks' (medians of per-rank times are robust; a median of waits is
-not, as a wait is the distance to the slowest of many noisy ranks). A slowdown inside the compute
-section also shows as compute above the other nodes' (`compute excess`, all there is for a job
-without a sync section or without send times). A node's delay is
-the larger of the two for its latest rank; it is a straggler when that delay is a good share of
-the step (STRAGGLER_LATE_FRACTION), stands out from the other nodes' delays and is found in
-STRAGGLER_CONFIRMATIONS of the last STRAGGLER_EVALUATIONS fresh evaluations. It works with 2
-nodes as with many: nothing here needs a spread of peers.
+over a window of steps the agent keeps the median duration and wait (`step_s`, `wait_s`) and a
+trimmed mean (the window less its highest and lowest few, see transom.monitor.node) of the compute
+time and of the *busy* time: from the end of one step to the end of the next, less the wait
+(`compute_s`, `busy_s`). A trimmed mean, not a median: a slowdown from outside (a CPU quota, a
+rank stopped now and then) often hits only some of the steps, which a median ignores until it is
+half of them, while the machine's hiccups are left out. Every rank of a synchronous job has the
+same cycle, so busy time plus wait is the same for all: the rank the others wait for is the one
+whose busy time stands out (it arrives last; its own wait stays small while its peers' grows),
+whether it was slowed in its compute, stopped between its steps, or both. Its *lateness* is its
+busy time minus the median of the other nodes' ranks' (a median of waits would not do, as a wait
+is the distance to the slowest of many noisy ranks). A slowdown inside the compute section also
+shows as compute above the other nodes' (`compute excess`, all there is for a job without a sync
+section or without send times). A node's delay is the larger of the two for its latest rank; it
+is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION), stands out
+from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job
+(StragglerTracker). It works with 2 nodes as with many: nothing here needs a spread of peers.
+Its latency is bounded in steps: the window fills in a few steps, the agents publish every
+SUMMARY_STEPS steps, and the confirmation spans CONFIRM_SPAN_STEPS (tests/test_waiting_timeline.py
+pins a 1.5x slowdown found within 28 steps on a simulated job).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
@@ -28,21 +33,21 @@ This module must never act or do I/O: it returns anomalies, the policy decides.
 from __future__ import annotations
 
 import statistics
-from collections import deque
 
 from transom.common import anomalies
 from transom.common.records import Anomaly, Severity
 
 STRAGGLER_MIN_NODES = 2
 # A node is late when its delay is above this fraction of the job's median step time ...
-STRAGGLER_LATE_FRACTION = 0.2
+STRAGGLER_LATE_FRACTION = 0.25
 # ... and at least STRAGGLER_STANDOUT times the next node's delay (one node waited for).
 STRAGGLER_STANDOUT = 2.0
-STRAGGLER_CONFIRMATIONS = 3  # evaluations that name the node, of the last STRAGGLER_EVALUATIONS
-STRAGGLER_EVALUATIONS = 4
-# An evaluation counts once the job advanced this many steps since the last one (the summaries of
-# several nodes arrive at different times: their windows would overlap almost wholly otherwise).
-STRAGGLER_EVALUATION_STEPS = 4
+# Confirmation: the same node named over CONFIRM_SPAN_STEPS steps of the job, by at least
+# STRAGGLER_CONFIRMATIONS evaluations, with at most STRAGGLER_MISSES evaluations in a row between
+# them that named no node (one that names another node ends the streak).
+CONFIRM_SPAN_STEPS = 8
+STRAGGLER_CONFIRMATIONS = 3
+STRAGGLER_MISSES = 1
 # Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
 # median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
 THROUGHPUT_DROP_RATIO = 2.0
@@ -149,40 +154,49 @@ def describe_wait(node: str, rank: int, evidence: dict) -> str:
 
 
 class StragglerTracker:
-    """Raises a straggler only when the same node is waited for in STRAGGLER_CONFIRMATIONS of the
-    last STRAGGLER_EVALUATIONS evaluations, each STRAGGLER_EVALUATION_STEPS steps after the last."""
+    """Raises a straggler only once the same node was waited for over CONFIRM_SPAN_STEPS steps.
 
-    def __init__(
-        self,
-        confirmations: int = STRAGGLER_CONFIRMATIONS,
-        evaluations: int = STRAGGLER_EVALUATIONS,
-    ):
-        self.confirmations = confirmations
-        self.found: deque[str | None] = deque(maxlen=evaluations)
+    Every fresh evaluation (the job's newest step advanced) names a node or none. A streak begins
+    at the first evaluation that names a node and goes on while the evaluations name it, missing
+    it at most STRAGGLER_MISSES times in a row; the straggler is raised when the streak spans
+    CONFIRM_SPAN_STEPS steps with at least STRAGGLER_CONFIRMATIONS evaluations naming it. The
+    span is counted in steps, not in evaluations, so that neither summaries arriving often (many
+    near-identical windows) nor seldom (few evaluations) changes what confirms a straggler.
+    """
+
+    def __init__(self, span_steps: int = CONFIRM_SPAN_STEPS) -> None:
+        self.span_steps = span_steps
         self.evaluated_at: int | None = None  # the newest step of the last evaluation
+        self.node: str | None = None  # the node of the current streak
+        self.since: int = 0  # the newest step when the streak began
+        self.named = 0  # evaluations of the streak that named its node
+        self.missed = 0  # evaluations in a row since that did not
 
     def update(self, views: list[dict]) -> Anomaly | None:
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
-        if newest is None or (
-            self.evaluated_at is not None
-            and newest < self.evaluated_at + STRAGGLER_EVALUATION_STEPS
-        ):
-            return None  # too few new samples since the last evaluation
+        if newest is None or (self.evaluated_at is not None and newest <= self.evaluated_at):
+            return None  # no new step since the last evaluation
         self.evaluated_at = newest
         found = straggler_candidate(views)
-        self.found.append(found[0] if found else None)
-        if found is None:
+        if found is None or found[0] != self.node:
+            self.missed += 1
+            if self.node is None or self.missed > STRAGGLER_MISSES or found is not None:
+                self.node, self.since, self.named, self.missed = None, newest, 0, 0
+                if found is not None:
+                    self.node, self.named = found[0], 1
+            return None
+        self.named += 1
+        self.missed = 0
+        if newest - self.since < self.span_steps or self.named < STRAGGLER_CONFIRMATIONS:
             return None
         node, rank, evidence = found
-        if self.found.count(node) < self.confirmations:
-            return None
         return Anomaly(
             anomalies.STRAGGLER,
             Severity.WARNING,
             describe_wait(node, rank, evidence),
             [node],
             [rank],
-            evidence,
+            {**evidence, "confirmed_over_steps": newest - self.since},
             step=newest,
         )
 

@@ -1,0 +1,68 @@
+"""The agent's timing statistics of a rank (RankTrack) and when it publishes a summary."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from transom.faults import MockNvml
+from transom.monitor import node
+from transom.monitor.node import NodeMonitor, RankTrack
+
+
+def track_of(busies: list[float]) -> RankTrack:
+    """A rank whose steps each took `busy` s of its own and waited 0.01 s in the all-reduce."""
+    track, sent = RankTrack(), 100.0
+    for step, busy in enumerate([0.05] * node.WARMUP_STEPS + busies, start=1):
+        sent += busy + 0.01
+        values = {"dur": busy + 0.01, "comm": 0.01, "compute": busy}
+        track.add_timing(step, values, track.step, track.sent_at, sent)
+        track.first_step = track.first_step or step
+        track.step, track.sent_at = step, sent
+    return track
+
+
+def test_hiccups_of_a_busy_machine_are_left_out():
+    quiet = track_of([0.05] * 8).view(0.0).busy_s
+    hiccups = track_of([0.05, 0.2, 0.05, 0.05, 0.3, 0.05, 0.15, 0.05]).view(0.0).busy_s
+    assert quiet == pytest.approx(0.05, abs=1e-4)
+    assert hiccups == pytest.approx(0.05, abs=1e-4)  # the 3 highest of 8 are not counted
+
+
+def test_a_delay_in_half_of_the_steps_shows_where_a_median_would_not():
+    stopped_now_and_then = [0.05, 0.12, 0.05, 0.12, 0.05, 0.12, 0.05, 0.12, 0.12]
+    view = track_of(stopped_now_and_then).view(0.0)
+    assert view.busy_s is not None and view.busy_s > 0.05 + 0.02
+    assert view.compute_s is not None and view.compute_s > 0.05 + 0.02
+
+
+def test_a_phase_or_warm_up_step_is_not_timed():
+    track = RankTrack()
+    assert not track.add_timing(1, {"dur": 0.1}, None, None, 1.0)  # warm-up
+    track.first_step = 1
+    assert not track.add_timing(9, {"dur": 0.1, "phase": ["checkpoint"]}, 8, 1.0, 2.0)
+    assert not track.add_timing(9, {"step": 9}, 8, 1.0, 2.0)  # no timing
+    assert track.add_timing(9, {"dur": 0.1}, 8, 1.0, 2.0)
+
+
+def test_a_summary_goes_out_every_few_steps_as_well_as_every_period():
+    monitor = NodeMonitor("nodeT", nvml=MockNvml())
+    try:
+        monitor.collect()
+        t = time.monotonic()
+        rank = monitor.ranks.setdefault(0, RankTrack())
+        rank.step = node.SUMMARY_STEPS - 1
+        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)  # too few new steps
+        assert monitor.due(t + node.SUMMARY_PERIOD_S + 0.01)  # but every period
+        rank.step = node.SUMMARY_STEPS
+        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S / 2)  # not more often than this
+        assert monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        monitor.collect()
+        t = time.monotonic()
+        rank.step = 2 * node.SUMMARY_STEPS - 1
+        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        rank.step = 2 * node.SUMMARY_STEPS
+        assert monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+    finally:
+        monitor.close()
