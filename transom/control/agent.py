@@ -464,11 +464,12 @@ class NodeAgent:
             log.warning("cannot record a fault: %s", e)
         now = time.monotonic()
         running = g is not None
-        if not (self.monitor.due(now) or (running and self.reports.summary_due(now))):
+        progress = self.monitor.steps_due(now)  # the straggler detector counts in steps
+        if not (progress or self.monitor.due(now) or (running and self.reports.summary_due(now))):
             return
         summary, events = self.monitor.collect()
         if running or events:
-            self.reports.summary(summary, events, now)
+            self.reports.summary(summary, events, now, progress)
         try:
             self.reports.flush()
         except StoreError:

@@ -9,8 +9,9 @@ decision is also an event with a reason in `events/`.
 
 Nothing is polled. The leader follows what the agents publish through etcd watches
 (transom.control.cluster_view) and ticks when something changed, a tick's commit asks for the
-next one, or a timer runs out (TICK_S while the job is changing, STEADY_TICK_S while it runs:
-the time-based rules, hang and telemetry-gap ages, warm-up and settle timeouts). A node's
+next one, or a timer runs out (TICK_S while the job is changing, STEADY_TICK_S while it runs,
+or STEPS_PER_TICK median steps if shorter, for the straggler detector: the time-based rules,
+hang and telemetry-gap ages, warm-up and settle timeouts). A node's
 death is the delete of its lease-bound registration, pushed like any other change. A standby
 waits on the leader key's delete (transom.control.leader_watch) and only then tries to lead.
 Each candidate's one steady store call, the leader's lease refresh or a standby's read of the
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import statistics
 import threading
 import time
+from collections.abc import Iterable
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
-from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
+from transom.common.records import Event, EventKind, JobRecord, MonitorSummary, Plan, RecordError
 from transom.common.states import JobState
 from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster, read_direct
@@ -49,10 +52,20 @@ log = logging.getLogger("transom.controller")
 
 TICK_S = 0.2  # the shortest time between two ticks (changes that come faster are taken together)
 STEADY_TICK_S = 1.0  # while the job runs and nothing changes: the time-based rules' tick
+# ... or every STEPS_PER_TICK of the job's median step time if that is shorter (but at least
+# TICK_S): the straggler detector counts its latency in steps, and summaries that only carry
+# new timings do not wake the controller.
+STEPS_PER_TICK = 4
 STANDBY_RETRY_S = 5.0  # a standby tries to lead this often even if nothing woke it
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
 SPEC_WAIT_S = 120.0
+
+
+def median_step_s(summaries: Iterable[MonitorSummary]) -> float | None:
+    """The median of the ranks' step times in `summaries` (None before any rank has one)."""
+    times = [r.step_s for s in summaries for r in s.ranks.values() if r.step_s]
+    return statistics.median(times) if times else None
 
 
 class Controller:
@@ -72,6 +85,7 @@ class Controller:
         self.stopping = threading.Event()
         self.exporter = MonitorExporter()
         self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
+        self._step_s: float | None = None  # the members' median step time, newest snapshot
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
@@ -221,7 +235,10 @@ class Controller:
             and job.next_generation is None
             and self.memory.grace_until is None
         )
-        self._wait_woken(STEADY_TICK_S if steady else TICK_S)
+        steady_s = STEADY_TICK_S
+        if self._step_s is not None:
+            steady_s = min(steady_s, max(TICK_S, STEPS_PER_TICK * self._step_s))
+        self._wait_woken(steady_s if steady else TICK_S)
         self.wake.clear()
 
     def _wait_woken(self, timeout: float) -> None:
@@ -291,6 +308,7 @@ class Controller:
         if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
             return
         snap = self.snapshot()
+        self._step_s = median_step_s(snap.summaries.values())
         self.exporter.update(self.job, snap.summaries)
         d = decide(self.job, snap, self.spec, time.time(), self.memory)
         self.memory = d.memory

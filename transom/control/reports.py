@@ -7,7 +7,10 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   bar; the controller acts on states): at most every STATUS_PROGRESS_S.
 - `monitor/<node>`: at once when it carries something the controller acts on (a new anomaly,
   the generation, the ranks, a phase, a rank's first step, a rank's heartbeat stopping or
-  coming back); otherwise only when `_allowance` of the last written one is used up. The
+  coming back), or when a rank advanced SUMMARY_STEPS steps (at most every
+  SUMMARY_MIN_PERIOD_S; transom.monitor.node), whose timings the straggler detector needs, as
+  it counts its latency in steps (on a job of 1 s steps: every 4 s); otherwise only when
+  `_allowance` of the last written one is used up. The
   controller ages a summary on its own clock from when it saw it change
   (transom.control.observed) and adds that age to the summary's step and heartbeat ages
   (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
@@ -147,12 +150,16 @@ class NodeReports:
         """Whether the last summary written has used up its allowance."""
         return now - self._summary_at >= self._summary_allowance
 
-    def summary(self, summary: MonitorSummary, events: list[Event], now: float) -> None:
-        """Queue `summary` (if it is to be written now) and `events`; `flush` writes them."""
+    def summary(
+        self, summary: MonitorSummary, events: list[Event], now: float, progress: bool = False
+    ) -> None:
+        """Queue `summary` (if it is to be written now) and `events`; `flush` writes them.
+        `progress`: its ranks advanced enough steps that the controller's straggler detector,
+        which counts in steps, needs their timings now (monitor.node.NodeMonitor.steps_due)."""
         for event in events:
             self._unsent[keys.event(event.time, f"{self.node_id}-{event.id}")] = event.to_dict()
         new = signature(summary)
-        if events or new != self._summary_signature or self.summary_due(now):
+        if events or progress or new != self._summary_signature or self.summary_due(now):
             self._unsent[keys.monitor(self.node_id)] = summary.to_dict()
             self._summary_signature = new
             self._summary_at = now

@@ -330,9 +330,16 @@ class NodeMonitor:
             self._gpus = gpus
 
     def due(self, now: float) -> bool:
+        """Whether a summary is to be collected: new anomalies, its period, or `steps_due`."""
         with self._lock:
             if self._pending or now - self._published_at >= SUMMARY_PERIOD_S:
                 return True
+        return self.steps_due(now)
+
+    def steps_due(self, now: float) -> bool:
+        """Whether a rank advanced SUMMARY_STEPS steps since the last summary (at most every
+        SUMMARY_MIN_PERIOD_S): such a summary is written even if nothing else in it changed."""
+        with self._lock:
             newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
         return (
             now - self._published_at >= SUMMARY_MIN_PERIOD_S
