@@ -12,9 +12,10 @@ before reading (or allocating) anything more. Messages must arrive within FRAME_
 bytes within TRANSFER_TIMEOUT_S plus their size at MIN_TRANSFER_BYTES_PER_S.
 
 Data leaves a region with sendfile (no copy through Python) and lands with recv_into straight in
-the destination memory. The placement rule (`ring_peer`) puts a node's replicas on the next member
-of the plan's ring, so losing one node never loses both copies of a shard. This module moves
-bytes; it never decides what a server keeps.
+the destination memory (`fetch_into`: a region of the fetching server's own, for prefetch.py).
+The placement rule (`ring_peer`) puts a node's replicas on the next member of the plan's ring, so
+losing one node never loses both copies of a shard. This module moves bytes; it never decides
+what a server keeps.
 """
 
 from __future__ import annotations
