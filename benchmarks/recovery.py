@@ -121,7 +121,7 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
-def wait_until_warm(run_dir: Path, timeout: float = 90) -> None:
+def wait_until_warm(run_dir: Path, timeout: float = 180) -> None:
     """Steady state, as hours into a real job: every agent has its warm interpreter ready."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
