@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from transom import checkpoint
 from transom.checkpoint import catalog, prefetch
 from transom.checkpoint.client import ServerConnection
 from transom.checkpoint.config import ServerConfig
+from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
 from transom.common import env, keys
 from transom.common.records import Plan
@@ -220,3 +222,15 @@ def test_a_worker_waits_for_a_prefetch_under_way_at_most_the_bound(tmp_path, mon
         assert time.monotonic() - t0 < 10  # released when the prefetch ended, not at 30 s
     finally:
         server.stop()
+
+
+def test_a_nodes_ranks_follow_its_place_in_the_plan() -> None:
+    def ranks(node: str, per_node: int, members: list[str]) -> list[int]:
+        memory = SimpleNamespace(lock=threading.Condition())  # only its lock is used here
+        fetcher = prefetch.Prefetcher(node, per_node, b"", memory, None, None)  # type: ignore[arg-type]
+        return fetcher.ranks(PlanView(1, members, STEP))
+
+    assert ranks("b", 2, ["a", "b", "c"]) == [2, 3]
+    assert ranks("a", 1, ["a", "b"]) == [0]
+    assert ranks("z", 2, ["a", "b"]) == []  # not a member: nothing to fetch
+    assert ranks("b", 0, ["a", "b"]) == []  # ranks per node unknown: no prefetch
