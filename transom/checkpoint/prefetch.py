@@ -47,6 +47,7 @@ PREFETCH_WAIT_S = 30.0
 FETCHED = "fetched"
 SKIPPED = "skipped"
 FAILED = "failed"
+NOWHERE = "no other node's memory holds it"
 
 
 class Prefetcher:
@@ -147,6 +148,8 @@ class Prefetcher:
                 peer=detail,
                 duration_s=took,
             )
+        elif detail == NOWHERE:  # e.g. a rank the saving world did not have: nothing to say
+            log.info("step %d rank %d not prefetched: %s", step, rank, detail)
         else:
             self.publisher.event(
                 "prefetch-skipped",
@@ -173,7 +176,7 @@ class Prefetcher:
         """(outcome, the peer it came from or why not) of one prefetch."""
         sources = self._sources(step, rank)
         if not sources:
-            return SKIPPED, "no other node's memory holds it"
+            return SKIPPED, NOWHERE
         errors = []
         for info in sources:
             try:
