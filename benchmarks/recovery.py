@@ -54,6 +54,9 @@ RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
+# After recovering from a node death, wait this long at most for the spare's `restored` event to
+# reach the run's events.jsonl.
+EVENTS_WAIT_S = 10
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
 
@@ -166,15 +169,26 @@ def run_transom(fault: str, work: Path) -> dict:
         victim.send_signal(signal.SIGKILL)
         if not recovered(logs, fault_time, process):
             raise RuntimeError(f"transom job {job_id} did not recover from the {fault}")
+        if fault == "node_death":  # the launcher copies etcd's events to events.jsonl each tick
+            deadline = time.monotonic() + EVENTS_WAIT_S
+            while time.monotonic() < deadline:
+                if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:
+                    break
+                time.sleep(0.2)
     finally:
         finish(process, job_id, timeout=0)
         out.close()
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = run_events(run_dir)
     detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
     row = split(parse(logs()), fault_time, detected)
     if fault == "node_death":
         row |= replacement_load(events, fault_time)
     return row
+
+
+def run_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def replacement_load(events: list[dict], fault: float) -> dict:
