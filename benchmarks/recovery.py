@@ -15,10 +15,19 @@ and splits the time from the fault to the first step completed afterwards into
   reload_s      new worker started -> every rank has loaded the checkpoint (imports included)
   first_step_s  checkpoint loaded -> the first step completed (process group set-up, one step)
   total_s       fault -> the first completed step
+and, for the node death, how the spare that replaced the dead node restored its rank's shard
+(from the checkpoint server's `restored` event of the spare's worker):
+  replacement_tier    the tier it loaded from: "memory" when its server had prefetched the
+                      shard from a peer ahead of it (checkpoint/prefetch.py), "peer" or "storage"
+                      when the worker fetched it itself
+  replacement_load_s  that load, in the worker (locate, read, checksums, rebuild)
+  prefetch_s          the server's prefetch of that shard, when there was one (it overlaps the
+                      worker's start-up)
 A run stops as soon as that first step after the fault is done (or after a timeout: not recovered).
 
     python benchmarks/recovery.py            # a table
     python benchmarks/recovery.py --json     # the table, then one JSON object on the last line
+    python benchmarks/recovery.py --scenarios transom_node_death --trials 1
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
+# After recovering from a node death, wait this long at most for the spare's `restored` event to
+# reach the run's events.jsonl.
+EVENTS_WAIT_S = 10
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
 
@@ -112,7 +124,7 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
-def wait_until_warm(run_dir: Path, timeout: float = 90) -> None:
+def wait_until_warm(run_dir: Path, timeout: float = 180) -> None:
     """Steady state, as hours into a real job: every agent has its warm interpreter ready."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,12 +169,44 @@ def run_transom(fault: str, work: Path) -> dict:
         victim.send_signal(signal.SIGKILL)
         if not recovered(logs, fault_time, process):
             raise RuntimeError(f"transom job {job_id} did not recover from the {fault}")
+        if fault == "node_death":  # the launcher copies etcd's events to events.jsonl each tick
+            deadline = time.monotonic() + EVENTS_WAIT_S
+            while time.monotonic() < deadline:
+                if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:
+                    break
+                time.sleep(0.2)
     finally:
         finish(process, job_id, timeout=0)
         out.close()
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = run_events(run_dir)
     detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
-    return split(parse(logs()), fault_time, detected)
+    row = split(parse(logs()), fault_time, detected)
+    if fault == "node_death":
+        row |= replacement_load(events, fault_time)
+    return row
+
+
+def run_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def replacement_load(events: list[dict], fault: float) -> dict:
+    """The tier the spare that joined after `fault` restored from, that load's duration, and its
+    server's prefetch (None for what the events do not say)."""
+    spares = [e.get("node") for e in events if e["kind"] == "spare" and e["time"] > fault]
+    mine = [
+        e
+        for e in events
+        if e["kind"] == "checkpoint" and e["time"] > fault and spares and e.get("node") in spares
+    ]
+    restored = [e for e in mine if e.get("action") == "restored"]
+    prefetched = [e for e in mine if e.get("action") == "prefetched"]
+    return {
+        "replacement_tier": restored[0].get("tier") if restored else None,
+        "replacement_load_s": restored[0].get("duration_s") if restored else None,
+        "prefetch_s": prefetched[0].get("duration_s") if prefetched else None,
+    }
 
 
 def run_torchrun(work: Path) -> dict:
@@ -233,14 +277,25 @@ def run_torchrun(work: Path) -> dict:
 
 
 def mean(rows: list[dict]) -> dict:
-    """Means over the trials that recovered; `recovered` counts them."""
+    """Means over the trials that recovered (of the trials that have a value); `recovered`
+    counts them; a text column (a tier) lists each trial's value."""
     ok = [r for r in rows if r.get("recovered", True)]
     keys = [k for k in rows[0] if k != "recovered"]
-    means = {
-        k: (statistics.mean(r[k] for r in ok) if ok and ok[0][k] is not None else None)
-        for k in keys
-    }
+    means: dict = {}
+    for k in keys:
+        values = [r[k] for r in ok if r.get(k) is not None]
+        if values and all(isinstance(v, str) for v in values):
+            means[k] = ",".join(values)
+        else:
+            means[k] = statistics.mean(values) if values else None
     return means | {"recovered": len(ok)}
+
+
+def cell(value) -> str:
+    """A table cell: seconds to 3 decimals (a load takes milliseconds), text as is, - for none."""
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else f"{value:.3f}"
 
 
 def main() -> int:
@@ -251,12 +306,22 @@ def main() -> int:
         "--trials", type=int, default=2, help="runs per scenario, averaged (default 2)"
     )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    args = parser.parse_args()
-    scenarios = {
+    every = {
         "transom_worker_crash": lambda w: run_transom("worker_crash", w),
         "transom_node_death": lambda w: run_transom("node_death", w),
         "torchrun_worker_crash": lambda w: run_torchrun(w),
     }
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(every),
+        help=f"comma-separated, of {', '.join(every)} (default: all)",
+    )
+    args = parser.parse_args()
+    wanted = args.scenarios.split(",")
+    unknown = set(wanted) - set(every)
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
+    scenarios = {name: run for name, run in every.items() if name in wanted}
     results = {}
     with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
         for name, run in scenarios.items():
@@ -265,23 +330,18 @@ def main() -> int:
                 print(f"{name}: trial {trial + 1}/{args.trials} ...", file=sys.stderr, flush=True)
                 rows.append(run(Path(tmp)))
             results[name] = mean(rows) | {"trials": args.trials}
-    torchrun_total = results["torchrun_worker_crash"]["total_s"]
-    results["worker_crash_speedup_x"] = (
-        None
-        if torchrun_total is None
-        else torchrun_total / results["transom_worker_crash"]["total_s"]
-    )
+    crash = results.get("transom_worker_crash", {}).get("total_s")
+    torchrun_total = results.get("torchrun_worker_crash", {}).get("total_s")
+    speedup = None if torchrun_total is None or not crash else torchrun_total / crash
+    results["worker_crash_speedup_x"] = speedup
     columns = ["detection_s", "restart_s", "reload_s", "first_step_s", "total_s"]
-    print(f"{'scenario':<24}" + "".join(f"{c:>14}" for c in columns))  # means over recovered trials
+    columns += ["replacement_tier", "replacement_load_s", "prefetch_s"]  # node death only
+    print(f"{'scenario':<24}" + "".join(f"{c:>20}" for c in columns))  # means over recovered trials
     for name in scenarios:
         r = results[name]
-        print(
-            f"{name:<24}"
-            + "".join(f"{'-' if r[c] is None else f'{r[c]:.2f}':>14}" for c in columns)
-        )
+        print(f"{name:<24}" + "".join(f"{cell(r.get(c)):>20}" for c in columns))
     for name in scenarios:
         print(f"{name}: recovered in {results[name]['recovered']} of {args.trials} trials")
-    speedup = results["worker_crash_speedup_x"]
     print(
         "worker crash, torchrun total / transom total: "
         + ("-" if speedup is None else f"{speedup:.2f}x")

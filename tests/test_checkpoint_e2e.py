@@ -68,7 +68,7 @@ def test_killed_worker_resumes_from_node_memory(start_job):
     } <= kinds
 
 
-def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica(start_job):
+def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica_prefetched(start_job):
     job = start_job("--nnodes", "2", "--spares", "1", "--nproc-per-node", "1", SCRIPT, *SMALL)
     wait_for(lambda: saved_step(job) >= 6, 90, "two checkpoints in memory")
     agent = wait_for(
@@ -93,8 +93,13 @@ def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica(start_job):
         "restore_step"
     ]
     assert step is not None and step >= 6
-    # node2 took node1's place (rank 1): it has no memory of its own, node0 holds node1's replica.
-    assert restored(job, 2) == {0: (step, "memory"), 1: (step, "peer")}
+    # node2 took node1's place (rank 1): node0 holds node1's replica, and node2's server fetched
+    # it into its own memory as soon as the plan named the restore step (checkpoint/prefetch.py).
+    assert restored(job, 2) == {0: (step, "memory"), 1: (step, "memory")}
+    assert any(
+        e["kind"] == "checkpoint" and e.get("action") == "prefetched" and e.get("node") == "node2"
+        for e in job.events()
+    )
     assert "done step=30 rank=1" in job.log_text("g002/rank1.log")
     assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), (
         "checkpoint memory outlived the job"

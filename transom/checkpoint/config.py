@@ -104,6 +104,16 @@ class ServerConfig:
     lease_ttl_s: int = _option(
         "--lease-ttl", "seconds this server's etcd entries outlive it", 4, type=int
     )
+    # With it (and --store), the server fetches its ranks' shards of the plan's restore step from
+    # the peers holding them as soon as the plan names it (prefetch.py), ahead of the workers.
+    ranks_per_node: int = _option(
+        "--ranks-per-node",
+        "worker ranks per node (the node at position i of the plan's members runs ranks "
+        "i*N .. i*N+N-1): with --store its ranks' shards of the plan's restore step are fetched "
+        "from peers into this server's memory ahead of its workers (default 0: no prefetch)",
+        0,
+        type=int,
+    )
     # A fixed peer "host:port" for replicas, instead of the plan's ring.
     peer: str | None = _option(
         "--peer",
@@ -154,6 +164,8 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
             f"--host {values['host']!r}: give the address peers reach this server at; "
             "it never listens on every interface"
         )
+    if values.get("ranks_per_node", 0) < 0:
+        raise ValueError(f"--ranks-per-node {values['ranks_per_node']}: 0 or more")
     networked = bool(values.get("store_url") or values.get("peer"))
     values["secret"] = environ.get(env.CKPT_SECRET, "").encode()
     if networked and not values["secret"]:

@@ -12,13 +12,15 @@ before reading (or allocating) anything more. Messages must arrive within FRAME_
 bytes within TRANSFER_TIMEOUT_S plus their size at MIN_TRANSFER_BYTES_PER_S.
 
 Data leaves a region with sendfile (no copy through Python) and lands with recv_into straight in
-the destination memory. The placement rule (`ring_peer`) puts a node's replicas on the next member
-of the plan's ring, so losing one node never loses both copies of a shard. This module moves
-bytes; it never decides what a server keeps.
+the destination memory (`fetch_into`: a region of the fetching server's own, for prefetch.py).
+The placement rule (`ring_peer`) puts a node's replicas on the next member of the plan's ring, so
+losing one node never loses both copies of a shard. This module moves bytes; it never decides
+what a server keeps.
 """
 
 from __future__ import annotations
 
+import mmap
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -185,6 +187,24 @@ def push(
 
 def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.Tensor]:
     """(header, data) of a shard held by the server at `addr`, checksums verified."""
+    landed: list[mmap.mmap] = []
+
+    def into_anonymous(header: dict) -> memoryview:
+        landed.append(anonymous_buffer(header["data_len"]))
+        return memoryview(landed[0])[: header["data_len"]]
+
+    header = fetch_into(addr, secret, step, rank, into_anonymous)
+    return header, as_bytes(landed[0])[: header["data_len"]]
+
+
+def fetch_into(
+    addr: str, secret: bytes, step: int, rank: int, destination: Callable[[dict], memoryview]
+) -> dict:
+    """The header of a shard held by the server at `addr`, its data received straight into
+    `destination(header)` (asked for only once the header has been checked: its step, rank and
+    a world size) and verified there. ReplicationError when the server cannot be reached or does
+    not hold it, ShardError for a bad copy; whatever `destination` raises propagates. On any
+    error the caller gives back what `destination` handed out."""
     sock = connect(addr, secret)
     try:
         send_msg(sock, {"op": "get", "step": step, "rank": rank}, deadline_in(FRAME_TIMEOUT_S))
@@ -199,9 +219,8 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
         except ValueError as e:
             raise ReplicationError(f"server at {addr} sent a bad reply: {e}") from e
         header = recv_shard_header(sock, header_len, data_len)
-        layout.check_identity(header, step, rank)
-        buf = anonymous_buffer(data_len)
-        view = memoryview(buf)[:data_len]
+        check_shard_header(header, step, rank)
+        view = destination(header)
         recv_into(sock, view, transfer_deadline(data_len))
     except (OSError, ProtocolError) as e:
         raise ReplicationError(f"fetching step {step} rank {rank} from {addr}: {e}") from e
@@ -209,12 +228,12 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.T
         sock.close()
     layout.verify_data(header, view)
     del view
-    return header, as_bytes(buf)[:data_len]
+    return header
 
 
-def check_put_header(header: dict, request: PutRequest) -> None:
-    """ShardError unless the shard header is the one `request` announced, with a world size."""
-    layout.check_identity(header, request.step, request.rank)
+def check_shard_header(header: dict, step: int, rank: int) -> None:
+    """ShardError unless the shard header is that of (step, rank), with a world size."""
+    layout.check_identity(header, step, rank)
     world_size = header.get("world_size")
     if type(world_size) is not int or world_size < 1:
         raise layout.ShardError(f"shard header has a bad world size {str(world_size)[:40]!r}")
@@ -230,7 +249,7 @@ def receive_put(
     keeps it (`commit(region, None)` gives it back). ShardError for a shard that is not the one
     announced or does not verify; nothing is reserved before its header has been checked."""
     header = recv_shard_header(sock, request.header_len, request.data_len)
-    check_put_header(header, request)
+    check_shard_header(header, request.step, request.rank)
     region = reserve(request.step, request.rank, request.data_len)
     try:
         view = region.view()[: request.data_len]

@@ -9,8 +9,10 @@ tensors into it (shm.py), and `commit`s the header (worker_service.py); from the
 works alone, in the background (pipeline.py): checksums (the shard is then in the `memory` tier
 and listed in etcd, publisher.py), a replica pushed to the ring peer's server (`peer`,
 peer_port.py and peer_service.py on the other side), the file written to storage (`storage`).
-Loads ask to `locate` a shard and get its sources, fastest first. This module only wires those
-parts and runs their threads; it must never grow request handling or policy of its own.
+Loads ask to `locate` a shard and get its sources, fastest first. When the plan names a restore
+step, the server fetches its ranks' shards of it from peers ahead of its workers (prefetch.py).
+This module only wires those parts and runs their threads; it must never grow request handling
+or policy of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
 from transom.checkpoint.peer_service import PeerService
 from transom.checkpoint.pipeline import SavePipeline
+from transom.checkpoint.prefetch import Prefetcher
 from transom.checkpoint.publisher import PlanView, Publisher
 from transom.checkpoint.shm import RegionDir
 from transom.checkpoint.worker_service import WorkerService
@@ -60,7 +63,12 @@ class CheckpointServer:
         self.publisher.on_plan = self._follow_plan
         self.publisher.on_discard = self._discard
         self.pipeline = SavePipeline(cfg, self.memory, self.publisher, self.stopping)
-        self.workers = WorkerService(cfg, self.memory, self.pipeline, self.publisher)
+        self.prefetcher = Prefetcher(
+            cfg.node_id, cfg.ranks_per_node, cfg.secret, self.memory, self.pipeline, self.publisher
+        )
+        self.workers = WorkerService(
+            cfg, self.memory, self.pipeline, self.publisher, self.prefetcher
+        )
         self.peers = PeerService(cfg.secret, self.memory, self.pipeline, self.publisher)
         self._unix: socketserver.ThreadingUnixStreamServer | None = None
         self._tcp: PeerPort | None = None
@@ -68,6 +76,7 @@ class CheckpointServer:
 
     def _follow_plan(self, plan: PlanView) -> None:
         self.memory.protected_step = plan.restore_step
+        self.prefetcher.follow(plan)
 
     def _discard(self, marks: list[dict]) -> None:
         """Drop poisoned steps (catalog.discards) from this server's memory and from storage."""

@@ -6,11 +6,13 @@ Each message (protocol.py framing) is one request with one reply:
     commit  {step, rank, header}             the copy is done (the save pipeline takes over)
     abort   {step, rank}                     the copy failed: give the region back
     wait    {step, rank, tier, timeout}      once the shard reached (or failed) a `Tier`
-    locate  {step, rank}      -> {sources}   where the shard can be read, fastest first
+    locate  {step, rank}      -> {sources}   where the shard can be read, fastest first (after
+                                       a prefetch of it under way, prefetch.py, at most
+                                       PREFETCH_WAIT_S)
     prepare {nbytes, rank}    -> {path}      populate a spare region for the rank's next save
     steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
     event   {action, message, fields}        a `checkpoint` event on the worker's behalf
-    status                    -> what the server holds
+    status                    -> what the server holds, and what became of its prefetches
 A refused save answers {"ok": false, "refused": true, "error"}; a bad request (a field of the
 wrong type or out of bounds, a shard over MAX_SHARD_BYTES) {"ok": false, "error"}. A connection
 may idle between requests, but a request must arrive within FRAME_TIMEOUT_S of its first byte and
@@ -31,6 +33,7 @@ from transom.checkpoint import layout, storage
 from transom.checkpoint.budget import STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.pipeline import SavePipeline
+from transom.checkpoint.prefetch import Prefetcher
 from transom.checkpoint.protocol import (
     MAX_SHARD_BYTES,
     ProtocolError,
@@ -61,8 +64,10 @@ class WorkerService:
         memory: ShardMemory,
         pipeline: SavePipeline,
         publisher: Publisher,
+        prefetcher: Prefetcher | None = None,
     ):
         self.cfg = cfg
+        self.prefetcher = prefetcher
         self.node = cfg.node_id
         self.memory = memory
         self.lock = memory.lock
@@ -146,11 +151,14 @@ class WorkerService:
                 "node": self.node,
                 "addr": self.publisher.addr,
                 **self.memory.status(),
+                "prefetch": self.prefetcher.status() if self.prefetcher is not None else [],
             }
         raise ValueError(f"unknown request {str(op)[:40]!r}")
 
     def locate(self, step: int, rank: int) -> list[dict]:
         """Where shard (step, rank) can be read from, fastest first."""
+        if self.prefetcher is not None:  # a prefetch of it under way: wait for it (bounded)
+            self.prefetcher.join(step, rank)
         sources: list[dict] = []
         with self.lock:
             shard = self.memory.shards.get((step, rank))

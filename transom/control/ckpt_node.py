@@ -85,6 +85,7 @@ class NodeCheckpointServer:
             replicas=self.spec.ckpt_replicas,
             lease_ttl_s=self.spec.node_ttl_s,
             budget_bytes=self.spec.ckpt_memory_bytes or None,  # None: the server's default
+            ranks_per_node=self.spec.nproc_per_node,  # its ranks' restore shards are prefetched
         )
         log_path = files.log_file(self.run_dir, f"ckpt-server-{self.node_id}")
         log_path.parent.mkdir(parents=True, exist_ok=True)
