@@ -93,7 +93,8 @@ def rss_mb(process: psutil.Process) -> float:
 
 
 def lines_of(paths: list[Path]) -> list[list[str]]:
-    return [line.split() for p in paths if p.exists() for line in p.read_text().splitlines()]
+    lines = (line.split() for p in paths if p.exists() for line in p.read_text().splitlines())
+    return [words for words in lines if words]  # a blank line (a log record's) says nothing
 
 
 def revoke_lease_of(store: Store, name: str) -> None:

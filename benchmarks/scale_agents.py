@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
-from transom.monitor.node import SUMMARY_PERIOD_S  # noqa: E402
+from transom.monitor.node import SUMMARY_PERIOD_S, SUMMARY_STEPS  # noqa: E402
 from transom.store import Store, StoreAccess  # noqa: E402
 
 STEP_S = 0.5  # one stand-in training step
@@ -95,6 +95,7 @@ class StandInMonitor:
         self.expected: list[int] = []
         self.group: StandInGroup | None = None
         self._published_at = 0.0
+        self._published_step: int | None = None
 
     def new_generation(self, generation: int) -> None:
         self.generation, self.expected = generation, []
@@ -119,10 +120,16 @@ class StandInMonitor:
         pass
 
     def due(self, now: float) -> bool:
-        return now - self._published_at >= SUMMARY_PERIOD_S
+        return now - self._published_at >= SUMMARY_PERIOD_S or self.steps_due(now)
+
+    def steps_due(self, now: float) -> bool:
+        """As the real monitor: SUMMARY_STEPS new steps since the last summary."""
+        newest = self.newest_step()
+        return newest is not None and newest >= (self._published_step or 0) + SUMMARY_STEPS
 
     def collect(self):
         self._published_at = time.monotonic()
+        self._published_step = self.newest_step()
         ranks = {
             str(rank): RankSummary(
                 step=step,
