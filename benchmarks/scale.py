@@ -11,15 +11,15 @@ pre-flight are stand-ins; its docstring says how they differ from real agents). 
   etcd_cpu_x, controller_cpu_x   cores used in the steady state by etcd and the leading
                          controller (standby_cpu_x: the other candidate; simulator_cpu_x: the
                          simulated agents' processes); *_rss_mb their memory
-  agent_ticks_per_s      ticks an agent achieved per second (the design polls 5 a second: less
-                         means the simulator could not keep up, so the load it put on etcd is
-                         less than N real agents would)
+  agent_ticks_per_s      loop turns an agent achieved per second (designed: 5; a turn reads
+                         nothing from etcd, the plan comes by watch; less means the simulator
+                         could not keep up, so its fence checks and reports came late)
   fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
                          moment its lease expires) -> the plan of the next generation arrives
   fault_to_all_acting_s  the same moment -> every member of the new plan has followed it
-This measures the polling design of today. Numbers from a machine shared with other work are
-noisy; a size that does not start in --timeout seconds is reported with why, and larger sizes
-are skipped.
+Agents follow the plan and controllers the cluster through etcd watches. Numbers from a
+machine shared with other work are noisy; a size that does not start in --timeout seconds is
+reported with why, and larger sizes are skipped.
 
     flock /work/wt/e2e.lock timeout 900 python benchmarks/scale.py --nodes 64,256,1024 --json
 
