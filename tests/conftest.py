@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,15 @@ def store(etcd):
         s.delete_job()
     except StoreError:
         pass
+
+
+ETCD_MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
+
+
+def etcd_requests(store: Store) -> float:
+    """How many requests etcd has received so far (its gRPC messages, from its metrics)."""
+    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
+    return sum(float(v) for v in ETCD_MESSAGES.findall(text))
 
 
 class Job:

@@ -13,51 +13,31 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import etcd_requests, wait_for
 
 from transom.common import keys
 from transom.common.records import Anomaly, MonitorSummary, Plan, RankSummary, Severity
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control import agent as agent_module
-from transom.control import plan_follow, reports
+from transom.control import reports
 from transom.control.agent import NodeAgent
 from transom.control.anomalies import SUMMARY_GAP_S
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.plan_follow import PlanFollower
 from transom.monitor.detectors import HEARTBEAT_GAP_S
-from transom.store import EmbeddedEtcd, Store, StoreAccess
+from transom.store import Store, StoreAccess, key_follow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from torture_proxy import StoreProxy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
-MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("agentwatch") / "etcd")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def store(etcd):
-    s = Store(etcd.access, f"aw-{uuid.uuid4().hex[:8]}")
-    yield s
-    s.delete_job()
 
 
 @pytest.fixture
@@ -73,11 +53,6 @@ def proxied(etcd, store):
 
 def plan(generation: int, **fields) -> dict:
     return Plan(generation, ["node0", "node1"], JobState.RUNNING, **fields).to_dict()
-
-
-def etcd_requests(store: Store) -> float:
-    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
-    return sum(float(v) for v in MESSAGES.findall(text))
 
 
 def follow_until(follower: PlanFollower, generation: int, timeout: float) -> float:
@@ -146,13 +121,13 @@ def test_while_the_stream_is_down_the_plan_is_read_directly_at_a_bounded_rate(st
         follower.watch.stop()  # a stream that never comes back
         store.put(keys.PLAN, plan(2, restart_count=1))
         took = follow_until(follower, 2, 10)
-        assert took < plan_follow.FALLBACK_AFTER_S + plan_follow.FALLBACK_READ_S + 1.0
+        assert took < key_follow.FALLBACK_AFTER_S + key_follow.FALLBACK_READ_S + 1.0
         reads = follower.reads
         started = time.monotonic()
         while time.monotonic() - started < 2.0:
             follower.current(time.monotonic())
             follower.wait(agent_module.TICK_S)
-        assert follower.reads - reads <= 2.0 / plan_follow.FALLBACK_READ_S + 1
+        assert follower.reads - reads <= 2.0 / key_follow.FALLBACK_READ_S + 1
     finally:
         follower.stop()
 

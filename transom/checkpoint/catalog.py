@@ -77,7 +77,11 @@ def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> 
 
 def discards(store: Store) -> list[dict]:
     """The recorded discards ({first_bad_step, saved_before}); malformed entries left out."""
-    value = store.get(keys.CKPT_DISCARDED)
+    return parse_discards(store.get(keys.CKPT_DISCARDED))
+
+
+def parse_discards(value: Any) -> list[dict]:
+    """The discards in a stored value (malformed entries left out; not a list: none)."""
     if not isinstance(value, list):
         return []
     return [

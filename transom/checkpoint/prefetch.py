@@ -6,7 +6,7 @@ for every one of them its memory does not hold, fetches the shard at once from a
 memory the catalog lists as holding it, straight into a region of its own memory (the fetch
 verifies the checksums). A replacement node's workers then load from local memory instead of
 each fetching over the network when they get there. It starts when the server first reads the
-plan (every CONTROL_TICK_S, publisher.py) or, if a worker asks first, when that worker
+plan (pushed by a watch, publisher.py) or, if a worker asks first, when that worker
 `locate`s the shard: either way one transfer per shard, never one from the server and one from
 the worker.
 

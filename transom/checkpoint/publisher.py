@@ -3,9 +3,10 @@
 With a store, the server holds a lease; under it it registers its peer address and lists each
 shard its memory holds (`catalog.py` has the keys), so both vanish when the node dies. Persisted
 shards are listed without a lease. A control thread keeps the lease (a lost one is replaced and
-everything re-listed) and follows the controller's plan: its members (for the ring peer) and
-its restore step (never evicted). Without a store every method is a no-op but the log line of
-an event. This module never touches shard bytes and never decides what the server keeps.
+everything re-listed) and follows, through etcd watches, the controller's plan (its members for
+the ring peer, its restore step never evicted) and the discarded steps. Without a store every
+method is a no-op but the log line of an event. This module never touches shard bytes and
+never decides what the server keeps.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from transom.common import keys
 from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
 from transom.store import Store, StoreError
+from transom.store.key_follow import KeyFollower
 
 log = logging.getLogger("transom.ckpt.server")
 
-CONTROL_TICK_S = 1.0
+CONTROL_TICK_S = 1.0  # the lease refresh (half of it for a lease of 3 s or less)
+WAKE_S = 0.25  # the control thread's longest sleep: how late it sees `stopping` or discards
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,11 @@ def read_plan(store: Store) -> PlanView:
     The one place the checkpoint server reads the controller's plan, parsed by the plan's one
     definition (`transom.common.records.Plan`); a plan that does not parse is treated as absent.
     """
-    value = store.get(keys.PLAN)
+    return plan_view(store.get(keys.PLAN))
+
+
+def plan_view(value: Any) -> PlanView:
+    """`read_plan`'s view of a stored plan value (None or invalid: empty)."""
     if value is None:
         return PlanView()
     try:
@@ -109,21 +116,40 @@ class Publisher:
             self.list_memory(shard)
 
     def follow(self, stopping: threading.Event) -> None:
-        """Keep the lease and follow the plan until `stopping` is set (a thread's body)."""
+        """Keep the lease and follow the plan and the discards until `stopping` is set (a
+        thread's body). Both keys are pushed by etcd watches (they change a few times a job);
+        the lease refresh is the one steady request, every LEASE_REFRESH_S."""
         if self.store is None:
             return
-        while not stopping.wait(CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)):
-            try:
-                self.plan = read_plan(self.store)
-                self.on_plan(self.plan)
-                marks = catalog.discards(self.store)
-                if marks != self.discards:  # before a new lease re-lists what memory holds
-                    self.discards = marks
-                    self.on_discard(marks)
-                if not self.store.refresh(self.lease):
-                    self._new_lease()
-            except StoreError as e:
-                log.debug("control tick: %s", e)
+        plans = KeyFollower(self.store, keys.PLAN)
+        marks = KeyFollower(self.store, keys.CKPT_DISCARDED)
+        period = CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)
+        refresh_at = time.monotonic() + period
+        try:
+            while not stopping.is_set():
+                now = time.monotonic()
+                try:
+                    for follower in (marks, plans):
+                        if not follower.reads:
+                            follower.start(now)
+                    # Discards first: the controller writes them before the plan that follows.
+                    discards = catalog.parse_discards(marks.refresh(now))
+                    if discards != self.discards:  # before a new lease re-lists what memory holds
+                        self.discards = discards
+                        self.on_discard(discards)
+                    self.plan = plan_view(plans.refresh(now))
+                    self.on_plan(self.plan)
+                    if now >= refresh_at:
+                        refresh_at = now + period
+                        if not self.store.refresh(self.lease):
+                            self._new_lease()
+                except StoreError as e:
+                    log.debug("control tick: %s", e)
+                    stopping.wait(WAKE_S)
+                plans.wait(max(0.0, min(refresh_at - time.monotonic(), WAKE_S)))
+        finally:
+            plans.stop()
+            marks.stop()
 
     def peer_addr(self, peer: str) -> str | None:
         """The address `peer`'s server registered (None without a store or a registration)."""

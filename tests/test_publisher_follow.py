@@ -1,0 +1,60 @@
+"""A checkpoint server's control thread (checkpoint/publisher.py `Publisher.follow`) against a
+real etcd: new plans and discarded steps reach it pushed by watches, and in the steady state
+its only request is the lease refresh (it used to read the plan and the discards every second
+as well: three requests a second a node)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import etcd_requests, wait_for
+
+from transom.checkpoint.publisher import CONTROL_TICK_S, Publisher
+from transom.common import keys
+from transom.common.records import Plan
+from transom.common.states import JobState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def plan(generation: int, restore_step: int | None = None) -> dict:
+    return Plan(
+        generation, ["node0", "node1"], JobState.RUNNING, restore_step=restore_step
+    ).to_dict()
+
+
+def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady_request(store):
+    store.put(keys.PLAN, plan(1))
+    publisher = Publisher(store, "node0", lease_ttl_s=4)
+    discards: list[list[dict]] = []
+    publisher.on_discard = discards.append
+    publisher.start("")
+    stopping = threading.Event()
+    control = threading.Thread(target=publisher.follow, args=(stopping,), daemon=True)
+    control.start()
+    try:
+        wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+        window_s = 3.0
+        before, started = etcd_requests(store), time.monotonic()
+        stopping.wait(window_s)  # a window to count requests in, not a synchronisation
+        requests = etcd_requests(store) - before
+        refreshes = (time.monotonic() - started) / CONTROL_TICK_S
+        assert requests <= refreshes + 2, f"{requests} requests in {window_s} s"
+
+        store.put(keys.PLAN, plan(2, restore_step=6))
+        pushed_at = time.monotonic()
+        wait_for(lambda: publisher.plan.generation == 2, 5, "the new plan")
+        assert time.monotonic() - pushed_at < 1.0
+        assert publisher.plan.restore_step == 6
+
+        marks = [{"first_bad_step": 9, "saved_before": 1234.5}]
+        store.put(keys.CKPT_DISCARDED, marks)
+        wait_for(lambda: discards, 5, "the discarded steps")
+        assert discards == [marks] and publisher.discards == marks
+    finally:
+        stopping.set()
+        control.join(10)
+        publisher.stop()
+    assert not control.is_alive()
