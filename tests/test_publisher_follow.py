@@ -36,6 +36,8 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
     control.start()
     try:
         wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+        followers = (publisher.plans, publisher.marks)
+        wait_for(lambda: all(f and f.watch.healthy for f in followers), 10, "both watches up")
         window_s = 3.0
         before, started = etcd_requests(store), time.monotonic()
         stopping.wait(window_s)  # a window to count requests in, not a synchronisation

@@ -76,6 +76,9 @@ class Publisher:
         # Poisoned steps (catalog.discards): applied by `on_discard`, never listed again.
         self.discards: list[dict] = []
         self.on_discard: Callable[[list[dict]], None] = lambda marks: None
+        # The plan and the discards as etcd pushes them (followed by `follow`).
+        self.plans = KeyFollower(store, keys.PLAN) if store is not None else None
+        self.marks = KeyFollower(store, keys.CKPT_DISCARDED) if store is not None else None
 
     def start(self, addr: str) -> None:
         """Take a lease and register `addr`; no-op without a store."""
@@ -119,10 +122,9 @@ class Publisher:
         """Keep the lease and follow the plan and the discards until `stopping` is set (a
         thread's body). Both keys are pushed by etcd watches (they change a few times a job);
         the lease refresh is the one steady request, every LEASE_REFRESH_S."""
-        if self.store is None:
+        plans, marks = self.plans, self.marks
+        if self.store is None or plans is None or marks is None:
             return
-        plans = KeyFollower(self.store, keys.PLAN)
-        marks = KeyFollower(self.store, keys.CKPT_DISCARDED)
         period = CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)
         refresh_at = time.monotonic() + period
         try:
