@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO, wait_for
 
 from transom.config import JobSpec
+from transom.monitor.waiting import STRAGGLER_LATE_FRACTION
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +109,10 @@ def test_slow_compute_then_an_outside_throttle_are_found_on_two_nodes_and_replac
     assert job.wait() == 0, job.output
     slow, throttled = events(job, "anomaly", type="straggler")[:2]
     assert slow["nodes"] == ["node1"] and slow["step"] > 15
-    assert slow["evidence"]["compute_s"] > 1.5 * slow["evidence"]["peers_compute_s"]
+    # Found within a few steps of the fault, the window's trimmed mean still holds steps from
+    # before it: the evidence shows the lateness the detector acts on, not yet the full 2x.
+    late = 1 + STRAGGLER_LATE_FRACTION
+    assert slow["evidence"]["compute_s"] > late * slow["evidence"]["peers_compute_s"]
     assert throttled["nodes"] == ["node2"] and throttled["step"] > 60
     assert "the others wait for" in throttled["message"]
     assert {"node1", "node2"} <= set(job.status()["job"]["evicted"])
