@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -25,15 +27,25 @@ from jobs import SMALL_GPT, job_processes, wait_for  # noqa: E402, F401
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    """A real embedded etcd shared by one test module (a module that restarts it has its own)."""
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "etcd")
+@contextmanager
+def running_etcd(data_dir: Path, **options) -> Iterator[EmbeddedEtcd]:
+    """A real embedded etcd, stopped on exit even if a test left it SIGSTOPped."""
+    server = EmbeddedEtcd(data_dir, **options)
     try:
         server.start()
         yield server
     finally:
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real embedded etcd shared by one test module (a module that stops or restarts etcd
+    has its own, from `running_etcd`)."""
+    with running_etcd(tmp_path_factory.mktemp("etcd") / "etcd") as server:
+        yield server
 
 
 @pytest.fixture

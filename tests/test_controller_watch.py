@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from conftest import running_etcd, wait_for
 
 from transom.common import keys
 from transom.common.records import (
@@ -36,14 +37,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def etcd(tmp_path) -> Iterator[EmbeddedEtcd]:
-    server = EmbeddedEtcd(tmp_path / "etcd")
-    try:
-        server.start()
+    with running_etcd(tmp_path / "etcd") as server:
         yield server
-    finally:
-        if server.process is not None:
-            os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
 
 
 @pytest.fixture
@@ -52,13 +47,7 @@ def store(etcd) -> Store:
 
 
 def poll(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout} s: {what}")
+    return wait_for(predicate, timeout, what, interval=0.02)
 
 
 class FakeAgent:

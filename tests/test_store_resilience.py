@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from conftest import running_etcd
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
@@ -20,14 +21,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def etcd(tmp_path):
-    server = EmbeddedEtcd(tmp_path / "etcd", quota_bytes=8 << 20)
-    try:
-        server.start()
+    with running_etcd(tmp_path / "etcd", quota_bytes=8 << 20) as server:
         yield server
-    finally:
-        if server.process is not None:
-            os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
 
 
 def paused(etcd: EmbeddedEtcd, seconds: float) -> threading.Thread:
