@@ -121,12 +121,13 @@ class Publisher:
     def follow(self, stopping: threading.Event) -> None:
         """Keep the lease and follow the plan and the discards until `stopping` is set (a
         thread's body). Both keys are pushed by etcd watches (they change a few times a job);
-        the lease refresh is the one steady request, every LEASE_REFRESH_S."""
+        the lease refresh is the one steady request, every CONTROL_TICK_S."""
         plans, marks = self.plans, self.marks
         if self.store is None or plans is None or marks is None:
             return
         period = CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)
         refresh_at = time.monotonic() + period
+        taken = (-1, -1)  # the (discards, plan) revisions last taken in
         try:
             while not stopping.is_set():
                 now = time.monotonic()
@@ -134,13 +135,18 @@ class Publisher:
                     for follower in (marks, plans):
                         if not follower.reads:
                             follower.start(now)
-                    # Discards first: the controller writes them before the plan that follows.
-                    discards = catalog.parse_discards(marks.refresh(now))
-                    if discards != self.discards:  # before a new lease re-lists what memory holds
-                        self.discards = discards
-                        self.on_discard(discards)
-                    self.plan = plan_view(plans.refresh(now))
-                    self.on_plan(self.plan)
+                    marks.refresh(now)
+                    plans.refresh(now)
+                    if (marks.revision, plans.revision) != taken:
+                        taken = (marks.revision, plans.revision)
+                        # Discards first: the controller writes them before the plan that
+                        # follows, and before a new lease re-lists what memory holds.
+                        discards = catalog.parse_discards(marks.value)
+                        if discards != self.discards:
+                            self.discards = discards
+                            self.on_discard(discards)
+                        self.plan = plan_view(plans.value)
+                        self.on_plan(self.plan)
                     if now >= refresh_at:
                         refresh_at = now + period
                         if not self.store.refresh(self.lease):
