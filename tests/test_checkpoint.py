@@ -553,15 +553,7 @@ def test_server_options_are_generated_from_its_config() -> None:
 
 
 def test_the_plan_is_read_validated() -> None:
-    from transom.checkpoint.publisher import PlanView, read_plan
-
-    class FakeStore:
-        def __init__(self, plan):
-            self.plan = plan
-
-        def get(self, key):
-            assert key == "plan"
-            return self.plan
+    from transom.checkpoint.publisher import PlanView, plan_view
 
     good = {
         "generation": 3,
@@ -570,9 +562,9 @@ def test_the_plan_is_read_validated() -> None:
         "restore_step": 20,
         "other": 1,  # a newer writer's field
     }
-    assert read_plan(FakeStore(good)) == PlanView(3, ["n0", "n1"], 20)  # type: ignore[arg-type]
+    assert plan_view(good) == PlanView(3, ["n0", "n1"], 20)
     for field, wrong in (("generation", "3"), ("members", ["n0", 5]), ("restore_step", True)):
         bad = {**good, field: wrong}  # a plan that does not parse is no plan
-        assert read_plan(FakeStore(bad)) == PlanView()  # type: ignore[arg-type]
-    assert read_plan(FakeStore(None)) == PlanView()  # type: ignore[arg-type]
-    assert read_plan(FakeStore(["n0"])) == PlanView()  # type: ignore[arg-type]
+        assert plan_view(bad) == PlanView()
+    assert plan_view(None) == PlanView()
+    assert plan_view(["n0"]) == PlanView()

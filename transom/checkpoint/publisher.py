@@ -41,17 +41,13 @@ class PlanView:
     restore_step: int | None = None
 
 
-def read_plan(store: Store) -> PlanView:
-    """The plan's generation, members and restore step; empty when there is none.
-
-    The one place the checkpoint server reads the controller's plan, parsed by the plan's one
-    definition (`transom.common.records.Plan`); a plan that does not parse is treated as absent.
-    """
-    return plan_view(store.get(keys.PLAN))
-
-
 def plan_view(value: Any) -> PlanView:
-    """`read_plan`'s view of a stored plan value (None or invalid: empty)."""
+    """The generation, members and restore step of a stored plan value; empty when there is none.
+
+    The one place the checkpoint server interprets the controller's plan, parsed by the plan's
+    one definition (`transom.common.records.Plan`); a plan that does not parse is treated as
+    absent.
+    """
     if value is None:
         return PlanView()
     try:
@@ -83,11 +79,13 @@ class Publisher:
     def start(self, addr: str) -> None:
         """Take a lease and register `addr`; no-op without a store."""
         self.addr = addr
-        if self.store is not None:
+        if self.store is not None and self.plans is not None and self.marks is not None:
             self.store.wait_healthy(10.0)
-            try:
-                self.plan = read_plan(self.store)
-                self.discards = catalog.discards(self.store)
+            try:  # the followers' first reads (`follow` starts any that failed here)
+                self.marks.start(time.monotonic())
+                self.plans.start(time.monotonic())
+                self.plan = plan_view(self.plans.value)
+                self.discards = catalog.parse_discards(self.marks.value)
                 self.on_plan(self.plan)
             except StoreError as e:
                 log.warning("cannot read the plan yet: %s", e)
