@@ -100,7 +100,9 @@ def measure(job, reference: Path, succeeded: bool, leftovers: dict) -> dict:
 
 
 class ExitWatch:
-    """Records when each watched process exits (time.time(), polled every 20 ms)."""
+    """Records when each watched process last ran (time.time(), polled every 20 ms): when it
+    exited, or when it was frozen (SIGSTOP: it runs no further instruction) if it never ran
+    again afterwards (a frozen process later killed ran nothing after the freeze)."""
 
     def __init__(self, pids: list[int]):
         self.exits: dict[int, float | None] = {pid: None for pid in pids}
@@ -110,23 +112,28 @@ class ExitWatch:
                 self._procs[pid] = psutil.Process(pid)
             except psutil.NoSuchProcess:
                 self.exits[pid] = time.time()
+        self._gone: set[int] = set()
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="exit-watch").start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             for pid, proc in self._procs.items():
-                if self.exits[pid] is not None:
+                if pid in self._gone:
                     continue
                 try:
-                    gone = proc.status() == psutil.STATUS_ZOMBIE
+                    status = proc.status()
                 except psutil.NoSuchProcess:
-                    gone = True
-                if gone:
-                    self.exits[pid] = time.time()
+                    status = psutil.STATUS_ZOMBIE
+                if status == psutil.STATUS_ZOMBIE:
+                    self._gone.add(pid)
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
+                    self.exits[pid] = self.exits[pid] or time.time()
+                else:
+                    self.exits[pid] = None  # running (again)
 
     def last_exit(self) -> float | None:
-        """When the last watched process exited (None while one still runs)."""
+        """When the last watched process last ran (None while one still runs)."""
         if any(t is None for t in self.exits.values()):
             return None
         return max(self.exits.values(), default=None)  # type: ignore[type-var]

@@ -12,13 +12,15 @@ workers on its own.
 
 A fault of the control plane never ends the agent: an etcd call that fails (`StoreError`, after
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
-workers keep training through it (their collectives never need etcd), reports wait for etcd to
-come back, the plan is read again and its watch reconnected, and a lease that expired meanwhile
-is taken again under the same node id without touching the workers. Only the fence rule
-(transom.control.outage) stops workers of a node cut off from etcd. SIGTERM (a scheduler's stop)
-ends the agent cleanly: workers stopped, the checkpoint server told to free its shared memory,
-the node deregistered, exit 0. An evicted agent stops and exits; an agent restarted under an
-evicted node's id (a new incarnation) waits for the controller to take it back as a spare.
+workers train on through a short one (their collectives never need etcd) and are paused
+(SIGSTOP) before the node's lease can expire, so an old generation never runs beside a new one
+(the rule and its numbers: transom.control.outage); reports wait for etcd to come back, the plan
+is read again and its watch reconnected, a lease that expired meanwhile is taken again under the
+same node id, and paused workers resume if the plan still has the node in their generation.
+SIGTERM (a scheduler's stop) ends the agent cleanly: workers stopped, the checkpoint server
+told to free its shared memory, the node deregistered, exit 0. An evicted agent stops and
+exits; an agent restarted under an evicted node's id (a new incarnation) waits for the
+controller to take it back as a spare.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from transom.control import links
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
-from transom.control.outage import RIDING_OUT, fence_reason, stall_bound, until_reached
+from transom.control.outage import RIDING_OUT, PauseGuard, fence_reason, until_reached
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import joining_checks
 from transom.control.reports import NodeReports
@@ -82,6 +84,7 @@ class NodeAgent:
         self.lease: Lease | None = None
         self.stopping = threading.Event()
         self.keeper = LeaseKeeper(store, self.stopping)
+        self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.outage
         self.plan = PlanFollower(store)
         self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
         self.generation = 0
@@ -178,6 +181,7 @@ class NodeAgent:
         until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
         until_reached("register the node", self._register, self.stopping)
         self.keeper.start(spec.node_ttl_s)
+        self.guard.start(spec.node_ttl_s)
         until_reached("publish the pre-flight result", self._preflight, self.stopping)
         until_reached("read the plan", lambda: self.plan.start(time.monotonic()), self.stopping)
         log.info("node %s registered", self.node_id)
@@ -246,34 +250,40 @@ class NodeAgent:
             self.link.failed(error)
 
     def _offline(self) -> None:
-        """etcd cannot be reached: keep the workers, or fence them (outage.fence_reason)."""
-        assert self.spec is not None and self.monitor is not None
-        now = time.monotonic()
-        cut_off = now - self.link.last_ok
+        """etcd cannot be reached: train on, pause the workers, or give them up (control.outage)."""
+        assert self.spec is not None
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
         self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
-        ranks = list(self.monitor.ranks.values())
-        # A script that reports no steps (an unmodified torchrun script) gives no progress to
-        # judge: only a worker's exit or the outage limit fences it, never its silence.
-        steps_at = [r.step_at for r in ranks if r.step_at]
-        quiet = now - max(steps_at) if steps_at else 0.0
-        reason = fence_reason(
-            cut_off,
-            quiet,
-            stall_bound(t for r in ranks for t in list(r.durations)),
-            any(p.poll() is not None for p in self.group.processes),
-            self.spec.node_ttl_s,
-            self.spec.store_outage_s,
-        )
-        if reason is None:
+        cut_off = time.monotonic() - self.link.last_ok
+        reason = fence_reason(cut_off, self.spec.store_outage_s)
+        if reason is not None:
+            log.warning("fencing this node: %s: killing its workers", reason)
+            self._stop_group()
+            fenced = {"kind": "fenced", "peer_error": True, "time": time.time(), "describe": reason}
+            self._report(NodeState.FAILED, failures=[fenced])
+
+    def _pause_group(self, reason: str) -> None:
+        """The guard's (or a tick's) call: freeze running workers; resumed only on a fresh plan."""
+        group = self.group
+        if group is None or not group.pause(time.monotonic()):
             return
-        log.warning("fencing this node: %s: stopping its workers", reason)
-        self._stop_group()
-        fenced = {"kind": "fenced", "peer_error": True, "time": time.time(), "describe": reason}
-        self._report(NodeState.FAILED, failures=[fenced])
+        self._resync = True
+        log.warning("pausing this node's workers: %s (resumed if the plan still has them)", reason)
+
+    def _resume_group(self, plan: Plan) -> None:
+        """etcd answers again and the plan still has this node in its generation: train on."""
+        assert self.group is not None and self.monitor is not None
+        if self.group.paused_at is None or plan.generation != self.generation:
+            return  # not paused; or the generation went on: _follow kills the paused workers
+        if self._resync or self.guard.due() is not None:
+            return  # the plan predates the pause, or the lease may still expire: not yet
+        paused_s = time.monotonic() - self.group.paused_at
+        self.group.resume()
+        self.monitor.excuse(paused_s)
+        log.warning("workers resumed after %.1f s paused: the job still has this node", paused_s)
 
     def _tick(self) -> int | None:
         assert self.spec is not None and self.ckpt is not None
@@ -286,6 +296,7 @@ class NodeAgent:
         lease_lost = self.keeper.lost.is_set()
         if lease_lost and not self._lease_loss_seen:
             self._lease_loss_seen = self._resync = True  # etcd stalled or this node was cut off
+            self._pause_group("etcd said this node's lease expired")  # until the plan says
         if self._resync:
             # The newest plan, read now (before taking a lease again, an eviction the watch
             # has not delivered yet must not be missed).
@@ -316,6 +327,8 @@ class NodeAgent:
             # take a new lease under the same id and keep the workers.
             self._register()
             log.warning("node lease had expired: registered again, workers kept")
+        if self.group is not None:
+            self._resume_group(plan)
         if plan.generation != self.generation:
             self._follow(plan)
         elif self.waiting_for_master is not None:

@@ -1,100 +1,118 @@
-"""A node agent's fence rule: when a node cut off from etcd must stop its workers.
+"""A node agent's fence rule: what a node cut off from etcd does with its workers, when.
 
-The agent keeps training through an etcd outage: its workers' collectives run on their own
-store (the generation's TorchStore), so they never need etcd. What the agent must not do is
-keep old workers alive once the controller may have started the next generation without this
-node. `fence_reason` is that rule, with its numbers (all measured on the agent's own monotonic
-clock, never compared with another machine's clock):
+The workers' collectives run on their own store (the generation's TorchStore), so they never
+need etcd; what the agent must never do is let old workers run once the controller may have
+started the next generation without this node. The controller can do that only after this
+node's lease expired (then `settle_s`, a tick, the survivors' start). The lease outlives its
+last renewal by the TTL, counted by etcd from when the renewal reached it, which is after the
+agent sent it; the agent counts "cut off" from the sending of the newest renewal etcd answered
+(its own monotonic clock, never compared with another machine's). So, with `cut_off_s` that:
 
-- Cut off for less than the node TTL: never fence. The lease may still hold, so the
-  controller cannot have declared this node lost (it needs the lease to expire, then
-  `settle_s`, then a tick to write the next generation).
-- Cut off for at least the TTL, and the workers stopped making progress (no rank finished a
-  step for `stall_s`) or a worker exited: fence now. Why this tells "this node is cut off"
-  from "etcd is down for everyone": while etcd is down for everyone nobody can write a new
-  plan, the other members keep their old workers, so the old collective goes on and this
-  node's workers keep stepping. When only this node is cut off, the controller evicts it
-  (lease expiry + settle_s) and every surviving member's agent stops its old workers before
-  it starts new ones (`NodeAgent._follow`), which breaks the old collective: this node's
-  workers can then not finish another step, so the old generation writes no new step, and
-  they are stopped within `stall_s` + the workers' stop grace of that moment (in practice
-  at once: gloo fails the collective when a peer's socket closes, a worker exits, the agent
-  sees it on its next tick). The new generation's workers need their interpreter, torch and
-  a rendezvous (seconds) before their first step.
-- Cut off for at least `store_outage_s` (--store-outage): fence whatever the workers do; an
-  outage that long is no longer ridden out (the node reports its workers as fenced once it
-  reaches etcd again, and the controller restarts the generation).
+- below PAUSE_TTL_SHARE x the node TTL (3 s of the default 4 s): nothing changes, the workers
+  train on (a short stall costs nothing at all);
+- from there, or at once when etcd said the lease expired: `pause_reason` says to freeze the
+  workers (SIGSTOP): from then on no instruction of the old generation runs on this node, before
+  its lease can expire, so an old and a new generation never overlap, whatever the network
+  does. A paused worker keeps its memory, its sockets and its place in the collective;
+- when etcd answers again and the newest plan still has this node in the same generation (etcd
+  stalled for everyone: nobody could write a new plan), the agent resumes the workers: no
+  restart, no eviction, the only cost is the pause. If the plan evicted this node or went on to
+  another generation, the paused workers are killed without running again;
+- at `store_outage_s` (--store-outage) `fence_reason` says to give up: an outage that long is
+  no longer ridden out; the workers are killed and reported as fenced once etcd is back, and the
+  controller restarts the generation.
 
-How long the agent has been cut off is the agent's `StoreOutage` (transom.store.outage, the one
-definition of an outage the launcher shares). `until_reached` retries a start-up step while etcd
-cannot be reached. This module never calls etcd itself and never stops anything; the agent does,
-on its answers.
+Why not train on through a long stall, as the agent once did: it cannot tell "etcd is down for
+everyone" from "only this node is cut off" until etcd answers, and in the second case its
+workers would still be running when the survivors start the next generation (measured 0.8-2.0
+s of overlap: the worker failing on the broken collective and exiting). A longer `--node-ttl`
+buys a longer stall trained through.
+
+`PauseGuard` applies the pause rule from its own thread, every GUARD_TICK_S: the agent's loop
+may sit in an etcd call for the store's whole deadline (4 s) just when etcd stops answering.
+`until_reached` retries a start-up step while etcd cannot be reached. This module never calls
+etcd itself and never signals anything; the agent does, on its answers.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from transom.store.access import StoreError
 
+if TYPE_CHECKING:
+    from transom.control.lease_keeper import LeaseKeeper
+
 log = logging.getLogger("transom.agent")
 
-# Workers that have not finished a step for this long (or STALL_STEPS times their median step
-# time, if longer) are not making progress.
-STALL_MIN_S = 5.0
-STALL_STEPS = 4
+# Workers are paused once the agent has been cut off for this share of the node TTL: the
+# rest of the TTL (1 s of the default 4 s) covers the agent's turn (0.2 s) and the signal.
+PAUSE_TTL_SHARE = 0.75
+GUARD_TICK_S = 0.1
 # How long start-up (spec, checkpoint secret, registration) waits for etcd before giving up.
 STARTUP_WAIT_S = 300.0
 STARTUP_RETRY_S = 1.0
 # What an agent does while etcd is unreachable (the log line that opens an outage says it).
 RIDING_OUT = (
-    "workers keep training unless the generation goes on without this node, "
-    "for up to --store-outage"
+    f"workers train on for {PAUSE_TTL_SHARE:.0%} of the node TTL, then pause until etcd "
+    "answers (resumed if the job still has this node), for up to --store-outage"
 )
 T = TypeVar("T")
 
 
-def stall_bound(step_times: Iterable[float]) -> float:
-    """How long without a finished step means "not progressing", given recent step times."""
-    times = [t for t in step_times if t and t > 0]
-    return max(STALL_MIN_S, STALL_STEPS * statistics.median(times)) if times else STALL_MIN_S
+def pause_reason(cut_off_s: float, ttl_s: float, lease_lost: bool) -> str | None:
+    """Why this node's running workers must be paused now, or None to let them train on."""
+    if lease_lost:
+        return "etcd said this node's lease expired"
+    if cut_off_s >= PAUSE_TTL_SHARE * ttl_s:
+        return (
+            f"cut off from etcd for {cut_off_s:.1f} s: the node's lease ({ttl_s:g} s) may "
+            "expire before etcd answers again"
+        )
+    return None
 
 
-def fence_reason(
-    cut_off_s: float,
-    quiet_s: float | None,
-    stall_s: float,
-    worker_exited: bool,
-    ttl_s: float,
-    outage_limit_s: float,
-) -> str | None:
-    """Why this node must stop its workers now, or None to keep them training.
-
-    `cut_off_s`: seconds since the agent last reached etcd; `quiet_s`: seconds since a rank of
-    this node last finished a step (None: none has in this generation, counted from the
-    workers' start by the caller); `stall_s`: see `stall_bound`; `worker_exited`: a worker of
-    the group already exited.
-    """
-    if cut_off_s < ttl_s:
-        return None
+def fence_reason(cut_off_s: float, outage_limit_s: float) -> str | None:
+    """Why this node must give its workers up now, or None to keep them (paused)."""
     if cut_off_s >= outage_limit_s:
         return (
             f"cut off from etcd for {cut_off_s:.0f} s, longer than the job rides out "
             f"(--store-outage {outage_limit_s:.0f} s)"
         )
-    if worker_exited:
-        return f"cut off from etcd for {cut_off_s:.0f} s and a worker exited"
-    if quiet_s is not None and quiet_s >= stall_s:
-        return (
-            f"cut off from etcd for {cut_off_s:.0f} s and no step finished for {quiet_s:.0f} s "
-            f"(the generation may have gone on without this node)"
-        )
     return None
+
+
+class PauseGuard:
+    """Calls `pause(reason)` whenever `pause_reason` holds for the lease keeper's evidence (the
+    callback must be cheap and idempotent: it pauses running workers, or does nothing)."""
+
+    def __init__(
+        self, keeper: LeaseKeeper, pause: Callable[[str], None], stopping: threading.Event
+    ) -> None:
+        self.keeper, self.pause, self.stopping = keeper, pause, stopping
+        self.ttl_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="pause-guard", daemon=True)
+
+    def start(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._thread.start()
+
+    def due(self) -> str | None:
+        cut_off = time.monotonic() - self.keeper.reached_at
+        return pause_reason(cut_off, self.ttl_s, self.keeper.lost.is_set())
+
+    def _run(self) -> None:
+        while not self.stopping.wait(GUARD_TICK_S):
+            reason = self.due()
+            if reason is not None:
+                try:
+                    self.pause(reason)
+                except Exception:  # the guard must outlive any one failure
+                    log.exception("cannot pause the workers")
 
 
 def until_reached(what: str, call: Callable[[], T], stopping: threading.Event) -> T:

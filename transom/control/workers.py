@@ -3,7 +3,9 @@
 Each worker is `python SCRIPT ARGS` in its own process group with the environment torchrun
 gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its stdout and
 stderr in one log file per rank and generation. Workers die with their agent
-(PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree.
+(PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree. `pause()` freezes the
+trees (SIGSTOP) while the agent cannot tell whether the job went on without this node; a paused
+group is resumed, or killed without running again (`stop()`).
 
 Nothing of a generation listens beyond the node's address: the generation's torch store is
 hosted by the master node's agent (`TorchStore`, as torchrun's agent hosts it; hosted by rank 0
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +30,7 @@ from typing import Any
 from transom.control.failures import WorkerFailure, classify_exit
 from transom.control.warm import WarmPool
 from transom.utils.net import interface_of, listening_socket
-from transom.utils.procs import new_session_dying_with_parent, stop_tree
+from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
 
 log = logging.getLogger("transom.workers")
 
@@ -160,11 +163,17 @@ class WorkerGroup:
         self.extra_env = extra_env
         self.processes: list[subprocess.Popen] = []
         self.log_paths: list[Path] = []
+        self.paused_at: float | None = None  # monotonic time of pause(); None while running
+        self._lock = threading.Lock()  # pause (the agent's guard thread) against start and stop
 
     def start(self, pool: WarmPool | None = None) -> None:
         """Spawn the workers, in warm interpreters from `pool` where it has them.
 
         Call from the agent's main thread (PDEATHSIG follows the forking thread)."""
+        with self._lock:
+            self._start(pool)
+
+    def _start(self, pool: WarmPool | None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         a = self.assignment
         argv = [self.script, *self.script_args]
@@ -204,9 +213,30 @@ class WorkerGroup:
             return "succeeded", []
         return "running", []
 
+    def pause(self, now: float) -> bool:
+        """Freeze every worker's process tree (SIGSTOP): no instruction of it runs until resume.
+        False (and nothing done) when already paused or not started."""
+        with self._lock:
+            if self.paused_at is not None or not self.processes:
+                return False
+            signal_trees([p.pid for p in self.processes if p.poll() is None], signal.SIGSTOP)
+            self.paused_at = now
+            return True
+
+    def resume(self) -> None:
+        with self._lock:
+            signal_trees([p.pid for p in self.processes if p.poll() is None], signal.SIGCONT)
+            self.paused_at = None
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """End every worker's process tree (SIGTERM, then SIGKILL) and reap them."""
-        stop_tree([p.pid for p in self.processes if p.poll() is None], grace_s)
+        """End every worker's process tree (SIGTERM, then SIGKILL) and reap them; a paused group
+        is SIGKILLed at once, so it never runs again."""
+        with self._lock:
+            alive = [p.pid for p in self.processes if p.poll() is None]
+            if self.paused_at is not None:
+                signal_trees(alive, signal.SIGKILL)
+            else:
+                stop_tree(alive, grace_s)
         for p in self.processes:
             try:
                 p.wait(timeout=grace_s)

@@ -271,6 +271,14 @@ class NodeMonitor:
         with self._lock:
             self.expected_ranks = frozenset(ranks)
 
+    def excuse(self, seconds: float) -> None:
+        """The agent paused the workers for `seconds`: their silence then is not theirs (no
+        step, heartbeat or telemetry gap is counted over it)."""
+        with self._lock:
+            for r in self.ranks.values():
+                r.step_at = r.step_at + seconds if r.step_at is not None else None
+                r.beat_at = r.beat_at + seconds if r.beat_at is not None else None
+
     def counters(self) -> dict[str, int]:
         """The channel's counters: datagrams accepted, and dropped by reason (see COUNTERS)."""
         with self._lock:

@@ -2,7 +2,8 @@
 
 Stopping is SIGTERM to the child's process group and every descendant, then SIGKILL for
 what is still alive after a grace period, so no worker, data-loader child or shell wrapper
-outlives the job.
+outlives the job. A tree can also be paused (SIGSTOP) and resumed, or killed at once without
+running again (`signal_trees`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def signal_trees(pids: list[int], signum: int) -> None:
+    """Send `signum` to every process of the trees rooted at `pids` (SIGSTOP, SIGCONT, SIGKILL;
+    never SIGCONT first, so a paused process killed this way runs no further instruction)."""
+    for pid in pids:
+        for p in process_tree(pid):
+            try:
+                p.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
 
 
 def stop_tree(pids: list[int], grace_s: float = 5.0) -> None:
