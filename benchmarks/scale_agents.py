@@ -70,6 +70,16 @@ class StandInGroup:
         self.processes = [StandInProcess() for _ in range(assignment.nproc_per_node)]
         self.log_paths = [Path(log_dir) / f"rank{i}.log" for i in range(len(self.processes))]
         self.pids: dict[int, int] = {}
+        self.paused_at: float | None = None
+
+    def pause(self, now: float) -> bool:
+        if self.paused_at is not None:
+            return False
+        self.paused_at = now
+        return True
+
+    def resume(self) -> None:
+        self.paused_at = None
 
     def start(self, warm) -> None:
         self.started = time.monotonic()
