@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import statistics
 import threading
 import time
-from collections.abc import Iterable
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
-from transom.common.records import Event, EventKind, JobRecord, MonitorSummary, Plan, RecordError
+from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
 from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster, read_direct
@@ -43,6 +41,7 @@ from transom.control.decisions import Memory, Snapshot, decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
 from transom.monitor.exporter import MonitorExporter
+from transom.monitor.waiting import median_step_s
 from transom.store import Store, StoreError
 from transom.store.client import Lease
 from transom.store.spec import read_spec
@@ -60,12 +59,6 @@ STANDBY_RETRY_S = 5.0  # a standby tries to lead this often even if nothing woke
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
 SPEC_WAIT_S = 120.0
-
-
-def median_step_s(summaries: Iterable[MonitorSummary]) -> float | None:
-    """The median of the ranks' step times in `summaries` (None before any rank has one)."""
-    times = [r.step_s for s in summaries for r in s.ranks.values() if r.step_s]
-    return statistics.median(times) if times else None
 
 
 class Controller:
@@ -308,7 +301,9 @@ class Controller:
         if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
             return
         snap = self.snapshot()
-        self._step_s = median_step_s(snap.summaries.values())
+        self._step_s = median_step_s(
+            r.step_s for s in snap.summaries.values() for r in s.ranks.values()
+        )
         self.exporter.update(self.job, snap.summaries)
         d = decide(self.job, snap, self.spec, time.time(), self.memory)
         self.memory = d.memory

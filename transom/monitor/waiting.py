@@ -33,6 +33,7 @@ This module must never act or do I/O: it returns anomalies, the policy decides.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 
 from transom.common import anomalies
 from transom.common.records import Anomaly, Severity
@@ -102,10 +103,15 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def job_step_s(views: list[dict]) -> float | None:
-    """The median over ranks of their median step time (None before any has one)."""
-    values = [v["step_s"] for v in views if v.get("step_s")]
+def median_step_s(step_times: Iterable[float | None]) -> float | None:
+    """The median of the ranks' step times (None before any rank has one)."""
+    values = [t for t in step_times if t]
     return statistics.median(values) if values else None
+
+
+def job_step_s(views: list[dict]) -> float | None:
+    """The median over rank views of their median step time (None before any has one)."""
+    return median_step_s(v.get("step_s") for v in views)
 
 
 def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
