@@ -9,9 +9,9 @@ random rank of the current generation and kills the chosen kind of process of th
           are gone; the agent starts a new server; peers and storage keep copies)
   agent   the node's agent (the node dies: its workers and server die with it)
 at a random moment after rank 0 reached a checkpoint step (the save, the replication to a peer,
-the persistence to storage, or training between them), then waits until the job recovered
-(a new generation trains, or, after a server kill that cost no restart, the node has a new
-server and trained past its next checkpoint) before the next kill. With `mixed`, the first kill
+the persistence to storage, or training between them), then waits until the job recovered (a new
+generation trains, or, after a server kill that cost no restart, the node's new server serves
+and rank 0 trained past its next checkpoint) before the next kill. With `mixed`, the first kill
 is a worker's before any checkpoint exists (the next generation starts fresh and re-saves the
 same step numbers under a new timeline) and the second an agent's (in an elastic job with no
 spare: the job shrinks to 2 nodes; --refill-spares brings a node back, which a later restart
@@ -28,9 +28,11 @@ import math
 import random
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable
 
+import psutil
 from jobs import wait_for
 from torture_job import CKPT_EVERY, STEP_DELAY_S, Job
 from torture_scenarios import NOTHING_LOST, SHORT, Scenario, signal_pid
@@ -100,9 +102,25 @@ def _recovered(job: Job, kind: str, generation: int, node: str, pid: int, step: 
     return (
         server is not None
         and server.pid != pid
+        and _serving(server)
         and _generation(job) == generation
         and _current_step(job) > step + CKPT_EVERY
     )
+
+
+def _serving(server: psutil.Process) -> bool:
+    """The server answers on its Unix socket (its `--socket` argument)."""
+    try:
+        argv = server.cmdline()
+        path = argv[argv.index("--socket") + 1]
+    except (psutil.Error, ValueError, IndexError):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
 
 
 def kill_moments(
@@ -143,8 +161,8 @@ def kill_moments(
             )
             try:
                 wait_for(
-                    lambda k=kind, g=generation, n=node, p=pid, s=step: _recovered(
-                        job, k, g, n, p, s
+                    lambda k=kind, g=generation, n=node, p=pid, s=step: (
+                        job.ended() or _recovered(job, k, g, n, p, s)
                     ),
                     RECOVERY_S,
                     "recovery",
