@@ -44,6 +44,8 @@ MIXED_STEPS = 90
 NAN_STEP = 40  # the mixed scenario's NaN (rank 0): a rollback to a step before it
 UNFINISHED_S = 5.0  # a phase that never finished (its worker was killed) counts this long
 RECOVERY_S = 120.0
+SAVE_WINDOW_S = 0.1  # kill moments after rank 0 printed a checkpoint step: within this, or
+LATE_S = 0.5 + STEP_DELAY_S  # within this
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) t=", re.M)
 
 
@@ -143,7 +145,9 @@ def kill_moments(
                     wait_for(lambda last=last: _next_ckpt_step(job, last), RECOVERY_S, "a save")
                 except TimeoutError:
                     break
-                time.sleep(rng.uniform(0, 0.5 + STEP_DELAY_S))
+                # Half the moments within the save and its replication and persistence (tens
+                # of ms for this model), the other half anywhere until the next steps.
+                time.sleep(rng.uniform(0, SAVE_WINDOW_S if rng.random() < 0.5 else LATE_S))
             ranks = rank_nodes(job)
             if not ranks or job.ended():
                 break
