@@ -227,21 +227,20 @@ def phases(job: Job, moments: list[dict]) -> dict[str, dict[str, int]]:
 
 def timeline(events: list[dict]) -> dict[str, int]:
     """What the generations went through: fresh starts (a later generation with no restore
-    step), rollbacks (a generation after a NaN fault resuming before its step), shrinks and grows
-    (fewer or more members than the generation before)."""
+    step), rollbacks (the first generation after a NaN fault resumes before its step), shrinks
+    and grows (fewer or more members than the generation before)."""
     gens = sorted(
         (e for e in events if e.get("kind") == "generation" and e.get("generation")),
         key=lambda e: e["generation"],
     )
     nans = [e for e in events if e.get("kind") == "fault" and e.get("fault") == "nan"]
     out = {"fresh_starts": 0, "rollbacks": 0, "shrinks": 0, "grows": 0}
+    for n in nans:  # the first generation after the NaN resumes before its step
+        after = next((g for g in gens if g["time"] > n["time"]), None)
+        if after is not None and n.get("step") is not None:
+            out["rollbacks"] += (after.get("restore_step") or 0) < n["step"]
     for before, g in zip(gens, gens[1:], strict=False):
-        restore = g.get("restore_step")
-        out["fresh_starts"] += restore is None
-        out["rollbacks"] += any(
-            n["time"] < g["time"] and n.get("step") is not None and (restore or 0) < n["step"]
-            for n in nans
-        )
+        out["fresh_starts"] += g.get("restore_step") is None
         members, previous = len(g.get("members") or []), len(before.get("members") or [])
         out["shrinks"] += members < previous
         out["grows"] += members > previous

@@ -77,7 +77,8 @@ def test_timeline_counts_fresh_starts_rollbacks_shrinks_and_grows():
         generation(3, 3.0, 2, 12),  # shrink
         {"kind": "fault", "fault": "nan", "step": 40, "time": 4.0},
         generation(4, 5.0, 2, 39),  # rollback
-        generation(5, 6.0, 3, 45),  # grow
+        generation(5, 5.5, 2, 39),  # a restart after it: no second rollback
+        generation(6, 6.0, 3, 45),  # grow
     ]
     assert timeline(events) == {"fresh_starts": 1, "rollbacks": 1, "shrinks": 1, "grows": 1}
 
