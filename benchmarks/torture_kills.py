@@ -44,8 +44,11 @@ MIXED_STEPS = 120  # room for 6-8 kills (a server's restart takes seconds of tra
 NAN_STEP = 40  # the mixed scenario's NaN (rank 0): a rollback to a step before it
 UNFINISHED_S = 5.0  # a phase that never finished (its worker was killed) counts this long
 RECOVERY_S = 120.0
-SAVE_WINDOW_S = 0.1  # kill moments after rank 0 printed a checkpoint step: within this, or
-LATE_S = 0.5 + STEP_DELAY_S  # within this
+# A kill comes this long after rank 0 printed a checkpoint step, at most (one of the three
+# drawn, then a time in it). The save starts ~10 ms after the print and takes 10-50 ms for this
+# model; replication and persistence end 50-100 ms after it; the last window reaches into the
+# next steps' training.
+KILL_WINDOWS_S = (0.03, 0.15, 0.5 + STEP_DELAY_S)
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) t=", re.M)
 
 
@@ -136,12 +139,12 @@ def kill_moments(
                 time.sleep(rng.uniform(0, STEP_DELAY_S))
             else:
                 try:
-                    wait_for(lambda last=last: _next_ckpt_step(job, last), RECOVERY_S, "a save")
+                    wait_for(
+                        lambda last=last: _next_ckpt_step(job, last), RECOVERY_S, "a save", 0.005
+                    )
                 except TimeoutError:
                     break
-                # Half the moments within the save and its replication and persistence (tens
-                # of ms for this model), the other half anywhere until the next steps.
-                time.sleep(rng.uniform(0, SAVE_WINDOW_S if rng.random() < 0.5 else LATE_S))
+                time.sleep(rng.uniform(0, rng.choice(KILL_WINDOWS_S)))
             ranks = rank_nodes(job)
             if not ranks or job.ended():
                 break
