@@ -132,7 +132,7 @@ def kill_moments(
         if mixed:
             kinds[:2] = ["worker", "agent"][: len(kinds)]
         moments: list[dict] = []
-        last = _current_step(job)
+        last, stopped = _current_step(job), None
         for i, kind in enumerate(kinds):
             fresh = mixed and i == 0
             if fresh:  # before step CKPT_EVERY's save: nothing restorable yet
@@ -140,19 +140,29 @@ def kill_moments(
             else:
                 try:
                     wait_for(
-                        lambda last=last: _next_ckpt_step(job, last), RECOVERY_S, "a save", 0.005
+                        lambda last=last: job.ended() or _next_ckpt_step(job, last),
+                        RECOVERY_S,
+                        "a save",
+                        0.005,
                     )
                 except TimeoutError:
+                    stopped = f"kill {i + 1}: no checkpoint step after step {last}"
                     break
                 time.sleep(rng.uniform(0, rng.choice(KILL_WINDOWS_S)))
-            ranks = rank_nodes(job)
-            if not ranks or job.ended():
+            try:
+                ranks = wait_for(lambda: job.ended() or rank_nodes(job), 30, "the ranks")
+            except TimeoutError:
+                stopped = f"kill {i + 1}: no ranks of the current generation"
+                break
+            if job.ended():
+                stopped = f"kill {i + 1}: the job ended"
                 break
             rank = rng.choice(sorted(ranks))
             node, worker = ranks[rank]
             pid = _victim_pid(job, kind, node, worker)
             if pid is None:
-                continue
+                stopped = f"kill {i + 1}: no {kind} process of {node}"
+                break
             generation, step = _generation(job), _current_step(job)
             t = time.time()
             signal_pid(pid, signal.SIGKILL)
@@ -170,12 +180,14 @@ def kill_moments(
                     0.2,
                 )
             except TimeoutError:
+                stopped = f"kill {i + 1}: no recovery within {RECOVERY_S:.0f} s"
                 break
             last = _current_step(job)
         job.moments = moments
         return {
             "kills": len(moments),
             "kills_by_victim": {k: sum(m["victim"] == k for m in moments) for k in VICTIMS},
+            "kills_stopped": stopped,  # why fewer kills than --kills were made (None: all made)
         }
 
     return fault
@@ -282,7 +294,12 @@ def _finite(text: str) -> bool:
 
 def extra_measures(job: Job) -> dict:
     """The kill scenarios' measurements beyond the common row."""
+    moments = [
+        f"{m['victim']} of rank {m['rank']} ({m['node']}) at step {m['step']}: {phase}"
+        for m, phase in zip(job.moments, phase_of(job, job.moments), strict=True)
+    ]
     return {
+        "moments": moments,
         "phases": phases(job, job.moments),
         **timeline(job.events()),
         "loss_mismatches": loss_mismatches(job),
