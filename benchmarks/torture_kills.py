@@ -35,7 +35,7 @@ from collections.abc import Callable
 import psutil
 from jobs import wait_for
 from torture_job import CKPT_EVERY, STEP_DELAY_S, Job
-from torture_scenarios import NOTHING_LOST, SHORT, Scenario, signal_pid
+from torture_scenarios import NOTHING_LOST, SHORT, Scenario
 
 from transom.common import keys
 
@@ -85,15 +85,29 @@ def rank_nodes(job: Job) -> dict[int, tuple[str, int]]:
     return out
 
 
-def _victim_pid(job: Job, kind: str, node: str, worker_pid: int) -> int | None:
+def _victim(job: Job, kind: str, node: str, worker_pid: int) -> psutil.Process | None:
     if kind == "worker":
-        return worker_pid
-    process = (
-        job.find("transom.checkpoint.server", "--node-id", node)
-        if kind == "server"
-        else job.agent(node)
-    )
-    return process.pid if process is not None else None
+        try:
+            return psutil.Process(worker_pid)
+        except psutil.Error:
+            return None
+    if kind == "server":
+        return job.find("transom.checkpoint.server", "--node-id", node)
+    return job.agent(node)
+
+
+def _choose(job: Job, kind: str, rng: random.Random) -> tuple[int, str, psutil.Process] | None:
+    """A random rank of the current generation, its node and its victim process of `kind`."""
+    try:
+        ranks = wait_for(lambda: job.ended() or rank_nodes(job), 30, "the ranks")
+    except TimeoutError:
+        return None
+    if ranks is True:  # the job ended
+        return None
+    rank = rng.choice(sorted(ranks))
+    node, worker = ranks[rank]
+    victim = _victim(job, kind, node, worker)
+    return None if victim is None else (rank, node, victim)
 
 
 def _recovered(job: Job, kind: str, generation: int, node: str, pid: int) -> bool:
@@ -135,11 +149,15 @@ def kill_moments(
         last, stopped = _current_step(job), None
         for i, kind in enumerate(kinds):
             fresh = mixed and i == 0
+            # The victim is chosen first (etcd and process-table reads take tens of ms), so the
+            # kill follows the checkpoint step by no more than its drawn delay.
+            chosen, generation = _choose(job, kind, rng), _generation(job)
             if fresh:  # before step CKPT_EVERY's save: nothing restorable yet
+                step = _current_step(job)
                 time.sleep(rng.uniform(0, STEP_DELAY_S))
             else:
                 try:
-                    wait_for(
+                    step = wait_for(
                         lambda last=last: job.ended() or _next_ckpt_step(job, last),
                         RECOVERY_S,
                         "a save",
@@ -149,30 +167,25 @@ def kill_moments(
                     stopped = f"kill {i + 1}: no checkpoint step after step {last}"
                     break
                 time.sleep(rng.uniform(0, rng.choice(KILL_WINDOWS_S)))
-            try:
-                ranks = wait_for(lambda: job.ended() or rank_nodes(job), 30, "the ranks")
-            except TimeoutError:
-                stopped = f"kill {i + 1}: no ranks of the current generation"
+            if chosen is None or not chosen[2].is_running():  # gone meanwhile: choose again
+                chosen, generation = _choose(job, kind, rng), _generation(job)
+            if job.ended() or chosen is None:
+                stopped = f"kill {i + 1}: " + ("the job ended" if job.ended() else f"no {kind}")
                 break
-            if job.ended():
-                stopped = f"kill {i + 1}: the job ended"
-                break
-            rank = rng.choice(sorted(ranks))
-            node, worker = ranks[rank]
-            pid = _victim_pid(job, kind, node, worker)
-            if pid is None:
-                stopped = f"kill {i + 1}: no {kind} process of {node}"
-                break
-            generation, step = _generation(job), _current_step(job)
+            rank, node, victim = chosen
             t = time.time()
-            signal_pid(pid, signal.SIGKILL)
+            try:
+                victim.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                stopped = f"kill {i + 1}: the {kind} of {node} was gone"
+                break
             moments.append(
                 {"time": t, "victim": kind, "rank": rank, "node": node, "step": step}
                 | ({"before_any_checkpoint": step < CKPT_EVERY} if fresh else {})
             )
             try:
                 wait_for(
-                    lambda k=kind, g=generation, n=node, p=pid: (
+                    lambda k=kind, g=generation, n=node, p=victim.pid: (
                         job.ended() or _recovered(job, k, g, n, p)
                     ),
                     RECOVERY_S,
