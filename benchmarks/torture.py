@@ -10,7 +10,7 @@ and processes or /dev/shm entries the job left behind. Every row is checked agai
     python benchmarks/torture.py                              # every scenario, 1 trial each
     python benchmarks/torture.py --json --trials 3 --scenario etcd_stop_2s agent_sigkill
     python benchmarks/torture.py --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
-    python benchmarks/torture.py --scenario kill_mixed --trials 20 --kills 6  # issue 13's mix
+    python benchmarks/torture.py --scenario kill_mixed --trials 18 --kills 6  # issue 13: 108 kills
     python benchmarks/torture.py --lock /work/wt/e2e.lock     # hold a lock file per trial only
     python benchmarks/torture.py --markdown a.json b.json      # the README table of --json runs
 
