@@ -8,7 +8,7 @@ random rank of the current generation and kills the chosen kind of process of th
   server  the node's checkpoint server, `transom.checkpoint.server` (its shards in node memory
           are gone; the agent starts a new server; peers and storage keep copies)
   agent   the node's agent (the node dies: its workers and server die with it)
-at a random moment after rank 0 reached a checkpoint step (the save, the replication to a peer,
+at a random moment after rank 0 printed a checkpoint step (the save, the replication to a peer,
 the persistence to storage, or training between them), then waits until the job recovered (a new
 generation trains, or, after a server kill that cost no restart, the node's new server serves)
 before the next kill, which waits for a later checkpoint step. With `mixed`, the first kill
@@ -44,12 +44,14 @@ MIXED_STEPS = 120  # room for 6-8 kills (a server's restart takes seconds of tra
 NAN_STEP = 40  # the mixed scenario's NaN (rank 0): a rollback to a step before it
 UNFINISHED_S = 5.0  # a phase that never finished (its worker was killed) counts this long
 RECOVERY_S = 120.0
-# A kill comes this long after rank 0 printed a checkpoint step, at most (one of the three
+# A kill comes this long after rank 0 prints a checkpoint step, at most (one of the three
 # drawn, then a time in it). The save starts ~10 ms after the print and takes 10-50 ms for this
 # model; replication and persistence end 50-100 ms after it; the last window reaches into the
-# next steps' training.
-KILL_WINDOWS_S = (0.03, 0.15, 0.5 + STEP_DELAY_S)
+# next steps' training. The print's time is predicted from the step before (its t= and the
+# step period), since the log reaches this harness later than the save starts.
+KILL_WINDOWS_S = (0.06, 0.15, 0.5 + STEP_DELAY_S)
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) t=", re.M)
+STEP_TIME = re.compile(r"^step (\d+) .*?t=(\d+\.\d+)", re.M)
 
 
 def _generation(job: Job) -> int:
@@ -65,9 +67,20 @@ def _current_step(job: Job) -> int:
     return max(steps, default=0)
 
 
-def _next_ckpt_step(job: Job, after_step: int) -> int | None:
-    step = _current_step(job)
-    return step if step > after_step + 2 and step % CKPT_EVERY == 0 else None
+def _before_ckpt_step(job: Job, after_step: int) -> tuple[int, float] | None:
+    """(s, predicted time of rank 0's print of s) once rank 0 printed step s-1, where s is a
+    checkpoint step past `after_step` + 2: the print of s-1 plus the recent step period."""
+    logs = sorted((job.run_dir / "logs").glob("g[0-9]*/rank0.log"))
+    if not logs:
+        return None
+    times = {int(s): float(t) for s, t in STEP_TIME.findall(logs[-1].read_text(errors="replace"))}
+    if not times:
+        return None
+    newest = max(times)
+    step = newest + 1
+    if step % CKPT_EVERY or step <= after_step + 2 or newest - 1 not in times:
+        return None
+    return step, times[newest] + (times[newest] - times[newest - 1])
 
 
 def _generation_trains(job: Job, generation: int) -> bool:
@@ -157,16 +170,21 @@ def kill_moments(
                 time.sleep(rng.uniform(0, STEP_DELAY_S))
             else:
                 try:
-                    step = wait_for(
-                        lambda last=last: job.ended() or _next_ckpt_step(job, last),
+                    ahead = wait_for(
+                        lambda last=last: job.ended() or _before_ckpt_step(job, last),
                         RECOVERY_S,
-                        "a save",
-                        0.005,
+                        "the step before a checkpoint",
+                        0.01,
                     )
                 except TimeoutError:
                     stopped = f"kill {i + 1}: no checkpoint step after step {last}"
                     break
-                time.sleep(rng.uniform(0, rng.choice(KILL_WINDOWS_S)))
+                if ahead is True:
+                    stopped = f"kill {i + 1}: the job ended"
+                    break
+                step, printed = ahead
+                at = printed + rng.uniform(0, rng.choice(KILL_WINDOWS_S))
+                time.sleep(max(0.0, at - time.time()))
             if chosen is None or not chosen[2].is_running():  # gone meanwhile: choose again
                 chosen, generation = _choose(job, kind, rng), _generation(job)
             if job.ended() or chosen is None:
