@@ -44,12 +44,12 @@ MIXED_STEPS = 120  # room for 6-8 kills (a server's restart takes seconds of tra
 NAN_STEP = 40  # the mixed scenario's NaN (rank 0): a rollback to a step before it
 UNFINISHED_S = 5.0  # a phase that never finished (its worker was killed) counts this long
 RECOVERY_S = 120.0
-# A kill comes this long after rank 0 prints a checkpoint step, at most (one of the three
-# drawn, then a time in it). The save starts ~10 ms after the print and takes 10-50 ms for this
-# model; replication and persistence end 50-100 ms after it; the last window reaches into the
-# next steps' training. The print's time is predicted from the step before (its t= and the
-# step period), since the log reaches this harness later than the save starts.
-KILL_WINDOWS_S = (0.06, 0.15, 0.5 + STEP_DELAY_S)
+# A kill comes this long after rank 0 prints a checkpoint step, at most (one window drawn, then
+# a time in it: half the kills within 40 ms). The save runs from ~10 ms to 20-50 ms after the
+# print for this model; replication and persistence end 50-100 ms after it; the last window
+# reaches into the next steps' training. The print's time is predicted from the step before
+# (its t= and the step period), since the log reaches this harness later than the save starts.
+KILL_WINDOWS_S = (0.04, 0.04, 0.15, 0.5 + STEP_DELAY_S)
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) t=", re.M)
 STEP_TIME = re.compile(r"^step (\d+) .*?t=(\d+\.\d+)", re.M)
 
