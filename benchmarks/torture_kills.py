@@ -325,10 +325,17 @@ def _finite(text: str) -> bool:
 
 def extra_measures(job: Job) -> dict:
     """The kill scenarios' measurements beyond the common row."""
-    moments = [
-        f"{m['victim']} of rank {m['rank']} ({m['node']}) at step {m['step']}: {phase}"
-        for m, phase in zip(job.moments, phase_of(job, job.moments), strict=True)
-    ]
+    printed: dict[int, list[float]] = {}  # step -> rank 0's prints of it (every generation)
+    for log in (job.run_dir / "logs").glob("g[0-9]*/rank0.log"):
+        for step, t in STEP_TIME.findall(log.read_text(errors="replace")):
+            printed.setdefault(int(step), []).append(float(t))
+    moments = []
+    for m, phase in zip(job.moments, phase_of(job, job.moments), strict=True):
+        before = [t for t in printed.get(m["step"], []) if t <= m["time"]]
+        offset = f" +{m['time'] - max(before):.3f} s after its print" if before else ""
+        moments.append(
+            f"{m['victim']} of rank {m['rank']} ({m['node']}) at step {m['step']}{offset}: {phase}"
+        )
     return {
         "moments": moments,
         "phases": phases(job, job.moments),
