@@ -45,11 +45,11 @@ NAN_STEP = 40  # the mixed scenario's NaN (rank 0): a rollback to a step before 
 UNFINISHED_S = 5.0  # a phase that never finished (its worker was killed) counts this long
 RECOVERY_S = 120.0
 # A kill comes this long after rank 0 prints a checkpoint step, at most (one window drawn, then
-# a time in it: half the kills within 40 ms). The save runs from ~10 ms to 20-50 ms after the
+# a time in it: half the kills within 30 ms). The save runs from ~5-10 ms to 20-50 ms after the
 # print for this model; replication and persistence end 50-100 ms after it; the last window
 # reaches into the next steps' training. The print's time is predicted from the step before
 # (its t= and the step period), since the log reaches this harness later than the save starts.
-KILL_WINDOWS_S = (0.04, 0.04, 0.15, 0.5 + STEP_DELAY_S)
+KILL_WINDOWS_S = (0.03, 0.03, 0.15, 0.5 + STEP_DELAY_S)
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) t=", re.M)
 STEP_TIME = re.compile(r"^step (\d+) .*?t=(\d+\.\d+)", re.M)
 
