@@ -5,7 +5,8 @@ count (the state split evenly across ranks, one process per rank, gloo process g
 per rank, and reports the slowest rank:
   floor_s                copy of the state into a preallocated, already-touched buffer
   transom_save_s         blocking part of Engine.save (the copy into the node server's memory;
-                         its region prepared ahead with Engine.prepare, as after the first save)
+                         its region prepared ahead with Engine.prepare, as after the first save;
+                         median of the WARM_SAVES after the first); _worst_s: the slowest of them
   transom_first_save_s   the same for a first save without prepare (region created on the way)
   transom_persisted_s    save -> in the storage tier (background);
                          transom_replicated_s: save -> in the peer tier (the peer's memory)
@@ -18,7 +19,8 @@ per rank, and reports the slowest rank:
                          transom_load_storage_s: from the file
   torch_load_s           torch.load(weights_only=True);
                          dcp_load_s: dcp.load into a preallocated state
-and ratios (`_x`) against the baselines of the same run. Two checkpoint servers run as processes on
+and ratios (`_x`) against the baselines of the same run (issue 13 bounds the slowest save's,
+transom_save_worst_vs_floor_x, at 1.5x at 1 GiB). Two checkpoint servers run as processes on
 this machine: "node0" (the ranks' own) replicating to "node1". peak_gib is the most memory the
 machine had in use during the case beyond what it used before (shared memory included, page cache
 not; sampled every 50 ms, so other processes on the machine count too). shm_own_gib and
@@ -53,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 TENSOR_BYTES = 64 << 20  # the state is made of 64 MiB tensors (like a large layer's weight)
 SECRET = "bench-secret"
-WARM_SAVES = 3
+WARM_SAVES = 5  # saves timed after the first (the median and the slowest are reported)
 GIB = 1 << 30
 DCP_ASYNC_MAX_BYTES = 2 * GIB
 SHM_SLACK = 1 << 20  # page rounding of region files
@@ -211,6 +213,8 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
         r["transom_replicated_s"] = time.perf_counter() - t0
         dist.barrier()
     r["transom_save_s"] = statistics.median(times)
+    if args.first_save:  # the slowest save after the first (issue 13: within 1.5x of the floor)
+        r["transom_save_worst_s"] = max(times)
     last = 1 + args.saves
     state = h = None  # free them before the loads
     # Loads, one at a time (each result freed before the next).
@@ -400,6 +404,8 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
     )
     row["transom_save_vs_torch_save_x"] = row["torch_save_s"] / row["transom_save_s"]
     row["transom_save_vs_floor_x"] = row["transom_save_s"] / row["floor_s"]
+    if "transom_save_worst_s" in row:
+        row["transom_save_worst_vs_floor_x"] = row["transom_save_worst_s"] / row["floor_s"]
     if "dcp_async_save_s" in row:
         row["transom_save_vs_dcp_async_x"] = row["dcp_async_save_s"] / row["transom_save_s"]
     row["load_memory_vs_torch_load_x"] = row["torch_load_s"] / row["transom_load_memory_s"]
@@ -414,6 +420,7 @@ COLUMNS = [
     ("ranks", "ranks", "{}"),
     ("floor_s", "floor", "{:.3f}"),
     ("transom_save_s", "save", "{:.3f}"),
+    ("transom_save_worst_s", "worst save", "{:.3f}"),
     ("transom_first_save_s", "1st save", "{:.3f}"),
     ("torch_save_s", "torch.save", "{:.2f}"),
     ("dcp_save_s", "dcp", "{:.2f}"),
@@ -426,6 +433,7 @@ COLUMNS = [
     ("dcp_load_s", "dcp load", "{:.2f}"),
     ("transom_save_vs_torch_save_x", "save x torch", "{:.1f}"),
     ("transom_save_vs_floor_x", "save/floor", "{:.2f}"),
+    ("transom_save_worst_vs_floor_x", "worst/floor", "{:.2f}"),
     ("load_memory_vs_torch_load_x", "mem x torch", "{:.1f}"),
     ("load_peer_vs_torch_load_x", "peer x torch", "{:.1f}"),
     ("peak_gib", "peak GiB", "{:.1f}"),

@@ -10,6 +10,7 @@ and processes or /dev/shm entries the job left behind. Every row is checked agai
     python benchmarks/torture.py                              # every scenario, 1 trial each
     python benchmarks/torture.py --json --trials 3 --scenario etcd_stop_2s agent_sigkill
     python benchmarks/torture.py --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
+    python benchmarks/torture.py --scenario kill_mixed --trials 18 --kills 6  # issue 13: 108 kills
     python benchmarks/torture.py --lock /work/wt/e2e.lock     # hold a lock file per trial only
     python benchmarks/torture.py --markdown a.json b.json      # the README table of --json runs
 
@@ -35,15 +36,13 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torture_job import LocalJob, ProxiedJob, reference_weights  # noqa: E402
+from torture_kills import KILL_SCENARIOS, VICTIMS  # noqa: E402
 from torture_measure import measure  # noqa: E402
-from torture_scenarios import (  # noqa: E402
-    BY_NAME,
-    FAULT_STEP,
-    SCENARIOS,
-    Scenario,
-    check,
-    phases,
-)
+from torture_scenarios import SCENARIOS as BASE_SCENARIOS  # noqa: E402
+from torture_scenarios import Scenario, check  # noqa: E402
+
+SCENARIOS = [*BASE_SCENARIOS, *KILL_SCENARIOS]
+BY_NAME = {s.name: s for s in SCENARIOS}
 
 
 @contextlib.contextmanager
@@ -74,8 +73,7 @@ def _trial(
     job = (LocalJob if scenario.kind == "local" else ProxiedJob)(
         work, scenario.steps, seed, scenario.options
     )
-    job.kills = kills  # type: ignore[attr-defined]
-    job.moments = []  # type: ignore[attr-defined]
+    job.kills = kills
     extra: dict = {}
     error = None
     succeeded = False
@@ -83,7 +81,7 @@ def _trial(
     try:
         job.start()
         job.watch()
-        job.wait_for_step(FAULT_STEP)
+        job.wait_for_step(scenario.fault_step)
         extra = scenario.fault(job, rng)
         if job.wait(scenario.timeout_s):
             succeeded = job.succeeded()
@@ -97,8 +95,8 @@ def _trial(
         job.stop()
     try:
         row = measure(job, reference, succeeded, leftovers)
-        if job.moments:  # type: ignore[attr-defined]
-            extra["phases"] = phases(job, job.moments)  # type: ignore[attr-defined]
+        if scenario.measures is not None:
+            extra |= scenario.measures(job)
     finally:
         job.cleanup()
         if isinstance(job, ProxiedJob):
@@ -115,10 +113,17 @@ def summary(scenario: Scenario, rows: list[dict]) -> dict:
     def values(name: str) -> list:
         return [r.get(name) for r in rows]
 
+    phases: dict[str, dict[str, int]] = {}  # the kill scenarios': victim -> phase -> kills
+    for r in rows:
+        for victim, counts in (r.get("phases") or {}).items():
+            for phase, n in counts.items():
+                phases.setdefault(victim, {})[phase] = phases.get(victim, {}).get(phase, 0) + n
     return {
         "scenario": scenario.name,
         "what": scenario.what,
         "trials": len(rows),
+        "kills": sum(r.get("kills") or 0 for r in rows),
+        "phases": phases,
         "succeeded": sum(bool(r["succeeded"]) for r in rows),
         "restarts": values("restarts"),
         "evictions": values("evictions"),
@@ -165,6 +170,17 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kills_line(phases: dict[str, dict[str, int]]) -> str:
+    """Kills per victim kind and the phase each landed in, in words."""
+    parts = []
+    for victim in VICTIMS:
+        counts = phases.get(victim) or {}
+        if counts:
+            where = ", ".join(f"{n} {phase}" for phase, n in sorted(counts.items()))
+            parts.append(f"{victim} {sum(counts.values())} ({where})")
+    return "; ".join(parts) or "none"
+
+
 def _list(values: list) -> str:
     return ",".join("?" if v is None else str(v) for v in values)
 
@@ -190,7 +206,7 @@ def main() -> int:
         "--scenario", nargs="+", choices=list(BY_NAME), help="only these (default: all)"
     )
     parser.add_argument(
-        "--kills", type=int, default=2, help="worker_kill_ckpt: SIGKILLs per trial (default 2)"
+        "--kills", type=int, default=2, help="*_kill_*: SIGKILLs per trial (default 2)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the training and the faults")
     parser.add_argument("--work", type=Path, help="where run directories go (default: a temp dir)")
@@ -223,6 +239,9 @@ def main() -> int:
             )
         results.append(summary(scenario, rows))
     console.print(table(results))
+    for s in results:
+        if s["kills"]:
+            console.print(f"{s['scenario']}: {s['kills']} kills; " + kills_line(s["phases"]))
     if args.json:
         print(json.dumps({"work": str(work), "scenarios": results}))
     return 0 if all(s["meets"] == s["trials"] for s in results) else 1

@@ -113,6 +113,8 @@ class Job:
         self.seen_events: dict[str, dict] = {}
         self.seen_record: dict = {}
         self._watching = threading.Event()
+        self.kills = 0  # the kill scenarios: kills to make (torture.py --kills)
+        self.moments: list[dict] = []  # and the kills made (time, victim, rank, node, step)
 
     # -- etcd, read by this harness directly ---------------------------------------------------
     def watch(self) -> None:

@@ -100,6 +100,32 @@ def test_a_save_to_a_server_that_never_answers_is_refused_in_time(
         engine.close()
 
 
+def test_a_save_while_the_node_server_is_down_is_refused_and_the_next_reaches_its_successor(
+    tmp_path: Path,
+) -> None:
+    """A killed server (the agent starts a new one at the same socket) costs a refused save,
+    not the worker (torture suite, server_kill_ckpt: every kill cost a job restart)."""
+    state = {"w": torch.randn(1000)}
+    engine = checkpoint.Engine(
+        socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1, request_timeout_s=5.0
+    )
+    server = None
+    try:
+        handle = engine.save(1, state)  # no server listens yet
+        assert not handle.ok and "cannot reach the checkpoint server" in handle.error
+        with pytest.raises(checkpoint.SaveRefused):
+            handle.wait("memory")
+        server = _server(tmp_path)  # the new server
+        handle = engine.save(2, state)
+        assert handle.ok, handle.error
+        handle.wait("memory", timeout=30)
+        assert _same(state, engine.load(2))
+    finally:
+        engine.close()
+        if server is not None:
+            server.stop()
+
+
 def test_a_stuck_reserve_is_a_refused_save_reported_as_an_event(
     tmp_path: Path, monkeypatch
 ) -> None:

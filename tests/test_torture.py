@@ -16,10 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from torture import run_trial  # noqa: E402
+from torture import BY_NAME, run_trial  # noqa: E402
 from torture_measure import steps_lost  # noqa: E402
 from torture_proxy import StoreProxy  # noqa: E402
-from torture_scenarios import BY_NAME, check  # noqa: E402
+from torture_scenarios import check  # noqa: E402
 
 # The fast subset: an etcd stall every node sees, a dead controller leader, a dead node.
 FAST = ["etcd_stop_2s", "controller_kill_running", "agent_sigkill"]
@@ -78,6 +78,7 @@ def test_the_proxy_passes_delays_and_blackholes(echo_server):
 def test_check_names_every_unmet_expectation():
     scenario = BY_NAME["worker_kill_ckpt"]
     row = {"succeeded": True, "identical": True, "wrong_loads": 0, "leftovers": 0}
+    row["loss_mismatches"] = []
     assert check(scenario, row | {"restarts": 2, "kills": 2, "evictions": 0}) == []
     unmet = check(scenario, row | {"restarts": 3, "kills": 2, "evictions": 1, "identical": None})
     assert unmet == [

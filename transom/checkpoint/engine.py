@@ -217,9 +217,10 @@ class Engine:
         background. `replicated` names the values the same on every rank ("model", "optim/state",
         "" for all), so a world of another size can load this step (reshard.py).
 
-        A save the server refuses (memory budget) or does not answer in time does not raise:
-        the handle says why, `wait` raises SaveRefused, and a warning is logged (a timeout is
-        also reported as a `refused` event, in the background).
+        A save the server refuses (memory budget), does not answer in time or cannot take (it
+        died; the node agent starts a new one) does not raise: the handle says why, `wait`
+        raises SaveRefused, and a warning is logged (a timeout is also reported as a `refused`
+        event, in the background). Training goes on; the next save reaches the new server.
         """
         t0 = time.perf_counter()
         plan = reshard.plan_state(
@@ -233,6 +234,8 @@ class Engine:
             reply = self._request(msg)
         except RequestTimeout as e:
             return self._refused(step, str(e), report=True)
+        except CheckpointError as e:  # the server is gone: a restart would cost more than a save
+            return self._refused(step, str(e))
         if not reply.get("ok"):
             if not reply.get("refused"):
                 raise CheckpointError(f"save of step {step} failed: {reply.get('error')}")

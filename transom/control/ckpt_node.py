@@ -127,8 +127,14 @@ class NodeCheckpointServer:
 
     def ensure_running(self, stopping: threading.Event | None = None) -> None:
         """Restart the server if it died (its shards are gone; peers and storage still have
-        copies)."""
-        if self.process is not None and self.process.poll() is not None:
+        copies), or if the last restart failed (`start` left no process): a node must not go on
+        without its server for the rest of the job."""
+        if stopping is not None and stopping.is_set():
+            return
+        if self.process is None:
+            log.warning("checkpoint server of %s is not running; starting it again", self.node_id)
+            self.start(stopping)
+        elif self.process.poll() is not None:
             log.warning(
                 "checkpoint server of %s exited (%s); restarting it",
                 self.node_id,
