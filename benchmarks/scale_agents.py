@@ -164,7 +164,7 @@ class StandInCheckpointServer:
     def start_patiently(self, stopping=None) -> None:
         pass
 
-    def ensure_running(self, stopping=None) -> None:
+    def ensure_running(self) -> None:
         pass
 
     def worker_env(self) -> dict[str, str]:

@@ -289,8 +289,8 @@ class NodeAgent:
         assert self.spec is not None and self.ckpt is not None
         now = time.monotonic()
         try:
-            self.ckpt.ensure_running(self.stopping)
-        except RuntimeError as e:  # workers fall back to peers and storage; retried next tick
+            self.ckpt.ensure_running()
+        except (RuntimeError, OSError) as e:  # workers fall back to peers and storage; next tick
             log.warning("%s", e)
         self.reports.flush()
         lease_lost = self.keeper.lost.is_set()

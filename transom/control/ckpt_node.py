@@ -32,8 +32,10 @@ log = logging.getLogger("transom.agent")
 # A server not serving by then is reported (and waited for as long as it lives: start-up is
 # slow on a loaded machine, and slow is not dead).
 START_TIMEOUT_S = 30.0
-# Launches of a server that exits before it serves, before the agent gives up.
+# Launches of a server that exits before it serves, before the agent's start-up gives up.
 START_ATTEMPTS = 3
+# Once running, a server that died is started again at most this often (not waited for).
+RESTART_INTERVAL_S = 2.0
 
 
 class NodeCheckpointServer:
@@ -49,6 +51,8 @@ class NodeCheckpointServer:
             Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / files.CHECKPOINTS
         )
         self.process: subprocess.Popen | None = None
+        self.serving = False  # the current process answered on its socket
+        self.launched_at = -RESTART_INTERVAL_S  # monotonic time of the newest launch
         self.secret = ""
 
     def start_patiently(self, stopping: threading.Event | None = None) -> None:
@@ -66,13 +70,38 @@ class NodeCheckpointServer:
     def start(self, stopping: threading.Event | None = None) -> None:
         """Start the server and wait until it serves, for as long as it lives (a warning after
         START_TIMEOUT_S) or until `stopping`. Call from the agent's main thread."""
+        log_path = self._launch()
+        assert self.process is not None
+        started = time.monotonic()
+        warned = False
+        while not self._serving():
+            if self.process.poll() is not None or (stopping is not None and stopping.is_set()):
+                self.stop()
+                raise RuntimeError(
+                    f"checkpoint server of {self.node_id} did not start; see {log_path}"
+                )
+            if not warned and time.monotonic() - started > START_TIMEOUT_S:
+                warned = True
+                log.warning(
+                    "checkpoint server of %s not serving after %.0f s; still waiting (see %s)",
+                    self.node_id,
+                    START_TIMEOUT_S,
+                    log_path,
+                )
+            time.sleep(0.05)
+        self.serving = True
+        log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
+
+    def _launch(self) -> Path:
+        """Start a server process (not waiting for it); its log file."""
         for stale in sweep_stale_shm():
             log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
-        self.store.create(keys.CKPT_SECRET, secrets.token_hex(32))
-        secret = self.store.get(keys.CKPT_SECRET)
-        if not isinstance(secret, str) or not secret:
-            raise RuntimeError(f"the job's checkpoint secret in etcd ({keys.CKPT_SECRET}) is bad")
-        self.secret = secret
+        if not self.secret:  # read once: a restart needs no etcd
+            self.store.create(keys.CKPT_SECRET, secrets.token_hex(32))
+            secret = self.store.get(keys.CKPT_SECRET)
+            if not isinstance(secret, str) or not secret:
+                raise RuntimeError(f"the job's checkpoint secret ({keys.CKPT_SECRET}) is bad")
+            self.secret = secret
         argv = [sys.executable, "-m", "transom.checkpoint.server"] + to_argv(
             node_id=self.node_id,
             job_id=self.spec.job_id,
@@ -98,24 +127,9 @@ class NodeCheckpointServer:
                 env={**os.environ, env.CKPT_SECRET: self.secret},
                 preexec_fn=die_with_parent,
             )
-        started = time.monotonic()
-        warned = False
-        while not self._serving():
-            if self.process.poll() is not None or (stopping is not None and stopping.is_set()):
-                self.stop()
-                raise RuntimeError(
-                    f"checkpoint server of {self.node_id} did not start; see {log_path}"
-                )
-            if not warned and time.monotonic() - started > START_TIMEOUT_S:
-                warned = True
-                log.warning(
-                    "checkpoint server of %s not serving after %.0f s; still waiting (see %s)",
-                    self.node_id,
-                    START_TIMEOUT_S,
-                    log_path,
-                )
-            time.sleep(0.05)
-        log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
+        self.serving = False
+        self.launched_at = time.monotonic()
+        return log_path
 
     def _serving(self) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -125,22 +139,31 @@ class NodeCheckpointServer:
             except OSError:
                 return False
 
-    def ensure_running(self, stopping: threading.Event | None = None) -> None:
-        """Restart the server if it died (its shards are gone; peers and storage still have
-        copies), or if the last restart failed (`start` left no process): a node must not go on
-        without its server for the rest of the job."""
-        if stopping is not None and stopping.is_set():
+    def ensure_running(self) -> None:
+        """One agent tick's look at the server, never waiting for it (the agent's loop goes
+        on): start a new one if it died (its shards are gone; peers and storage still have
+        copies) or was never started again, at most every RESTART_INTERVAL_S (a server that dies
+        at start-up is started again on a later tick, never given up: a node must not go on
+        without its server for the rest of the job); note when a new one serves. Saves on this
+        node are refused until then (the engine says why), training goes on."""
+        now = time.monotonic()
+        if self.process is not None and self.process.poll() is None:
+            if not self.serving and self._serving():
+                self.serving = True
+                log.info("checkpoint server of %s serving again", self.node_id)
+            return
+        if now - self.launched_at < RESTART_INTERVAL_S:
             return
         if self.process is None:
-            log.warning("checkpoint server of %s is not running; starting it again", self.node_id)
-            self.start(stopping)
-        elif self.process.poll() is not None:
+            log.warning("checkpoint server of %s is not running; starting it", self.node_id)
+        else:
             log.warning(
-                "checkpoint server of %s exited (%s); restarting it",
+                "checkpoint server of %s exited (%s) %s; starting it again",
                 self.node_id,
                 self.process.returncode,
+                "while serving" if self.serving else "before it served",
             )
-            self.start(stopping)
+        self._launch()
 
     def worker_env(self) -> dict[str, str]:
         return {
