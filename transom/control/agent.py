@@ -281,8 +281,8 @@ class NodeAgent:
         if self._resync or self.guard.due() is not None:
             return  # the plan predates the pause, or the lease may still expire: not yet
         paused_s = time.monotonic() - self.group.paused_at
+        self.monitor.excuse(paused_s)  # first: no datagram comes from a paused worker
         self.group.resume()
-        self.monitor.excuse(paused_s)
         log.warning("workers resumed after %.1f s paused: the job still has this node", paused_s)
 
     def _tick(self) -> int | None:
