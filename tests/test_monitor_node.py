@@ -154,3 +154,15 @@ def test_log_lines_and_gpu_counters_are_scanned(node, tmp_path):
     assert found == {("xid", True), ("ecc", True)}  # the traceback line is info: no anomaly event
     node.check({}, {3: log})
     assert published(node)[1] == []  # each line is read once
+
+
+def test_time_the_agent_paused_the_workers_is_not_counted_against_them(node):
+    with reporter.step(1) as s:
+        s.report(loss=2.0, tokens=100)
+    wait_for(lambda: node.steps().get(3) == 1, 5, "the step to arrive")
+    track = node.ranks[3]
+    step_at = track.step_at
+    assert step_at is not None
+    node.excuse(30.0)  # the agent held the workers paused (SIGSTOP) for 30 s
+    # (the heartbeat's time moves the same way, but the background heartbeat may renew it)
+    assert track.step_at == step_at + 30.0
