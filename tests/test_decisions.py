@@ -323,7 +323,22 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     assert d.job.rollback_before == 30 and d.discard_poisoned is None
     d = run(d.job, Snapshot(live, statuses(2, NodeState.RUNNING, "node0", "node1")), s, T0 + 9)
     assert d.job.state is JobState.RUNNING and d.job.rollback_before is None
-    assert d.discard_poisoned == (30, started_at)
+    assert d.discard_poisoned == (21, started_at)  # everything after the restored step 20
+
+
+def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():
+    # An abandoned history (a generation that saved steps 15 and 18 and then lost a node before
+    # they were complete) must never mix with the steps 15 and 18 this generation saves again.
+    s = spec()
+    job = started(["node0", "node1"], s, T0, restore=12)
+    d = run(job, Snapshot(nodes("node0", "node1"), statuses(1, NodeState.RUNNING, "node0")), s, T0)
+    assert d.job.state is JobState.WARMUP and d.discard_poisoned is None  # node1 not started
+    both = statuses(1, NodeState.RUNNING, "node0", "node1")
+    d = run(d.job, Snapshot(nodes("node0", "node1"), both), s, T0 + 1)
+    assert d.job.state is JobState.RUNNING
+    assert d.discard_poisoned == (13, d.job.generation_started)
+    fresh = run(started(["node0", "node1"], s, T0), Snapshot(nodes("node0", "node1"), both), s, T0)
+    assert fresh.discard_poisoned == (0, fresh.job.generation_started)  # a fresh start: all of it
 
 
 def test_warnings_are_given_once_per_generation_and_kept_in_memory():

@@ -274,11 +274,14 @@ class Tick:
             if len(started) == len(j.members):
                 # The incident that led here is over: the next one is charged a restart again.
                 j.incident_open = False
-                if j.rollback_before is not None:
-                    # The workers that went bad are stopped now: forget their checkpoints from
-                    # the bad step on, and let later restarts restore the newest checkpoint again.
-                    self.decision.discard_poisoned = (j.rollback_before, started_at)
-                    j.rollback_before = None
+                # Every old worker is stopped now. Shards of steps after the one this generation
+                # restored, saved before it started, belong to an abandoned history (a generation
+                # that went on past the restore step, maybe with another world size, or went bad
+                # before a rollback): forget them on every tier, so they never mix with the same
+                # steps this generation saves again. Later restarts restore the newest again.
+                first_stale = 0 if j.restore_step is None else j.restore_step + 1
+                self.decision.discard_poisoned = (first_stale, started_at)
+                j.rollback_before = None
                 self.set_state(JobState.RUNNING, f"generation {j.generation} running")
                 self.event(
                     EventKind.RUNNING,
