@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from transom.checkpoint import capacity, shm_dirs
-from transom.checkpoint.shm import RegionDir
+from transom.checkpoint.shm import MappingCache, RegionDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,3 +286,31 @@ def test_server_sigterm_persists_what_its_workers_saved_before_it_exits(tmp_path
             p.kill()
             p.wait()
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_a_save_never_goes_into_a_mapping_of_a_deleted_region_reborn_under_its_path(
+    tmp_path: Path,
+) -> None:
+    # A worker kept mapping r...-N while its server died and a new server created a region under
+    # the same path: writes through the old mapping went into the deleted file, the new server
+    # checksummed and persisted its zeros (the torture suite's kill_mixed found it).
+    path = tmp_path / "region"
+    path.write_bytes(b"\x01" * 4096)
+    cache = MappingCache()
+    cache.get(str(path), 4096)[:] = 1
+    path.unlink()
+    path.write_bytes(b"\x00" * 4096)  # the new server's region, same path, another file
+    cache.get(str(path), 4096)[:] = 7
+    assert path.read_bytes() == b"\x07" * 4096
+    path.unlink()
+    path.write_bytes(b"\x00" * 4096)
+    assert cache.drop_missing() == [str(path)]  # the engine's check before a save finds it too
+    cache.clear()
+
+
+def test_region_names_carry_the_server_process_so_a_new_server_never_reuses_one(
+    tmp_path: Path,
+) -> None:
+    regions = RegionDir(tmp_path / "regions")
+    names = {regions.new(64).path.name for _ in range(3)}
+    assert len(names) == 3 and all(n.startswith(f"r{os.getpid()}-") for n in names)

@@ -26,6 +26,8 @@ import torch
 
 from transom.checkpoint.shm_dirs import claim
 
+FileIdentity = tuple[int, int]  # (st_dev, st_ino)
+
 
 def populated_map(
     path: Path, nbytes: int, private: bool = False, create: bool = False
@@ -37,6 +39,13 @@ def populated_map(
     kernel prefaults writable private pages for writing), so its pages fault in on first read
     (checksum verification touches them all, on several threads).
     """
+    return mapped_file(path, nbytes, private, create)[0]
+
+
+def mapped_file(
+    path: Path, nbytes: int, private: bool = False, create: bool = False
+) -> tuple[mmap.mmap, FileIdentity]:
+    """`populated_map`, with the identity of the very file it mapped."""
     flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
@@ -44,9 +53,20 @@ def populated_map(
             allocate(fd, nbytes, path)
         elif os.fstat(fd).st_size < nbytes:
             raise OSError(f"shared-memory region {path} is smaller than {nbytes} bytes")
-        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        st = os.fstat(fd)
+        m = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return m, (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
+
+
+def file_identity(path: str | Path) -> FileIdentity | None:
+    """(device, inode) of the file now at `path`; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def allocate(fd: int, nbytes: int, path: Path) -> None:
@@ -133,9 +153,11 @@ class RegionDir:
         self._next = 0
 
     def new(self, nbytes: int) -> Region:
+        """A new region, named uniquely to this process: a server started again in the same
+        folder never reuses a name a worker may still have mapped (MappingCache)."""
         with self._lock:
             self._next += 1
-            name = f"r{self._next:06d}-{nbytes}"
+            name = f"r{os.getpid()}-{self._next:06d}-{nbytes}"
         return Region(self.path / name, nbytes)
 
     def remove(self) -> None:
@@ -143,27 +165,32 @@ class RegionDir:
 
 
 class MappingCache:
-    """A worker's open mappings of server regions, by path, so repeated saves skip mapping."""
+    """A worker's open mappings of server regions, by path, so repeated saves skip mapping.
+
+    A mapping is reused only while the file at its path is the very file it maps (same device
+    and inode): a region deleted and a new one created under the same path (a server started
+    again) must never receive a save through the old mapping, whose bytes no one reads."""
 
     def __init__(self, limit: int = 8):
         self.limit = limit
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor, FileIdentity]] = {}
 
     def get(self, path: str, nbytes: int) -> torch.Tensor:
         hit = self._maps.get(path)
-        if hit is not None and len(hit[0]) == nbytes:
+        if hit is not None and len(hit[0]) == nbytes and hit[2] == file_identity(path):
             return hit[1]
+        self.drop(path)
         if len(self._maps) >= self.limit:
             self.drop(next(iter(self._maps)))
-        m = populated_map(Path(path), nbytes)
+        m, identity = mapped_file(Path(path), nbytes)
         tensor = as_bytes(m)
-        self._maps[path] = (m, tensor)
+        self._maps[path] = (m, tensor, identity)
         return tensor
 
     def drop(self, path: str) -> None:
         hit = self._maps.pop(path, None)
         if hit is not None:
-            m, tensor = hit
+            m, tensor, _ = hit
             del tensor
             try:
                 m.close()
@@ -171,8 +198,9 @@ class MappingCache:
                 pass
 
     def drop_missing(self) -> list[str]:
-        """Unmap every region whose file is gone (the server deleted it); the paths dropped."""
-        gone = [path for path in self._maps if not os.path.exists(path)]
+        """Unmap every region whose file is gone (the server deleted it) or is another file now
+        (a new server's region under the same path); the paths dropped."""
+        gone = [path for path, hit in self._maps.items() if file_identity(path) != hit[2]]
         for path in gone:
             self.drop(path)
         return gone
