@@ -182,6 +182,10 @@ def kills_line(phases: dict[str, dict[str, int]]) -> str:
 
 
 def _list(values: list) -> str:
+    """Each trial's value; for many trials their sum and range (a table cell stays short)."""
+    known = [v for v in values if v is not None]
+    if len(values) > 5 and known:
+        return f"{sum(known)} ({min(known)}-{max(known)} a trial)"
     return ",".join("?" if v is None else str(v) for v in values)
 
 
