@@ -142,18 +142,18 @@ class NodeCheckpointServer:
     def ensure_running(self) -> None:
         """One agent tick's look at the server, never waiting for it (the agent's loop goes
         on): start a new one if it died (its shards are gone; peers and storage still have
-        copies) or was never started again, at most every RESTART_INTERVAL_S (a server that dies
-        at start-up is started again on a later tick, never given up: a node must not go on
-        without its server for the rest of the job); note when a new one serves. Saves on this
-        node are refused until then (the engine says why), training goes on."""
+        copies) or was never started again: at once when it had served, else at most every
+        RESTART_INTERVAL_S (one that dies at start-up is started again, never given up: a node
+        must not go on without its server for the rest of the job); note when a new one
+        serves. Saves on this node are refused until then (the engine says why)."""
         now = time.monotonic()
         if self.process is not None and self.process.poll() is None:
             if not self.serving and self._serving():
                 self.serving = True
                 log.info("checkpoint server of %s serving again", self.node_id)
             return
-        if now - self.launched_at < RESTART_INTERVAL_S:
-            return
+        if not self.serving and now - self.launched_at < RESTART_INTERVAL_S:
+            return  # it died before it served (or never started): no faster than this
         if self.process is None:
             log.warning("checkpoint server of %s is not running; starting it", self.node_id)
         else:
