@@ -49,12 +49,17 @@ def stopped(g: WorkerGroup) -> bool:
     return all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in g.processes)
 
 
-def test_a_paused_group_runs_nothing_until_resumed(group):
-    g, out = group
+def pause_ticking(g: WorkerGroup, out) -> int:
+    """Pause the group once both workers tick; the lines written when every worker stopped."""
     wait_for(lambda: len(lines(out)) >= 20, 30, "both workers ticking")
     g.pause(now=0.0)
     wait_for(lambda: stopped(g), 5, "every worker stopped")
-    frozen = len(lines(out))
+    return len(lines(out))
+
+
+def test_a_paused_group_runs_nothing_until_resumed(group):
+    g, out = group
+    frozen = pause_ticking(g, out)
     # a stopped process executes nothing: wait the time of 30 ticks for any sign of life
     psutil.wait_procs([psutil.Process(p.pid) for p in g.processes], timeout=0.3)
     assert len(lines(out)) == frozen and g.poll()[0] == "running"
@@ -65,10 +70,7 @@ def test_a_paused_group_runs_nothing_until_resumed(group):
 
 def test_a_paused_group_that_is_stopped_is_killed_without_running_again(group):
     g, out = group
-    wait_for(lambda: len(lines(out)) >= 20, 30, "both workers ticking")
-    g.pause(now=0.0)
-    wait_for(lambda: stopped(g), 5, "every worker stopped")
-    frozen = len(lines(out))
+    frozen = pause_ticking(g, out)
     g.stop()
     assert [p.returncode for p in g.processes] == [-signal.SIGKILL] * 2
     assert len(lines(out)) == frozen and "TERM" not in lines(out)

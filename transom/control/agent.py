@@ -250,7 +250,8 @@ class NodeAgent:
             self.link.failed(error)
 
     def _offline(self) -> None:
-        """etcd cannot be reached: train on, pause the workers, or give them up (control.outage)."""
+        """etcd cannot be reached: give the workers up after --store-outage (control.outage;
+        the PauseGuard thread pauses them before the lease can expire)."""
         assert self.spec is not None
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
