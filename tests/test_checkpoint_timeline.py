@@ -27,10 +27,12 @@ def _shard(step: int, rank: int, tl: dict, value: float = 0.0) -> tuple[bytes, m
     return layout.encode_header(plan.header), view
 
 
-def _write(root: Path, step: int, rank: int, tl: dict, value: float = 0.0) -> list[int]:
+def _write(
+    root: Path, step: int, rank: int, tl: dict, value: float = 0.0, keep: int = 3
+) -> list[int]:
     head, data = _shard(step, rank, tl, value)
     storage.write_shard(root, step, rank, head, data, tl)
-    return storage.complete_step(root, step, tl["world_size"], keep=3, timeline=tl)
+    return storage.complete_step(root, step, tl["world_size"], keep=keep, timeline=tl)
 
 
 def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> None:
@@ -74,15 +76,20 @@ def test_a_shard_that_does_not_match_its_manifest_is_a_shard_error(tmp_path: Pat
         storage.read_shard(storage.shard_path(tmp_path, 3, 0), 3, 0)
 
 
-def test_discarded_steps_leave_storage(tmp_path: Path) -> None:
-    tl = layout.timeline("j", 0, 1)
+def test_discarded_steps_leave_storage_by_the_generation_that_wrote_them(tmp_path: Path) -> None:
+    old, new = layout.timeline("j", 1, 1), layout.timeline("j", 2, 1)
     for step in (1, 2, 3):
-        _write(tmp_path, step, 0, tl)
-    cut = time.time() + 1  # everything above was written before the rollback's generation
-    assert storage.discard_steps(tmp_path, 2, cut) == [2, 3]
-    assert storage.complete_steps(tmp_path) == [1] and storage.latest_step(tmp_path) == 1
+        _write(tmp_path, step, 0, old, keep=9)
+    _write(tmp_path, 4, 0, new, keep=9)  # the generation that discards: its own steps stay
+    _write(tmp_path, 5, 0, layout.timeline("other-job", 9, 1), keep=9)  # older than all
+    future = time.time() + 3600  # a file's clock says nothing: only its timeline does
+    for step in (3, 4):
+        for f in storage.step_dir(tmp_path, step).iterdir():
+            os.utime(f, (future, future))
+    assert storage.discard_steps(tmp_path, 2, 2, "j") == [2, 3, 5]
+    assert storage.complete_steps(tmp_path) == [4, 1] and storage.latest_step(tmp_path) == 4
     assert not storage.step_dir(tmp_path, 3).exists()
-    assert storage.discard_steps(tmp_path, 2, cut) == []
+    assert storage.discard_steps(tmp_path, 2, 2, "j") == []
 
 
 def _server(tmp_path: Path, **kw) -> CheckpointServer:
@@ -124,7 +131,7 @@ def test_discarded_steps_leave_memory_and_storage(tmp_path: Path) -> None:
         engine = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
         for step in (1, 2, 3):
             engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
-        server._discard([{"first_bad_step": 2, "saved_before": time.time()}])
+        server._discard([{"first_bad_step": 2, "generation": 1}])  # saved by generation 0
         assert {s.step for s in server.memory.shards.values()} == {1}
         assert storage.complete_steps(tmp_path / "ckpt") == [1]
         assert float(engine.load()["w"][0]) == 1.0  # the newest step left is the pre-NaN one
@@ -164,7 +171,7 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path:
             for step in (1, 2, 3):
                 engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
             assert catalog.restorable_steps(store, 1) == [3, 2, 1]
-            catalog.discard_poisoned(store, 2, time.time())
+            catalog.discard_poisoned(store, 2, 1)  # the engine saved as generation 0
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and storage.complete_steps(tmp_path / "ckpt") != [1]:
                 time.sleep(0.1)

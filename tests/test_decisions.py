@@ -319,11 +319,10 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     snap.restore_step = 20  # the I/O loop asked the catalog for a step before 30
     d = run(d.job, snap, s, T0 + 6.2)
     assert d.job.generation == 2 and d.plan is not None and d.plan.restore_step == 20
-    started_at = d.job.generation_started
     assert d.job.rollback_before == 30 and d.discard_poisoned is None
     d = run(d.job, Snapshot(live, statuses(2, NodeState.RUNNING, "node0", "node1")), s, T0 + 9)
     assert d.job.state is JobState.RUNNING and d.job.rollback_before is None
-    assert d.discard_poisoned == (21, started_at)  # everything after the restored step 20
+    assert d.discard_poisoned == (21, 2)  # after the restored step 20, saved before generation 2
 
 
 def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():
@@ -336,9 +335,9 @@ def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_bef
     both = statuses(1, NodeState.RUNNING, "node0", "node1")
     d = run(d.job, Snapshot(nodes("node0", "node1"), both), s, T0 + 1)
     assert d.job.state is JobState.RUNNING
-    assert d.discard_poisoned == (13, d.job.generation_started)
+    assert d.discard_poisoned == (13, d.job.generation)
     fresh = run(started(["node0", "node1"], s, T0), Snapshot(nodes("node0", "node1"), both), s, T0)
-    assert fresh.discard_poisoned == (0, fresh.job.generation_started)  # a fresh start: all of it
+    assert fresh.discard_poisoned == (0, fresh.job.generation)  # a fresh start: all of it
 
 
 def test_warnings_are_given_once_per_generation_and_kept_in_memory():

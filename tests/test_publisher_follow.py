@@ -51,7 +51,7 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
         assert time.monotonic() - pushed_at < 1.0
         assert publisher.plan.restore_step == 6
 
-        marks = [{"first_bad_step": 9, "saved_before": 1234.5}]
+        marks = [{"first_bad_step": 9, "generation": 2}]
         store.put(keys.CKPT_DISCARDED, marks)
         wait_for(lambda: discards, 5, "the discarded steps")
         assert discards == [marks] and publisher.discards == marks

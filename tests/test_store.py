@@ -205,14 +205,14 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
     so later restarts restore the newest good checkpoint again (not one from before the NaN)."""
     from transom.checkpoint import catalog
 
-    for step, saved in ((20, 100.0), (40, 200.0), (60, 300.0), (60, 500.0), (80, 600.0)):
+    for step, generation in ((20, 1), (40, 1), (60, 1), (60, 2), (80, 2)):
         for rank in (0, 1):
-            holder = "storage" if saved != 500.0 else "mem-node1"
+            holder = "storage" if generation == 1 else "mem-node1"
             store.put(
                 catalog.shard_key(step, rank, holder),
-                {"step": step, "rank": rank, "world_size": 2, "tier": "storage", "time": saved},
+                {"step": step, "rank": rank, "world_size": 2, "generation": generation},
             )
-    dropped = catalog.discard_poisoned(store, first_bad_step=50, saved_before=400.0)
+    dropped = catalog.discard_poisoned(store, first_bad_step=50, generation=2)
     assert dropped == [60]
     assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]
     assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}  # saved after the rollback: kept

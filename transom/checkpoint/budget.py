@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transom.checkpoint import layout
 from transom.checkpoint.shm import Region, RegionDir
 from transom.common.states import Tier
 
@@ -58,6 +59,11 @@ class Shard:
     @property
     def key(self) -> tuple[int, int]:
         return self.step, self.rank
+
+    @property
+    def generation(self) -> int:
+        """The generation that saved this shard (-1 until its header is known: layout.saved_by)."""
+        return layout.saved_by(self.header.get("timeline") if self.header else None)
 
 
 class ShardMemory:

@@ -3,12 +3,13 @@
 Keys under the job's prefix (values JSON):
     ckpt/servers/<node>                      a checkpoint server's peer address (under its lease)
     ckpt/discarded                           steps discarded as poisoned: a list of
-                                             {first_bad_step, saved_before}, DISCARDS_KEPT newest
+                                             {first_bad_step, generation}, DISCARDS_KEPT newest
     ckpt/shards/<step:012d>/<rank:06d>/<holder>
         holder "mem-<node>": the shard is in that node's server memory (under that server's lease,
                              so it disappears when the node dies)
         holder "storage":    the shard is in the storage directory (survives everything)
-        value: step, rank, world_size, node, tier (a `Tier`: memory or storage), nbytes, time
+        value: step, rank, world_size, node, tier (a `Tier`: memory or storage), nbytes, time,
+               generation (the one that saved the shard: what a discard compares)
 
 Key names come from transom.common.keys. Only metadata goes here, never shard bytes. Nothing in
 this module talks to a server.
@@ -56,12 +57,14 @@ def withdraw_storage(store: Store, step: int) -> None:
             store.delete(prefix + key)
 
 
-def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> list[int]:
-    """Forget every shard of a step at or after `first_bad_step` saved before `saved_before` (the
-    checkpoints a rolled-back generation may have written after its numerics went bad); returns
-    the steps. The discard is recorded (`discards`): every server removes those shards from its
-    memory and from storage, and never lists them again."""
-    marks = [*discards(store), {"first_bad_step": first_bad_step, "saved_before": saved_before}]
+def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list[int]:
+    """Forget every shard of a step at or after `first_bad_step` saved by a generation before
+    `generation` (an abandoned history: a rolled-back generation's steps after its numerics went
+    bad, a bigger world's steps after a shrink's restore step); returns the steps. The discard
+    is recorded (`discards`): every server removes those shards from its memory and from
+    storage, and never lists them again. Generations, not clocks: the servers' clocks and the
+    controller's may differ, generation numbers only grow."""
+    marks = [*discards(store), {"first_bad_step": first_bad_step, "generation": generation}]
     store.put(keys.CKPT_DISCARDED, marks[-DISCARDS_KEPT:])
     dropped = set()
     for step, ranks in shards(store).items():
@@ -69,14 +72,20 @@ def discard_poisoned(store: Store, first_bad_step: int, saved_before: float) -> 
             continue
         for rank, held in ranks.items():
             for holder, info in held.items():
-                if info.get("time", 0.0) < saved_before:
+                if entry_generation(info) < generation:
                     store.delete(shard_key(step, rank, holder))
                     dropped.add(step)
     return sorted(dropped)
 
 
+def entry_generation(info: Any) -> int:
+    """The generation that saved a catalog entry's shard (-1 when the entry does not say)."""
+    generation = info.get("generation") if isinstance(info, dict) else None
+    return generation if type(generation) is int else -1
+
+
 def discards(store: Store) -> list[dict]:
-    """The recorded discards ({first_bad_step, saved_before}); malformed entries left out."""
+    """The recorded discards ({first_bad_step, generation}); malformed entries left out."""
     return parse_discards(store.get(keys.CKPT_DISCARDED))
 
 
@@ -89,13 +98,13 @@ def parse_discards(value: Any) -> list[dict]:
         for d in value
         if isinstance(d, dict)
         and type(d.get("first_bad_step")) is int
-        and type(d.get("saved_before")) in (int, float)
+        and type(d.get("generation")) is int
     ]
 
 
-def is_discarded(marks: list[dict], step: int, saved_at: float) -> bool:
-    """Whether a shard of `step` saved at `saved_at` falls under one of the discards `marks`."""
-    return any(step >= d["first_bad_step"] and saved_at < d["saved_before"] for d in marks)
+def is_discarded(marks: list[dict], step: int, generation: int) -> bool:
+    """Whether a shard of `step` saved by `generation` falls under one of the discards `marks`."""
+    return any(step >= d["first_bad_step"] and generation < d["generation"] for d in marks)
 
 
 def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:

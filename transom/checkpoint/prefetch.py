@@ -214,17 +214,14 @@ class Prefetcher:
     ) -> tuple[str, str]:
         """Make a fetched shard a complete one of this server's memory (listed in the catalog),
         unless it falls under a discard."""
-        listed_at = info.get("time")
-        # When the holder listed it: a discard made after that covers it (and it is never later).
-        saved_at = float(listed_at) if isinstance(listed_at, (int, float)) else time.time()
         with self.lock:
             shard = self.memory.shards.get((step, rank))
             if shard is None or shard.region is not region:
                 return FAILED, "its region was taken back during the transfer"
             shard.header, shard.world_size = header, header["world_size"]
             shard.header_bytes = layout.encode_header(header)
-            shard.staged_at = min(saved_at, time.time())
-            if catalog.is_discarded(self.publisher.discards, step, shard.staged_at):
+            shard.staged_at = time.time()
+            if catalog.is_discarded(self.publisher.discards, step, shard.generation):
                 self.memory.abort(step, rank, region)
                 return SKIPPED, "the step was discarded as poisoned"
         self.pipeline.committed(shard)

@@ -164,7 +164,7 @@ class Publisher:
     # -- the catalog ---------------------------------------------------------------------------
     def list_memory(self, shard) -> None:
         """List a shard this server's memory holds (under the lease); never a discarded one."""
-        if self.store is None or catalog.is_discarded(self.discards, shard.step, shard.staged_at):
+        if self.store is None or catalog.is_discarded(self.discards, shard.step, shard.generation):
             return
         try:
             catalog.publish(
@@ -180,6 +180,7 @@ class Publisher:
                     "addr": self.addr,
                     "nbytes": shard.region.nbytes,
                     "origin": shard.origin,
+                    "generation": shard.generation,
                 },
                 lease=self.lease,
             )
@@ -217,6 +218,7 @@ class Publisher:
                     "tier": Tier.STORAGE,
                     "path": path,
                     "nbytes": shard.region.nbytes,
+                    "generation": shard.generation,
                 },
             )
             for step in removed_steps:

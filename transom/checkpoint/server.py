@@ -82,14 +82,17 @@ class CheckpointServer:
         """Drop poisoned steps (catalog.discards) from this server's memory and from storage."""
         with self.memory.lock:
             for shard in list(self.memory.shards.values()):
-                poisoned = catalog.is_discarded(marks, shard.step, shard.staged_at)
+                poisoned = catalog.is_discarded(marks, shard.step, shard.generation)
                 if poisoned and shard.state == COMMITTED and not shard.pins:
                     self.memory.evict(shard)
         if self.cfg.storage_dir is not None:
             for mark in marks:
                 try:
                     storage.discard_steps(
-                        Path(self.cfg.storage_dir), mark["first_bad_step"], mark["saved_before"]
+                        Path(self.cfg.storage_dir),
+                        mark["first_bad_step"],
+                        mark["generation"],
+                        self.cfg.job_id,
                     )
                 except OSError as e:
                     log.warning("cannot remove discarded steps from storage: %s", e)

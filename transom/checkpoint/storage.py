@@ -254,9 +254,11 @@ def _write_latest(root: Path) -> list[int]:
     return complete
 
 
-def discard_steps(root: Path, first_bad_step: int, saved_before: float) -> list[int]:
-    """Remove what was written of steps >= `first_bad_step` before `saved_before` (the poisoned
-    steps of a rolled-back generation): their shard files and manifests; the steps touched."""
+def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) -> list[int]:
+    """Remove what `job`'s generations before `generation` (or another job) wrote of steps >=
+    `first_bad_step` (an abandoned history: see catalog.discard_poisoned): their shard files and
+    manifests, by the timeline each names (a file that names none, or cannot be read, is old);
+    the steps touched."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -270,7 +272,7 @@ def discard_steps(root: Path, first_bad_step: int, saved_before: float) -> list[
                 f
                 for f in entry.iterdir()
                 if (SHARD_RE.match(f.name) or f.name == MANIFEST)
-                and f.stat().st_mtime < saved_before
+                and layout.saved_by(_timeline_of(f), job) < generation
             ]
             if not old:
                 continue
@@ -283,6 +285,18 @@ def discard_steps(root: Path, first_bad_step: int, saved_before: float) -> list[
         if touched:
             _write_latest(root)
     return sorted(touched)
+
+
+def _timeline_of(path: Path) -> dict | None:
+    """The timeline a shard file's header or a manifest names (None when unreadable)."""
+    try:
+        if path.name == MANIFEST:
+            found = json.loads(path.read_text()).get("timeline")
+        else:
+            found = read_header(path).get("timeline")
+    except (OSError, ValueError, AttributeError):  # ShardError is a ValueError
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _retain(root: Path, complete: list[int], keep: int) -> list[int]:

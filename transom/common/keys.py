@@ -42,7 +42,7 @@ CKPT_SECRET = "ckpt/secret"
 CKPT_SERVERS = "ckpt/servers/"
 CKPT_SHARDS = "ckpt/shards/"
 SLURM_DRAINED = "slurm/drained/"
-# Steps discarded as poisoned (a list of {first_bad_step, saved_before}): servers drop them.
+# Steps discarded as poisoned (a list of {first_bad_step, generation}): servers drop them.
 CKPT_DISCARDED = "ckpt/discarded"
 
 

@@ -93,7 +93,7 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     memory: Memory = field(default_factory=Memory)
     # Forget checkpoints of steps >= [0] saved since [1] (the workers that went bad are gone).
-    discard_poisoned: tuple[int, float] | None = None
+    discard_poisoned: tuple[int, int] | None = None  # (first bad step, first generation kept)
     anomalies: list[Anomaly] = field(default_factory=list)  # newly handled, for the exporter
 
     changed: bool = False  # something to commit (the record, the plan or events)
@@ -275,12 +275,13 @@ class Tick:
                 # The incident that led here is over: the next one is charged a restart again.
                 j.incident_open = False
                 # Every old worker is stopped now. Shards of steps after the one this generation
-                # restored, saved before it started, belong to an abandoned history (a generation
-                # that went on past the restore step, maybe with another world size, or went bad
-                # before a rollback): forget them on every tier, so they never mix with the same
-                # steps this generation saves again. Later restarts restore the newest again.
+                # restored, saved by an earlier generation, belong to an abandoned history (a
+                # generation that went on past the restore step, maybe with another world size,
+                # or went bad before a rollback): forget them on every tier, so they never mix
+                # with the same steps this generation saves again. Later restarts restore the
+                # newest again.
                 first_stale = 0 if j.restore_step is None else j.restore_step + 1
-                self.decision.discard_poisoned = (first_stale, started_at)
+                self.decision.discard_poisoned = (first_stale, j.generation)
                 j.rollback_before = None
                 self.set_state(JobState.RUNNING, f"generation {j.generation} running")
                 self.event(
