@@ -67,6 +67,20 @@ def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refuse
         assert float(layout.rebuild(_, data)["w"][0]) == 2.0
 
 
+def test_an_older_generation_never_writes_over_a_newer_ones_shard_of_an_unfinished_step(
+    tmp_path: Path,
+) -> None:
+    old, new = layout.timeline("j", 1, 2), layout.timeline("j", 2, 2)
+    _write(tmp_path, 5, 0, new, 2.0)  # rank 1 not there yet: no manifest to compare with
+    with pytest.raises(storage.StaleTimeline):
+        _write(tmp_path, 5, 0, old, 1.0)
+    header, _ = storage.read_shard(storage.shard_path(tmp_path, 5, 0), 5, 0)
+    assert header["timeline"] == new
+    _write(tmp_path, 6, 0, old, 1.0)
+    _write(tmp_path, 6, 0, new, 2.0)  # the newer generation replaces the older one's file
+    assert storage.read_header(storage.shard_path(tmp_path, 6, 0))["timeline"] == new
+
+
 def test_a_shard_that_does_not_match_its_manifest_is_a_shard_error(tmp_path: Path) -> None:
     tl = layout.timeline("j", 0, 1)
     _write(tmp_path, 3, 0, tl)
@@ -131,10 +145,37 @@ def test_discarded_steps_leave_memory_and_storage(tmp_path: Path) -> None:
         engine = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
         for step in (1, 2, 3):
             engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
-        server._discard([{"first_bad_step": 2, "generation": 1}])  # saved by generation 0
+        marks = [{"first_bad_step": 2, "generation": 1}]  # saved by generation 0
+        server.publisher.discards = marks  # as the publisher does when etcd pushes them
+        server._discard(marks)
         assert {s.step for s in server.memory.shards.values()} == {1}
         assert storage.complete_steps(tmp_path / "ckpt") == [1]
         assert float(engine.load()["w"][0]) == 1.0  # the newest step left is the pre-NaN one
+        engine.close()
+    finally:
+        server.stop()
+
+
+def test_a_shard_discarded_while_in_use_goes_when_the_use_ends(tmp_path: Path) -> None:
+    server = _server(tmp_path, memory_keep=3)
+    try:
+        engine = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
+        for step in (1, 2):
+            engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
+        read = server.memory.shards[(2, 0)]
+        assert server.memory.pin(read)  # a peer or a restore reading step 2 right now
+        marks = [{"first_bad_step": 2, "generation": 1}]  # saved by generation 0
+        server.publisher.discards = marks
+        server._discard(marks)
+        assert (2, 0) in server.memory.shards  # never pulled from under its reader
+        server.memory.unpin(read)
+        assert set(server.memory.shards) == {(1, 0)}
+        # Staged before the discard, checksummed after it: never kept, listed or persisted.
+        handle = engine.save(3, {"w": torch.full((4,), 3.0)})
+        with pytest.raises(checkpoint.CheckpointError, match="not held by this server"):
+            handle.wait("memory", timeout=30)
+        assert set(server.memory.shards) == {(1, 0)}
+        assert storage.complete_steps(tmp_path / "ckpt") == [1]
         engine.close()
     finally:
         server.stop()

@@ -94,6 +94,9 @@ class ShardMemory:
         self.used = 0
         self.preparing = 0  # spare regions being populated right now
         self.protected_step: int | None = None  # the plan's restore step: never evicted
+        # Whether a shard falls under a discard (the server's publisher knows): such a shard is
+        # evicted as soon as nothing reads it (`drop_discarded`, `unpin`).
+        self.discarded: Callable[[Shard], bool] = lambda shard: False
 
     def reserve(
         self, step: int, rank: int, nbytes: int, world_size: int, origin: str = LOCAL
@@ -256,7 +259,27 @@ class ShardMemory:
     def unpin(self, shard: Shard) -> None:
         with self.lock:
             shard.pins -= 1
+            self.drop_if_discarded(shard)
             self.lock.notify_all()
+
+    def drop_discarded(self) -> None:
+        """Evict every complete shard that falls under a discard and that nothing reads now (the
+        others go when their last reader unpins them, or when they complete)."""
+        with self.lock:
+            for shard in list(self.shards.values()):
+                self.drop_if_discarded(shard)
+
+    def drop_if_discarded(self, shard: Shard) -> bool:
+        """Evict `shard` (lock held) if it is complete, unread, still held and discarded."""
+        if (
+            shard.state == COMMITTED
+            and not shard.pins
+            and self.shards.get(shard.key) is shard
+            and self.discarded(shard)
+        ):
+            self.evict(shard)
+            return True
+        return False
 
     def holding(self, tier: Tier) -> list[Shard]:
         """The shards that reached `tier`."""

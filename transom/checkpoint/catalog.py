@@ -64,15 +64,20 @@ def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list
     is recorded (`discards`): every server removes those shards from its memory and from
     storage, and never lists them again. Generations, not clocks: the servers' clocks and the
     controller's may differ, generation numbers only grow."""
-    marks = [*discards(store), {"first_bad_step": first_bad_step, "generation": generation}]
-    store.put(keys.CKPT_DISCARDED, marks[-DISCARDS_KEPT:])
+    mark = {"first_bad_step": first_bad_step, "generation": generation}
+    store.put(keys.CKPT_DISCARDED, [*discards(store), mark][-DISCARDS_KEPT:])
+    return forget(store, [mark])
+
+
+def forget(store: Store, marks: list[dict]) -> list[int]:
+    """Delete every catalog entry that falls under one of the discards `marks`; the steps. The
+    controller does it when it records a discard, each server again when it learns of one (an
+    entry it listed in between, before it knew, goes too)."""
     dropped = set()
     for step, ranks in shards(store).items():
-        if step < first_bad_step:
-            continue
         for rank, held in ranks.items():
             for holder, info in held.items():
-                if entry_generation(info) < generation:
+                if is_discarded(marks, step, entry_generation(info)):
                     store.delete(shard_key(step, rank, holder))
                     dropped.add(step)
     return sorted(dropped)

@@ -82,14 +82,33 @@ class SavePipeline:
             self.lock.notify_all()
         self.finalize_q.put(shard)
 
-    def committed(self, shard: Shard) -> None:
-        """`shard` is complete (checksummed here, or verified on arrival from a peer)."""
+    def committed(self, shard: Shard) -> bool:
+        """`shard` is complete (checksummed here, or verified on arrival from a peer); False
+        when it fell under a discard meanwhile (then it is evicted, never listed)."""
         with self.lock:
             shard.state = COMMITTED
+            if self.memory.drop_if_discarded(shard):
+                return False
             shard.tiers.add(Tier.MEMORY)
             self.memory.retain(shard.rank)
             self.lock.notify_all()
         self.publisher.list_memory(shard)
+        return True
+
+    def discard_stored(self, marks: list[dict]) -> None:
+        """Remove what the discards `marks` cover from the storage directory (if any)."""
+        if self.cfg.storage_dir is None:
+            return
+        for mark in marks:
+            try:
+                storage.discard_steps(
+                    Path(self.cfg.storage_dir),
+                    mark["first_bad_step"],
+                    mark["generation"],
+                    self.cfg.job_id,
+                )
+            except OSError as e:
+                log.warning("cannot remove discarded steps from storage: %s", e)
 
     def wait(self, step: int, rank: int, tier: Tier, timeout: float | None) -> dict:
         """The reply to a worker's `wait`: once shard (step, rank) reached or failed `tier`."""
@@ -100,7 +119,8 @@ class SavePipeline:
                 if shard is None:
                     return {
                         "ok": False,
-                        "error": f"step {step} rank {rank} is not held by this server",
+                        "error": f"step {step} rank {rank} is not held by this server "
+                        "(never saved here, evicted, or discarded)",
                     }
                 if tier in shard.tiers:
                     return {"ok": True, "tiers": sorted(shard.tiers)}
@@ -171,7 +191,9 @@ class SavePipeline:
                     if shard.key in self.memory.shards and self.memory.shards[shard.key] is shard:
                         self.memory.evict(shard)
                 continue
-            self.committed(shard)
+            if not self.committed(shard):
+                self._fail(shard, Tier.MEMORY, "discarded while it was checksummed")
+                continue
             self.publisher.event(
                 "saved",
                 f"step {shard.step} rank {shard.rank} saved in memory on {self.node} "
@@ -292,6 +314,9 @@ class SavePipeline:
         for attempt, delay in enumerate((0.0, *PERSIST_RETRY_S)):
             if self.stopping.wait(delay):
                 return
+            if self.publisher.discarded(shard):
+                self._fail(shard, Tier.STORAGE, "discarded before it was persisted")
+                return
             try:
                 t0 = time.time()
                 root.mkdir(parents=True, exist_ok=True)
@@ -320,6 +345,10 @@ class SavePipeline:
                 )
                 continue
             self.publisher.list_storage(shard, str(path), removed)
+            if self.publisher.discarded(shard):  # came while writing: its sweep may have missed it
+                self.discard_stored(self.publisher.discards)
+                self._fail(shard, Tier.STORAGE, "discarded while it was persisted")
+                return
             self._reached(shard, Tier.STORAGE)
             self.publisher.event(
                 "persisted",

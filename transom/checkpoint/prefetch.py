@@ -224,7 +224,8 @@ class Prefetcher:
             if catalog.is_discarded(self.publisher.discards, step, shard.generation):
                 self.memory.abort(step, rank, region)
                 return SKIPPED, "the step was discarded as poisoned"
-        self.pipeline.committed(shard)
+        if not self.pipeline.committed(shard):
+            return SKIPPED, "the step was discarded as poisoned"
         return FETCHED, origin
 
     def status(self) -> list[dict]:

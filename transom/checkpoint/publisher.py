@@ -162,16 +162,21 @@ class Publisher:
         return catalog.server_addr(self.store, peer) if self.store is not None else None
 
     # -- the catalog ---------------------------------------------------------------------------
+    def discarded(self, shard) -> bool:
+        """Whether `shard` falls under a discard this server knows of (catalog.discards)."""
+        return catalog.is_discarded(self.discards, shard.step, shard.generation)
+
     def list_memory(self, shard) -> None:
         """List a shard this server's memory holds (under the lease); never a discarded one."""
-        if self.store is None or catalog.is_discarded(self.discards, shard.step, shard.generation):
+        if self.store is None or self.discarded(shard):
             return
+        holder = catalog.memory_holder(self.node)
         try:
             catalog.publish(
                 self.store,
                 shard.step,
                 shard.rank,
-                catalog.memory_holder(self.node),
+                holder,
                 {
                     "world_size": shard.world_size,
                     CATALOG_FLAG: reshardable(shard.header),
@@ -184,8 +189,16 @@ class Publisher:
                 },
                 lease=self.lease,
             )
+            self._unless_discarded(shard, holder)
         except StoreError as e:
             log.warning("cannot list step %d rank %d in etcd: %s", shard.step, shard.rank, e)
+
+    def _unless_discarded(self, shard, holder: str) -> None:
+        """Withdraw an entry just listed if a discard came meanwhile: the sweeps of that discard
+        (the controller's, this server's on learning of it) may have run before the entry was
+        there. (A discard learnt after this look sweeps the entry itself.)"""
+        if self.store is not None and self.discarded(shard):
+            catalog.withdraw(self.store, shard.step, shard.rank, holder)
 
     def unlist_memory(self, shard) -> None:
         """Withdraw an evicted shard, in the background (called with the memory lock held)."""
@@ -201,26 +214,28 @@ class Publisher:
             pass
 
     def list_storage(self, shard, path: str, removed_steps: list[int]) -> None:
-        """List a persisted shard (no lease: it outlives the node); forget the steps retention
-        removed."""
+        """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
+        the steps retention removed."""
         if self.store is None:
             return
         try:
-            catalog.publish(
-                self.store,
-                shard.step,
-                shard.rank,
-                catalog.STORAGE_HOLDER,
-                {
-                    "world_size": shard.world_size,
-                    CATALOG_FLAG: reshardable(shard.header),
-                    "node": self.node,
-                    "tier": Tier.STORAGE,
-                    "path": path,
-                    "nbytes": shard.region.nbytes,
-                    "generation": shard.generation,
-                },
-            )
+            if not self.discarded(shard):
+                catalog.publish(
+                    self.store,
+                    shard.step,
+                    shard.rank,
+                    catalog.STORAGE_HOLDER,
+                    {
+                        "world_size": shard.world_size,
+                        CATALOG_FLAG: reshardable(shard.header),
+                        "node": self.node,
+                        "tier": Tier.STORAGE,
+                        "path": path,
+                        "nbytes": shard.region.nbytes,
+                        "generation": shard.generation,
+                    },
+                )
+                self._unless_discarded(shard, catalog.STORAGE_HOLDER)
             for step in removed_steps:
                 catalog.withdraw_storage(self.store, step)
         except StoreError as e:

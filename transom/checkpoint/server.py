@@ -24,8 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from transom.checkpoint import capacity, catalog, config, storage
-from transom.checkpoint.budget import COMMITTED, ShardMemory
+from transom.checkpoint import capacity, catalog, config
+from transom.checkpoint.budget import ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
 from transom.checkpoint.peer_service import PeerService
@@ -35,7 +35,7 @@ from transom.checkpoint.publisher import PlanView, Publisher
 from transom.checkpoint.shm import RegionDir
 from transom.checkpoint.worker_service import WorkerService
 from transom.common.states import Tier
-from transom.store import Store
+from transom.store import Store, StoreError
 
 log = logging.getLogger("transom.ckpt.server")
 
@@ -62,6 +62,7 @@ class CheckpointServer:
         self.publisher.held = lambda: self.memory.holding(Tier.MEMORY)
         self.publisher.on_plan = self._follow_plan
         self.publisher.on_discard = self._discard
+        self.memory.discarded = self.publisher.discarded
         self.pipeline = SavePipeline(cfg, self.memory, self.publisher, self.stopping)
         self.prefetcher = Prefetcher(
             cfg.node_id, cfg.ranks_per_node, cfg.secret, self.memory, self.pipeline, self.publisher
@@ -79,23 +80,16 @@ class CheckpointServer:
         self.prefetcher.follow(plan)
 
     def _discard(self, marks: list[dict]) -> None:
-        """Drop poisoned steps (catalog.discards) from this server's memory and from storage."""
-        with self.memory.lock:
-            for shard in list(self.memory.shards.values()):
-                poisoned = catalog.is_discarded(marks, shard.step, shard.generation)
-                if poisoned and shard.state == COMMITTED and not shard.pins:
-                    self.memory.evict(shard)
-        if self.cfg.storage_dir is not None:
-            for mark in marks:
-                try:
-                    storage.discard_steps(
-                        Path(self.cfg.storage_dir),
-                        mark["first_bad_step"],
-                        mark["generation"],
-                        self.cfg.job_id,
-                    )
-                except OSError as e:
-                    log.warning("cannot remove discarded steps from storage: %s", e)
+        """Drop discarded steps (catalog.discards, already the publisher's) from this server's
+        memory (a shard being read or checksummed goes when that ends), from storage, and from
+        the catalog (entries listed between the controller's sweep and now)."""
+        self.memory.drop_discarded()
+        self.pipeline.discard_stored(marks)
+        if self.publisher.store is not None:
+            try:
+                catalog.forget(self.publisher.store, marks)
+            except StoreError as e:
+                log.warning("cannot withdraw discarded steps from the catalog: %s", e)
 
     def start(self) -> CheckpointServer:
         workers = self.workers

@@ -106,8 +106,9 @@ def write_shard(
     timeline: dict | None = None,
 ) -> Path:
     """Write one shard durably; OSError when the disk is full or not writable, StaleTimeline when
-    `step` is complete under a newer generation. A complete step of another timeline stops being
-    complete (its manifest is withdrawn) before the shard replaces one of its files."""
+    `step` is complete under a newer generation, or its file of `rank` is of one. A complete step
+    of another timeline stops being complete (its manifest is withdrawn) before the shard
+    replaces one of its files."""
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(root, step)
@@ -123,6 +124,12 @@ def write_shard(
                 (directory / MANIFEST).unlink(missing_ok=True)
                 _write_latest(Path(root))
     path = shard_path(root, step, rank)
+    on_disk = _timeline_of(path) if path.exists() else None
+    if _older(timeline, on_disk):  # a zombie persisting late over the newer generation's shard
+        raise StaleTimeline(
+            f"step {step} rank {rank} on disk is of {on_disk}; a shard of the older {timeline} "
+            "is not written over it"
+        )
     atomic_write(path, [header_bytes, data])
     return path
 
