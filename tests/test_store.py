@@ -216,6 +216,14 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
     assert dropped == [60]
     assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]
     assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}  # saved after the rollback: kept
+    # Listed late (after the sweep) by generation 1: a server's own sweep of the steps it removed.
+    late = {"world_size": 2, "generation": 1}
+    for step in (60, 80):
+        store.put(catalog.shard_key(step, 0, "storage"), {"step": step, "rank": 0, **late})
+    store.put(catalog.SHARDS + "junk/0/storage", late)  # a key that does not parse: left alone
+    assert catalog.forget(store, catalog.discards(store), [60]) == [60]
+    assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}
+    assert set(catalog.holders(store, 80, 0)) == {"mem-node1", "storage"}  # not a step asked for
 
 
 # -- mutual TLS: nothing without the run's client certificate --------------------------------------

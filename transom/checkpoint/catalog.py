@@ -69,12 +69,16 @@ def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list
     return forget(store, [mark])
 
 
-def forget(store: Store, marks: list[dict]) -> list[int]:
-    """Delete every catalog entry that falls under one of the discards `marks`; the steps. The
-    controller does it when it records a discard, each server again when it learns of one (an
-    entry it listed in between, before it knew, goes too)."""
+def forget(store: Store, marks: list[dict], steps: list[int] | None = None) -> list[int]:
+    """Delete every catalog entry (of `steps` only, if given) that falls under one of the
+    discards `marks`; the steps. The controller does it for all steps when it records a
+    discard; a server for the steps it removed from storage when it learns of one (an entry
+    listed after the controller's sweep, before the server knew, goes too)."""
+    found: dict[int, dict[int, dict[str, dict]]] = {}
+    for one in [None] if steps is None else steps:
+        found.update(shards(store, one))
     dropped = set()
-    for step, ranks in shards(store).items():
+    for step, ranks in found.items():
         for rank, held in ranks.items():
             for holder, info in held.items():
                 if is_discarded(marks, step, entry_generation(info)):
@@ -112,15 +116,16 @@ def is_discarded(marks: list[dict], step: int, generation: int) -> bool:
     return any(step >= d["first_bad_step"] and generation < d["generation"] for d in marks)
 
 
-def shards(store: Store) -> dict[int, dict[int, dict[str, dict]]]:
-    """step -> rank -> holder -> info, for every shard some tier holds."""
+def shards(store: Store, step: int | None = None) -> dict[int, dict[int, dict[str, dict]]]:
+    """step -> rank -> holder -> info, for every shard some tier holds (of `step` only, if
+    given); a key that does not parse is left out."""
     out: dict[int, dict[int, dict[str, dict]]] = {}
-    for key, info in store.get_prefix(SHARDS).items():
-        parts = key.split("/")
-        if len(parts) != 3:
+    prefix = SHARDS if step is None else f"{SHARDS}{step:012d}/"
+    for key, info in store.get_prefix(prefix).items():
+        parts = (prefix[len(SHARDS) :] + key).split("/")
+        if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
             continue
-        step, rank, holder = int(parts[0]), int(parts[1]), parts[2]
-        out.setdefault(step, {}).setdefault(rank, {})[holder] = info
+        out.setdefault(int(parts[0]), {}).setdefault(int(parts[1]), {})[parts[2]] = info
     return out
 
 

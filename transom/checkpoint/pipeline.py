@@ -95,20 +95,25 @@ class SavePipeline:
         self.publisher.list_memory(shard)
         return True
 
-    def discard_stored(self, marks: list[dict]) -> None:
-        """Remove what the discards `marks` cover from the storage directory (if any)."""
+    def discard_stored(self, marks: list[dict]) -> list[int]:
+        """Remove what the discards `marks` cover from the storage directory (if any); the
+        steps touched."""
+        touched: set[int] = set()
         if self.cfg.storage_dir is None:
-            return
+            return []
         for mark in marks:
             try:
-                storage.discard_steps(
-                    Path(self.cfg.storage_dir),
-                    mark["first_bad_step"],
-                    mark["generation"],
-                    self.cfg.job_id,
+                touched.update(
+                    storage.discard_steps(
+                        Path(self.cfg.storage_dir),
+                        mark["first_bad_step"],
+                        mark["generation"],
+                        self.cfg.job_id,
+                    )
                 )
             except OSError as e:
                 log.warning("cannot remove discarded steps from storage: %s", e)
+        return sorted(touched)
 
     def wait(self, step: int, rank: int, tier: Tier, timeout: float | None) -> dict:
         """The reply to a worker's `wait`: once shard (step, rank) reached or failed `tier`."""

@@ -81,13 +81,14 @@ class CheckpointServer:
 
     def _discard(self, marks: list[dict]) -> None:
         """Drop discarded steps (catalog.discards, already the publisher's) from this server's
-        memory (a shard being read or checksummed goes when that ends), from storage, and from
-        the catalog (entries listed between the controller's sweep and now)."""
+        memory (a shard being read or checksummed goes when that ends; evicted ones leave the
+        catalog), from storage, and the storage entries of the steps removed from the catalog
+        (one listed after the controller's sweep, before this server knew, goes too)."""
         self.memory.drop_discarded()
-        self.pipeline.discard_stored(marks)
-        if self.publisher.store is not None:
+        removed = self.pipeline.discard_stored(marks)
+        if removed and self.publisher.store is not None:
             try:
-                catalog.forget(self.publisher.store, marks)
+                catalog.forget(self.publisher.store, marks, removed)
             except StoreError as e:
                 log.warning("cannot withdraw discarded steps from the catalog: %s", e)
 
