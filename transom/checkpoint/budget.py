@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transom.checkpoint import layout
+from transom.checkpoint.saved_by import saved_by
 from transom.checkpoint.shm import Region, RegionDir
 from transom.common.states import Tier
 
@@ -62,8 +62,8 @@ class Shard:
 
     @property
     def generation(self) -> int:
-        """The generation that saved this shard (-1 until its header is known: layout.saved_by)."""
-        return layout.saved_by(self.header.get("timeline") if self.header else None)
+        """The generation that saved this shard (UNKNOWN until its header is known: saved_by)."""
+        return saved_by(self.header.get("timeline") if self.header else None)
 
 
 class ShardMemory:

@@ -143,17 +143,6 @@ def timeline(job: str, generation: int, world_size: int) -> dict:
     return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
 
 
-def saved_by(timeline: Any, job: str | None = None) -> int:
-    """The generation that saved a shard of `timeline` (a header's "timeline"); -1, older than
-    every generation, when the timeline is missing or malformed, or (`job` given) of another
-    job. Generations only grow, so this orders saves with no clock: a shard saved by a
-    generation before G is older than anything G saves, whatever the machines' clocks say."""
-    if not isinstance(timeline, dict) or (job is not None and timeline.get("job") != job):
-        return -1
-    generation = timeline.get("generation")
-    return generation if type(generation) is int else -1
-
-
 def plan_state(
     state: Any, step: int, rank: int, world_size: int, timeline: dict | None = None
 ) -> Plan:

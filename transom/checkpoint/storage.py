@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from transom.checkpoint import layout
+from transom.checkpoint.saved_by import saved_by
 from transom.checkpoint.shm import anonymous_buffer, as_bytes
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
@@ -279,7 +280,7 @@ def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) ->
                 f
                 for f in entry.iterdir()
                 if (SHARD_RE.match(f.name) or f.name == MANIFEST)
-                and layout.saved_by(_timeline_of(f), job) < generation
+                and saved_by(_timeline_of(f), job) < generation
             ]
             if not old:
                 continue
