@@ -98,9 +98,9 @@ class SavePipeline:
     def discard_stored(self, marks: list[dict]) -> list[int]:
         """Remove what the discards `marks` cover from the storage directory (if any); the
         steps touched."""
-        touched: set[int] = set()
         if self.cfg.storage_dir is None:
             return []
+        touched: set[int] = set()
         for mark in marks:
             try:
                 touched.update(

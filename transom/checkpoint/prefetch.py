@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 
-from transom.checkpoint import catalog, layout, replication
+from transom.checkpoint import layout, replication
 from transom.checkpoint.budget import BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
@@ -206,11 +206,11 @@ class Prefetcher:
                 if taken:
                     self.memory.abort(step, rank, taken[0])
                 raise
-            return self._keep(step, rank, taken[0], header, info, origin)
+            return self._keep(step, rank, taken[0], header, origin)
         return FAILED, "; ".join(errors)
 
     def _keep(
-        self, step: int, rank: int, region: Region, header: dict, info: dict, origin: str
+        self, step: int, rank: int, region: Region, header: dict, origin: str
     ) -> tuple[str, str]:
         """Make a fetched shard a complete one of this server's memory (listed in the catalog),
         unless it falls under a discard."""
@@ -221,10 +221,7 @@ class Prefetcher:
             shard.header, shard.world_size = header, header["world_size"]
             shard.header_bytes = layout.encode_header(header)
             shard.staged_at = time.time()
-            if catalog.is_discarded(self.publisher.discards, step, shard.generation):
-                self.memory.abort(step, rank, region)
-                return SKIPPED, "the step was discarded as poisoned"
-        if not self.pipeline.committed(shard):
+        if not self.pipeline.committed(shard):  # evicted there if it falls under a discard
             return SKIPPED, "the step was discarded as poisoned"
         return FETCHED, origin
 
