@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from transom.checkpoint import reshard_steps
+from transom.checkpoint.saved_by import saved_by
 from transom.common import keys
 from transom.common.states import Tier
 from transom.store import Store
@@ -81,16 +82,10 @@ def forget(store: Store, marks: list[dict], steps: list[int] | None = None) -> l
     for step, ranks in found.items():
         for rank, held in ranks.items():
             for holder, info in held.items():
-                if is_discarded(marks, step, entry_generation(info)):
+                if is_discarded(marks, step, saved_by(info)):  # the entry names it too
                     store.delete(shard_key(step, rank, holder))
                     dropped.add(step)
     return sorted(dropped)
-
-
-def entry_generation(info: Any) -> int:
-    """The generation that saved a catalog entry's shard (-1 when the entry does not say)."""
-    generation = info.get("generation") if isinstance(info, dict) else None
-    return generation if type(generation) is int else -1
 
 
 def discards(store: Store) -> list[dict]:

@@ -15,8 +15,9 @@ UNKNOWN = -1  # older than every generation
 
 
 def saved_by(timeline: Any, job: str | None = None) -> int:
-    """The generation that saved a shard of `timeline` (a header's "timeline"); UNKNOWN when the
-    timeline is missing or malformed, or (`job` given) of another job."""
+    """The generation that saved a shard of `timeline` (a header's "timeline", or a catalog
+    entry, which names its generation the same way); UNKNOWN when it is missing or malformed, or
+    (`job` given) of another job."""
     if not isinstance(timeline, dict) or (job is not None and timeline.get("job") != job):
         return UNKNOWN
     generation = timeline.get("generation")
