@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -103,6 +104,7 @@ def run_job(
     extra: list[str],
     nodes: int = NODES,
     step_delay_s: float = STEP_DELAY_S,
+    log_level: str = "warning",
 ) -> list[dict]:
     """Run one job to its end; its events."""
     argv = transom_run(
@@ -127,6 +129,7 @@ def run_job(
         "--log-every",
         "1",
         *extra,
+        log_level=log_level,
     )
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -380,7 +383,10 @@ def main() -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument(
-        "--keep-dir", default="", help="copy each job's events.jsonl here (to study a trial)"
+        "--keep-dir",
+        default="",
+        help="copy each job's run directory here, less its checkpoints, its controllers logging "
+        "at debug level (every straggler evaluation), to study a trial",
     )
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -402,7 +408,16 @@ def main() -> int:
                 spec, steps = schedule(kind, n, rng, args.nodes, args.throttle_factor)
                 dirs.append(tmp / f"{kind}{i}")
                 spares = n if kind in EVICTING else 0
-                job = run_job(dirs[-1], spec, spares, steps, [], args.nodes, args.step_delay)
+                job = run_job(
+                    dirs[-1],
+                    spec,
+                    spares,
+                    steps,
+                    [],
+                    args.nodes,
+                    args.step_delay,
+                    "debug" if args.keep_dir else "warning",
+                )
                 events += job
                 slowed += slowdowns(dirs[-1], job)
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
@@ -416,11 +431,8 @@ def main() -> int:
             if args.keep_dir:
                 keep = Path(args.keep_dir) / f"{kind}-{args.nodes}n-{int(time.time())}"
                 keep.mkdir(parents=True, exist_ok=True)
-                for d in dirs:
-                    if (d / "events.jsonl").exists():
-                        (keep / f"{d.name}.events.jsonl").write_text(
-                            (d / "events.jsonl").read_text()
-                        )
+                for d in dirs:  # its events and logs; not its checkpoints
+                    shutil.copytree(d, keep / d.name, ignore=shutil.ignore_patterns("checkpoints"))
         if args.fault_free_minutes > 0:
             result["fault_free"] = fault_free(tmp, args.fault_free_minutes, args.nodes)
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)

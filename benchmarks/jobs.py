@@ -40,11 +40,12 @@ class Line(NamedTuple):
     t: float
 
 
-def transom_run(run_dir: Path, job_id: str, *options: str) -> list[str]:
-    """The command line that starts job `job_id` under `transom run`, with `options` after."""
+def transom_run(run_dir: Path, job_id: str, *options: str, log_level: str = "warning") -> list[str]:
+    """The command line that starts job `job_id` under `transom run`, with `options` after (at
+    `log_level` debug, its controllers log every straggler evaluation)."""
     return [
-        sys.executable, "-m", "transom", "run", "--run-dir", str(run_dir), "--job-id", job_id,
-        *options,
+        sys.executable, "-m", "transom", "--log-level", log_level, "run", "--run-dir",
+        str(run_dir), "--job-id", job_id, *options,
     ]  # fmt: skip
 
 

@@ -56,6 +56,13 @@ from transom.view import (
 
 log = logging.getLogger("transom.run")
 
+
+def children_log_level() -> str:
+    """The controllers' and agents' log level: info, or debug when `transom --log-level debug`
+    runs the launcher (the controller then logs every straggler evaluation)."""
+    return "debug" if logging.getLogger().isEnabledFor(logging.DEBUG) else "info"
+
+
 POLL_S = 0.5
 STORE_CONNECT_TIMEOUT_S = 5.0
 STORE_DEADLINE_S = 2.0  # one poll's etcd calls give up after this; the outage is then counted
@@ -174,7 +181,7 @@ class Launcher:
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
-        base = [sys.executable, "-m", "transom", "--log-level", "info"]
+        base = [sys.executable, "-m", "transom", "--log-level", children_log_level()]
         common = [*self.connected.access.argv(), "--job-id", spec.job_id]
         simulated = L.store is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
@@ -203,7 +210,7 @@ class Launcher:
             "-m",
             "transom",
             "--log-level",
-            "info",
+            children_log_level(),
             "agent",
             *self.connected.access.argv(),
             "--job-id",

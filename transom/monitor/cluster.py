@@ -12,12 +12,15 @@ A new cross-node detector is a class with `update(view)` in a file of its own pl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from transom.common.records import Anomaly
 from transom.monitor import detectors, waiting
+
+log = logging.getLogger("transom.monitor.cluster")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,13 @@ class StragglerDetector:
         self.tracker = waiting.StragglerTracker()
 
     def update(self, view: ClusterView) -> Anomaly | None:
-        return None if view.finishing else self.tracker.update(view.ranks)
+        if view.finishing:
+            return None
+        before = self.tracker.evaluated_at
+        found = self.tracker.update(view.ranks)
+        if self.tracker.evaluated_at != before and log.isEnabledFor(logging.DEBUG):
+            log.debug("straggler evaluation: %s", self.tracker.last)
+        return found
 
 
 class ThroughputDetector:

@@ -15,7 +15,9 @@ busy time minus the median of the other nodes' ranks' (a median of waits would n
 is the distance to the slowest of many noisy ranks). A slowdown inside the compute section also
 shows as compute above the other nodes' (`compute excess`, all there is for a job without a sync
 section or without send times). A node's delay is the larger of the two for its latest rank; it
-is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION), stands out
+is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION of the job's
+median step time, or of the generation's baseline step time when that is shorter: the ranks' step
+times include waiting for the straggler, which would raise the bar by its own lateness), stands out
 from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job
 (StragglerTracker). It works with 2 nodes as with many: nothing here needs a spread of peers.
 Its latency is bounded in steps: the window fills in a few steps, the agents publish every
@@ -39,7 +41,8 @@ from transom.common import anomalies
 from transom.common.records import Anomaly, Severity
 
 STRAGGLER_MIN_NODES = 2
-# A node is late when its delay is above this fraction of the job's median step time ...
+# A node is late when its delay is above this fraction of the job's median step time (or of the
+# generation's baseline, the median over its first BASELINE_EVALUATIONS evaluations, if lower) ...
 STRAGGLER_LATE_FRACTION = 0.25
 # ... and at least STRAGGLER_STANDOUT times the next node's delay (one node waited for).
 STRAGGLER_STANDOUT = 2.0
@@ -114,8 +117,12 @@ def job_step_s(views: list[dict]) -> float | None:
     return median_step_s(v.get("step_s") for v in views)
 
 
-def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
-    """The one node the others wait for: (node, its latest rank, evidence), or None."""
+def straggler_candidate(
+    views: list[dict], baseline_s: float | None = None
+) -> tuple[str, int, dict] | None:
+    """The one node the others wait for: (node, its latest rank, evidence), or None. Its delay
+    is measured against the job's step time, or `baseline_s` (the step time before anyone was
+    late) when that is shorter."""
     delays = node_delays(views)
     step_s = job_step_s(views)
     if not delays or not step_s:
@@ -124,7 +131,8 @@ def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
     worst = ranked[0]
     delay, rank, evidence = delays[worst]
     runner_up = max(0.0, delays[ranked[1]][0]) if len(ranked) > 2 else 0.0
-    threshold = max(STRAGGLER_LATE_FRACTION * step_s, STRAGGLER_STANDOUT * runner_up)
+    reference = min(step_s, baseline_s) if baseline_s else step_s
+    threshold = max(STRAGGLER_LATE_FRACTION * reference, STRAGGLER_STANDOUT * runner_up)
     if delay <= threshold:
         return None
     return (
@@ -134,6 +142,7 @@ def straggler_candidate(views: list[dict]) -> tuple[str, int, dict] | None:
             **evidence,
             "delay_s": round(delay, 4),
             "step_s": round(step_s, 4),
+            "reference_step_s": round(reference, 4),
             "threshold_s": round(threshold, 4),
             "delay_share": round(delay / step_s, 3),
             "nodes": {n: round(d, 4) for n, (d, _, _) in delays.items()},
@@ -177,13 +186,31 @@ class StragglerTracker:
         self.since: int = 0  # the newest step when the streak began
         self.named = 0  # evaluations of the streak that named its node
         self.missed = 0  # evaluations in a row since that did not
+        self.baseline: list[float] = []  # the job's step time in the first evaluations
+        self.last: dict | None = None  # what the newest evaluation saw (for a debug log)
 
     def update(self, views: list[dict]) -> Anomaly | None:
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
         if newest is None or (self.evaluated_at is not None and newest <= self.evaluated_at):
             return None  # no new step since the last evaluation
         self.evaluated_at = newest
-        found = straggler_candidate(views)
+        step_s = job_step_s(views)
+        if step_s and len(self.baseline) < BASELINE_EVALUATIONS:
+            self.baseline.append(step_s)
+        baseline_s = statistics.median(self.baseline) if self.baseline else None
+        found = straggler_candidate(views, baseline_s)
+        self.last = {
+            "step": newest,
+            "delays": {n: round(d, 4) for n, (d, _, _) in node_delays(views).items()},
+            "step_s": step_s,
+            "baseline_s": baseline_s,
+            "named": found[0] if found else None,
+            "ranks": {  # rank: busy, wait, compute, step time
+                v["rank"]: [_round(v.get(k)) for k in ("busy_s", "wait_s", "compute_s", "step_s")]
+                for v in views
+            },
+            "streak": [self.node, self.since, self.named, self.missed],
+        }
         if found is None or found[0] != self.node:
             self.missed += 1
             if self.node is None or self.missed > STRAGGLER_MISSES or found is not None:
@@ -241,7 +268,7 @@ def throughput_drop(views: list[dict], base: float, now: float) -> Anomaly:
     """A drop from `base` to `now` seconds a step, blamed on the node waited for if there is one."""
     what = f"median step time {now:.3f} s, {now / base:.1f}x the generation's baseline {base:.3f} s"
     evidence: dict = {"baseline_step_s": round(base, 4), "recent_step_s": round(now, 4)}
-    found = straggler_candidate(views)
+    found = straggler_candidate(views, base)
     if found is not None:
         node, rank, wait = found
         return Anomaly(
