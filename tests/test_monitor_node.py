@@ -85,6 +85,35 @@ def test_phase_and_warm_up_steps_are_not_timed(node):
     assert node.ranks[3].durations[0] < 0.05
 
 
+def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch):
+    """Step datagrams wait to go out together (the first send after compute is the costly one),
+    then all arrive, in order, with their own times; a NaN loss, the first step after a phase and
+    any other datagram send the waiting steps at once."""
+    monkeypatch.setattr(reporter, "BATCH_S", 60.0)
+    monkeypatch.setattr(reporter, "BATCH_STEPS", 100)
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # the heartbeat would send them too
+    for step in range(1, WARMUP_STEPS + 3):  # a burst within the agent's receive queue
+        with reporter.step(step):
+            time.sleep(0.002)
+    channel = reporter._channel
+    assert channel is not None
+    # The first went at once (nothing was sent for BATCH_S before it), the others wait.
+    assert [values["step"] for _, values in channel.pending] == list(range(2, WARMUP_STEPS + 3))
+    wait_for(lambda: node.steps().get(3) == 1, 5, "the first step to arrive")
+    with reporter.phase("checkpoint"):  # any other datagram goes after the steps waiting
+        assert channel.pending == []
+    wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 2, 5, "the waiting steps to arrive")
+    busies = node.ranks[3].busies  # from each step's own end time, not the time they were sent
+    assert len(busies) == 2 and min(busies) >= 0.002
+    reporter.report(WARMUP_STEPS + 3, loss=2.0)
+    assert channel.pending == []  # the first step after a phase: the agent waited long for it
+    reporter.report(WARMUP_STEPS + 4, loss=2.0)
+    assert len(channel.pending) == 1
+    reporter.report(WARMUP_STEPS + 5, loss=float("nan"))
+    assert channel.pending == []
+    wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
+
+
 def test_nan_loss_is_an_anomaly_at_once(node):
     reporter.report(7, loss=2.0)
     reporter.report(8, loss=float("nan"))
