@@ -176,13 +176,17 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="transom-overhead-") as tmp:
         result = measure(Path(tmp), args.pairs, args.steps)
-    print(describe(result))
-    low, high = result["overhead_ci95_x"]
-    verdict = "below" if high < TARGET else "not shown below"
-    print(f"target: {verdict} {TARGET * 100:.0f}% (the interval's upper end)")
-    if args.json:
-        print(json.dumps(result))
+    print_result(describe(result), result, args.json)
     return 0
+
+
+def print_result(text: str, result: dict, as_json: bool) -> None:
+    """The result in words, whether its interval shows the target, and (`as_json`) JSON."""
+    print(text)
+    verdict = "below" if result["overhead_ci95_x"][1] < TARGET else "not shown below"
+    print(f"target: {verdict} {TARGET * 100:.0f}% (the interval's upper end)")
+    if as_json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
