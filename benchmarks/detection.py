@@ -105,8 +105,9 @@ def run_job(
     nodes: int = NODES,
     step_delay_s: float = STEP_DELAY_S,
     log_level: str = "warning",
+    timeout_s: float = JOB_TIMEOUT_S,
 ) -> list[dict]:
-    """Run one job to its end; its events."""
+    """Run one job to its end (stopped after `timeout_s`); its events."""
     argv = transom_run(
         run_dir,
         "d-" + uuid.uuid4().hex[:6],
@@ -134,7 +135,7 @@ def run_job(
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=JOB_TIMEOUT_S)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -284,6 +285,7 @@ def fault_free(tmp: Path, minutes: float, nodes: int = NODES) -> dict:
         steps,
         ["--eval-every", "100", "--eval-batches", "200"],
         nodes,
+        timeout_s=2 * minutes * 60 + JOB_TIMEOUT_S,
     )
     hours = (time.time() - t0) / 3600
     false = [
@@ -295,6 +297,7 @@ def fault_free(tmp: Path, minutes: float, nodes: int = NODES) -> dict:
     return {
         "duration_s": round(hours * 3600, 1),
         "steps": steps,
+        "finished": any(e["kind"] == "succeeded" for e in events),
         "false_positives": len(false),
         "false_positives_per_hour": len(false) / hours if hours else None,
         "examples": [e["message"][:120] for e in false[:5]],
