@@ -56,7 +56,7 @@ class StragglerDetector:
         before = self.tracker.evaluated_at
         found = self.tracker.update(view.ranks)
         if self.tracker.evaluated_at != before and log.isEnabledFor(logging.DEBUG):
-            log.debug("straggler evaluation: %s", self.tracker.last)
+            log.debug("straggler evaluation: %s", self.tracker.evaluation())
         return found
 
 

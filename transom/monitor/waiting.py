@@ -117,6 +117,24 @@ def job_step_s(views: list[dict]) -> float | None:
     return median_step_s(v.get("step_s") for v in views)
 
 
+class Baseline:
+    """A generation's normal step time: the median of the first BASELINE_EVALUATIONS given."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.values) >= BASELINE_EVALUATIONS
+
+    def add(self, step_s: float) -> None:
+        if not self.full:
+            self.values.append(step_s)
+
+    def value(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+
 def straggler_candidate(
     views: list[dict], baseline_s: float | None = None
 ) -> tuple[str, int, dict] | None:
@@ -186,8 +204,9 @@ class StragglerTracker:
         self.since: int = 0  # the newest step when the streak began
         self.named = 0  # evaluations of the streak that named its node
         self.missed = 0  # evaluations in a row since that did not
-        self.baseline: list[float] = []  # the job's step time in the first evaluations
-        self.last: dict | None = None  # what the newest evaluation saw (for a debug log)
+        self.baseline = Baseline()  # the job's step time in the first evaluations
+        # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`.
+        self._last: tuple[list[dict], float | None, str | None] | None = None
 
     def update(self, views: list[dict]) -> Anomaly | None:
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
@@ -195,22 +214,11 @@ class StragglerTracker:
             return None  # no new step since the last evaluation
         self.evaluated_at = newest
         step_s = job_step_s(views)
-        if step_s and len(self.baseline) < BASELINE_EVALUATIONS:
-            self.baseline.append(step_s)
-        baseline_s = statistics.median(self.baseline) if self.baseline else None
+        if step_s:
+            self.baseline.add(step_s)
+        baseline_s = self.baseline.value()
         found = straggler_candidate(views, baseline_s)
-        self.last = {
-            "step": newest,
-            "delays": {n: round(d, 4) for n, (d, _, _) in node_delays(views).items()},
-            "step_s": step_s,
-            "baseline_s": baseline_s,
-            "named": found[0] if found else None,
-            "ranks": {  # rank: busy, wait, compute, step time
-                v["rank"]: [_round(v.get(k)) for k in ("busy_s", "wait_s", "compute_s", "step_s")]
-                for v in views
-            },
-            "streak": [self.node, self.since, self.named, self.missed],
-        }
+        self._last = (views, baseline_s, found[0] if found else None)
         if found is None or found[0] != self.node:
             self.missed += 1
             if self.node is None or self.missed > STRAGGLER_MISSES or found is not None:
@@ -233,12 +241,31 @@ class StragglerTracker:
             step=newest,
         )
 
+    def evaluation(self) -> dict | None:
+        """What the newest evaluation saw and the streak after it, in a loggable form (built
+        only when asked: the controller logs it at debug level)."""
+        if self._last is None:
+            return None
+        views, baseline_s, named = self._last
+        return {
+            "step": self.evaluated_at,
+            "delays": {n: round(d, 4) for n, (d, _, _) in node_delays(views).items()},
+            "step_s": job_step_s(views),
+            "baseline_s": baseline_s,
+            "named": named,
+            "ranks": {  # rank: busy, wait, compute, step time
+                v["rank"]: [_round(v.get(k)) for k in ("busy_s", "wait_s", "compute_s", "step_s")]
+                for v in views
+            },
+            "streak": [self.node, self.since, self.named, self.missed],
+        }
+
 
 class ThroughputTracker:
     """The job's median step time against this generation's baseline; raised once a drop."""
 
     def __init__(self) -> None:
-        self.baseline: list[float] = []
+        self.baseline = Baseline()
         self.raised = False
         self.last_key: tuple | None = None
 
@@ -253,10 +280,10 @@ class ThroughputTracker:
         now = job_step_s(timed)
         if now is None:
             return None
-        if len(self.baseline) < BASELINE_EVALUATIONS:
-            self.baseline.append(now)
+        if not self.baseline.full:
+            self.baseline.add(now)
             return None
-        base = statistics.median(self.baseline)
+        base = self.baseline.value() or 0.0
         dropped = base > 0 and now > THROUGHPUT_DROP_RATIO * base
         was_raised, self.raised = self.raised, dropped
         if not dropped or was_raised:
