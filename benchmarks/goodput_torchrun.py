@@ -139,13 +139,14 @@ class TorchrunJob:
         while not self.stopping.is_set():
             received = self.channel.receive()
             message = datagram.parse(received.data) if received is not None else None
-            if not isinstance(message, datagram.Datagram):
+            if not isinstance(message, datagram.Message):
                 continue
             rank, step = message.rank, message.values.get("step")
             if message.kind == "fault":  # the reporter fired a worker-side fault
                 self.record(message.values["fault"], message.t or time.time(), step, rank)
-            elif message.kind == "step" and step is not None:
-                self.steps[rank] = step
+            elif message.kind == "steps":  # the reporter sends its steps in batches
+                self.steps[rank] = message.values["steps"][-1].values["step"]
+                step = self.steps[rank]
                 for f in [f for f in pending if step >= f["step"]]:
                     if self.inject(f):
                         pending.remove(f)

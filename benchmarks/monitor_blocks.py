@@ -12,10 +12,14 @@ blocks over that of the "off" blocks, less 1 (each block timed with perf_counter
 bootstrap interval over the pairs. A ratio of means, not a mean of each pair's ratio: with short
 blocks a pair's ratio is noisy, and the mean of a noisy ratio is biased upwards (by about the
 square of the step time's coefficient of variation; `overhead_pair_mean_x` shows it). It leaves
-out: the worker's heartbeat thread (two datagrams a second) runs in both halves, and start-up
-(opening the channel) in neither; the run pairs of monitor_overhead.py include both.
+out: the worker's sender thread (a heartbeat twice a second, a look for steps waiting ten times)
+runs in both halves, and start-up (opening the channel) in neither; the run pairs of
+monitor_overhead.py include both. The sender thread sends an "on" block's steps while it runs;
+those still waiting when it ends are sent before its time is taken, so none cost an "off" block
+(with blocks of one step most are sent by the main thread then: blocks of 20+ steps are fair to
+the thread).
 
-    python benchmarks/monitor_blocks.py --pairs 5000 --block-steps 1
+    python benchmarks/monitor_blocks.py --pairs 250 --block-steps 25
     python benchmarks/monitor_blocks.py --json      # last line: JSON
 """
 
@@ -34,18 +38,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from transom.common import env as env_names  # noqa: E402
+from transom.monitor import reporter  # noqa: E402
 
-BLOCK_STEPS = 1
-PAIRS = 5000
+BLOCK_STEPS = 25
+PAIRS = 250
 BOOTSTRAP = 2000
 WARMUP_STEPS = 20  # steps before the first block (allocator, caches)
 
 
-def train_blocks(pairs: int, block_steps: int) -> None:
+def train_blocks(pairs: int, block_steps: int, batch_s: float) -> None:
     """The child: train, switching the monitor on and off by block; one JSON line per block."""
     import torch
 
-    from transom.monitor import reporter
+    reporter.BATCH_S = batch_s
     from transom.workloads.gpt_model import GPT, get_batch, make_corpus, make_optimizer
 
     torch.set_num_threads(1)
@@ -89,11 +94,14 @@ def train_blocks(pairs: int, block_steps: int) -> None:
                 monitored(step)
             else:
                 plain(step)
+        channel = reporter._channel
+        if on and channel is not None:
+            channel.flush()  # this block's steps are sent in its own time, not the next block's
         seconds = (time.perf_counter() - t0) / block_steps
         print(json.dumps({"on": on, "step_s": seconds}), flush=True)
 
 
-def measure(pairs: int, block_steps: int) -> dict:
+def measure(pairs: int, block_steps: int, batch_s: float) -> dict:
     """Run the child against a live node monitor; the overhead of its on/off block pairs."""
     from transom.monitor.node import NodeMonitor
 
@@ -112,6 +120,8 @@ def measure(pairs: int, block_steps: int) -> dict:
                 str(pairs),
                 "--block-steps",
                 str(block_steps),
+                "--batch-s",
+                str(batch_s),
             ],
             env=env,
             capture_output=True,
@@ -131,6 +141,7 @@ def measure(pairs: int, block_steps: int) -> dict:
     return {
         "pairs": pairs,
         "block_steps": block_steps,
+        "batch_s": batch_s,
         "step_on_s": statistics.median(b["step_s"] for b in blocks if b["on"]),
         "step_off_s": statistics.median(b["step_s"] for b in blocks if not b["on"]),
         "overhead_x": ratio_of_means(pairs_s),
@@ -157,8 +168,8 @@ def describe(o: dict) -> str:
     return (
         f"monitoring overhead in one process: {o['overhead_x'] * 100:+.2f}% (95% CI "
         f"{low * 100:+.2f}% to {high * 100:+.2f}%, {o['pairs']} on/off pairs of blocks of "
-        f"{o['block_steps']} steps; step {o['step_on_s'] * 1000:.2f} ms on vs "
-        f"{o['step_off_s'] * 1000:.2f} ms off, medians)"
+        f"{o['block_steps']} steps, steps batched for {o['batch_s']} s; step "
+        f"{o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off, medians)"
     )
 
 
@@ -174,15 +185,22 @@ def main() -> int:
         default=BLOCK_STEPS,
         help=f"steps a block (default {BLOCK_STEPS})",
     )
+    p.add_argument(
+        "--batch-s",
+        type=float,
+        default=reporter.BATCH_S,
+        help="the worker's step batching period, reporter.BATCH_S (default %(default)s; 0: "
+        "every step goes at once)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        train_blocks(args.pairs, args.block_steps)
+        train_blocks(args.pairs, args.block_steps, args.batch_s)
         return 0
     from monitor_overhead import print_result
 
-    result = measure(args.pairs, args.block_steps)
+    result = measure(args.pairs, args.block_steps, args.batch_s)
     print_result(describe(result), result, args.json)
     return 0
 

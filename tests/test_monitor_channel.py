@@ -45,6 +45,7 @@ def valid(kind: str = "step", **values) -> dict:
     base = {"k": kind, "rank": RANK, "gen": GEN, "t": 1.7e9}
     defaults = {
         "step": {"step": 9, "dur": 0.1, "comm": 0.02, "compute": 0.08, "loss": 2.5, "tokens": 96},
+        "steps": {"steps": [batched(8), batched(9)]},
         "beat": {"step": 9, "phase": None},
         "phase": {"step": 9, "phase": "checkpoint"},
         "fault": {"step": 9, "fault": {"id": "f0", "type": "nan", "step": 9}},
@@ -52,7 +53,12 @@ def valid(kind: str = "step", **values) -> dict:
     return base | defaults | values
 
 
-def parse(message) -> datagram.Datagram | datagram.Rejection:
+def batched(step: int, **values) -> dict:
+    """One record of a steps datagram."""
+    return {"t": 1.7e9 + step, "step": step, "dur": 0.1, "comm": 0.02, "loss": 2.5} | values
+
+
+def parse(message) -> datagram.Message | datagram.Rejection:
     data = message if isinstance(message, bytes) else json.dumps(message).encode()
     return datagram.parse(data)
 
@@ -60,29 +66,45 @@ def parse(message) -> datagram.Datagram | datagram.Rejection:
 # -- the schema (no socket) -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(datagram.KINDS))
+@pytest.mark.parametrize("kind", sorted(datagram.KINDS - {"steps"}))
 def test_what_the_worker_encodes_the_agent_accepts(kind):
     values = {k: v for k, v in valid(kind).items() if k not in ("k", "rank", "gen", "t")}
     parsed = datagram.parse(datagram.encode(kind, RANK, GEN, 1.7e9, **values))
-    assert isinstance(parsed, datagram.Datagram), parsed
+    assert isinstance(parsed, datagram.Message), parsed
     assert (parsed.kind, parsed.rank, parsed.generation, parsed.t) == (kind, RANK, GEN, 1.7e9)
     assert parsed.values == {k: float(v) if k == "tokens" else v for k, v in values.items()}
+
+
+def test_a_batch_of_steps_is_parsed_as_the_step_datagrams_it_holds():
+    records = [(1.7e9 + i, {"step": i, "dur": 0.1, "comm": 0.02, "lr": 0.1}) for i in range(3)]
+    parsed = datagram.parse(datagram.encode_steps(RANK, GEN, records))
+    assert isinstance(parsed, datagram.Message) and parsed.kind == "steps"
+    assert (parsed.rank, parsed.generation) == (RANK, GEN)
+    steps = parsed.values["steps"]
+    assert [(s.kind, s.rank, s.generation, s.t) for s in steps] == [
+        ("step", RANK, GEN, 1.7e9 + i) for i in range(3)
+    ]
+    assert [s.values for s in steps] == [values for _, values in records]
+    too_many = [(1.0, {"step": i}) for i in range(datagram.MAX_BATCH + 5)]
+    parsed = datagram.parse(datagram.encode_steps(RANK, GEN, too_many))
+    assert isinstance(parsed, datagram.Message)
+    assert len(parsed.values["steps"]) == datagram.MAX_BATCH
 
 
 def test_the_encoder_keeps_user_metrics_apart_from_the_schema():
     data = datagram.encode("step", RANK, GEN, 1.0, step=3, gen=99, lr=0.1, **{"a b": 2.0})
     parsed = datagram.parse(data)
-    assert isinstance(parsed, datagram.Datagram) and parsed.generation == GEN
+    assert isinstance(parsed, datagram.Message) and parsed.generation == GEN
     assert parsed.values == {"step": 3, "lr": 0.1, "a b": 2.0}
     many = {f"m{i}": 1.0 for i in range(datagram.MAX_METRICS + 5)}
     parsed = datagram.parse(datagram.encode("step", RANK, GEN, 1.0, step=1, **many))
-    assert isinstance(parsed, datagram.Datagram) and len(parsed.values) == 1 + datagram.MAX_METRICS
+    assert isinstance(parsed, datagram.Message) and len(parsed.values) == 1 + datagram.MAX_METRICS
 
 
 def test_a_nan_loss_is_valid_and_stays_nan():
     for loss in (float("nan"), float("inf"), float("-inf")):
         parsed = parse(valid(loss=loss))  # json writes NaN, Infinity, -Infinity
-        assert isinstance(parsed, datagram.Datagram) and not math.isfinite(parsed.values["loss"])
+        assert isinstance(parsed, datagram.Message) and not math.isfinite(parsed.values["loss"])
 
 
 BAD_FIELDS = [
@@ -143,6 +165,18 @@ BAD_FIELDS = [
     (valid("fault") | {"fault": {"id": 3, "type": "nan"}}, None),
     (valid("fault") | {"fault": None}, None),
     ({kk: v for kk, v in valid("fault").items() if kk != "fault"}, None),
+    # a batch of steps: one bad record refuses it all, and no record speaks for another rank
+    (valid("steps") | {"steps": []}, None),
+    (valid("steps") | {"steps": [batched(1)] * (datagram.MAX_BATCH + 1)}, None),
+    (valid("steps") | {"steps": [batched(1), "step"]}, None),
+    (valid("steps") | {"steps": [batched(1), batched(2, dur="x")]}, None),
+    (valid("steps") | {"steps": [batched(1), batched(2, comm=0.5)]}, None),
+    (valid("steps") | {"steps": [batched(1), {"t": 1.0}]}, None),
+    (valid("steps") | {"steps": [batched(1), batched(2, rank=RANK + 1)]}, None),
+    (valid("steps") | {"steps": [batched(1, gen=GEN + 1)]}, None),
+    (valid("steps") | {"steps": [batched(1, k="beat")]}, None),
+    (valid("steps") | {"steps": [batched(1, steps=[batched(2)])]}, None),
+    (valid("steps") | {"steps": {"0": batched(1)}}, None),
     # not a JSON object at all
     (b"", datagram.NOT_JSON),
     (b"\xff\xfe\x00garbage", datagram.NOT_JSON),
@@ -153,7 +187,7 @@ BAD_FIELDS = [
     (b"[" * 2000 + b"]" * 2000, datagram.NOT_JSON),  # nested past the recursion limit
     (b"[" * 100_000, datagram.OVERSIZE),
     (b'{"k":"step","rank":' + b"9" * 4050 + b"}", None),  # a huge integer
-    (b'{"k":"step","rank":' + b"9" * 5000 + b"}", datagram.OVERSIZE),
+    (b'{"k":"step","rank":' + b"9" * datagram.MAX_BYTES + b"}", datagram.OVERSIZE),
     (json.dumps(valid() | {"pad": "x" * datagram.MAX_BYTES}).encode(), datagram.OVERSIZE),
 ]
 
@@ -168,7 +202,7 @@ def test_every_malformed_datagram_is_rejected_with_its_reason(message, reason):
 def test_the_valid_templates_are_valid():
     """The cases above each break one field of a valid datagram: a valid one must pass."""
     for kind in datagram.KINDS:
-        assert isinstance(parse(valid(kind)), datagram.Datagram)
+        assert isinstance(parse(valid(kind)), datagram.Message)
 
 
 # -- the socket ---------------------------------------------------------------------------------

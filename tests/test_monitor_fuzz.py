@@ -38,6 +38,7 @@ def _template(kind: str, rank: int, generation: int, rng: random.Random) -> dict
     step = rng.randrange(0, 10**6)
     values = {
         "step": {"step": step, "dur": 0.2, "comm": 0.05, "compute": 0.15, "loss": 2.0},
+        "steps": {"steps": [{"t": 1.7e9, "step": step, "dur": 0.2, "loss": 2.0}]},
         "beat": {"step": step, "phase": None},
         "phase": {"step": step, "phase": "checkpoint"},
         "fault": {"step": step, "fault": {"id": "f9", "type": "nan", "step": 1}},
@@ -53,7 +54,7 @@ def _broken(message: dict, rng: random.Random) -> dict:
     if spec is not None and spec.required and rng.random() < 0.2:
         return {k: v for k, v in message.items() if k != name}  # a required field missing
     if spec is None:  # the kind
-        bad = rng.choice(["", "steps", "STEP", None, 3, ["step"], "x" * 100])
+        bad = rng.choice(["", "stepz", "STEP", None, 3, ["step"], "x" * 100])
     elif spec.type == "fault":
         bad = rng.choice(["nan", 7, [], {"id": "f"}, {"type": "nan"}, {"id": [], "type": "x"}])
     elif spec.type == "int":

@@ -13,7 +13,7 @@ from conftest import wait_for
 
 from transom.common import env
 from transom.faults import DEFAULT_LOG_LINE, MockNvml
-from transom.monitor import reporter
+from transom.monitor import datagram, reporter
 from transom.monitor.node import WARMUP_STEPS, NodeMonitor
 
 
@@ -112,6 +112,20 @@ def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch
     reporter.report(WARMUP_STEPS + 5, loss=float("nan"))
     assert channel.pending == []
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
+
+
+def test_a_batch_too_long_for_one_datagram_goes_in_parts(node, monkeypatch):
+    monkeypatch.setattr(reporter, "BATCH_S", 60.0)
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)
+    metrics = {f"metric_with_a_long_name_{i:02}": 1.0 / 3 for i in range(16)}
+    monkeypatch.setattr(reporter, "BATCH_STEPS", 32)
+    records = [(1.7e9 + step, {"step": step, **metrics}) for step in range(2, 34)]
+    assert len(datagram.encode_steps(3, 0, records)) > datagram.MAX_BYTES
+    for step in range(1, 34):  # the first goes at once, the 32 others when the 32nd waits
+        reporter.report(step, **metrics)
+    wait_for(lambda: node.steps().get(3) == 33, 5, "the last step to arrive")
+    counters = node.counters()
+    assert counters["accepted"] >= 3 and counters["oversize"] == 0
 
 
 def test_nan_loss_is_an_anomaly_at_once(node):

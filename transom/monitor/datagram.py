@@ -6,13 +6,17 @@ sender's wall time). The other fields of each kind are in SCHEMA:
 
     step   step (required), dur / comm / compute (seconds), phase (names), loss, tokens, and up to
            MAX_METRICS more scalar metrics of the worker's own (numbers or null)
+    steps  steps (required): 1 to MAX_BATCH step records of the sender, in order, each an object
+           with a step datagram's fields and its own `t`, but no `k`, `rank` or `gen` (a fast
+           job's steps go out together: transom.monitor.reporter)
     beat   step, phase (a liveness heartbeat)
     phase  step, phase (entering / leaving a checkpoint save, an evaluation, ...)
     fault  step, fault (an injected fault that fired: an object with a string id and type)
 
 Numbers must be finite and in range (a step's comm and compute no longer than its dur), except
 `loss` (a NaN or infinite loss is what the numerics detector is for) and the worker's own
-metrics. `parse` checks all of it and returns either a `Datagram` or a `Rejection` naming the
+metrics. `parse` checks all of it, each record of a `steps` datagram too (one bad record refuses
+the datagram), and returns either a `Message` or a `Rejection` naming the
 reason (a counter of the node's monitor). Whether the rank belongs to the node and the
 generation is current is the listener's check (transom.monitor.node).
 
@@ -26,7 +30,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_BYTES = 4096
+MAX_BYTES = 16384
+MAX_BATCH = 64  # step records in one steps datagram
 MAX_RANK = 1 << 20
 MAX_GENERATION = 1 << 31
 MAX_STEP = 1 << 53
@@ -47,7 +52,7 @@ INVALID = "invalid"
 class Spec:
     """What one field may hold: its type, whether null is allowed, and its range."""
 
-    type: str  # "int", "float", "name", "names" (a list of names), "fault"
+    type: str  # "int", "float", "name", "names" (a list of names), "fault", "batch" (of steps)
     required: bool = False
     nullable: bool = True
     lo: float = 0.0
@@ -76,6 +81,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "loss": Spec("float", lo=-math.inf, finite=False),
         "tokens": Spec("float", hi=MAX_TOKENS),
     },
+    "steps": {"steps": Spec("batch", required=True, nullable=False)},
     "beat": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
     "phase": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
     "fault": {"step": _int(MAX_STEP), "fault": Spec("fault", required=True, nullable=False)},
@@ -86,8 +92,9 @@ METRIC = Spec("float", lo=-math.inf, finite=False)
 
 
 @dataclass
-class Datagram:
-    """A valid datagram: its kind, sender, and the kind's fields (absent ones left out)."""
+class Message:
+    """A valid datagram: its kind, sender, and the kind's fields (absent ones left out; a steps
+    datagram's `steps` is a list of step Messages)."""
 
     kind: str
     rank: int
@@ -109,22 +116,34 @@ class _Invalid(Exception):
 
 
 def encode(kind: str, rank: int, generation: int, t: float, /, **values: Any) -> bytes:
-    """The datagram a worker sends. Of the worker's own metrics (step datagrams) the first
+    """The datagram a worker sends (for steps, `encode_steps`)."""
+    message = {"k": kind, "rank": rank, "gen": generation, "t": t, **_fields(kind, values)}
+    return _dump(message)
+
+
+def encode_steps(rank: int, generation: int, records: list[tuple[float, dict]]) -> bytes:
+    """One steps datagram of (time, values) step records: at most MAX_BATCH of them."""
+    steps = [{"t": t, **_fields("step", values)} for t, values in records[:MAX_BATCH]]
+    return _dump({"k": "steps", "rank": rank, "gen": generation, "steps": steps})
+
+
+def _fields(kind: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A kind's fields of `values`. Of the worker's own metrics (step datagrams) the first
     MAX_METRICS with valid names are kept; one named like a common field is left out."""
     reserved = SCHEMA[kind].keys() | COMMON.keys() | {"k"}
     known = {k: v for k, v in values.items() if k in SCHEMA[kind]}
-    extra = (
-        {k: v for k, v in values.items() if k not in reserved and _is_name(k)}
-        if kind == "step"
-        else {}
-    )
-    extra = dict(list(extra.items())[:MAX_METRICS])
-    message = {"k": kind, "rank": rank, "gen": generation, "t": t, **known, **extra}
+    if kind != "step":
+        return known
+    extra = {k: v for k, v in values.items() if k not in reserved and _is_name(k)}
+    return known | dict(list(extra.items())[:MAX_METRICS])
+
+
+def _dump(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode()
 
 
-def parse(data: bytes) -> Datagram | Rejection:
-    """`data` checked against the schema: a Datagram, or a Rejection. Never raises."""
+def parse(data: bytes) -> Message | Rejection:
+    """`data` checked against the schema: a Message, or a Rejection. Never raises."""
     try:
         return _parse(data)
     except _Invalid as e:
@@ -133,7 +152,7 @@ def parse(data: bytes) -> Datagram | Rejection:
         return Rejection(INVALID, f"{type(e).__name__}")
 
 
-def _parse(data: bytes) -> Datagram | Rejection:
+def _parse(data: bytes) -> Message | Rejection:
     if len(data) > MAX_BYTES:
         return Rejection(OVERSIZE, f"{len(data)} bytes")
     try:
@@ -142,6 +161,10 @@ def _parse(data: bytes) -> Datagram | Rejection:
         return Rejection(NOT_JSON, type(e).__name__)
     if not isinstance(message, dict):
         return Rejection(NOT_JSON, f"a JSON {type(message).__name__}, not an object")
+    return _message(message)
+
+
+def _message(message: dict[str, Any]) -> Message:
     kind = message.get("k")
     if not isinstance(kind, str) or kind not in KINDS:
         raise _Invalid(f"unknown kind {str(kind)[:MAX_NAME]!r}")
@@ -169,7 +192,16 @@ def _parse(data: bytes) -> Datagram | Rejection:
             if values[part] > duration * (1 + 1e-6) + 1e-9:
                 raise _Invalid(f"{part} is longer than the step (dur)")
     rank, generation, t = values.pop("rank"), values.pop("gen"), values.pop("t", None)
-    return Datagram(kind, rank, generation, t, values)
+    if kind == "steps":
+        values["steps"] = [_batched_step(record, rank, generation) for record in values["steps"]]
+    return Message(kind, rank, generation, t, values)
+
+
+def _batched_step(record: dict[str, Any], rank: int, generation: int) -> Message:
+    """One record of a steps datagram, checked as the step datagram it stands for."""
+    if not COMMON.keys().isdisjoint(record.keys() - {"t"}) or "k" in record:
+        raise _Invalid("a batched step names its own kind, rank or generation")
+    return _message({**record, "k": "step", "rank": rank, "gen": generation})
 
 
 def _check(name: str, value: Any, spec: Spec) -> Any:
@@ -202,6 +234,12 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
         if not all(_is_name(v) for v in value):
             raise _Invalid(f"{name} holds something else than names")
         return list(value)
+    if spec.type == "batch":
+        if not isinstance(value, list) or not 1 <= len(value) <= MAX_BATCH:
+            raise _Invalid(f"{name} is not a list of 1 to {MAX_BATCH} records")
+        if not all(isinstance(record, dict) for record in value):
+            raise _Invalid(f"{name} holds something else than objects")
+        return value  # each record is checked by _batched_step
     if spec.type == "fault":
         if (
             not isinstance(value, dict)

@@ -187,7 +187,7 @@ class NodeMonitor:
     def _handle(self, received: Received, now: float) -> datagram.Rejection | None:
         """Check one datagram and take it in; the rejection if it was dropped."""
         if received.uid is not None and received.uid != os.geteuid():
-            verdict: datagram.Datagram | datagram.Rejection = datagram.Rejection(
+            verdict: datagram.Message | datagram.Rejection = datagram.Rejection(
                 FOREIGN_SENDER, f"uid {received.uid}"
             )
         elif received.truncated:
@@ -195,7 +195,7 @@ class NodeMonitor:
         else:
             verdict = datagram.parse(received.data)
         with self._lock:
-            if isinstance(verdict, datagram.Datagram):
+            if isinstance(verdict, datagram.Message):
                 if verdict.generation != self.generation:
                     verdict = datagram.Rejection(STALE_GENERATION, f"gen {verdict.generation}")
                 elif verdict.rank not in self.expected_ranks:
@@ -222,7 +222,7 @@ class NodeMonitor:
             counts,
         )
 
-    def _receive(self, d: datagram.Datagram, now: float) -> None:
+    def _receive(self, d: datagram.Message, now: float) -> None:
         r = self.ranks.setdefault(d.rank, RankTrack())
         r.beat_at = now
         v = d.values
@@ -234,6 +234,9 @@ class NodeMonitor:
                 self.fired_faults.append((v["fault"], d.rank, v.get("step"), when))
         elif d.kind == "step":
             self._step(d.rank, r, v, now, d.t)
+        elif d.kind == "steps":
+            for record in v["steps"]:
+                self._step(d.rank, r, record.values, now, record.t)
 
     def _step(self, rank: int, r: RankTrack, m: dict, now: float, sent: float | None) -> None:
         """A step datagram's values (checked: see transom.monitor.datagram.SCHEMA["step"])."""

@@ -11,12 +11,12 @@ Everything goes to the node agent as small datagrams (schema: transom.monitor.da
 monitor channel, a Unix socket only the job's user can reach (transom.monitor.channel), each
 naming this rank and generation. A background thread sends a heartbeat every HEARTBEAT_S, so the
 agent can tell a rank that is alive but stuck (heartbeat goes on, steps stop) from one that is
-stopped or dead (heartbeat stops). A fast job's step datagrams go out a few at a time: at most one
-send every BATCH_S (a slow job's steps go at once), at once for a non-finite metric or the first
-step after a phase, before any other datagram, and at a normal exit. The first send after a step's
-compute costs about 0.1 ms (the encoder's code gone from the CPU's caches, the agent's listener
-woken), which made 1-2% of a 20 ms step; each step keeps its own time, so the agent's timings are
-the same. The calls must never block and never raise into training:
+stopped or dead (heartbeat stops). The same thread sends a fast job's steps, together as one
+steps datagram every BATCH_S: encoding and sending right after a step's compute cost about 0.1 ms
+(the code gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
+further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
+waiting steps go before any other datagram and at a normal exit. Each step keeps its own time, so
+the agent's timings are the same. The calls must never block and never raise into training:
 without an agent (TRANSOM_MONITOR_SOCKET unset) they do nothing, and a lost datagram only means
 one sample fewer.
 
@@ -40,12 +40,9 @@ from transom.faults.worker import WorkerFaults, parse_worker_faults
 from transom.monitor import datagram
 
 HEARTBEAT_S = 0.5
-# A step datagram goes at once when none went for BATCH_S; else it waits with the next ones until
-# BATCH_S after that send, or until BATCH_STEPS wait: few enough that a burst fits the agent's
-# receive queue (Linux queues 10 datagrams a Unix socket by default, net.unix.max_dgram_qlen;
-# more are dropped while the listener is busy).
-BATCH_S = 0.05
-BATCH_STEPS = 4
+# Steps waiting go as one steps datagram every BATCH_S, or when BATCH_STEPS wait.
+BATCH_S = 0.1
+BATCH_STEPS = 32
 RECONNECT_S = 1.0  # how often a rank with no agent socket tries to connect again
 SYNC_SECTION = "sync"
 
@@ -70,12 +67,12 @@ class _Channel:
         # The first step after a phase (a long evaluation) goes at once: until it arrives the agent
         # only knows the step before the phase, long ago.
         self.send_next_step = False
-        self.flushed_at = 0.0  # time.time() of the last send of the step datagrams waiting
+        self.queued_at = -math.inf  # time.time() the last step was queued
         atexit.register(self.flush)  # a worker that ends normally sends its last steps
         self.faults = WorkerFaults(
             parse_worker_faults(os.environ.get(env.FAULTS), self.rank), self._announce_fault
         )
-        threading.Thread(target=self._beat, name="transom-monitor-heartbeat", daemon=True).start()
+        threading.Thread(target=self._run, name="transom-monitor-sender", daemon=True).start()
 
     def _connect(self, now: float) -> None:
         """Connect to the agent's socket: a connected send skips sendto(path)'s file-system lookup
@@ -96,46 +93,75 @@ class _Channel:
         self._send(kind, time.time(), values)
 
     def send_step(self, values: dict) -> None:
-        """Queue a step datagram; send the queue when none was sent for BATCH_S or it holds
-        BATCH_STEPS, and at once for a metric that is not finite (a NaN is found at its step):
-        a job of slow steps sends each at once, a fast one a few at a time."""
+        """Queue a step for the sender thread, which sends those waiting every BATCH_S. Send at
+        once a step that came BATCH_S or more after the one before (a slow job: the send costs
+        it little, and it arrives without delay), BATCH_STEPS waiting, the first step after a
+        phase, and a metric that is not finite (a NaN is found at its step)."""
         now = time.time()
         with self._pending_lock:
+            slow, self.queued_at = now - self.queued_at >= BATCH_S, now
             self.pending.append((now, values))
-            due = now - self.flushed_at >= BATCH_S or len(self.pending) >= BATCH_STEPS
+            full = len(self.pending) >= BATCH_STEPS
         finite = all(math.isfinite(v) for v in values.values() if isinstance(v, float))
-        if due or self.send_next_step or not finite:
+        if slow or full or self.send_next_step or not finite:
             self.flush()
 
     def flush(self) -> None:
-        """Send the step datagrams waiting, in order (the heartbeat thread flushes too)."""
+        """Send the steps waiting, in order, as one steps datagram."""
         with self._pending_lock:
             pending, self.pending = self.pending, []
             self.send_next_step = False
-            self.flushed_at = time.time()
-            for t, values in pending:
-                self._send("step", t, values)
+            if pending:
+                self._send_batch(pending)
+
+    def _send_batch(self, records: list[tuple[float, dict]]) -> None:
+        """One steps datagram, or halves of the batch where it is too long for one."""
+        data = self._encode(lambda: datagram.encode_steps(self.rank, self.generation, records))
+        if data is not None and len(data) > datagram.MAX_BYTES and len(records) > 1:
+            half = len(records) // 2
+            self._send_batch(records[:half])
+            self._send_batch(records[half:])
+        elif data is not None:
+            self._send_data(data)
 
     def _send(self, kind: str, t: float, values: dict) -> None:
+        data = self._encode(lambda: datagram.encode(kind, self.rank, self.generation, t, **values))
+        if data is not None:
+            self._send_data(data)
+
+    @staticmethod
+    def _encode(encode) -> bytes | None:
+        try:
+            return encode()
+        except Exception:  # noqa: BLE001 - a value that is not JSON
+            return None  # one sample fewer; the heartbeat thread must live on
+
+    def _send_data(self, data: bytes) -> None:
         if not self.connected:
             now = time.monotonic()
             if now - self.connect_tried_at < RECONNECT_S:
                 return
             self._connect(now)
         try:
-            data = datagram.encode(kind, self.rank, self.generation, t, **values)
             self.sock.send(data)
         except BlockingIOError:
             pass  # the agent's queue is full: one sample fewer
         except OSError:
             self.connected = False  # the agent's socket is gone: reconnect later
-        except Exception:  # noqa: BLE001 - a value that is not JSON
-            pass  # one sample fewer; the heartbeat thread must live on
 
-    def _beat(self) -> None:
+    def _run(self) -> None:
+        """The sender thread: the steps waiting every BATCH_S, a heartbeat every HEARTBEAT_S.
+        Encoding and sending here, not after the training thread's compute, spares training the
+        cost (it runs while a torch operation has let go of the GIL)."""
+        beat_at = -math.inf
         while True:
-            self.send("beat", step=self.last_step, phase=self.phase)
-            time.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            if now - beat_at >= HEARTBEAT_S:
+                beat_at = now
+                self.send("beat", step=self.last_step, phase=self.phase)
+            elif self.pending:
+                self.flush()
+            time.sleep(min(BATCH_S, HEARTBEAT_S))
 
     def _announce_fault(self, fault: dict, step: int) -> None:
         self.send("fault", fault=fault, step=step)
@@ -207,31 +233,26 @@ class StepTimer:
         self.sections: dict[str, float] = {}
         self.metrics: dict[str, float | None] = {}
         self.start = 0.0
+        self.slow_factor = 1.0  # an injected slow node's (its fault fires as the step begins)
 
     def __enter__(self) -> StepTimer:
         ch = _get()
         if ch is not None:
             ch.phases_seen.clear()
             ch.faults.on_step(self.step)
+            self.slow_factor = ch.faults.state.slow_factor
         self.start = time.perf_counter()
         return self
 
     def _slow_down(self) -> None:
         """An injected slow node: stretch the compute done so far by the scheduled factor."""
-        ch = _channel
-        factor = ch.faults.state.slow_factor if ch is not None else 1.0
-        if factor > 1.0 and not self.sections:
-            time.sleep((factor - 1.0) * (time.perf_counter() - self.start))
+        if self.slow_factor > 1.0 and not self.sections:
+            time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - self.start))
 
-    @contextmanager
-    def section(self, name: str = SYNC_SECTION):
-        """Time spent here is kept apart from compute (e.g. waiting on an all-reduce)."""
-        self._slow_down()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+    def section(self, name: str = SYNC_SECTION) -> _Section:
+        """`with s.section():` time spent there is kept apart from compute (e.g. waiting on an
+        all-reduce)."""
+        return _Section(self, name)
 
     def report(self, **metrics: float) -> None:
         """Metrics of this step (loss=..., tokens=...), sent when the step ends."""
@@ -263,6 +284,25 @@ class StepTimer:
             ch.send_step(message)
         except Exception:  # noqa: BLE001 - monitoring must never break training
             pass
+
+
+class _Section:
+    """A timed section of a step (a class, not a generator: it runs after the step's compute,
+    when the CPU's caches hold none of this code, and a generator's machinery cost 40 us)."""
+
+    __slots__ = ("name", "start", "timer")
+
+    def __init__(self, timer: StepTimer, name: str) -> None:
+        self.timer, self.name, self.start = timer, name, 0.0
+
+    def __enter__(self) -> _Section:
+        self.timer._slow_down()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        sections = self.timer.sections
+        sections[self.name] = sections.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
 def step(step: int) -> StepTimer:
