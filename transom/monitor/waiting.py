@@ -19,10 +19,11 @@ is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACT
 median step time, or of the generation's baseline step time when that is shorter: the ranks' step
 times include waiting for the straggler, which would raise the bar by its own lateness), stands out
 from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job
-(StragglerTracker). It works with 2 nodes as with many: nothing here needs a spread of peers.
-Its latency is bounded in steps: the window fills in a few steps, the agents publish every
-SUMMARY_STEPS steps, and the confirmation spans CONFIRM_SPAN_STEPS (tests/test_waiting_timeline.py
-pins a 1.5x slowdown found within 28 steps on a simulated job).
+(StragglerTracker); once named it needs only to stay late, not to stand out (a second node slowed
+meanwhile must not hide the first). It works with 2 nodes as with many: nothing here needs a
+spread of peers. Its latency is bounded in steps: the window fills in a few steps, the agents
+publish every SUMMARY_STEPS steps, and the confirmation spans CONFIRM_SPAN_STEPS
+(tests/test_waiting_timeline.py pins a 1.5x slowdown found within 28 steps on a simulated job).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
@@ -136,21 +137,27 @@ class Baseline:
 
 
 def straggler_candidate(
-    views: list[dict], baseline_s: float | None = None
+    views: list[dict], baseline_s: float | None = None, named: str | None = None
 ) -> tuple[str, int, dict] | None:
     """The one node the others wait for: (node, its latest rank, evidence), or None. Its delay
     is measured against the job's step time, or `baseline_s` (the step time before anyone was
-    late) when that is shorter."""
+    late) when that is shorter. A node must stand out from the others to be named; `named`
+    (the node a streak already names) stays named while it is late, even if another is as late
+    (two slow nodes: the second must not hide the first)."""
     delays = node_delays(views)
     step_s = job_step_s(views)
     if not delays or not step_s:
         return None
-    ranked = sorted(delays, key=lambda n: delays[n][0], reverse=True)
-    worst = ranked[0]
-    delay, rank, evidence = delays[worst]
-    runner_up = max(0.0, delays[ranked[1]][0]) if len(ranked) > 2 else 0.0
     reference = min(step_s, baseline_s) if baseline_s else step_s
-    threshold = max(STRAGGLER_LATE_FRACTION * reference, STRAGGLER_STANDOUT * runner_up)
+    bar = STRAGGLER_LATE_FRACTION * reference
+    if named in delays and delays[named][0] > bar:
+        worst, threshold = named, bar
+    else:
+        ranked = sorted(delays, key=lambda n: delays[n][0], reverse=True)
+        worst = ranked[0]
+        runner_up = max(0.0, delays[ranked[1]][0]) if len(ranked) > 2 else 0.0
+        threshold = max(bar, STRAGGLER_STANDOUT * runner_up)
+    delay, rank, evidence = delays[worst]
     if delay <= threshold:
         return None
     return (
@@ -217,7 +224,7 @@ class StragglerTracker:
         if step_s:
             self.baseline.add(step_s)
         baseline_s = self.baseline.value()
-        found = straggler_candidate(views, baseline_s)
+        found = straggler_candidate(views, baseline_s, named=self.node)
         self._last = (views, baseline_s, found[0] if found else None)
         if found is None or found[0] != self.node:
             self.missed += 1
