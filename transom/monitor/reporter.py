@@ -134,7 +134,7 @@ class _Channel:
         try:
             return encode()
         except Exception:  # noqa: BLE001 - a value that is not JSON
-            return None  # one sample fewer; the heartbeat thread must live on
+            return None  # one sample fewer; the sender thread must live on
 
     def _send_data(self, data: bytes) -> None:
         if not self.connected:
@@ -156,11 +156,14 @@ class _Channel:
         beat_at = -math.inf
         while True:
             now = time.monotonic()
-            if now - beat_at >= HEARTBEAT_S:
-                beat_at = now
-                self.send("beat", step=self.last_step, phase=self.phase)
-            elif self.pending:
-                self.flush()
+            try:
+                if now - beat_at >= HEARTBEAT_S:
+                    beat_at = now
+                    self.send("beat", step=self.last_step, phase=self.phase)
+                elif self.pending:
+                    self.flush()
+            except Exception:  # noqa: BLE001 - without this thread the rank would look hung
+                pass
             time.sleep(min(BATCH_S, HEARTBEAT_S))
 
     def _announce_fault(self, fault: dict, step: int) -> None:
