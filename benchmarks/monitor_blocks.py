@@ -50,9 +50,9 @@ def train_blocks(pairs: int, block_steps: int, batch_s: float) -> None:
     """The child: train, switching the monitor on and off by block; one JSON line per block."""
     import torch
 
-    reporter.BATCH_S = batch_s
     from transom.workloads.gpt_model import GPT, get_batch, make_corpus, make_optimizer
 
+    reporter.BATCH_S = batch_s
     torch.set_num_threads(1)
     text = make_corpus()
     stoi = {c: i for i, c in enumerate(sorted(set(text)))}
