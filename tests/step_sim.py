@@ -5,8 +5,8 @@ No processes and no sockets: each rank's step is computed (its compute, the all-
 waits in, its work after the all-reduce, a sleep between steps, a checkpoint with a barrier every
 `ckpt_every` steps), its step datagram's values go to the real `node.RankTrack.add_timing`, each
 node's summary (`RankTrack.view`) is published at the agent's ticks when due (as
-`NodeMonitor.due`: every SUMMARY_PERIOD_S, or SUMMARY_STEPS new steps), and every controller
-tick the views of the latest summaries go to `cluster.StragglerDetector` and
+`NodeMonitor.due`: every SUMMARY_PERIOD_S, or after SUMMARY_STEPS new steps or shifted timings),
+and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
 (stopped for part of every period, `DutyCycle`) or as a CPU quota would (`CpuQuota`).
 
@@ -186,6 +186,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
     tracks = [node.RankTrack() for _ in range(job.nodes)]
     published: dict[int, list[dict]] = {}
     last_summary: dict[int, tuple[float, int | None]] = {}  # node -> (when, newest step)
+    last_view: dict[int, node.RankSummary] = {}  # node -> its rank's view in that summary
     straggler_detector, drop_detector = cluster.StragglerDetector(), cluster.ThroughputDetector()
     straggler = drop = None
     while events:
@@ -199,16 +200,19 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
             track.add_timing(step, values, previous, previous_sent, now)
         elif kind == 1:
             track, (at, step) = tracks[index], last_summary.get(index, (-math.inf, None))
-            newest = track.step
+            newest, before = track.step, last_view.get(index)
             due = now - at >= node.SUMMARY_PERIOD_S or (
-                now - at >= getattr(node, "SUMMARY_MIN_PERIOD_S", math.inf)
+                now - at >= node.SUMMARY_MIN_PERIOD_S
                 and newest is not None
-                and newest >= (step or 0) + node.SUMMARY_STEPS
+                and newest > (step or 0)
+                and (newest >= (step or 0) + node.SUMMARY_STEPS or track.shifted(before))
             )
             if due:  # as NodeMonitor.due
                 last_summary[index] = (now, newest)
-                view = track.view(now).to_dict()
-                published[index] = [{**view, "node": f"node{index}", "rank": index}]
+                last_view[index] = track.view(now)
+                published[index] = [
+                    {**last_view[index].to_dict(), "node": f"node{index}", "rank": index}
+                ]
         else:
             views = [v for n in sorted(published) for v in published[n]]
             if not views:

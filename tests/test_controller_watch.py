@@ -25,6 +25,7 @@ from transom.common.records import (
     NodeRegistration,
     NodeStatus,
     PreflightResult,
+    RankSummary,
 )
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
@@ -171,6 +172,19 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         poll(lambda: view.published().statuses["a"].step == 7, 10, "the next status")
         assert view.published().summaries["a"].t == 6.0
         assert not view.changed.is_set()
+
+        # ... unless a rank's timings shifted: a rank that begins to lag is evaluated at once.
+        def summary(t: float, busy_s: float) -> dict:
+            rank = RankSummary(step=int(t), step_s=0.2, compute_s=0.1, busy_s=busy_s)
+            return MonitorSummary("a", 1, t, ranks={"0": rank}).to_dict()
+
+        store.put(keys.monitor("a"), summary(7.0, 0.15))
+        store.put(keys.monitor("a"), summary(8.0, 0.16))  # moved by less than a step's 1/8
+        poll(lambda: view.published().summaries["a"].t == 8.0, 10, "the next summaries")
+        assert not view.changed.is_set()
+        store.put(keys.monitor("a"), summary(9.0, 0.21))
+        assert view.changed.wait(10)
+        view.changed.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
         assert view.changed.wait(10)
 

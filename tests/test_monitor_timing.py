@@ -13,8 +13,13 @@ from transom.monitor.node import NodeMonitor, RankTrack
 
 def track_of(busies: list[float]) -> RankTrack:
     """A rank whose steps each took `busy` s of its own and waited 0.01 s in the all-reduce."""
-    track, sent = RankTrack(), 100.0
-    for step, busy in enumerate([0.05] * node.WARMUP_STEPS + busies, start=1):
+    return feed(RankTrack(), [0.05] * node.WARMUP_STEPS + busies)
+
+
+def feed(track: RankTrack, busies: list[float]) -> RankTrack:
+    """`track` after more steps, each `busy` s of its own and 0.01 s in the all-reduce."""
+    sent = track.sent_at or 100.0
+    for step, busy in enumerate(busies, start=(track.step or 0) + 1):
         sent += busy + 0.01
         values = {"dur": busy + 0.01, "comm": 0.01, "compute": busy}
         track.add_timing(step, values, track.step, track.sent_at, sent)
@@ -64,5 +69,21 @@ def test_a_summary_goes_out_every_few_steps_as_well_as_every_period():
         assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
         rank.step = 2 * node.SUMMARY_STEPS
         assert monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+    finally:
+        monitor.close()
+
+
+def test_a_summary_goes_out_at_once_when_a_rank_begins_to_lag():
+    monitor = NodeMonitor("nodeT", nvml=MockNvml())
+    try:  # stopped from outside from the 9th timed step on: 0.07 s more a step
+        monitor.ranks[0] = track_of([0.05] * 8 + [0.12] * 2)
+        before = time.monotonic()
+        monitor.collect()  # its busy time does not show it yet (the 3 highest are left out)
+        later = time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01
+        feed(monitor.ranks[0], [0.12])
+        assert not monitor.due(later)  # one step more, its trimmed means as they were
+        feed(monitor.ranks[0], [0.12])
+        assert 2 < node.SUMMARY_STEPS and monitor.due(later)  # they moved: no wait for 4 steps
+        assert not monitor.due(before + node.SUMMARY_MIN_PERIOD_S / 2)  # not sooner than this
     finally:
         monitor.close()

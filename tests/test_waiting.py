@@ -206,8 +206,8 @@ def test_throughput_drop_is_raised_once_and_not_without_a_drop():
 def test_a_straggler_is_confirmed_over_steps_not_over_evaluations():
     views = [
         {"node": "node0", "rank": 0, "step": 9, "step_s": 0.2, "compute_s": 0.1, "wait_s": 0.1},
-        {"node": "node1", "rank": 1, "step": 9, "step_s": 0.2, "compute_s": 0.2, "wait_s": 0.0},
-    ]
+        {"node": "node1", "rank": 1, "step": 9, "step_s": 0.2, "compute_s": 0.16, "wait_s": 0.0},
+    ]  # node1 is late by 0.06 s, over the bar (0.05 s) but not STRONG_BAR_X times over it
     tracker = waiting.StragglerTracker()
     assert tracker.update(views) is None  # the streak begins at step 9
     for _ in range(5):
@@ -242,4 +242,30 @@ def test_a_streak_survives_one_miss_and_ends_at_two_or_at_another_node():
         assert tracker.update(views(step, slow)) is None  # another node ended the streak
 
 
-_SLOW = {"rank": 3, "step_s": 0.2, "wait_s": 0.0, "compute_s": 0.3}
+# Late by 0.07 s: over the bar (a quarter of the 0.2 s step) but under STRONG_BAR_X times it.
+_SLOW = {"rank": 3, "step_s": 0.2, "wait_s": 0.0, "compute_s": 0.17}
+
+
+def test_a_node_late_by_half_a_step_is_confirmed_sooner_and_only_while_it_stays_so():
+    def views(step, compute):
+        return [
+            {"node": "node0", "rank": 0, "step": step, "step_s": 0.2, "compute_s": 0.1},
+            {"node": "node1", "rank": 1, "step": step, "step_s": 0.2, "compute_s": compute},
+        ]
+
+    strong = 0.1 + waiting.STRONG_BAR_X * waiting.STRAGGLER_LATE_FRACTION * 0.2 + 0.01
+    tracker = waiting.StragglerTracker()
+    assert tracker.update(views(10, strong)) is None
+    assert tracker.update(views(10 + waiting.STRONG_SPAN_STEPS - 1, strong)) is None
+    found = tracker.update(views(10 + waiting.STRONG_SPAN_STEPS, strong))
+    assert found is not None and found.nodes == ["node1"]
+    assert found.evidence["bar_x"] >= waiting.STRONG_BAR_X
+    assert found.evidence["confirmed_over_steps"] == waiting.STRONG_SPAN_STEPS
+
+    span = waiting.STRONG_SPAN_STEPS
+    assert 2 * span + 1 < waiting.CONFIRM_SPAN_STEPS  # what follows is confirmed only if strong
+    tracker = waiting.StragglerTracker()  # a weaker evaluation between: strong begins again
+    for step, compute in ((10, strong), (10 + span, 0.17), (11 + span, strong)):
+        assert tracker.update(views(step, compute)) is None
+    assert tracker.update(views(10 + 2 * span, strong)) is None  # strong over span - 1 steps
+    assert tracker.update(views(11 + 2 * span, strong)) is not None

@@ -14,8 +14,9 @@ monotonic clock. An applied change sets `changed`, the event the controller's lo
 except progress reports: a monitor summary without anomalies, or a status that says only that
 the node's newest step (or warm interpreters, or its time) moved. Those arrive about every
 second from every node; the rules that read them (hang and telemetry-gap ages, stragglers) are
-time-based, so the controller's timer takes them in. A summary with an anomaly, a status with a
-new state, generation or failure, any registration or pre-flight change wakes it at once.
+time-based, so the controller's timer takes them in. A summary with an anomaly or in which a
+rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted), a status
+with a new state, generation or failure, any registration or pre-flight change wakes it at once.
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -43,6 +44,7 @@ from transom.common.records import (
     PreflightResult,
     parse_all,
 )
+from transom.monitor import waiting
 from transom.store import Store
 from transom.store.watch import PrefixWatch, Update
 
@@ -72,9 +74,11 @@ class Published:
 
 def _progress_only(before: Any | None, after: Any | None) -> bool:
     """Whether `after` differs from `before` only in what a running node re-publishes as it
-    makes progress (a monitor summary without anomalies; a status's time, step, warm count)."""
+    makes progress (a monitor summary without anomalies whose ranks' timings did not shift; a
+    status's time, step, warm count)."""
     if isinstance(after, MonitorSummary):
-        return not after.anomalies
+        shifted = isinstance(before, MonitorSummary) and waiting.summary_shifted(before, after)
+        return not after.anomalies and not shifted
     if isinstance(before, NodeStatus) and isinstance(after, NodeStatus):
         same = dataclasses.replace(after, time=before.time, step=before.step, warm=before.warm)
         return same == before

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
-from transom.monitor import datagram, detectors
+from transom.monitor import datagram, detectors, waiting
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 
@@ -50,6 +50,9 @@ TRIM_LOW = 1
 # summaries must not lag many steps behind (a job of 1 s steps still publishes every second).
 SUMMARY_STEPS = 4
 SUMMARY_MIN_PERIOD_S = 0.25
+# ... and sooner (at most every SUMMARY_MIN_PERIOD_S too) once a rank's timings shifted since the
+# last summary (waiting.timings_shifted): a rank that begins to lag reaches the controller within
+# a step or two, not a second later.
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
@@ -120,6 +123,12 @@ class RankTrack:
                 self.busies.append(max(0.0, cycle - wait))
         return True
 
+    def shifted(self, published: RankSummary | None) -> bool:
+        """Whether its timings shifted since `published`, its view in the node's last summary."""
+        return waiting.timings_shifted(
+            published, _trimmed_mean(self.busies), _trimmed_mean(self.computes)
+        )
+
     def view(self, now: float) -> RankSummary:
         return RankSummary(
             step=self.step,
@@ -158,6 +167,7 @@ class NodeMonitor:
         self._scanner = LogScanner()
         self._published_at = 0.0
         self._published_step: int | None = None  # the newest step in the last summary
+        self._published_views: dict[str, RankSummary] = {}  # rank -> its view in the last summary
         self._hardware_at = 0.0
         self._gpus: list[dict] = []
         self._host: dict = {}
@@ -266,6 +276,7 @@ class NodeMonitor:
             self.expected_ranks = frozenset()
             self.ranks.clear()
             self._published_step = None
+            self._published_views = {}
             self.anomalies = []
             self._pending.clear()
 
@@ -348,15 +359,19 @@ class NodeMonitor:
         return self.steps_due(now)
 
     def steps_due(self, now: float) -> bool:
-        """Whether a rank advanced SUMMARY_STEPS steps since the last summary (at most every
-        SUMMARY_MIN_PERIOD_S): such a summary is written even if nothing else in it changed."""
+        """Whether a rank advanced SUMMARY_STEPS steps since the last summary, or advanced at all
+        and its timings shifted (RankTrack.shifted), at most every SUMMARY_MIN_PERIOD_S: such a
+        summary is written even if nothing else in it changed."""
+        if now - self._published_at < SUMMARY_MIN_PERIOD_S:
+            return False
         with self._lock:
             newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
-        return (
-            now - self._published_at >= SUMMARY_MIN_PERIOD_S
-            and newest is not None
-            and newest >= (self._published_step or 0) + SUMMARY_STEPS
-        )
+            if newest is None or newest <= (self._published_step or 0):
+                return False
+            return newest >= (self._published_step or 0) + SUMMARY_STEPS or any(
+                track.shifted(self._published_views.get(str(rank)))
+                for rank, track in self.ranks.items()
+            )
 
     def collect(self) -> tuple[MonitorSummary, list[Event]]:
         """(the summary to publish, the new anomalies' events)."""
@@ -384,6 +399,7 @@ class NodeMonitor:
                 datagrams=dict(self.counts),
             )
         self._published_at = now_mono
+        self._published_views = dict(summary.ranks)
         self._published_step = max(
             (int(r.step) for r in summary.ranks.values() if r.step is not None), default=None
         )

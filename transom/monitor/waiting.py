@@ -18,12 +18,14 @@ section or without send times). A node's delay is the larger of the two for its 
 is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION of the job's
 median step time, or of the generation's baseline step time when that is shorter: the ranks' step
 times include waiting for the straggler, which would raise the bar by its own lateness), stands out
-from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job
-(StragglerTracker); once named it needs only to stay late, not to stand out (a second node slowed
-meanwhile must not hide the first). It works with 2 nodes as with many: nothing here needs a
+from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job,
+or over STRONG_SPAN_STEPS while late by STRONG_BAR_X times the bar (StragglerTracker); once named
+it needs only to stay late, not to stand out (a second node slowed meanwhile must not hide the
+first). It works with 2 nodes as with many: nothing here needs a
 spread of peers. Its latency is bounded in steps: the window fills in a few steps, the agents
-publish every SUMMARY_STEPS steps, and the confirmation spans CONFIRM_SPAN_STEPS
-(tests/test_waiting_timeline.py pins a 1.5x slowdown found within 28 steps on a simulated job).
+publish every SUMMARY_STEPS steps or as soon as a rank's timings shift, and the confirmation spans
+CONFIRM_SPAN_STEPS, or STRONG_SPAN_STEPS for a clear delay (tests/test_waiting_timeline.py pins a
+1.5x slowdown found within 20 of the job's steps on a simulated job, 30 healthy steps' time).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
@@ -39,7 +41,7 @@ import statistics
 from collections.abc import Iterable
 
 from transom.common import anomalies
-from transom.common.records import Anomaly, Severity
+from transom.common.records import Anomaly, MonitorSummary, RankSummary, Severity
 
 STRAGGLER_MIN_NODES = 2
 # A node is late when its delay is above this fraction of the job's median step time (or of the
@@ -53,11 +55,45 @@ STRAGGLER_STANDOUT = 2.0
 CONFIRM_SPAN_STEPS = 8
 STRAGGLER_CONFIRMATIONS = 3
 STRAGGLER_MISSES = 1
+# Strong evidence confirms sooner: a node named with a delay of at least STRONG_BAR_X times the
+# bar by every evaluation over STRONG_SPAN_STEPS steps (two evaluations at least, none missed). The
+# trimmed means leave out the 3 highest of 8 steps, so this takes a node late in 4 or more steps of
+# two windows STRONG_SPAN_STEPS apart, by half a step on average over the 4 kept: a slowdown, not
+# hiccups (3 slow steps in 8 count for nothing).
+STRONG_BAR_X = 2.0
+STRONG_SPAN_STEPS = 3
 # Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
 # median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
 THROUGHPUT_DROP_RATIO = 2.0
 BASELINE_EVALUATIONS = 5
+# A rank's timings shifted when its busy or compute time moved by this fraction of its step time
+# (half of the bar): its agent then publishes at once (transom.monitor.node) and the controller
+# takes that summary as a change, not as progress (transom.control.cluster_view), so a rank that
+# begins to lag is evaluated within a step or two. A steady job's trimmed means move far less.
+TIMING_SHIFT_FRACTION = STRAGGLER_LATE_FRACTION / 2
 THROUGHPUT_DROP = "throughput_drop"
+
+
+def timings_shifted(
+    before: RankSummary | None, busy_s: float | None, compute_s: float | None
+) -> bool:
+    """Whether a rank's busy or compute time (now `busy_s`, `compute_s`) moved by
+    TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with)."""
+    if before is None or not before.step_s:
+        return False
+    bar = TIMING_SHIFT_FRACTION * before.step_s
+    return any(
+        now is not None and then is not None and abs(now - then) >= bar
+        for now, then in ((busy_s, before.busy_s), (compute_s, before.compute_s))
+    )
+
+
+def summary_shifted(before: MonitorSummary, after: MonitorSummary) -> bool:
+    """Whether some rank's timings shifted from one summary of a node to the next."""
+    return any(
+        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s)
+        for rank, r in after.ranks.items()
+    )
 
 
 def _fresh_key(views: list[dict]) -> tuple:
@@ -169,6 +205,7 @@ def straggler_candidate(
             "step_s": round(step_s, 4),
             "reference_step_s": round(reference, 4),
             "threshold_s": round(threshold, 4),
+            "bar_x": round(delay / bar, 2) if bar > 0 else None,  # its delay over the bar
             "delay_share": round(delay / step_s, 3),
             "nodes": {n: round(d, 4) for n, (d, _, _) in delays.items()},
         },
@@ -211,6 +248,7 @@ class StragglerTracker:
         self.since: int = 0  # the newest step when the streak began
         self.named = 0  # evaluations of the streak that named its node
         self.missed = 0  # evaluations in a row since that did not
+        self.strong_since: int | None = None  # the newest step when strong namings began
         self.baseline = Baseline()  # the job's step time in the first evaluations
         # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`.
         self._last: tuple[list[dict], float | None, str | None] | None = None
@@ -226,16 +264,26 @@ class StragglerTracker:
         baseline_s = self.baseline.value()
         found = straggler_candidate(views, baseline_s, named=self.node)
         self._last = (views, baseline_s, found[0] if found else None)
+        strong = found is not None and (found[2]["bar_x"] or 0.0) >= STRONG_BAR_X
         if found is None or found[0] != self.node:
             self.missed += 1
+            self.strong_since = None
             if self.node is None or self.missed > STRAGGLER_MISSES or found is not None:
                 self.node, self.since, self.named, self.missed = None, newest, 0, 0
                 if found is not None:
                     self.node, self.named = found[0], 1
+                    self.strong_since = newest if strong else None
             return None
         self.named += 1
         self.missed = 0
-        if newest - self.since < self.span_steps or self.named < STRAGGLER_CONFIRMATIONS:
+        if not strong:
+            self.strong_since = None
+        elif self.strong_since is None:
+            self.strong_since = newest
+        confirmed = (
+            newest - self.since >= self.span_steps and self.named >= STRAGGLER_CONFIRMATIONS
+        ) or (self.strong_since is not None and newest - self.strong_since >= STRONG_SPAN_STEPS)
+        if not confirmed:
             return None
         node, rank, evidence = found
         return Anomaly(
