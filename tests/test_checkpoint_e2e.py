@@ -53,7 +53,12 @@ def test_killed_worker_resumes_from_node_memory(start_job):
     generation = next(e for e in job.events() if e["kind"] == "generation" and e["generation"] == 2)
     step = generation["restore_step"]
     assert step is not None and step >= 6
-    assert restored(job, 2) == {0: (step, "memory"), 1: (step, "memory")}
+    ranks = restored(job, 2)
+    assert ranks[1] == (step, "memory")
+    # Rank 0 reads its own node's memory if that still holds the restore step. Memory keeps one
+    # step a rank, so if node0 saved a newer step that the dead node never finished, the restore
+    # step is only in storage for rank 0 (right, if slower; seen once in a full run).
+    assert ranks[0] in ((step, "memory"), (step, "storage")) and set(ranks) == {0, 1}
     assert f"[train_gpt] resumed step={step} rank=1" in job.log_text("g002/rank1.log")
     assert "done step=30 rank=1" in job.log_text("g002/rank1.log")
     assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), (
@@ -95,7 +100,12 @@ def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica_prefetched(st
     assert step is not None and step >= 6
     # node2 took node1's place (rank 1): node0 holds node1's replica, and node2's server fetched
     # it into its own memory as soon as the plan named the restore step (checkpoint/prefetch.py).
-    assert restored(job, 2) == {0: (step, "memory"), 1: (step, "memory")}
+    ranks = restored(job, 2)
+    assert ranks[1] == (step, "memory")
+    # Rank 0 reads its own node's memory if that still holds the restore step. Memory keeps one
+    # step a rank, so if node0 saved a newer step that the dead node never finished, the restore
+    # step is only in storage for rank 0 (right, if slower; seen once in a full run).
+    assert ranks[0] in ((step, "memory"), (step, "storage")) and set(ranks) == {0, 1}
     assert any(
         e["kind"] == "checkpoint" and e.get("action") == "prefetched" and e.get("node") == "node2"
         for e in job.events()
