@@ -45,14 +45,12 @@ MIN_TIMING_SAMPLES = 5
 # (of a full window; as many in proportion of one not yet full).
 TRIM_HIGH = 3
 TRIM_LOW = 1
-# A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, at most every
+# A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, or advanced at
+# all and its timings shifted (waiting.timings_shifted: a rank beginning to lag), at most every
 # SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
 # summaries must not lag many steps behind (a job of 1 s steps still publishes every second).
 SUMMARY_STEPS = 4
 SUMMARY_MIN_PERIOD_S = 0.25
-# ... and sooner (at most every SUMMARY_MIN_PERIOD_S too) once a rank's timings shifted since the
-# last summary (waiting.timings_shifted): a rank that begins to lag reaches the controller within
-# a step or two, not a second later.
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
