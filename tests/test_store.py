@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import etcd_requests
 
 from transom.common import keys
 from transom.common.records import Plan
@@ -24,6 +25,7 @@ from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
 from transom.control.controller import Controller
 from transom.store import Store, StoreAccess, StoreError
+from transom.store.client import MAX_TXN_OPS
 from transom.store.spec import read_spec
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,6 +66,19 @@ def test_jobs_are_isolated(etcd, store):
     assert other.get("spec") is None
     store.delete_job()
     assert store.get("spec") is None
+
+
+def test_put_all_and_delete_all_take_one_request_per_transaction_limit(store):
+    names = [f"many/{i:04d}" for i in range(MAX_TXN_OPS + 5)]
+    before = etcd_requests(store)
+    store.put_all({name: i for i, name in enumerate(names)})
+    assert etcd_requests(store) - before == 2  # a full transaction and the rest
+    assert store.get_prefix("many/")["0130"] == 130
+    store.put("many_other", 1)
+    before = etcd_requests(store)
+    store.delete_all(names)
+    assert etcd_requests(store) - before == 2
+    assert store.get_prefix("many/") == {} and store.get("many_other") == 1
 
 
 def test_create_only_once(store):

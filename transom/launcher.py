@@ -42,6 +42,7 @@ from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.outage import StoreOutage
+from transom.store.prefix_mirror import PrefixMirror
 from transom.store.spec import parse_spec
 from transom.store.upkeep import EtcdUpkeep
 from transom.utils.procs import die_with_parent, stop_process, stop_tree
@@ -51,6 +52,7 @@ from transom.view import (
     progress_record,
     render_live,
     snapshot,
+    snapshot_of,
     status_summary,
 )
 
@@ -127,6 +129,7 @@ class Launcher:
         self.upkeep: EtcdUpkeep | None = None
         self.store: Store | None = None
         self.outage = StoreOutage("launcher", logger=log)
+        self.mirror: PrefixMirror | None = None  # the job's keys, followed by one watch
         self.children: list[Child] = []
         self._events_seen: set[str] = set()
         self._event_filter = EventFilter()
@@ -295,12 +298,24 @@ class Launcher:
                 live.stop()
 
     def _poll(self, live: Live | None) -> JobRecord | None:
-        """One round with etcd: mirror, refill; the job record (None during an outage)."""
+        """One round: mirror, refill; the job record (None during an outage).
+
+        Its one request is the job record (its newest value, and etcd's answer for the outage
+        count); everything else comes from the mirror's watch and costs etcd nothing while
+        nothing changes."""
         began = time.monotonic()
         try:
-            snap = snapshot(self.connected)
-            self._mirror(snap, live)
-            job = _job_record(snap.get("job"))
+            job_value = self.connected.get(keys.JOB)
+            if self.mirror is None:
+                self.mirror = PrefixMirror(self.connected)
+            if not self.mirror.started:
+                self.mirror.start(began)
+            self.mirror.refresh(began)
+            snap = snapshot_of(self.connected.job_id, self.mirror.values | {keys.JOB: job_value})
+            self._mirror(snap, self._new_events(), live)
+            job = _job_record(job_value)
+            if job and job.state.terminal:  # the events written before the end, read directly
+                self._mirror(snap, self._new_events(self.connected.get_prefix(keys.EVENTS)), live)
             if self.launch.refill_spares and self.launch.store is None:
                 self._refill(job)
         except StoreError as e:
@@ -319,6 +334,19 @@ class Launcher:
                 f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on",
             )
         return job
+
+    def _new_events(self, read: dict[str, dict] | None = None) -> list[dict]:
+        """Events not mirrored yet: those the watch delivered, or those of a direct `read`."""
+        assert self.mirror is not None
+        if read is None:
+            put = [n for n in self.mirror.take_put() if n.startswith(keys.EVENTS)]
+            read = {n[len(keys.EVENTS) :]: self.mirror.values[n] for n in put}
+        new = []
+        for key, event in read.items():
+            if key not in self._events_seen:
+                self._events_seen.add(key)
+                new.append(event)
+        return new
 
     def _keep_etcd(self) -> None:
         """Start the embedded etcd again (same data, ports, certificates) if it died."""
@@ -345,7 +373,7 @@ class Launcher:
         except StoreError:
             log.warning("%s (not recorded in etcd: it is unreachable)", message)
 
-    def _mirror(self, snap: dict, live: Live | None) -> None:
+    def _mirror(self, snap: dict, new: list[dict], live: Live | None) -> None:
         run_dir = self.launch.run_dir
         (run_dir / files.STATUS).write_text(json.dumps(snap, indent=1))
         record = progress_record(snap)
@@ -356,11 +384,6 @@ class Launcher:
             self._last_progress = {k: v for k, v in record.items() if k != "time"}
             with open(run_dir / files.PROGRESS, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        new = []
-        for key, event in self.connected.get_prefix(keys.EVENTS).items():
-            if key not in self._events_seen:
-                self._events_seen.add(key)
-                new.append(event)
         if new:
             with open(run_dir / files.EVENTS, "a") as f:
                 for event in new:
@@ -409,6 +432,8 @@ class Launcher:
                 child.start()
 
     def _shutdown(self, wait_for_exit: bool = True) -> None:
+        if self.mirror is not None:
+            self.mirror.stop()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:  # they exit by themselves once the job has ended
             if wait_for_exit and child.process is not None:

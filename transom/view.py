@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
@@ -37,16 +38,33 @@ if TYPE_CHECKING:  # the etcd client is imported only by those who read etcd
 
 def snapshot(store: Store) -> dict:
     """Everything `transom status` shows, read from etcd in a few requests."""
+    return _snapshot(store.job_id, store.get, store.get_prefix)
+
+
+def snapshot_of(job_id: str, values: Mapping[str, Any]) -> dict:
+    """The same snapshot, from every value of the job keyed by its name (a `PrefixMirror`'s)."""
+
+    ordered = sorted(values.items())
+
+    def get_prefix(name: str) -> dict[str, Any]:
+        return {k[len(name) :]: v for k, v in ordered if k.startswith(name)}
+
+    return _snapshot(job_id, values.get, get_prefix)
+
+
+def _snapshot(
+    job_id: str, get: Callable[[str], Any], get_prefix: Callable[[str], dict[str, Any]]
+) -> dict:
     return {
-        "job_id": store.job_id,
-        "spec": store.get(keys.SPEC),
-        "job": store.get(keys.JOB),
-        "leader": store.get(keys.LEADER),
-        "nodes": store.get_prefix(keys.NODES),
-        "statuses": store.get_prefix(keys.STATUS),
-        "monitor": store.get_prefix(keys.MONITOR),
-        "preflight": store.get_prefix(keys.PREFLIGHT),
-        "exporter": store.get(keys.EXPORTER),
+        "job_id": job_id,
+        "spec": get(keys.SPEC),
+        "job": get(keys.JOB),
+        "leader": get(keys.LEADER),
+        "nodes": get_prefix(keys.NODES),
+        "statuses": get_prefix(keys.STATUS),
+        "monitor": get_prefix(keys.MONITOR),
+        "preflight": get_prefix(keys.PREFLIGHT),
+        "exporter": get(keys.EXPORTER),
         "time": time.time(),
     }
 

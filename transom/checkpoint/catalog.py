@@ -53,9 +53,9 @@ def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
 def withdraw_storage(store: Store, step: int) -> None:
     """Forget the storage copies of every rank of `step` (retention removed its folder)."""
     prefix = f"{SHARDS}{step:012d}/"
-    for key in store.get_prefix(prefix):
-        if key.endswith("/" + STORAGE_HOLDER):
-            store.delete(prefix + key)
+    store.delete_all(
+        [prefix + key for key in store.get_prefix(prefix) if key.endswith("/" + STORAGE_HOLDER)]
+    )
 
 
 def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list[int]:

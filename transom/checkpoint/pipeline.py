@@ -219,15 +219,15 @@ class SavePipeline:
             self.memory.prepare_spare(shard.region.nbytes, shard.rank)
 
     # -- peer: replication ---------------------------------------------------------------------
-    def _peer_addr(self) -> tuple[str | None, str]:
+    def _peer_addr(self, fresh: bool) -> tuple[str | None, str]:
         """(peer address, its node) for this node's replicas, per the ring of the plan's
-        members; (None, why) when there is none."""
+        members; (None, why) when there is none. The address is read again when `fresh`."""
         if self.cfg.peer:
             return self.cfg.peer, self.cfg.peer
         peer = replication.ring_peer(self.publisher.plan.members, self.node)
         if peer is None or self.publisher.store is None:
             return None, f"{NO_PEER} node (a single node, or this node is not a member)"
-        addr = self.publisher.peer_addr(peer)
+        addr = self.publisher.peer_addr(peer, fresh)
         if addr is None:
             return None, f"peer {peer}'s checkpoint server is not registered"
         return addr, peer
@@ -248,7 +248,7 @@ class SavePipeline:
         error = None
         for attempt in range(REPLICATE_ATTEMPTS):
             try:
-                addr, peer = self._peer_addr()
+                addr, peer = self._peer_addr(fresh=attempt > 0)
                 if addr is None:
                     error = peer
                     break

@@ -4,9 +4,10 @@ With a store, the server holds a lease; under it it registers its peer address a
 shard its memory holds (`catalog.py` has the keys), so both vanish when the node dies. Persisted
 shards are listed without a lease. A control thread keeps the lease (a lost one is replaced and
 everything re-listed) and follows, through etcd watches, the controller's plan (its members for
-the ring peer, its restore step never evicted) and the discarded steps. Without a store every
-method is a no-op but the log line of an event. This module never touches shard bytes and
-never decides what the server keeps.
+the ring peer, its restore step never evicted) and the discarded steps. Its events go to etcd
+in batches (store/batch_writer.py); the ring peer's address is read once, and again only after
+a push to it failed. Without a store every method is a no-op but the log line of an event.
+This module never touches shard bytes and never decides what the server keeps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transom.common import keys
 from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
 from transom.store import Store, StoreError
+from transom.store.batch_writer import BatchWriter
 from transom.store.key_follow import KeyFollower
 
 log = logging.getLogger("transom.ckpt.server")
@@ -75,6 +77,10 @@ class Publisher:
         # The plan and the discards as etcd pushes them (followed by `follow`).
         self.plans = KeyFollower(store, keys.PLAN) if store is not None else None
         self.marks = KeyFollower(store, keys.CKPT_DISCARDED) if store is not None else None
+        # Events go to etcd in batches from a thread of their own (a save's several events, one
+        # request): the threads that move shards never wait for etcd.
+        self.events = BatchWriter(store, f"events-{node}") if store is not None else None
+        self._peer_addrs: dict[str, str] = {}  # peer node -> the address it registered
 
     def start(self, addr: str) -> None:
         """Take a lease and register `addr`; no-op without a store."""
@@ -102,6 +108,8 @@ class Publisher:
         return None
 
     def stop(self) -> None:
+        if self.events is not None:
+            self.events.close()
         if self.store is not None and self.lease is not None:
             try:
                 self.store.revoke(self.lease)
@@ -157,9 +165,19 @@ class Publisher:
             plans.stop()
             marks.stop()
 
-    def peer_addr(self, peer: str) -> str | None:
-        """The address `peer`'s server registered (None without a store or a registration)."""
-        return catalog.server_addr(self.store, peer) if self.store is not None else None
+    def peer_addr(self, peer: str, fresh: bool = False) -> str | None:
+        """The address `peer`'s server registered (None without a store or a registration): as
+        read the last time unless `fresh` (after a push to it failed: its server may have been
+        restarted elsewhere), so a replica costs etcd no request."""
+        if self.store is None:
+            return None
+        if fresh or peer not in self._peer_addrs:
+            addr = catalog.server_addr(self.store, peer)
+            if addr is None:
+                self._peer_addrs.pop(peer, None)
+                return None
+            self._peer_addrs[peer] = addr
+        return self._peer_addrs[peer]
 
     # -- the catalog ---------------------------------------------------------------------------
     def discarded(self, shard) -> bool:
@@ -265,7 +283,7 @@ class Publisher:
     def event(self, action: str, message: str, **fields: Any) -> None:
         """A `checkpoint` event: into etcd's event log when there is one, and into the log."""
         log.info("%s", message)
-        if self.store is None:
+        if self.events is None:
             return
         now = time.time()
         value = {
@@ -277,7 +295,4 @@ class Publisher:
             **fields,
         }
         source = f"ckpt-{self.node}-{threading.get_ident() % 10000}"
-        try:
-            self.store.put(keys.event(now, source), value)
-        except StoreError:
-            pass
+        self.events.put(keys.event(now, source), value)

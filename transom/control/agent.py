@@ -3,12 +3,12 @@
 The agent registers its node in etcd under a lease it keeps alive (the node's death is the
 lease's expiry; transom.control.lease_keeper), follows the plan through an etcd watch
 (transom.control.plan_follow: etcd pushes each new plan, nothing is polled), and for each new
-generation stops the old workers and, when the node is a member, runs its pre-flight checks
-(first time only) and starts the new ones. It reports what its workers do to `status/<node>`
-and `monitor/<node>`, each written only when it changed or at a slow heartbeat
-(transom.control.reports). Its loop ticks every TICK_S to watch its workers; a tick costs etcd
-nothing unless something is to be written. The controller decides, the agent never restarts
-workers on its own.
+generation stops the old workers and, when the node is a member, starts the new ones (its
+checkpoint server starts while it registers and runs its pre-flight checks, once, on joining).
+It reports what its workers do to `status/<node>` and `monitor/<node>`, each written only when
+it changed or at a slow heartbeat (transom.control.reports). Its loop ticks every TICK_S to
+watch its workers; a tick costs etcd nothing unless something is to be written. The controller
+decides, the agent never restarts workers on its own.
 
 A fault of the control plane never ends the agent: an etcd call that fails (`StoreError`, after
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
@@ -59,13 +59,12 @@ from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
 from transom.store.outage import StoreOutage
-from transom.store.spec import read_spec
+from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address
 
 log = logging.getLogger("transom.agent")
 
 TICK_S = 0.2  # the local loop (workers, monitor, warm pool); it costs etcd nothing by itself
-SPEC_WAIT_S = 120.0
 # No answer from etcd for this share of the node TTL (two lease renewals) is an outage.
 OVERDUE_TTL_SHARE = 0.5
 EXIT_EVICTED = 3
@@ -178,11 +177,12 @@ class NodeAgent:
         self.reports.hang_floor_s = spec.hang_floor_s  # bounds how long a summary may stand
         self.faults = FaultInjector(self.store, self.node_id, spec.faults)
         self.ckpt = NodeCheckpointServer(spec, self.store, self.node_id, self.run_dir, self.host)
-        until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
+        until_reached("launch the checkpoint server", self.ckpt.launch, self.stopping)
         until_reached("register the node", self._register, self.stopping)
         self.keeper.start(spec.node_ttl_s)
         self.guard.start(spec.node_ttl_s)
         until_reached("publish the pre-flight result", self._preflight, self.stopping)
+        until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
         until_reached("read the plan", lambda: self.plan.start(time.monotonic()), self.stopping)
         log.info("node %s registered", self.node_id)
         while not self.stopping.is_set():

@@ -67,10 +67,18 @@ class NodeCheckpointServer:
                     raise
                 log.warning("%s (attempt %d of %d); starting it again", e, attempt, START_ATTEMPTS)
 
+    def launch(self) -> None:
+        """Start the server process unless one runs, and return at once: the agent registers
+        and runs its pre-flight while the server starts, then waits for it (`start_patiently`)."""
+        if self.process is None or self.process.poll() is not None:
+            self._launch()
+
     def start(self, stopping: threading.Event | None = None) -> None:
-        """Start the server and wait until it serves, for as long as it lives (a warning after
-        START_TIMEOUT_S) or until `stopping`. Call from the agent's main thread."""
-        log_path = self._launch()
+        """Start the server (unless one `launch`ed runs) and wait until it serves, for as long
+        as it lives (a warning after START_TIMEOUT_S) or until `stopping`. Call from the
+        agent's main thread."""
+        self.launch()
+        log_path = self._log_path()
         assert self.process is not None
         started = time.monotonic()
         warned = False
@@ -92,8 +100,11 @@ class NodeCheckpointServer:
         self.serving = True
         log.info("checkpoint server of %s serving at %s", self.node_id, self.socket_path)
 
-    def _launch(self) -> Path:
-        """Start a server process (not waiting for it); its log file."""
+    def _log_path(self) -> Path:
+        return files.log_file(self.run_dir, f"ckpt-server-{self.node_id}")
+
+    def _launch(self) -> None:
+        """Start a server process (not waiting for it)."""
         for stale in sweep_stale_shm():
             log.warning("removed the shared memory of a dead checkpoint server: %s", stale)
         if not self.secret:  # read once: a restart needs no etcd
@@ -116,7 +127,7 @@ class NodeCheckpointServer:
             budget_bytes=self.spec.ckpt_memory_bytes or None,  # None: the server's default
             ranks_per_node=self.spec.nproc_per_node,  # its ranks' restore shards are prefetched
         )
-        log_path = files.log_file(self.run_dir, f"ckpt-server-{self.node_id}")
+        log_path = self._log_path()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
@@ -129,7 +140,6 @@ class NodeCheckpointServer:
             )
         self.serving = False
         self.launched_at = time.monotonic()
-        return log_path
 
     def _serving(self) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

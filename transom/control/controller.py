@@ -44,7 +44,7 @@ from transom.monitor.exporter import MonitorExporter
 from transom.monitor.waiting import median_step_s
 from transom.store import Store, StoreError
 from transom.store.client import Lease
-from transom.store.spec import read_spec
+from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address, host_address
 
 log = logging.getLogger("transom.controller")
@@ -58,7 +58,6 @@ STEPS_PER_TICK = 4
 STANDBY_RETRY_S = 5.0  # a standby tries to lead this often even if nothing woke it
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
-SPEC_WAIT_S = 120.0
 
 
 class Controller:

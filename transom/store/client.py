@@ -34,6 +34,7 @@ from transom.store.retry import (
 )
 
 REQUEST_TIMEOUT_S = 5.0
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most writes one transaction may hold
 
 T = TypeVar("T")
 
@@ -222,6 +223,25 @@ class Store:
             return _holds(answer, data, None if lease is None else lease.id)
 
         return self._retried(attempt)
+
+    def put_all(self, values: dict[str, Any]) -> None:
+        """Write all `values` in as few requests as etcd allows (one transaction per
+        MAX_TXN_OPS): many small writes cost etcd one request each otherwise."""
+        self._transact(
+            [
+                {"request_put": {"key": _encode(self.key(k)), "value": _encode(json.dumps(v))}}
+                for k, v in values.items()
+            ]
+        )
+
+    def delete_all(self, names: list[str]) -> None:
+        """Delete the keys `names` in as few requests as etcd allows (as `put_all`)."""
+        self._transact([{"request_delete_range": {"key": _encode(self.key(n))}} for n in names])
+
+    def _transact(self, ops: list[dict]) -> None:
+        for i in range(0, len(ops), MAX_TXN_OPS):
+            txn = {"compare": [], "success": ops[i : i + MAX_TXN_OPS], "failure": []}
+            self._call(self.client.transaction, txn)
 
     def delete(self, name: str) -> None:
         self._call(self.client.delete, self.key(name))

@@ -20,6 +20,7 @@ from transom.store.access import StoreError
 from transom.store.client import Store
 
 EVENT_SOURCE_SUFFIX = "-spec"
+SPEC_WAIT_S = 120.0  # how long a controller or agent waits for the spec (it may start first)
 
 
 def parse_spec(value: Any, job_id: str, check_script: bool) -> JobSpec:
