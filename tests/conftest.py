@@ -27,6 +27,14 @@ from jobs import SMALL_GPT, job_processes, wait_for  # noqa: E402, F401
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
 
+def torch_mapped(pid: int) -> list[str]:
+    """The files of torch's package that process `pid` has mapped: its native libraries are, from
+    the moment anything in the process imports torch (a checkpoint server never should)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        files = {fields[-1] for line in maps if len(fields := line.split()) >= 6}
+    return sorted(f for f in files if "torch" in Path(f).parts)
+
+
 @contextmanager
 def running_etcd(data_dir: Path, **options) -> Iterator[EmbeddedEtcd]:
     """A real embedded etcd, stopped on exit even if a test left it SIGSTOPped."""

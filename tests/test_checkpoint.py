@@ -15,7 +15,7 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import config, layout, replication, storage, tiers
+from transom.checkpoint import config, layout, replication, shard_format, storage, tiers
 from transom.checkpoint.config import ServerConfig, parse_size
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.tiers import LoaderContext, LoadTier
@@ -169,7 +169,7 @@ def _craft(header: dict, data: bytes) -> bytes:
         "data_len": len(data),
         "chunks": [xxhash.xxh3_64_hexdigest(data)] if data else [],
     }
-    return layout.encode_header(header) + data
+    return shard_format.encode_header(header) + data
 
 
 @pytest.mark.parametrize(
@@ -217,7 +217,7 @@ def test_crafted_shards_cannot_run_code(
     monkeypatch.setattr(pickle, "load", forbidden)
     monkeypatch.setattr(torch, "load", forbidden)
     header = {
-        "format": layout.FORMAT_VERSION,
+        "format": shard_format.FORMAT_VERSION,
         "step": 0,
         "rank": 0,
         "world_size": 1,
@@ -423,8 +423,9 @@ def test_manifest_written_last(tmp_path: Path) -> None:
         plan = layout.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
         data = bytearray(plan.data_len)
         layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
-        plan.header["chunks"] = layout.checksum_data(memoryview(data))
-        storage.write_shard(root, 4, rank, layout.encode_header(plan.header), memoryview(data))
+        plan.header["chunks"] = shard_format.checksum_data(memoryview(data))
+        header_bytes = shard_format.encode_header(plan.header)
+        storage.write_shard(root, 4, rank, header_bytes, memoryview(data))
         storage.complete_step(root, 4, 2, keep=3)
         assert storage.complete_steps(root) == ([] if rank == 0 else [4])
     manifest = json.loads((storage.step_dir(root, 4) / "manifest.json").read_text())
@@ -475,8 +476,8 @@ class ObjectStoreTier(LoadTier):
         plan = layout.plan_state(state, step, rank, world_size)
         data = bytearray(plan.data_len)
         layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
-        plan.header["chunks"] = layout.checksum_data(memoryview(data))
-        self.objects[(step, rank)] = (layout.encode_header(plan.header), bytes(data))
+        plan.header["chunks"] = shard_format.checksum_data(memoryview(data))
+        self.objects[(step, rank)] = (shard_format.encode_header(plan.header), bytes(data))
 
     def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
         return (
@@ -486,10 +487,10 @@ class ObjectStoreTier(LoadTier):
     def read(self, ctx: LoaderContext, source: dict, step: int, rank: int):
         self.reads += 1
         head, data = self.objects[(step, rank)]
-        header, _ = layout.decode_header(head)
-        layout.check_identity(header, step, rank)
+        header, _ = shard_format.decode_header(head)
+        shard_format.check_identity(header, step, rank)
         buf = bytearray(data)
-        layout.verify_data(header, memoryview(buf))
+        shard_format.verify_data(header, memoryview(buf))
         return header, torch.frombuffer(buf, dtype=torch.uint8)
 
     def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from transom import checkpoint
-from transom.checkpoint import layout
+from transom.checkpoint import layout, shard_format
 
 NASTY = [
     -1,
@@ -65,7 +65,7 @@ def _state():
 
 
 def _valid() -> tuple[dict, torch.Tensor]:
-    plan = layout.plan_state(_state(), 1, 0, 1, layout.timeline("j", 0, 1))
+    plan = layout.plan_state(_state(), 1, 0, 1, shard_format.timeline("j", 0, 1))
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     layout.copy_into(plan, data)
     return plan.header, data
@@ -91,7 +91,7 @@ def _set(tree, path, value):
 def _rebuild_or_shard_error(header: dict, data: torch.Tensor) -> None:
     try:
         state = layout.rebuild(header, data)
-    except layout.ShardError:
+    except shard_format.ShardError:
         return
     # What rebuilds must be usable: every tensor can be read without a crash or huge memory.
     for _, v in _paths(state if isinstance(state, (dict, list)) else {}):
@@ -170,19 +170,20 @@ def test_crafted_headers_raise_the_formats_error(tree, tensors, message) -> None
         "storages": [{"offset": 0, "nbytes": 64}],
         "data_len": 64,
     }
-    with pytest.raises(layout.ShardError, match=message):
+    with pytest.raises(shard_format.ShardError, match=message):
         layout.rebuild(header, torch.zeros(64, dtype=torch.uint8))
 
 
 def test_a_deeply_nested_json_header_is_a_shard_error(tmp_path: Path) -> None:
     body = ("[" * 100_000 + "]" * 100_000).encode()
-    prefix = layout.PREFIX.pack(
-        layout.MAGIC, layout.FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), 0
+    checksum = xxhash.xxh3_64_intdigest(body)
+    prefix = shard_format.PREFIX.pack(
+        shard_format.MAGIC, shard_format.FORMAT_VERSION, len(body), checksum, 0
     )
-    with pytest.raises(layout.ShardError, match="not valid JSON"):
-        layout.decode_header(prefix + body)
+    with pytest.raises(shard_format.ShardError, match="not valid JSON"):
+        shard_format.decode_header(prefix + body)
     (tmp_path / "deep").write_bytes(prefix + body + b"\0" * 4096)
-    with pytest.raises(layout.ShardError):
+    with pytest.raises(shard_format.ShardError):
         checkpoint.load(tmp_path / "deep")
 
 
@@ -201,19 +202,19 @@ def test_random_bytes_and_bit_flips_of_a_shard_file_are_shard_errors(tmp_path: P
         path.write_bytes(bytes(bad))
         try:
             checkpoint.load(path)
-        except layout.ShardError:
+        except shard_format.ShardError:
             pass
 
 
 def test_a_shard_of_another_timeline_is_refused_by_rebuild() -> None:
     header, data = _valid()
-    layout.rebuild(header, data, layout.timeline("j", 0, 1))
+    layout.rebuild(header, data, shard_format.timeline("j", 0, 1))
     for other in (
-        layout.timeline("j", 0, 2),
-        layout.timeline("j", 1, 1),
-        layout.timeline("k", 0, 1),
+        shard_format.timeline("j", 0, 2),
+        shard_format.timeline("j", 1, 1),
+        shard_format.timeline("k", 0, 1),
     ):
-        with pytest.raises(layout.ShardError, match="timeline"):
+        with pytest.raises(shard_format.ShardError, match="timeline"):
             layout.rebuild(header, data, other)
     assert json.loads(json.dumps(header))["timeline"] == {
         "job": "j",

@@ -21,7 +21,7 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import layout, peer_service, replication
+from transom.checkpoint import layout, peer_service, replication, shard_format
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import MAX_PEER_CONNECTIONS, Throttle
 from transom.checkpoint.protocol import (
@@ -391,7 +391,7 @@ def _frames(rng: random.Random, count: int, shard: tuple[dict, bytes]) -> list[t
         }
 
     def other_shard(step: int, data_len: int = 4096) -> bytes:
-        return layout.encode_header({**header, "step": step, "data_len": data_len})
+        return shard_format.encode_header({**header, "step": step, "data_len": data_len})
 
     junk_values = [None, True, -1, 1.5, "1", [], {}, 1 << 64, "../../etc", "x" * 300]
     kinds = [

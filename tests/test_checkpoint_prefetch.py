@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import torch_mapped, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import catalog, prefetch
@@ -186,6 +186,8 @@ def test_a_replacement_server_prefetches_its_ranks_shards_before_its_workers_loa
                 e["action"] == "restored" and e["node"] == "node3" and e["tier"] == "memory"
                 for e in events
             ), events
+            for server in (node1, spare):  # pushed, received, served and prefetched shards
+                assert torch_mapped(server.process.pid) == [], server.node
         finally:
             for s in started:
                 s.stop()

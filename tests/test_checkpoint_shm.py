@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from transom.checkpoint import capacity, shm_dirs
+from transom.checkpoint import capacity, layout, shm_dirs
 from transom.checkpoint.shm import MappingCache, RegionDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def test_a_save_never_goes_into_a_mapping_of_a_deleted_region_reborn_under_its_p
     # checksummed and persisted its zeros (the torture suite's kill_mixed found it).
     path = tmp_path / "region"
     path.write_bytes(b"\x01" * 4096)
-    cache = MappingCache()
+    cache = MappingCache(layout.as_bytes)
     cache.get(str(path), 4096)[:] = 1
     path.unlink()
     path.write_bytes(b"\x00" * 4096)  # the new server's region, same path, another file

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transom import checkpoint
-from transom.checkpoint import layout, storage
+from transom.checkpoint import layout, shard_format, storage
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
@@ -23,8 +23,8 @@ def _shard(step: int, rank: int, tl: dict, value: float = 0.0) -> tuple[bytes, m
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     layout.copy_into(plan, data)
     view = memoryview(data.numpy())
-    plan.header["chunks"] = layout.checksum_data(view)
-    return layout.encode_header(plan.header), view
+    plan.header["chunks"] = shard_format.checksum_data(view)
+    return shard_format.encode_header(plan.header), view
 
 
 def _write(
@@ -36,7 +36,7 @@ def _write(
 
 
 def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> None:
-    one, two = layout.timeline("j", 0, 1), layout.timeline("j", 1, 2)
+    one, two = shard_format.timeline("j", 0, 1), shard_format.timeline("j", 1, 2)
     _write(tmp_path, 7, 0, one)
     assert storage.complete_steps(tmp_path) == [7]
     _write(tmp_path, 7, 1, two)  # rank 1 of a world of 2: rank 0 on disk is a world of 1's
@@ -52,7 +52,7 @@ def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> No
 def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refused(
     tmp_path: Path,
 ) -> None:
-    old, new = layout.timeline("j", 1, 2), layout.timeline("j", 2, 2)
+    old, new = shard_format.timeline("j", 1, 2), shard_format.timeline("j", 2, 2)
     for rank in (0, 1):
         _write(tmp_path, 5, rank, old, 1.0)
     assert storage.complete_steps(tmp_path) == [5]
@@ -70,7 +70,7 @@ def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refuse
 def test_an_older_generation_never_writes_over_a_newer_ones_shard_of_an_unfinished_step(
     tmp_path: Path,
 ) -> None:
-    old, new = layout.timeline("j", 1, 2), layout.timeline("j", 2, 2)
+    old, new = shard_format.timeline("j", 1, 2), shard_format.timeline("j", 2, 2)
     _write(tmp_path, 5, 0, new, 2.0)  # rank 1 not there yet: no manifest to compare with
     with pytest.raises(storage.StaleTimeline):
         _write(tmp_path, 5, 0, old, 1.0)
@@ -82,20 +82,20 @@ def test_an_older_generation_never_writes_over_a_newer_ones_shard_of_an_unfinish
 
 
 def test_a_shard_that_does_not_match_its_manifest_is_a_shard_error(tmp_path: Path) -> None:
-    tl = layout.timeline("j", 0, 1)
+    tl = shard_format.timeline("j", 0, 1)
     _write(tmp_path, 3, 0, tl)
-    other_head, other_data = _shard(3, 0, layout.timeline("other-job", 0, 1))
+    other_head, other_data = _shard(3, 0, shard_format.timeline("other-job", 0, 1))
     storage.atomic_write(storage.shard_path(tmp_path, 3, 0), [other_head, other_data])
-    with pytest.raises(layout.ShardError, match="timeline"):
+    with pytest.raises(shard_format.ShardError, match="timeline"):
         storage.read_shard(storage.shard_path(tmp_path, 3, 0), 3, 0)
 
 
 def test_discarded_steps_leave_storage_by_the_generation_that_wrote_them(tmp_path: Path) -> None:
-    old, new = layout.timeline("j", 1, 1), layout.timeline("j", 2, 1)
+    old, new = shard_format.timeline("j", 1, 1), shard_format.timeline("j", 2, 1)
     for step in (1, 2, 3):
         _write(tmp_path, step, 0, old, keep=9)
     _write(tmp_path, 4, 0, new, keep=9)  # the generation that discards: its own steps stay
-    _write(tmp_path, 5, 0, layout.timeline("other-job", 9, 1), keep=9)  # older than all
+    _write(tmp_path, 5, 0, shard_format.timeline("other-job", 9, 1), keep=9)  # older than all
     future = time.time() + 3600  # a file's clock says nothing: only its timeline does
     for step in (3, 4):
         for f in storage.step_dir(tmp_path, step).iterdir():

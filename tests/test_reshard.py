@@ -14,7 +14,7 @@ import torch
 
 from transom import checkpoint
 from transom.checkpoint import storage
-from transom.checkpoint.reshard import chunk_range, copy_overlap, storage_steps
+from transom.checkpoint.reshard import chunk_range, copy_overlap
 from transom.checkpoint.reshard_steps import restorable
 from transom.utils.net import free_port
 
@@ -101,7 +101,7 @@ def _load_world(root: Path, world: int) -> list[tuple[dict, dict]]:
 def test_shrink_then_grow_resumes_from_the_newest_step(tmp_path: Path) -> None:
     root = tmp_path / "store"
     _save_world(root, 10, 3)
-    assert storage_steps(root, 2) == [10] and storage_steps(root, 3) == [10]
+    assert storage.restorable_steps(root, 2) == [10] and storage.restorable_steps(root, 3) == [10]
     for r, (state, info) in enumerate(_load_world(root, 2)):  # shrink: 3 -> 2
         assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.arange(6.0) * 10)
         assert "data_position" not in state, "per-rank state of another world is left out"
@@ -123,7 +123,7 @@ def test_a_step_without_a_resharding_record_is_not_loaded_by_another_world(
 ) -> None:
     root = tmp_path / "store"
     _save_world(root, 10, 2, replicated=())
-    assert storage_steps(root, 3) == [] and storage_steps(root, 2) == [10]
+    assert storage.restorable_steps(root, 3) == [] and storage.restorable_steps(root, 2) == [10]
     with checkpoint.Engine(storage_dir=root, rank=0, world_size=3) as engine:
         assert engine.load() is None  # nothing restorable: a fresh start, no wrong bytes
         with pytest.raises(checkpoint.CheckpointError, match="without a resharding record"):
@@ -215,7 +215,7 @@ def test_dtensor_state_reshards_3_to_2_to_3_through_engine_and_dcp(tmp_path: Pat
     root = tmp_path / "store"
     _run_world(script, root, 3, 0, 10)  # 3 ranks save step 10 (engine) and 11 (DCP)
     assert storage.complete_steps(root) == [11, 10]
-    assert storage_steps(root, 2) == [11, 10]
+    assert storage.restorable_steps(root, 2) == [11, 10]
     shrunk = _run_world(script, root, 2, 10, 20)  # 2 ranks load them, save 20 and 21
     grown = _run_world(script, root, 3, 20, 0)  # 3 ranks load those
     for result in shrunk + grown:

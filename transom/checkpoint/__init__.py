@@ -15,9 +15,12 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
     peer_port.py     its TCP port: a cap on connections, a thread each
     publisher.py     its etcd side: lease, catalog listings, events, the plan it follows
   catalog.py         the shard catalog in etcd; replication.py, protocol.py the wire
-  storage.py, shm.py, shm_dirs.py, layout.py   files, shared memory, the shard format
-The names below are imported on first use, so that the parts that need no torch (the catalog,
-the shared-memory directories) can be imported by node agents and the launcher without it.
+  storage.py, shm.py, shm_dirs.py   files, shared memory
+  shard_format.py    the shard format's bytes: header, checksums (all the server needs of it)
+  layout.py          a state as a shard's tensor table and data, and back (workers: torch)
+The names below are imported on first use, so that the parts that need no torch (the checkpoint
+server, the catalog, the shared-memory directories) can be imported by node agents, the launcher
+and the server's process without it.
 """
 
 import importlib
@@ -29,7 +32,7 @@ _EXPORTS = {
     "SaveRefused": "engine",
     "save": "single_file",
     "load": "single_file",
-    "ShardError": "layout",
+    "ShardError": "shard_format",
     "UnsupportedValue": "layout",
 }
 __all__ = list(_EXPORTS)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, replication, reshard, tiers
+from transom.checkpoint import layout, replication, reshard, shard_format, tiers
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -146,7 +146,7 @@ class Engine:
         storage_env = os.environ.get(env.CHECKPOINT_DIR)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
-        # The timeline every shard is saved under (job, generation, world size: layout.py).
+        # The timeline every shard is saved under (job, generation, world size: shard_format.py).
         self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
         # Under a launcher: this worker's generation (the plan decides what `load` restores).
         launched = os.environ.get(env.GENERATION)
@@ -160,7 +160,7 @@ class Engine:
             self.server = self._embedded_server(memory_bytes, keep)
             self.socket_path = str(self.server.cfg.socket_path)
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
-        self._maps = MappingCache()
+        self._maps = MappingCache(layout.as_bytes)
         self._pinned: set[str] = set()
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
@@ -191,8 +191,8 @@ class Engine:
         return server
 
     def timeline(self) -> dict:
-        """The timeline this engine's shards are saved under (layout.timeline)."""
-        return layout.timeline(self.job_id, self.generation or 0, self.world_size)
+        """The timeline this engine's shards are saved under (shard_format.timeline)."""
+        return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
 
     # -- talking to the server -------------------------------------------------------------------
     def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
@@ -394,7 +394,7 @@ class Engine:
                 try:
                     header, data = source_tier.read(ctx, source, step, rank)
                     state = layout.rebuild(header, data)
-                except (layout.ShardError, replication.ReplicationError, OSError) as e:
+                except (shard_format.ShardError, replication.ReplicationError, OSError) as e:
                     problems.append(f"{name}: {e}")
                     self._report(
                         "bad-copy",

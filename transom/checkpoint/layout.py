@@ -1,48 +1,33 @@
-"""The shard format: how one rank's checkpoint state becomes a header plus raw bytes, and back.
+"""A rank's state as a shard: the tensor table, the data ranges to copy, and the state rebuilt.
 
-A shard is what one rank saved at one step. Its bytes are
-
-    prefix  MAGIC (8 bytes), format version (u32), header length (u32), header xxh3-64 (u64),
-            data length (u64)                                                      32 bytes
-    header  UTF-8 JSON: step, rank, world size, the tensor table, the storage table, the tree of
-            non-tensor values, and one xxh3-64 checksum per DATA_CHUNK of the data
-    padding to DATA_ALIGN
-    data    the bytes of every tensor storage range, each range aligned to STORAGE_ALIGN
-
-In shared memory the data region is held alone and the header next to it (the server keeps it);
-on disk and on the wire the three parts follow each other.
+The worker's side of the shard format (shard_format.py has its bytes: prefix, JSON header,
+checksums). `plan_state` flattens a state into a header and the byte ranges of its tensor
+storages; `copy_into` copies them into the data region (each range aligned to STORAGE_ALIGN);
+`rebuild` turns a header and a data region back into the state, its tensors viewing the data.
 
 Tensors are saved by the byte range of their storage that they span, so non-contiguous tensors
 keep their strides and tensors that are views of one storage come back as views of one storage.
 Everything that is not a tensor is encoded as a JSON tree of known node types (containers,
-numbers, strings, bytes, dtypes, ...). This module must never unpickle, eval or import anything
-named by a shard: a shard is data, and a crafted one can at worst be rejected with `ShardError`.
+numbers, strings, bytes, dtypes, ...). Only workers import this module (it needs torch); the
+checkpoint server never does. This module must never unpickle, eval or import anything named by
+a shard: a shard is data, and a crafted one can at worst be rejected with `ShardError`.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import math
-import struct
+import mmap
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-MAGIC = b"TRNSHRD\x00"
-FORMAT_VERSION = 1
-PREFIX = struct.Struct("<8sIIQQ")  # magic, version, header length, header xxh3-64, data length
-DATA_ALIGN = 4096
+from transom.checkpoint.shard_format import FORMAT_VERSION, ShardError, align, check_timeline
+
 STORAGE_ALIGN = 64
-# Checksums are per chunk of data, so verification runs on several threads and names the bad chunk.
-DATA_CHUNK = 64 << 20
-VERIFY_THREADS = 4
-MAX_HEADER_BYTES = 256 << 20
 # Limits a header must respect (anything beyond is a crafted or corrupt shard, `ShardError`):
 # nesting of the value tree, dimensions of a tensor, any size or offset, and how many times a
 # tensor's elements may outnumber the bytes it views (stride 0: `expand`) - a crafted shape of
@@ -65,16 +50,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class ShardError(ValueError):
-    """A shard that is truncated, corrupt, of another format, or not the one asked for."""
-
-
 class UnsupportedValue(TypeError):
     """A value in the state that a checkpoint cannot hold (it would need pickle)."""
-
-
-def align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 def _expansion_ok(logical_bytes: int, span_bytes: int) -> bool:
@@ -135,12 +112,6 @@ def _check_tensor(t: torch.Tensor) -> None:
             f"cannot checkpoint a tensor expanded {MAX_EXPANSION}x beyond its storage: "
             "call .contiguous() on it first"
         )
-
-
-def timeline(job: str, generation: int, world_size: int) -> dict:
-    """The timeline a shard belongs to: its job, the generation that saved it, its world size.
-    Shards of one step are one checkpoint only when their timelines are equal."""
-    return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
 
 
 def plan_state(
@@ -253,117 +224,35 @@ def copy_into(plan: Plan, data: torch.Tensor, non_blocking: bool = False) -> Non
             data[r.offset : r.offset + r.nbytes].copy_(r.source, non_blocking=non_blocking)
 
 
-# -- checksums --------------------------------------------------------------------------------
-
-
-def _chunks(n: int) -> list[tuple[int, int]]:
-    return [(i, min(i + DATA_CHUNK, n)) for i in range(0, n, DATA_CHUNK)]
-
-
-def checksum_data(data: memoryview) -> list[str]:
-    """xxh3-64 of every DATA_CHUNK of `data`, as hex (xxhash releases the GIL: threads help)."""
-    with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-        return list(
-            pool.map(lambda c: xxhash.xxh3_64_hexdigest(data[c[0] : c[1]]), _chunks(len(data)))
-        )
-
-
-def verify_data(header: dict, data: memoryview) -> None:
-    expected = header.get("chunks")
-    if not isinstance(expected, list) or len(expected) != len(_chunks(len(data))):
-        raise ShardError("shard header has no valid chunk checksums")
-    actual = checksum_data(data)
-    bad = [i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
-    if bad:
-        raise ShardError(
-            f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
-            f"rank {header.get('rank')}: the copy is corrupt"
-        )
-
-
-# -- header bytes -----------------------------------------------------------------------------
-
-
-def encode_header(header: dict) -> bytes:
-    """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
-    body = json.dumps(header, separators=(",", ":")).encode()
-    prefix = PREFIX.pack(
-        MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header["data_len"]
-    )
-    out = prefix + body
-    return out + b"\0" * (align(len(out), DATA_ALIGN) - len(out))
-
-
-def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
-    """(header length, header checksum, data length) from the first PREFIX.size bytes."""
-    if len(prefix) < PREFIX.size:
-        raise ShardError(f"shard is truncated: {len(prefix)} bytes, not even a header")
-    magic, version, header_len, header_sum, data_len = PREFIX.unpack_from(prefix)
-    if magic != MAGIC:
-        raise ShardError("not a transom checkpoint shard (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise ShardError(
-            f"shard format version {version} is not supported (this build reads {FORMAT_VERSION})"
-        )
-    if header_len > MAX_HEADER_BYTES:
-        raise ShardError(f"shard header of {header_len} bytes is implausible: corrupt shard")
-    return header_len, header_sum, data_len
-
-
-def decode_header(prefix_and_body: bytes) -> tuple[dict, int]:
-    """The header dict and the data offset, from bytes starting at the prefix."""
-    header_len, header_sum, data_len = decode_prefix(prefix_and_body[: PREFIX.size])
-    body = prefix_and_body[PREFIX.size : PREFIX.size + header_len]
-    if len(body) != header_len:
-        raise ShardError("shard is truncated inside its header")
-    if xxhash.xxh3_64_intdigest(body) != header_sum:
-        raise ShardError("shard header checksum mismatch: the header is corrupt")
-    try:
-        header = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise ShardError(f"shard header is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(header, dict) or header.get("data_len") != data_len:
-        raise ShardError("shard header does not match its prefix")
-    return header, align(PREFIX.size + header_len, DATA_ALIGN)
-
-
-def header_span(header_len: int) -> int:
-    return align(PREFIX.size + header_len, DATA_ALIGN)
+def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
+    """A uint8 tensor sharing the buffer's memory, no copy (the tensor keeps the buffer alive):
+    a shared-memory region, or a shard's data as the server side's code returns it."""
+    if len(buffer) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 # -- rebuilding -------------------------------------------------------------------------------
 
 
-def check_identity(header: dict, step: int | None, rank: int | None) -> None:
-    if step is not None and header.get("step") != step:
-        raise ShardError(f"shard holds step {header.get('step')}, not step {step}")
-    if rank is not None and header.get("rank") != rank:
-        raise ShardError(f"shard holds rank {header.get('rank')}, not rank {rank}")
-
-
-def check_timeline(header: dict, expected: dict) -> None:
-    """ShardError unless the shard was saved under the timeline `expected` (see `timeline`)."""
-    found = header.get("timeline")
-    if found != expected:
-        raise ShardError(
-            f"shard of step {header.get('step')} rank {header.get('rank')} belongs to timeline "
-            f"{found}, not {expected}: it is not part of this checkpoint"
-        )
-
-
-def rebuild(header: dict, data: torch.Tensor, expected_timeline: dict | None = None) -> Any:
-    """The state saved in a shard, its tensors viewing `data` (a uint8 CPU tensor of the data
-    region).
+def rebuild(
+    header: dict, data: torch.Tensor | memoryview, expected_timeline: dict | None = None
+) -> Any:
+    """The state saved in a shard, its tensors viewing `data` (the data region: a uint8 CPU
+    tensor, or a writable buffer such as a tier's `read` returns, viewed without a copy).
 
     The header's tables are validated against the data length first, so a crafted header
     cannot make a tensor reach outside the data. Every malformed header raises `ShardError`
     (never RecursionError, RuntimeError, OverflowError, ...), so a loader falls back to the next
-    copy. `expected_timeline`: also refuse a shard of another timeline (see `timeline`).
+    copy. `expected_timeline`: also refuse a shard of another timeline
+    (see shard_format.timeline).
     """
     if not isinstance(header, dict):
         raise ShardError("shard header is not an object")
     if expected_timeline is not None:
         check_timeline(header, expected_timeline)
+    if not isinstance(data, torch.Tensor):
+        data = as_bytes(data)
     try:
         return _rebuild(header, data)
     except ShardError:

@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 
-from transom.checkpoint import layout, replication
+from transom.checkpoint import replication, shard_format
 from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMemory
 from transom.checkpoint.peer_port import Throttle
 from transom.checkpoint.pipeline import SavePipeline
@@ -138,17 +138,19 @@ class PeerService:
             )
             if stale is not None:
                 self.memory.abort(step, rank, region)
-                raise layout.ShardError(f"replica of step {step} rank {rank} refused: {stale}")
+                raise shard_format.ShardError(
+                    f"replica of step {step} rank {rank} refused: {stale}"
+                )
             with self.memory.lock:
                 shard = self.memory.shards[(step, rank)]
                 shard.header, shard.world_size = header, header["world_size"]
-                shard.header_bytes = layout.encode_header(header)
+                shard.header_bytes = shard_format.encode_header(header)
                 shard.staged_at = time.time()
             self.pipeline.committed(shard)
 
         try:
             replication.receive_put(sock, request, reserve, commit)
-        except (BudgetExceeded, layout.ShardError) as e:
+        except (BudgetExceeded, shard_format.ShardError) as e:
             replication.refuse_put(sock, request, str(e))
 
     def _get(self, sock: socket.socket, step: int, rank: int) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from transom.checkpoint import layout, replication, storage
+from transom.checkpoint import replication, shard_format, storage
 from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.publisher import Publisher
@@ -73,7 +73,7 @@ class SavePipeline:
         with self.lock:
             shard = self.memory.shards.get((step, rank))
             if shard is None or shard.region is not region or shard.state != RESERVED:
-                raise layout.ShardError(
+                raise shard_format.ShardError(
                     f"step {step} rank {rank} was not reserved by this connection"
                 )
             shard.header = header
@@ -185,11 +185,11 @@ class SavePipeline:
             try:
                 header = shard.header
                 if header is None:
-                    raise layout.ShardError("committed without a header")
+                    raise shard_format.ShardError("committed without a header")
                 data = shard.region.view()[: header["data_len"]]
-                header["chunks"] = layout.checksum_data(data)
+                header["chunks"] = shard_format.checksum_data(data)
                 del data
-                shard.header_bytes = layout.encode_header(header)
+                shard.header_bytes = shard_format.encode_header(header)
             except Exception as e:  # noqa: BLE001 - a broken header: the shard is not usable
                 self._fail(shard, Tier.MEMORY, f"cannot finalize: {e}")
                 with self.lock:

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 
-from transom.checkpoint import layout, replication
+from transom.checkpoint import replication, shard_format
 from transom.checkpoint.budget import BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
@@ -197,7 +197,7 @@ class Prefetcher:
                 header = replication.fetch_into(info["addr"], self.secret, step, rank, into_region)
             except BudgetExceeded as e:  # does not fit (or a worker saves it now): skip
                 return SKIPPED, str(e)
-            except (replication.ReplicationError, layout.ShardError) as e:
+            except (replication.ReplicationError, shard_format.ShardError) as e:
                 if taken:
                     self.memory.abort(step, rank, taken[0])
                 errors.append(str(e))
@@ -219,7 +219,7 @@ class Prefetcher:
             if shard is None or shard.region is not region:
                 return FAILED, "its region was taken back during the transfer"
             shard.header, shard.world_size = header, header["world_size"]
-            shard.header_bytes = layout.encode_header(header)
+            shard.header_bytes = shard_format.encode_header(header)
             shard.staged_at = time.time()
         if not self.pipeline.committed(shard):  # evicted there if it falls under a discard
             return SKIPPED, "the step was discarded as poisoned"

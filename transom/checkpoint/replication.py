@@ -6,7 +6,7 @@ within AUTH_TIMEOUT_S), then carries one request:
         -> {"ok": true} once the receiver holds the shard in memory with its checksums verified
     {"op": "get", "step", "rank"} -> {"ok": true, "header_len", "data_len"} + header + data
 `parse_request` is the one reader of a request: it names the fields, their types and bounds
-(a shard's data at most MAX_SHARD_BYTES, its header at most layout's MAX_HEADER_BYTES). Both
+(a shard's data at most MAX_SHARD_BYTES, its header at most shard_format's MAX_HEADER_BYTES). Both
 sides read the shard header's prefix first and check it against the lengths the message named
 before reading (or allocating) anything more. Messages must arrive within FRAME_TIMEOUT_S; shard
 bytes within TRANSFER_TIMEOUT_S plus their size at MIN_TRANSFER_BYTES_PER_S.
@@ -20,15 +20,12 @@ what a server keeps.
 
 from __future__ import annotations
 
-import mmap
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from transom.checkpoint import layout
+from transom.checkpoint import shard_format
 from transom.checkpoint.protocol import (
     AUTH_TIMEOUT_S,
     FRAME_TIMEOUT_S,
@@ -43,7 +40,7 @@ from transom.checkpoint.protocol import (
     send_all,
     send_msg,
 )
-from transom.checkpoint.shm import Region, anonymous_buffer, as_bytes
+from transom.checkpoint.shm import Region, anonymous_buffer
 from transom.common.names import check_id
 
 CONNECT_TIMEOUT_S = 5.0
@@ -58,8 +55,8 @@ MAX_PEER_MESSAGE = 64 << 10
 # DRAIN_TIMEOUT_S), so the sender reads the reply instead of a reset connection.
 DRAIN_MAX_BYTES = 64 << 20
 DRAIN_TIMEOUT_S = 2.0
-MIN_HEADER_SPAN = layout.header_span(0)
-MAX_HEADER_SPAN = layout.header_span(layout.MAX_HEADER_BYTES)
+MIN_HEADER_SPAN = shard_format.header_span(0)
+MAX_HEADER_SPAN = shard_format.header_span(shard_format.MAX_HEADER_BYTES)
 
 
 class ReplicationError(ConnectionError):
@@ -70,7 +67,7 @@ class ReplicationError(ConnectionError):
 class PutRequest:
     step: int
     rank: int
-    header_len: int  # the shard's prefix, JSON header and padding: layout.header_span
+    header_len: int  # the shard's prefix, JSON header and padding: shard_format.header_span
     data_len: int
     origin: str  # the node whose shard this is a replica of
 
@@ -139,15 +136,16 @@ def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> di
     """The shard header that follows a message naming `header_len` and `data_len`: its prefix
     is read and checked against them before the rest is read. ShardError when they differ."""
     deadline = transfer_deadline(header_len)
-    prefix = recv_exact(sock, layout.PREFIX.size, deadline)
-    body_len, _, prefix_data_len = layout.decode_prefix(prefix)
-    if layout.header_span(body_len) != header_len or prefix_data_len != data_len:
-        raise layout.ShardError(
-            f"shard header ({layout.header_span(body_len)} bytes, data {prefix_data_len}) does "
-            f"not match the request ({header_len} bytes, data {data_len})"
+    prefix = recv_exact(sock, shard_format.PREFIX.size, deadline)
+    body_len, _, prefix_data_len = shard_format.decode_prefix(prefix)
+    span = shard_format.header_span(body_len)
+    if span != header_len or prefix_data_len != data_len:
+        raise shard_format.ShardError(
+            f"shard header ({span} bytes, data {prefix_data_len}) does not match the request "
+            f"({header_len} bytes, data {data_len})"
         )
-    rest = recv_exact(sock, header_len - layout.PREFIX.size, deadline)
-    header, _ = layout.decode_header(prefix + rest)
+    rest = recv_exact(sock, header_len - shard_format.PREFIX.size, deadline)
+    header, _ = shard_format.decode_header(prefix + rest)
     return header
 
 
@@ -185,16 +183,17 @@ def push(
         )
 
 
-def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, torch.Tensor]:
-    """(header, data) of a shard held by the server at `addr`, checksums verified."""
-    landed: list[mmap.mmap] = []
+def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, memoryview]:
+    """(header, data) of a shard held by the server at `addr`, checksums verified; the data is
+    a view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
+    landed: list[memoryview] = []
 
     def into_anonymous(header: dict) -> memoryview:
-        landed.append(anonymous_buffer(header["data_len"]))
-        return memoryview(landed[0])[: header["data_len"]]
+        landed.append(memoryview(anonymous_buffer(header["data_len"]))[: header["data_len"]])
+        return landed[0]
 
     header = fetch_into(addr, secret, step, rank, into_anonymous)
-    return header, as_bytes(landed[0])[: header["data_len"]]
+    return header, landed[0]
 
 
 def fetch_into(
@@ -226,17 +225,17 @@ def fetch_into(
         raise ReplicationError(f"fetching step {step} rank {rank} from {addr}: {e}") from e
     finally:
         sock.close()
-    layout.verify_data(header, view)
+    shard_format.verify_data(header, view)
     del view
     return header
 
 
 def check_shard_header(header: dict, step: int, rank: int) -> None:
     """ShardError unless the shard header is that of (step, rank), with a world size."""
-    layout.check_identity(header, step, rank)
+    shard_format.check_identity(header, step, rank)
     world_size = header.get("world_size")
     if type(world_size) is not int or world_size < 1:
-        raise layout.ShardError(f"shard header has a bad world size {str(world_size)[:40]!r}")
+        raise shard_format.ShardError(f"shard header has a bad world size {str(world_size)[:40]!r}")
 
 
 def receive_put(
@@ -254,7 +253,7 @@ def receive_put(
     try:
         view = region.view()[: request.data_len]
         recv_into(sock, view, transfer_deadline(request.data_len))
-        layout.verify_data(header, view)
+        shard_format.verify_data(header, view)
         del view
     except BaseException:
         commit(region, None)  # gives the region back

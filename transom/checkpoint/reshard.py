@@ -34,14 +34,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Collection, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transom.checkpoint import layout, storage
+from transom.checkpoint import layout
 from transom.checkpoint.client import CheckpointError
-from transom.checkpoint.reshard_steps import HEADER_KEY, reshardable
+from transom.checkpoint.reshard_steps import HEADER_KEY
 
 if TYPE_CHECKING:
     from transom.checkpoint.engine import Engine
@@ -163,29 +162,6 @@ def plan_state(
 def load_info(header: dict) -> dict:
     """What `Engine.last_shard` says of the shard a load read: its world size and record."""
     return {"world_size": header.get("world_size"), HEADER_KEY: header.get(HEADER_KEY)}
-
-
-# -- which steps ---------------------------------------------------------------------------------
-
-
-def read_header(path: Path) -> dict | None:
-    """A shard file's header (storage.read_header); None when it is missing or unreadable."""
-    try:
-        return storage.read_header(path)
-    except (OSError, layout.ShardError):
-        return None
-
-
-def storage_steps(root: Path, world_size: int) -> list[int]:
-    """Complete steps in a storage directory restorable for `world_size`, newest first."""
-    out = []
-    for step in storage.complete_steps(root):
-        saved = (storage.read_manifest(root, step) or {}).get("world_size")
-        if saved == world_size or (
-            type(saved) is int and reshardable(read_header(storage.shard_path(root, step, 0)))
-        ):
-            out.append(step)
-    return out
 
 
 # -- loading -------------------------------------------------------------------------------------

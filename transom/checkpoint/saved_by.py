@@ -1,6 +1,6 @@
 """Which generation saved a shard: the order of saves that discards go by, with no clock.
 
-A shard's timeline (layout.timeline: job, generation, world size) names the generation that
+A shard's timeline (shard_format.timeline: job, generation, world size) names the generation that
 saved it. Generations only grow, so a shard saved by a generation before G is older than anything
 G saves, whatever the machines' clocks say; a discard (catalog.discard_poisoned) compares these
 numbers, never times. This module only reads a timeline it is given: it never trusts one (a

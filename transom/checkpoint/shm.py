@@ -10,7 +10,8 @@ mappings open across saves (`MappingCache`), so a steady-state save is a plain m
 A region a worker has loaded from is mapped copy-on-write (MAP_PRIVATE): the worker may change
 the loaded tensors without touching the checkpoint. Such a region is "loaned" and never written
 again by the server (it is unlinked when evicted), so the worker's views stay valid as long as
-it keeps them. This module never decides what to keep: that is the server's job.
+it keeps them. This module never decides what to keep (that is the server's job) and never
+imports torch (the server maps regions without it; a worker's tensor views are layout.as_bytes).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import mmap
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import Generic, TypeVar
 
 from transom.checkpoint.shm_dirs import claim
 
 FileIdentity = tuple[int, int]  # (st_dev, st_ino)
+View = TypeVar("View")
 
 
 def populated_map(
@@ -89,13 +91,6 @@ def allocate(fd: int, nbytes: int, path: Path) -> None:
             f"cannot allocate a shared-memory region of {nbytes} bytes in {path.parent} "
             f"({free} bytes free there): {e.strerror}",
         ) from e
-
-
-def as_bytes(m: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
-    """A uint8 tensor sharing the buffer's memory (the tensor keeps the buffer alive)."""
-    if len(m) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(m, dtype=torch.uint8)
 
 
 def anonymous_buffer(nbytes: int) -> mmap.mmap:
@@ -164,18 +159,20 @@ class RegionDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-class MappingCache:
-    """A worker's open mappings of server regions, by path, so repeated saves skip mapping.
+class MappingCache(Generic[View]):
+    """A worker's open mappings of server regions, by path, so repeated saves skip mapping;
+    each with the view `as_view` made of it once (the engine's: a uint8 tensor, layout.as_bytes).
 
     A mapping is reused only while the file at its path is the very file it maps (same device
     and inode): a region deleted and a new one created under the same path (a server started
     again) must never receive a save through the old mapping, whose bytes no one reads."""
 
-    def __init__(self, limit: int = 8):
+    def __init__(self, as_view: Callable[[mmap.mmap], View], limit: int = 8):
+        self.as_view = as_view
         self.limit = limit
-        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor, FileIdentity]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, View, FileIdentity]] = {}
 
-    def get(self, path: str, nbytes: int) -> torch.Tensor:
+    def get(self, path: str, nbytes: int) -> View:
         hit = self._maps.get(path)
         if hit is not None and len(hit[0]) == nbytes and hit[2] == file_identity(path):
             return hit[1]
@@ -183,15 +180,15 @@ class MappingCache:
         if len(self._maps) >= self.limit:
             self.drop(next(iter(self._maps)))
         m, identity = mapped_file(Path(path), nbytes)
-        tensor = as_bytes(m)
-        self._maps[path] = (m, tensor, identity)
-        return tensor
+        view = self.as_view(m)
+        self._maps[path] = (m, view, identity)
+        return view
 
     def drop(self, path: str) -> None:
         hit = self._maps.pop(path, None)
         if hit is not None:
-            m, tensor, _ = hit
-            del tensor
+            m, view, _ = hit
+            del view
             try:
                 m.close()
             except BufferError:

@@ -1,6 +1,6 @@
 """A torch.save / torch.load pair in the shard format: one file, atomic, checksummed, no pickle.
 
-`save(obj, path)` writes what `Engine` would hold for one rank (layout.py's format) with an
+`save(obj, path)` writes what `Engine` would hold for one rank (the shard format) with an
 atomic rename; `load(path)` reads it back bit for bit or raises the format's error (ShardError).
 This module must never unpickle anything: files cross trust boundaries.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, storage
-from transom.checkpoint.shm import anonymous_buffer, as_bytes
+from transom.checkpoint import layout, shard_format, storage
+from transom.checkpoint.shm import anonymous_buffer
 
 
 def to_device(value: Any, device) -> Any:
@@ -35,14 +35,14 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
     plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
     buf = anonymous_buffer(plan.data_len)
-    data = as_bytes(buf)[: plan.data_len]
+    data = layout.as_bytes(buf)[: plan.data_len]
     layout.copy_into(plan, data)
     if any(r.source.is_cuda for r in plan.ranges):
         torch.cuda.synchronize()
     view = memoryview(buf)[: plan.data_len]
-    plan.header["chunks"] = layout.checksum_data(view)
+    plan.header["chunks"] = shard_format.checksum_data(view)
     path = Path(path)
-    storage.atomic_write(path, [layout.encode_header(plan.header), view])
+    storage.atomic_write(path, [shard_format.encode_header(plan.header), view])
 
 
 def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:

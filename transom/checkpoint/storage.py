@@ -1,9 +1,9 @@
 """The storage tier: shard files in a directory (local disk or a shared file system).
 
 Layout of a storage directory:
-    step_000000000012/rank_000003.shard   one shard: prefix + header + data (see layout.py)
+    step_000000000012/rank_000003.shard   one shard: prefix + header + data (see shard_format.py)
     step_000000000012/manifest.json       written last, once every rank's shard is there, all of
-                                          one timeline (job, generation, world size: layout.py)
+                                          one timeline (job, generation, world size)
     latest                                the newest step with a manifest (text, one integer)
     .lock                                 serialises manifest, `latest` and retention among writers
 
@@ -30,11 +30,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
-from transom.checkpoint import layout
+from transom.checkpoint import shard_format
+from transom.checkpoint.reshard_steps import reshardable
 from transom.checkpoint.saved_by import saved_by
-from transom.checkpoint.shm import anonymous_buffer, as_bytes
+from transom.checkpoint.shm import anonymous_buffer
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
 SHARD_RE = re.compile(r"^rank_(\d{6})\.shard$")
@@ -137,20 +136,21 @@ def write_shard(
 
 def read_shard(
     path: Path, step: int | None = None, rank: int | None = None
-) -> tuple[dict, torch.Tensor]:
-    """(header, data as a uint8 tensor) of a shard file, checksums verified; ShardError when bad."""
+) -> tuple[dict, memoryview]:
+    """(header, data) of a shard file, checksums verified; ShardError when bad. The data is a
+    view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(layout.PREFIX.size)
-            header_len, _, data_len = layout.decode_prefix(head)
-            span = layout.header_span(header_len)
+            head = f.read(shard_format.PREFIX.size)
+            header_len, _, data_len = shard_format.decode_prefix(head)
+            span = shard_format.header_span(header_len)
             head += f.read(span - len(head))
-            header, offset = layout.decode_header(head)
-            layout.check_identity(header, step, rank)
+            header, offset = shard_format.decode_header(head)
+            shard_format.check_identity(header, step, rank)
             _check_manifest(Path(path), header)
             size = os.fstat(f.fileno()).st_size
             if size != offset + data_len:
-                raise layout.ShardError(
+                raise shard_format.ShardError(
                     f"shard file {path} has {size} bytes, expected {offset + data_len}: truncated"
                 )
             buf = anonymous_buffer(data_len)
@@ -160,13 +160,12 @@ def read_shard(
             while got < data_len:
                 n = f.readinto(view[got : got + WRITE_BLOCK])
                 if not n:
-                    raise layout.ShardError(f"shard file {path} is truncated")
+                    raise shard_format.ShardError(f"shard file {path} is truncated")
                 got += n
     except FileNotFoundError as e:
-        raise layout.ShardError(f"shard file {path} does not exist") from e
-    layout.verify_data(header, view)
-    del view
-    return header, as_bytes(buf)[:data_len]
+        raise shard_format.ShardError(f"shard file {path} does not exist") from e
+    shard_format.verify_data(header, view)
+    return header, view
 
 
 def _check_manifest(path: Path, header: dict) -> None:
@@ -176,16 +175,16 @@ def _check_manifest(path: Path, header: dict) -> None:
     except (OSError, ValueError):
         return
     if isinstance(manifest, dict) and "timeline" in manifest:
-        layout.check_timeline(header, manifest["timeline"])
+        shard_format.check_timeline(header, manifest["timeline"])
 
 
 def read_header(path: Path) -> dict:
     """The header of a shard file (no data read, no checksum of the data); ShardError when bad."""
     with open(path, "rb") as f:
-        head = f.read(layout.PREFIX.size)
-        header_len, _, _ = layout.decode_prefix(head)
-        head += f.read(layout.header_span(header_len) - len(head))
-    return layout.decode_header(head)[0]
+        head = f.read(shard_format.PREFIX.size)
+        header_len, _, _ = shard_format.decode_prefix(head)
+        head += f.read(shard_format.header_span(header_len) - len(head))
+    return shard_format.decode_header(head)[0]
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -219,7 +218,7 @@ def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict | None
         try:
             if read_header(shard_path(root, step, rank)).get("timeline") != timeline:
                 return False
-        except (OSError, layout.ShardError):
+        except (OSError, shard_format.ShardError):
             return False
     return True
 
@@ -319,6 +318,27 @@ def _retain(root: Path, complete: list[int], keep: int) -> list[int]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(int(m.group(1)))
     return sorted(removed)
+
+
+def restorable_steps(root: Path, world_size: int) -> list[int]:
+    """Complete steps in a storage directory restorable for `world_size` (saved by that world,
+    or by another whose rank 0 shard carries a resharding record), newest first."""
+    out = []
+    for step in complete_steps(root):
+        saved = (read_manifest(root, step) or {}).get("world_size")
+        if saved == world_size or (
+            type(saved) is int and reshardable(_header_or_none(shard_path(root, step, 0)))
+        ):
+            out.append(step)
+    return out
+
+
+def _header_or_none(path: Path) -> dict | None:
+    """A shard file's header; None when it is missing or unreadable."""
+    try:
+        return read_header(path)
+    except (OSError, shard_format.ShardError):
+        return None
 
 
 def latest_step(root: Path) -> int | None:

@@ -29,7 +29,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from transom.checkpoint import layout, storage
+from transom.checkpoint import storage
 from transom.checkpoint.budget import STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.pipeline import SavePipeline
@@ -43,8 +43,8 @@ from transom.checkpoint.protocol import (
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
-from transom.checkpoint.reshard import storage_steps
 from transom.checkpoint.reshard_steps import reshardable, restorable
+from transom.checkpoint.shard_format import ShardError
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 
@@ -85,7 +85,7 @@ class WorkerService:
                     return
                 try:
                     reply = self.handle(msg, reserved)
-                except (BudgetExceeded, layout.ShardError, KeyError, ValueError, TypeError) as e:
+                except (BudgetExceeded, ShardError, KeyError, ValueError, TypeError) as e:
                     reply = {"ok": False, "error": str(e), "refused": isinstance(e, BudgetExceeded)}
                 try:
                     send_msg(sock, reply, deadline_in(REPLY_TIMEOUT_S))
@@ -204,7 +204,7 @@ class WorkerService:
         ]
         steps = restorable(held, world_size)
         if self.cfg.storage_dir is not None:
-            steps.update(storage_steps(Path(self.cfg.storage_dir), world_size))
+            steps.update(storage.restorable_steps(Path(self.cfg.storage_dir), world_size))
         return sorted(steps, reverse=True)
 
 

@@ -5,8 +5,8 @@ storage), tries every copy each tier locates, and takes the first whose checksum
 or unreachable copy is reported and the next one tried. A new tier (e.g. an object store) is a
 `LoadTier` subclass in its own file plus one line in `tiers/__init__.py`'s list.
 
-A tier's `read` must verify what it returns (the shard format's checksums, `layout`) and raise
-`layout.ShardError` for a bad copy or `OSError` (`ConnectionError` included) for one it cannot
+A tier's `read` must verify what it returns (the shard format's checksums, `shard_format`) and
+raise `ShardError` for a bad copy or `OSError` (`ConnectionError` included) for one it cannot
 reach. This module must never import torch at run time or talk to a server.
 """
 
@@ -15,10 +15,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -44,8 +40,9 @@ class LoadTier(ABC):
     @abstractmethod
     def read(
         self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, torch.Tensor]:
-        """(header, data as a uint8 tensor) of a copy `locate` returned, checksums verified."""
+    ) -> tuple[dict, memoryview]:
+        """(header, data) of a copy `locate` returned, checksums verified: the data a view of
+        exactly the shard's data bytes, which `layout.rebuild` turns into tensors, no copy."""
 
     def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
         """Steps this tier holds for every rank of `world_size`, as far as the loader can tell

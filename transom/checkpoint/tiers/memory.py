@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from transom.checkpoint import layout
-from transom.checkpoint.shm import anonymous_buffer, as_bytes, populated_map
+from transom.checkpoint import shard_format
+from transom.checkpoint.shm import anonymous_buffer, populated_map
 from transom.checkpoint.tiers.base import LoaderContext, LoadTier
 from transom.common.states import Tier
 
@@ -25,16 +23,14 @@ class MemoryTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, torch.Tensor]:
+    ) -> tuple[dict, memoryview]:
         header = source["header"]
-        layout.check_identity(header, step, rank)
+        shard_format.check_identity(header, step, rank)
         n = int(header["data_len"])
         if n == 0:
-            buf = anonymous_buffer(0)
-            layout.verify_data(header, memoryview(buf)[:0])
-            return header, as_bytes(buf)[:0]
-        m = populated_map(Path(source["path"]), n, private=True)
-        view = memoryview(m)
-        layout.verify_data(header, view)
-        del view
-        return header, as_bytes(m)
+            empty = memoryview(anonymous_buffer(0))[:0]
+            shard_format.verify_data(header, empty)
+            return header, empty
+        view = memoryview(populated_map(Path(source["path"]), n, private=True))
+        shard_format.verify_data(header, view)
+        return header, view

@@ -6,8 +6,6 @@ nodes); `replication.fetch` authenticates with the job's secret and verifies the
 
 from __future__ import annotations
 
-import torch
-
 from transom.checkpoint import replication
 from transom.checkpoint.tiers.base import LoaderContext, LoadTier
 from transom.common.states import Tier
@@ -21,5 +19,5 @@ class PeerTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, torch.Tensor]:
+    ) -> tuple[dict, memoryview]:
         return replication.fetch(source["addr"], ctx.secret, step, rank)

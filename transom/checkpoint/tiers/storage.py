@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from transom.checkpoint import reshard, storage
+from transom.checkpoint import storage
 from transom.checkpoint.tiers.base import LoaderContext, LoadTier
 from transom.common.states import Tier
 
@@ -27,8 +25,8 @@ class StorageTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, torch.Tensor]:
+    ) -> tuple[dict, memoryview]:
         return storage.read_shard(Path(source["path"]), step, rank)
 
     def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
-        return reshard.storage_steps(ctx.storage_dir, world_size)
+        return storage.restorable_steps(ctx.storage_dir, world_size)

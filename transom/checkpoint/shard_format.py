@@ -1,0 +1,150 @@
+"""The shard format's bytes: prefix, JSON header, checksums. What a checkpoint server needs of it.
+
+A shard is what one rank saved at one step. Its bytes are
+
+    prefix  MAGIC (8 bytes), format version (u32), header length (u32), header xxh3-64 (u64),
+            data length (u64)                                                      32 bytes
+    header  UTF-8 JSON: step, rank, world size, timeline, the tensor table, the storage table,
+            the tree of non-tensor values, and one xxh3-64 checksum per DATA_CHUNK of the data
+    padding to DATA_ALIGN
+    data    the bytes of every tensor storage range (layout.py decides where each goes)
+
+In shared memory the data region is held alone and the header next to it (the server keeps it);
+on disk and on the wire the three parts follow each other.
+
+This module encodes and decodes the prefix and header, checksums and verifies the data, and
+checks that a header is the shard asked for (step, rank, timeline). The checkpoint server moves
+shards with it alone; what the header's tables mean (tensors) is layout.py's, on the worker's
+side. This module must never import torch or numpy (the server starts without them), and never
+unpickle, eval or import anything named by a shard: a crafted one can at worst be rejected with
+`ShardError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import xxhash
+
+MAGIC = b"TRNSHRD\x00"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<8sIIQQ")  # magic, version, header length, header xxh3-64, data length
+DATA_ALIGN = 4096
+# Checksums are per chunk of data, so verification runs on several threads and names the bad chunk.
+DATA_CHUNK = 64 << 20
+VERIFY_THREADS = 4
+MAX_HEADER_BYTES = 256 << 20
+
+
+class ShardError(ValueError):
+    """A shard that is truncated, corrupt, of another format, or not the one asked for."""
+
+
+def align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def timeline(job: str, generation: int, world_size: int) -> dict:
+    """The timeline a shard belongs to: its job, the generation that saved it, its world size.
+    Shards of one step are one checkpoint only when their timelines are equal."""
+    return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
+
+
+# -- checksums --------------------------------------------------------------------------------
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(i, min(i + DATA_CHUNK, n)) for i in range(0, n, DATA_CHUNK)]
+
+
+def checksum_data(data: memoryview) -> list[str]:
+    """xxh3-64 of every DATA_CHUNK of `data`, as hex (xxhash releases the GIL: threads help)."""
+    with ThreadPoolExecutor(VERIFY_THREADS) as pool:
+        return list(
+            pool.map(lambda c: xxhash.xxh3_64_hexdigest(data[c[0] : c[1]]), _chunks(len(data)))
+        )
+
+
+def verify_data(header: dict, data: memoryview) -> None:
+    expected = header.get("chunks")
+    if not isinstance(expected, list) or len(expected) != len(_chunks(len(data))):
+        raise ShardError("shard header has no valid chunk checksums")
+    actual = checksum_data(data)
+    bad = [i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
+    if bad:
+        raise ShardError(
+            f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
+            f"rank {header.get('rank')}: the copy is corrupt"
+        )
+
+
+# -- header bytes -----------------------------------------------------------------------------
+
+
+def encode_header(header: dict) -> bytes:
+    """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
+    body = json.dumps(header, separators=(",", ":")).encode()
+    prefix = PREFIX.pack(
+        MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header["data_len"]
+    )
+    out = prefix + body
+    return out + b"\0" * (align(len(out), DATA_ALIGN) - len(out))
+
+
+def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
+    """(header length, header checksum, data length) from the first PREFIX.size bytes."""
+    if len(prefix) < PREFIX.size:
+        raise ShardError(f"shard is truncated: {len(prefix)} bytes, not even a header")
+    magic, version, header_len, header_sum, data_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise ShardError("not a transom checkpoint shard (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise ShardError(
+            f"shard format version {version} is not supported (this build reads {FORMAT_VERSION})"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise ShardError(f"shard header of {header_len} bytes is implausible: corrupt shard")
+    return header_len, header_sum, data_len
+
+
+def decode_header(prefix_and_body: bytes) -> tuple[dict, int]:
+    """The header dict and the data offset, from bytes starting at the prefix."""
+    header_len, header_sum, data_len = decode_prefix(prefix_and_body[: PREFIX.size])
+    body = prefix_and_body[PREFIX.size : PREFIX.size + header_len]
+    if len(body) != header_len:
+        raise ShardError("shard is truncated inside its header")
+    if xxhash.xxh3_64_intdigest(body) != header_sum:
+        raise ShardError("shard header checksum mismatch: the header is corrupt")
+    try:
+        header = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ShardError(f"shard header is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(header, dict) or header.get("data_len") != data_len:
+        raise ShardError("shard header does not match its prefix")
+    return header, align(PREFIX.size + header_len, DATA_ALIGN)
+
+
+def header_span(header_len: int) -> int:
+    return align(PREFIX.size + header_len, DATA_ALIGN)
+
+
+# -- identity ---------------------------------------------------------------------------------
+
+
+def check_identity(header: dict, step: int | None, rank: int | None) -> None:
+    if step is not None and header.get("step") != step:
+        raise ShardError(f"shard holds step {header.get('step')}, not step {step}")
+    if rank is not None and header.get("rank") != rank:
+        raise ShardError(f"shard holds rank {header.get('rank')}, not rank {rank}")
+
+
+def check_timeline(header: dict, expected: dict) -> None:
+    """ShardError unless the shard was saved under the timeline `expected` (see `timeline`)."""
+    found = header.get("timeline")
+    if found != expected:
+        raise ShardError(
+            f"shard of step {header.get('step')} rank {header.get('rank')} belongs to timeline "
+            f"{found}, not {expected}: it is not part of this checkpoint"
+        )
