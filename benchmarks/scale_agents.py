@@ -43,7 +43,8 @@ Lines it prints (flushed, each in one write), for scale.py:
     acted NODE GEN T        NODE followed the plan of generation GEN at time T (time.time())
     dead NODE T             NODE stopped acting (told through its kill file)
     ticks N T LATE          N agent loop turns were done in total by time T (every second);
-                            LATE: the most any lease renewal was sent after its time, seconds
+                            LATE: the most a lease renewal was sent after its time since
+                            the last such line, seconds
 It stops on SIGTERM. A node dies (stops ticking, keeps its lease renewed until someone revokes
 it) when the file KILL_DIR/NODE appears. This module never touches processes other than its own.
 """
@@ -350,7 +351,7 @@ class RenewalScheduler:
         self.cond = threading.Condition()
         self.due: queue.Queue[SharedLeaseKeeper] = queue.Queue()
         self.count = 0
-        self.late_s = 0.0  # the most a renewal was sent after its time (the window's)
+        self.late_s = 0.0  # the most a renewal was sent after its time, since main reset it
 
     def start(self) -> None:
         threading.Thread(target=self._schedule, name="renewals", daemon=True).start()
@@ -516,7 +517,8 @@ def main() -> int:
                 say(f"dead {node} {time.time():.6f}")
         if time.monotonic() - last >= 1.0:
             last = time.monotonic()
-            say(f"ticks {TICKS[0]} {time.time():.6f} {RENEWALS.late_s:.3f}")
+            late, RENEWALS.late_s = RENEWALS.late_s, 0.0
+            say(f"ticks {TICKS[0]} {time.time():.6f} {late:.3f}")
     for agent in agents.values():
         agent.stopping.set()
     STREAM.stop()
