@@ -1,19 +1,28 @@
 """Scale benchmark: the real controller and the real agent logic on many nodes, one real etcd.
 
 For each size N (`--nodes 64,256,1024`) it starts an embedded etcd, writes a job spec (N nodes,
-1 spare, 1 rank a node), two real `transom controller` candidates (processes, as `transom run`
-starts them), and N + 1 simulated node agents spread over a few processes
+1 spare, 1 rank a node, the node lease TTL of `--node-ttl`: default NODE_TTL_S, 10 s, what a
+1,024-node job would use rather than the 4 s default meant for small jobs; agents renew it
+every TTL/4), two real `transom controller` candidates (processes, as `transom run` starts
+them), and N + 1 simulated node agents spread over a few processes
 (benchmarks/scale_agents.py: each a real NodeAgent whose workers, monitor, checkpoint server and
-pre-flight are stand-ins; its docstring says how they differ from real agents). It measures:
+pre-flight are stand-ins, and whose plan watch stream, renewal thread and pause-guard thread
+are shared by the agents of a process; its docstring says how they differ from real agents).
+It measures (and reports node_ttl_s with each size):
   startup_s              launch -> the job record says generation 1 is RUNNING on all N nodes
   etcd_requests_per_s    requests etcd received per second in the steady state (its gRPC
                          messages, which the HTTP gateway's requests become), and per node
+                         (etcd_requests_per_node_s; _by_method: Put, LeaseKeepAlive, Range...)
   etcd_cpu_x, controller_cpu_x   cores used in the steady state by etcd and the leading
                          controller (standby_cpu_x: the other candidate; simulator_cpu_x: the
                          simulated agents' processes); *_rss_mb their memory
   agent_ticks_per_s      loop turns an agent achieved per second (designed: 5; a turn reads
                          nothing from etcd, the plan comes by watch; less means the simulator
                          could not keep up, so its fence checks and reports came late)
+  renewal_late_max_s     the most a simulated lease renewal was sent after its time in the
+                         steady state (_startup_: before it); more than a fraction of TTL/4
+                         means the simulator could not keep up (an agent counts an outage
+                         after TTL/2 without an answer)
   fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
                          moment its lease expires) -> the plan of the next generation arrives
   fault_to_all_acting_s  the same moment -> every member of the new plan has followed it
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ctypes
 import json
 import math
 import re
@@ -49,6 +59,7 @@ from transom.common import keys  # noqa: E402
 from transom.common.records import JobRecord  # noqa: E402
 from transom.common.states import JobState  # noqa: E402
 from transom.config import JobSpec  # noqa: E402
+from transom.control.lease_keeper import REFRESHES_PER_TTL  # noqa: E402
 from transom.store import EmbeddedEtcd, Store  # noqa: E402
 from transom.store.watch import PrefixWatch  # noqa: E402
 
@@ -58,17 +69,34 @@ WINDOW_S = 10.0
 SETTLE_S = 3.0
 PROGRESS_S = 15.0
 FAULT_TIMEOUT_S = 60.0
-MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
+NODE_TTL_S = 10
+PR_SET_PDEATHSIG = 1
+MESSAGES = re.compile(r"^grpc_server_msg_received_total\{([^}]*)\} (\S+)$", re.M)
+METHOD = re.compile(r'grpc_method="([^"]*)"')
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when this benchmark's process dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the SIGTERM handler in main still stops every child
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def etcd_requests(store: Store) -> float:
-    """etcd's count of gRPC messages received (every gateway request is at least one)."""
+def etcd_requests(store: Store) -> dict[str, float]:
+    """etcd's count of gRPC messages received (every gateway request is at least one), by
+    method (Put, Range, LeaseKeepAlive, ...)."""
     text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
-    return sum(float(v) for v in MESSAGES.findall(text))
+    counts: dict[str, float] = {}
+    for labels, value in MESSAGES.findall(text):
+        method = METHOD.search(labels)
+        name = method.group(1) if method else "?"
+        counts[name] = counts.get(name, 0.0) + float(value)
+    return counts
 
 
 def cpu_s(process: psutil.Process) -> float:
@@ -152,6 +180,7 @@ def run_size(n: int, work: Path, args) -> dict:
             metrics_port=-1,
             warmup_timeout_s=args.timeout,
             join_timeout_s=args.timeout,
+            node_ttl_s=args.node_ttl,
         )
         store.put(keys.SPEC, spec.validate().to_dict())
         base = [sys.executable, "-m", "transom", "--log-level", "warning"]
@@ -167,6 +196,7 @@ def run_size(n: int, work: Path, args) -> dict:
                     [*base, "controller", *common, "--candidate-id", name],
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,
                 )
             children.append(p)
             controllers[name] = psutil.Process(p.pid)
@@ -193,6 +223,7 @@ def run_size(n: int, work: Path, args) -> dict:
                     ],
                     stdout=f,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,
                 )
             children.append(p)
             sims.append(psutil.Process(p.pid))
@@ -207,7 +238,12 @@ def run_size(n: int, work: Path, args) -> dict:
                 f"{len(store.get_prefix(keys.STATUS))} statuses"
             ),
         )
-        result: dict = {"nodes": n, "startup_s": running - launched, "simulator_processes": parts}
+        result: dict = {
+            "nodes": n,
+            "startup_s": running - launched,
+            "simulator_processes": parts,
+            "node_ttl_s": args.node_ttl,
+        }
         say(f"{n} nodes: running after {result['startup_s']:.1f} s; steady state ...")
         time.sleep(SETTLE_S)
         leader = store.get(keys.LEADER)
@@ -225,8 +261,14 @@ def run_size(n: int, work: Path, args) -> dict:
         requests_after, t1 = etcd_requests(store), time.time()
         for k in procs:
             result[f"{k}_cpu_x"] = (after[k] - before[k]) / (t1 - t0)
-        result["etcd_requests_per_s"] = (requests_after - requests_before) / (t1 - t0)
+        rates = {
+            m: (c - requests_before.get(m, 0.0)) / (t1 - t0) for m, c in requests_after.items()
+        }
+        result["etcd_requests_per_s"] = sum(rates.values())
         result["etcd_requests_per_node_s"] = result["etcd_requests_per_s"] / n
+        result["etcd_requests_per_node_s_by_method"] = {
+            m: round(r / n, 4) for m, r in sorted(rates.items(), key=lambda x: -x[1]) if r > 0
+        }
         ticks = [(float(x[2]), int(x[1])) for x in lines_of(outs) if x[0] == "ticks"]
         # each process prints its own total: sum per-process rates over the window
         rate = 0.0
@@ -236,6 +278,10 @@ def run_size(n: int, work: Path, args) -> dict:
             if len(inside) >= 2:
                 rate += (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
         result["agent_ticks_per_s"] = rate / (n + 1) if ticks else None
+        # the most a lease renewal was sent after its time: in the window, and since start
+        late = [(float(x[2]), float(x[3])) for x in lines_of(outs) if x[0] == "ticks"]
+        result["renewal_late_max_s"] = max((v for t, v in late if t0 <= t <= t1), default=None)
+        result["renewal_late_startup_max_s"] = max((v for t, v in late if t < t0), default=None)
         result["etcd_rss_mb"] = rss_mb(etcd_process)
         result["controller_rss_mb"] = rss_mb(controllers[leader])
         result.update(fault(store, plan_watch, run_dir, outs))
@@ -302,13 +348,30 @@ def main() -> int:
     parser.add_argument("--nodes", default="64,256,1024", help="sizes, comma-separated")
     parser.add_argument("--window", type=float, default=WINDOW_S, help="steady-state seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="start-up limit per size")
+    parser.add_argument(
+        "--node-ttl",
+        type=int,
+        default=NODE_TTL_S,
+        help=f"the job's node lease TTL, seconds (default {NODE_TTL_S}; renewed every TTL/4)",
+    )
+    parser.add_argument(
+        "--keep", type=Path, help="run in this directory and keep it (logs, simulator output)"
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
+    # `timeout` (or anyone) sending SIGTERM: unwind, so every size's `finally` stops its etcd,
+    # controllers and simulators.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    say(
+        f"node lease TTL {args.node_ttl} s (--node-ttl), renewed every "
+        f"{args.node_ttl / REFRESHES_PER_TTL:g} s"
+    )
     sizes, errors = [], {}
     with tempfile.TemporaryDirectory(prefix="transom-scale-") as tmp:
+        work = args.keep or Path(tmp)
         for n in [int(x) for x in args.nodes.split(",")]:
             try:
-                sizes.append(run_size(n, Path(tmp), args))
+                sizes.append(run_size(n, work, args))
             except Exception as e:  # noqa: BLE001 - reported, and the larger sizes skipped
                 errors[str(n)] = f"{type(e).__name__}: {e}"
                 say(f"{n} nodes: {errors[str(n)]}")
@@ -334,6 +397,7 @@ def main() -> int:
                 for c in columns
             )
         )
+    print(f"node lease TTL {args.node_ttl} s")
     for n, why in errors.items():
         print(f"{n} nodes: not measured: {why}")
     result = {
@@ -341,6 +405,7 @@ def main() -> int:
         "errors": errors,
         "reached": max((r["nodes"] for r in sizes), default=0),
         "cores": psutil.cpu_count(),
+        "node_ttl_s": args.node_ttl,
     }
     if args.json:
         print(json.dumps(result))
