@@ -199,6 +199,9 @@ class StandInCheckpointServer:
     def __init__(self, *args, **kwargs) -> None:
         pass
 
+    def launch(self) -> None:
+        pass
+
     def start_patiently(self, stopping=None) -> None:
         pass
 
