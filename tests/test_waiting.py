@@ -269,3 +269,38 @@ def test_a_node_late_by_half_a_step_is_confirmed_sooner_and_only_while_it_stays_
         assert tracker.update(views(step, compute)) is None
     assert tracker.update(views(10 + 2 * span, strong)) is None  # strong over span - 1 steps
     assert tracker.update(views(11 + 2 * span, strong)) is not None
+
+
+def test_node_delays_match_medians_over_the_other_nodes_ranks():
+    """The sorted-list medians give what statistics.median over the other nodes' ranks gives,
+    duplicates, missing waits and several ranks a node included."""
+    rng = random.Random(7)
+    for _ in range(200):
+        views = []
+        for n in range(rng.randint(2, 9)):
+            for r in range(rng.randint(1, 3)):
+                views.append(
+                    {
+                        "node": f"n{n}",
+                        "rank": n * 10 + r,
+                        "compute_s": rng.choice([0.1, 0.2, rng.random()]),
+                        "busy_s": rng.choice([0.3, rng.random()]),
+                        "wait_s": rng.choice([None, 0.05, rng.random()]),
+                    }
+                )
+        got = waiting.node_delays(views)
+        for node_id, (delay, rank, evidence) in got.items():
+            mine = [v for v in views if v["node"] == node_id]
+            others = [v for v in views if v["node"] != node_id]
+            waits = [o["wait_s"] for o in others if o["wait_s"] is not None]
+            peers_wait = round(statistics.median(waits), 4) if waits else None
+            delays = []
+            for v in mine:
+                excess = v["compute_s"] - statistics.median(o["compute_s"] for o in others)
+                late = v["busy_s"] - statistics.median(o["busy_s"] for o in others)
+                delays.append((max(late, excess), v["rank"]))
+            best = max(d for d, _ in delays)
+            assert delay == best
+            assert rank == next(r for d, r in delays if d == best)
+            assert evidence["peers_wait_s"] == peers_wait
+        assert set(got) == {v["node"] for v in views}

@@ -19,7 +19,9 @@ whose leases vanished because etcd itself stalled are given time to register aga
 from __future__ import annotations
 
 import copy
+import pickle
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from transom.common.names import natural_key
 from transom.common.records import (
@@ -42,6 +44,8 @@ from transom.control.anomalies import watch_monitor
 from transom.control.grace import excused_lost, lift_evictions
 from transom.control.policy import diagnose, slow_outliers
 from transom.monitor import cluster
+
+T = TypeVar("T")
 
 # How long to wait for a node's pre-flight result before starting without comparing it.
 PREFLIGHT_WAIT_S = 30.0
@@ -103,7 +107,7 @@ def decide(
     job: JobRecord, snapshot: Snapshot, spec: JobSpec, now: float, memory: Memory | None = None
 ) -> Decision:
     """The job's next step; `job` and `memory` are not modified (the Decision holds new ones)."""
-    t = Tick(copy.deepcopy(job), snapshot, spec, now, copy.deepcopy(memory or Memory()))
+    t = Tick(_copy(job), snapshot, spec, now, _copy(memory or Memory()))
     state = t.job.state
     if not state.terminal:
         lift_evictions(t)
@@ -122,6 +126,17 @@ def decide(
     d = t.decision
     d.changed = d.plan is not None or bool(d.events) or d.job != job
     return d
+
+
+def _copy(value: T) -> T:
+    """A deep copy of plain records and detector state, through pickle: several times faster
+    than copy.deepcopy on a thousand nodes' detector windows, and the same result for them. The
+    bytes never leave this process (nothing read from outside is ever unpickled). A registered
+    detector pickle cannot take (a class defined in a function) is copied by copy.deepcopy."""
+    try:
+        return pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return copy.deepcopy(value)
 
 
 class Tick:

@@ -73,6 +73,8 @@ class MonitorExporter:
             self._server = None
 
     def update(self, job: JobRecord, summaries: dict[str, MonitorSummary]) -> None:
+        if self.port is None:
+            return  # no endpoint, no reader: a thousand nodes' gauges are not worth setting
         for s in JobState:
             self.state.labels(s.value).set(1 if job.state is s else 0)
         self.generation.set(job.generation)
