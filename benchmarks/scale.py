@@ -72,6 +72,7 @@ PROGRESS_S = 15.0
 FAULT_TIMEOUT_S = 60.0
 NODE_TTL_S = 20
 HARNESS_DEADLINE_S = 30.0
+JOIN_TIMEOUT_S = 60.0
 PR_SET_PDEATHSIG = 1
 MESSAGES = re.compile(r"^grpc_server_msg_received_total\{([^}]*)\} (\S+)$", re.M)
 METHOD = re.compile(r'grpc_method="([^"]*)"')
@@ -191,7 +192,9 @@ def run_size(n: int, work: Path, args) -> dict:
             warm_workers=False,
             metrics_port=-1,
             warmup_timeout_s=args.timeout,
-            join_timeout_s=args.timeout,
+            # All N members and the spare, or after JOIN_TIMEOUT_S the N members without it: a
+            # spare that lost its lease on a starved simulator must not hold the start back.
+            join_timeout_s=min(JOIN_TIMEOUT_S, args.timeout / 2),
             node_ttl_s=args.node_ttl,
         )
         store.put(keys.SPEC, spec.validate().to_dict())
