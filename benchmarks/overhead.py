@@ -180,6 +180,7 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     return {
         "step_rate_x": statistics.mean(ratios),
         "step_rate_x_pairs": ratios,
+        "step_rate_pairs": [[a["step_rate"], b["step_rate"]] for a, b in pairs],
         "startup_delta_s": statistics.mean(deltas),
         "startup_delta_s_pairs": deltas,
         "transom_cpu_x": own | {"total": sum(own.values())},
