@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,42 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from jobs import SMALL_GPT, job_processes, wait_for  # noqa: E402, F401
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+@contextmanager
+def standalone_ckpt_server(tmp_path: Path, name: str, memory: str) -> Iterator[tuple]:
+    """A checkpoint server process of its own (no etcd, no peer; storage in tmp_path/storage)
+    and an Engine of rank 0 of 1 on it: (process, engine, storage directory). Both are stopped
+    and the server's shared memory removed on exit, whatever the test did."""
+    from transom import checkpoint
+    from transom.checkpoint import config
+
+    shm_dir = Path("/dev/shm") / f"transom-test-{name}-{os.getpid()}"
+    storage_dir = tmp_path / "storage"
+    p = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "transom.checkpoint.server"),
+            *("--node-id", "n1", "--shm-dir", str(shm_dir), "--memory", memory),
+            *("--storage", str(storage_dir), "--replicas", "0"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    engine = None
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().startswith("ready")
+        socket_path = shm_dir / config.SOCKET_NAME
+        engine = checkpoint.Engine(socket_path=str(socket_path), rank=0, world_size=1)
+        yield p, engine, storage_dir
+    finally:
+        if engine is not None:
+            engine.close(wait=False)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def torch_mapped(pid: int) -> list[str]:

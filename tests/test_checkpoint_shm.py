@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import standalone_ckpt_server
 
 from transom.checkpoint import capacity, layout, shm_dirs
 from transom.checkpoint.shm import MappingCache, RegionDir
@@ -253,39 +254,14 @@ def test_server_sigterm_persists_what_its_workers_saved_before_it_exits(tmp_path
     only in memory must still reach storage (within config.PERSIST_ON_STOP_S)."""
     import torch
 
-    from transom import checkpoint
-    from transom.checkpoint import config, storage
+    from transom.checkpoint import storage
 
-    shm_dir = Path("/dev/shm") / f"transom-test-persist-{os.getpid()}"
-    storage_dir = tmp_path / "storage"
-    p = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "transom.checkpoint.server"),
-            *("--node-id", "n1", "--shm-dir", str(shm_dir), "--memory", "256M"),
-            *("--storage", str(storage_dir), "--replicas", "0"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    engine = None
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline().startswith("ready")
-        socket_path = shm_dir / config.SOCKET_NAME
-        engine = checkpoint.Engine(socket_path=str(socket_path), rank=0, world_size=1)
+    with standalone_ckpt_server(tmp_path, "persist", "256M") as (p, engine, storage_dir):
         state = {"w": torch.randn(24 << 20)}  # 96 MiB: persisting it takes a while
         assert engine.save(5, state).ok  # in memory; persistence runs in the background
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
         assert storage.complete_steps(storage_dir) == [5]
-    finally:
-        if engine is not None:
-            engine.close(wait=False)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_a_save_never_goes_into_a_mapping_of_a_deleted_region_reborn_under_its_path(

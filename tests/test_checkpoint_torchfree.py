@@ -8,17 +8,15 @@ checks the same of servers that replicated, served and prefetched shards)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from conftest import torch_mapped
+from conftest import standalone_ckpt_server, torch_mapped
 
-from transom import checkpoint
-from transom.checkpoint import config, storage
+from transom.checkpoint import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,25 +37,7 @@ def test_the_server_and_its_entry_points_import_no_torch() -> None:
 
 
 def test_a_server_saves_persists_and_locates_a_shard_without_loading_torch(tmp_path: Path) -> None:
-    shm_dir = Path("/dev/shm") / f"transom-test-torchfree-{os.getpid()}"
-    storage_dir = tmp_path / "storage"
-    p = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "transom.checkpoint.server"),
-            *("--node-id", "n1", "--shm-dir", str(shm_dir), "--memory", "64M"),
-            *("--storage", str(storage_dir), "--replicas", "0"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    engine = None
-    try:
-        assert p.stdout is not None
-        assert p.stdout.readline().startswith("ready")
-        engine = checkpoint.Engine(
-            socket_path=str(shm_dir / config.SOCKET_NAME), rank=0, world_size=1
-        )
+    with standalone_ckpt_server(tmp_path, "torchfree", "64M") as (p, engine, storage_dir):
         state = {"w": torch.randn(1000), "b": torch.arange(10, dtype=torch.int16), "step": 4}
         engine.save(4, state).wait("storage", timeout=60)
         assert storage.complete_steps(storage_dir) == [4]
@@ -67,10 +47,3 @@ def test_a_server_saves_persists_and_locates_a_shard_without_loading_torch(tmp_p
         assert torch_mapped(p.pid) == []
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
-    finally:
-        if engine is not None:
-            engine.close(wait=False)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        shutil.rmtree(shm_dir, ignore_errors=True)

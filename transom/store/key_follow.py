@@ -11,8 +11,9 @@ while it is up:
 A value read directly and one the watch delivers are ordered by the etcd revision each was
 read or written at, so an older value never replaces a newer one.
 
-It only reads etcd and never interprets the value (its users parse it); a direct read that
-fails raises StoreError to the caller.
+`Followed` is what it shares with store/prefix_mirror.py (a whole name's keys): draining the
+watch and the direct reads while it is down. It only reads etcd and never interprets the value
+(its users parse it); a direct read that fails raises StoreError to the caller.
 """
 
 from __future__ import annotations
@@ -29,24 +30,56 @@ FALLBACK_AFTER_S = 1.0
 FALLBACK_READ_S = 1.0
 
 
-class KeyFollower:
-    """The newest value of the job's key `name` (None: absent or deleted)."""
+class Followed:
+    """What a follower of a name's keys shares: the watch, drained by `refresh`, and direct
+    reads while the watch is down (subclasses say what an update and a read mean to them)."""
 
     def __init__(self, store: Store, name: str) -> None:
         self.watch = PrefixWatch(store, name)
-        self.value: Any | None = None
-        self.revision = 0  # the etcd revision it was read or written at
+        self.revision = 0  # the etcd revision of the newest value read or applied
         self.reads = 0  # direct reads (the first, fallbacks and resyncs); the rest came pushed
         self._down_since: float | None = None
         self._read_at = -math.inf
 
     def start(self, now: float) -> None:
-        """Read the key and follow it from there (StoreError if etcd cannot be read)."""
+        """Read the name and follow it from there (StoreError if etcd cannot be read)."""
         self.read(now)
         self.watch.follow(self.revision)
 
     def stop(self) -> None:
         self.watch.stop()
+
+    def refresh(self, now: float) -> None:
+        """Take in what the watch delivered (or read directly while it is down)."""
+        while (update := self.watch.get(timeout=0)) is not None:
+            self._apply(update)
+        if self.watch.healthy:
+            self._down_since = None
+        elif self._down_since is None:
+            self._down_since = now
+        elif now - self._down_since >= FALLBACK_AFTER_S and now - self._read_at >= FALLBACK_READ_S:
+            self.read(now)
+
+    def read(self, now: float) -> None:
+        """One direct read of the name (StoreError if etcd cannot be read)."""
+        self._read_at = now
+        values, revision = self.watch.read()
+        self.reads += 1
+        self._take_read(values, revision)
+
+    def _apply(self, update: Update) -> None:
+        raise NotImplementedError
+
+    def _take_read(self, values: dict[str, Any], revision: int) -> None:
+        raise NotImplementedError
+
+
+class KeyFollower(Followed):
+    """The newest value of the job's key `name` (None: absent or deleted)."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        super().__init__(store, name)
+        self.value: Any | None = None
 
     def wait(self, timeout: float) -> None:
         """Return when a new value arrives or after `timeout` seconds."""
@@ -56,14 +89,7 @@ class KeyFollower:
 
     def refresh(self, now: float) -> Any | None:
         """Take in what the watch delivered (or read directly while it is down); the value."""
-        while (update := self.watch.get(timeout=0)) is not None:
-            self._apply(update)
-        if self.watch.healthy:
-            self._down_since = None
-        elif self._down_since is None:
-            self._down_since = now
-        elif now - self._down_since >= FALLBACK_AFTER_S and now - self._read_at >= FALLBACK_READ_S:
-            self.read(now)
+        super().refresh(now)
         return self.value
 
     def resync(self, now: float) -> None:
@@ -71,11 +97,7 @@ class KeyFollower:
         self.watch.reconnect()
         self.read(now)
 
-    def read(self, now: float) -> None:
-        """One direct read of the key (StoreError if etcd cannot be read)."""
-        self._read_at = now
-        values, revision = self.watch.read()
-        self.reads += 1
+    def _take_read(self, values: dict[str, Any], revision: int) -> None:
         self._take(values.get(""), revision)
 
     def _apply(self, update: Update) -> None:

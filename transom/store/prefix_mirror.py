@@ -17,63 +17,35 @@ the caller.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from transom.store.client import Store
-from transom.store.key_follow import FALLBACK_AFTER_S, FALLBACK_READ_S
-from transom.store.watch import PrefixWatch, Update
+from transom.store.key_follow import Followed
+from transom.store.watch import Update
 
 _ABSENT = object()
 
 
-class PrefixMirror:
+class PrefixMirror(Followed):
     """Every value under the job's `name`, keyed by the rest of its key."""
 
     def __init__(self, store: Store, name: str = "") -> None:
-        self.watch = PrefixWatch(store, name)
+        super().__init__(store, name)
         self.values: dict[str, Any] = {}
-        self.revision = 0  # the newest revision read or applied
         self._read_revision = 0  # the revision of the newest direct read (or re-read)
-        self.reads = 0  # direct reads: the first and the fallbacks; the rest came pushed
         self._put: list[str] = []
-        self._down_since: float | None = None
-        self._read_at = -math.inf
 
     @property
     def started(self) -> bool:
         return self.reads > 0
 
-    def start(self, now: float) -> None:
-        """Read the name's keys and follow them from there (StoreError if etcd cannot be read)."""
-        self.read(now)
-        self.watch.follow(self.revision)
-
-    def stop(self) -> None:
-        self.watch.stop()
-
-    def refresh(self, now: float) -> None:
-        """Take in what the watch delivered (or read directly while it is down)."""
-        while (update := self.watch.get(timeout=0)) is not None:
-            self._apply(update)
-        if self.watch.healthy:
-            self._down_since = None
-        elif self._down_since is None:
-            self._down_since = now
-        elif now - self._down_since >= FALLBACK_AFTER_S and now - self._read_at >= FALLBACK_READ_S:
-            self.read(now)
-
-    def read(self, now: float) -> None:
-        """One direct read of every key under the name (StoreError if etcd cannot be read)."""
-        self._read_at = now
-        values, revision = self.watch.read()
-        self.reads += 1
-        self._replace(values, revision)
-
     def take_put(self) -> list[str]:
         """The names put (or found by a re-read) since the last call, oldest first."""
         put, self._put = self._put, []
         return [name for name in dict.fromkeys(put) if name in self.values]
+
+    def _take_read(self, values: dict[str, Any], revision: int) -> None:
+        self._replace(values, revision)
 
     def _apply(self, update: Update) -> None:
         if update.snapshot is not None:
