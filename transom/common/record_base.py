@@ -38,8 +38,7 @@ class Record:
     def from_dict(cls: type[R], data: Any) -> R:
         if not isinstance(data, dict):
             raise RecordError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
-        hints = typing.get_type_hints(cls)
-        known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        hints, known = _schema(cls)
         values: dict = {}
         for name, f in known.items():
             if name == "extra":
@@ -52,6 +51,20 @@ class Record:
         if "extra" in known:
             values["extra"] = {k: v for k, v in data.items() if k not in known}
         return cls(**values)
+
+
+_SCHEMAS: dict[type, tuple[dict[str, Any], dict[str, dataclasses.Field]]] = {}
+
+
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A record class's type hints and fields, worked out once (get_type_hints evaluates every
+    annotation string on each call: a controller parsing a thousand nodes' summaries a second
+    spent most of its parsing there)."""
+    found = _SCHEMAS.get(cls)
+    if found is None:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        found = _SCHEMAS[cls] = (typing.get_type_hints(cls), fields)
+    return found
 
 
 def _plain(value: Any) -> Any:
