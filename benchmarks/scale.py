@@ -316,7 +316,10 @@ def run_size(n: int, work: Path, args) -> dict:
 def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]) -> dict:
     """Kill one member node; the times until the new plan and until every member acted on it."""
     plan = store.get(keys.PLAN)
-    victim = plan["members"][-1]
+    # The last member that holds a registration now (on a starved simulator a node's lease may
+    # have lapsed and its agent be registering again: its expiry would not be this fault's).
+    live = store.get_prefix(keys.NODES)
+    victim = next((m for m in reversed(plan["members"]) if m in live), plan["members"][-1])
     (run_dir / "kill" / victim).touch()
     deadline = time.monotonic() + 10
     while not any(x[:2] == ["dead", victim] for x in lines_of(outs)):

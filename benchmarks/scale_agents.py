@@ -161,6 +161,9 @@ class StandInMonitor:
     def raise_anomaly(self, anomaly) -> None:
         pass
 
+    def excuse(self, seconds: float) -> None:
+        pass  # its ranks' steps come from the clock, not from reports a pause could delay
+
     def take_fired_faults(self) -> list:
         return []
 

@@ -99,6 +99,16 @@ def test_put_if_leader(store):
     assert store.get("plan") == {"members": ["n0"]}
 
 
+def test_put_if_leader_past_the_transaction_limit_writes_all_or_stops_fenced(store):
+    events = {f"events/{i:04d}": i for i in range(2 * MAX_TXN_OPS + 3)}
+    assert store.create("leader", "ctl-a")
+    assert store.put_if_leader("ctl-b", {**events, "job": {"g": 1}}) is False
+    assert store.get_prefix("events/") == {} and store.get("job") is None
+    assert store.put_if_leader("ctl-a", {**events, "job": {"g": 1}, "plan": {"g": 1}}) is True
+    assert len(store.get_prefix("events/")) == len(events)
+    assert store.get("job") == {"g": 1} and store.get("plan") == {"g": 1}
+
+
 def test_key_under_a_lease_disappears_after_revoke(store):
     lease = store.lease(30)
     store.put("nodes/node0", {"host": "h"}, lease=lease)

@@ -127,16 +127,18 @@ class Controller:
             self.wake.set()
 
     def _commit(self, events: list[Event], plan: Plan | None = None) -> None:
-        """Write the job record, the plan and new events in one transaction fenced on leadership."""
+        """Write new events, the job record and the plan fenced on leadership (one transaction;
+        with very many events, the record and the plan in the last one)."""
         assert self.job is not None
         self.job.updated = time.time()
-        values = {keys.JOB: self.job.to_dict()}
-        if plan is not None:
-            values[keys.PLAN] = plan.to_dict()
+        values = {}
         for e in events:
             e.controller = self.candidate_id
             values[keys.event(e.time, self.candidate_id)] = e.to_dict()
             log.info("%s: %s", e.kind.value, e.message)
+        values[keys.JOB] = self.job.to_dict()
+        if plan is not None:
+            values[keys.PLAN] = plan.to_dict()
         if not self.store.put_if_leader(self.candidate_id, values):
             log.warning("lost leadership; not writing")
             self.leading.clear()

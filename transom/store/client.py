@@ -227,21 +227,21 @@ class Store:
     def put_all(self, values: dict[str, Any]) -> None:
         """Write all `values` in as few requests as etcd allows (one transaction per
         MAX_TXN_OPS): many small writes cost etcd one request each otherwise."""
-        self._transact(
-            [
-                {"request_put": {"key": _encode(self.key(k)), "value": _encode(json.dumps(v))}}
-                for k, v in values.items()
-            ]
-        )
+        self._transact(_puts(self, values))
 
     def delete_all(self, names: list[str]) -> None:
         """Delete the keys `names` in as few requests as etcd allows (as `put_all`)."""
         self._transact([{"request_delete_range": {"key": _encode(self.key(n))}} for n in names])
 
-    def _transact(self, ops: list[dict]) -> None:
-        for i in range(0, len(ops), MAX_TXN_OPS):
-            txn = {"compare": [], "success": ops[i : i + MAX_TXN_OPS], "failure": []}
-            self._call(self.client.transaction, txn)
+    def _transact(self, ops: list[dict], compare: tuple[dict, ...] = ()) -> bool:
+        """`ops` in transactions of at most MAX_TXN_OPS (the last one full: what must land
+        together goes last), each under `compare`; False at the first one refused."""
+        ends = range(len(ops), 0, -MAX_TXN_OPS)
+        for chunk in reversed([ops[max(0, end - MAX_TXN_OPS) : end] for end in ends]):
+            txn = {"compare": list(compare), "success": chunk, "failure": []}
+            if not self._call(self.client.transaction, txn).get("succeeded", False):
+                return False
+        return True
 
     def delete(self, name: str) -> None:
         self._call(self.client.delete, self.key(name))
@@ -288,28 +288,25 @@ class Store:
 
     # -- fenced writes ----------------------------------------------------------------------
     def put_if_leader(self, leader_id: str, values: dict[str, Any]) -> bool:
-        """Write all `values` in one transaction, only while `leader` still holds `leader_id`."""
-        txn = {
-            "compare": [
-                {
-                    "key": _encode(self.key(keys.LEADER)),
-                    "result": "EQUAL",
-                    "target": "VALUE",
-                    "value": _encode(json.dumps(leader_id)),
-                }
-            ],
-            "success": [
-                {
-                    "request_put": {
-                        "key": _encode(self.key(name)),
-                        "value": _encode(json.dumps(value)),
-                    }
-                }
-                for name, value in values.items()
-            ],
-            "failure": [],
+        """Write all `values` only while `leader` still holds `leader_id`: in one transaction,
+        or, past etcd's MAX_TXN_OPS (a decision about a thousand nodes has an event for each),
+        in fenced transactions of at most that many, in the order given, stopping at the first
+        refused (so a caller puts what must land together last: the job record and the plan)."""
+        fence = {
+            "key": _encode(self.key(keys.LEADER)),
+            "result": "EQUAL",
+            "target": "VALUE",
+            "value": _encode(json.dumps(leader_id)),
         }
-        return bool(self._call(self.client.transaction, txn).get("succeeded", False))
+        return self._transact(_puts(self, values), (fence,))
+
+
+def _puts(store: Store, values: dict[str, Any]) -> list[dict]:
+    """The transaction operations that put `values` (JSON) under `store`'s job."""
+    return [
+        {"request_put": {"key": _encode(store.key(k)), "value": _encode(json.dumps(v))}}
+        for k, v in values.items()
+    ]
 
 
 def _detail(error: etcd_errors.Etcd3Exception) -> str:
