@@ -312,10 +312,10 @@ class Launcher:
                 self.mirror.start(began)
             self.mirror.refresh(began)
             snap = snapshot_of(self.connected.job_id, self.mirror.values | {keys.JOB: job_value})
-            self._mirror(snap, self._new_events(), live)
             job = _job_record(job_value)
-            if job and job.state.terminal:  # the events written before the end, read directly
-                self._mirror(snap, self._new_events(self.connected.get_prefix(keys.EVENTS)), live)
+            # At the end, every event written before it, read directly (the watch may lag).
+            final = self.connected.get_prefix(keys.EVENTS) if job and job.state.terminal else None
+            self._mirror(snap, self._new_events(final), live)
             if self.launch.refill_spares and self.launch.store is None:
                 self._refill(job)
         except StoreError as e:

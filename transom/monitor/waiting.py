@@ -116,15 +116,16 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, dict]]:
     with_busy = all(v.get("busy_s") is not None for v in timed)
     measures = ("compute_s", "busy_s", "wait_s") if with_busy else ("compute_s", "wait_s")
     others = {key: _Others(timed, key) for key in measures}
+    peers = {node: {key: others[key].median(node) for key in measures} for node in nodes}
     out: dict[str, tuple[float, int, dict]] = {}
     for v in timed:
         node = v["node"]
-        others_compute = others["compute_s"].median(node)
+        others_compute = peers[node]["compute_s"]
         assert others_compute is not None  # another node has a rank with timings
         excess = v["compute_s"] - others_compute
         late = excess
         if with_busy:
-            others_busy = others["busy_s"].median(node)
+            others_busy = peers[node]["busy_s"]
             assert others_busy is not None
             late = v["busy_s"] - others_busy
         delay = max(late, excess)
@@ -134,7 +135,7 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, dict]]:
                 v["rank"],
                 {
                     "wait_s": _round(v.get("wait_s")),
-                    "peers_wait_s": _round(others["wait_s"].median(node)),
+                    "peers_wait_s": _round(peers[node]["wait_s"]),
                     "compute_s": round(v["compute_s"], 4),
                     "peers_compute_s": round(others_compute, 4),
                     "late_s": round(late, 4),
