@@ -1,6 +1,6 @@
 """What the benchmarks (and the end-to-end tests, through tests/conftest.py) running jobs share:
 the `transom run` command line, its progress lines, waiting with a deadline, finding and
-stopping a job's processes.
+stopping a job's processes, counting the requests etcd received.
 
 train_gpt.py (transom/workloads/train_gpt.py) prints, each with t=time.time() (see its docstring):
     [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
@@ -31,6 +31,20 @@ LINE = re.compile(
     re.M,
 )
 FIELD = re.compile(r"(\w+)=(\d+)")
+ETCD_MESSAGES = re.compile(r"^grpc_server_msg_received_total\{([^}]*)\} (\S+)$", re.M)
+ETCD_METHOD = re.compile(r'grpc_method="([^"]*)"')
+
+
+def etcd_requests_by_method(store) -> dict[str, float]:
+    """etcd's count of gRPC messages received so far (every gateway request is at least one),
+    by method (Put, Range, LeaseKeepAlive, ...), from its metrics; `store` a transom Store."""
+    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for labels, value in ETCD_MESSAGES.findall(text):
+        method = ETCD_METHOD.search(labels)
+        name = method.group(1) if method else "?"
+        counts[name] = counts.get(name, 0.0) + float(value)
+    return counts
 
 
 class Line(NamedTuple):

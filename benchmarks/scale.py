@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import ctypes
+import functools
 import json
 import math
-import re
 import signal
 import subprocess
 import sys
@@ -53,6 +52,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+from jobs import etcd_requests_by_method
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -63,6 +63,7 @@ from transom.config import JobSpec  # noqa: E402
 from transom.control.lease_keeper import REFRESHES_PER_TTL  # noqa: E402
 from transom.store import EmbeddedEtcd, Store, StoreError  # noqa: E402
 from transom.store.watch import PrefixWatch  # noqa: E402
+from transom.utils.procs import die_with_parent  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 AGENTS_PER_PROCESS = 256
@@ -73,33 +74,12 @@ FAULT_TIMEOUT_S = 60.0
 NODE_TTL_S = 20
 HARNESS_DEADLINE_S = 30.0
 JOIN_TIMEOUT_S = 60.0
-PR_SET_PDEATHSIG = 1
-MESSAGES = re.compile(r"^grpc_server_msg_received_total\{([^}]*)\} (\S+)$", re.M)
-METHOD = re.compile(r'grpc_method="([^"]*)"')
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when this benchmark's process dies (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the SIGTERM handler in main still stops every child
+# Children are SIGTERMed (they clean up) when this benchmark's process dies, even by SIGKILL.
+TERM_WITH_PARENT = functools.partial(die_with_parent, signal.SIGTERM)
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def etcd_requests(store: Store) -> dict[str, float]:
-    """etcd's count of gRPC messages received (every gateway request is at least one), by
-    method (Put, Range, LeaseKeepAlive, ...)."""
-    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
-    counts: dict[str, float] = {}
-    for labels, value in MESSAGES.findall(text):
-        method = METHOD.search(labels)
-        name = method.group(1) if method else "?"
-        counts[name] = counts.get(name, 0.0) + float(value)
-    return counts
 
 
 def cpu_s(process: psutil.Process) -> float:
@@ -211,7 +191,7 @@ def run_size(n: int, work: Path, args) -> dict:
                     [*base, "controller", *common, "--candidate-id", name],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=TERM_WITH_PARENT,
                 )
             children.append(p)
             controllers[name] = psutil.Process(p.pid)
@@ -238,7 +218,7 @@ def run_size(n: int, work: Path, args) -> dict:
                     ],
                     stdout=f,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=TERM_WITH_PARENT,
                 )
             children.append(p)
             sims.append(psutil.Process(p.pid))
@@ -267,10 +247,10 @@ def run_size(n: int, work: Path, args) -> dict:
             "simulator": sims,
         }
         before = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
-        requests_before, t0 = etcd_requests(store), time.time()
+        requests_before, t0 = etcd_requests_by_method(store), time.time()
         time.sleep(args.window)
         after = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
-        requests_after, t1 = etcd_requests(store), time.time()
+        requests_after, t1 = etcd_requests_by_method(store), time.time()
         for k in procs:
             result[f"{k}_cpu_x"] = (after[k] - before[k]) / (t1 - t0)
         rates = {

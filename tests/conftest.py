@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 # Waiting with a deadline, finding a job's processes, the smallest example GPT: one definition,
 # the benchmarks' (the tests import them from here).
-from jobs import SMALL_GPT, job_processes, wait_for  # noqa: E402, F401
+from jobs import SMALL_GPT, etcd_requests_by_method, job_processes, wait_for  # noqa: E402, F401
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
@@ -104,13 +103,9 @@ def store(etcd):
         pass
 
 
-ETCD_MESSAGES = re.compile(r"^grpc_server_msg_received_total\{[^}]*\} (\S+)$", re.M)
-
-
 def etcd_requests(store: Store) -> float:
     """How many requests etcd has received so far (its gRPC messages, from its metrics)."""
-    text = store.client.session.get(f"{store.access.url}/metrics", timeout=10).text
-    return sum(float(v) for v in ETCD_MESSAGES.findall(text))
+    return sum(etcd_requests_by_method(store).values())
 
 
 class Job:

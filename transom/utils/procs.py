@@ -18,11 +18,12 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGKILL this child when the thread that forked it dies."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """preexec_fn: ask the kernel to send this child `signum` (SIGKILL; SIGTERM for one that
+    should clean up, through functools.partial) when the thread that forked it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
     except OSError:
         pass
 
