@@ -211,6 +211,52 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None
 
 
+def _raised(rank: int) -> dict:
+    return crash(rank) | {"exitcode": 1, "signal": None, "signature": "ValueError: bad value"}
+
+
+def test_a_members_same_error_reported_after_the_diagnosis_still_makes_the_job_fail_fast():
+    """Every rank raises the same error, but node1's workers start later: the first diagnosis
+    is made on node0's report alone. node1's report that follows still counts, so the second
+    time the job fails fast instead of evicting node0 for failing again."""
+    s = spec(settle_s=0.5, max_restarts=10)
+    live = nodes("node0", "node1")
+    early = {
+        "node0": status("node0", 1, NodeState.FAILED, failures=[_raised(0)]),
+        "node1": status("node1", 1, NodeState.RUNNING),
+    }
+    job = run(running(["node0", "node1"], s), Snapshot(live, early), s, T0 + 2).job
+    d = run(job, Snapshot(live, early), s, T0 + 2.5)
+    assert kinds(d)[0] == "diagnosis" and d.job.last_signature is None
+    late = early | {"node1": status("node1", 1, NodeState.FAILED, failures=[_raised(1)])}
+    d = run(d.job, Snapshot(live, late), s, T0 + 2.6, d.memory)
+    assert d.job.last_signature == "ValueError: bad value" and d.memory.diagnosed is None
+    d = run(d.job, Snapshot(live, late), s, T0 + 2.7, d.memory)
+    assert d.job.generation == 2
+    again = {
+        "node0": status("node0", 2, NodeState.FAILED, failures=[_raised(0)]),
+        "node1": status("node1", 2, NodeState.RUNNING),
+    }
+    d = run(d.job, Snapshot(live, again), s, T0 + 5, d.memory)
+    d = run(d.job, Snapshot(live, again), s, T0 + 5.5, d.memory)
+    assert d.job.state is JobState.FAILED and "same error twice" in d.job.reason
+
+
+def test_a_late_report_of_another_error_or_a_signal_is_no_common_error():
+    s = spec(settle_s=0.5)
+    live = nodes("node0", "node1")
+    early = {
+        "node0": status("node0", 1, NodeState.FAILED, failures=[_raised(0)]),
+        "node1": status("node1", 1, NodeState.RUNNING),
+    }
+    job = run(running(["node0", "node1"], s), Snapshot(live, early), s, T0 + 2).job
+    d = run(job, Snapshot(live, early), s, T0 + 2.5)
+    for failure in (crash(1), _raised(1) | {"signature": "KeyError: 'x'"}):
+        late = early | {"node1": status("node1", 1, NodeState.FAILED, failures=[failure])}
+        after = run(d.job, Snapshot(live, late), s, T0 + 2.6, d.memory)
+        assert after.job.last_signature is None and after.memory.diagnosed is not None
+
+
 def test_a_lost_node_is_evicted_and_a_spare_takes_its_place():
     s = spec(spares=1, settle_s=0.5)
     job = running(["node0", "node1"], s)

@@ -42,7 +42,7 @@ from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.anomalies import watch_monitor
 from transom.control.grace import excused_lost, lift_evictions
-from transom.control.policy import diagnose, slow_outliers
+from transom.control.policy import common_signature, diagnose, slow_outliers
 from transom.monitor import cluster
 
 T = TypeVar("T")
@@ -86,6 +86,10 @@ class Memory:
     grace_until: float | None = None
     grace_reason: str = ""
     lost_before: set[str] = field(default_factory=set)  # members lost at the previous tick
+    # The newest incident diagnosed without an error common to every member (its generation,
+    # members and failure reports): a member whose own failure is reported only after the
+    # diagnosis (its workers started later) may still complete "the same error on every rank".
+    diagnosed: tuple[int, list[str], dict[str, NodeStatus]] | None = None
 
 
 @dataclass
@@ -111,6 +115,7 @@ def decide(
     state = t.job.state
     if not state.terminal:
         lift_evictions(t)
+        t.take_late_failures()
     if state.terminal:
         pass
     elif t.job.next_generation is not None:
@@ -305,6 +310,28 @@ class Tick:
                 )
                 self.write_plan()
 
+    def take_late_failures(self) -> None:
+        """Take in the failures of the newest diagnosed generation's members reported after its
+        diagnosis; once every member has raised the same error by itself, it is the job's last
+        signature, as if all had reported in time (policy.diagnose: fail fast the next time)."""
+        memory = self.decision.memory
+        if memory.diagnosed is None:
+            return
+        generation, members, failed = memory.diagnosed
+        for node in members:
+            status = self.snap.statuses.get(node)
+            if (
+                node not in failed
+                and status is not None
+                and status.generation == generation
+                and status.state is NodeState.FAILED
+            ):
+                failed[node] = status
+        signature = common_signature(members, failed)
+        if signature is not None:
+            self.job.last_signature = signature
+            memory.diagnosed = None
+
     # -- RECOVERING -----------------------------------------------------------------------------
     def recover(self) -> None:
         j, spec = self.job, self.spec
@@ -343,6 +370,9 @@ class Tick:
             detection=incident.since,
         )
         j.last_signature = d.signature
+        self.decision.memory.diagnosed = (
+            None if d.signature else (j.generation, list(j.members), dict(failed))
+        )
         if d.fail:
             self.finish(JobState.FAILED, d.fail)
             return

@@ -7,7 +7,9 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   worker only saw its peer go away (`peer_error`); the same node failing again within the
   eviction window is evicted;
 - the same exception on every rank twice in a row is a bug in the script: fail fast (the
-  second time it is enough that every node that has reported so far raised it).
+  second time it is enough that every node that has reported so far raised it; the first time,
+  a member whose failure is reported after the diagnosis, its workers having started later,
+  still counts: transom.control.decisions.Tick.take_late_failures).
 """
 
 from __future__ import annotations
