@@ -151,6 +151,21 @@ def test_a_second_slow_node_does_not_hide_the_first():
     assert statistics.median(latencies) <= 20, latencies
 
 
+def test_a_node_named_first_is_not_blamed_while_it_does_not_stand_out_from_one_not_late():
+    """node3 is late by a little more than the bar from step 40 and is named; from step 43
+    node2 is late by a little less (a loaded machine slowing two of four ranks). node3 no longer
+    stands out, and node2 is not late itself, so it is not a second slow node to be hidden by:
+    no one is blamed (before, node3 stayed named and was evicted)."""
+
+    def two(step, r, rng):
+        late = {3: 0.036, 2: 0.026}.get(r) if step >= (40 if r == 3 else 43) else None
+        return 0.0, (late * (1 + 0.05 * rng.uniform(-1, 1))) if late else 0.0, 0.0
+
+    for seed in range(20):
+        step, found = first_straggler(simulate(4, 200, two, noise=0.03, seed=seed))
+        assert found is None, (seed, step, found and found.message)
+
+
 def test_no_straggler_in_noise_on_two_and_four_nodes():
     for nodes in (2, 4):
         for seed in range(10):
@@ -217,6 +232,25 @@ def test_a_straggler_is_confirmed_over_steps_not_over_evaluations():
     found = tracker.update([{**v, "step": 17} for v in views])
     assert found is not None and found.nodes == ["node1"] and found.step == 17
     assert found.evidence["confirmed_over_steps"] == waiting.CONFIRM_SPAN_STEPS
+
+
+def test_a_streak_of_short_steps_must_also_last_confirm_min_s_on_the_controllers_clock():
+    """Steps of 0.05 s: CONFIRM_SPAN_STEPS of them are 0.4 s, a hiccup of a loaded machine, not
+    yet a straggler; once the streak has lasted CONFIRM_MIN_S it is one."""
+    views = [
+        {"node": "node0", "rank": 0, "step": 9, "step_s": 0.05, "compute_s": 0.03, "wait_s": 0.02},
+        {"node": "node1", "rank": 1, "step": 9, "step_s": 0.05, "compute_s": 0.046, "wait_s": 0},
+    ]  # node1 is late by 0.016 s, over the bar (0.0125 s)
+    tracker = waiting.StragglerTracker()
+    clock = 100.0
+    for step in range(9, 9 + 100):
+        clock += 0.05
+        found = tracker.update([{**v, "step": step} for v in views], now=clock)
+        if found is not None:
+            break
+    assert found is not None and found.nodes == ["node1"]
+    assert found.evidence["confirmed_over_steps"] > waiting.CONFIRM_SPAN_STEPS
+    assert clock - 100.05 >= waiting.CONFIRM_MIN_S > clock - 100.05 - 0.05
 
 
 def test_a_streak_survives_one_miss_and_ends_at_two_or_at_another_node():

@@ -54,7 +54,7 @@ class StragglerDetector:
         if view.finishing:
             return None
         before = self.tracker.evaluated_at
-        found = self.tracker.update(view.ranks)
+        found = self.tracker.update(view.ranks, view.now)
         if self.tracker.evaluated_at != before and log.isEnabledFor(logging.DEBUG):
             log.debug("straggler evaluation: %s", self.tracker.evaluation())
         return found

@@ -17,15 +17,19 @@ shows as compute above the other nodes' (`compute excess`, all there is for a jo
 section or without send times). A node's delay is the larger of the two for its latest rank; it
 is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION of the job's
 median step time, or of the generation's baseline step time when that is shorter: the ranks' step
-times include waiting for the straggler, which would raise the bar by its own lateness), stands out
-from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the job,
-or over STRONG_SPAN_STEPS while late by STRONG_BAR_X times the bar (StragglerTracker); once named
-it needs only to stay late, not to stand out (a second node slowed meanwhile must not hide the
-first). It works with 2 nodes as with many: nothing here needs a
-spread of peers. Its latency is bounded in steps: the window fills in a few steps, the agents
-publish every SUMMARY_STEPS steps or as soon as a rank's timings shift, and the confirmation spans
-CONFIRM_SPAN_STEPS, or STRONG_SPAN_STEPS for a clear delay (tests/test_waiting_timeline.py pins a
-1.5x slowdown found within 20 of the job's steps on a simulated job, 30 healthy steps' time).
+times include waiting for the straggler, which would raise the bar by its own lateness), stands
+out from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the
+job, or over STRONG_SPAN_STEPS while late by STRONG_BAR_X times the bar, and over CONFIRM_MIN_S
+seconds in any case (StragglerTracker; a loaded machine slows a rank for a moment now and then,
+which on a job of short steps is many steps). Once named it need not stand out from a second
+node that is late too (a second node slowed meanwhile must not hide the first), but it must
+from one that is not (two nodes a little late on a loaded machine are noise, not one node to
+blame). It works with 2
+nodes as with many: nothing here needs a spread of peers. Its latency is bounded in steps: the
+window fills in a few steps, the agents publish every SUMMARY_STEPS steps or as soon as a rank's
+timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or STRONG_SPAN_STEPS for a clear
+delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found within 20 of the job's steps on
+a simulated job, 30 healthy steps' time).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
@@ -63,6 +67,11 @@ STRAGGLER_MISSES = 1
 # hiccups (3 slow steps in 8 count for nothing).
 STRONG_BAR_X = 2.0
 STRONG_SPAN_STEPS = 3
+# And a streak lasts CONFIRM_MIN_S at least, on the controller's clock: on a job of very short
+# steps (0.1 s), 8 of them are a hiccup of under a second (a checkpoint persisted, a process
+# started on the node); on a job of 0.15 s steps or more it changes nothing. It keeps the 1.5x
+# slowdown of tests/test_waiting_timeline.py within its bounds (median 11.5-13 steps there).
+CONFIRM_MIN_S = 1.0
 # Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
 # median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
 THROUGHPUT_DROP_RATIO = 2.0
@@ -225,13 +234,19 @@ def straggler_candidate(
         return None
     reference = min(step_s, baseline_s) if baseline_s else step_s
     bar = STRAGGLER_LATE_FRACTION * reference
-    if named in delays and delays[named][0] > bar:
-        worst, threshold = named, bar
-    else:
-        ranked = sorted(delays, key=lambda n: delays[n][0], reverse=True)
-        worst = ranked[0]
-        runner_up = max(0.0, delays[ranked[1]][0]) if len(ranked) > 2 else 0.0
-        threshold = max(bar, STRAGGLER_STANDOUT * runner_up)
+
+    def threshold_for(node: str) -> float:
+        """Late, and standing out from the latest other node unless that one is late too."""
+        others = [d for n, (d, _, _) in delays.items() if n != node]
+        runner_up = max(0.0, *others) if len(delays) > 2 else 0.0
+        if node == named and runner_up > bar:
+            return bar  # a second slow node: it must not hide the first
+        return max(bar, STRAGGLER_STANDOUT * runner_up)
+
+    worst = max(delays, key=lambda n: delays[n][0])
+    if named in delays and delays[named][0] > threshold_for(named):
+        worst = named
+    threshold = threshold_for(worst)
     delay, rank, evidence = delays[worst]
     if delay <= threshold:
         return None
@@ -275,7 +290,8 @@ class StragglerTracker:
     Every fresh evaluation (the job's newest step advanced) names a node or none. A streak begins
     at the first evaluation that names a node and goes on while the evaluations name it, missing
     it at most STRAGGLER_MISSES times in a row; the straggler is raised when the streak spans
-    CONFIRM_SPAN_STEPS steps with at least STRAGGLER_CONFIRMATIONS evaluations naming it. The
+    CONFIRM_SPAN_STEPS steps with at least STRAGGLER_CONFIRMATIONS evaluations naming it, and
+    CONFIRM_MIN_S seconds of `now` (when given: the controller's clock). The
     span is counted in steps, not in evaluations, so that neither summaries arriving often (many
     near-identical windows) nor seldom (few evaluations) changes what confirms a straggler.
     """
@@ -285,6 +301,7 @@ class StragglerTracker:
         self.evaluated_at: int | None = None  # the newest step of the last evaluation
         self.node: str | None = None  # the node of the current streak
         self.since: int = 0  # the newest step when the streak began
+        self.since_at: float | None = None  # and `now` then
         self.named = 0  # evaluations of the streak that named its node
         self.missed = 0  # evaluations in a row since that did not
         self.strong_since: int | None = None  # the newest step when strong namings began
@@ -292,7 +309,9 @@ class StragglerTracker:
         # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`.
         self._last: tuple[list[dict], float | None, str | None] | None = None
 
-    def update(self, views: list[dict]) -> Anomaly | None:
+    def update(self, views: list[dict], now: float | None = None) -> Anomaly | None:
+        """The straggler once confirmed by the fresh evaluations of `views` so far; `now`, the
+        controller's clock (None: the streak's length in seconds is not checked)."""
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
         if newest is None or (self.evaluated_at is not None and newest <= self.evaluated_at):
             return None  # no new step since the last evaluation
@@ -309,6 +328,7 @@ class StragglerTracker:
             self.strong_since = None
             if self.node is None or self.missed > STRAGGLER_MISSES or found is not None:
                 self.node, self.since, self.named, self.missed = None, newest, 0, 0
+                self.since_at = now
                 if found is not None:
                     self.node, self.named = found[0], 1
                     self.strong_since = newest if strong else None
@@ -319,9 +339,11 @@ class StragglerTracker:
             self.strong_since = None
         elif self.strong_since is None:
             self.strong_since = newest
-        confirmed = (
-            newest - self.since >= self.span_steps and self.named >= STRAGGLER_CONFIRMATIONS
-        ) or (self.strong_since is not None and newest - self.strong_since >= STRONG_SPAN_STEPS)
+        lasted = now is None or self.since_at is None or now - self.since_at >= CONFIRM_MIN_S
+        confirmed = lasted and (
+            (newest - self.since >= self.span_steps and self.named >= STRAGGLER_CONFIRMATIONS)
+            or (self.strong_since is not None and newest - self.strong_since >= STRONG_SPAN_STEPS)
+        )
         if not confirmed:
             return None
         node, rank, evidence = found
