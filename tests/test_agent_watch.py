@@ -218,17 +218,24 @@ def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
 
 
 def test_status_progress_is_written_at_its_slow_pace_and_state_changes_at_once(store):
-    step = [0]
-    written = reports.NodeReports(store, "node0", "inc", lambda: (1, step[0], 0))
+    facts: list = [1, None]  # generation, newest step
+    written = reports.NodeReports(store, "node0", "inc", lambda: (facts[0], facts[1], 0))
     written.status(NodeState.RUNNING, pids={"0": 1})
     assert written.writes == 1
-    for i in range(20):
-        step[0] = i
+    facts[1] = 41
+    written.progress(time.monotonic())
+    assert written.writes == 2  # the generation's first step: training is back, at once
+    assert store.get(keys.status("node0"))["step"] == 41
+    for i in range(42, 60):
+        facts[1] = i
         written.progress(time.monotonic())
-    assert written.writes == 1  # progress only: not before STATUS_PROGRESS_S
+    assert written.writes == 2  # progress only: not before STATUS_PROGRESS_S
+    facts[:] = [2, 30]  # the next generation's first step (restored before 41)
+    written.progress(time.monotonic())
+    assert written.writes == 3
     written.status(NodeState.FAILED, failures=[])
     assert (
-        written.writes == 2 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
+        written.writes == 4 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
     )
 
 

@@ -4,7 +4,9 @@ Every write is an etcd request on every node, so each is made when the controlle
 new to learn from it, or at a slow heartbeat, never on a timer alone:
 - `status/<node>`: at once when the node's state or its facts (pids, failures) change. Its
   step and warm interpreter count only people read (`transom status`, the launcher's progress
-  bar; the controller acts on states): at most every STATUS_PROGRESS_S.
+  bar and progress.jsonl; the controller acts on states): at most every STATUS_PROGRESS_S, but
+  at once for a generation's first step, when training is back (the run report's recovery
+  time; a generation shorter than STATUS_PROGRESS_S would otherwise never show it trained).
 - `monitor/<node>`: at once when it carries something the controller acts on (a new anomaly,
   the generation, the ranks, a phase, a rank's first step, a rank's heartbeat stopping or
   coming back), or when a rank advanced SUMMARY_STEPS steps (at most every
@@ -99,7 +101,8 @@ class NodeReports:
         self.held = False  # etcd does not answer: queue everything, write nothing
         self.failure: StoreError | None = None
         self._status_pending = False  # the newest status did not reach etcd yet
-        self._status_shown: tuple[int | None, int] = (None, 0)  # (step, warm) last written
+        # (generation, step, warm) last written
+        self._status_shown: tuple[int, int | None, int] = (0, None, 0)
         self._status_at = -math.inf
         self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
         self._summary_signature: tuple | None = None
@@ -117,13 +120,15 @@ class NodeReports:
             pass
 
     def progress(self, now: float) -> None:
-        """Re-publish the status when its step or warm interpreters changed, now and then."""
-        _, step, warm = self.facts()
-        if (
-            (step, warm) != self._status_shown
-            and self.state in (NodeState.RUNNING, NodeState.SPARE)
-            and now - self._status_at >= STATUS_PROGRESS_S
-        ):
+        """Re-publish the status when its step or warm interpreters changed, now and then (at
+        once for the generation's first step)."""
+        facts = self.facts()
+        if facts == self._status_shown or self.state not in (NodeState.RUNNING, NodeState.SPARE):
+            return
+        generation, step, _ = facts
+        shown_generation, shown_step, _ = self._status_shown
+        first_step = step is not None and (shown_step is None or shown_generation != generation)
+        if first_step or now - self._status_at >= STATUS_PROGRESS_S:
             self.status(self.state, **self.extra)
 
     def _write_status(self) -> None:
@@ -142,7 +147,7 @@ class NodeReports:
         self.store.put(keys.status(self.node_id), status.to_dict())
         self.writes += 1
         self._status_pending = False
-        self._status_shown = (step, warm)
+        self._status_shown = (generation, step, warm)
         self._status_at = time.monotonic()
 
     # -- monitor summaries ---------------------------------------------------------------------
