@@ -52,10 +52,14 @@ class EtcdUpkeep:
         self.defrag_every_s = defrag_every_s
         self.clock = clock
         self.last_defrag = clock()
-        self.alarms_handled = 0
+        self.freed: list[tuple[int, int]] = []  # each NOSPACE alarm: db size before, after
         self.defrags = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def alarms_handled(self) -> int:
+        return len(self.freed)
 
     # -- one pass -----------------------------------------------------------------------------
     def status(self) -> dict:
@@ -96,8 +100,8 @@ class EtcdUpkeep:
                 "maintenance/alarm",
                 {"action": "DEACTIVATE", "memberID": alarm.get("memberID", 0), "alarm": NOSPACE},
             )
-        self.alarms_handled += 1
         after = self.status()
+        self.freed.append((before["db_size"], after["db_size"]))
         message = (
             f"etcd's database reached its quota ({_mb(self.quota_bytes)}, NOSPACE alarm): "
             f"compacted to revision {before['revision']}, defragmented "
