@@ -1,6 +1,7 @@
 """`BatchWriter` (transom/store/batch_writer.py) against a real embedded etcd: a burst of writes
-costs etcd one request, writes queued through an etcd stall arrive after it, `close` sends what
-is queued."""
+costs etcd one request, the last write of a name wins, writes queued through an etcd stall
+arrive after it, a put under a lease etcd no longer has is dropped and the rest still sent,
+`close` sends what is queued."""
 
 from __future__ import annotations
 
@@ -53,3 +54,36 @@ def test_close_sends_what_is_queued(store):
     writer.put("events/last", "x")
     writer.close()
     assert store.get("events/last") == "x"
+
+
+def test_puts_and_deletes_go_together_and_the_last_write_of_a_name_wins(store):
+    store.put("ckpt/old", 1)
+    writer = BatchWriter(store)
+    try:
+        before = etcd_requests(store)
+        writer.put("ckpt/a", 1)
+        writer.delete("ckpt/a")  # listed, then evicted before the batch went: deleted
+        writer.delete("ckpt/b")
+        writer.put("ckpt/b", 2)  # withdrawn, then listed again: listed
+        writer.delete("ckpt/old")
+        wait_for(lambda: writer.sends and not writer.pending, 10, "the batch sent")
+        assert writer.sends == 1 and etcd_requests(store) - before == 1
+        assert store.get_prefix("ckpt/") == {"b": 2}
+    finally:
+        writer.close()
+
+
+def test_a_put_under_a_dead_lease_is_dropped_and_the_rest_sent(store):
+    dead, live = store.lease(10), store.lease(10)
+    store.revoke(dead)
+    writer = BatchWriter(store, live_lease=lambda: live)
+    try:
+        writer.put("ckpt/dead", 1, lease=dead)
+        writer.put("ckpt/live", 2, lease=live)
+        writer.put("events/e", 3)
+        wait_for(lambda: not writer.pending, 10, "the batch sent")
+        assert writer.dead_lease_drops == 1
+        assert store.get_prefix("ckpt/") == {"live": 2} and store.get("events/e") == 3
+    finally:
+        writer.close()
+        store.revoke(live)

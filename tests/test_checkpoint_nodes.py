@@ -169,8 +169,11 @@ def test_replacement_node_restores_from_the_peer_replica(tmp_path):
             )
             engine.save(3, state).wait("peer", timeout=60)
             engine.close()
-            holders = catalog.holders(store, 3, 0)
-            assert set(holders) == {"mem-node0", "mem-node1"}, holders
+            wait_for(  # listed in the background, with the next batch of writes
+                lambda: set(catalog.holders(store, 3, 0)) == {"mem-node0", "mem-node1"},
+                10,
+                "both memory copies listed",
+            )
             a.kill()  # the node dies: its memory and its etcd entries (lease) go
             wait_for(
                 lambda: "mem-node0" not in catalog.holders(store, 3, 0),

@@ -146,7 +146,11 @@ def test_a_replacement_server_prefetches_its_ranks_shards_before_its_workers_loa
                 )
                 engine.save(STEP, _state(rank)).wait("peer", timeout=60)
                 engine.close()
-            assert set(catalog.holders(store, STEP, 0)) == {"mem-node0", "mem-node1"}
+            wait_for(  # listed in the background, with the next batch of writes
+                lambda: set(catalog.holders(store, STEP, 0)) == {"mem-node0", "mem-node1"},
+                10,
+                "both memory copies listed",
+            )
             node0.kill()  # rank 0's node dies; node1 holds its replica
             wait_for(
                 lambda: "mem-node0" not in catalog.holders(store, STEP, 0),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, shard_format, storage
@@ -211,7 +212,9 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path:
             )
             for step in (1, 2, 3):
                 engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
-            assert catalog.restorable_steps(store, 1) == [3, 2, 1]
+            wait_for(  # listed in the background, with the next batch of writes
+                lambda: catalog.restorable_steps(store, 1) == [3, 2, 1], 10, "3 steps listed"
+            )
             catalog.discard_poisoned(store, 2, 1)  # the engine saved as generation 0
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and storage.complete_steps(tmp_path / "ckpt") != [1]:
@@ -219,6 +222,10 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path:
             assert storage.complete_steps(tmp_path / "ckpt") == [1]
             assert {s.step for s in server.memory.shards.values()} == {1}
             server.publisher._new_lease()  # a lost lease: everything held is listed again
+            writes = server.publisher.writes
+            assert writes is not None
+            wait_for(lambda: writes.pending == 0, 10, "the listings sent")
+            assert sorted(catalog.shards(store)) == [1]  # steps 2 and 3 not listed again
             assert catalog.restorable_steps(store, 1) == [1]
             assert float(engine.load()["w"][0]) == 1.0
             engine.close()

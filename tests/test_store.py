@@ -251,6 +251,26 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
     assert set(catalog.holders(store, 80, 0)) == {"mem-node1", "storage"}  # not a step asked for
 
 
+def test_a_listing_that_lands_after_a_discard_never_makes_its_step_restorable(store):
+    """Servers list shards in the background: a listing of a discarded step can land after
+    every sweep of the discard. It counts for nothing."""
+    from transom.checkpoint import catalog
+
+    def listed(step, generation):
+        for rank in (0, 1):
+            store.put(
+                catalog.shard_key(step, rank, "storage"),
+                {"step": step, "rank": rank, "world_size": 2, "generation": generation},
+            )
+
+    listed(20, 1)
+    catalog.discard_poisoned(store, first_bad_step=30, generation=2)
+    listed(40, 1)  # late: generation 1 went bad at step 30
+    listed(60, 2)  # the next generation's
+    assert sorted(catalog.shards(store)) == [20, 40, 60]
+    assert catalog.restorable_steps(store, world_size=2) == [60, 20]
+
+
 # -- mutual TLS: nothing without the run's client certificate --------------------------------------
 
 

@@ -38,12 +38,13 @@ def memory_holder(node: str) -> str:
     return f"mem-{node}"
 
 
+def entry(step: int, rank: int, holder: str, info: dict) -> tuple[str, dict]:
+    """The key and value that list shard (step, rank) as held by `holder`."""
+    return shard_key(step, rank, holder), {"step": step, "rank": rank, "time": time.time(), **info}
+
+
 def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=None) -> None:
-    store.put(
-        shard_key(step, rank, holder),
-        {"step": step, "rank": rank, "time": time.time(), **info},
-        lease=lease,
-    )
+    store.put(*entry(step, rank, holder, info), lease=lease)
 
 
 def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
@@ -132,9 +133,15 @@ def holders(store: Store, step: int, rank: int) -> dict[str, dict]:
 def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
     """Steps whose every rank 0..world_size-1 is held by a live tier, saved with this world size,
     or saved by another world whose every rank's shard is held and reshardable (reshard.py),
-    newest first. Memory on a node in `lost` does not count (its lease may not have expired yet)."""
+    newest first. Memory on a node in `lost` does not count (its lease may not have expired yet),
+    nor an entry under a recorded discard (servers list in the background: a listing may land
+    after the sweeps of a discard that came meanwhile)."""
+    marks = discards(store)
 
     def live(info: dict) -> bool:
+        step = info.get("step")
+        if marks and type(step) is int and is_discarded(marks, step, saved_by(info)):
+            return False
         return not (info.get("tier") == Tier.MEMORY and info.get("node") in lost)
 
     entries = reshard_steps.catalog_entries(shards(store), live)

@@ -4,8 +4,10 @@ With a store, the server holds a lease; under it it registers its peer address a
 shard its memory holds (`catalog.py` has the keys), so both vanish when the node dies. Persisted
 shards are listed without a lease. A control thread keeps the lease (a lost one is replaced and
 everything re-listed) and follows, through etcd watches, the controller's plan (its members for
-the ring peer, its restore step never evicted) and the discarded steps. Its events go to etcd
-in batches (store/batch_writer.py); the ring peer's address is read once, and again only after
+the ring peer, its restore step never evicted) and the discarded steps. Its events and its
+catalog listings and withdrawals go to etcd in batches (store/batch_writer.py: a save's
+listing, its replica's, its persisted copy's, the evicted step's withdrawals and their events
+are one or two requests, not eight); the ring peer's address is read once, and again only after
 a push to it failed. Without a store every method is a no-op but the log line of an event.
 This module never touches shard bytes and never decides what the server keeps.
 """
@@ -77,9 +79,14 @@ class Publisher:
         # The plan and the discards as etcd pushes them (followed by `follow`).
         self.plans = KeyFollower(store, keys.PLAN) if store is not None else None
         self.marks = KeyFollower(store, keys.CKPT_DISCARDED) if store is not None else None
-        # Events go to etcd in batches from a thread of their own (a save's several events, one
-        # request): the threads that move shards never wait for etcd.
-        self.events = BatchWriter(store, f"events-{node}") if store is not None else None
+        # Events and catalog entries go to etcd in batches from a thread of their own (a save's
+        # several events and listings, one request): the threads that move shards never wait
+        # for etcd.
+        self.writes = (
+            BatchWriter(store, f"etcd-writes-{node}", live_lease=lambda: self.lease)
+            if store is not None
+            else None
+        )
         self._peer_addrs: dict[str, str] = {}  # peer node -> the address it registered
 
     def start(self, addr: str) -> None:
@@ -108,8 +115,8 @@ class Publisher:
         return None
 
     def stop(self) -> None:
-        if self.events is not None:
-            self.events.close()
+        if self.writes is not None:
+            self.writes.close()
         if self.store is not None and self.lease is not None:
             try:
                 self.store.revoke(self.lease)
@@ -186,74 +193,63 @@ class Publisher:
 
     def list_memory(self, shard) -> None:
         """List a shard this server's memory holds (under the lease); never a discarded one."""
-        if self.store is None or self.discarded(shard):
+        if self.writes is None or self.discarded(shard):
             return
-        holder = catalog.memory_holder(self.node)
-        try:
-            catalog.publish(
-                self.store,
-                shard.step,
-                shard.rank,
-                holder,
-                {
-                    "world_size": shard.world_size,
-                    CATALOG_FLAG: reshardable(shard.header),
-                    "node": self.node,
-                    "tier": Tier.MEMORY,
-                    "addr": self.addr,
-                    "nbytes": shard.region.nbytes,
-                    "origin": shard.origin,
-                    "generation": shard.generation,
-                },
-                lease=self.lease,
-            )
-            self._unless_discarded(shard, holder)
-        except StoreError as e:
-            log.warning("cannot list step %d rank %d in etcd: %s", shard.step, shard.rank, e)
+        name, value = catalog.entry(
+            shard.step,
+            shard.rank,
+            catalog.memory_holder(self.node),
+            {
+                "world_size": shard.world_size,
+                CATALOG_FLAG: reshardable(shard.header),
+                "node": self.node,
+                "tier": Tier.MEMORY,
+                "addr": self.addr,
+                "nbytes": shard.region.nbytes,
+                "origin": shard.origin,
+                "generation": shard.generation,
+            },
+        )
+        self.writes.put(name, value, lease=self.lease)
+        self._unless_discarded(shard, name)
 
-    def _unless_discarded(self, shard, holder: str) -> None:
+    def _unless_discarded(self, shard, name: str) -> None:
         """Withdraw an entry just listed if a discard came meanwhile: the sweeps of that discard
         (the controller's, this server's on learning of it) may have run before the entry was
-        there. (A discard learnt after this look sweeps the entry itself.)"""
-        if self.store is not None and self.discarded(shard):
-            catalog.withdraw(self.store, shard.step, shard.rank, holder)
+        there. (A discard learnt after this look sweeps the entry itself; one that comes while
+        the listing waits in the batch makes it count for nothing: catalog.restorable_steps.)"""
+        if self.writes is not None and self.discarded(shard):
+            self.writes.delete(name)
 
     def unlist_memory(self, shard) -> None:
         """Withdraw an evicted shard, in the background (called with the memory lock held)."""
-        if self.store is None:
-            return
-        threading.Thread(target=self._withdraw, args=(shard.step, shard.rank), daemon=True).start()
-
-    def _withdraw(self, step: int, rank: int) -> None:
-        assert self.store is not None
-        try:
-            catalog.withdraw(self.store, step, rank, catalog.memory_holder(self.node))
-        except StoreError:
-            pass
+        if self.writes is not None:
+            key = catalog.shard_key(shard.step, shard.rank, catalog.memory_holder(self.node))
+            self.writes.delete(key)
 
     def list_storage(self, shard, path: str, removed_steps: list[int]) -> None:
         """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
         the steps retention removed."""
-        if self.store is None:
+        if self.store is None or self.writes is None:
             return
+        if not self.discarded(shard):
+            name, value = catalog.entry(
+                shard.step,
+                shard.rank,
+                catalog.STORAGE_HOLDER,
+                {
+                    "world_size": shard.world_size,
+                    CATALOG_FLAG: reshardable(shard.header),
+                    "node": self.node,
+                    "tier": Tier.STORAGE,
+                    "path": path,
+                    "nbytes": shard.region.nbytes,
+                    "generation": shard.generation,
+                },
+            )
+            self.writes.put(name, value)
+            self._unless_discarded(shard, name)
         try:
-            if not self.discarded(shard):
-                catalog.publish(
-                    self.store,
-                    shard.step,
-                    shard.rank,
-                    catalog.STORAGE_HOLDER,
-                    {
-                        "world_size": shard.world_size,
-                        CATALOG_FLAG: reshardable(shard.header),
-                        "node": self.node,
-                        "tier": Tier.STORAGE,
-                        "path": path,
-                        "nbytes": shard.region.nbytes,
-                        "generation": shard.generation,
-                    },
-                )
-                self._unless_discarded(shard, catalog.STORAGE_HOLDER)
             for step in removed_steps:
                 catalog.withdraw_storage(self.store, step)
         except StoreError as e:
@@ -283,7 +279,7 @@ class Publisher:
     def event(self, action: str, message: str, **fields: Any) -> None:
         """A `checkpoint` event: into etcd's event log when there is one, and into the log."""
         log.info("%s", message)
-        if self.events is None:
+        if self.writes is None:
             return
         now = time.time()
         value = {
@@ -295,4 +291,4 @@ class Publisher:
             **fields,
         }
         source = f"ckpt-{self.node}-{threading.get_ident() % 10000}"
-        self.events.put(keys.event(now, source), value)
+        self.writes.put(keys.event(now, source), value)

@@ -1,40 +1,56 @@
-"""`BatchWriter`: many small writes of new keys (events) sent to etcd together, in the background.
+"""`BatchWriter`: many small writes (events, checkpoint catalog entries) sent to etcd together,
+in the background.
 
 A checkpoint server writes an event for every state of every shard it holds (saved, replicated,
-persisted), each once as its own request. A `BatchWriter` takes such writes (`put`), waits
-LINGER_S for more, and sends all that came in one transaction (`Store.put_all`) from its own
-thread: the caller never waits for etcd, and a burst of N writes costs etcd one request, not N.
-
-Nothing is lost to an etcd outage: writes that could not be sent stay queued (in order) and go
-with the next attempt, after RETRY_S; only past MAX_QUEUED writes are the oldest dropped, with a
-warning. `close()` sends what is queued (within a deadline) and stops the thread. It is for keys
-written once (their names unique, like events'): it never reads and never deletes, and it must
-not be used for writes whose order against other requests matters (they may land later).
+persisted) and lists and withdraws each shard in the catalog, each once as its own request. A
+`BatchWriter` takes such writes (`put`, `delete`), waits LINGER_S for more, and sends all that
+came in one transaction (`Store.write_all`) from its own thread: the caller never waits for
+etcd, and a burst of N writes costs etcd one request, not N. Writes of one name keep their
+order (the last one queued is the one sent); writes of different names may land in any order,
+and later than requests made directly, so it must not carry a write whose order against
+another name's matters. Nothing is lost to an etcd outage: writes that could not be sent stay
+queued (in order) and go with the next attempt, after RETRY_S; only past MAX_QUEUED writes are
+the oldest dropped, with a warning. A put under a lease that etcd no longer has would fail its
+whole transaction forever: such puts are dropped (those under a lease other than `live_lease()`
+first; if none, all leased ones: the owner lists again under its next lease, as it must for
+whatever the lost lease took with it). `close()` sends what is queued (within a deadline) and
+stops the thread. It never reads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from transom.store.access import StoreError
-from transom.store.client import Store
+from transom.store.client import Lease, Store
 
 log = logging.getLogger(__name__)
 
+LEASE_NOT_FOUND = "lease not found"  # etcd's answer to a put under a lease it does not have
 LINGER_S = 0.2  # how long a first write waits for others to go with it
 RETRY_S = 1.0  # after a failed send
 MAX_QUEUED = 10_000  # writes kept through an outage; beyond, the oldest are dropped
 CLOSE_DEADLINE_S = 2.0
+_ABSENT = object()
 
 
 class BatchWriter:
-    def __init__(self, store: Store, name: str = "batch-writer") -> None:
+    def __init__(
+        self,
+        store: Store,
+        name: str = "batch-writer",
+        live_lease: Callable[[], Lease | None] = lambda: None,
+    ) -> None:
         self.store = store.with_deadline(CLOSE_DEADLINE_S)
+        self.live_lease = live_lease
         self.sends = 0  # transactions sent
         self.failures = 0  # sends that failed (etcd unreachable); their writes were kept
-        self._queued: dict[str, Any] = {}
+        self.dead_lease_drops = 0  # puts dropped because etcd no longer had their lease
+        # name -> (value, lease) to put, or None to delete; in the order last queued
+        self._queued: dict[str, tuple[Any, Lease | None] | None] = {}
         self._dropped = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -42,10 +58,18 @@ class BatchWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, name: str, value: Any) -> None:
-        """Queue a write of `name` (a new key); it reaches etcd within about LINGER_S."""
+    def put(self, name: str, value: Any, lease: Lease | None = None) -> None:
+        """Queue a write of `name` (under `lease`); it reaches etcd within about LINGER_S."""
+        self._queue(name, (value, lease))
+
+    def delete(self, name: str) -> None:
+        """Queue the deletion of `name`; it reaches etcd within about LINGER_S."""
+        self._queue(name, None)
+
+    def _queue(self, name: str, write: tuple[Any, Lease | None] | None) -> None:
         with self._lock:
-            self._queued[name] = value
+            self._queued.pop(name, None)  # the newest write of a name goes last
+            self._queued[name] = write
             if len(self._queued) > MAX_QUEUED:
                 del self._queued[next(iter(self._queued))]
                 self._dropped += 1
@@ -76,9 +100,12 @@ class BatchWriter:
                 log.warning("etcd unreachable: %d queued writes (the oldest) dropped", dropped)
             try:
                 if batch:
-                    self.store.put_all(batch)
+                    self.store.write_all(batch)
                     self.sends += 1
             except StoreError as e:
+                if LEASE_NOT_FOUND in str(e) and self._drop_dead_lease_puts(batch):
+                    self._wake.set()
+                    continue
                 self.failures += 1
                 if self._closing.is_set():
                     log.warning("%d writes not sent before closing: %s", len(batch), e)
@@ -89,7 +116,22 @@ class BatchWriter:
                 continue
             with self._lock:
                 for name in batch:
-                    if self._queued.get(name) is batch[name]:
+                    if self._queued.get(name, _ABSENT) is batch[name]:
                         del self._queued[name]
             if self._closing.is_set() and not self._queued:
                 return
+
+    def _drop_dead_lease_puts(self, batch: dict[str, tuple[Any, Lease | None] | None]) -> bool:
+        """Drop the puts of `batch` under a dead lease (see the module doc); whether any."""
+        leased = {n: w[1] for n, w in batch.items() if w is not None and w[1] is not None}
+        live = self.live_lease()
+        dead = [n for n, lease in leased.items() if live is None or lease.id != live.id]
+        dead = dead or list(leased)
+        with self._lock:
+            for name in dead:
+                if self._queued.get(name, _ABSENT) is batch[name]:
+                    del self._queued[name]
+        self.dead_lease_drops += len(dead)
+        if dead:
+            log.info("%d puts dropped: etcd no longer has their lease", len(dead))
+        return bool(dead)

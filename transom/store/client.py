@@ -229,6 +229,22 @@ class Store:
         MAX_TXN_OPS): many small writes cost etcd one request each otherwise."""
         self._transact(_puts(self, values))
 
+    def write_all(self, writes: dict[str, tuple[Any, Lease | None] | None]) -> None:
+        """Puts (name -> (value, lease or None)) and deletes (name -> None) in as few requests
+        as etcd allows (as `put_all`); each name once, in no particular order."""
+        ops: list[dict] = []
+        for name, write in writes.items():
+            key = _encode(self.key(name))
+            if write is None:
+                ops.append({"request_delete_range": {"key": key}})
+                continue
+            value, lease = write
+            put: dict[str, Any] = {"key": key, "value": _encode(json.dumps(value))}
+            if lease is not None:
+                put["lease"] = lease.id
+            ops.append({"request_put": put})
+        self._transact(ops)
+
     def delete_all(self, names: list[str]) -> None:
         """Delete the keys `names` in as few requests as etcd allows (as `put_all`)."""
         self._transact([{"request_delete_range": {"key": _encode(self.key(n))}} for n in names])
