@@ -215,11 +215,8 @@ def _raised(rank: int) -> dict:
     return crash(rank) | {"exitcode": 1, "signal": None, "signature": "ValueError: bad value"}
 
 
-def test_a_members_same_error_reported_after_the_diagnosis_still_makes_the_job_fail_fast():
-    """Every rank raises the same error, but node1's workers start later: the first diagnosis
-    is made on node0's report alone. node1's report that follows still counts, so the second
-    time the job fails fast instead of evicting node0 for failing again."""
-    s = spec(settle_s=0.5, max_restarts=10)
+def _diagnosed_on_node0_alone(s: JobSpec) -> tuple[dict, dict, Decision]:
+    """node0 raised the error, node1 still runs; settle_s later: diagnosed on node0's report."""
     live = nodes("node0", "node1")
     early = {
         "node0": status("node0", 1, NodeState.FAILED, failures=[_raised(0)]),
@@ -228,6 +225,15 @@ def test_a_members_same_error_reported_after_the_diagnosis_still_makes_the_job_f
     job = run(running(["node0", "node1"], s), Snapshot(live, early), s, T0 + 2).job
     d = run(job, Snapshot(live, early), s, T0 + 2.5)
     assert kinds(d)[0] == "diagnosis" and d.job.last_signature is None
+    return live, early, d
+
+
+def test_a_members_same_error_reported_after_the_diagnosis_still_makes_the_job_fail_fast():
+    """Every rank raises the same error, but node1's workers start later: the first diagnosis
+    is made on node0's report alone. node1's report that follows still counts, so the second
+    time the job fails fast instead of evicting node0 for failing again."""
+    s = spec(settle_s=0.5, max_restarts=10)
+    live, early, d = _diagnosed_on_node0_alone(s)
     late = early | {"node1": status("node1", 1, NodeState.FAILED, failures=[_raised(1)])}
     d = run(d.job, Snapshot(live, late), s, T0 + 2.6, d.memory)
     assert d.job.last_signature == "ValueError: bad value" and d.memory.diagnosed is None
@@ -244,13 +250,7 @@ def test_a_members_same_error_reported_after_the_diagnosis_still_makes_the_job_f
 
 def test_a_late_report_of_another_error_or_a_signal_is_no_common_error():
     s = spec(settle_s=0.5)
-    live = nodes("node0", "node1")
-    early = {
-        "node0": status("node0", 1, NodeState.FAILED, failures=[_raised(0)]),
-        "node1": status("node1", 1, NodeState.RUNNING),
-    }
-    job = run(running(["node0", "node1"], s), Snapshot(live, early), s, T0 + 2).job
-    d = run(job, Snapshot(live, early), s, T0 + 2.5)
+    live, early, d = _diagnosed_on_node0_alone(s)
     for failure in (crash(1), _raised(1) | {"signature": "KeyError: 'x'"}):
         late = early | {"node1": status("node1", 1, NodeState.FAILED, failures=[failure])}
         after = run(d.job, Snapshot(live, late), s, T0 + 2.6, d.memory)
