@@ -47,10 +47,6 @@ def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=N
     store.put(*entry(step, rank, holder, info), lease=lease)
 
 
-def withdraw(store: Store, step: int, rank: int, holder: str) -> None:
-    store.delete(shard_key(step, rank, holder))
-
-
 def withdraw_storage(store: Store, step: int) -> None:
     """Forget the storage copies of every rank of `step` (retention removed its folder)."""
     prefix = f"{SHARDS}{step:012d}/"

@@ -193,24 +193,32 @@ class Publisher:
 
     def list_memory(self, shard) -> None:
         """List a shard this server's memory holds (under the lease); never a discarded one."""
+        self._list(
+            shard,
+            catalog.memory_holder(self.node),
+            {"tier": Tier.MEMORY, "addr": self.addr, "origin": shard.origin},
+            lease=self.lease,
+        )
+
+    def _list(self, shard, holder: str, tier: dict, lease: Any = None) -> None:
+        """Queue `shard`'s catalog entry as held by `holder` (`tier`: what its tier adds), unless
+        it is discarded (and withdraw it if a discard came meanwhile)."""
         if self.writes is None or self.discarded(shard):
             return
         name, value = catalog.entry(
             shard.step,
             shard.rank,
-            catalog.memory_holder(self.node),
+            holder,
             {
                 "world_size": shard.world_size,
                 CATALOG_FLAG: reshardable(shard.header),
                 "node": self.node,
-                "tier": Tier.MEMORY,
-                "addr": self.addr,
                 "nbytes": shard.region.nbytes,
-                "origin": shard.origin,
                 "generation": shard.generation,
+                **tier,
             },
         )
-        self.writes.put(name, value, lease=self.lease)
+        self.writes.put(name, value, lease=lease)
         self._unless_discarded(shard, name)
 
     def _unless_discarded(self, shard, name: str) -> None:
@@ -230,30 +238,14 @@ class Publisher:
     def list_storage(self, shard, path: str, removed_steps: list[int]) -> None:
         """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
         the steps retention removed."""
-        if self.store is None or self.writes is None:
+        if self.store is None:
             return
-        if not self.discarded(shard):
-            name, value = catalog.entry(
-                shard.step,
-                shard.rank,
-                catalog.STORAGE_HOLDER,
-                {
-                    "world_size": shard.world_size,
-                    CATALOG_FLAG: reshardable(shard.header),
-                    "node": self.node,
-                    "tier": Tier.STORAGE,
-                    "path": path,
-                    "nbytes": shard.region.nbytes,
-                    "generation": shard.generation,
-                },
-            )
-            self.writes.put(name, value)
-            self._unless_discarded(shard, name)
+        self._list(shard, catalog.STORAGE_HOLDER, {"tier": Tier.STORAGE, "path": path})
         try:
             for step in removed_steps:
                 catalog.withdraw_storage(self.store, step)
         except StoreError as e:
-            log.warning("cannot list a persisted shard in etcd: %s", e)
+            log.warning("cannot withdraw the steps retention removed from etcd: %s", e)
 
     def holders(self, step: int, rank: int) -> dict[str, dict]:
         """Who holds shard (step, rank), per the catalog ({} without a store or on error)."""

@@ -24,12 +24,11 @@ seconds in any case (StragglerTracker; a loaded machine slows a rank for a momen
 which on a job of short steps is many steps). Once named it need not stand out from a second
 node that is late too (a second node slowed meanwhile must not hide the first), but it must
 from one that is not (two nodes a little late on a loaded machine are noise, not one node to
-blame). It works with 2
-nodes as with many: nothing here needs a spread of peers. Its latency is bounded in steps: the
-window fills in a few steps, the agents publish every SUMMARY_STEPS steps or as soon as a rank's
-timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or STRONG_SPAN_STEPS for a clear
-delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found within 20 of the job's steps on
-a simulated job, 30 healthy steps' time).
+blame). It works with 2 nodes as with many: nothing here needs a spread of peers. Its latency
+is bounded in steps: the window fills in a few steps, the agents publish every SUMMARY_STEPS
+steps or as soon as a rank's timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or
+STRONG_SPAN_STEPS for a clear delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found
+within 20 of the job's steps on a simulated job, 30 healthy steps' time).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when

@@ -227,27 +227,16 @@ class Store:
     def put_all(self, values: dict[str, Any]) -> None:
         """Write all `values` in as few requests as etcd allows (one transaction per
         MAX_TXN_OPS): many small writes cost etcd one request each otherwise."""
-        self._transact(_puts(self, values))
+        self.write_all({name: (value, None) for name, value in values.items()})
 
     def write_all(self, writes: dict[str, tuple[Any, Lease | None] | None]) -> None:
         """Puts (name -> (value, lease or None)) and deletes (name -> None) in as few requests
         as etcd allows (as `put_all`); each name once, in no particular order."""
-        ops: list[dict] = []
-        for name, write in writes.items():
-            key = _encode(self.key(name))
-            if write is None:
-                ops.append({"request_delete_range": {"key": key}})
-                continue
-            value, lease = write
-            put: dict[str, Any] = {"key": key, "value": _encode(json.dumps(value))}
-            if lease is not None:
-                put["lease"] = lease.id
-            ops.append({"request_put": put})
-        self._transact(ops)
+        self._transact(_ops(self, writes))
 
     def delete_all(self, names: list[str]) -> None:
         """Delete the keys `names` in as few requests as etcd allows (as `put_all`)."""
-        self._transact([{"request_delete_range": {"key": _encode(self.key(n))}} for n in names])
+        self.write_all(dict.fromkeys(names))
 
     def _transact(self, ops: list[dict], compare: tuple[dict, ...] = ()) -> bool:
         """`ops` in transactions of at most MAX_TXN_OPS (the last one full: what must land
@@ -314,15 +303,24 @@ class Store:
             "target": "VALUE",
             "value": _encode(json.dumps(leader_id)),
         }
-        return self._transact(_puts(self, values), (fence,))
+        return self._transact(_ops(self, {n: (v, None) for n, v in values.items()}), (fence,))
 
 
-def _puts(store: Store, values: dict[str, Any]) -> list[dict]:
-    """The transaction operations that put `values` (JSON) under `store`'s job."""
-    return [
-        {"request_put": {"key": _encode(store.key(k)), "value": _encode(json.dumps(v))}}
-        for k, v in values.items()
-    ]
+def _ops(store: Store, writes: dict[str, tuple[Any, Lease | None] | None]) -> list[dict]:
+    """The transaction operations of `writes` under `store`'s job, in order: name -> (value,
+    lease or None) puts the value as JSON, name -> None deletes the key."""
+    ops: list[dict] = []
+    for name, write in writes.items():
+        key = _encode(store.key(name))
+        if write is None:
+            ops.append({"request_delete_range": {"key": key}})
+            continue
+        value, lease = write
+        put: dict[str, Any] = {"key": key, "value": _encode(json.dumps(value))}
+        if lease is not None:
+            put["lease"] = lease.id
+        ops.append({"request_put": put})
+    return ops
 
 
 def _detail(error: etcd_errors.Etcd3Exception) -> str:
