@@ -11,6 +11,7 @@ import psutil
 import pytest
 from conftest import TOY, job_processes, wait_for
 
+from transom.common import env
 from transom.store import EmbeddedEtcd
 
 pytestmark = pytest.mark.slow
@@ -101,12 +102,23 @@ def test_killed_controller_leader_is_replaced(start_job):
     assert job.status()["job"]["state"] == "SUCCEEDED"
 
 
-def test_same_error_on_every_rank_fails_fast(start_job, tmp_path):
+# "in turn": one node starts 4 s late, a different one each generation (an interpreter still
+# importing torch), so each generation ends on the other rank's error alone (CI's run, stop 25).
+LATE_START = f"""import os, time
+if (int(os.environ["{env.GENERATION}"]) + int(os.environ["RANK"])) % 2:
+    time.sleep(4)
+"""
+
+
+@pytest.mark.parametrize("timing", ["at once", "in turn"])
+def test_same_error_on_every_rank_fails_fast(start_job, tmp_path, timing):
     script = tmp_path / "broken.py"
-    script.write_text("raise ValueError('bad config value')\n")
+    late = LATE_START if timing == "in turn" else ""
+    script.write_text(late + "raise ValueError('bad config value')\n")
     job = start_job("--nnodes", "2", "--max-restarts", "10", script)
     assert job.wait() == 1
-    assert "ValueError: bad config value" in job.output.splitlines()[-1]
+    last = job.output.splitlines()[-1]
+    assert "same error twice" in last and "ValueError: bad config value" in last
     assert job.status()["job"]["restarts_used"] == 1  # one retry, not ten
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transom.common.records import NodeStatus
 from transom.common.states import NodeState
-from transom.control.policy import Diagnosis, common_signature, diagnose, root_cause
+from transom.control.policy import Diagnosis, SameError, diagnose, root_cause, same_error
 
 WINDOW = 300.0
 
@@ -46,7 +46,14 @@ PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer
 
 
 def _decide(
-    members, lost=(), failed=None, history=None, last_signature=None, now=1000.0, window=WINDOW
+    members,
+    lost=(),
+    failed=None,
+    history=None,
+    last_signature=None,
+    now=1000.0,
+    window=WINDOW,
+    before=None,
 ) -> Diagnosis:
     return diagnose(
         list(members),
@@ -56,6 +63,7 @@ def _decide(
         last_signature,
         window,
         now,
+        before,
     )
 
 
@@ -218,12 +226,17 @@ def test_a_different_exception_the_second_time_does_not_fail():
     assert d.fail is None
 
 
+def _common(failed: dict) -> str | None:
+    """The error every member of a 2-node job raised, by a diagnosis of this incident alone."""
+    return _decide(["node0", "node1"], failed=failed).signature
+
+
 def test_different_signatures_give_no_common_signature():
     failed = {
         "node0": report(failure(0, signature="ValueError: a")),
         "node1": report(failure(1, signature="ValueError: b")),
     }
-    assert common_signature(["node0", "node1"], failed) is None
+    assert _common(failed) is None and same_error(failed, None) is None
 
 
 def test_a_signal_gives_no_common_signature():
@@ -232,7 +245,7 @@ def test_a_signal_gives_no_common_signature():
         "node0": report(failure(0, signature=sig)),
         "node1": report(failure(1, signature=sig, exitcode=-9, signal="SIGKILL")),
     }
-    assert common_signature(["node0", "node1"], failed) is None
+    assert _common(failed) is None and same_error(failed, None) is None
 
 
 def test_a_peer_error_gives_no_common_signature():
@@ -240,7 +253,7 @@ def test_a_peer_error_gives_no_common_signature():
         "node0": report(failure(0, signature=PEER, peer_error=True)),
         "node1": report(failure(1, signature=PEER, peer_error=True)),
     }
-    assert common_signature(["node0", "node1"], failed) is None
+    assert _common(failed) is None and same_error(failed, None) is None
     d = _decide(["node0", "node1"], failed=failed, last_signature=PEER)
     assert d.fail is None
 
@@ -248,8 +261,62 @@ def test_a_peer_error_gives_no_common_signature():
 def test_a_missing_member_or_signature_gives_no_common_signature():
     sig = "ValueError: bad shape"
     only_one = {"node0": report(failure(0, signature=sig))}
-    assert common_signature(["node0", "node1"], only_one) is None
+    assert _common(only_one) is None
     no_sig = {"node0": report(failure(0, signature=sig)), "node1": report(failure(1))}
-    assert common_signature(["node0", "node1"], no_sig) is None
+    assert _common(no_sig) is None
     preflight = {"node0": report(failure(0, signature=sig)), "node1": preflight_report("disk full")}
-    assert common_signature(["node0", "node1"], preflight) is None
+    assert _common(preflight) is None
+
+
+# Ranks that start seconds apart (one node's interpreter still importing torch) each reach the
+# error first in a different generation: the evidence is gathered over the generations.
+SIG = "ValueError: bad config value"
+
+
+def _alone(node: str, rank: int, *, step: int | None = None, signature: str = SIG) -> dict:
+    failed = report(failure(rank, signature=signature))
+    failed.step = step
+    return {node: failed}
+
+
+def test_the_same_error_on_each_node_in_turn_is_every_rank_raising_it():
+    members, history = ["node0", "node1"], {}
+    g1 = _decide(members, failed=_alone("node1", 1), history=history, now=1000.0)
+    assert g1.signature is None and g1.same_error == SameError(SIG, frozenset({"node1"}))
+    g2 = _decide(
+        members, failed=_alone("node0", 0), history=history, now=1001.0, before=g1.same_error
+    )
+    assert g2.signature == SIG and g2.fail is None
+    g3 = _decide(
+        members,
+        failed=_alone("node1", 1),
+        history=history,
+        last_signature=g2.signature,
+        now=1002.0,
+        before=g2.same_error,
+    )
+    assert g3.fail is not None and SIG in g3.fail
+
+
+def test_a_node_failing_again_with_an_error_others_raised_too_is_not_evicted():
+    members = ["node0", "node1", "node2"]
+    history = {"node1": [999.0]}
+    before = SameError(SIG, frozenset({"node0", "node1"}))
+    d = _decide(members, failed=_alone("node1", 1), history=history, now=1001.0, before=before)
+    assert d.evict == {} and d.fail is None and d.signature is None
+    alone = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]}, now=1001.0)
+    assert "node1" in alone.evict  # its error alone: a node that fails again is evicted
+
+
+def test_the_evidence_is_not_carried_over_a_generation_that_trained_or_another_error():
+    members = ["node0", "node1"]
+    g1 = _decide(members, failed=_alone("node1", 1))
+    trained = _decide(members, failed=_alone("node0", 0, step=7), before=g1.same_error)
+    assert trained.signature is None and trained.same_error is not None
+    after_trained = _decide(members, failed=_alone("node1", 1), before=trained.same_error)
+    assert after_trained.signature is None
+    other = _decide(
+        members, failed=_alone("node0", 0, signature="KeyError: 'x'"), before=g1.same_error
+    )
+    assert other.signature is None
+    assert other.same_error == SameError("KeyError: 'x'", frozenset({"node0"}))

@@ -42,7 +42,7 @@ from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.anomalies import watch_monitor
 from transom.control.grace import excused_lost, lift_evictions
-from transom.control.policy import common_signature, diagnose, slow_outliers
+from transom.control.policy import SameError, diagnose, same_error, slow_outliers
 from transom.monitor import cluster
 
 T = TypeVar("T")
@@ -86,10 +86,13 @@ class Memory:
     grace_until: float | None = None
     grace_reason: str = ""
     lost_before: set[str] = field(default_factory=set)  # members lost at the previous tick
-    # The newest incident diagnosed without an error common to every member (its generation,
-    # members and failure reports): a member whose own failure is reported only after the
-    # diagnosis (its workers started later) may still complete "the same error on every rank".
-    diagnosed: tuple[int, list[str], dict[str, NodeStatus]] | None = None
+    # The evidence that the script itself raises after the newest diagnosis (policy.SameError),
+    # and that diagnosis while the evidence does not cover every member (generation, members,
+    # failure reports, the evidence before it): a member whose own failure is reported only
+    # after the diagnosis (its workers started later) may still complete "the same error on
+    # every rank".
+    same_error: SameError | None = None
+    diagnosed: tuple[int, list[str], dict[str, NodeStatus], SameError | None] | None = None
 
 
 @dataclass
@@ -317,19 +320,21 @@ class Tick:
         memory = self.decision.memory
         if memory.diagnosed is None:
             return
-        generation, members, failed = memory.diagnosed
-        for node in members:
-            status = self.snap.statuses.get(node)
-            if (
-                node not in failed
-                and status is not None
-                and status.generation == generation
-                and status.state is NodeState.FAILED
-            ):
-                failed[node] = status
-        signature = common_signature(members, failed)
-        if signature is not None:
-            self.job.last_signature = signature
+        generation, members, failed, before = memory.diagnosed
+        late = {
+            node: status
+            for node in members
+            if node not in failed
+            and (status := self.snap.statuses.get(node)) is not None
+            and status.generation == generation
+            and status.state is NodeState.FAILED
+        }
+        if not late:
+            return
+        failed.update(late)
+        memory.same_error = same_error(failed, before)
+        if memory.same_error is not None and memory.same_error.on_every(members):
+            self.job.last_signature = memory.same_error.signature
             memory.diagnosed = None
 
     # -- RECOVERING -----------------------------------------------------------------------------
@@ -355,8 +360,17 @@ class Tick:
         )
         if not ready:
             return
+        memory = self.decision.memory
+        before = memory.same_error
         d = diagnose(
-            j.members, lost, failed, j.failures, j.last_signature, spec.evict_window_s, self.now
+            j.members,
+            lost,
+            failed,
+            j.failures,
+            j.last_signature,
+            spec.evict_window_s,
+            self.now,
+            before,
         )
         for node in incident.stuck:
             d.evict.setdefault(node, f"did not start workers within {spec.warmup_timeout_s:.0f} s")
@@ -370,8 +384,9 @@ class Tick:
             detection=incident.since,
         )
         j.last_signature = d.signature
-        self.decision.memory.diagnosed = (
-            None if d.signature else (j.generation, list(j.members), dict(failed))
+        memory.same_error = d.same_error
+        memory.diagnosed = (
+            None if d.signature else (j.generation, list(j.members), dict(failed), before)
         )
         if d.fail:
             self.finish(JobState.FAILED, d.fail)

@@ -6,10 +6,13 @@ Pure functions of the reports and the job's history, so each rule is tested on i
 - the root cause of a worker failure is a node whose worker failed by itself, not one whose
   worker only saw its peer go away (`peer_error`); the same node failing again within the
   eviction window is evicted;
-- the same exception on every rank twice in a row is a bug in the script: fail fast (the
-  second time it is enough that every node that has reported so far raised it; the first time,
-  a member whose failure is reported after the diagnosis, its workers having started later,
-  still counts: transom.control.decisions.Tick.take_late_failures).
+- the same exception on every rank twice in a row is a bug in the script: fail fast. Ranks
+  that start seconds apart reach the error at different times, and the first to raise ends
+  the generation, so "every rank" is gathered over the generations of one incident that never
+  trained a step (`SameError`), including a member whose failure is reported after the
+  diagnosis (transom.control.decisions.Tick.take_late_failures); the second time it is enough
+  that the nodes that reported raised it. A node is not evicted for failing again with an
+  exception other nodes raised too: it follows the script, not the node.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Diagnosis:
     evict: dict[str, str] = field(default_factory=dict)  # node -> reason
     fail: str | None = None  # non-None: the job must FAIL, for this reason
     signature: str | None = None  # the error every rank raised, if they all raised the same
+    same_error: SameError | None = None  # the evidence for it so far (see same_error)
     summary: str = ""
 
 
@@ -44,20 +48,40 @@ def root_cause(failed: dict[str, NodeStatus]) -> list[str]:
     return [earliest]
 
 
-def common_signature(members: list[str], failed: dict[str, NodeStatus]) -> str | None:
-    """The exception every member's workers raised, when all raised the same one by themselves."""
-    if set(members) != set(failed):
-        return None
-    signatures = set()
-    for report in failed.values():
-        failures = _worker_failures(report)
-        if not failures:
-            return None
-        for f in failures:
-            if f.get("peer_error") or f.get("signal") or not f.get("signature"):
+@dataclass(frozen=True)
+class SameError:
+    """Evidence that the script itself raises: the one exception that the workers of `nodes`
+    raised by themselves, in one generation or in consecutive ones that never trained a step."""
+
+    signature: str
+    nodes: frozenset[str]
+    trained: bool = False  # a worker of the newest generation had trained a step
+
+    def on_every(self, members: list[str]) -> bool:
+        return self.nodes >= set(members)
+
+
+def same_error(failed: dict[str, NodeStatus], before: SameError | None) -> SameError | None:
+    """The evidence after an incident's failure reports: every worker that failed by itself
+    (peer errors aside) raised one exception. `before`, the evidence of the incident before,
+    adds its nodes when it is the same exception and neither generation trained a step. None:
+    a signal, an exception without a signature, two different ones, or no failure of its own."""
+    signatures, nodes = set(), set()
+    for node, report in failed.items():
+        for f in _worker_failures(report):
+            if f.get("peer_error"):
+                continue
+            if f.get("signal") or not f.get("signature"):
                 return None
             signatures.add(f["signature"])
-    return signatures.pop() if len(signatures) == 1 else None
+            nodes.add(node)
+    if len(signatures) != 1:
+        return None
+    signature = signatures.pop()
+    trained = any(report.step is not None for report in failed.values())
+    if before is not None and before.signature == signature and not (trained or before.trained):
+        nodes |= before.nodes
+    return SameError(signature, frozenset(nodes), trained)
 
 
 def diagnose(
@@ -68,9 +92,12 @@ def diagnose(
     last_signature: str | None,
     evict_window_s: float,
     now: float,
+    before: SameError | None = None,
 ) -> Diagnosis:
-    """Decide an incident. `history` (node -> times of past failures) is updated in place."""
-    d = Diagnosis()
+    """Decide an incident. `history` (node -> times of past failures) is updated in place;
+    `before` is the previous incident's `same_error` evidence."""
+    d = Diagnosis(same_error=same_error(failed, before))
+    follows_script = d.same_error.nodes if d.same_error and len(d.same_error.nodes) > 1 else set()
     parts = []
     for node in lost:
         d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
@@ -88,7 +115,7 @@ def diagnose(
         if node in d.evict:
             continue
         recent = [t for t in history.get(node, []) if now - t <= evict_window_s]
-        if recent:
+        if recent and node not in follows_script:
             d.evict[node] = (
                 f"workers failed again {now - recent[-1]:.0f} s after the previous failure "
                 f"(window {evict_window_s:.0f} s)"
@@ -98,9 +125,10 @@ def diagnose(
         if node in worker_failed:
             first = _worker_failures(worker_failed[node])[0]
             parts.append(f"{node}: {first.get('describe', 'worker failed')}")
-    d.signature = common_signature(members, failed)
+    if d.same_error is not None and d.same_error.on_every(members):
+        d.signature = d.same_error.signature
     # The second time, the nodes that reported first are enough: the others may still be starting.
-    repeated = d.signature or (common_signature(list(failed), failed) if failed else None)
+    repeated = d.same_error.signature if d.same_error else None
     if repeated is not None and repeated == last_signature:
         d.fail = (
             "every rank failed with the same error twice in a row (a bug in the script?): "
