@@ -47,14 +47,6 @@ def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=N
     store.put(*entry(step, rank, holder, info), lease=lease)
 
 
-def withdraw_storage(store: Store, step: int) -> None:
-    """Forget the storage copies of every rank of `step` (retention removed its folder)."""
-    prefix = f"{SHARDS}{step:012d}/"
-    store.delete_all(
-        [prefix + key for key in store.get_prefix(prefix) if key.endswith("/" + STORAGE_HOLDER)]
-    )
-
-
 def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list[int]:
     """Forget every shard of a step at or after `first_bad_step` saved by a generation before
     `generation` (an abandoned history: a rolled-back generation's steps after its numerics went

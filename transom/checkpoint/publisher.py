@@ -235,17 +235,15 @@ class Publisher:
             key = catalog.shard_key(shard.step, shard.rank, catalog.memory_holder(self.node))
             self.writes.delete(key)
 
-    def list_storage(self, shard, path: str, removed_steps: list[int]) -> None:
+    def list_storage(self, shard, path: str, removed: dict[int, list[int]]) -> None:
         """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
-        the steps retention removed."""
-        if self.store is None:
+        the shards of the steps retention removed (step -> ranks), in the same batch."""
+        if self.writes is None:
             return
         self._list(shard, catalog.STORAGE_HOLDER, {"tier": Tier.STORAGE, "path": path})
-        try:
-            for step in removed_steps:
-                catalog.withdraw_storage(self.store, step)
-        except StoreError as e:
-            log.warning("cannot withdraw the steps retention removed from etcd: %s", e)
+        for step, ranks in removed.items():
+            for rank in ranks:
+                self.writes.delete(catalog.shard_key(step, rank, catalog.STORAGE_HOLDER))
 
     def holders(self, step: int, rank: int) -> dict[str, dict]:
         """Who holds shard (step, rank), per the catalog ({} without a store or on error)."""

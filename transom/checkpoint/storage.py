@@ -225,19 +225,19 @@ def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict | None
 
 def complete_step(
     root: Path, step: int, world_size: int, keep: int, timeline: dict | None = None
-) -> list[int]:
+) -> dict[int, list[int]]:
     """If every rank's shard of `step` is on disk, all of `timeline`, write its manifest and
     `latest`; apply retention.
 
-    Returns the steps removed by retention.
+    Returns the steps removed by retention, each with the ranks whose shards it held.
     """
     root = Path(root)
     with _locked(root):
         if (step_dir(root, step) / MANIFEST).exists():
-            return []
+            return {}
         ranks = shard_ranks(root, step)
         if ranks != set(range(world_size)) or not _same_timeline(root, step, ranks, timeline):
-            return []
+            return {}
         manifest = {
             "step": step,
             "world_size": world_size,
@@ -306,18 +306,19 @@ def _timeline_of(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _retain(root: Path, complete: list[int], keep: int) -> list[int]:
-    """Remove every step folder older than the `keep` newest complete steps."""
+def _retain(root: Path, complete: list[int], keep: int) -> dict[int, list[int]]:
+    """Remove every step folder older than the `keep` newest complete steps; the steps removed,
+    each with the ranks whose shards it held."""
     if len(complete) <= keep:
-        return []
+        return {}
     oldest_kept = complete[keep - 1]
-    removed = []
+    removed = {}
     for entry in root.iterdir():
         m = STEP_RE.match(entry.name)
-        if m and int(m.group(1)) < oldest_kept:
+        if m and (step := int(m.group(1))) < oldest_kept:
+            removed[step] = sorted(shard_ranks(root, step))
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(int(m.group(1)))
-    return sorted(removed)
+    return dict(sorted(removed.items()))
 
 
 def restorable_steps(root: Path, world_size: int) -> list[int]:
