@@ -3,8 +3,9 @@
 With watches the controller's ticks no longer read etcd, so they can no longer tell by
 themselves that etcd stalled (a paused etcd keeps a watch stream open and silent). One thread
 makes one small call every PROBE_S instead: the leader refreshes its leadership lease (the
-keep-alive it needs anyway), a standby reads the leader key (and wakes its loop when the key
-is gone: a safety net under the leader-key watch). Each success is recorded in `Observed` with
+keep-alive it needs anyway); a standby, every STANDBY_PROBE_S, reads the leader key (and
+wakes its loop when the key is gone: a safety net under the leader-key watch, which wakes it
+first). Each success is recorded in `Observed` with
 the time the thread waited by choice left out, so a gap is a stretch in which calls failed or
 stalled, not the prober's own pauses.
 
@@ -32,14 +33,23 @@ from transom.store import StoreError
 log = logging.getLogger("transom.controller")
 
 PROBE_S = 0.5  # one call this often (the leader's lease TTL is 3 s: six refreshes per TTL)
+STANDBY_PROBE_S = 2.5  # a standby's call: its watch on the leader key is what wakes it
 STALE_S = MIN_GAP_S  # without an answer this long, what the watches show may be old
 
 
 class StoreContact:
-    """Runs `probe` (a store call; StoreError when etcd did not answer) every PROBE_S."""
+    """Runs `probe` (a store call; StoreError when etcd did not answer) every `period()`
+    seconds (PROBE_S by default)."""
 
-    def __init__(self, probe: Callable[[], None], observed: Observed, stopping: threading.Event):
+    def __init__(
+        self,
+        probe: Callable[[], None],
+        observed: Observed,
+        stopping: threading.Event,
+        period: Callable[[], float] = lambda: PROBE_S,
+    ):
         self.probe = probe
+        self.period = period
         self.observed = observed
         self.lock = threading.Lock()  # guards `observed`
         self.stopping = stopping
@@ -53,6 +63,10 @@ class StoreContact:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="store-contact", daemon=True)
             self._thread.start()
+
+    def kick(self) -> None:
+        """Make the next call now (and wait `period()` after it): a new leader's first refresh."""
+        self._kick.set()
 
     def confirm(self, since: float, timeout: float) -> bool:
         """Whether etcd answered after `since` and within STALE_S; if not yet, a call is made
@@ -72,7 +86,7 @@ class StoreContact:
         answered = False  # the previous round succeeded (so the wait before this one was idle)
         while not self.stopping.is_set():
             waited_from = time.monotonic()
-            if self._kick.wait(PROBE_S):
+            if self._kick.wait(self.period()):
                 self._kick.clear()
             if self.stopping.is_set():
                 break

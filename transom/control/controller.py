@@ -36,7 +36,7 @@ from transom.common.records import Event, EventKind, JobRecord, Plan, RecordErro
 from transom.common.states import JobState
 from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster, read_direct
-from transom.control.contact import STALE_S, StoreContact
+from transom.control.contact import PROBE_S, STALE_S, STANDBY_PROBE_S, StoreContact
 from transom.control.decisions import Memory, Snapshot, decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
@@ -55,7 +55,7 @@ STEADY_TICK_S = 1.0  # while the job runs and nothing changes: the time-based ru
 # TICK_S): the straggler detector counts its latency in steps, and summaries that only carry
 # new timings do not wake the controller.
 STEPS_PER_TICK = 4
-STANDBY_RETRY_S = 5.0  # a standby tries to lead this often even if nothing woke it
+STANDBY_RETRY_S = 5.0  # a standby reads the job this often (has it ended?) if nothing woke it
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
 
@@ -81,7 +81,12 @@ class Controller:
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
-        self.contact = StoreContact(self._probe, self.observed, self.stopping)
+        self.contact = StoreContact(
+            self._probe,
+            self.observed,
+            self.stopping,
+            lambda: PROBE_S if self.leading.is_set() else STANDBY_PROBE_S,
+        )
         self.view: WatchedCluster | None = None  # the leader's watched view of the agents
         self.leader_watch: LeaderWatch | None = None  # a standby's watch on the leader key
 
@@ -95,6 +100,7 @@ class Controller:
         self.lease = lease
         self.leading.set()
         self.contact.start()  # keeps the lease alive from now on
+        self.contact.kick()  # at the leader's pace from now (it may be in a standby's wait)
         stored = self.store.get(keys.JOB)
         self.job = JobRecord.from_dict(stored) if stored else JobRecord.new(time.time())
         if self.exporter.port is None and self.spec.metrics_port >= 0:
@@ -115,8 +121,9 @@ class Controller:
         return True
 
     def _probe(self) -> None:
-        """The steady store call (StoreContact, every PROBE_S): the leader keeps its lease
-        alive; a standby checks that a leader exists (and is woken if none does)."""
+        """The steady store call (StoreContact, every PROBE_S; STANDBY_PROBE_S for a standby):
+        the leader keeps its lease alive; a standby checks that a leader exists (and is woken if
+        none does)."""
         lease = self.lease
         if self.leading.is_set() and lease is not None:
             if not self.store.refresh(lease):
@@ -199,18 +206,20 @@ class Controller:
         return 0 if self.terminated else 1
 
     def _stand_by(self) -> int | None:
-        """One attempt to lead, then a wait until the leader key goes (or STANDBY_RETRY_S);
-        the job's exit code if it already ended."""
+        """An attempt to lead if the leader key may be gone (woken by its delete or absence, or
+        without a watch on it), then a wait until it goes (or STANDBY_RETRY_S, to see whether
+        the job ended); the job's exit code if it already ended."""
         if self.leader_watch is None:
             watch = LeaderWatch(self.store, self.wake)
             if watch.start():
                 self.leader_watch = watch
+        may_be_gone = self.wake.is_set() or self.leader_watch is None
         self.wake.clear()  # a delete from now on wakes the wait below
         stored = self.store.get(keys.JOB)
         job = JobRecord.from_dict(stored) if stored else None
         if job and job.state.terminal:
             return 0 if job.state is JobState.SUCCEEDED else 1
-        if self._try_lead():
+        if may_be_gone and self._try_lead():
             if self.leader_watch is not None:
                 self.leader_watch.stop()
                 self.leader_watch = None

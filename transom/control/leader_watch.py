@@ -3,8 +3,8 @@
 The leader key lives under the leader's lease, so its delete is the leader's death (the lease
 expired: a SIGKILL, a cut-off host) or its hand-over (it revoked the lease on exit). A standby
 waits on this instead of trying to lead every tick; the controller's `StoreContact` still
-reads the key every PROBE_S as a safety net (a watch that could not start, or a delete missed
-while the stream reconnected, is caught there).
+reads the key every STANDBY_PROBE_S as a safety net (a watch that could not start, or a delete
+missed while the stream reconnected, is caught there).
 
 It only reads etcd and only sets the event; it never raises into the caller's thread.
 """
