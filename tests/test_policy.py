@@ -298,14 +298,22 @@ def test_the_same_error_on_each_node_in_turn_is_every_rank_raising_it():
     assert g3.fail is not None and SIG in g3.fail
 
 
-def test_a_node_failing_again_with_an_error_others_raised_too_is_not_evicted():
-    members = ["node0", "node1", "node2"]
-    history = {"node1": [999.0]}
+def test_a_node_failing_again_with_an_error_every_member_raised_is_not_evicted():
+    members = ["node0", "node1"]
     before = SameError(SIG, frozenset({"node0", "node1"}))
-    d = _decide(members, failed=_alone("node1", 1), history=history, now=1001.0, before=before)
-    assert d.evict == {} and d.fail is None and d.signature is None
-    alone = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]}, now=1001.0)
+    d = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]}, before=before)
+    assert d.evict == {} and d.fail is None and d.signature == SIG
+    alone = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]})
     assert "node1" in alone.evict  # its error alone: a node that fails again is evicted
+
+
+def test_nodes_raising_one_error_while_others_do_not_are_evicted_as_ever():
+    """Two bad nodes of three may raise the same error (a GPU that fails to initialise): that
+    is no script's error yet, and the one failing again is evicted."""
+    members = ["node0", "node1", "node2"]
+    before = SameError(SIG, frozenset({"node0", "node1"}))
+    d = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]}, before=before)
+    assert "node1" in d.evict and d.signature is None
 
 
 def test_the_evidence_is_not_carried_over_a_generation_that_trained_or_another_error():

@@ -12,7 +12,7 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   trained a step (`SameError`), including a member whose failure is reported after the
   diagnosis (transom.control.decisions.Tick.take_late_failures); the second time it is enough
   that the nodes that reported raised it. A node is not evicted for failing again with an
-  exception other nodes raised too: it follows the script, not the node.
+  exception every member raised: it follows the script, not the node.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def diagnose(
     """Decide an incident. `history` (node -> times of past failures) is updated in place;
     `before` is the previous incident's `same_error` evidence."""
     d = Diagnosis(same_error=same_error(failed, before))
-    follows_script = d.same_error.nodes if d.same_error and len(d.same_error.nodes) > 1 else set()
+    if d.same_error is not None and d.same_error.on_every(members):
+        d.signature = d.same_error.signature
     parts = []
     for node in lost:
         d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
@@ -115,7 +116,9 @@ def diagnose(
         if node in d.evict:
             continue
         recent = [t for t in history.get(node, []) if now - t <= evict_window_s]
-        if recent and node not in follows_script:
+        # An error every member raised follows the script, not a node. (Some nodes raising one
+        # error may be as many bad nodes, e.g. GPUs that fail to initialise: evicted as ever.)
+        if recent and d.signature is None:
             d.evict[node] = (
                 f"workers failed again {now - recent[-1]:.0f} s after the previous failure "
                 f"(window {evict_window_s:.0f} s)"
@@ -125,8 +128,6 @@ def diagnose(
         if node in worker_failed:
             first = _worker_failures(worker_failed[node])[0]
             parts.append(f"{node}: {first.get('describe', 'worker failed')}")
-    if d.same_error is not None and d.same_error.on_every(members):
-        d.signature = d.same_error.signature
     # The second time, the nodes that reported first are enough: the others may still be starting.
     repeated = d.same_error.signature if d.same_error else None
     if repeated is not None and repeated == last_signature:
