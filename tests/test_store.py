@@ -68,15 +68,15 @@ def test_jobs_are_isolated(etcd, store):
     assert store.get("spec") is None
 
 
-def test_put_all_and_delete_all_take_one_request_per_transaction_limit(store):
+def test_write_all_takes_one_request_per_transaction_limit(store):
     names = [f"many/{i:04d}" for i in range(MAX_TXN_OPS + 5)]
     before = etcd_requests(store)
-    store.put_all({name: i for i, name in enumerate(names)})
+    store.write_all({name: (i, None) for i, name in enumerate(names)})
     assert etcd_requests(store) - before == 2  # a full transaction and the rest
     assert store.get_prefix("many/")["0130"] == 130
     store.put("many_other", 1)
     before = etcd_requests(store)
-    store.delete_all(names)
+    store.write_all(dict.fromkeys(names))
     assert etcd_requests(store) - before == 2
     assert store.get_prefix("many/") == {} and store.get("many_other") == 1
 

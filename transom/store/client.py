@@ -224,19 +224,11 @@ class Store:
 
         return self._retried(attempt)
 
-    def put_all(self, values: dict[str, Any]) -> None:
-        """Write all `values` in as few requests as etcd allows (one transaction per
-        MAX_TXN_OPS): many small writes cost etcd one request each otherwise."""
-        self.write_all({name: (value, None) for name, value in values.items()})
-
     def write_all(self, writes: dict[str, tuple[Any, Lease | None] | None]) -> None:
         """Puts (name -> (value, lease or None)) and deletes (name -> None) in as few requests
-        as etcd allows (as `put_all`); each name once, in no particular order."""
+        as etcd allows (one transaction per MAX_TXN_OPS: many small writes cost etcd one request
+        each otherwise); each name once, in no particular order."""
         self._transact(_ops(self, writes))
-
-    def delete_all(self, names: list[str]) -> None:
-        """Delete the keys `names` in as few requests as etcd allows (as `put_all`)."""
-        self.write_all(dict.fromkeys(names))
 
     def _transact(self, ops: list[dict], compare: tuple[dict, ...] = ()) -> bool:
         """`ops` in transactions of at most MAX_TXN_OPS (the last one full: what must land
