@@ -27,6 +27,8 @@ It measures (and reports node_ttl_s with each size):
   fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
                          moment its lease expires) -> the plan of the next generation arrives
   fault_to_all_acting_s  the same moment -> every member of the new plan has followed it
+  fault_to_all_started_s the same moment -> every member has started its (stand-in) workers,
+                         which waits for the master node's rendezvous address
 Agents follow the plan and controllers the cluster through etcd watches. Numbers from a
 machine shared with other work are noisy; a size that does not start in --timeout seconds is
 reported with why, and larger sizes are skipped.
@@ -316,22 +318,26 @@ def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]
         update = plan_watch.get(timeout=max(0.0, deadline - time.monotonic()))
         if update is None:
             raise TimeoutError(f"no new plan {FAULT_TIMEOUT_S:.0f} s after {victim}'s death")
-        values = [e.value for e in update.events] + list((update.snapshot or {}).values())
+        values = [e.value for e in update.events if e.name == ""]  # not a master address
+        values.append((update.snapshot or {}).get(""))
         new_plan = next((p for p in values if p and p["generation"] > plan["generation"]), None)
     t_plan = time.time()
     gen, members = new_plan["generation"], set(new_plan["members"])
+    times: dict[str, dict[str, float]] = {"acted": {}, "started": {}}
     while True:
-        acted = {x[1]: float(x[3]) for x in lines_of(outs) if x[0] == "acted" and int(x[2]) == gen}
-        if members <= set(acted):
+        for x in lines_of(outs):
+            if x[0] in times and int(x[2]) == gen:
+                times[x[0]][x[1]] = float(x[3])
+        if all(members <= set(t) for t in times.values()):
             break
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{len(members - set(acted))} members never acted on generation {gen}"
-            )
+            late = {what: len(members - set(t)) for what, t in times.items()}
+            raise TimeoutError(f"members never acted on / started generation {gen}: {late}")
         time.sleep(0.1)
     return {
         "fault_to_plan_s": t_plan - t_fault,
-        "fault_to_all_acting_s": max(acted[m] for m in members) - t_fault,
+        "fault_to_all_acting_s": max(times["acted"][m] for m in members) - t_fault,
+        "fault_to_all_started_s": max(times["started"][m] for m in members) - t_fault,
         "victim": victim,
     }
 
@@ -376,6 +382,7 @@ def main() -> int:
         "startup_s",
         "fault_to_plan_s",
         "fault_to_all_acting_s",
+        "fault_to_all_started_s",
         "etcd_requests_per_s",
         "etcd_requests_per_node_s",
         "etcd_cpu_x",

@@ -41,6 +41,8 @@ keeps its own etcd client (connections, TLS), so every request etcd sees is one 
 Lines it prints (flushed, each in one write), for scale.py:
     ready N                 every agent thread is started
     acted NODE GEN T        NODE followed the plan of generation GEN at time T (time.time())
+    started NODE GEN T      NODE started its workers of generation GEN (the master address
+                            known) at time T
     dead NODE T             NODE stopped acting (told through its kill file)
     ticks N T LATE          N agent loop turns were done in total by time T (every second);
                             LATE: the most a lease renewal was sent after its time since
@@ -479,6 +481,7 @@ class SimulatedAgent(agent_module.NodeAgent):
         super()._start_group(plan)
         if self.group is not None:
             self.monitor.group = self.group  # type: ignore[attr-defined]
+            say(f"started {self.node_id} {plan.generation} {time.time():.6f}")
 
     def _step(self):
         if self.dead.is_set():  # a dead node: nothing more from it, its lease left to expire

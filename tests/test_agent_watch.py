@@ -22,7 +22,14 @@ import pytest
 from conftest import etcd_requests, wait_for
 
 from transom.common import keys
-from transom.common.records import Anomaly, MonitorSummary, Plan, RankSummary, Severity
+from transom.common.records import (
+    Anomaly,
+    MasterAddress,
+    MonitorSummary,
+    Plan,
+    RankSummary,
+    Severity,
+)
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control import agent as agent_module
@@ -85,6 +92,31 @@ def test_a_new_plan_reaches_the_agent_through_its_watch_without_polling(store):
         store.put(keys.PLAN, plan(2, restart_count=1))
         assert follow_until(follower, 2, 10) < 1.0  # pushed: the waiting loop wakes at once
         assert follower.reads == 1  # only the first read; the new plan came pushed
+    finally:
+        follower.stop()
+
+
+def test_the_master_address_reaches_the_other_members_on_the_plan_watch_without_a_read(store):
+    store.put(keys.PLAN, plan(1))
+    store.put(keys.master(1), MasterAddress("10.0.0.1", 29500).to_dict())  # there before start
+    follower = PlanFollower(store)
+    try:
+        follower.start(time.monotonic())
+        assert follower.master(1) == MasterAddress("10.0.0.1", 29500)
+        wait_for(lambda: follower.watch.healthy, 10, "the watch stream to be up")
+        store.put(keys.PLAN, plan(2, restart_count=1))
+        follow_until(follower, 2, 10)
+        assert follower.master(2) is None  # its master node has not published it yet
+        store.put(keys.master(2), MasterAddress("10.0.0.2", 29501).to_dict())
+        # waiting as the agent's loop does (a pushed update wakes it)
+        wait_for(lambda: follower.wait(0.2) or follower.master(2), 10, "the address's push")
+        assert follower.master(2) == MasterAddress("10.0.0.2", 29501)
+        assert follower.current(time.monotonic()).generation == 2  # the plan is not disturbed
+        store.put(keys.master(3), {"addr": "10.0.0.3"})  # invalid: no port
+        store.put(keys.PLAN, plan(3, restart_count=2))
+        follow_until(follower, 3, 10)
+        assert follower.master(3) is None  # dropped, not a crash
+        assert follower.reads == 1  # everything came pushed
     finally:
         follower.stop()
 

@@ -8,7 +8,8 @@ with string literals of its own.
   leader            the controller leader's id, attached to its lease
   job               the controller's state: state, generation, members, evictions, restarts
   plan              what every agent must run: generation, members, restore step
-  master/<gen>      the master address and port chosen by the master node's agent
+  plan/master/<gen> the master address and port chosen by the master node's agent (under the
+                    plan's name: agents following the plan get it on the same watch)
   events/<seq>      the decision log, one event per key, in time order
   monitor/<node>    the agent's monitor summary: per-rank step, ages, timings; its anomalies
   preflight/<node>  the node's pre-flight result (checks, compute benchmark score, link scores)
@@ -35,7 +36,7 @@ STATUS = "status/"
 MONITOR = "monitor/"
 PREFLIGHT = "preflight/"
 LINKS = "links/"
-MASTER = "master/"
+MASTER = PLAN + "/master/"
 EVENTS = "events/"
 FAULTS_FIRED = "faults/fired/"
 CKPT_SECRET = "ckpt/secret"

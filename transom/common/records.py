@@ -3,7 +3,7 @@
 One dataclass per value stored under a key of `common.keys`: `JobRecord` (job), `Plan` (plan),
 `NodeRegistration` (nodes/<node>), `NodeStatus` (status/<node>), `MonitorSummary`
 (monitor/<node>), `Anomaly` (in summaries and anomaly events), `PreflightResult`
-(preflight/<node>), `MasterAddress` (master/<gen>), `Event` (events/<seq>).
+(preflight/<node>), `MasterAddress` (plan/master/<gen>), `Event` (events/<seq>).
 
 Every value crosses a process boundary, so `from_dict` validates (see `record_base`): it ignores
 keys it does not know (an older or newer writer), and raises `RecordError` on a missing required
@@ -148,7 +148,7 @@ class PreflightResult(Record):
 
 @dataclass
 class MasterAddress(Record):
-    """Where generation g's rank 0 listens (`master/<g>`)."""
+    """Where generation g's rank 0 listens (`plan/master/<g>`)."""
 
     addr: str
     port: int

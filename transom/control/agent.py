@@ -39,7 +39,6 @@ from transom.common.records import (
     NodeRegistration,
     Plan,
     PreflightResult,
-    RecordError,
 )
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
@@ -92,6 +91,7 @@ class NodeAgent:
         self.group_state = NodeState.IDLE
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.unpublished_master: MasterAddress | None = None  # ours, not yet in etcd
+        self.published_master: MasterAddress | None = None  # ours, in etcd
         self.preflight_result: tuple[bool, dict] | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
@@ -368,8 +368,9 @@ class NodeAgent:
             self.torch_store = TorchStore(self.host)  # the generation's rendezvous, on our address
             self.unpublished_master = MasterAddress(self.host, self.torch_store.port)
         self.waiting_for_master = plan
-        self._report(NodeState.STARTING)
-        self._start_group(plan)
+        self._start_group(plan)  # the master node publishes its address before anything else
+        if self.group is None:
+            self._report(NodeState.STARTING)  # waiting for the master node's address
 
     def _preflight(self) -> None:
         """Check this node once, when it joins; publish the result for the controller to compare."""
@@ -391,19 +392,17 @@ class NodeAgent:
         self.store.put(keys.preflight(self.node_id), result.to_dict())
 
     def _start_group(self, plan: Plan) -> None:
-        """Start this node's workers once the master address is known (every etcd call first,
-        so an outage midway leaves the start to be retried next tick)."""
+        """Start this node's workers once the master address is known (the master node's
+        agent publishes it; the plan's watch brings it to the others, who wait for it without
+        a read). An etcd call failing leaves the start to be retried next tick."""
         if self.unpublished_master is not None:
             self.store.put(keys.master(plan.generation), self.unpublished_master.to_dict())
+            self.published_master = self.unpublished_master
             self.unpublished_master = None
-        stored = self.store.get(keys.master(plan.generation))
-        if stored is None:
+        ours = plan.members[0] == self.node_id
+        master = self.published_master if ours else self.plan.master(plan.generation)
+        if master is None:
             return  # the master node's agent has not published its address yet
-        try:
-            master = MasterAddress.from_dict(stored)
-        except RecordError as e:
-            log.warning("invalid master address: %s", e)
-            return
         assert self.spec is not None and self.ckpt is not None and self.faults is not None
         assert self.monitor is not None
         assignment = Assignment(
@@ -491,7 +490,7 @@ class NodeAgent:
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None
-        self.unpublished_master = None
+        self.unpublished_master = self.published_master = None
         if self.group is not None:
             self.group.stop()
             self.group = None

@@ -1,4 +1,5 @@
-"""`PlanFollower`: the job's plan as a node agent knows it, pushed to it by an etcd watch.
+"""`PlanFollower`: the job's plan, and each generation's rendezvous address, as a node agent
+knows them, pushed to it by one etcd watch.
 
 An agent used to read the plan every tick: five requests a second a node, to learn of the few
 plans a job ever has. It now follows the `plan` key through a `KeyFollower`
@@ -6,25 +7,36 @@ plans a job ever has. It now follows the `plan` key through a `KeyFollower`
 stream is down, `resync()` after an outage and before the agent takes a lost lease again, so an
 eviction is never missed), and parses each new plan once.
 
+The master node's agent publishes the generation's rendezvous address under the plan's name
+(`keys.master`, `plan/master/<gen>`), so the same stream pushes it to every member: the others
+start their workers the moment it arrives, with no read of their own (they used to read it
+every tick until it appeared: a thousand nodes' polls at once on every restart).
+
 It only reads etcd; a direct read that fails raises StoreError to the caller (an outage).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from transom.common import keys
-from transom.common.records import Plan, RecordError
+from transom.common.records import MasterAddress, Plan, RecordError
 from transom.store import Store
 from transom.store.key_follow import KeyFollower
+from transom.store.watch import Update
 
 log = logging.getLogger("transom.agent")
+
+MASTER_NAME = keys.MASTER[len(keys.PLAN) :]  # a master key's name under the plan's
+KEPT_MASTERS = 4  # generations whose addresses are kept (the newest; older ones are done)
 
 
 class PlanFollower(KeyFollower):
     def __init__(self, store: Store) -> None:
         super().__init__(store, keys.PLAN)
         self._parsed: tuple[int, Plan | None] = (-1, None)  # (revision, its plan)
+        self._masters: dict[int, Any] = {}  # generation -> its published address, unparsed
 
     def current(self, now: float) -> Plan | None:
         """The newest plan known (None: none yet, or an invalid one, logged once)."""
@@ -39,3 +51,42 @@ class PlanFollower(KeyFollower):
                     log.warning("ignoring an invalid plan: %s", e)
             self._parsed = (self.revision, plan)
         return plan
+
+    def master(self, generation: int) -> MasterAddress | None:
+        """Generation `generation`'s rendezvous address, once its master node published it
+        (None: not yet, or an invalid one, logged and dropped), as of the last `current()`
+        or `wait()`."""
+        value = self._masters.get(generation)
+        if value is None:
+            return None
+        try:
+            return MasterAddress.from_dict(value)
+        except RecordError as e:
+            log.warning("ignoring an invalid master address for generation %d: %s", generation, e)
+            del self._masters[generation]
+            return None
+
+    def _take_read(self, values: dict[str, Any], revision: int) -> None:
+        super()._take_read(values, revision)
+        for name, value in values.items():
+            self._take_master(name, value)
+
+    def _apply(self, update: Update) -> None:
+        super()._apply(update)
+        for name, value in (update.snapshot or {}).items():
+            self._take_master(name, value)
+        for event in update.events:
+            if not event.deleted:
+                self._take_master(event.name, event.value)
+
+    def _take_master(self, name: str, value: Any) -> None:
+        """Keep `value` if `name` is a master key (of a generation not yet superseded)."""
+        if not name.startswith(MASTER_NAME):
+            return
+        try:
+            generation = int(name[len(MASTER_NAME) :])
+        except ValueError:
+            return  # not a key this version writes
+        self._masters[generation] = value
+        for old in sorted(self._masters)[:-KEPT_MASTERS]:
+            del self._masters[old]
