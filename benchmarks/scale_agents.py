@@ -72,11 +72,12 @@ from transom.common import keys  # noqa: E402
 from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
-from transom.control.lease_keeper import REFRESHES_PER_TTL, LeaseKeeper  # noqa: E402
+from transom.control.lease_keeper import LeaseKeeper  # noqa: E402
 from transom.control.outage import GUARD_TICK_S, PauseGuard  # noqa: E402
 from transom.control.plan_follow import PlanFollower  # noqa: E402
 from transom.monitor.node import SUMMARY_PERIOD_S, SUMMARY_STEPS  # noqa: E402
 from transom.store import Store, StoreAccess  # noqa: E402
+from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch, Update  # noqa: E402
 
 STEP_S = 0.5  # one stand-in training step

@@ -28,11 +28,11 @@ from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
 from transom.store import Store, StoreError
 from transom.store.batch_writer import BatchWriter
+from transom.store.client import REFRESHES_PER_TTL
 from transom.store.key_follow import KeyFollower
 
 log = logging.getLogger("transom.ckpt.server")
 
-CONTROL_TICK_S = 1.0  # the lease refresh (half of it for a lease of 3 s or less)
 WAKE_S = 0.25  # the control thread's longest sleep: how late it sees `stopping` or discards
 
 
@@ -134,11 +134,12 @@ class Publisher:
     def follow(self, stopping: threading.Event) -> None:
         """Keep the lease and follow the plan and the discards until `stopping` is set (a
         thread's body). Both keys are pushed by etcd watches (they change a few times a job);
-        the lease refresh is the one steady request, every CONTROL_TICK_S."""
+        the lease refresh is the one steady request, `REFRESHES_PER_TTL` times a TTL (as the
+        node agent's: once a second for a small job's 4 s lease, every 5 s for a large one's)."""
         plans, marks = self.plans, self.marks
         if self.store is None or plans is None or marks is None:
             return
-        period = CONTROL_TICK_S / (1 if self.lease_ttl_s > 3 else 2)
+        period = self.lease_ttl_s / REFRESHES_PER_TTL
         refresh_at = time.monotonic() + period
         taken = (-1, -1)  # the (discards, plan) revisions last taken in
         try:

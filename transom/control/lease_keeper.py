@@ -22,12 +22,9 @@ import threading
 import time
 
 from transom.store import Store, StoreError
-from transom.store.client import Lease
+from transom.store.client import REFRESHES_PER_TTL, Lease
 
 log = logging.getLogger("transom.agent")
-
-# Renewals per TTL: three may fail or stall before the lease can expire.
-REFRESHES_PER_TTL = 4
 
 
 class LeaseKeeper:

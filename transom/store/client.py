@@ -34,6 +34,9 @@ from transom.store.retry import (
 )
 
 REQUEST_TIMEOUT_S = 5.0
+# Renewals of a lease per TTL (every holder: a node's agent, a checkpoint server): three may fail
+# or stall before the lease can expire, and a long lease costs etcd as little as it may.
+REFRESHES_PER_TTL = 4
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most writes one transaction may hold
 
 T = TypeVar("T")
