@@ -249,25 +249,31 @@ def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
     assert stopped == reports.SUMMARY_HEARTBEAT_S  # a stopped beat ages truly between writes
 
 
-def test_status_progress_is_written_at_its_slow_pace_and_state_changes_at_once(store):
-    facts: list = [1, None]  # generation, newest step
-    written = reports.NodeReports(store, "node0", "inc", lambda: (facts[0], facts[1], 0))
+def test_status_progress_is_written_at_a_first_step_and_state_changes_at_once(store):
+    facts: list = [1, None, 0]  # generation, newest step, warm interpreters
+    written = reports.NodeReports(store, "node0", "inc", lambda: tuple(facts))
     written.status(NodeState.RUNNING, pids={"0": 1})
     assert written.writes == 1
     facts[1] = 41
-    written.progress(time.monotonic())
+    now = time.monotonic()
+    written.progress(now)
     assert written.writes == 2  # the generation's first step: training is back, at once
     assert store.get(keys.status("node0"))["step"] == 41
     for i in range(42, 60):
         facts[1] = i
-        written.progress(time.monotonic())
-    assert written.writes == 2  # progress only: not before STATUS_PROGRESS_S
-    facts[:] = [2, 30]  # the next generation's first step (restored before 41)
-    written.progress(time.monotonic())
+        written.progress(now + i)  # however long after: later steps are the summaries'
+    assert written.writes == 2
+    facts[2] = 1  # a warm interpreter more: for people, at most every STATUS_PROGRESS_S
+    written.progress(now + reports.STATUS_PROGRESS_S / 2)
+    assert written.writes == 2
+    written.progress(now + reports.STATUS_PROGRESS_S + 0.1)
     assert written.writes == 3
+    facts[:2] = [2, 30]  # the next generation's first step (restored before 41)
+    written.progress(now + reports.STATUS_PROGRESS_S + 0.2)
+    assert written.writes == 4
     written.status(NodeState.FAILED, failures=[])
     assert (
-        written.writes == 4 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
+        written.writes == 5 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
     )
 
 

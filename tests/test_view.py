@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transom.view import EventFilter, progress_record
+from transom.view import EventFilter, node_rows, progress_record, status_summary
 
 
 def _snap(steps: dict, generation: int = 3) -> dict:
@@ -38,6 +38,20 @@ def test_progress_is_the_step_every_member_of_the_current_generation_finished():
     assert progress_record(_snap({"node0": (3, 42), "node1": (2, 80)}))["step"] is None
     assert progress_record(_snap({"node0": (3, 42), "node1": (3, None)}))["step"] is None
     assert progress_record({"time": 1.0, "job": None}) is None
+
+
+def test_a_nodes_step_is_its_status_or_its_newer_summary_of_the_same_generation():
+    # Statuses carry a generation's first step only; the summaries every few steps after it.
+    snap = _snap({"node0": (3, 10), "node1": (3, 10), "node3": (3, 10)})
+    snap["monitor"] = {
+        "node0": {"node": "node0", "generation": 3, "t": 99.0, "ranks": {"0": {"step": 57}}},
+        "node1": {"node": "node1", "generation": 3, "t": 99.0, "ranks": {"1": {"step": 55}}},
+        "node3": {"node": "node3", "generation": 2, "t": 50.0, "ranks": {"2": {"step": 99}}},
+    }
+    assert progress_record(snap)["step"] == 55  # every member finished 55
+    steps = {row["node"]: row["step"] for row in node_rows(snap)}
+    assert steps == {"node0": 57, "node1": 55, "node2": None, "node3": 10}  # node3's is stale
+    assert status_summary(snap)["newest_step"] == 57
 
 
 def test_live_view_prints_each_kind_of_anomaly_once_a_generation_and_no_routine_checkpoints():

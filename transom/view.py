@@ -84,6 +84,26 @@ def read_snapshot(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def node_step(status: NodeStatus | None, summary: MonitorSummary | None) -> int | None:
+    """A node's newest finished step: its status's (written when its state changes and at a
+    generation's first step) or, when newer, its monitor summary's (written every few steps),
+    of the status's generation."""
+    if status is None:
+        return None
+    steps = [status.step]
+    if summary is not None and summary.generation == status.generation:
+        steps += [r.step for r in summary.ranks.values()]
+    known = [step for step in steps if step is not None]
+    return max(known) if known else None
+
+
+def node_steps(snap: dict) -> dict[str, tuple[int, int | None]]:
+    """Each node's (generation, newest step) in a snapshot (`node_step`)."""
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+    summaries = parse_all(MonitorSummary, snap.get("monitor") or {})
+    return {n: (s.generation, node_step(s, summaries.get(n))) for n, s in statuses.items()}
+
+
 def progress_record(snap: dict) -> dict | None:
     """One line of progress.jsonl: the job's state, its step (the newest step every member of the
     current generation has finished; None until each has reported one) and its membership."""
@@ -91,11 +111,12 @@ def progress_record(snap: dict) -> dict | None:
     if job is None:
         return None
     members, generation = job.members, job.generation
-    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
-    steps = [
-        statuses[m].step for m in members if m in statuses and statuses[m].generation == generation
+    nodes = node_steps(snap)
+    known = [
+        step
+        for m in members
+        if m in nodes and nodes[m][0] == generation and (step := nodes[m][1]) is not None
     ]
-    known = [step for step in steps if step is not None]
     evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
@@ -153,7 +174,7 @@ def node_rows(snap: dict) -> list[dict]:
                 "health": health,
                 "alive": alive,
                 "generation": status.generation if status else None,
-                "step": status.step if status else None,
+                "step": node_step(status, summaries.get(name)),
                 **monitor_columns(summaries.get(name), job.generation if job else None),
                 "link_mbps": ((snap.get("preflight") or {}).get(name) or {}).get("link_mbps"),
             }
@@ -184,8 +205,7 @@ def monitor_columns(summary: MonitorSummary | None, generation: int | None) -> d
 def status_summary(snap: dict) -> dict:
     job = _job(snap)
     spec = snap.get("spec") or {}
-    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
-    steps = [s.step for s in statuses.values() if s.step is not None]
+    steps = [step for _, step in node_steps(snap).values() if step is not None]
     used = job.restarts_used if job else 0
     return {
         "job_id": snap.get("job_id"),

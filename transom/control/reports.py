@@ -4,9 +4,11 @@ Every write is an etcd request on every node, so each is made when the controlle
 new to learn from it, or at a slow heartbeat, never on a timer alone:
 - `status/<node>`: at once when the node's state or its facts (pids, failures) change. Its
   step and warm interpreter count only people read (`transom status`, the launcher's progress
-  bar and progress.jsonl; the controller acts on states): at most every STATUS_PROGRESS_S, but
-  at once for a generation's first step, when training is back (the run report's recovery
-  time; a generation shorter than STATUS_PROGRESS_S would otherwise never show it trained).
+  bar and progress.jsonl; the controller acts on states). The step is written at once for a
+  generation's first step, when training is back (the run report's recovery time), and not
+  after: the node's monitor summary carries its newest step (transom.view.node_step reads it
+  there), so a thousand nodes do not rewrite their status every few seconds for a progress
+  bar. The warm interpreter count: when it changes, at most every STATUS_PROGRESS_S.
 - `monitor/<node>`: at once when it carries something the controller acts on (a new anomaly,
   the generation, the ranks, a phase, a rank's first step, a rank's heartbeat stopping or
   coming back), or when a rank advanced SUMMARY_STEPS steps (at most every
@@ -54,7 +56,7 @@ SUMMARY_FLOOR_S = SUMMARY_PERIOD_S
 BEAT_MARGIN_S = 1.0
 # A rank's heartbeat this old has stopped (as far as this node's summary goes).
 BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
-# Status progress (step, warm interpreters) is for people only: refreshed at most this often.
+# A changed warm interpreter count (for people only) is written at most this often.
 STATUS_PROGRESS_S = 5.0
 
 
@@ -120,15 +122,15 @@ class NodeReports:
             pass
 
     def progress(self, now: float) -> None:
-        """Re-publish the status when its step or warm interpreters changed, now and then (at
-        once for the generation's first step)."""
+        """Re-publish the status at the generation's first step (at once), or when the warm
+        interpreter count changed (now and then); a later step alone is the summaries'."""
         facts = self.facts()
         if facts == self._status_shown or self.state not in (NodeState.RUNNING, NodeState.SPARE):
             return
-        generation, step, _ = facts
-        shown_generation, shown_step, _ = self._status_shown
+        generation, step, warm = facts
+        shown_generation, shown_step, shown_warm = self._status_shown
         first_step = step is not None and (shown_step is None or shown_generation != generation)
-        if first_step or now - self._status_at >= STATUS_PROGRESS_S:
+        if first_step or (warm != shown_warm and now - self._status_at >= STATUS_PROGRESS_S):
             self.status(self.state, **self.extra)
 
     def _write_status(self) -> None:
