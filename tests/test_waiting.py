@@ -336,5 +336,5 @@ def test_node_delays_match_medians_over_the_other_nodes_ranks():
             best = max(d for d, _ in delays)
             assert delay == best
             assert rank == next(r for d, r in delays if d == best)
-            assert evidence["peers_wait_s"] == peers_wait
+            assert evidence()["peers_wait_s"] == peers_wait
         assert set(got) == {v["node"] for v in views}

@@ -277,10 +277,11 @@ class Controller:
         published = view.published() if view is not None and view.current else None
         if published is None:
             published = read_direct(self.store)
+        members = set(job.members)  # a set: a thousand nodes' summaries are filtered each tick
         snap = Snapshot(
             nodes=published.nodes,
             statuses=published.statuses,
-            summaries={n: s for n, s in published.summaries.items() if n in job.members},
+            summaries={n: s for n, s in published.summaries.items() if n in members},
             preflight=published.preflight,
         )
         with self.contact.lock:

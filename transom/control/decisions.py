@@ -247,7 +247,8 @@ class Tick:
         self.set_state(JobState.WARMUP, f"generation {j.generation} starting")
         j.generation_started = self.now
         j.handled_anomalies = []
-        spares = [n for n in self.healthy_nodes() if n not in j.members]
+        members = set(j.members)
+        spares = [n for n in self.healthy_nodes() if n not in members]
         restore = "fresh" if j.restore_step is None else f"from step {j.restore_step}"
         self.event(
             EventKind.GENERATION,

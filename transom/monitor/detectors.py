@@ -152,7 +152,7 @@ def rank_views(
         for rank, r in s.ranks.items():
             views.append(
                 {
-                    **r.to_dict(),
+                    **vars(r),  # a RankSummary holds scalars only: its fields are its dict
                     "node": node,
                     "rank": int(rank),
                     "step_age": (r.step_age + lag) if r.step_age is not None else None,

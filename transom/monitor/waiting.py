@@ -41,8 +41,9 @@ This module must never act or do I/O: it returns anomalies, the policy decides.
 from __future__ import annotations
 
 import bisect
+import functools
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from transom.common import anomalies
 from transom.common.records import Anomaly, MonitorSummary, RankSummary, Severity
@@ -109,48 +110,55 @@ def _fresh_key(views: list[dict]) -> tuple:
     return tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))
 
 
-def node_delays(views: list[dict]) -> dict[str, tuple[float, int, dict]]:
-    """node -> (its delay in seconds, its latest rank, evidence), for nodes with timings.
+def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], dict]]]:
+    """node -> (its delay in seconds, its latest rank, its evidence when asked), for nodes with
+    timings.
 
     A rank's delay is max(lateness, compute excess), both against the ranks of the other nodes;
     its lateness is its busy time (between the ends of its steps, less its wait) above theirs.
     The medians of the other nodes' ranks come from one sorted list per measure (`_Others`), so
-    a thousand nodes cost a sort, not a million comparisons.
+    a thousand nodes cost a sort, not a million comparisons; the evidence (rounded numbers and
+    the others' wait) is worked out only for the node a caller names.
     """
     timed = [v for v in views if v.get("compute_s") is not None]
     nodes = {v["node"] for v in timed}
     if len(nodes) < STRAGGLER_MIN_NODES:
         return {}
     with_busy = all(v.get("busy_s") is not None for v in timed)
-    measures = ("compute_s", "busy_s", "wait_s") if with_busy else ("compute_s", "wait_s")
-    others = {key: _Others(timed, key) for key in measures}
-    peers = {node: {key: others[key].median(node) for key in measures} for node in nodes}
-    out: dict[str, tuple[float, int, dict]] = {}
+    compute = _Others(timed, "compute_s")
+    compute_peers = {node: compute.median(node) for node in nodes}
+    busy = _Others(timed, "busy_s") if with_busy else None
+    busy_peers = {node: busy.median(node) for node in nodes} if busy is not None else {}
+    # node -> its worst rank's delay, view, lateness, compute excess, others' compute
+    worst: dict[str, tuple[float, dict, float, float, float]] = {}
     for v in timed:
         node = v["node"]
-        others_compute = peers[node]["compute_s"]
+        others_compute = compute_peers[node]
         assert others_compute is not None  # another node has a rank with timings
         excess = v["compute_s"] - others_compute
         late = excess
         if with_busy:
-            others_busy = peers[node]["busy_s"]
+            others_busy = busy_peers[node]
             assert others_busy is not None
             late = v["busy_s"] - others_busy
         delay = max(late, excess)
-        if node not in out or delay > out[node][0]:
-            out[node] = (
-                delay,
-                v["rank"],
-                {
-                    "wait_s": _round(v.get("wait_s")),
-                    "peers_wait_s": _round(peers[node]["wait_s"]),
-                    "compute_s": round(v["compute_s"], 4),
-                    "peers_compute_s": round(others_compute, 4),
-                    "late_s": round(late, 4),
-                    "compute_excess_s": round(excess, 4),
-                },
-            )
-    return out
+        if node not in worst or delay > worst[node][0]:
+            worst[node] = (delay, v, late, excess, others_compute)
+
+    def evidence(v: dict, late: float, excess: float, others_compute: float) -> dict:
+        return {
+            "wait_s": _round(v.get("wait_s")),
+            "peers_wait_s": _round(_Others(timed, "wait_s").median(v["node"])),
+            "compute_s": round(v["compute_s"], 4),
+            "peers_compute_s": round(others_compute, 4),
+            "late_s": round(late, 4),
+            "compute_excess_s": round(excess, 4),
+        }
+
+    return {
+        node: (delay, v["rank"], functools.partial(evidence, v, *rest))
+        for node, (delay, v, *rest) in worst.items()
+    }
 
 
 class _Others:
@@ -253,7 +261,7 @@ def straggler_candidate(
         worst,
         rank,
         {
-            **evidence,
+            **evidence(),
             "delay_s": round(delay, 4),
             "step_s": round(step_s, 4),
             "reference_step_s": round(reference, 4),
