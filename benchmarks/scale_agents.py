@@ -14,8 +14,8 @@ replaced by stand-ins:
     of real checkpoint servers, catalog entries included, and of link tests is not in the
     numbers).
 What a real agent has alone, the simulated agents of one process share where etcd and the
-controller still see the same per node (injected into transom.control.agent like the stand-ins;
-transom/control is unchanged):
+controller still see the same per node (benchmarks/scale_sharing.py; injected into
+transom.control.agent like the stand-ins; transom/control is unchanged):
   - the plan watch: one watch stream per process (`SharedPlanStream`) instead of one per node;
     each agent's real PlanFollower gets every update the moment the stream delivers it (a queue
     put per agent). What differs: etcd serves one watcher per process, not one per node (fewer
@@ -54,11 +54,8 @@ it) when the file KILL_DIR/NODE appears. This module never touches processes oth
 from __future__ import annotations
 
 import argparse
-import heapq
 import logging
-import math
 import os
-import queue
 import signal
 import sys
 import threading
@@ -68,22 +65,23 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from transom.common import keys  # noqa: E402
+from scale_sharing import (  # noqa: E402
+    GUARDS,
+    RENEWALS,
+    STREAM,
+    SharedLeaseKeeper,
+    SharedPauseGuard,
+    SharedPlanFollower,
+)
+
 from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
-from transom.control.lease_keeper import LeaseKeeper  # noqa: E402
-from transom.control.outage import GUARD_TICK_S, PauseGuard  # noqa: E402
-from transom.control.plan_follow import PlanFollower  # noqa: E402
 from transom.monitor.node import SUMMARY_PERIOD_S, SUMMARY_STEPS  # noqa: E402
 from transom.store import Store, StoreAccess  # noqa: E402
-from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
-from transom.store.watch import PrefixWatch, Update  # noqa: E402
 
 STEP_S = 0.5  # one stand-in training step
 KILL_POLL_S = 0.05
-RENEWERS = 16  # threads that send the process's lease renewals (each one node's request)
-RECONNECT_MIN_S = 1.0  # the shared plan stream is dropped and resumed at most this often
 _print_lock = threading.Lock()
 log = logging.getLogger("transom.agent")
 
@@ -239,219 +237,6 @@ class StandInLinkServer:
 
 def no_preflight(store, node_id, lease, link_server, spec, run_dir, faults):
     return True, {"compute_gflops": 1.0, "problems": []}
-
-
-class SharedPlanStream:
-    """The process's one watch stream on the plan, fanned out to every simulated agent's
-    follower (`PlanFeed`): each gets every update the moment the stream delivers it."""
-
-    def __init__(self) -> None:
-        self.watch: PrefixWatch | None = None
-        self.lock = threading.Lock()
-        self.feeds: set[PlanFeed] = set()
-        self.value: object | None = None  # the newest plan the stream delivered
-        self.revision = 0
-        self._reconnected_at = -math.inf
-        self._stopping = threading.Event()
-
-    @property
-    def healthy(self) -> bool:
-        return self.watch is not None and self.watch.healthy
-
-    def start(self, store: Store) -> None:
-        """Read the plan and follow it (before any agent subscribes)."""
-        self.watch = PrefixWatch(store, keys.PLAN)
-        values, self.revision = self.watch.read()
-        self.value = values.get("")
-        self.watch.follow(self.revision)
-        threading.Thread(target=self._run, name="plan-fanout", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self.watch is not None:
-            self.watch.stop()
-
-    def subscribe(self, feed: PlanFeed, revision: int) -> None:
-        """Deliver to `feed` every update after `revision` (the newest plan at once, if the
-        stream delivered one after `revision` before `feed` subscribed)."""
-        with self.lock:
-            self.feeds.add(feed)
-            if self.revision > revision:
-                feed.updates.put(Update(revision=self.revision, snapshot={"": self.value}))
-
-    def unsubscribe(self, feed: PlanFeed) -> None:
-        with self.lock:
-            self.feeds.discard(feed)
-
-    def reconnect(self) -> None:
-        """An agent's resync: drop the stream and resume it (at most every RECONNECT_MIN_S)."""
-        with self.lock:
-            now = time.monotonic()
-            if now - self._reconnected_at < RECONNECT_MIN_S:
-                return
-            self._reconnected_at = now
-        if self.watch is not None:
-            self.watch.reconnect()
-
-    def _run(self) -> None:
-        assert self.watch is not None
-        while not self._stopping.is_set():
-            update = self.watch.get(timeout=0.5)
-            if update is None:
-                continue
-            with self.lock:
-                if update.snapshot is not None:
-                    self.value = update.snapshot.get("")
-                for event in update.events:
-                    if event.name == "":
-                        self.value = None if event.deleted else event.value
-                self.revision = update.revision
-                for feed in self.feeds:
-                    feed.updates.put(update)
-
-
-STREAM = SharedPlanStream()
-
-
-class PlanFeed(PrefixWatch):
-    """One agent's end of the shared plan stream, with PrefixWatch's interface. Its direct
-    reads (`read`: the first, fallbacks while the stream is down, resyncs) are the agent's
-    own, one range request each, as a real agent's."""
-
-    def __init__(self, store: Store, name: str) -> None:
-        super().__init__(store, name)
-        self.updates = queue.Queue()  # unbounded: the shared stream never waits for an agent
-
-    @property  # type: ignore[override]
-    def healthy(self) -> bool:
-        return STREAM.healthy
-
-    @healthy.setter
-    def healthy(self, value: bool) -> None:
-        pass  # the shared stream's
-
-    def follow(self, revision: int) -> None:
-        self.revision = revision
-        STREAM.subscribe(self, revision)
-
-    def reconnect(self) -> None:
-        STREAM.reconnect()
-
-    def stop(self) -> None:
-        STREAM.unsubscribe(self)
-
-
-class SharedPlanFollower(PlanFollower):
-    """The real PlanFollower, fed by the process's shared plan stream."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store)
-        self.watch = PlanFeed(store, keys.PLAN)
-
-
-class RenewalScheduler:
-    """Renews every simulated node's own lease, each `interval_s` after its previous renewal
-    ended (as a LeaseKeeper's own thread does): one thread keeps the schedule, RENEWERS
-    threads send the requests (one keep-alive per node per period, on the node's own
-    connection)."""
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, int, SharedLeaseKeeper]] = []
-        self.cond = threading.Condition()
-        self.due: queue.Queue[SharedLeaseKeeper] = queue.Queue()
-        self.count = 0
-        self.late_s = 0.0  # the most a renewal was sent after its time, since main reset it
-
-    def start(self) -> None:
-        threading.Thread(target=self._schedule, name="renewals", daemon=True).start()
-        for i in range(RENEWERS):
-            threading.Thread(target=self._renew, name=f"renewer-{i}", daemon=True).start()
-
-    def add(self, keeper: SharedLeaseKeeper, at: float) -> None:
-        with self.cond:
-            self.count += 1
-            heapq.heappush(self.heap, (at, self.count, keeper))
-            self.cond.notify()
-
-    def _schedule(self) -> None:
-        while True:
-            with self.cond:
-                if not self.heap:
-                    self.cond.wait()
-                    continue
-                at, _, keeper = self.heap[0]
-                wait = at - time.monotonic()
-                if wait > 0:
-                    self.cond.wait(wait)
-                    continue
-                heapq.heappop(self.heap)
-            keeper.due_at = at
-            self.due.put(keeper)
-
-    def _renew(self) -> None:
-        while True:
-            keeper = self.due.get()
-            if keeper.stopping.is_set():
-                continue
-            self.late_s = max(self.late_s, time.monotonic() - keeper.due_at)
-            try:
-                keeper.renew()
-            except Exception:  # the real keeper's thread would end; this one serves others
-                log.exception("lease renewal of %s", keeper.store.job_id)
-            self.add(keeper, time.monotonic() + keeper.interval_s)
-
-
-RENEWALS = RenewalScheduler()
-
-
-class SharedLeaseKeeper(LeaseKeeper):
-    """The real LeaseKeeper (its renewal, its evidence of contact), renewed by the process's
-    RenewalScheduler instead of a thread of its own."""
-
-    due_at = 0.0
-
-    def start(self, ttl_s: float) -> None:
-        self.interval_s = ttl_s / REFRESHES_PER_TTL
-        RENEWALS.add(self, time.monotonic() + self.interval_s)
-
-
-class GuardSweep:
-    """Every GUARD_TICK_S, applies each simulated agent's PauseGuard (the real rule), from one
-    thread instead of one a node."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.guards: list[SharedPauseGuard] = []
-
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="pause-guards", daemon=True).start()
-
-    def add(self, guard: SharedPauseGuard) -> None:
-        with self.lock:
-            self.guards.append(guard)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(GUARD_TICK_S)
-            with self.lock:
-                self.guards = [g for g in self.guards if not g.stopping.is_set()]
-                guards = list(self.guards)
-            for guard in guards:
-                reason = guard.due()
-                if reason is not None:
-                    try:
-                        guard.pause(reason)
-                    except Exception:  # as the real guard: outlive any one failure
-                        log.exception("cannot pause the workers")
-
-
-GUARDS = GuardSweep()
-
-
-class SharedPauseGuard(PauseGuard):
-    def start(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        GUARDS.add(self)
 
 
 agent_module.WorkerGroup = StandInGroup  # type: ignore[misc,assignment]
