@@ -12,6 +12,7 @@ import stat
 import struct
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from conftest import wait_for
 
 from transom.faults import MockNvml
-from transom.monitor import datagram, detectors
+from transom.monitor import datagram, detectors, reporter
 from transom.monitor.channel import (
     DIR_PREFIX,
     PATH_LIMIT,
@@ -299,6 +300,52 @@ def test_a_datagram_with_another_uid_is_counted_and_dropped(node):
         )
     wait_for(lambda: node.counters()[FOREIGN_SENDER] == 1, 10, "the foreign datagram")
     assert node.steps() == {}
+
+
+def test_a_step_queued_while_a_batch_is_being_sent_does_not_wait_for_the_send(
+    tmp_path, monkeypatch
+):
+    """The training thread only queues a step; the sender thread's encoding and sending of the
+    batch before it must not hold it up (they used to run under the queue's lock)."""
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(str(tmp_path / "agent.sock"))
+    agent.settimeout(10)
+    entered, release = threading.Event(), threading.Event()
+    encode_steps = datagram.encode_steps
+
+    def slow_encode(rank, generation, records):
+        if records[0][1]["step"] == 1:  # the first batch: held mid-encode by the test
+            entered.set()
+            release.wait(10)
+        return encode_steps(rank, generation, records)
+
+    monkeypatch.setattr(datagram, "encode_steps", slow_encode)
+    monkeypatch.setenv("RANK", "0")
+    channel = reporter._Channel(str(tmp_path / "agent.sock"))
+    try:
+        channel.queued_at = time.time() + 3600  # no step counts as slow: all of them wait
+        channel.pending.append((time.time(), {"step": 1}))
+        sender = threading.Thread(target=channel.flush, daemon=True)
+        sender.start()
+        assert entered.wait(10)
+        queued = threading.Thread(target=channel.send_step, args=({"step": 2},), daemon=True)
+        queued.start()
+        queued.join(5)
+        assert not queued.is_alive()  # queued while the first batch is still being encoded
+        release.set()
+        sender.join(10)
+        channel.flush()
+        steps = []
+        while len(steps) < 2:
+            message = datagram.parse(agent.recv(65536))
+            assert not isinstance(message, datagram.Rejection)
+            if message.kind == "steps":
+                steps += [s.values["step"] for s in message.values["steps"]]
+        assert steps == [1, 2]  # in the order queued
+    finally:
+        release.set()
+        channel.close()
+        agent.close()
 
 
 # -- the issue's attacks, replayed ----------------------------------------------------------------

@@ -63,7 +63,10 @@ class _Channel:
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
         self.pending: list[tuple[float, dict]] = []  # step datagrams not sent yet: (time, values)
-        self._pending_lock = threading.Lock()
+        self._pending_lock = threading.Lock()  # held only to queue or take `pending`
+        # Held while datagrams are encoded and sent, so they leave in order from either thread;
+        # a step queued meanwhile waits only for `_pending_lock`, never for a send.
+        self._send_lock = threading.RLock()
         # The first step after a phase (a long evaluation) goes at once: until it arrives the agent
         # only knows the step before the phase, long ago.
         self.send_next_step = False
@@ -72,7 +75,14 @@ class _Channel:
         self.faults = WorkerFaults(
             parse_worker_faults(os.environ.get(env.FAULTS), self.rank), self._announce_fault
         )
+        self._closed = threading.Event()
         threading.Thread(target=self._run, name="transom-monitor-sender", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the sender thread (a worker's channel lives as long as its process; tests end
+        theirs)."""
+        self._closed.set()
+        self.sock.close()
 
     def _connect(self, now: float) -> None:
         """Connect to the agent's socket: a connected send skips sendto(path)'s file-system lookup
@@ -88,9 +98,10 @@ class _Channel:
 
     def send(self, kind: str, /, **values) -> None:
         """Send a datagram now, after the step datagrams waiting (the agent sees them in order)."""
-        if self.pending:
-            self.flush()
-        self._send(kind, time.time(), values)
+        with self._send_lock:
+            if self.pending:
+                self.flush()
+            self._send(kind, time.time(), values)
 
     def send_step(self, values: dict) -> None:
         """Queue a step for the sender thread, which sends those waiting every BATCH_S. Send at
@@ -108,9 +119,10 @@ class _Channel:
 
     def flush(self) -> None:
         """Send the steps waiting, in order, as one steps datagram."""
-        with self._pending_lock:
-            pending, self.pending = self.pending, []
-            self.send_next_step = False
+        with self._send_lock:
+            with self._pending_lock:
+                pending, self.pending = self.pending, []
+                self.send_next_step = False
             if pending:
                 self._send_batch(pending)
 
@@ -154,7 +166,7 @@ class _Channel:
         Encoding and sending here, not after the training thread's compute, spares training the
         cost (it runs while a torch operation has let go of the GIL)."""
         beat_at = -math.inf
-        while True:
+        while not self._closed.is_set():
             now = time.monotonic()
             try:
                 if now - beat_at >= HEARTBEAT_S:
@@ -164,7 +176,7 @@ class _Channel:
                     self.flush()
             except Exception:  # noqa: BLE001 - without this thread the rank would look hung
                 pass
-            time.sleep(min(BATCH_S, HEARTBEAT_S))
+            self._closed.wait(min(BATCH_S, HEARTBEAT_S))
 
     def _announce_fault(self, fault: dict, step: int) -> None:
         self.send("fault", fault=fault, step=step)
