@@ -258,7 +258,7 @@ class NodeAgent:
         self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
-        cut_off = time.monotonic() - self.link.last_ok
+        cut_off = self.keeper.cut_off_s(time.monotonic())  # as the pause guard counts it
         reason = fence_reason(cut_off, self.spec.store_outage_s)
         if reason is not None:
             log.warning("fencing this node: %s: killing its workers", reason)

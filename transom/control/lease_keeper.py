@@ -45,6 +45,11 @@ class LeaseKeeper:
             self.reached_at = max(self.reached_at, lease.renewed_at)  # granted: etcd answered
             self.lost.clear()
 
+    def cut_off_s(self, now: float) -> float:
+        """How long this node may have been cut off from etcd: seconds since the newest renewal
+        etcd answered was sent (what the fence rule counts, transom.control.outage)."""
+        return now - self.reached_at
+
     def start(self, ttl_s: float) -> None:
         """Renew every `ttl_s / REFRESHES_PER_TTL` seconds until `stopping` is set."""
         self.interval_s = ttl_s / REFRESHES_PER_TTL

@@ -102,7 +102,7 @@ class PauseGuard:
         self._thread.start()
 
     def due(self) -> str | None:
-        cut_off = time.monotonic() - self.keeper.reached_at
+        cut_off = self.keeper.cut_off_s(time.monotonic())
         return pause_reason(cut_off, self.ttl_s, self.keeper.lost.is_set())
 
     def _run(self) -> None:
