@@ -73,6 +73,8 @@ def test_bad_demo_and_refill_input_is_refused(tmp_path):
             "--refill-spares",
             str(TOY),
         ],
+        "at least 1 without --store": ["run", "--controllers", "0", str(TOY)],
+        "--no-mirror is for one machine of a multi-machine job": ["run", "--no-mirror", str(TOY)],
     }
     for expected, args in cases.items():
         out = subprocess.run(

@@ -294,6 +294,13 @@ def test_a_dead_node_is_replaced_by_the_spare_drained_and_the_weights_are_identi
         ]
         assert any(e["kind"] == "evict" and e.get("node") == victim for e in events), output
         assert any(e["kind"] == "spare" for e in events), output
+        # Controller candidates on the first nodes only, and one launcher mirroring the job:
+        # not a standby and a watch of every key on each of a thousand nodes.
+        nodes = cluster.slurm("scontrol", "show", "hostnames", "n[1-4]").split()
+        attempt = job.run_dir / job.job_id
+        candidates = [n for n in nodes if list((attempt / n / files.LOGS).glob("controller-*"))]
+        assert candidates == nodes[: slurm_run.CONTROLLER_NODES]
+        assert [n for n in nodes if (attempt / n / files.STATUS).exists()] == [first]
         assert _identical(job.final, reference), "final weights differ from the fault-free run"
         state, reason = (
             cluster.slurm("sinfo", "-h", "-N", "-n", victim, "-o", "%T|%E").strip().split("|", 1)

@@ -80,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="node agents on this machine (default: all nodes without --store, else 1)",
     )
+    run.add_argument(
+        "--controllers",
+        type=int,
+        metavar="N",
+        help="controller candidates on this machine (default: 2 without --store, else 1); with "
+        "--store on a large job, give 0 to all but a few machines (under Slurm the first 3 "
+        "nodes run one each)",
+    )
+    run.add_argument(
+        "--no-mirror",
+        dest="mirror",
+        action="store_false",
+        help="with --store: keep no status.json, events.jsonl or progress.jsonl here and print "
+        "no events, following only the job's state; on a large job one machine mirrors the "
+        "job and the others need not make etcd send them every node's updates (under Slurm "
+        "the first node mirrors)",
+    )
     run.add_argument("--node-id", help="this machine's node name with --store (default: host name)")
     run.add_argument(
         "--host",
@@ -280,6 +297,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--store needs --job-id: every machine of the job must name the same job")
     if args.local_nodes is not None and args.local_nodes < 1:
         raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
+    if args.controllers is not None and args.controllers < (0 if args.store else 1):
+        raise ConfigError(
+            f"--controllers {args.controllers}: at least "
+            + ("0" if args.store else "1 without --store (this machine runs the whole job)")
+        )
+    if not args.mirror and args.store is None:
+        raise ConfigError("--no-mirror is for one machine of a multi-machine job (--store)")
     store = _store(args)
     spec = spec_from_args(args)
     if allocation is not None:
@@ -298,9 +322,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         store=store,
         local_nodes=args.local_nodes,
+        controllers=args.controllers,
         node_prefix=args.node_id,
         host=host,
         refill_spares=args.refill_spares,
+        mirror=args.mirror,
     )
     return Launcher(launch).run()
 

@@ -6,9 +6,11 @@ process. With --store it joins a job on an existing etcd and runs one agent (or 
 them) and one controller candidate on this machine; every machine runs the same command. Every
 process it starts reaches etcd as it does (`StoreAccess.argv`); a spec another machine wrote is
 validated before this machine runs it. It mirrors the job's events into the run directory,
-keeps `status.json` current, records the job's progress over time (`progress.jsonl`), shows a
-live view, replaces a controller candidate that died while the job goes on, and when the job
-ends (or on Ctrl-C or SIGTERM) stops everything it started, etcd included.
+keeps `status.json` current, records the job's progress over time (`progress.jsonl`) and shows
+a live view (transom.run_mirror; with `Launch.mirror` off, on all but one machine of a large
+job, it follows the job's state alone), replaces a controller candidate that died while the job
+goes on, and when the job ends (or on Ctrl-C or SIGTERM) stops everything it started, etcd
+included.
 
 It rides out etcd's outages: an etcd it cannot reach is logged once when the outage begins and
 once when it ends (and an event says how long it lasted); only an outage longer than the
@@ -40,21 +42,13 @@ from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
+from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.outage import StoreOutage
-from transom.store.prefix_mirror import PrefixMirror
 from transom.store.spec import parse_spec
 from transom.store.upkeep import EtcdUpkeep
 from transom.utils.procs import die_with_parent, stop_process, stop_tree
-from transom.view import (
-    EventFilter,
-    format_event,
-    progress_record,
-    render_live,
-    snapshot,
-    snapshot_of,
-    status_summary,
-)
+from transom.view import snapshot
 
 log = logging.getLogger("transom.run")
 
@@ -113,10 +107,13 @@ class Launch:
     run_dir: Path
     store: StoreAccess | None = None  # None: start a private etcd
     local_nodes: int | None = None  # None: all nodes here without --store, else 1
-    controllers: int | None = None  # controller candidates here: 2 without --store, else 1
+    controllers: int | None = None  # candidates here (None: 2 without --store, else 1; may be 0)
     node_prefix: str | None = None
     host: str = "127.0.0.1"
     refill_spares: bool = False  # simulated nodes only: replace every evicted node with a new one
+    # Keep status.json, events.jsonl and progress.jsonl here and show the events (run_mirror.py):
+    # one launcher of a job needs to; the others follow the job record alone.
+    mirror: bool = True
     total_steps: int | None = None  # shown in the live view's progress bar when known
     children: list[Child] = field(default_factory=list)
 
@@ -129,13 +126,10 @@ class Launcher:
         self.upkeep: EtcdUpkeep | None = None
         self.store: Store | None = None
         self.outage = StoreOutage("launcher", logger=log)
-        self.mirror: PrefixMirror | None = None  # the job's keys, followed by one watch
+        self.mirror: RunMirror | JobFollower | None = None  # the job, followed (run_mirror.py)
         self.children: list[Child] = []
-        self._events_seen: set[str] = set()
-        self._event_filter = EventFilter()
         self._local_nodes: list[str] = []
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
-        self._last_progress: dict | None = None
 
     @property
     def connected(self) -> Store:
@@ -188,7 +182,7 @@ class Launcher:
         common = [*self.connected.access.argv(), "--job-id", spec.job_id]
         simulated = L.store is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
-        n_controllers = L.controllers or (2 if simulated else 1)
+        n_controllers = L.controllers if L.controllers is not None else (2 if simulated else 1)
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
         children = []
         for i in range(n_controllers):
@@ -300,22 +294,26 @@ class Launcher:
     def _poll(self, live: Live | None) -> JobRecord | None:
         """One round: mirror, refill; the job record (None during an outage).
 
-        Its one request is the job record (its newest value, and etcd's answer for the outage
-        count); everything else comes from the mirror's watch and costs etcd nothing while
-        nothing changes."""
+        With a mirror, its one request is the job record (its newest value, and etcd's answer
+        for the outage count); everything else comes from the mirror's watch and costs etcd
+        nothing while nothing changes. Without one, the job record comes pushed, and is read
+        every run_mirror.PROBE_S."""
         began = time.monotonic()
         try:
-            job_value = self.connected.get(keys.JOB)
             if self.mirror is None:
-                self.mirror = PrefixMirror(self.connected)
-            if not self.mirror.started:
-                self.mirror.start(began)
-            self.mirror.refresh(began)
-            snap = snapshot_of(self.connected.job_id, self.mirror.values | {keys.JOB: job_value})
-            job = _job_record(job_value)
-            # At the end, every event written before it, read directly (the watch may lag).
-            final = self.connected.get_prefix(keys.EVENTS) if job and job.state.terminal else None
-            self._mirror(snap, self._new_events(final), live)
+                self.mirror = (
+                    RunMirror(
+                        self.connected, self.launch.run_dir, self.console, self.launch.total_steps
+                    )
+                    if self.launch.mirror
+                    else JobFollower(self.connected)
+                )
+            if isinstance(self.mirror, RunMirror):
+                job_value = self.connected.get(keys.JOB)
+                job = _job_record(job_value)
+                self.mirror.show(began, job_value, bool(job and job.state.terminal), live)
+            else:
+                job = _job_record(self.mirror.value(began))
             if self.launch.refill_spares and self.launch.store is None:
                 self._refill(job)
         except StoreError as e:
@@ -334,19 +332,6 @@ class Launcher:
                 f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on",
             )
         return job
-
-    def _new_events(self, read: dict[str, dict] | None = None) -> list[dict]:
-        """Events not mirrored yet: those the watch delivered, or those of a direct `read`."""
-        assert self.mirror is not None
-        if read is None:
-            put = [n for n in self.mirror.take_put() if n.startswith(keys.EVENTS)]
-            read = {n[len(keys.EVENTS) :]: self.mirror.values[n] for n in put}
-        new = []
-        for key, event in read.items():
-            if key not in self._events_seen:
-                self._events_seen.add(key)
-                new.append(event)
-        return new
 
     def _keep_etcd(self) -> None:
         """Start the embedded etcd again (same data, ports, certificates) if it died."""
@@ -372,27 +357,6 @@ class Launcher:
             self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
         except StoreError:
             log.warning("%s (not recorded in etcd: it is unreachable)", message)
-
-    def _mirror(self, snap: dict, new: list[dict], live: Live | None) -> None:
-        run_dir = self.launch.run_dir
-        (run_dir / files.STATUS).write_text(json.dumps(snap, indent=1))
-        record = progress_record(snap)
-        if (
-            record is not None
-            and {k: v for k, v in record.items() if k != "time"} != self._last_progress
-        ):
-            self._last_progress = {k: v for k, v in record.items() if k != "time"}
-            with open(run_dir / files.PROGRESS, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if new:
-            with open(run_dir / files.EVENTS, "a") as f:
-                for event in new:
-                    f.write(json.dumps(event) + "\n")
-        for event in sorted(new, key=lambda e: e["time"]):
-            if self._event_filter.shown(event):
-                self.console.print(format_event(event), highlight=False, markup=False)
-        if live is not None:
-            live.update(render_live(status_summary(snap), self.launch.total_steps))
 
     def _refill(self, job: JobRecord | None) -> None:
         """Play the cluster's scheduler: a new simulated node for each evicted one."""

@@ -7,13 +7,16 @@ attempt's folder), lists the checkpoints storage already holds in it (`resume.ad
 a requeued or re-submitted job goes on from there), and writes the folder's `store.json`; every
 other node waits for that file and connects. An explicit `--store` wins: then no node starts
 one. Each node then runs what `transom run --store` runs on a machine of a multi-machine job:
-one agent named after its Slurm node and one controller candidate (`transom.launcher`); the
-controller makes the first `--nnodes` nodes to join members and the rest spares.
+one agent named after its Slurm node (`transom.launcher`), and the first CONTROLLER_NODES nodes
+one controller candidate each; the controller makes the first `--nnodes` nodes to join members
+and the rest spares. Only the first node keeps the job's status.json, events.jsonl and
+progress.jsonl and prints its events (`Launch.mirror`); the others follow the job record alone.
 
 Files (RUN_DIR, default ./transom-runs/slurm-<job>, must be on a file system every node shares):
     RUN_DIR/checkpoints/          default --ckpt-storage: the same for every step and requeue
     RUN_DIR/<job id>/store.json   the first node's etcd: URL (its TLS files next to it)
-    RUN_DIR/<job id>/<node>/      that node's launcher: status.json, events.jsonl, logs/
+    RUN_DIR/<job id>/<node>/      that node's launcher: logs/ (the first node's: status.json,
+                                  events.jsonl, progress.jsonl too)
 where <job id> is `Allocation.job_id` (slurm-<job>.<step>[-r<requeues>]).
 
 Signals: Slurm sends the time limit's warning (`--signal=USR1@T`) and scancel's SIGTERM to every
@@ -54,6 +57,7 @@ from transom.config import ConfigError, JobSpec, prepare_run_dir
 from transom.control.decisions import REASON_NOT_ENOUGH_NODES
 from transom.launcher import Launch, Launcher
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store.key_follow import KeyFollower
 from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE
 
 log = logging.getLogger("transom.slurm")
@@ -64,7 +68,11 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL
 EXIT_INTERRUPTED = 130  # what the launcher returns when a signal stopped it
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long a node waits for the first node's etcd
 RENDEZVOUS_POLL_S = 0.2
-DRAIN_POLL_S = 1.0
+# The first nodes of the allocation run a controller candidate each: enough to survive two of
+# them failing, and not a standby on every one of a thousand nodes (each a watch and a read of
+# etcd every few seconds, and a thousand lead attempts when the leader dies).
+CONTROLLER_NODES = 3
+DRAIN_POLL_S = 1.0  # how often the drain watcher looks at `stopped` (and retries etcd)
 # The first node keeps etcd up this long at most after the job's end, until the other nodes'
 # agents have gone, so their launchers see the end instead of a vanished etcd.
 LINGER_S = 20.0
@@ -80,6 +88,11 @@ def run_args(
         raise ConfigError("--refill-spares starts simulated nodes; Slurm gives this job its nodes")
     if args.local_nodes not in (None, 1):
         raise ConfigError("--local-nodes: one node agent per Slurm node (srun one task per node)")
+    if args.controllers is not None or not args.mirror:
+        raise ConfigError(
+            "--controllers and --no-mirror: under Slurm the first nodes run the controller "
+            f"candidates ({CONTROLLER_NODES}) and the first node mirrors the job"
+        )
     return run(
         allocation,
         spec,
@@ -123,9 +136,10 @@ def run(
         run_dir=node_dir,
         store=store,
         local_nodes=1,
-        controllers=1,
+        controllers=1 if allocation.nodes.index(node) < CONTROLLER_NODES else 0,
         node_prefix=node,
         host=host,
+        mirror=allocation.is_first,
     )
     stopped = threading.Event()
     watcher = None
@@ -257,15 +271,27 @@ class DrainWatcher(threading.Thread):
         self.seen: set[str] = set()
 
     def run(self) -> None:
-        while not self.stopped.wait(DRAIN_POLL_S):
-            try:
-                self.drain_new()
-            except StoreError as e:  # etcd unreachable for now: the next round tries again
-                log.info("drain watcher: %s", e)
-
-    def drain_new(self) -> None:
+        # The job record, pushed by a watch (it changes a few times a job): no steady request
+        # on any node (it was read every second on each).
+        follower = KeyFollower(self.store, keys.JOB)
         try:
-            job = JobRecord.from_dict(self.store.get(keys.JOB) or {})
+            while not self.stopped.is_set():
+                try:
+                    now = time.monotonic()
+                    if not follower.reads:
+                        follower.start(now)
+                    self.drain_new(follower.refresh(now))
+                except StoreError as e:  # etcd unreachable for now: the next round tries again
+                    log.info("drain watcher: %s", e)
+                    self.stopped.wait(DRAIN_POLL_S)
+                follower.wait(DRAIN_POLL_S)
+        finally:
+            follower.stop()
+
+    def drain_new(self, value: object) -> None:
+        """Drain the evicted nodes of job record `value` not seen yet."""
+        try:
+            job = JobRecord.from_dict(value or {})
         except RecordError:
             return
         for node, eviction in sorted(job.evicted.items()):

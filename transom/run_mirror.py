@@ -1,0 +1,119 @@
+"""What a launcher keeps of its job for people, and how it follows the job record.
+
+`RunMirror` follows every key of the job through one watch (store/prefix_mirror.py) and keeps,
+in the launcher's run directory: `status.json` (the newest snapshot, what `transom status`
+reads after the job), `progress.jsonl` (the job's progress each time it changed) and
+`events.jsonl` (every event once); it prints the events worth a person's attention and feeds
+the live view. One launcher of a job needs it: on a job of a thousand machines (a Slurm step:
+one launcher each) a mirror on every one would make etcd send every node's summaries to every
+node, a million events a second, so the other launchers follow the job record alone
+(`JobFollower`: pushed by a watch, and read directly now and then, so that etcd's silence is
+still counted as an outage).
+
+It only reads etcd, and writes nothing but the run directory's files and the console.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from transom.common import files, keys
+from transom.store import Store
+from transom.store.key_follow import KeyFollower
+from transom.store.prefix_mirror import PrefixMirror
+from transom.view import (
+    EventFilter,
+    format_event,
+    progress_record,
+    render_live,
+    snapshot_of,
+    status_summary,
+)
+
+# A launcher without a mirror reads the job record directly this often: its answer is the
+# evidence that etcd is reachable (the watch of a stalled etcd is silent, not broken).
+PROBE_S = 5.0
+
+
+class RunMirror:
+    """The job's keys, followed, written into `run_dir` and shown on `console`."""
+
+    def __init__(self, store: Store, run_dir: Path, console: Console, total_steps: int | None):
+        self.store, self.run_dir, self.console = store, run_dir, console
+        self.total_steps = total_steps
+        self.watch = PrefixMirror(store)
+        self._events_seen: set[str] = set()
+        self._event_filter = EventFilter()
+        self._last_progress: dict | None = None
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+    def show(self, now: float, job_value: Any, terminal: bool, live: Live | None) -> None:
+        """Take in what changed and write it (StoreError if etcd cannot be read). `job_value`:
+        the job record just read; `terminal`: the job ended, so every event written before it is
+        read directly (the watch may lag)."""
+        if not self.watch.started:
+            self.watch.start(now)
+        self.watch.refresh(now)
+        snap = snapshot_of(self.store.job_id, self.watch.values | {keys.JOB: job_value})
+        final = self.store.get_prefix(keys.EVENTS) if terminal else None
+        self._write(snap, self._new_events(final), live)
+
+    def _new_events(self, read: dict[str, dict] | None = None) -> list[dict]:
+        """Events not mirrored yet: those the watch delivered, or those of a direct `read`."""
+        if read is None:
+            put = [n for n in self.watch.take_put() if n.startswith(keys.EVENTS)]
+            read = {n[len(keys.EVENTS) :]: self.watch.values[n] for n in put}
+        new = []
+        for key, event in read.items():
+            if key not in self._events_seen:
+                self._events_seen.add(key)
+                new.append(event)
+        return new
+
+    def _write(self, snap: dict, new: list[dict], live: Live | None) -> None:
+        (self.run_dir / files.STATUS).write_text(json.dumps(snap, indent=1))
+        record = progress_record(snap)
+        if record is not None:
+            shown = {k: v for k, v in record.items() if k != "time"}
+            if shown != self._last_progress:
+                self._last_progress = shown
+                with open(self.run_dir / files.PROGRESS, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        if new:
+            with open(self.run_dir / files.EVENTS, "a") as f:
+                for event in new:
+                    f.write(json.dumps(event) + "\n")
+        for event in sorted(new, key=lambda e: e["time"]):
+            if self._event_filter.shown(event):
+                self.console.print(format_event(event), highlight=False, markup=False)
+        if live is not None:
+            live.update(render_live(status_summary(snap), self.total_steps))
+
+
+class JobFollower:
+    """The job record alone, for a launcher without a mirror: pushed by a watch, and read
+    directly every PROBE_S (StoreError then is the launcher's outage)."""
+
+    def __init__(self, store: Store) -> None:
+        self.job = KeyFollower(store, keys.JOB)
+        self._read_at = 0.0
+
+    def stop(self) -> None:
+        self.job.stop()
+
+    def value(self, now: float) -> Any:
+        """The job record's newest value (StoreError if a direct read fails)."""
+        if not self.job.reads:
+            self.job.start(now)
+            self._read_at = now
+        elif now - self._read_at >= PROBE_S:
+            self._read_at = now
+            self.job.read(now)
+        return self.job.refresh(now)
