@@ -116,6 +116,14 @@ def test_the_master_address_reaches_the_other_members_on_the_plan_watch_without_
         store.put(keys.PLAN, plan(3, restart_count=2))
         follow_until(follower, 3, 10)
         assert follower.master(3) is None  # dropped, not a crash
+        assert follower.master(2) is None  # a generation before the plan's: done, forgotten
+        for junk in range(5):  # keys of generations no plan has: they push out nothing
+            store.put(keys.master(10**6 + junk), MasterAddress("10.9.9.9", 1).to_dict())
+        store.put(keys.PLAN, plan(4, restart_count=3))
+        store.put(keys.master(4), MasterAddress("10.0.0.4", 29504).to_dict())
+        follow_until(follower, 4, 10)
+        wait_for(lambda: follower.wait(0.2) or follower.master(4), 10, "the address's push")
+        assert follower.master(4) == MasterAddress("10.0.0.4", 29504)
         assert follower.reads == 1  # everything came pushed
     finally:
         follower.stop()

@@ -29,7 +29,6 @@ from transom.store.watch import Update
 log = logging.getLogger("transom.agent")
 
 MASTER_NAME = keys.MASTER[len(keys.PLAN) :]  # a master key's name under the plan's
-KEPT_MASTERS = 4  # generations whose addresses are kept (the newest; older ones are done)
 
 
 class PlanFollower(KeyFollower):
@@ -50,6 +49,8 @@ class PlanFollower(KeyFollower):
                 except RecordError as e:
                     log.warning("ignoring an invalid plan: %s", e)
             self._parsed = (self.revision, plan)
+            if plan is not None:  # the addresses of generations before this one are done
+                self._masters = {g: v for g, v in self._masters.items() if g >= plan.generation}
         return plan
 
     def master(self, generation: int) -> MasterAddress | None:
@@ -80,7 +81,8 @@ class PlanFollower(KeyFollower):
                 self._take_master(event.name, event.value)
 
     def _take_master(self, name: str, value: Any) -> None:
-        """Keep `value` if `name` is a master key (of a generation not yet superseded)."""
+        """Keep `value` if `name` is a master key (dropped once a newer plan arrives, whatever
+        else was written under the name: the current generation's is never pushed out)."""
         if not name.startswith(MASTER_NAME):
             return
         try:
@@ -88,5 +90,3 @@ class PlanFollower(KeyFollower):
         except ValueError:
             return  # not a key this version writes
         self._masters[generation] = value
-        for old in sorted(self._masters)[:-KEPT_MASTERS]:
-            del self._masters[old]
