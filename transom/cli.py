@@ -394,7 +394,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         snap = read_snapshot(args.run_dir)
         if snap is None:
             raise ConfigError(
-                f"{args.run_dir} holds no {files.STATUS}: not a transom run directory"
+                f"{args.run_dir} holds no {files.STATUS}: not a transom run directory, or "
+                + files.NOT_MIRRORED
             )
         if args.command == "events":
             events = read_events(run_dir=args.run_dir)

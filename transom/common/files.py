@@ -11,6 +11,8 @@ RUN_DIR/
   events.jsonl            the decision log (one JSON event a line)
   status.json             the job's last snapshot
   progress.jsonl          the job's step, generation and membership whenever one changes
+                          (these three only where the launcher mirrors the job: under Slurm the
+                          first node's folder, with `--no-mirror` not that machine's; NOT_MIRRORED)
   checkpoints/            the storage tier (TRANSOM_CHECKPOINT_DIR) unless --ckpt-storage
   report.png|md|json      `transom report`
   final_weights.pt, reference_weights.pt, reference.json: the demo's weights and reference
@@ -58,3 +60,10 @@ def warm_log(run_dir: Path, node_id: str) -> Path:
 def log_file(run_dir: Path, name: str) -> Path:
     """RUN_DIR/logs/NAME.log: a process's own log (controllers are named `controller-...`)."""
     return run_dir / LOGS / f"{name}.log"
+
+
+# What to tell someone reading a launcher's folder that holds none of the mirrored files.
+NOT_MIRRORED = (
+    "a launcher that did not mirror the job (under Slurm only the first node's folder has "
+    "status.json, events.jsonl and progress.jsonl; with --no-mirror another machine's has them)"
+)

@@ -76,7 +76,8 @@ def read_run(run_dir: Path | str) -> RunRecords:
     events_path = run_dir / EVENTS_FILE
     if not events_path.exists():
         raise ConfigError(
-            f"{run_dir} has no {EVENTS_FILE}: not a transom run directory, or the job never started"
+            f"{run_dir} has no {EVENTS_FILE}: not a transom run directory, the job never "
+            f"started, or {files.NOT_MIRRORED}"
         )
     events = sorted(_json_lines(events_path), key=lambda e: e.get("time", 0.0))
     if not events:
