@@ -6,7 +6,7 @@ reads after the job), `progress.jsonl` (the job's progress each time it changed)
 `events.jsonl` (every event once); it prints the events worth a person's attention and feeds
 the live view. One launcher of a job needs it: on a job of a thousand machines (a Slurm step:
 one launcher each) a mirror on every one would make etcd send every node's summaries to every
-node, a million events a second, so the other launchers follow the job record alone
+node, half a million events a second, so the other launchers follow the job record alone
 (`JobFollower`: pushed by a watch, and read directly now and then, so that etcd's silence is
 still counted as an outage).
 
