@@ -58,8 +58,7 @@ class RunMirror:
         """Take in what changed and write it (StoreError if etcd cannot be read). `job_value`:
         the job record just read; `terminal`: the job ended, so every event written before it is
         read directly (the watch may lag)."""
-        if not self.watch.started:
-            self.watch.start(now)
+        self.watch.start_once(now)
         self.watch.refresh(now)
         snap = snapshot_of(self.store.job_id, self.watch.values | {keys.JOB: job_value})
         final = self.store.get_prefix(keys.EVENTS) if terminal else None
@@ -103,17 +102,13 @@ class JobFollower:
 
     def __init__(self, store: Store) -> None:
         self.job = KeyFollower(store, keys.JOB)
-        self._read_at = 0.0
 
     def stop(self) -> None:
         self.job.stop()
 
     def value(self, now: float) -> Any:
         """The job record's newest value (StoreError if a direct read fails)."""
-        if not self.job.reads:
-            self.job.start(now)
-            self._read_at = now
-        elif now - self._read_at >= PROBE_S:
-            self._read_at = now
+        self.job.start_once(now)
+        if now - self.job.read_at >= PROBE_S:
             self.job.read(now)
         return self.job.refresh(now)

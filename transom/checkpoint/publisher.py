@@ -146,9 +146,8 @@ class Publisher:
             while not stopping.is_set():
                 now = time.monotonic()
                 try:
-                    for follower in (marks, plans):
-                        if not follower.reads:
-                            follower.start(now)
+                    marks.start_once(now)
+                    plans.start_once(now)
                     marks.refresh(now)
                     plans.refresh(now)
                     if (marks.revision, plans.revision) != taken:

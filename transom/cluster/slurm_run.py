@@ -278,8 +278,7 @@ class DrainWatcher(threading.Thread):
             while not self.stopped.is_set():
                 try:
                     now = time.monotonic()
-                    if not follower.reads:
-                        follower.start(now)
+                    follower.start_once(now)
                     self.drain_new(follower.refresh(now))
                 except StoreError as e:  # etcd unreachable for now: the next round tries again
                     log.info("drain watcher: %s", e)

@@ -399,8 +399,8 @@ class NodeAgent:
             self.store.put(keys.master(plan.generation), self.unpublished_master.to_dict())
             self.published_master = self.unpublished_master
             self.unpublished_master = None
-        ours = plan.members[0] == self.node_id
-        master = self.published_master if ours else self.plan.master(plan.generation)
+        # Ours (the master node's, for this generation only) or the one the plan's watch brought.
+        master = self.published_master or self.plan.master(plan.generation)
         if master is None:
             return  # the master node's agent has not published its address yet
         assert self.spec is not None and self.ckpt is not None and self.faults is not None

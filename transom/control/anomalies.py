@@ -116,8 +116,7 @@ def controller_anomaly(t: Tick, anomaly: Anomaly) -> None:
 def act(t: Tick, anomaly: Anomaly) -> bool:
     """Apply the policy's action for one anomaly; True when it ended the generation."""
     j, spec = t.job, t.spec
-    members = set(j.members)
-    free = sum(1 for n in t.healthy_nodes() if n not in members)
+    free = len(t.spares(j.members))
     action = on_anomaly(anomaly, j.members, free, spec.nnodes_min, j.numerics_steps, j.hang_steps)
     if action.kind == "none":
         return False

@@ -181,6 +181,11 @@ class Tick:
     def healthy_nodes(self) -> list[str]:
         return sorted((n for n in self.snap.nodes if n not in self.job.evicted), key=natural_key)
 
+    def spares(self, members: list[str]) -> list[str]:
+        """The healthy nodes outside `members` (a set: a thousand nodes are looked up)."""
+        taken = set(members)
+        return [n for n in self.healthy_nodes() if n not in taken]
+
     def reports(self, state: NodeState) -> dict[str, NodeStatus]:
         """The members' statuses of the current generation in `state`."""
         s, g = self.snap.statuses, self.job.generation
@@ -247,8 +252,7 @@ class Tick:
         self.set_state(JobState.WARMUP, f"generation {j.generation} starting")
         j.generation_started = self.now
         j.handled_anomalies = []
-        members = set(j.members)
-        spares = [n for n in self.healthy_nodes() if n not in members]
+        spares = self.spares(j.members)
         restore = "fresh" if j.restore_step is None else f"from step {j.restore_step}"
         self.event(
             EventKind.GENERATION,
@@ -414,7 +418,7 @@ class Tick:
             self.evict(node, reason, f"{node} evicted: {reason}", **gone)
         survivors = [m for m in members if m not in evict]
         self.exclude_outliers(keep=survivors)
-        spares = [n for n in self.healthy_nodes() if n not in survivors]
+        spares = self.spares(survivors)
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)
             survivors.append(spare)

@@ -39,12 +39,21 @@ class Followed:
         self.revision = 0  # the etcd revision of the newest value read or applied
         self.reads = 0  # direct reads (the first, fallbacks and resyncs); the rest came pushed
         self._down_since: float | None = None
-        self._read_at = -math.inf
+        self.read_at = -math.inf  # when the newest direct read was made
 
     def start(self, now: float) -> None:
         """Read the name and follow it from there (StoreError if etcd cannot be read)."""
         self.read(now)
         self.watch.follow(self.revision)
+
+    @property
+    def started(self) -> bool:
+        return self.reads > 0
+
+    def start_once(self, now: float) -> None:
+        """`start`, unless it succeeded before (a first read that failed is tried again)."""
+        if not self.started:
+            self.start(now)
 
     def stop(self) -> None:
         self.watch.stop()
@@ -57,12 +66,12 @@ class Followed:
             self._down_since = None
         elif self._down_since is None:
             self._down_since = now
-        elif now - self._down_since >= FALLBACK_AFTER_S and now - self._read_at >= FALLBACK_READ_S:
+        elif now - self._down_since >= FALLBACK_AFTER_S and now - self.read_at >= FALLBACK_READ_S:
             self.read(now)
 
     def read(self, now: float) -> None:
         """One direct read of the name (StoreError if etcd cannot be read)."""
-        self._read_at = now
+        self.read_at = now
         values, revision = self.watch.read()
         self.reads += 1
         self._take_read(values, revision)

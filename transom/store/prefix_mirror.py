@@ -35,10 +35,6 @@ class PrefixMirror(Followed):
         self._read_revision = 0  # the revision of the newest direct read (or re-read)
         self._put: list[str] = []
 
-    @property
-    def started(self) -> bool:
-        return self.reads > 0
-
     def take_put(self) -> list[str]:
         """The names put (or found by a re-read) since the last call, oldest first."""
         put, self._put = self._put, []
