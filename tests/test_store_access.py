@@ -47,9 +47,16 @@ def test_options_round_trip_through_argv(tls):
 
 def test_the_store_client_gets_the_tls_files(tls):
     access = StoreAccess("https://10.0.0.7:2379", tls.ca, tls.client_cert, tls.client_key)
-    session = Store(access, "j").client.session
-    assert session.verify == str(tls.ca)
-    assert session.cert == (str(tls.client_cert), str(tls.client_key))
+    client = Store(access, "j").client
+    assert client.session.verify == str(tls.ca)  # the watch streams'
+    assert client.session.cert == (str(tls.client_cert), str(tls.client_key))
+    pool = client.pool  # every other request's
+    assert (pool.ca_certs, pool.cert_file, pool.key_file, pool.cert_reqs) == (
+        str(tls.ca),
+        str(tls.client_cert),
+        str(tls.client_key),
+        "CERT_REQUIRED",
+    )
     assert Store("http://127.0.0.1:2379", "j").access == StoreAccess("http://127.0.0.1:2379")
 
 

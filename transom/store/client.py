@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from etcd3gw.utils import _encode
 
 from transom.common import keys
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, StoreAccess, StoreError
+from transom.store.gateway import GatewayClient
 from transom.store.retry import (
     DEFAULT_DEADLINE_S,
     MIN_ATTEMPT_S,
@@ -60,30 +60,6 @@ class Lease(GatewayLease):
         return self.renewed_at + self.ttl_s - time.monotonic()
 
 
-class _Client(Etcd3Client):
-    """etcd3gw's client with a per-thread request timeout, so each attempt of a retried call
-    gets its own time limit while other threads use the same client."""
-
-    def __init__(self, **kwargs: Any):
-        self._attempt = threading.local()
-        super().__init__(**kwargs)
-
-    @property
-    def timeout(self) -> float | None:
-        return getattr(self._attempt, "timeout_s", None) or self._default_timeout_s
-
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        self._default_timeout_s = value
-
-    def attempt(self, timeout_s: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        self._attempt.timeout_s = timeout_s
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._attempt.timeout_s = None
-
-
 class Store:
     """JSON key-value access to one job's keys in etcd.
 
@@ -103,7 +79,7 @@ class Store:
         self.url = self.access.url
         self.job_id = job_id
         self.policy = RetryPolicy(deadline_s=deadline_s, request_timeout_s=timeout)
-        self.client = _Client(
+        self.client = GatewayClient(
             host=self.access.host,
             port=self.access.port,
             protocol=self.access.scheme,
@@ -113,10 +89,6 @@ class Store:
             timeout=timeout,
             api_path="/v3/",  # etcd >= 3.4; no discovery request before the first real one
         )
-        if self.access.ca is not None:
-            # requests lets REQUESTS_CA_BUNDLE (and proxies) from the environment override the
-            # session's CA: with a CA of its own the store takes nothing from the environment.
-            self.client.session.trust_env = False
         self.prefix = f"/transom/{job_id}/"
 
     def with_deadline(self, deadline_s: float) -> Store:
