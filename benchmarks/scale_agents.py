@@ -69,6 +69,7 @@ from scale_sharing import (  # noqa: E402
     GUARDS,
     RENEWALS,
     STREAM,
+    TURNS,
     SharedLeaseKeeper,
     SharedPauseGuard,
     SharedPlanFollower,
@@ -269,10 +270,15 @@ class SimulatedAgent(agent_module.NodeAgent):
             self.monitor.group = self.group  # type: ignore[attr-defined]
             say(f"started {self.node_id} {plan.generation} {time.time():.6f}")
 
-    def _step(self):
-        if self.dead.is_set():  # a dead node: nothing more from it, its lease left to expire
+    def _serve(self) -> int:
+        self._join()  # in the agent's own thread, as a real agent's; its turns: TURNS'
+        outcome = TURNS.serve(self, self.dead)
+        if outcome is None:  # a dead node: nothing more from it, its lease left to expire
             self.stopping.wait()
-            return None
+            return 0
+        return outcome
+
+    def _step(self):
         TICKS[0] += 1
         return super()._step()
 
@@ -296,6 +302,7 @@ def main() -> int:
     STREAM.start(Store(access, args.job_id))
     RENEWALS.start()
     GUARDS.start()
+    TURNS.start()
     agents = {n: SimulatedAgent(Store(access, args.job_id), n, args.run_dir) for n in args.nodes}
     for node, agent in agents.items():
         threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True).start()

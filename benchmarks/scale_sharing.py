@@ -9,7 +9,9 @@ requests:
   - `RenewalScheduler`: each node's own lease, renewed by its own LeaseKeeper every TTL/4 on its
     own connection, scheduled by one thread and sent by RENEWERS threads (`SharedLeaseKeeper`);
   - `GuardSweep`: each agent's real PauseGuard rule, applied every GUARD_TICK_S by one thread
-    (`SharedPauseGuard`).
+    (`SharedPauseGuard`);
+  - `TurnSweep`: each agent's real loop turn (`NodeAgent._step`), run every TICK_S and at once
+    when the plan stream delivers, by one of SWEEPERS threads instead of the agent's own.
 scale_agents.py's docstring says how each differs from a real agent. This module never starts
 a process and never touches etcd but through the agents' own stores.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from transom.common import keys  # noqa: E402
+from transom.control.agent import TICK_S, NodeAgent  # noqa: E402
 from transom.control.lease_keeper import LeaseKeeper  # noqa: E402
 from transom.control.outage import GUARD_TICK_S, PauseGuard  # noqa: E402
 from transom.control.plan_follow import PlanFollower  # noqa: E402
@@ -36,6 +39,7 @@ from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch, Update  # noqa: E402
 
 RENEWERS = 16  # threads that send the process's lease renewals (each one node's request)
+SWEEPERS = 8  # threads that run the turns of the process's agents (each a share of them)
 RECONNECT_MIN_S = 1.0  # the shared plan stream is dropped and resumed at most this often
 log = logging.getLogger("transom.agent")
 
@@ -107,6 +111,7 @@ class SharedPlanStream:
                 self.revision = update.revision
                 for feed in self.feeds:
                     feed.updates.put(update)
+            TURNS.wake()  # every agent takes the update in at its next turn, now
 
 
 STREAM = SharedPlanStream()
@@ -251,3 +256,85 @@ class SharedPauseGuard(PauseGuard):
     def start(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         GUARDS.add(self)
+
+
+class TurnSweep:
+    """Runs each simulated agent's loop turns, as its own loop would (a turn, then until
+    TICK_S later or a plan update arrives), from SWEEPERS threads instead of one per agent:
+    hundreds of threads each waking five times a second would cost the simulator more than
+    the turns themselves. An agent's turns are all run by the same thread, one after another."""
+
+    def __init__(self) -> None:
+        self.sweepers = [_Sweeper(i) for i in range(SWEEPERS)]
+        self.count = 0
+
+    def start(self) -> None:
+        for sweeper in self.sweepers:
+            threading.Thread(target=sweeper.run, name=f"turns-{sweeper.index}", daemon=True).start()
+
+    def serve(self, agent: NodeAgent, dead: threading.Event) -> int | None:
+        """Run `agent`'s turns until one returns an outcome (returned) or raises (raised), it
+        stops (0) or `dead` is set (None); the calling thread (the agent's own) waits."""
+        turns = _Turns(agent, dead)
+        self.count += 1
+        self.sweepers[self.count % SWEEPERS].add(turns)
+        turns.done.wait()
+        if turns.error is not None:
+            raise turns.error
+        return turns.outcome
+
+    def wake(self) -> None:
+        for sweeper in self.sweepers:
+            sweeper.wake.set()
+
+
+class _Turns:
+    """One agent's place in a sweeper, and how its loop ended."""
+
+    def __init__(self, agent: NodeAgent, dead: threading.Event) -> None:
+        self.agent = agent
+        self.dead = dead
+        self.done = threading.Event()
+        self.outcome: int | None = 0
+        self.error: BaseException | None = None
+
+    def turn(self) -> None:
+        """One turn, or the end of the loop (`done` set)."""
+        if self.agent.stopping.is_set() or self.dead.is_set():
+            self.outcome = None if self.dead.is_set() else 0
+        else:
+            try:
+                self.outcome = self.agent._step()
+            except BaseException as e:  # noqa: BLE001 - raised in the agent's own thread
+                self.error = e
+            if self.outcome is None and self.error is None:
+                return
+        self.done.set()
+
+
+class _Sweeper:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.lock = threading.Lock()
+        self.turns: list[_Turns] = []
+        self.wake = threading.Event()
+
+    def add(self, turns: _Turns) -> None:
+        with self.lock:
+            self.turns.append(turns)
+        self.wake.set()
+
+    def run(self) -> None:
+        while True:
+            self.wake.wait(TICK_S)
+            self.wake.clear()
+            with self.lock:
+                turns = list(self.turns)
+            for t in turns:
+                t.turn()
+            if any(t.done.is_set() for t in turns):
+                with self.lock:
+                    self.turns = [t for t in self.turns if not t.done.is_set()]
+
+
+TURNS = TurnSweep()

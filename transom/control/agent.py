@@ -34,12 +34,7 @@ import uuid
 from pathlib import Path
 
 from transom.common import env, files, keys
-from transom.common.records import (
-    MasterAddress,
-    NodeRegistration,
-    Plan,
-    PreflightResult,
-)
+from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control import links
@@ -161,6 +156,16 @@ class NodeAgent:
         return signal.signal(signal.SIGTERM, leave)
 
     def _serve(self) -> int:
+        self._join()
+        while not self.stopping.is_set():
+            outcome = self._step()
+            if outcome is not None:
+                return outcome
+            self.plan.wait(TICK_S)  # returns at once when a new plan arrives
+        return 0
+
+    def _join(self) -> None:
+        """Start the node's parts, register it and follow the plan (each until done or stopped)."""
         self.spec = spec = until_reached(
             "read the job spec",
             lambda: read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id),
@@ -185,12 +190,6 @@ class NodeAgent:
         until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
         until_reached("read the plan", lambda: self.plan.start(time.monotonic()), self.stopping)
         log.info("node %s registered", self.node_id)
-        while not self.stopping.is_set():
-            outcome = self._step()
-            if outcome is not None:
-                return outcome
-            self.plan.wait(TICK_S)  # returns at once when a new plan arrives
-        return 0
 
     def _close(self) -> None:
         """Stop everything this agent started; each step runs even if an earlier one failed."""
