@@ -32,7 +32,11 @@ transom.control.agent like the stand-ins; transom/control is unchanged):
     (the most any waited is printed, scale.py reports it as renewal_late_max_s), and a renewal
     that hangs on a dead etcd holds one of the senders, not only its own node's thread;
   - the pause guard: each agent's real PauseGuard rule, applied every GUARD_TICK_S by one
-    thread per process (`GuardSweep`) instead of a thread per node.
+    thread per process (`GuardSweep`) instead of a thread per node;
+  - the loop: each agent starts (`NodeAgent._join`) in its own thread, then its turns
+    (`NodeAgent._step`, every TICK_S and at once when a plan update arrives) are run by one of
+    SWEEPERS threads per process (`TurnSweep`) instead of its own. What differs: a turn that
+    waits on etcd (a slow answer, an outage) delays the turns of its sweeper's other agents.
 Real agents also differ in running one per machine, each with its own CPU; here hundreds share a
 process and its interpreter lock, so an agent's tick, a renewal or a status can run late when
 the process is busy (each process reports its agents' achieved ticks per second). Each agent
