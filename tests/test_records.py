@@ -50,6 +50,15 @@ def test_invalid_values_raise_one_error_type(cls, value, why):
         cls.from_dict(value)
 
 
+def test_an_error_names_the_place_of_the_item_that_failed():
+    members = ["node0", "node1", 7]
+    with pytest.raises(RecordError, match=r"^Plan\.members\[2\]: expected str, got 7$"):
+        Plan.from_dict({"generation": 1, "members": members, "job_state": "RUNNING"})
+    ranks = {"0": {"step": 1}, "1": {"step": "one"}}
+    with pytest.raises(RecordError, match=r"MonitorSummary\.ranks\['1'\]: .*step.*'one'"):
+        MonitorSummary.from_dict({"node": "n", "generation": 1, "t": 0, "ranks": ranks})
+
+
 def test_events_keep_extra_fields_and_omit_unused_ones():
     stored = {"time": 1.0, "kind": "fault", "message": "m", "fault": "kill", "rank": 3}
     e = Event.from_dict(stored)

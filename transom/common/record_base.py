@@ -9,8 +9,10 @@ records themselves are in transom.common.records. This module must never do I/O.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -38,32 +40,45 @@ class Record:
     def from_dict(cls: type[R], data: Any) -> R:
         if not isinstance(data, dict):
             raise RecordError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
-        hints, known = _schema(cls)
+        fields, known, has_extra = _schema(cls)
         values: dict = {}
-        for name, f in known.items():
-            if name == "extra":
-                continue
-            if name not in data:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise RecordError(f"{cls.__name__}: missing field {name!r}")
-                continue
-            values[name] = _parse(data[name], hints[name], f"{cls.__name__}.{name}")
-        if "extra" in known:
+        for name, parse, where, required in fields:
+            if name in data:
+                values[name] = parse(data[name], where)
+            elif required:
+                raise RecordError(f"{cls.__name__}: missing field {name!r}")
+        if has_extra:
             values["extra"] = {k: v for k, v in data.items() if k not in known}
         return cls(**values)
 
 
-_SCHEMAS: dict[type, tuple[dict[str, Any], dict[str, dataclasses.Field]]] = {}
+# A function that checks a value against one type hint and converts it: (value, where) -> value.
+Parser = Callable[[Any, str], Any]
+# A record class's fields but `extra`, in order: (name, parser, where in errors, required).
+Schema = tuple[list[tuple[str, Parser, str, bool]], frozenset[str], bool]
+_SCHEMAS: dict[type, Schema] = {}
 
 
-def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
-    """A record class's type hints and fields, worked out once (get_type_hints evaluates every
-    annotation string on each call: a controller parsing a thousand nodes' summaries a second
-    spent most of its parsing there)."""
+def _schema(cls: type) -> Schema:
+    """A record class's fields with their parsers, the names of all its fields, and whether it
+    keeps unknown keys in `extra`: worked out once per class (a controller parses a thousand
+    nodes' summaries a second; get_type_hints and the hints' introspection were most of it)."""
     found = _SCHEMAS.get(cls)
     if found is None:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        found = _SCHEMAS[cls] = (typing.get_type_hints(cls), fields)
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        parsers = [
+            (
+                f.name,
+                _parser(hints[f.name]),
+                f"{cls.__name__}.{f.name}",
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in fields
+            if f.name != "extra"
+        ]
+        names = frozenset(f.name for f in fields)
+        found = _SCHEMAS[cls] = (parsers, names, "extra" in names)
     return found
 
 
@@ -79,53 +94,114 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _parse(value: Any, hint: Any, where: str) -> Any:
-    """`value` checked against (and converted to) the type `hint`; RecordError if it is not."""
+@functools.cache
+def _parser(hint: Any) -> Parser:
+    """The parser of `hint`: it returns the value checked against (and converted to) the type,
+    or raises RecordError saying where it is not. Items of a list or a dict are checked without
+    naming their place; the place is worked out only for an item that fails."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _parse(value, option, where)
-            except RecordError as e:
-                errors.append(str(e))
-        raise RecordError("; ".join(errors))
+        nullable = type(None) in typing.get_args(hint)
+        options = [_parser(o) for o in typing.get_args(hint) if o is not type(None)]
+
+        def parse_union(value: Any, where: str) -> Any:
+            if value is None and nullable:
+                return None
+            errors = []
+            for option in options:
+                try:
+                    return option(value, where)
+                except RecordError as e:
+                    errors.append(str(e))
+            raise RecordError("; ".join(errors))
+
+        return parse_union
     if hint is Any:
-        return value
+        return _as_is
     if origin is list or hint is list:
-        if not isinstance(value, list):
-            raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(hint) or (Any,)
-        return [_parse(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        item = _parser(item_hint)
+
+        def parse_list(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
+            try:
+                return [item(v, where) for v in value]
+            except RecordError:  # again, naming each item's place, to say which failed
+                return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+        return parse_list
     if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
-        _, item = typing.get_args(hint) or (Any, Any)
-        return {k: _parse(v, item, f"{where}[{k!r}]") for k, v in value.items()}
+        _, value_hint = typing.get_args(hint) or (Any, Any)
+        entry = _parser(value_hint)
+
+        def parse_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
+            try:
+                return {k: entry(v, where) for k, v in value.items()}
+            except RecordError:  # again, naming each entry's place, to say which failed
+                return {k: entry(v, f"{where}[{k!r}]") for k, v in value.items()}
+
+        return parse_dict
     if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise RecordError(f"{where}: {value!r} is not a {hint.__name__}") from None
+        enum = hint
+
+        def parse_enum(value: Any, where: str) -> Any:
+            try:
+                return enum(value)
+            except ValueError:
+                raise RecordError(f"{where}: {value!r} is not a {enum.__name__}") from None
+
+        return parse_enum
     if isinstance(hint, type) and issubclass(hint, Record):
-        try:
-            return hint.from_dict(value)
-        except RecordError as e:
-            raise RecordError(f"{where}: {e}") from None
+        record = hint
+
+        def parse_record(value: Any, where: str) -> Any:
+            try:
+                return record.from_dict(value)
+            except RecordError as e:
+                raise RecordError(f"{where}: {e}") from None
+
+        return parse_record
     if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(hint, type) and isinstance(value, hint):
+        return _float
+    if hint is int:
+        return _int
+    if isinstance(hint, type):
+        kind = hint
+
+        def parse_instance(value: Any, where: str) -> Any:
+            if isinstance(value, kind):
+                return value
+            raise _wrong(value, kind, where)
+
+        return parse_instance
+
+    def parse_nothing(value: Any, where: str) -> Any:
+        raise _wrong(value, hint, where)
+
+    return parse_nothing
+
+
+def _as_is(value: Any, where: str) -> Any:
+    return value
+
+
+def _float(value: Any, where: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise _wrong(value, float, where)
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise RecordError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r:.80}")
+    raise _wrong(value, int, where)
+
+
+def _wrong(value: Any, hint: Any, where: str) -> RecordError:
+    return RecordError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {value!r:.80}")
 
 
 def parse_all(cls: type[R], values: dict[str, Any]) -> dict[str, R]:
