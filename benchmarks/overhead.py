@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +35,9 @@ import psutil
 from jobs import Line, finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from transom.utils.procs import die_with_parent, stop_tree  # noqa: E402
+
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 240
 SAMPLE_EVERY_S = 0.5
@@ -114,12 +119,19 @@ def rank0_steps(lines: list[Line]) -> dict[int, float]:
     return {x.step: x.t for x in lines if x.what == "step" and x.step is not None}
 
 
+def _own_session_dying_with_us() -> None:
+    """preexec_fn: the job in its own session, SIGTERMed (it stops its workers) when the
+    benchmark dies, however it dies."""
+    os.setsid()
+    die_with_parent(signal.SIGTERM)
+
+
 def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -> dict:
     """Run one job to its end; its start-up, steady step rate and CPU by kind."""
     with open(out_path, "wb") as out:
         launched = time.time()
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_session_dying_with_us
         )
         sampler = Sampler(process.pid)
         sampler.thread.start()
@@ -128,6 +140,8 @@ def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -
         finally:
             sampler.stop.set()
             sampler.thread.join()
+            if process.poll() is None:  # interrupted: no job outlives the benchmark
+                stop_tree([process.pid])
     if not ok:
         raise RuntimeError(f"{command[:4]}... failed; see {out_path}")
     t = rank0_steps(parse(logs()))
