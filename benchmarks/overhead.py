@@ -19,8 +19,8 @@ This module starts jobs and stops every process they started; it never changes t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -36,10 +36,12 @@ from jobs import Line, finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from transom.utils.procs import die_with_parent, stop_tree  # noqa: E402
+from transom.utils.procs import new_session_dying_with_parent, stop_tree  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 240
+# A job in its own session, SIGTERMed (it stops its workers) when the benchmark dies.
+JOB_DIES_WITH_US = functools.partial(new_session_dying_with_parent, signal.SIGTERM)
 SAMPLE_EVERY_S = 0.5
 STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that one
 TIMES = ("startup_s", "step_rate", "wall_s")
@@ -119,19 +121,12 @@ def rank0_steps(lines: list[Line]) -> dict[int, float]:
     return {x.step: x.t for x in lines if x.what == "step" and x.step is not None}
 
 
-def _own_session_dying_with_us() -> None:
-    """preexec_fn: the job in its own session, SIGTERMed (it stops its workers) when the
-    benchmark dies, however it dies."""
-    os.setsid()
-    die_with_parent(signal.SIGTERM)
-
-
 def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -> dict:
     """Run one job to its end; its start-up, steady step rate and CPU by kind."""
     with open(out_path, "wb") as out:
         launched = time.time()
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_session_dying_with_us
+            command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=JOB_DIES_WITH_US
         )
         sampler = Sampler(process.pid)
         sampler.thread.start()

@@ -19,6 +19,7 @@ a process and never touches etcd but through the agents' own stores.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import queue
@@ -266,7 +267,7 @@ class TurnSweep:
 
     def __init__(self) -> None:
         self.sweepers = [_Sweeper(i) for i in range(SWEEPERS)]
-        self.count = 0
+        self.joined = itertools.count()  # agents' threads join at once: next() is atomic
 
     def start(self) -> None:
         for sweeper in self.sweepers:
@@ -276,8 +277,7 @@ class TurnSweep:
         """Run `agent`'s turns until one returns an outcome (returned) or raises (raised), it
         stops (0) or `dead` is set (None); the calling thread (the agent's own) waits."""
         turns = _Turns(agent, dead)
-        self.count += 1
-        self.sweepers[self.count % SWEEPERS].add(turns)
+        self.sweepers[next(self.joined) % SWEEPERS].add(turns)
         turns.done.wait()
         if turns.error is not None:
             raise turns.error
@@ -300,15 +300,17 @@ class _Turns:
 
     def turn(self) -> None:
         """One turn, or the end of the loop (`done` set)."""
-        if self.agent.stopping.is_set() or self.dead.is_set():
-            self.outcome = None if self.dead.is_set() else 0
+        if self.dead.is_set():
+            self.outcome = None
+        elif self.agent.stopping.is_set():
+            self.outcome = 0
         else:
             try:
                 self.outcome = self.agent._step()
             except BaseException as e:  # noqa: BLE001 - raised in the agent's own thread
                 self.error = e
             if self.outcome is None and self.error is None:
-                return
+                return  # the loop goes on
         self.done.set()
 
 

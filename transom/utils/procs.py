@@ -28,10 +28,11 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
         pass
 
 
-def new_session_dying_with_parent() -> None:
-    """preexec_fn: own process group (so the tree can be signalled at once) + die with parent."""
+def new_session_dying_with_parent(signum: int = signal.SIGKILL) -> None:
+    """preexec_fn: own process group (so the tree can be signalled at once) + die with parent
+    (by `signum`, as `die_with_parent`)."""
     os.setsid()
-    die_with_parent()
+    die_with_parent(signum)
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
