@@ -1,18 +1,20 @@
 """`BatchWriter` (transom/store/batch_writer.py) against a real embedded etcd: a burst of writes
-costs etcd one request, the last write of a name wins, writes queued through an etcd stall
-arrive after it, a put under a lease etcd no longer has is dropped and the rest still sent,
-`close` sends what is queued."""
+costs etcd one request, writes that trickle in cost one request a SPACING_S at most, the last
+write of a name wins, writes queued through an etcd stall arrive after it, a put under a lease
+etcd no longer has is dropped and the rest still sent, `close` sends what is queued."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 from conftest import etcd_requests, running_etcd, wait_for
 
 from transom.store import Store
-from transom.store.batch_writer import BatchWriter
+from transom.store.batch_writer import SPACING_S, BatchWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,6 +29,22 @@ def test_a_burst_of_writes_is_one_request(store):
         assert writer.sends == 1
         assert etcd_requests(store) - before == 1  # one transaction for the 50
         assert store.get_prefix("events/")["007"] == {"i": 7}
+    finally:
+        writer.close()
+
+
+def test_writes_that_trickle_in_are_sent_once_a_spacing_at_most(store):
+    writer = BatchWriter(store)
+    paced = threading.Event()
+    try:
+        began = time.monotonic()
+        for i in range(20):  # one write every SPACING_S / 10, over 2 SPACING_S
+            writer.put(f"events/{i:02d}", i)
+            paced.wait(SPACING_S / 10)
+        took = time.monotonic() - began
+        wait_for(lambda: not writer.pending, 10, "every write sent")
+        assert writer.sends <= took / SPACING_S + 1  # not one a LINGER_S (10 with 0.2 s)
+        assert store.get_prefix("events/") == {f"{i:02d}": i for i in range(20)}
     finally:
         writer.close()
 

@@ -11,6 +11,7 @@ import psutil
 import pytest
 from conftest import TOY, job_processes, wait_for
 
+from transom import launcher, run_mirror
 from transom.common import env
 from transom.store import EmbeddedEtcd
 
@@ -207,18 +208,20 @@ def test_sigterm_stops_everything_within_a_schedulers_grace(start_job):
 
 
 def test_the_launcher_rides_out_an_etcd_stall_and_logs_it_once(start_job):
-    """etcd paused 3 s: longer than the launcher's per-call deadline (2 s), shorter than the
-    agents' (4 s); node leases of 10 s outlast it (leases that expire in a stall are the agents'
-    and controller's concern, not the launcher's). The launcher logs the outage once when it
-    begins and once when it ends, and records an event; the job goes on without a restart."""
+    """etcd paused long enough that one of the launcher's reads of the job record (one every
+    run_mirror.PROBE_S; the rest comes pushed) begins in the stall and passes its deadline
+    there; node leases of 20 s outlast it and the agents' pause (at 3/4 of the TTL) does not
+    come (leases that expire in a stall are the agents' and controller's concern, not the
+    launcher's). The launcher logs the outage once when it begins and once when it ends, and
+    records an event; the job goes on without a restart."""
     job = start_job(
-        "--nnodes", "2", "--node-ttl", "10", TOY, "--steps", "40", "--step-delay", "0.15"
+        "--nnodes", "2", "--node-ttl", "20", TOY, "--steps", "60", "--step-delay", "0.15"
     )
     wait_for(lambda: "step 5 " in job.log_text(), 60, "training to reach step 5")
     etcd = wait_for(lambda: _embedded_etcd(job), 10, "the embedded etcd")
     etcd.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(3.0)  # the outage itself: the thing under test
+    try:  # the outage itself: the thing under test
+        time.sleep(run_mirror.PROBE_S + launcher.POLL_S + launcher.STORE_DEADLINE_S + 0.5)
     finally:
         etcd.send_signal(signal.SIGCONT)
     assert job.wait() == 0, job.output

@@ -1,19 +1,22 @@
-"""A launcher without a mirror (transom/run_mirror.py `JobFollower`), against a real etcd: on a
-job of many machines only one launcher mirrors every key; the others get the job record pushed,
-read etcd only every PROBE_S, and still count a silent etcd as an outage."""
+"""How a launcher follows its job (transom/run_mirror.py), against a real etcd: on a job of many
+machines only one launcher mirrors every key (`RunMirror`); the others get the job record pushed
+(`JobFollower`), read etcd only every PROBE_S, and still count a silent etcd as an outage. The
+mirror takes the job record the same way, and rewrites its files only when something changed."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import etcd_requests, wait_for
+from rich.console import Console
 
 from transom import run_mirror
-from transom.common import keys
-from transom.run_mirror import JobFollower
+from transom.common import files, keys
+from transom.run_mirror import JobFollower, RunMirror
 from transom.store import Store, StoreAccess, StoreError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -26,7 +29,7 @@ def test_the_job_record_comes_pushed_and_etcd_is_probed_only_every_probe_period(
     proxy = StoreProxy(etcd.access.host, etcd.access.port, "launcher")
     access = StoreAccess(proxy.url, etcd.access.ca, etcd.access.cert, etcd.access.key)
     store.put(keys.JOB, {"state": "RUNNING", "n": 1})
-    follower = JobFollower(Store(access, store.job_id))
+    follower = JobFollower(Store(access, store.job_id, deadline_s=1.0))
     try:
         now = time.monotonic()  # the launcher's clock, stepped here as its polls would
         assert follower.value(now) == {"state": "RUNNING", "n": 1}
@@ -45,9 +48,42 @@ def test_the_job_record_comes_pushed_and_etcd_is_probed_only_every_probe_period(
         assert follower.job.reads == 2
 
         proxy.set_blackhole()  # etcd silent: its watch says nothing, the next probe fails
+        asked = time.monotonic()
         with pytest.raises(StoreError):
             follower.value(later + run_mirror.PROBE_S)
+        # ... within the launcher's store deadline (1 s here), not the default one (4 s)
+        assert time.monotonic() - asked < 3.0
     finally:
         proxy.set_pass()
         follower.stop()
         proxy.close()
+
+
+def test_the_mirror_rewrites_its_files_only_when_something_changed(etcd, store, tmp_path):
+    store.put(keys.JOB, {"state": "RUNNING", "generation": 1})
+    mirror = RunMirror(store, tmp_path, Console(quiet=True), total_steps=None)
+    status = tmp_path / files.STATUS
+    try:
+        now = time.monotonic()
+
+        def shown(at: float) -> dict:
+            mirror.show(at, mirror.value(at), False, None)
+            return json.loads(status.read_text())
+
+        first = shown(now)
+        assert first["job"]["state"] == "RUNNING"
+        wait_for(lambda: mirror.watch.watch.healthy, 10, "the mirror's watch to be up")
+        wait_for(lambda: mirror.job.job.watch.healthy, 10, "the job record's watch to be up")
+        assert shown(now + 0.5)["time"] == first["time"]  # nothing changed: not rewritten
+        reads = mirror.job.job.reads
+
+        store.put(keys.status("node0"), {"node": "node0", "state": "RUNNING"})
+        wait_for(lambda: shown(now + 1.0)["time"] != first["time"], 10, "a rewrite on change")
+        store.put(keys.JOB, {"state": "SUCCEEDED", "generation": 1})
+        wait_for(lambda: mirror.value(now + 1.5)["state"] == "SUCCEEDED", 10, "a pushed job")
+        assert mirror.job.job.reads == reads  # the job record came pushed, not read
+        changed = shown(now + 1.5)
+        assert changed["job"]["state"] == "SUCCEEDED"
+        assert shown(now + 1.5 + run_mirror.PROBE_S)["time"] != changed["time"]  # kept recent
+    finally:
+        mirror.stop()

@@ -64,6 +64,23 @@ def test_a_request_posts_json_and_returns_the_answer(answering):
         client.close()
 
 
+def test_a_transaction_goes_through_the_pool_not_the_session(answering, monkeypatch):
+    """etcd3gw posts a transaction as `data=` (JSON it encoded): that is a unary request too."""
+    port, answers = answering
+    client = _client(port)
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("a unary request went through the requests session")
+
+    monkeypatch.setattr(client.session, "post", no_session)
+    try:
+        txn = {"compare": [], "success": [], "failure": []}
+        assert client.transaction(txn) == {"ok": True}
+        assert answers[-1] == ("/v3/kv/txn", txn)
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize(
     "status, error",
     [

@@ -294,10 +294,9 @@ class Launcher:
     def _poll(self, live: Live | None) -> JobRecord | None:
         """One round: mirror, refill; the job record (None during an outage).
 
-        With a mirror, its one request is the job record (its newest value, and etcd's answer
-        for the outage count); everything else comes from the mirror's watch and costs etcd
-        nothing while nothing changes. Without one, the job record comes pushed, and is read
-        every run_mirror.PROBE_S."""
+        The job record comes pushed by a watch, and is read directly every run_mirror.PROBE_S
+        (etcd's answer is the outage count's evidence); a mirror's other keys come from its
+        own watch: while nothing changes, the launcher costs etcd one read every PROBE_S."""
         began = time.monotonic()
         try:
             if self.mirror is None:
@@ -308,12 +307,10 @@ class Launcher:
                     if self.launch.mirror
                     else JobFollower(self.connected)
                 )
+            job_value = self.mirror.value(began)
+            job = _job_record(job_value)
             if isinstance(self.mirror, RunMirror):
-                job_value = self.connected.get(keys.JOB)
-                job = _job_record(job_value)
                 self.mirror.show(began, job_value, bool(job and job.state.terminal), live)
-            else:
-                job = _job_record(self.mirror.value(began))
             if self.launch.refill_spares and self.launch.store is None:
                 self._refill(job)
         except StoreError as e:

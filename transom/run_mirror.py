@@ -4,7 +4,10 @@
 in the launcher's run directory: `status.json` (the newest snapshot, what `transom status`
 reads after the job), `progress.jsonl` (the job's progress each time it changed) and
 `events.jsonl` (every event once); it prints the events worth a person's attention and feeds
-the live view. One launcher of a job needs it: on a job of a thousand machines (a Slurm step:
+the live view. It writes the files when something changed (or every PROBE_S, so that
+status.json's time stays recent), and takes the job record as the other launchers do (below),
+so a job where nothing happens costs its launcher one read every PROBE_S. One launcher of a job
+needs it: on a job of a thousand machines (a Slurm step:
 one launcher each) a mirror on every one would make etcd send every node's summaries to every
 node, half a million events a second, so the other launchers follow the job record alone
 (`JobFollower`: pushed by a watch, and read directly now and then, so that etcd's silence is
@@ -16,6 +19,7 @@ It only reads etcd, and writes nothing but the run directory's files and the con
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,24 @@ from transom.view import (
 PROBE_S = 5.0
 
 
+class JobFollower:
+    """The job record alone, for a launcher without a mirror: pushed by a watch, and read
+    directly every PROBE_S (StoreError then is the launcher's outage)."""
+
+    def __init__(self, store: Store) -> None:
+        self.job = KeyFollower(store, keys.JOB)
+
+    def stop(self) -> None:
+        self.job.stop()
+
+    def value(self, now: float) -> Any:
+        """The job record's newest value (StoreError if a direct read fails)."""
+        self.job.start_once(now)
+        if now - self.job.read_at >= PROBE_S:
+            self.job.read(now)
+        return self.job.refresh(now)
+
+
 class RunMirror:
     """The job's keys, followed, written into `run_dir` and shown on `console`."""
 
@@ -47,19 +69,31 @@ class RunMirror:
         self.store, self.run_dir, self.console = store, run_dir, console
         self.total_steps = total_steps
         self.watch = PrefixMirror(store)
+        self.job = JobFollower(store)
         self._events_seen: set[str] = set()
         self._event_filter = EventFilter()
         self._last_progress: dict | None = None
+        self._shown: tuple[int, Any] | None = None  # (mirror revision, job record) last written
+        self._shown_at = -math.inf
 
     def stop(self) -> None:
         self.watch.stop()
+        self.job.stop()
+
+    def value(self, now: float) -> Any:
+        """The job record's newest value (StoreError if a direct read fails)."""
+        return self.job.value(now)
 
     def show(self, now: float, job_value: Any, terminal: bool, live: Live | None) -> None:
         """Take in what changed and write it (StoreError if etcd cannot be read). `job_value`:
-        the job record just read; `terminal`: the job ended, so every event written before it is
-        read directly (the watch may lag)."""
+        the job record's newest value; `terminal`: the job ended, so every event written before
+        it is read directly (the watch may lag)."""
         self.watch.start_once(now)
         self.watch.refresh(now)
+        shown = (self.watch.revision, job_value)
+        if shown == self._shown and not terminal and now - self._shown_at < PROBE_S:
+            return
+        self._shown, self._shown_at = shown, now
         snap = snapshot_of(self.store.job_id, self.watch.values | {keys.JOB: job_value})
         final = self.store.get_prefix(keys.EVENTS) if terminal else None
         self._write(snap, self._new_events(final), live)
@@ -94,21 +128,3 @@ class RunMirror:
                 self.console.print(format_event(event), highlight=False, markup=False)
         if live is not None:
             live.update(render_live(status_summary(snap), self.total_steps))
-
-
-class JobFollower:
-    """The job record alone, for a launcher without a mirror: pushed by a watch, and read
-    directly every PROBE_S (StoreError then is the launcher's outage)."""
-
-    def __init__(self, store: Store) -> None:
-        self.job = KeyFollower(store, keys.JOB)
-
-    def stop(self) -> None:
-        self.job.stop()
-
-    def value(self, now: float) -> Any:
-        """The job record's newest value (StoreError if a direct read fails)."""
-        self.job.start_once(now)
-        if now - self.job.read_at >= PROBE_S:
-            self.job.read(now)
-        return self.job.refresh(now)

@@ -1,26 +1,30 @@
-"""`BatchWriter`: many small writes (events, checkpoint catalog entries) sent to etcd together,
-in the background.
+"""`BatchWriter`: many small writes (events, checkpoint catalog entries) sent to etcd together, in
+the background.
 
 A checkpoint server writes an event for every state of every shard it holds (saved, replicated,
 persisted) and lists and withdraws each shard in the catalog, each once as its own request. A
-`BatchWriter` takes such writes (`put`, `delete`), waits LINGER_S for more, and sends all that
-came in one transaction (`Store.write_all`) from its own thread: the caller never waits for
-etcd, and a burst of N writes costs etcd one request, not N. Writes of one name keep their
-order (the last one queued is the one sent); writes of different names may land in any order,
-and later than requests made directly, so it must not carry a write whose order against
-another name's matters. Nothing is lost to an etcd outage: writes that could not be sent stay
-queued (in order) and go with the next attempt, after RETRY_S; only past MAX_QUEUED writes are
-the oldest dropped, with a warning. A put under a lease that etcd no longer has would fail its
-whole transaction forever: such puts are dropped (those under a lease other than `live_lease()`
-first; if none, all leased ones: the owner lists again under its next lease, as it must for
-whatever the lost lease took with it). `close()` sends what is queued (within a deadline) and
-stops the thread. It never reads.
+`BatchWriter` takes such writes (`put`, `delete`), waits LINGER_S for more (and at least until
+SPACING_S after its previous send), and sends all that came in one transaction
+(`Store.write_all`) from its own thread: the caller never waits for etcd, a burst of N writes
+costs etcd one request, not N, and a writer costs etcd at most one request every SPACING_S
+however often its owner writes (a server saving twice a second lists its saves once a second).
+Writes of one name keep their order (the last one queued is the one sent); writes of different
+names may land in any order, and later than requests made directly, so it must not carry a write
+whose order against another name's matters. Nothing is lost to an etcd outage: writes that could
+not be sent stay queued (in order) and go with the next attempt, after RETRY_S; only past
+MAX_QUEUED writes are the oldest dropped, with a warning. A put under a lease that etcd no
+longer has would fail its whole transaction forever: such puts are dropped (those under a lease
+other than `live_lease()` first; if none, all leased ones: the owner lists again under its next
+lease, as it must for whatever the lost lease took with it). `close()` sends what is queued
+(within a deadline) and stops the thread. It never reads.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 
 LEASE_NOT_FOUND = "lease not found"  # etcd's answer to a put under a lease it does not have
 LINGER_S = 0.2  # how long a first write waits for others to go with it
+SPACING_S = 1.0  # the shortest time from one send to the next
 RETRY_S = 1.0  # after a failed send
 MAX_QUEUED = 10_000  # writes kept through an outage; beyond, the oldest are dropped
 CLOSE_DEADLINE_S = 2.0
@@ -59,11 +64,12 @@ class BatchWriter:
         self._thread.start()
 
     def put(self, name: str, value: Any, lease: Lease | None = None) -> None:
-        """Queue a write of `name` (under `lease`); it reaches etcd within about LINGER_S."""
+        """Queue a write of `name` (under `lease`); it reaches etcd within about LINGER_S (or
+        SPACING_S after the previous send)."""
         self._queue(name, (value, lease))
 
     def delete(self, name: str) -> None:
-        """Queue the deletion of `name`; it reaches etcd within about LINGER_S."""
+        """Queue the deletion of `name`; it reaches etcd as a put would."""
         self._queue(name, None)
 
     def _queue(self, name: str, write: tuple[Any, Lease | None] | None) -> None:
@@ -88,10 +94,11 @@ class BatchWriter:
         self._thread.join(deadline_s + 1.0)
 
     def _run(self) -> None:
+        sent_at = -math.inf  # when the newest successful send began
         while True:
             self._wake.wait()
-            if not self._closing.is_set():
-                self._closing.wait(LINGER_S)  # let the rest of a burst come
+            if not self._closing.is_set():  # let the rest of a burst come
+                self._closing.wait(max(LINGER_S, sent_at + SPACING_S - time.monotonic()))
             self._wake.clear()
             with self._lock:
                 batch, dropped = dict(self._queued), self._dropped
@@ -100,8 +107,10 @@ class BatchWriter:
                 log.warning("etcd unreachable: %d queued writes (the oldest) dropped", dropped)
             try:
                 if batch:
+                    began = time.monotonic()
                     self.store.write_all(batch)
                     self.sends += 1
+                    sent_at = began
             except StoreError as e:
                 if LEASE_NOT_FOUND in str(e) and self._drop_dead_lease_puts(batch):
                     self._wake.set()

@@ -82,16 +82,20 @@ class GatewayClient(Etcd3Client):
         finally:
             self._attempt.timeout_s = None
 
-    def post(self, url: str, *args: Any, json: Any = None, **kwargs: Any) -> Any:
-        """etcd's answer (decoded JSON) to `json` posted at `url` (a URL of `get_url`)."""
-        if args or kwargs or not url.startswith(self.base_url):
-            return super().post(url, *args, json=json, **kwargs)
+    def post(
+        self, url: str, *args: Any, json: Any = None, data: str | None = None, **kwargs: Any
+    ) -> Any:
+        """etcd's answer (decoded JSON) to `json` (or `data`, JSON already encoded: etcd3gw's
+        transactions) posted at `url` (a URL of `get_url`)."""
+        if args or kwargs or not url.startswith(self.base_url) or (json and data):
+            return super().post(url, *args, json=json, data=data, **kwargs)
+        body = data.encode() if data is not None else _dumps(json)
         limit = self.timeout
         try:
             response = self.pool.urlopen(
                 "POST",
                 url[len(self.base_url) :],
-                body=_dumps(json),
+                body=body,
                 headers=_HEADERS,
                 timeout=urllib3.Timeout(connect=limit, read=limit),
                 retries=False,

@@ -93,8 +93,15 @@ class PrefixWatch:
     """Watch every key under `store.key(name)` (e.g. keys.NODES, or keys.PLAN for one key)."""
 
     def __init__(self, store: Store, name: str, queue_size: int = QUEUE_SIZE):
-        # A client of its own: the stream holds a connection for as long as it runs.
-        self.store = Store(store.access, store.job_id)
+        # A client of its own (the stream holds a connection for as long as it runs), with the
+        # caller's limits: a direct read gives up when the caller's own requests would.
+        policy = store.policy
+        self.store = Store(
+            store.access,
+            store.job_id,
+            timeout=policy.request_timeout_s,
+            deadline_s=policy.deadline_s,
+        )
         self.name = name
         self.start_key = store.key(name)
         self.updates: queue.Queue[Update] = queue.Queue(maxsize=queue_size)
