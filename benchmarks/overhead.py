@@ -9,6 +9,9 @@ and reports, from rank 0's step lines and psutil samples of every process each j
   transom_cpu_x    CPU of Transom's own processes over the steady state, in cores, by kind
                    (etcd, checkpoint servers, agents, controllers, launcher, warm interpreters
                    waiting, other); the workers are not Transom's and are reported apart
+  transom_cpu_per_node_x  the same without the checkpoint servers, per node (the issue's bar)
+  etcd_requests_per_s     etcd's requests a second over the steady state, by method (its
+                          metrics, read every REQUESTS_EVERY_S)
 Numbers are means over the pairs. On a machine shared with other work they are not final.
 
     flock /work/wt/e2e.lock timeout 600 python benchmarks/overhead.py --json
@@ -32,10 +35,13 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import Line, finish, parse, transom_run
+from jobs import Line, etcd_requests_by_method, finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from transom.common import files  # noqa: E402
+from transom.store import Store, StoreAccess  # noqa: E402
+from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE  # noqa: E402
 from transom.utils.procs import new_session_dying_with_parent, stop_tree  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -44,6 +50,8 @@ RUN_TIMEOUT_S = 240
 JOB_DIES_WITH_US = functools.partial(new_session_dying_with_parent, signal.SIGTERM)
 SAMPLE_EVERY_S = 0.5
 STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that one
+REQUESTS_EVERY_S = 5.0  # reading etcd's metrics costs it some CPU too
+NODES = 2  # transom's nodes in the job (--nnodes), one rank each
 TIMES = ("startup_s", "step_rate", "wall_s")
 TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "warm", "other")
 
@@ -117,24 +125,80 @@ class Sampler:
         return out
 
 
+class EtcdRequests:
+    """etcd's request counts by method, read every REQUESTS_EVERY_S from the embedded etcd of
+    the job in `run_dir` (its address from an agent's --store option)."""
+
+    def __init__(self, run_dir: Path, job_id: str):
+        self.run_dir, self.job_id = run_dir, job_id
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="etcd-requests", daemon=True)
+
+    def _url(self) -> str | None:
+        for p in psutil.process_iter(["cmdline"]):
+            words = p.info["cmdline"] or []
+            if "agent" in words and "--store" in words and self.job_id in words:
+                return words[words.index("--store") + 1]
+        return None
+
+    def _run(self) -> None:
+        url = None
+        while url is None and not self.stop.wait(SAMPLE_EVERY_S):
+            url = self._url()
+        if url is None:
+            return
+        tls = self.run_dir / files.ETCD_TLS
+        access = StoreAccess(
+            url, tls / CA_FILE, tls / CLIENT_CERT_FILE, tls / CLIENT_KEY_FILE
+        )  # fmt: skip
+        store = Store(access, self.job_id)
+        while not self.stop.is_set():
+            try:
+                self.samples.append((time.time(), etcd_requests_by_method(store)))
+            except Exception:  # noqa: BLE001 - etcd gone at the end: the samples so far count
+                return
+            self.stop.wait(REQUESTS_EVERY_S)
+
+    def rates(self, start: float, end: float) -> dict[str, float]:
+        """Requests a second by method between the first and last samples in [start, end]."""
+        inside = [(t, c) for t, c in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            raise RuntimeError("too few etcd metrics samples in the steady state")
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        rates = {k: (v - first.get(k, 0.0)) / (t1 - t0) for k, v in last.items()}
+        rates = {k: v for k, v in sorted(rates.items()) if v > 0}
+        return rates | {"total": sum(rates.values())}
+
+
 def rank0_steps(lines: list[Line]) -> dict[int, float]:
     return {x.step: x.t for x in lines if x.what == "step" and x.step is not None}
 
 
-def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -> dict:
-    """Run one job to its end; its start-up, steady step rate and CPU by kind."""
+def run_job(
+    command: list[str],
+    logs,
+    marker: str,
+    out_path: Path,
+    steps: int,
+    requests: EtcdRequests | None = None,
+) -> dict:
+    """Run one job to its end; its start-up, steady step rate, CPU by kind (and etcd's
+    requests, given `requests`)."""
     with open(out_path, "wb") as out:
         launched = time.time()
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=JOB_DIES_WITH_US
         )
-        sampler = Sampler(process.pid)
-        sampler.thread.start()
+        samplers = [Sampler(process.pid), *([requests] if requests else [])]
+        for sampler in samplers:
+            sampler.thread.start()
         try:
             ok = finish(process, marker, RUN_TIMEOUT_S)
         finally:
-            sampler.stop.set()
-            sampler.thread.join()
+            for sampler in samplers:
+                sampler.stop.set()
+                sampler.thread.join()
             if process.poll() is None:  # interrupted: no job outlives the benchmark
                 stop_tree([process.pid])
     if not ok:
@@ -147,7 +211,8 @@ def run_job(command: list[str], logs, marker: str, out_path: Path, steps: int) -
         "startup_s": t[1] - launched,
         "step_rate": (last - first) / (t[last] - t[first]),
         "wall_s": t[steps] - launched,
-        "cores": sampler.cores(t[first], t[last]),
+        "cores": samplers[0].cores(t[first], t[last]),
+        "requests": requests.rates(t[first], t[last]) if requests else {},
     }
 
 
@@ -167,7 +232,7 @@ def transom(work: Path, args) -> dict:
     job_id = "overhead-" + uuid.uuid4().hex[:6]
     run_dir = work / job_id
     command = transom_run(
-        run_dir, job_id, "--nnodes", "2", "--nproc-per-node", "1",
+        run_dir, job_id, "--nnodes", str(NODES), "--nproc-per-node", "1",
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
         "--ckpt-every", str(args.ckpt_every),
     )  # fmt: skip
@@ -176,7 +241,8 @@ def transom(work: Path, args) -> dict:
         paths = sorted(run_dir.glob("logs/g*/rank0.log"))
         return "".join(p.read_text(errors="replace") for p in paths)
 
-    return run_job(command, logs, str(run_dir), work / f"{job_id}.out", args.steps)
+    requests = EtcdRequests(run_dir, job_id)
+    return run_job(command, logs, str(run_dir), work / f"{job_id}.out", args.steps, requests)
 
 
 def summarize(pairs: list[tuple[dict, dict]]) -> dict:
@@ -186,6 +252,8 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     kinds = {k for _, b in pairs for k in b["cores"]}
     cpu = {k: statistics.mean(b["cores"].get(k, 0.0) for _, b in pairs) for k in sorted(kinds)}
     own = {k: v for k, v in cpu.items() if k in TRANSOM_KINDS}
+    methods = {k for _, b in pairs for k in b["requests"]}
+    requests = {k: statistics.mean(b["requests"].get(k, 0.0) for _, b in pairs) for k in methods}
     return {
         "step_rate_x": statistics.mean(ratios),
         "step_rate_x_pairs": ratios,
@@ -193,6 +261,8 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
         "startup_delta_s": statistics.mean(deltas),
         "startup_delta_s_pairs": deltas,
         "transom_cpu_x": own | {"total": sum(own.values())},
+        "transom_cpu_per_node_x": (sum(own.values()) - own.get("ckpt_servers", 0.0)) / NODES,
+        "etcd_requests_per_s": dict(sorted(requests.items(), key=lambda kv: -kv[1])),
         "transom_workers_cpu_x": cpu.get("workers", 0.0),
         "torchrun_cpu_x": {
             k: statistics.mean(a["cores"].get(k, 0.0) for a, _ in pairs)
@@ -234,6 +304,9 @@ def main() -> int:
           f"{result['startup_delta_s']:+.2f}")  # fmt: skip
     print("Transom's own processes in the steady state (cores): " + ", ".join(
         f"{k} {v:.3f}" for k, v in result["transom_cpu_x"].items()))  # fmt: skip
+    print(f"per node without the checkpoint servers: {result['transom_cpu_per_node_x']:.3f} cores")
+    print("etcd requests a second: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["etcd_requests_per_s"].items()))  # fmt: skip
     if args.json:
         print(json.dumps(result))
     return 0

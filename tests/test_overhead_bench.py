@@ -32,16 +32,34 @@ def test_kind_of(cmdline, root, kind):
 
 
 def test_summarize_means_over_pairs():
-    def run(rate, startup, cores):
-        return {"step_rate": rate, "startup_s": startup, "wall_s": 10.0, "cores": cores}
+    def run(rate, startup, cores, requests=None):
+        return {
+            "step_rate": rate,
+            "startup_s": startup,
+            "wall_s": 10.0,
+            "cores": cores,
+            "requests": requests or {},
+        }
 
     pairs = [
-        (run(50.0, 5.0, {"torchrun": 0.01}), run(40.0, 8.0, {"etcd": 0.1, "workers": 1.0})),
-        (run(40.0, 6.0, {"torchrun": 0.03}), run(40.0, 7.0, {"etcd": 0.3, "agents": 0.2})),
+        (
+            run(50.0, 5.0, {"torchrun": 0.01}),
+            run(40.0, 8.0, {"etcd": 0.1, "ckpt_servers": 0.2}, {"Put": 4.0, "total": 4.0}),
+        ),
+        (
+            run(40.0, 6.0, {"torchrun": 0.03}),
+            run(
+                40.0, 7.0, {"etcd": 0.3, "agents": 0.2, "workers": 2.0}, {"Put": 2.0, "total": 2.0}
+            ),
+        ),
     ]
     s = overhead.summarize(pairs)
     assert s["step_rate_x"] == pytest.approx(0.9)
     assert s["startup_delta_s"] == pytest.approx(2.0)
-    assert s["transom_cpu_x"] == pytest.approx({"etcd": 0.2, "agents": 0.1, "total": 0.3})
-    assert s["transom_workers_cpu_x"] == pytest.approx(0.5)
+    assert s["transom_cpu_x"] == pytest.approx(
+        {"etcd": 0.2, "agents": 0.1, "ckpt_servers": 0.1, "total": 0.4}
+    )
+    assert s["transom_cpu_per_node_x"] == pytest.approx(0.3 / overhead.NODES)  # no ckpt servers
+    assert s["etcd_requests_per_s"] == pytest.approx({"Put": 3.0, "total": 3.0})
+    assert s["transom_workers_cpu_x"] == pytest.approx(1.0)
     assert s["torchrun_cpu_x"]["torchrun"] == pytest.approx(0.02)
