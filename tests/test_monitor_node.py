@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import pytest
@@ -112,6 +113,31 @@ def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch
     reporter.report(WARMUP_STEPS + 5, loss=float("nan"))
     assert channel.pending == []
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
+
+
+def test_steps_going_out_are_the_ranks_heartbeat_and_a_stuck_rank_beats_alone(node, monkeypatch):
+    """Any datagram tells the agent the rank lives: while steps go out no heartbeat is sent
+    besides them; once steps stop (stuck in one) the heartbeat goes every HEARTBEAT_S."""
+    monkeypatch.setattr(reporter, "BATCH_S", 0.1)
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 0.5)
+    kinds: list[str] = []
+    send = reporter._Channel.send
+
+    def counted(self, kind, /, **values):
+        if self is reporter._channel:  # earlier tests' channels beat on in their threads
+            kinds.append(kind)
+        send(self, kind, **values)
+
+    monkeypatch.setattr(reporter._Channel, "send", counted)
+    work = threading.Event()  # never set: each wait is a step's compute, or the stuck step
+    for step in range(1, 41):  # 2 s of 0.05 s steps: 4 heartbeats before, alone
+        with reporter.step(step):
+            work.wait(0.05)
+    stepping = kinds.count("beat")
+    assert stepping <= 2, kinds  # the first (nothing sent yet), and one for a late batch
+    wait_for(lambda: node.steps().get(3) == 40, 5, "every step to arrive")
+    with reporter.step(41):  # stuck in this step
+        wait_for(lambda: kinds.count("beat") >= stepping + 2, 10, "heartbeats while stuck")
 
 
 def test_a_batch_too_long_for_one_datagram_goes_in_parts(node, monkeypatch):
