@@ -1,17 +1,16 @@
 """What a launcher keeps of its job for people, and how it follows the job record.
 
 `RunMirror` follows every key of the job through one watch (store/prefix_mirror.py) and keeps,
-in the launcher's run directory: `status.json` (the newest snapshot, what `transom status`
-reads after the job), `progress.jsonl` (the job's progress each time it changed) and
-`events.jsonl` (every event once); it prints the events worth a person's attention and feeds
-the live view. It writes the files when something changed (or every PROBE_S, so that
-status.json's time stays recent), and takes the job record as the other launchers do (below),
-so a job where nothing happens costs its launcher one read every PROBE_S. One launcher of a job
-needs it: on a job of a thousand machines (a Slurm step:
-one launcher each) a mirror on every one would make etcd send every node's summaries to every
-node, half a million events a second, so the other launchers follow the job record alone
-(`JobFollower`: pushed by a watch, and read directly now and then, so that etcd's silence is
-still counted as an outage).
+in the launcher's run directory: `status.json` (the newest snapshot, what `transom status` reads
+after the job), `progress.jsonl` (the job's progress each time it changed) and `events.jsonl`
+(every event once); it prints the events worth a person's attention and feeds the live view. It
+writes the files when something changed (or every PROBE_S, so that status.json's time stays
+recent), and takes the job record as the other launchers do (below), so a job where nothing
+happens costs its launcher one read every PROBE_S. One launcher of a job needs it: on a job of a
+thousand machines (a Slurm step: one launcher each) a mirror on every one would make etcd send
+every node's summaries to every node, half a million events a second, so the other launchers
+follow the job record alone (`JobFollower`: pushed by a watch, and read directly now and then,
+so that etcd's silence is still counted as an outage).
 
 It only reads etcd, and writes nothing but the run directory's files and the console.
 """
