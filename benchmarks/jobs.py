@@ -1,6 +1,6 @@
 """What the benchmarks (and the end-to-end tests, through tests/conftest.py) running jobs share:
 the `transom run` command line, its progress lines, waiting with a deadline, finding and
-stopping a job's processes, counting the requests etcd received.
+stopping a job's processes, reaching a job's embedded etcd and counting the requests it received.
 
 train_gpt.py (transom/workloads/train_gpt.py) prints, each with t=time.time() (see its docstring):
     [train_gpt] start rank=R world=W t=...     [train_gpt] resumed step=S rank=R t=...
@@ -11,6 +11,7 @@ never starts a job.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -21,6 +22,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import psutil
+
+from transom.common import files
+from transom.store import StoreAccess
+from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE
 
 STOP_GRACE_S = 20
 # The smallest example GPT (examples/train_gpt.py options) the tests and the torture suite train.
@@ -33,6 +38,25 @@ LINE = re.compile(
 FIELD = re.compile(r"(\w+)=(\d+)")
 ETCD_MESSAGES = re.compile(r"^grpc_server_msg_received_total\{([^}]*)\} (\S+)$", re.M)
 ETCD_METHOD = re.compile(r'grpc_method="([^"]*)"')
+
+
+def embedded_etcd(run_dir: Path) -> psutil.Process | None:
+    """The embedded etcd of the job in `run_dir` (its data under it), None while none runs."""
+    data_dir = str(run_dir / files.ETCD)
+    for p in psutil.process_iter(["cmdline"]):
+        words = p.info["cmdline"] or []
+        if any(a == "--data-dir" and b == data_dir for a, b in itertools.pairwise(words)):
+            return p
+    return None
+
+
+def etcd_access(etcd: psutil.Process, run_dir: Path) -> StoreAccess:
+    """How to reach `etcd`, the embedded etcd of the job in `run_dir`: the client address on its
+    command line, the run's client certificate."""
+    words = etcd.cmdline()
+    url = words[words.index("--listen-client-urls") + 1]
+    tls = run_dir / files.ETCD_TLS
+    return StoreAccess(url, tls / CA_FILE, tls / CLIENT_CERT_FILE, tls / CLIENT_KEY_FILE)
 
 
 def etcd_requests_by_method(store) -> dict[str, float]:

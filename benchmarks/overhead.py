@@ -35,13 +35,19 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import Line, etcd_requests_by_method, finish, parse, transom_run
+from jobs import (
+    Line,
+    embedded_etcd,
+    etcd_access,
+    etcd_requests_by_method,
+    finish,
+    parse,
+    transom_run,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from transom.common import files  # noqa: E402
-from transom.store import Store, StoreAccess  # noqa: E402
-from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE  # noqa: E402
+from transom.store import Store  # noqa: E402
 from transom.utils.procs import new_session_dying_with_parent, stop_tree  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -127,7 +133,7 @@ class Sampler:
 
 class EtcdRequests:
     """etcd's request counts by method, read every REQUESTS_EVERY_S from the embedded etcd of
-    the job in `run_dir` (its address from an agent's --store option)."""
+    the job in `run_dir`."""
 
     def __init__(self, run_dir: Path, job_id: str):
         self.run_dir, self.job_id = run_dir, job_id
@@ -135,23 +141,16 @@ class EtcdRequests:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="etcd-requests", daemon=True)
 
-    def _url(self) -> str | None:
-        for p in psutil.process_iter(["cmdline"]):
-            words = p.info["cmdline"] or []
-            if "agent" in words and "--store" in words and self.job_id in words:
-                return words[words.index("--store") + 1]
-        return None
-
     def _run(self) -> None:
-        url = None
-        while url is None and not self.stop.wait(SAMPLE_EVERY_S):
-            url = self._url()
-        if url is None:
+        etcd = None
+        while etcd is None and not self.stop.wait(SAMPLE_EVERY_S):
+            etcd = embedded_etcd(self.run_dir)
+        if etcd is None:
             return
-        tls = self.run_dir / files.ETCD_TLS
-        access = StoreAccess(
-            url, tls / CA_FILE, tls / CLIENT_CERT_FILE, tls / CLIENT_KEY_FILE
-        )  # fmt: skip
+        try:
+            access = etcd_access(etcd, self.run_dir)
+        except psutil.Error:  # it exited already
+            return
         store = Store(access, self.job_id)
         while not self.stop.is_set():
             try:

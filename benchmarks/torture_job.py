@@ -34,11 +34,10 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import SMALL_GPT, job_processes, transom_run, wait_for
+from jobs import SMALL_GPT, embedded_etcd, etcd_access, job_processes, transom_run, wait_for
 
 from transom.common import files, keys
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
-from transom.store import tls as store_tls
 from transom.utils.procs import new_session_dying_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
@@ -283,21 +282,11 @@ class LocalJob(Job):
         return self
 
     def etcd(self) -> psutil.Process | None:
-        return self.find("--data-dir", str(self.run_dir / files.ETCD))
+        return embedded_etcd(self.run_dir)
 
     def access(self) -> StoreAccess | None:
         etcd = self.etcd()
-        if etcd is None:
-            return None
-        cmd = etcd.cmdline()
-        url = cmd[cmd.index("--listen-client-urls") + 1]
-        tls = self.run_dir / files.ETCD_TLS
-        return StoreAccess(
-            url,
-            tls / store_tls.CA_FILE,
-            tls / store_tls.CLIENT_CERT_FILE,
-            tls / store_tls.CLIENT_KEY_FILE,
-        )
+        return None if etcd is None else etcd_access(etcd, self.run_dir)
 
     def ended(self) -> bool:
         return self.process.poll() is not None
