@@ -1,16 +1,20 @@
 """The node agent's checkpoint server (control/ckpt_node.py): a real server process, restarted
 when it dies, without the agent's loop waiting for it, and started again on a later tick when a
 restart failed (the torture suite's server_kill_ckpt found a node that went on without a server
-for the rest of the job once a server was killed again while it started)."""
+for the rest of the job once a server was killed again while it started); its etcd entries live
+under the agent's lease, and a restarted server withdraws what the dead one listed."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
 
 from conftest import wait_for
 
+from transom.checkpoint import catalog
+from transom.common import keys
 from transom.config import JobSpec
 from transom.control.ckpt_node import RESTART_INTERVAL_S, NodeCheckpointServer
 
@@ -44,3 +48,40 @@ def test_a_dead_server_is_started_again_without_holding_up_the_agent(store, tmp_
     finally:
         node.stop()
     assert not node.shm_dir.exists()
+
+
+def test_the_server_lists_under_the_agents_lease_and_its_successor_withdraws_its_listings(
+    store, tmp_path: Path
+):
+    spec = JobSpec(script="train.py", job_id=store.job_id)
+    node = NodeCheckpointServer(spec, store, "node0", tmp_path, "127.0.0.1")
+    lease = store.lease(60)  # the agent's
+    node.launch()
+    node.use_lease(lease.id)  # as the agent's registration does, while the server starts
+    node.start()
+    memory = catalog.memory_holder("node0")
+
+    def registered_under_the_lease() -> dict | None:
+        found = store.client.get(store.key(keys.ckpt_server("node0")), metadata=True)
+        ok = found and int(found[0][1].get("lease", 0)) == lease.id
+        return json.loads(found[0][0]) if ok else None
+
+    try:
+        first = wait_for(registered_under_the_lease, 30, "the server registered")
+        # A listing of the first server's memory (as a save would make), under the same lease.
+        catalog.publish(store, 4, 0, memory, {"tier": "memory", "node": "node0"}, lease)
+        assert node.process is not None
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait()
+        node.ensure_running()  # its successor, handed the same lease
+        wait_for(
+            lambda: (r := registered_under_the_lease()) and r["addr"] != first["addr"],
+            30,
+            "the successor registered under the agent's lease",
+        )
+        wait_for(lambda: not catalog.holders(store, 4, 0), 10, "the dead server's listing gone")
+        assert store.refresh(lease)  # nobody revoked the agent's lease
+    finally:
+        node.stop()
+        store.revoke(lease)
+    assert store.get(keys.ckpt_server("node0")) is None  # withdrawn by the server's stop

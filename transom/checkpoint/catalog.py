@@ -5,8 +5,10 @@ Keys under the job's prefix (values JSON):
     ckpt/discarded                           steps discarded as poisoned: a list of
                                              {first_bad_step, generation}, DISCARDS_KEPT newest
     ckpt/shards/<step:012d>/<rank:06d>/<holder>
-        holder "mem-<node>": the shard is in that node's server memory (under that server's lease,
-                             so it disappears when the node dies)
+        holder "mem-<node>": the shard is in that node's server memory (under the lease of that
+                             node's agent, or of a server run on its own: it disappears when
+                             the node dies; a server that replaces a dead one under the same
+                             agent withdraws them first, `withdraw_memory`)
         holder "storage":    the shard is in the storage directory (survives everything)
         value: step, rank, world_size, node, tier (a `Tier`: memory or storage), nbytes, time,
                generation (the one that saved the shard: what a discard compares)
@@ -144,6 +146,21 @@ def newest_restorable(
         if before is None or step < before:
             return step
     return None
+
+
+def withdraw_memory(store: Store, node: str) -> int:
+    """Withdraw every listing of a shard in `node`'s server memory (a dead server's: its
+    successor starts empty, and the agent's lease they live under goes on); how many. It reads
+    the whole catalog: for a server's restart, never for every start."""
+    holder = memory_holder(node)
+    names = [
+        shard_key(step, rank, holder)
+        for step, ranks in shards(store).items()
+        for rank, held in ranks.items()
+        if holder in held
+    ]
+    store.write_all(dict.fromkeys(names))
+    return len(names)
 
 
 def servers(store: Store) -> dict[str, dict[str, Any]]:

@@ -102,7 +102,25 @@ class ServerConfig:
     store_key: Path | None = _option(FLAG_KEY, "client key for etcd", None, type=Path)
     job_id: str = _option("--job-id", "job name in etcd", "local")
     lease_ttl_s: int = _option(
-        "--lease-ttl", "seconds this server's etcd entries outlive it", 4, type=int
+        "--lease-ttl", "seconds this server's etcd entries outlive it (--lease own)", 4, type=int
+    )
+    # Run by a node agent: its etcd entries live under the agent's lease (agent_lease.py).
+    lease: str = _option(
+        "--lease",
+        "own: hold a lease of its own (--lease-ttl); agent: list under the lease its parent "
+        "node agent writes on its stdin, one lease id a line, and hold none (default own)",
+        "own",
+        choices=("own", "agent"),
+    )
+    # A node agent restarting a dead server sets it: what that one listed lives under the same
+    # lease, and the new server's memory starts empty.
+    withdraw_stale: int = _option(
+        "--withdraw-stale",
+        "1: withdraw the memory listings a dead server of this node left in the catalog, "
+        "before listing any (the node agent sets it when it restarts one; default 0)",
+        0,
+        type=int,
+        choices=(0, 1),
     )
     # With it (and --store), the server fetches its ranks' shards of the plan's restore step from
     # the peers holding them as soon as the plan names it (prefetch.py), ahead of the workers.
@@ -166,6 +184,8 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
         )
     if values.get("ranks_per_node", 0) < 0:
         raise ValueError(f"--ranks-per-node {values['ranks_per_node']}: 0 or more")
+    if values.get("lease") == "agent" and not values.get("store_url"):
+        raise ValueError(f"--lease agent needs {FLAG_URL}")
     networked = bool(values.get("store_url") or values.get("peer"))
     values["secret"] = environ.get(env.CKPT_SECRET, "").encode()
     if networked and not values["secret"]:

@@ -1,10 +1,13 @@
 """A checkpoint server's side of etcd: its lease, the shards it lists, its events, its plan.
 
-With a store, the server holds a lease; under it it registers its peer address and lists each
-shard its memory holds (`catalog.py` has the keys), so both vanish when the node dies. Persisted
-shards are listed without a lease. A control thread keeps the lease (a lost one is replaced and
-everything re-listed) and follows, through etcd watches, the controller's plan (its members for
-the ring peer, its restore step never evicted) and the discarded steps. Its events and its
+With a store, the server registers its peer address and lists each shard its memory holds
+(`catalog.py` has the keys) under a lease, so both vanish when the node dies: the node agent's
+when the agent runs it (handed over by `adopt`, agent_lease.py: the server renews and revokes
+none, and lists everything again under each new one; one replacing a dead server first
+withdraws what that one listed), else a lease of its own, which its control thread renews (a
+lost one is replaced and everything re-listed). Persisted shards are listed without a lease.
+The control thread follows, through etcd watches, the controller's plan (its members for the
+ring peer, its restore step never evicted) and the discarded steps. Its events and its
 catalog listings and withdrawals go to etcd in batches (store/batch_writer.py: a save's
 listing, its replica's, its persisted copy's, the evicted step's withdrawals and their events
 are one or two requests, not eight); the ring peer's address is read once, and again only after
@@ -15,6 +18,7 @@ This module never touches shard bytes and never decides what the server keeps.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -62,14 +66,19 @@ def plan_view(value: Any) -> PlanView:
 
 
 class Publisher:
-    """The etcd side of server `node` (reachable by peers at `addr`, empty when it has no port)."""
+    """The etcd side of server `node` (reachable by peers at `addr`, empty when it has no port),
+    under a lease of its own of `lease_ttl_s`, or with None under its node agent's (`adopt`)."""
 
-    def __init__(self, store: Store | None, node: str, lease_ttl_s: int):
+    def __init__(self, store: Store | None, node: str, lease_ttl_s: int | None):
         self.store = store
         self.node = node
         self.lease_ttl_s = lease_ttl_s
         self.addr = ""
         self.lease: Any = None
+        self._offered: int | None = None  # the newest lease id the agent handed over
+        # Set when this server replaces a dead one of the same agent: what that one listed is
+        # withdrawn before the first listing (it lives under the same lease).
+        self.withdraw_stale = False
         self.plan = PlanView()
         self.held: Callable[[], list] = list  # the shards in memory, to re-list on a new lease
         self.on_plan: Callable[[PlanView], None] = lambda plan: None
@@ -102,7 +111,8 @@ class Publisher:
                 self.on_plan(self.plan)
             except StoreError as e:
                 log.warning("cannot read the plan yet: %s", e)
-            self._new_lease()
+            if self.lease_ttl_s is not None:
+                self._relist(self.store.lease(self.lease_ttl_s))
 
     def stale_generation(self, generation: int) -> str | None:
         """Why a write from `generation` is refused (older than the plan's), None when it is not."""
@@ -115,31 +125,58 @@ class Publisher:
         return None
 
     def stop(self) -> None:
+        """Withdraw the registration and the memory listings (by revoking the lease, or in the
+        last batch when the lease is the agent's, which lives on)."""
+        if self.writes is not None and self.lease is not None and self.lease_ttl_s is None:
+            self.writes.delete(keys.ckpt_server(self.node))
+            for shard in self.held():
+                self.unlist_memory(shard)
         if self.writes is not None:
             self.writes.close()
-        if self.store is not None and self.lease is not None:
+        if self.store is not None and self.lease is not None and self.lease_ttl_s is not None:
             try:
                 self.store.revoke(self.lease)
             except StoreError:
                 pass
 
-    def _new_lease(self) -> None:
+    def adopt(self, lease_id: int) -> None:
+        """Take the node agent's lease `lease_id` (any thread): the control thread lists
+        everything under it within WAKE_S."""
+        self._offered = lease_id
+
+    def _take_offered(self) -> None:
+        """List under the lease the agent handed over last, if it is new (StoreError: on the
+        next tick again)."""
+        offered = self._offered
+        if offered is None or (self.lease is not None and self.lease.id == offered):
+            return
         assert self.store is not None
-        self.lease = self.store.lease(self.lease_ttl_s)
+        if self.withdraw_stale:
+            withdrawn = catalog.withdraw_memory(self.store, self.node)
+            self.withdraw_stale = False
+            log.info("withdrew %d memory listings of the dead server this one replaces", withdrawn)
+        self._relist(self.store.lease_of(offered))
+
+    def _relist(self, lease: Any) -> None:
+        """Register and list what memory holds under `lease` (StoreError: not registered)."""
+        assert self.store is not None
         if self.addr:
-            catalog.register_server(self.store, self.node, self.addr, self.lease)
+            catalog.register_server(self.store, self.node, self.addr, lease)
+        self.lease = lease
         for shard in self.held():
             self.list_memory(shard)
 
     def follow(self, stopping: threading.Event) -> None:
-        """Keep the lease and follow the plan and the discards until `stopping` is set (a
-        thread's body). Both keys are pushed by etcd watches (they change a few times a job);
-        the lease refresh is the one steady request, `REFRESHES_PER_TTL` times a TTL (as the
-        node agent's: once a second for a small job's 4 s lease, every 5 s for a large one's)."""
+        """Keep the lease (or take the agent's newest) and follow the plan and the discards until
+        `stopping` is set (a thread's body). Both keys are pushed by etcd watches (they change a
+        few times a job); a lease of its own is the one steady request, renewed
+        `REFRESHES_PER_TTL` times a TTL (as the node agent's: once a second for a small job's 4 s
+        lease, every 5 s for a large one's); under the agent's there is none."""
         plans, marks = self.plans, self.marks
         if self.store is None or plans is None or marks is None:
             return
-        period = self.lease_ttl_s / REFRESHES_PER_TTL
+        ttl_s = self.lease_ttl_s  # None: the agent's lease
+        period = math.inf if ttl_s is None else ttl_s / REFRESHES_PER_TTL
         refresh_at = time.monotonic() + period
         taken = (-1, -1)  # the (discards, plan) revisions last taken in
         try:
@@ -160,10 +197,12 @@ class Publisher:
                             self.on_discard(discards)
                         self.plan = plan_view(plans.value)
                         self.on_plan(self.plan)
-                    if now >= refresh_at:
+                    if ttl_s is None:
+                        self._take_offered()
+                    elif now >= refresh_at:
                         refresh_at = now + period
                         if not self.store.refresh(self.lease):
-                            self._new_lease()
+                            self._relist(self.store.lease(ttl_s))
                 except StoreError as e:
                     log.debug("control tick: %s", e)
                     stopping.wait(WAKE_S)
@@ -192,7 +231,10 @@ class Publisher:
         return catalog.is_discarded(self.discards, shard.step, shard.generation)
 
     def list_memory(self, shard) -> None:
-        """List a shard this server's memory holds (under the lease); never a discarded one."""
+        """List a shard this server's memory holds (under the lease); never a discarded one, nor
+        any before the agent handed its lease over (all are listed then)."""
+        if self.lease is None:
+            return
         self._list(
             shard,
             catalog.memory_holder(self.node),

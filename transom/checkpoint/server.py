@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from transom.checkpoint import capacity, catalog, config
+from transom.checkpoint import agent_lease, capacity, catalog, config
 from transom.checkpoint.budget import ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
@@ -48,7 +48,10 @@ class CheckpointServer:
         self.node = cfg.node_id
         self.stopping = threading.Event()
         store = Store(access, cfg.job_id) if (access := cfg.store_access()) else None
-        self.publisher = Publisher(store, cfg.node_id, cfg.lease_ttl_s)
+        self.publisher = Publisher(
+            store, cfg.node_id, cfg.lease_ttl_s if cfg.lease == "own" else None
+        )
+        self.publisher.withdraw_stale = bool(cfg.withdraw_stale)
         regions = RegionDir(cfg.shm_dir, cfg.job_id, cfg.node_id)
         self.budget = capacity.effective_budget(cfg.budget_bytes, cfg.shm_dir)
         self.memory = ShardMemory(
@@ -114,6 +117,8 @@ class CheckpointServer:
             self._tcp.start()
         if self.publisher.store is not None:
             threads.append((lambda: self.publisher.follow(self.stopping), "ckpt-control"))
+            if self.cfg.lease == "agent":
+                agent_lease.follow(sys.stdin.buffer, self.publisher.adopt)
         for target, name in threads:
             threading.Thread(target=target, name=name, daemon=True).start()
         log.info(

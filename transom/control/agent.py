@@ -110,6 +110,8 @@ class NodeAgent:
         self.store.put(keys.node(self.node_id), registration.to_dict(), lease=lease)
         self.lease = lease
         self.keeper.hold(lease)
+        if self.ckpt is not None:  # its server lists under the node's lease
+            self.ckpt.use_lease(lease.id)
         self._lease_loss_seen = False
         self._report(self.group_state, **self.reports.extra)
 

@@ -1,10 +1,12 @@
 """The node agent's checkpoint server: started with the agent, restarted if it dies, gone with it.
 
 The server is a child process of the agent (it dies with the agent, as the node's memory would),
-configured from the job spec; the agent hands its workers the variables the checkpoint engine
-reads (socket, secret, storage directory). The job's checkpoint secret lives in etcd
-(`ckpt/secret`): the first agent creates it, every other one reads the same. This module never
-touches checkpoint data.
+configured from the job spec; its etcd entries live under the agent's lease, which the agent
+writes to its stdin (transom.checkpoint.agent_lease: the node renews one lease, not two), and a
+server started in place of a dead one withdraws what that one listed under it. The agent hands
+its workers the variables the checkpoint engine reads (socket, secret, storage directory). The
+job's checkpoint secret lives in etcd (`ckpt/secret`): the first agent creates it, every other
+one reads the same. This module never touches checkpoint data.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from transom.checkpoint import agent_lease
 from transom.checkpoint.config import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.common import env, files, keys
@@ -54,6 +57,7 @@ class NodeCheckpointServer:
         self.serving = False  # the current process answered on its socket
         self.launched_at = -RESTART_INTERVAL_S  # monotonic time of the newest launch
         self.secret = ""
+        self.lease_id: int | None = None  # the agent's lease, handed to every server it starts
 
     def start_patiently(self, stopping: threading.Event | None = None) -> None:
         """`start`, launched again (START_ATTEMPTS in all) when the server exits before it
@@ -123,23 +127,43 @@ class NodeCheckpointServer:
             storage_dir=self.storage_dir,
             storage_keep=self.spec.ckpt_keep,
             replicas=self.spec.ckpt_replicas,
-            lease_ttl_s=self.spec.node_ttl_s,
+            lease="agent",
+            withdraw_stale=int(self.process is not None),  # a dead server's listings live on
             budget_bytes=self.spec.ckpt_memory_bytes or None,  # None: the server's default
             ranks_per_node=self.spec.nproc_per_node,  # its ranks' restore shards are prefetched
         )
         log_path = self._log_path()
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.process is not None:
+            _close_stdin(self.process)  # the dead server's end of the lease pipe
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 env={**os.environ, env.CKPT_SECRET: self.secret},
                 preexec_fn=die_with_parent,
             )
+        self._hand_lease()
         self.serving = False
         self.launched_at = time.monotonic()
+
+    def use_lease(self, lease_id: int) -> None:
+        """The agent's new lease: the server lists under it (and every server started later)."""
+        self.lease_id = lease_id
+        self._hand_lease()
+
+    def _hand_lease(self) -> None:
+        """Write the agent's lease to the running server (one that died gets it when started)."""
+        process = self.process
+        if self.lease_id is None or process is None or process.stdin is None:
+            return
+        try:
+            process.stdin.write(agent_lease.line(self.lease_id))
+            process.stdin.flush()
+        except OSError as e:  # the server died: its successor is handed the lease
+            log.warning("cannot hand the node's lease to its checkpoint server: %s", e)
 
     def _serving(self) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -187,5 +211,14 @@ class NodeCheckpointServer:
         SIGKILL it after a grace, and remove what it left in /dev/shm."""
         if self.process is not None:
             stop_process(self.process, grace_s=PERSIST_ON_STOP_S + 3)
+            _close_stdin(self.process)
             self.process = None
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def _close_stdin(process: subprocess.Popen) -> None:
+    if process.stdin is not None:
+        try:
+            process.stdin.close()
+        except OSError:  # a write to a dead reader that was still buffered
+            pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -229,6 +230,11 @@ class Store:
         asked_at = time.monotonic()
         granted = self._call(self.client.lease, ttl_s)
         return Lease(granted.id, self.client, ttl_s, asked_at)
+
+    def lease_of(self, lease_id: int) -> Lease:
+        """Another process's lease, by id, to put keys under; this process must never renew or
+        revoke it (its holder does)."""
+        return Lease(lease_id, self.client, 0, -math.inf)
 
     def refresh(self, lease: Lease, deadline_s: float | None = None) -> bool:
         """Keep a lease alive; False when it has already expired.
