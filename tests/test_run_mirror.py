@@ -87,3 +87,35 @@ def test_the_mirror_rewrites_its_files_only_when_something_changed(etcd, store, 
         assert shown(now + 1.5 + run_mirror.PROBE_S)["time"] != changed["time"]  # kept recent
     finally:
         mirror.stop()
+
+
+def test_the_mirror_writes_each_event_once_and_keeps_none_in_its_copy(etcd, store, tmp_path):
+    store.put(keys.JOB, {"state": "RUNNING", "generation": 1})
+    mirror = RunMirror(store, tmp_path, Console(quiet=True), total_steps=None)
+    written = tmp_path / files.EVENTS
+
+    def lines() -> list[dict]:
+        return [json.loads(x) for x in written.read_text().splitlines()] if written.exists() else []
+
+    try:
+        now = time.monotonic()
+        mirror.show(now, mirror.value(now), False, None)
+        wait_for(lambda: mirror.watch.watch.healthy, 10, "the mirror's watch to be up")
+        for i in range(20):
+            event = {"time": 1000.0 + i, "kind": "checkpoint", "message": f"saved {i}"}
+            store.put(keys.event(1000.0 + i, "node0"), event)
+
+        def mirrored() -> bool:
+            mirror.show(now, mirror.value(now), False, None)
+            return len(lines()) == 20
+
+        wait_for(mirrored, 10, "the 20 events in events.jsonl")
+        assert not [n for n in mirror.watch.values if n.startswith(keys.EVENTS)]
+        mirror.watch.read(now)  # a direct read (the watch was down) brings them all back ...
+        assert len([n for n in mirror.watch.values if n.startswith(keys.EVENTS)]) == 20
+        later = now + run_mirror.PROBE_S  # a rewrite is due, changed or not
+        mirror.show(later, mirror.value(later), False, None)
+        assert len(lines()) == 20  # ... and none is written twice
+        assert not [n for n in mirror.watch.values if n.startswith(keys.EVENTS)]
+    finally:
+        mirror.stop()

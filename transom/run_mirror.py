@@ -10,7 +10,8 @@ happens costs its launcher one read every PROBE_S. One launcher of a job needs i
 thousand machines (a Slurm step: one launcher each) a mirror on every one would make etcd send
 every node's summaries to every node, half a million events a second, so the other launchers
 follow the job record alone (`JobFollower`: pushed by a watch, and read directly now and then,
-so that etcd's silence is still counted as an outage).
+so that etcd's silence is still counted as an outage). The mirror keeps no event once written:
+a job's events grow with every save (three a node), and each rewrite walks the copy.
 
 It only reads etcd, and writes nothing but the run directory's files and the console.
 """
@@ -102,6 +103,7 @@ class RunMirror:
         if read is None:
             put = [n for n in self.watch.take_put() if n.startswith(keys.EVENTS)]
             read = {n[len(keys.EVENTS) :]: self.watch.values[n] for n in put}
+            self.watch.forget(put)  # written once: the copy keeps the state, not the history
         new = []
         for key, event in read.items():
             if key not in self._events_seen:

@@ -9,7 +9,9 @@ key_follow.FALLBACK_READ_S, and that read replaces the copy (a change the watch 
 at or before that read's revision, is not applied again).
 
 `take_put()` hands over the names put since it was last called, in revision order, so a
-reader can act on each new key once (the launcher appends each new event to events.jsonl).
+reader can act on each new key once (the launcher appends each new event to events.jsonl);
+`forget()` drops names a reader took and needs no more (the launcher its events: the copy stays
+the size of the job's state, not of its history, which grows with every save).
 
 It only reads etcd and never interprets values; a direct read that fails raises StoreError to
 the caller.
@@ -17,6 +19,7 @@ the caller.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from transom.store.client import Store
@@ -39,6 +42,12 @@ class PrefixMirror(Followed):
         """The names put (or found by a re-read) since the last call, oldest first."""
         put, self._put = self._put, []
         return [name for name in dict.fromkeys(put) if name in self.values]
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop `names` from the copy (a direct read brings back those still in etcd, and
+        `take_put` hands them over again)."""
+        for name in names:
+            self.values.pop(name, None)
 
     def _take_read(self, values: dict[str, Any], revision: int) -> None:
         self._replace(values, revision)
