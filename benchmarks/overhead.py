@@ -155,8 +155,11 @@ class EtcdRequests:
         while not self.stop.is_set():
             try:
                 self.samples.append((time.time(), etcd_requests_by_method(store)))
-            except Exception:  # noqa: BLE001 - etcd gone at the end: the samples so far count
-                return
+            except Exception:  # noqa: BLE001 - not serving yet, or gone at the end
+                if self.samples:  # gone: the samples so far count
+                    return
+                self.stop.wait(SAMPLE_EVERY_S)
+                continue
             self.stop.wait(REQUESTS_EVERY_S)
 
     def rates(self, start: float, end: float) -> dict[str, float]:
