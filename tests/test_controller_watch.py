@@ -30,7 +30,7 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster
-from transom.control.controller import LEADER_TTL_S, Controller
+from transom.control.controller import EVENTS_KEPT_S, LEADER_TTL_S, Controller
 from transom.store import EmbeddedEtcd, Store, StoreError
 
 pytestmark = pytest.mark.timeout(120)
@@ -302,3 +302,25 @@ def test_a_standby_takes_over_after_a_sigkill_and_at_once_after_a_hand_over(etcd
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+def test_the_leader_deletes_the_events_older_than_the_retention_and_keeps_the_rest(store):
+    running_job(store, ["node0"], nnodes_min=1, nnodes_max=1)
+    publish(store, "node0")
+    now = time.time()
+    old = now - EVENTS_KEPT_S - 60.0
+    kept = now - EVENTS_KEPT_S + 120.0  # inside the retention by two minutes
+    for t in (old - 1.0, old):
+        store.put(keys.event(t, "node0"), {"time": t, "kind": "warning", "message": "old"})
+    store.put(keys.event(kept, "node0"), {"time": kept, "kind": "warning", "message": "kept"})
+    ctl = ControllerThread(store, "ctl-a")
+    try:
+        poll(lambda: store.get(keys.LEADER) == "ctl-a", 20, "ctl-a leads")
+        poll(lambda: "old" not in messages(store), 10, "the old events deleted")
+        assert "kept" in messages(store)
+    finally:
+        ctl.stop()
+
+
+def messages(store: Store) -> list[str]:
+    return [e["message"] for e in store.get_prefix(keys.EVENTS).values()]

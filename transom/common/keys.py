@@ -84,6 +84,12 @@ def event(time_s: float, source: str) -> str:
     return f"{EVENTS}{int(time_s * 1e9):020d}-{source}"
 
 
+def events_before(time_s: float) -> str:
+    """Where the events written before `time_s` end: every key of an earlier time sorts below
+    it, every key of that time or later above (`event`)."""
+    return f"{EVENTS}{int(time_s * 1e9):020d}"
+
+
 def ckpt_server(node_id: str) -> str:
     return CKPT_SERVERS + node_id
 

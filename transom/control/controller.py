@@ -58,6 +58,12 @@ STEPS_PER_TICK = 4
 STANDBY_RETRY_S = 5.0  # a standby reads the job this often (has it ended?) if nothing woke it
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
+# The leader deletes from etcd the events older than EVENTS_KEPT_S, every EVENTS_PRUNE_S (one
+# request): a job writes three a node a save for weeks, which would fill etcd's quota (and every
+# reader of all events); the mirroring launcher's events.jsonl keeps them all.
+EVENTS_KEPT_S = 3600.0
+EVENTS_PRUNE_S = 60.0
+PRUNE_DEADLINE_S = 1.0  # a prune never holds the leader's loop up longer
 
 
 class Controller:
@@ -89,6 +95,7 @@ class Controller:
         )
         self.view: WatchedCluster | None = None  # the leader's watched view of the agents
         self.leader_watch: LeaderWatch | None = None  # a standby's watch on the leader key
+        self._prune_at = 0.0  # monotonic time of the next deletion of old events
 
     # -- leadership ---------------------------------------------------------------------------
     def _try_lead(self) -> bool:
@@ -326,3 +333,16 @@ class Controller:
             self.job = d.job
             self._commit(d.events, d.plan)
             self.wake.set()  # a decision often leads to the next (RECOVERING, then the plan)
+        self._prune_events(time.monotonic())
+
+    def _prune_events(self, now: float) -> None:
+        """Every EVENTS_PRUNE_S: delete the events older than EVENTS_KEPT_S (a failure waits
+        for the next time: nothing depends on it soon)."""
+        if now < self._prune_at:
+            return
+        self._prune_at = now + EVENTS_PRUNE_S
+        cutoff = keys.events_before(time.time() - EVENTS_KEPT_S)
+        try:
+            self.store.with_deadline(PRUNE_DEADLINE_S).delete_range(keys.EVENTS, cutoff)
+        except StoreError as e:
+            log.info("cannot delete old events yet: %s", e)

@@ -219,6 +219,10 @@ class Store:
     def delete(self, name: str) -> None:
         self._call(self.client.delete, self.key(name))
 
+    def delete_range(self, start: str, end: str) -> None:
+        """Delete every name from `start` up to, not including, `end` (one request)."""
+        self._call(self.client.delete, self.key(start), range_end=self.key(end))
+
     def delete_prefix(self, name: str) -> None:
         self._call(self.client.delete_prefix, self.key(name))
 
