@@ -131,14 +131,14 @@ class EmbeddedEtcd:
             # ("ignoring common name in gRPC-gateway proxy request"), megabytes an hour.
             "--log-level",
             "error",
-            # etcd's own defaults: a single member commits alone and elects itself at once on
-            # start (its election ticks are advanced), so faster ticks buy it nothing and cost an
-            # idle etcd twice the CPU (0.009 cores at 50 ms, 0.005 at 100 ms, on this machine).
-            # Leases of 2 s are its shortest (1.5 election timeouts, rounded up): --node-ttl's.
+            # Small, fast, single-member settings for one machine. Tried: 100 ms ticks cost an
+            # idle etcd less CPU (0.005 cores, not 0.008), but with a 1 s election timeout a
+            # start took 0.2 s longer on average, and with 500 ms an etcd resumed after a
+            # SIGSTOP timed writes out for 2 s (test_launcher's stall test, 2 runs of 3).
             "--heartbeat-interval",
-            "100",
+            "50",
             "--election-timeout",
-            "1000",
+            "500",
             "--quota-backend-bytes",
             str(self.quota_bytes),
             "--auto-compaction-mode",
