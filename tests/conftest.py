@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -25,6 +26,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from jobs import SMALL_GPT, etcd_requests_by_method, job_processes, wait_for  # noqa: E402, F401
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+def held_shard(step: int, rank: int) -> SimpleNamespace:
+    """What a checkpoint server's publisher reads of a shard its memory holds."""
+    return SimpleNamespace(
+        step=step,
+        rank=rank,
+        world_size=2,
+        header={},
+        region=SimpleNamespace(nbytes=8),
+        generation=1,
+        origin="",
+    )
 
 
 @contextmanager

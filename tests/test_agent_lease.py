@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import io
 import threading
-from types import SimpleNamespace
 
 import pytest
-from conftest import etcd_requests, wait_for
+from conftest import etcd_requests, held_shard, wait_for
 
 from transom.checkpoint import agent_lease, catalog
 from transom.checkpoint.publisher import Publisher
@@ -52,19 +51,6 @@ def test_the_reader_adopts_valid_lines_only_and_skips_an_overlong_line_whole():
     assert adopted == [5, 6]
 
 
-def _shard(step: int, rank: int) -> SimpleNamespace:
-    """What the publisher reads of a held shard."""
-    return SimpleNamespace(
-        step=step,
-        rank=rank,
-        world_size=2,
-        header={},
-        region=SimpleNamespace(nbytes=8),
-        generation=1,
-        origin="",
-    )
-
-
 def _lease_of(store: Store, name: str) -> int | None:
     """The lease etcd holds `name` under (0: none), None when it is absent."""
     found = store.client.get(store.key(name), metadata=True)
@@ -79,7 +65,7 @@ def _follow(publisher: Publisher) -> tuple[threading.Event, threading.Thread]:
 
 
 def test_a_server_lists_under_each_lease_the_agent_hands_over_and_renews_none(store):
-    held = [_shard(3, 0)]
+    held = [held_shard(3, 0)]
     publisher = Publisher(store, "node0", lease_ttl_s=None)
     publisher.held = lambda: held
     publisher.start(ADDR)
@@ -123,7 +109,7 @@ def test_a_server_replacing_a_dead_one_withdraws_its_memory_listings_first(store
         catalog.publish(store, 3, rank, MEMORY, {"tier": "memory", "node": "node0"}, lease)
     catalog.publish(store, 3, 0, catalog.memory_holder("node1"), {"tier": "memory"}, lease)
     catalog.publish(store, 3, 0, catalog.STORAGE_HOLDER, {"tier": "storage"})
-    held = [_shard(5, 0)]  # what the new server took in before the lease came
+    held = [held_shard(5, 0)]  # what the new server took in before the lease came
     publisher = Publisher(store, "node0", lease_ttl_s=None)
     publisher.held = lambda: held
     publisher.withdraw_stale = True

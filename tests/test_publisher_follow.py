@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
-from conftest import etcd_requests, wait_for
+from conftest import etcd_requests, held_shard, wait_for
 
 from transom.checkpoint import catalog
 from transom.checkpoint.publisher import Publisher
@@ -70,32 +69,19 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
     assert not control.is_alive()
 
 
-def _shard(step: int, rank: int) -> SimpleNamespace:
-    """What the publisher reads of a held shard."""
-    return SimpleNamespace(
-        step=step,
-        rank=rank,
-        world_size=2,
-        header={},
-        region=SimpleNamespace(nbytes=8),
-        generation=1,
-        origin="",
-    )
-
-
 def test_the_steps_retention_removed_are_withdrawn_in_the_listing_batch_without_a_read(store):
     publisher = Publisher(store, "node0", lease_ttl_s=4)
     publisher.start("")
     try:
         for rank in (0, 1):
-            publisher.list_memory(_shard(3, rank))
-            publisher.list_storage(_shard(3, rank), f"/ckpt/3/{rank}", {})
+            publisher.list_memory(held_shard(3, rank))
+            publisher.list_storage(held_shard(3, rank), f"/ckpt/3/{rank}", {})
         wait_for(lambda: len(catalog.holders(store, 3, 1)) == 2, 10, "step 3 listed")
         writes = publisher.writes
         assert writes is not None
         wait_for(lambda: writes.pending == 0, 10, "step 3's batch sent")
         before = etcd_requests(store)
-        publisher.list_storage(_shard(5, 0), "/ckpt/5/0", {3: [0, 1]})
+        publisher.list_storage(held_shard(5, 0), "/ckpt/5/0", {3: [0, 1]})
         wait_for(lambda: writes.pending == 0, 10, "step 5's batch sent")
         assert etcd_requests(store) - before == 1  # one batch: no read of the removed step
         assert catalog.holders(store, 5, 0)
