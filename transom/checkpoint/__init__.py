@@ -14,6 +14,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
     worker_service.py / peer_service.py   its Unix-socket and TCP request handling
     peer_port.py     its TCP port: a cap on connections, a thread each
     publisher.py     its etcd side: lease, catalog listings, events, the plan it follows
+    agent_lease.py   the node agent's lease, handed to the server on its stdin
   catalog.py         the shard catalog in etcd; replication.py, protocol.py the wire
   storage.py, shm.py, shm_dirs.py   files, shared memory
   shard_format.py    the shard format's bytes: header, checksums (all the server needs of it)
