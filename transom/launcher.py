@@ -130,6 +130,7 @@ class Launcher:
         self.children: list[Child] = []
         self._local_nodes: list[str] = []
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
+        self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
 
     @property
     def connected(self) -> Store:
@@ -328,6 +329,8 @@ class Launcher:
                 EventKind.WARNING,
                 f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on",
             )
+        else:
+            self._record()
         return job
 
     def _keep_etcd(self) -> None:
@@ -348,12 +351,23 @@ class Launcher:
         )
 
     def _event(self, kind: EventKind, message: str) -> None:
-        """Record a control-plane event (a log line if etcd cannot take it now)."""
-        event = Event(time.time(), kind, message)
-        try:
-            self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
-        except StoreError:
-            log.warning("%s (not recorded in etcd: it is unreachable)", message)
+        """Record a control-plane event; one etcd cannot take now (a log line says so) is
+        recorded after a later poll that reached etcd (one just after an outage may still
+        find its writes slow)."""
+        self._unrecorded.append(Event(time.time(), kind, message))
+        if not self._record():
+            log.warning("%s (not recorded in etcd yet: it does not answer)", message)
+
+    def _record(self) -> bool:
+        """Write the unrecorded events, oldest first, until one fails; whether all went."""
+        while self._unrecorded:
+            event = self._unrecorded[0]
+            try:
+                self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
+            except StoreError:
+                return False
+            self._unrecorded.pop(0)
+        return True
 
     def _refill(self, job: JobRecord | None) -> None:
         """Play the cluster's scheduler: a new simulated node for each evicted one."""
