@@ -150,6 +150,22 @@ def job_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+def agent_process(marker: str, node: str) -> psutil.Process | None:
+    """The node agent of `node` in the job `marker` names (`job_processes`); never its checkpoint
+    server, whose command line names the node too (which of the two comes first in the process
+    table is the order of their pids, and pids wrap)."""
+    for p in job_processes(marker):
+        try:
+            words = p.cmdline()
+        except psutil.Error:
+            continue
+        command = words[words.index("-m") + 1 :] if "-m" in words else []
+        node_at = command.index("--node-id") + 1 if "--node-id" in command else 0
+        if command[:1] == ["transom"] and "agent" in command and command[node_at:][:1] == [node]:
+            return p
+    return None
+
+
 def kill_marked(marker: str) -> None:
     """SIGKILL every process that names `marker` (torchrun starts workers in sessions of their
     own, so killing a process group does not reach them)."""

@@ -46,7 +46,7 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import finish, parse, transom_run
+from jobs import agent_process, finish, parse, transom_run, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -160,11 +160,7 @@ def run_transom(fault: str, work: Path) -> dict:
         if fault == "worker_crash":
             victim = find_process(lambda p: p.pid == rank_pid(run_dir, 1))
         else:
-            victim = find_process(
-                lambda p: (
-                    job_id in " ".join(p.cmdline()) and "--node-id node1" in " ".join(p.cmdline())
-                )
-            )
+            victim = wait_for(lambda: agent_process(job_id, "node1"), 30, "node1's agent")
         fault_time = time.time()
         victim.send_signal(signal.SIGKILL)
         if not recovered(logs, fault_time, process):

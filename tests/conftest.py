@@ -23,7 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 # Waiting with a deadline, finding a job's processes, the smallest example GPT: one definition,
 # the benchmarks' (the tests import them from here).
-from jobs import SMALL_GPT, etcd_requests_by_method, job_processes, wait_for  # noqa: E402, F401
+from jobs import (  # noqa: E402, F401
+    SMALL_GPT,
+    agent_process,
+    etcd_requests_by_method,
+    job_processes,
+    wait_for,
+)
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 

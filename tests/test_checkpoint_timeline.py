@@ -221,7 +221,7 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path:
                 time.sleep(0.1)
             assert storage.complete_steps(tmp_path / "ckpt") == [1]
             assert {s.step for s in server.memory.shards.values()} == {1}
-            server.publisher._new_lease()  # a lost lease: everything held is listed again
+            server.publisher._relist(store.lease(4))  # a lost lease replaced: all listed again
             writes = server.publisher.writes
             assert writes is not None
             wait_for(lambda: writes.pending == 0, 10, "the listings sent")

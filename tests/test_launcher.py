@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import TOY, job_processes, wait_for
+from conftest import TOY, agent_process, job_processes, wait_for
 
 from transom import launcher, run_mirror
 from transom.common import env
@@ -55,14 +55,7 @@ def test_killed_worker_restarts_and_job_completes(start_job):
 def test_dead_node_is_replaced_by_the_spare(start_job):
     job = start_job("--nnodes", "3", "--spares", "1", TOY, "--steps", "40", "--step-delay", "0.15")
     wait_for(lambda: "step 5 " in job.log_text(), 60, "training to reach step 5")
-    agent = wait_for(
-        lambda: next(
-            (p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())),
-            None,
-        ),
-        10,
-        "node1's agent",
-    )
+    agent = wait_for(lambda: agent_process(job.job_id, "node1"), 10, "node1's agent")
     agent.send_signal(signal.SIGKILL)
     assert job.wait() == 0, job.output
     job_record = job.status()["job"]
@@ -139,9 +132,7 @@ def test_without_spares_the_job_shrinks_to_its_minimum_or_fails(start_job):
     rigid = start_job("--nnodes", "2", TOY, "--steps", "40", "--step-delay", "0.15")
     for job in (elastic, rigid):
         wait_for(lambda job=job: "step 3 " in job.log_text(), 90, "training to reach step 3")
-        agent = next(
-            p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())
-        )
+        agent = wait_for(lambda job=job: agent_process(job.job_id, "node1"), 10, "node1's agent")
         agent.send_signal(signal.SIGKILL)
     assert elastic.wait() == 0, elastic.output
     assert "world_size=1" in elastic.log_text("g002/*.log")

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_GPT, job_processes, wait_for
+from conftest import SMALL_GPT, agent_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +54,7 @@ def resumed(job, generation: int) -> dict[int, tuple[int, int | None]]:
 def test_lost_node_shrinks_then_a_new_node_grows_the_job_without_going_back(start_job):
     job = start_job("--nnodes", "2:3", "--refill-spares", "--nproc-per-node", "1", SCRIPT, *ARGS)
     wait_for(lambda: max(saved_steps(job), default=0) >= 6, 120, "two checkpoints")
-    agent = wait_for(
-        lambda: next(
-            (p for p in job_processes(job.job_id) if "--node-id node1" in " ".join(p.cmdline())),
-            None,
-        ),
-        10,
-        "node1's agent",
-    )
+    agent = wait_for(lambda: agent_process(job.job_id, "node1"), 10, "node1's agent")
     agent.send_signal(signal.SIGKILL)  # the node dies with its workers and checkpoint memory
 
     # Shrink: no spare, so generation 2 runs on the 2 survivors, from a step saved by 3 ranks.
