@@ -2,11 +2,14 @@
 
 Pure: `decide` with snapshots (control-plane incidents, a cut-off node, a skewed agent clock,
 a restarted agent rejoining), the controller's observations on its own clock
-(control/observed.py) and the agent's pause and fence rules (control/outage.py). No etcd, no
-processes.
+(control/observed.py) and the agent's pause and fence rules (control/outage.py), the pause
+guard's thread on a lease keeper that renews nothing. No etcd, no processes.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 from test_decisions import T0, kinds, nodes, run, running, spec, statuses
 
@@ -21,8 +24,9 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.control.decisions import Snapshot
 from transom.control.grace import grace_s
+from transom.control.lease_keeper import LeaseKeeper
 from transom.control.observed import MIN_GAP_S, Observed
-from transom.control.outage import PAUSE_TTL_SHARE, fence_reason, pause_reason
+from transom.control.outage import PAUSE_TTL_SHARE, PauseGuard, fence_reason, pause_reason
 
 MEMBERS = ["node0", "node1", "node2"]
 
@@ -208,3 +212,54 @@ def test_workers_train_on_through_a_short_outage_and_pause_before_the_lease_can_
 def test_workers_are_given_up_only_after_the_outage_limit():
     assert fence_reason(59.9, 60.0) is None
     assert "--store-outage 60" in fence_reason(60.0, 60.0)
+
+
+class GuardedNode:
+    """A pause guard on a lease keeper that renews nothing (the test moves `reached_at`); each
+    pause is recorded with its time and how often the guard had read the cut-off by then."""
+
+    def __init__(self, ttl_s: float):
+        self.stopping = threading.Event()
+        self.keeper = LeaseKeeper(None, self.stopping)  # type: ignore[arg-type]  # never renews
+        self.reads = 0
+        self.pauses: list[tuple[float, str, int]] = []
+        self.paused = threading.Event()
+        cut_off_s = self.keeper.cut_off_s
+
+        def counted(now: float) -> float:
+            self.reads += 1
+            return cut_off_s(now)
+
+        self.keeper.cut_off_s = counted  # type: ignore[method-assign]
+        self.guard = PauseGuard(self.keeper, self._pause, self.stopping)
+        self.keeper.reached_at = self.started = time.monotonic()
+        self.guard.start(ttl_s)
+
+    def _pause(self, reason: str) -> None:
+        self.pauses.append((time.monotonic(), reason, self.reads))
+        self.paused.set()
+
+
+def test_the_pause_guard_sleeps_until_the_pause_is_due_instead_of_polling():
+    node = GuardedNode(ttl_s=2.0)
+    try:
+        time.sleep(0.5)  # a renewal answered: the pause moves 0.5 s later
+        renewed = node.keeper.reached_at = time.monotonic()
+        assert node.paused.wait(10.0)
+        at, reason, reads = node.pauses[0]
+        assert at - renewed >= PAUSE_TTL_SHARE * 2.0 and "may expire" in reason
+        assert reads <= 6, reads  # woke at the due times, not 20 times at 0.1 s
+    finally:
+        node.stopping.set()
+
+
+def test_the_pause_guard_pauses_at_once_when_the_lease_is_lost():
+    node = GuardedNode(ttl_s=40.0)  # the cut-off alone would pause after 30 s
+    try:
+        time.sleep(0.2)
+        node.keeper.lost.set()
+        assert node.paused.wait(5.0)
+        assert "expired" in node.pauses[0][1]
+        assert node.pauses[0][0] - node.started < 5.0
+    finally:
+        node.stopping.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 from transom.common.records import Anomaly, MonitorSummary, PreflightResult, Severity
 from transom.config import JobSpec
@@ -48,6 +49,27 @@ def test_loss_spike_needs_a_window_and_a_large_jump():
     assert detectors.numerics("n", 0, 31, 9.0, window[:5]) is None  # too few samples to judge
     spike = detectors.numerics("n", 0, 31, 9.0, window)
     assert spike.type == "loss_spike" and spike.severity == "warning"
+
+
+def test_the_spike_check_skips_the_median_only_where_no_spike_can_be():
+    """numerics skips median and MAD for a loss at most twice the window's smallest (>= 0): the
+    verdicts are those of the full rule, on windows of positive, mixed and negative losses."""
+
+    def full_rule(loss, window):
+        m, mad = detectors.median_mad(window)
+        spike_bar = m + detectors.LOSS_SPIKE_MADS * detectors.MAD_TO_SIGMA * mad
+        return loss > spike_bar and loss > detectors.LOSS_SPIKE_RATIO * m
+
+    rng = random.Random(7)
+    spikes = 0
+    for trial in range(3000):
+        base = rng.choice([0.0, 2.0, -1.0, -5.0])
+        window = [base + rng.gauss(0, rng.choice([0.01, 0.5, 2.0])) for _ in range(30)]
+        loss = base + rng.choice([0.0, 1.0, 5.0, 50.0]) * rng.random()
+        found = detectors.numerics("n", 0, trial, loss, window)
+        assert (found is not None) == full_rule(loss, window), (loss, window)
+        spikes += found is not None
+    assert 50 < spikes < 2950  # both verdicts were tested, on both paths
 
 
 def test_telemetry_gap_is_quick_for_a_stopped_process_and_patient_otherwise():

@@ -131,6 +131,23 @@ def test_a_full_database_is_compacted_defragmented_and_disarmed(etcd):
         upkeep.stop()
 
 
+def test_a_check_of_an_etcd_with_room_is_one_request(etcd):
+    """The upkeep runs every 5 s for the job's life: etcd's status (which lists raised alarms)
+    is all a pass asks while the database has room."""
+    store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}")
+    asked: list[str] = []
+    request = store.request
+
+    def counted(path: str, body: dict, deadline_s: float | None = None) -> dict:
+        asked.append(path)
+        return request(path, body, deadline_s)
+
+    store.request = counted  # type: ignore[method-assign]
+    upkeep = EtcdUpkeep(store, etcd.quota_bytes)
+    assert upkeep.check() == [] and asked == ["maintenance/status"]
+    assert upkeep.status()["full"] is False
+
+
 def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):
     store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=10.0)
     store.put("kept", {"v": 1})

@@ -36,7 +36,7 @@ log = logging.getLogger("transom.controller")
 # is (store.client.REFRESHES_PER_TTL), and a call answered within STALE_S is at hand for
 # `confirm` while etcd answers, so a tick needs no extra call.
 PROBE_S = 0.75
-STANDBY_PROBE_S = 2.5  # a standby's call: its watch on the leader key is what wakes it
+STANDBY_PROBE_S = 5.0  # a standby's call: its watch on the leader key is what wakes it
 STALE_S = MIN_GAP_S  # without an answer this long, what the watches show may be old
 
 

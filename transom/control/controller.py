@@ -55,7 +55,9 @@ STEADY_TICK_S = 1.0  # while the job runs and nothing changes: the time-based ru
 # TICK_S): the straggler detector counts its latency in steps, and summaries that only carry
 # new timings do not wake the controller.
 STEPS_PER_TICK = 4
-STANDBY_RETRY_S = 5.0  # a standby reads the job this often (has it ended?) if nothing woke it
+# A standby reads the job this often (has it ended?) if nothing woke it: a leader that ends the
+# job revokes its lease on exit, and the leader key's delete wakes the standby at once.
+STANDBY_RETRY_S = 30.0
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
 LEADER_TTL_S = 3
 # The leader deletes from etcd the events older than EVENTS_KEPT_S, every EVENTS_PRUNE_S (one

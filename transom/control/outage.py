@@ -28,8 +28,10 @@ workers would still be running when the survivors start the next generation (mea
 s of overlap: the worker failing on the broken collective and exiting). A longer `--node-ttl`
 buys a longer stall trained through.
 
-`PauseGuard` applies the pause rule from its own thread, every GUARD_TICK_S: the agent's loop
-may sit in an etcd call for the store's whole deadline (4 s) just when etcd stops answering.
+`PauseGuard` applies the pause rule from its own thread: the agent's loop may sit in an etcd
+call for the store's whole deadline (4 s) just when etcd stops answering. It sleeps until the
+pause would be due (or the lease keeper says the lease expired) rather than polling, and then
+every GUARD_TICK_S while the pause is due.
 `until_reached` retries a start-up step while etcd cannot be reached. This module never calls
 etcd itself and never signals anything; the agent does, on its answers.
 """
@@ -52,7 +54,7 @@ log = logging.getLogger("transom.agent")
 # Workers are paused once the agent has been cut off for this share of the node TTL: the
 # rest of the TTL (1 s of the default 4 s) covers the agent's turn (0.2 s) and the signal.
 PAUSE_TTL_SHARE = 0.75
-GUARD_TICK_S = 0.1
+GUARD_TICK_S = 0.1  # the guard's period while a pause is due (and its least sleep)
 # How long start-up (spec, checkpoint secret, registration) waits for etcd before giving up.
 STARTUP_WAIT_S = 300.0
 STARTUP_RETRY_S = 1.0
@@ -105,14 +107,23 @@ class PauseGuard:
         cut_off = self.keeper.cut_off_s(time.monotonic())
         return pause_reason(cut_off, self.ttl_s, self.keeper.lost.is_set())
 
+    def _sleep_s(self) -> float:
+        """How long nothing can become due but the lease's loss: until the cut-off reaches the
+        pause share of the TTL (a renewal answered meanwhile only puts that later)."""
+        cut_off = self.keeper.cut_off_s(time.monotonic())
+        return max(GUARD_TICK_S, PAUSE_TTL_SHARE * self.ttl_s - cut_off)
+
     def _run(self) -> None:
-        while not self.stopping.wait(GUARD_TICK_S):
+        while not self.stopping.is_set():
             reason = self.due()
-            if reason is not None:
-                try:
-                    self.pause(reason)
-                except Exception:  # the guard must outlive any one failure
-                    log.exception("cannot pause the workers")
+            if reason is None:
+                self.keeper.lost.wait(self._sleep_s())  # set: etcd said the lease expired
+                continue
+            try:
+                self.pause(reason)
+            except Exception:  # the guard must outlive any one failure
+                log.exception("cannot pause the workers")
+            self.stopping.wait(GUARD_TICK_S)
 
 
 def until_reached(what: str, call: Callable[[], T], stopping: threading.Event) -> T:

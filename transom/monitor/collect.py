@@ -191,6 +191,8 @@ class LogScanner:
         found = []
         for rank, path in logs.items():
             try:
+                if os.stat(path).st_size <= self.offsets.get(path, 0):
+                    continue  # nothing appended (a stat is cheaper than an open, every tick)
                 with open(path, "rb") as f:
                     f.seek(self.offsets.get(path, 0))
                     data = f.read(LOG_READ_LIMIT)

@@ -87,6 +87,11 @@ SCHEMA: dict[str, dict[str, Spec]] = {
     "fault": {"step": _int(MAX_STEP), "fault": Spec("fault", required=True, nullable=False)},
 }
 KINDS = frozenset(SCHEMA)
+# Each kind's required fields, common ones first (a step record is checked as a step datagram).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    kind: tuple(name for name, spec in (COMMON | fields).items() if spec.required)
+    for kind, fields in SCHEMA.items()
+}
 # The worker's own metrics (step datagrams only): any number, NaN included, or null.
 METRIC = Spec("float", lo=-math.inf, finite=False)
 
@@ -183,8 +188,8 @@ def _message(message: dict[str, Any]) -> Message:
                 raise _Invalid(f"more than {MAX_METRICS} metrics")
             spec = METRIC
         values[name] = _check(name, value, spec)
-    for name, spec in (COMMON | fields).items():
-        if spec.required and name not in values:
+    for name in REQUIRED[kind]:
+        if name not in values:
             raise _Invalid(f"missing field {name!r}")
     duration = values.get("dur")
     for part in ("comm", "compute"):  # parts of the step's duration, never more than it

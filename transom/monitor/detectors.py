@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 
 from transom.common.records import Anomaly, MonitorSummary, Severity
 
@@ -35,7 +36,7 @@ LOSS_SPIKE_RATIO = 2.0
 MAD_TO_SIGMA = 1.4826
 
 
-def median_mad(values: list[float]) -> tuple[float, float]:
+def median_mad(values: Sequence[float]) -> tuple[float, float]:
     m = statistics.median(values)
     return m, statistics.median(abs(v - m) for v in values)
 
@@ -70,9 +71,14 @@ def crash(node: str, failures: list[dict]) -> Anomaly:
 
 
 def numerics(
-    node: str, rank: int, step: int, loss: float | None, window: list[float]
+    node: str, rank: int, step: int, loss: float | None, window: Sequence[float]
 ) -> Anomaly | None:
-    """NaN/Inf loss, or a loss spike against the recent window of finite losses."""
+    """NaN/Inf loss, or a loss spike against the recent window of finite losses.
+
+    Runs on every step a node's ranks send (40 a second on a fast job), so the window's median
+    and MAD (two sorts) are computed only for a loss that could be a spike: a spike is above
+    LOSS_SPIKE_RATIO x the median, which for a window of losses that are all >= 0 is at least
+    LOSS_SPIKE_RATIO x its smallest; a loss at or below that is none."""
     if loss is None:
         return None
     if not math.isfinite(loss):
@@ -86,6 +92,9 @@ def numerics(
             step=step,
         )
     if len(window) >= LOSS_MIN_SAMPLES:
+        lowest = min(window)
+        if lowest >= 0.0 and loss <= LOSS_SPIKE_RATIO * lowest:
+            return None
         m, mad = median_mad(window)
         if loss > m + LOSS_SPIKE_MADS * MAD_TO_SIGMA * mad and loss > LOSS_SPIKE_RATIO * m:
             return Anomaly(

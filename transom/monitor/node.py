@@ -256,7 +256,7 @@ class NodeMonitor:
         if r.first_step is None:
             r.first_step = step
         loss = m.get("loss")
-        found = detectors.numerics(self.node_id, rank, step, loss, list(r.losses))
+        found = detectors.numerics(self.node_id, rank, step, loss, r.losses)
         if found is not None:
             self._pending.append(found)
         elif loss is not None:
@@ -327,9 +327,10 @@ class NodeMonitor:
                 r = self.ranks.get(rank)
                 if r is None or r.beat_at is None:
                     continue
-                gap = detectors.telemetry_gap(
-                    self.node_id, rank, now - r.beat_at, _process_state(pid)
-                )
+                age = now - r.beat_at
+                # The process's state matters only to a beat older than the shorter gap.
+                state = _process_state(pid) if age >= detectors.HEARTBEAT_GAP_S else None
+                gap = detectors.telemetry_gap(self.node_id, rank, age, state)
                 if gap is not None and not r.gap_raised:
                     self._pending.append(gap)
                 r.gap_raised = gap is not None

@@ -3,7 +3,8 @@
 etcd compacts its history by itself (embedded.py turns auto-compaction on), but compaction
 only marks pages free: the database file keeps its size until it is defragmented, and a
 database that reaches its quota raises the NOSPACE alarm, after which etcd refuses every write
-until someone compacts, defragments and disarms it. A thread checks every `check_every_s`:
+until someone compacts, defragments and disarms it. A thread checks every `check_every_s`, with
+one request (etcd's status names its raised alarms among its `errors`):
 
 - NOSPACE alarm: compact to the current revision, defragment, disarm; an event says so (the
   writers' retries carry them over the few seconds this takes, see retry.py);
@@ -63,25 +64,29 @@ class EtcdUpkeep:
 
     # -- one pass -----------------------------------------------------------------------------
     def status(self) -> dict:
-        """etcd's status: `revision`, `db_size` and `db_in_use` in bytes, `member`."""
+        """etcd's status: `revision`, `db_size` and `db_in_use` in bytes, `member`, and `full`:
+        whether a NOSPACE alarm is raised (etcd lists it in `errors` as "... alarm:NOSPACE")."""
         answer = self.store.request("maintenance/status", {})
         header = answer.get("header", {})
+        errors = answer.get("errors") or []
         return {
             "revision": int(header.get("revision", 0)),
             "member": header.get("member_id", 0),
             "db_size": int(answer.get("dbSize", 0)),
             "db_in_use": int(answer.get("dbSizeInUse", 0) or answer.get("dbSize", 0)),
+            "full": any(f"alarm:{NOSPACE}" in str(e) for e in errors),
         }
 
     def check(self) -> list[str]:
         """One pass; what it did, in words (nothing when nothing was needed)."""
-        alarms = self.store.request(
-            "maintenance/alarm", {"action": "GET", "memberID": 0, "alarm": "NONE"}
-        ).get("alarms", [])
-        full = [a for a in alarms if a.get("alarm") == NOSPACE]
-        if full:
-            return [self._free_space(full)]
         status = self.status()
+        if status["full"]:
+            alarms = self.store.request(
+                "maintenance/alarm", {"action": "GET", "memberID": 0, "alarm": "NONE"}
+            ).get("alarms", [])
+            full = [a for a in alarms if a.get("alarm") == NOSPACE]
+            if full:
+                return [self._free_space(full)]
         wasted = status["db_size"] - status["db_in_use"]
         if self.clock() - self.last_defrag >= self.defrag_every_s or wasted > self.quota_bytes / 4:
             return [self._defragment(status["db_size"])]
