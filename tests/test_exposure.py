@@ -16,8 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import job_processes, wait_for
+from prometheus_client import generate_latest
 
 from transom.checkpoint import config as ckpt_config
+from transom.common.records import JobRecord, MonitorSummary, RankSummary
+from transom.common.states import JobState
 from transom.control.workers import GLOO_IFNAME, Assignment, TorchStore, worker_env
 from transom.monitor.exporter import MonitorExporter
 from transom.utils.net import (
@@ -178,6 +181,7 @@ def test_checkpoint_server_listens_on_loopback_by_default(tmp_path):
 
 def test_metrics_endpoint_listens_where_it_is_told():
     exporter = MonitorExporter()
+    exporter.update(JobRecord.new(0.0), {})
     port = exporter.serve(0, "127.0.0.1")
     try:
         assert port is not None
@@ -187,6 +191,30 @@ def test_metrics_endpoint_listens_where_it_is_told():
             assert b"transom_generation" in reply.read()
     finally:
         exporter.stop()
+
+
+def test_metrics_are_built_from_the_newest_update_when_read():
+    """The controller hands over the job and summaries each tick; the gauges are what the
+    newest of them say when the endpoint is read (ranks of an older generation left out)."""
+    exporter = MonitorExporter()
+    job = JobRecord.new(0.0)
+    job.state, job.generation, job.restarts_used = JobState.RUNNING, 3, 1
+
+    def summary(node: str, generation: int, step: int) -> MonitorSummary:
+        ranks = {"0": RankSummary(step=step, step_s=0.5, compute_s=0.4)}
+        return MonitorSummary(node, generation, 0.0, ranks=ranks)
+
+    exporter.update(job, {"n1": summary("n1", 3, 10), "n2": summary("n2", 2, 99)})
+    exporter.update(job, {"n1": summary("n1", 3, 12), "n2": summary("n2", 2, 99)})
+    text = generate_latest(exporter.registry).decode()
+    assert 'transom_job_state{state="RUNNING"} 1.0' in text
+    assert 'transom_job_state{state="FAILED"} 0.0' in text
+    assert "transom_generation 3.0" in text and "transom_restarts_used 1.0" in text
+    assert 'transom_rank_step{node="n1",rank="0"} 12.0' in text  # the newest update's
+    assert 'transom_rank_compute_seconds{node="n1",rank="0"} 0.4' in text
+    assert 'transom_node_step_seconds{node="n1"} 0.5' in text
+    assert 'node="n2"' not in text  # its summary is of generation 2
+    assert "transom_rank_tokens_per_second{" not in text  # no rank reported any
 
 
 # -- a running single-machine job ---------------------------------------------------------------

@@ -112,7 +112,9 @@ class RunMirror:
         return new
 
     def _write(self, snap: dict, new: list[dict], live: Live | None) -> None:
-        (self.run_dir / files.STATUS).write_text(json.dumps(snap, indent=1))
+        # Compact: json's C encoder serves no indent (a third of the time, twice a second). The
+        # launcher writes the job's last snapshot indented when it ends.
+        (self.run_dir / files.STATUS).write_text(json.dumps(snap, separators=(",", ":")))
         record = progress_record(snap)
         if record is not None:
             shown = {k: v for k, v in record.items() if k != "time"}
