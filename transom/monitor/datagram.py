@@ -87,9 +87,10 @@ SCHEMA: dict[str, dict[str, Spec]] = {
     "fault": {"step": _int(MAX_STEP), "fault": Spec("fault", required=True, nullable=False)},
 }
 KINDS = frozenset(SCHEMA)
-# Each kind's required fields, common ones first (a step record is checked as a step datagram).
+# The required fields: of every datagram, and of each kind (a batched step record's are a step's).
+COMMON_REQUIRED = tuple(name for name, spec in COMMON.items() if spec.required)
 REQUIRED: dict[str, tuple[str, ...]] = {
-    kind: tuple(name for name, spec in (COMMON | fields).items() if spec.required)
+    kind: tuple(name for name, spec in fields.items() if spec.required)
     for kind, fields in SCHEMA.items()
 }
 # The worker's own metrics (step datagrams only): any number, NaN included, or null.
@@ -173,13 +174,26 @@ def _message(message: dict[str, Any]) -> Message:
     kind = message.get("k")
     if not isinstance(kind, str) or kind not in KINDS:
         raise _Invalid(f"unknown kind {str(kind)[:MAX_NAME]!r}")
+    values = _checked_fields(kind, message)
+    for name in COMMON_REQUIRED:
+        if name not in values:
+            raise _Invalid(f"missing field {name!r}")
+    rank, generation, t = values.pop("rank"), values.pop("gen"), values.pop("t", None)
+    if kind == "steps":
+        values["steps"] = [_batched_step(record, rank, generation) for record in values["steps"]]
+    return Message(kind, rank, generation, t, values)
+
+
+def _checked_fields(kind: str, message: dict[str, Any]) -> dict[str, Any]:
+    """`message`'s fields but `k`, each checked against its spec (the kind's or a common one),
+    the kind's required ones present, a step's parts no longer than its duration."""
     fields = SCHEMA[kind]
     values: dict[str, Any] = {}
     metrics = 0
     for name, value in message.items():
         if name == "k":
             continue
-        spec = COMMON.get(name) or fields.get(name)
+        spec = fields.get(name) or COMMON.get(name)
         if spec is None:
             if kind != "step" or not _is_name(name):
                 raise _Invalid(f"unknown field {name[:MAX_NAME]!r} in a {kind} datagram")
@@ -196,17 +210,16 @@ def _message(message: dict[str, Any]) -> Message:
         if duration is not None and values.get(part) is not None:
             if values[part] > duration * (1 + 1e-6) + 1e-9:
                 raise _Invalid(f"{part} is longer than the step (dur)")
-    rank, generation, t = values.pop("rank"), values.pop("gen"), values.pop("t", None)
-    if kind == "steps":
-        values["steps"] = [_batched_step(record, rank, generation) for record in values["steps"]]
-    return Message(kind, rank, generation, t, values)
+    return values
 
 
 def _batched_step(record: dict[str, Any], rank: int, generation: int) -> Message:
-    """One record of a steps datagram, checked as the step datagram it stands for."""
-    if not COMMON.keys().isdisjoint(record.keys() - {"t"}) or "k" in record:
+    """One record of a steps datagram, checked as the step datagram it stands for (its sender's
+    rank and generation, checked once for the datagram)."""
+    if "k" in record or "rank" in record or "gen" in record:
         raise _Invalid("a batched step names its own kind, rank or generation")
-    return _message({**record, "k": "step", "rank": rank, "gen": generation})
+    values = _checked_fields("step", record)
+    return Message("step", rank, generation, values.pop("t", None), values)
 
 
 def _check(name: str, value: Any, spec: Spec) -> Any:
@@ -214,10 +227,6 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
         if not spec.nullable:
             raise _Invalid(f"{name} is null")
         return None
-    if spec.type == "int":
-        if type(value) is not int or not spec.lo <= value <= spec.hi:
-            raise _Invalid(f"{name} is not an integer in [{spec.lo:g}, {spec.hi:g}]")
-        return value
     if spec.type == "float":
         if type(value) not in (int, float):  # bool is refused: type(True) is bool
             raise _Invalid(f"{name} is not a number")
@@ -229,6 +238,10 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
         if not spec.lo <= number <= spec.hi:
             raise _Invalid(f"{name} is out of [{spec.lo:g}, {spec.hi:g}]")
         return number
+    if spec.type == "int":
+        if type(value) is not int or not spec.lo <= value <= spec.hi:
+            raise _Invalid(f"{name} is not an integer in [{spec.lo:g}, {spec.hi:g}]")
+        return value
     if spec.type == "name":
         if not _is_name(value):
             raise _Invalid(f"{name} is not a name")
