@@ -119,3 +119,36 @@ def test_the_mirror_writes_each_event_once_and_keeps_none_in_its_copy(etcd, stor
         assert not [n for n in mirror.watch.values if n.startswith(keys.EVENTS)]
     finally:
         mirror.stop()
+
+
+def test_the_mirror_reads_the_job_record_only_when_its_watch_heard_nothing_for_a_probe_period(
+    etcd, store, tmp_path
+):
+    """A running job's summaries reach the mirror's watch several times a second: each is etcd
+    answering, so the direct read of the job record (the launcher's outage evidence) is made
+    only once the watch has been silent for PROBE_S."""
+    store.put(keys.JOB, {"state": "RUNNING", "generation": 1})
+    mirror = RunMirror(store, tmp_path, Console(quiet=True), total_steps=None)
+    try:
+        now = time.monotonic()
+        mirror.show(now, mirror.value(now), False, None)
+        wait_for(lambda: mirror.watch.watch.healthy, 10, "the mirror's watch to be up")
+        reads = mirror.job.job.reads
+        for i in range(1, int(3 * run_mirror.PROBE_S / 0.5)):  # polls over 3 probe periods
+            at = now + 0.5 * i
+            store.put(keys.monitor("node0"), {"node": "node0", "step": i})
+            heard = mirror.watch.heard_at
+            wait_for(lambda at=at, heard=heard: _took(mirror, at, heard), 10, "the put pushed")
+            mirror.show(at, mirror.value(at), False, None)
+        assert mirror.job.job.reads == reads  # etcd was heard every poll: nothing read
+        silent = mirror.watch.heard_at + run_mirror.PROBE_S
+        mirror.show(silent, mirror.value(silent), False, None)
+        assert mirror.job.job.reads == reads + 1  # a probe period without a word: read
+    finally:
+        mirror.stop()
+
+
+def _took(mirror: RunMirror, at: float, heard_before: float) -> bool:
+    """Whether the mirror's watch delivered something new by `at` (taking it in)."""
+    mirror.watch.refresh(at)
+    return mirror.watch.heard_at > heard_before

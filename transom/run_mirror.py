@@ -5,8 +5,10 @@ in the launcher's run directory: `status.json` (the newest snapshot, what `trans
 after the job), `progress.jsonl` (the job's progress each time it changed) and `events.jsonl`
 (every event once); it prints the events worth a person's attention and feeds the live view. It
 writes the files when something changed (or every PROBE_S, so that status.json's time stays
-recent), and takes the job record as the other launchers do (below), so a job where nothing
-happens costs its launcher one read every PROBE_S. One launcher of a job needs it: on a job of a
+recent), and takes the job record as the other launchers do (below), but reads it directly
+only when its watch heard nothing from etcd for PROBE_S (a running job's summaries are heard
+several times a second), so a job where nothing happens costs its launcher one read every
+PROBE_S. One launcher of a job needs it: on a job of a
 thousand machines (a Slurm step: one launcher each) a mirror on every one would make etcd send
 every node's summaries to every node, half a million events a second, so the other launchers
 follow the job record alone (`JobFollower`: pushed by a watch, and read directly now and then,
@@ -54,10 +56,11 @@ class JobFollower:
     def stop(self) -> None:
         self.job.stop()
 
-    def value(self, now: float) -> Any:
-        """The job record's newest value (StoreError if a direct read fails)."""
+    def value(self, now: float, heard_at: float = -math.inf) -> Any:
+        """The job record's newest value (StoreError if a direct read fails); read directly
+        unless etcd was heard within PROBE_S (here, or at `heard_at` by another watch)."""
         self.job.start_once(now)
-        if now - self.job.read_at >= PROBE_S:
+        if now - max(self.job.heard_at, heard_at) >= PROBE_S:
             self.job.read(now)
         return self.job.refresh(now)
 
@@ -82,7 +85,7 @@ class RunMirror:
 
     def value(self, now: float) -> Any:
         """The job record's newest value (StoreError if a direct read fails)."""
-        return self.job.value(now)
+        return self.job.value(now, self.watch.heard_at)
 
     def show(self, now: float, job_value: Any, terminal: bool, live: Live | None) -> None:
         """Take in what changed and write it (StoreError if etcd cannot be read). `job_value`:

@@ -40,6 +40,7 @@ class Followed:
         self.reads = 0  # direct reads (the first, fallbacks and resyncs); the rest came pushed
         self._down_since: float | None = None
         self.read_at = -math.inf  # when the newest direct read was made
+        self.heard_at = -math.inf  # when etcd was last heard: a direct read, or a watch update
 
     def start(self, now: float) -> None:
         """Read the name and follow it from there (StoreError if etcd cannot be read)."""
@@ -62,6 +63,7 @@ class Followed:
         """Take in what the watch delivered (or read directly while it is down)."""
         while (update := self.watch.get(timeout=0)) is not None:
             self._apply(update)
+            self.heard_at = now
         if self.watch.healthy:
             self._down_since = None
         elif self._down_since is None:
@@ -74,6 +76,7 @@ class Followed:
         self.read_at = now
         values, revision = self.watch.read()
         self.reads += 1
+        self.heard_at = now
         self._take_read(values, revision)
 
     def _apply(self, update: Update) -> None:
