@@ -7,9 +7,10 @@ persisted) and lists and withdraws each shard in the catalog, each once as its o
 SPACING_S after its previous send), and sends all that came in one transaction
 (`Store.write_all`) from its own thread: the caller never waits for etcd, a burst of N writes
 costs etcd one request, not N, and a writer costs etcd at most one request every SPACING_S
-however often its owner writes (a server saving twice a second lists its saves every 2 s; one
-saving every few minutes sees each save listed LINGER_S after it, and its replica's and
-persisted copy's listings, which follow within seconds, up to SPACING_S later).
+however often its owner writes (a server saving twice a second lists its saves once a second).
+Not longer: a restarted worker loads from the fastest tier the catalog lists, so a listing 2 s
+late had workers restarted right after a save load from the peer or storage instead of their
+node's memory (tests/test_checkpoint_e2e.py, test_checkpoint_prefetch.py).
 Writes of one name keep their order (the last one queued is the one sent); writes of different
 names may land in any order, and later than requests made directly, so it must not carry a write
 whose order against another name's matters. Nothing is lost to an etcd outage: writes that could
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 LEASE_NOT_FOUND = "lease not found"  # etcd's answer to a put under a lease it does not have
 LINGER_S = 0.2  # how long a first write waits for others to go with it
-SPACING_S = 2.0  # the shortest time from one send to the next
+SPACING_S = 1.0  # the shortest time from one send to the next
 RETRY_S = 1.0  # after a failed send
 MAX_QUEUED = 10_000  # writes kept through an outage; beyond, the oldest are dropped
 CLOSE_DEADLINE_S = 2.0
