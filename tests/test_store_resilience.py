@@ -158,3 +158,18 @@ def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):
     etcd.restart()
     assert etcd.alive() and etcd.restarts == 1
     assert store.get("kept") == {"v": 1}  # same port, same client certificate, same data
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = (item.decode().partition("=") for item in f.read().split(b"\0") if item)
+        return {name: value for name, _, value in pairs}
+
+
+def test_an_etcd_for_one_machine_runs_on_the_go_threads_asked_for_also_after_a_restart(tmp_path):
+    with running_etcd(tmp_path / "etcd", go_threads=1) as server:
+        assert server.process is not None
+        assert _environ(server.process.pid)["GOMAXPROCS"] == "1"
+        server.restart()
+        assert _environ(server.process.pid)["GOMAXPROCS"] == "1"
+        assert Store(server.access, "j").healthy()

@@ -44,6 +44,7 @@ from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.store.embedded import ONE_MACHINE_GO_THREADS
 from transom.store.outage import StoreOutage
 from transom.store.spec import parse_spec
 from transom.store.upkeep import EtcdUpkeep
@@ -146,6 +147,7 @@ class Launcher:
                 L.run_dir / files.ETCD,
                 log_path=files.log_file(L.run_dir, "etcd"),
                 tls_dir=L.run_dir / files.ETCD_TLS,
+                go_threads=ONE_MACHINE_GO_THREADS,
             ).start()
             access = self.etcd.access
             self.upkeep = EtcdUpkeep(
