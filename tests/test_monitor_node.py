@@ -88,8 +88,8 @@ def test_phase_and_warm_up_steps_are_not_timed(node):
 
 def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch):
     """Step datagrams wait to go out together (the first send after compute is the costly one),
-    then all arrive, in order, with their own times; a NaN loss, the first step after a phase and
-    any other datagram send the waiting steps at once."""
+    then all arrive, in order, with their own times; a NaN loss and any other datagram send the
+    waiting steps at once."""
     monkeypatch.setattr(reporter, "BATCH_S", 60.0)
     monkeypatch.setattr(reporter, "BATCH_STEPS", 100)
     monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # the heartbeat would send them too
@@ -101,18 +101,51 @@ def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch
     # The first went at once (nothing was sent for BATCH_S before it), the others wait.
     assert [values["step"] for _, values in channel.pending] == list(range(2, WARMUP_STEPS + 3))
     wait_for(lambda: node.steps().get(3) == 1, 5, "the first step to arrive")
-    with reporter.phase("checkpoint"):  # any other datagram goes after the steps waiting
-        assert channel.pending == []
+    channel.tell_phase("beat")  # any other datagram goes after the steps waiting
+    assert channel.pending == []
     wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 2, 5, "the waiting steps to arrive")
     busies = node.ranks[3].busies  # from each step's own end time, not the time they were sent
     assert len(busies) == 2 and min(busies) >= 0.002
     reporter.report(WARMUP_STEPS + 3, loss=2.0)
-    assert channel.pending == []  # the first step after a phase: the agent waited long for it
-    reporter.report(WARMUP_STEPS + 4, loss=2.0)
     assert len(channel.pending) == 1
-    reporter.report(WARMUP_STEPS + 5, loss=float("nan"))
+    reporter.report(WARMUP_STEPS + 4, loss=float("nan"))
     assert channel.pending == []
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
+
+
+def test_a_short_phase_sends_nothing_and_a_long_one_is_told_its_end_and_next_step_at_once(
+    node, monkeypatch
+):
+    """A phase shorter than PHASE_TOLD_AFTER_S (a checkpoint's memory copy) costs no datagram:
+    the step it fell in names it. A longer one is told by the sender thread; its end is told at
+    once, and the first step after it goes at once (the agent waited long for one)."""
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # no heartbeat tells the phase instead
+    kinds: list[str] = []
+    send = reporter._Channel.send
+
+    def counted(self, kind, /, **values):
+        if self is reporter._channel:  # earlier tests' channels beat on in their threads
+            kinds.append(kind)
+        send(self, kind, **values)
+
+    monkeypatch.setattr(reporter._Channel, "send", counted)
+    for step in range(1, WARMUP_STEPS + 3):
+        with reporter.step(step):
+            if step == WARMUP_STEPS + 1:
+                with reporter.phase("checkpoint"):
+                    pass
+    wait_for(lambda: node.steps().get(3) == WARMUP_STEPS + 2, 5, "the steps to arrive")
+    assert "phase" not in kinds and node.ranks[3].phase is None
+    assert len(node.ranks[3].durations) == 1  # the step of the short phase is not timed
+    with reporter.phase("eval"):
+        wait_for(lambda: node.ranks[3].phase == "eval", 5, "the long phase to be told")
+        assert kinds.count("phase") == 1
+    assert kinds.count("phase") == 2  # its end, at once
+    wait_for(lambda: node.ranks[3].phase is None, 5, "the end of the phase to arrive")
+    channel = reporter._channel
+    assert channel is not None
+    reporter.report(WARMUP_STEPS + 3)
+    assert channel.pending == []
 
 
 def test_steps_going_out_are_the_ranks_heartbeat_and_a_stuck_rank_beats_alone(node, monkeypatch):

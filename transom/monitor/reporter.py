@@ -17,7 +17,10 @@ every BATCH_S: encoding and sending right after a step's compute cost about 0.1 
 gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
 further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
 waiting steps go before any other datagram and at a normal exit. Each step keeps its own time, so
-the agent's timings are the same. The calls must never block and never raise into training:
+the agent's timings are the same. A phase is told to the agent by that thread too, once it
+lasted PHASE_TOLD_AFTER_S (a checkpoint's memory copy of a few ms costs no datagram: the step it
+fell in names it), and its end at once, if its start was told. The calls must never block and
+never raise into training:
 without an agent (TRANSOM_MONITOR_SOCKET unset) they do nothing, and a lost datagram only means
 one sample fewer.
 
@@ -44,6 +47,10 @@ HEARTBEAT_S = 0.5
 # Steps waiting go as one steps datagram every BATCH_S, or when BATCH_STEPS wait.
 BATCH_S = 0.1
 BATCH_STEPS = 32
+# A phase is told to the agent (a "phase" datagram) once it lasted this long: the sender thread
+# wakes every BATCH_S. Told that late, a phase still comes long before a hang could be found
+# without it (the hang floor is 1 s at least; in a phase, detectors.PHASE_HANG_S).
+PHASE_TOLD_AFTER_S = BATCH_S
 RECONNECT_S = 1.0  # how often a rank with no agent socket tries to connect again
 SYNC_SECTION = "sync"
 
@@ -61,6 +68,8 @@ class _Channel:
         self.rank = int(os.environ.get("RANK", -1))
         self.generation = int(os.environ.get(env.GENERATION, 0))
         self.phase: str | None = None
+        self.phase_since = -math.inf  # time.monotonic() the current phase began (or ended)
+        self.phase_told: str | None = None  # the phase the agent last heard of
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
         self.pending: list[tuple[float, dict]] = []  # step datagrams not sent yet: (time, values)
@@ -68,8 +77,8 @@ class _Channel:
         # Held while datagrams are encoded and sent, so they leave in order from either thread;
         # a step queued meanwhile waits only for `_pending_lock`, never for a send.
         self._send_lock = threading.RLock()
-        # The first step after a phase (a long evaluation) goes at once: until it arrives the agent
-        # only knows the step before the phase, long ago.
+        # The first step after a phase the agent was told of (a long evaluation) goes at once:
+        # until it arrives the agent only knows the step before the phase, long ago.
         self.send_next_step = False
         self.queued_at = -math.inf  # time.time() the last step was queued
         self.sent_at = -math.inf  # time.monotonic() a datagram last left: it beats for this rank
@@ -109,7 +118,8 @@ class _Channel:
         """Queue a step for the sender thread, which sends those waiting every BATCH_S. Send at
         once a step that came BATCH_S or more after the one before (a slow job: the send costs
         it little, and it arrives without delay), BATCH_STEPS waiting, the first step after a
-        phase, and a metric that is not finite (a NaN is found at its step)."""
+        phase the agent was told of, and a metric that is not finite (a NaN is found at its
+        step)."""
         now = time.time()
         with self._pending_lock:
             slow, self.queued_at = now - self.queued_at >= BATCH_S, now
@@ -171,13 +181,31 @@ class _Channel:
         while not self._closed.is_set():
             now = time.monotonic()
             try:
-                if now - self.sent_at >= HEARTBEAT_S:  # any datagram is a beat to the agent
-                    self.send("beat", step=self.last_step, phase=self.phase)
+                if self.phase != self.phase_told and now - self.phase_since >= PHASE_TOLD_AFTER_S:
+                    self.tell_phase("phase")
+                elif now - self.sent_at >= HEARTBEAT_S:  # any datagram is a beat to the agent
+                    self.tell_phase("beat")
                 elif self.pending:
                     self.flush()
             except Exception:  # noqa: BLE001 - without this thread the rank would look hung
                 pass
             self._closed.wait(min(BATCH_S, HEARTBEAT_S))
+
+    def tell_phase(self, kind: str) -> None:
+        """Send a "beat" or "phase" datagram: this rank's newest step and current phase."""
+        with self._send_lock:
+            phase = self.phase
+            self.send(kind, step=self.last_step, phase=phase)
+            self.phase_told = phase
+
+    def phase_ended(self, previous: str | None) -> None:
+        """The training thread left a phase for `previous`: tell the agent at once if it heard
+        of the phase, and send the next step at once then (it waited long for one)."""
+        with self._send_lock:
+            self.phase, self.phase_since = previous, time.monotonic()
+            if self.phase_told != previous:
+                self.tell_phase("phase")
+                self.send_next_step = True
 
     def _announce_fault(self, fault: dict, step: int) -> None:
         self.send("fault", fault=fault, step=step)
@@ -229,16 +257,13 @@ def phase(name: str):
     previous = ch.phase if ch else None
     name = str(name)[: datagram.MAX_NAME]
     if ch:
-        ch.phase = name
+        ch.phase, ch.phase_since = name, time.monotonic()
         ch.phases_seen.add(name)
-        ch.send("phase", phase=name, step=ch.last_step)
     try:
         yield
     finally:
         if ch:
-            ch.phase = previous
-            ch.send("phase", phase=previous, step=ch.last_step)
-            ch.send_next_step = True
+            ch.phase_ended(previous)
 
 
 class StepTimer:
