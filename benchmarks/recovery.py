@@ -119,8 +119,9 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     except (OSError, ValueError):
         return None
     for status in snapshot.get("statuses", {}).values():
-        if str(rank) in status.get("pids", {}):
-            return status["pids"][str(rank)]
+        pid = (status.get("pids") or {}).get(str(rank))
+        if pid is not None:
+            return pid
     return None
 
 

@@ -191,7 +191,7 @@ class Job:
         snapshot = self.status()
         generation = snapshot.get("job", {}).get("generation")
         for status in snapshot.get("statuses", {}).values():
-            pid = status.get("pids", {}).get(str(rank))
+            pid = (status.get("pids") or {}).get(str(rank))
             if pid is None or status.get("generation") != generation:
                 continue
             try:
