@@ -129,12 +129,23 @@ def registered(store: Store, n: int) -> str:
     return f"{len(nodes)} of {n + 1} nodes registered, {len(statuses)} statuses"
 
 
-def wait_job(watch: PrefixWatch, job: dict, until, timeout: float, progress) -> float:
+def simulators_failed(simulators: list[subprocess.Popen], outs: list[Path]) -> None:
+    """Raise if a simulator process ended: its agents will never do what is waited for."""
+    for p, out in zip(simulators, outs, strict=True):
+        if p.poll() is not None:
+            failed = [" ".join(x[1:]) for x in lines_of([out]) if x[0] == "failed"]
+            why = failed[0] if failed else f"see {out}"
+            raise RuntimeError(f"a simulator process exited with {p.returncode}: {why}")
+
+
+def wait_job(watch: PrefixWatch, job: dict, until, timeout: float, progress, check) -> float:
     """Follow the `job` key until `until(JobRecord)` holds; the time it did. `progress()` says
-    in words how far the job got (every PROGRESS_S, and in the error)."""
+    in words how far the job got (every PROGRESS_S, and in the error); `check()` raises if it
+    never will."""
     deadline = time.monotonic() + timeout
     said = time.monotonic()
     while True:
+        check()
         if time.monotonic() - said >= PROGRESS_S:
             said = time.monotonic()
             say(f"  {progress()}")
@@ -201,6 +212,7 @@ def run_size(n: int, work: Path, args) -> dict:
         parts = math.ceil(len(nodes) / AGENTS_PER_PROCESS)
         outs = []
         sims = []
+        simulator_children = []
         for k in range(parts):
             out = run_dir / f"agents-{k}.out"
             outs.append(out)
@@ -223,7 +235,9 @@ def run_size(n: int, work: Path, args) -> dict:
                     preexec_fn=TERM_WITH_PARENT,
                 )
             children.append(p)
+            simulator_children.append(p)
             sims.append(psutil.Process(p.pid))
+        check = functools.partial(simulators_failed, simulator_children, outs)
         say(f"{n} nodes: {parts} simulator processes, 2 controllers; waiting for generation 1")
         running = wait_job(
             job_watch,
@@ -231,6 +245,7 @@ def run_size(n: int, work: Path, args) -> dict:
             lambda j: j.state is JobState.RUNNING and j.generation >= 1,
             args.timeout,
             lambda: registered(store, n),
+            check,
         )
         result: dict = {
             "nodes": n,
@@ -278,7 +293,7 @@ def run_size(n: int, work: Path, args) -> dict:
         result["renewal_late_startup_max_s"] = max((v for t, v in late if t < t0), default=None)
         result["etcd_rss_mb"] = rss_mb(etcd_process)
         result["controller_rss_mb"] = rss_mb(controllers[leader])
-        result.update(fault(store, plan_watch, run_dir, outs))
+        result.update(fault(store, plan_watch, run_dir, outs, check))
         return result
     finally:
         for p in children:
@@ -295,8 +310,9 @@ def run_size(n: int, work: Path, args) -> dict:
         etcd.stop()
 
 
-def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]) -> dict:
-    """Kill one member node; the times until the new plan and until every member acted on it."""
+def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path], check) -> dict:
+    """Kill one member node; the times until the new plan and until every member acted on it
+    (`check()` raises if a simulator ended)."""
     plan = store.get(keys.PLAN)
     # The last member that holds a registration now (on a starved simulator a node's lease may
     # have lapsed and its agent be registering again: its expiry would not be this fault's).
@@ -333,6 +349,7 @@ def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]
         if time.monotonic() > deadline:
             late = {what: len(members - set(t)) for what, t in times.items()}
             raise TimeoutError(f"members never acted on / started generation {gen}: {late}")
+        check()
         time.sleep(0.1)
     return {
         "fault_to_plan_s": t_plan - t_fault,

@@ -51,6 +51,7 @@ Lines it prints (flushed, each in one write), for scale.py:
     ticks N T LATE          N agent loop turns were done in total by time T (every second);
                             LATE: the most a lease renewal was sent after its time since
                             the last such line, seconds
+    failed NODE ERROR       NODE's agent raised (a bug); the process then exits with 1
 It stops on SIGTERM. A node dies (stops ticking, keeps its lease renewed until someone revokes
 it) when the file KILL_DIR/NODE appears. This module never touches processes other than its own.
 """
@@ -64,6 +65,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -214,6 +216,9 @@ class StandInCheckpointServer:
     def start_patiently(self, stopping=None) -> None:
         pass
 
+    def use_lease(self, lease_id: int) -> None:
+        pass
+
     def ensure_running(self) -> None:
         pass
 
@@ -255,6 +260,7 @@ agent_module.LeaseKeeper = SharedLeaseKeeper  # type: ignore[misc]
 agent_module.PauseGuard = SharedPauseGuard  # type: ignore[misc]
 
 TICKS = [0]
+FAILED: list[str] = []  # nodes whose agent raised (the process then stops)
 
 
 class SimulatedAgent(agent_module.NodeAgent):
@@ -309,7 +315,9 @@ def main() -> int:
     TURNS.start()
     agents = {n: SimulatedAgent(Store(access, args.job_id), n, args.run_dir) for n in args.nodes}
     for node, agent in agents.items():
-        threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True).start()
+        threading.Thread(
+            target=run_agent, args=(agent, stop), name=f"agent-{node}", daemon=True
+        ).start()
     say(f"ready {len(agents)}")
     last = time.monotonic()
     parent = os.getppid()
@@ -328,7 +336,20 @@ def main() -> int:
     for agent in agents.values():
         agent.stopping.set()
     STREAM.stop()
-    return 0
+    return 1 if FAILED else 0
+
+
+def run_agent(agent: SimulatedAgent, stop: threading.Event) -> None:
+    """`agent.run()`; an agent that raises (a stand-in out of step with the agent it serves)
+    says so and stops the process, so scale.py fails at once instead of waiting out its
+    timeout for nodes that will never register."""
+    try:
+        agent.run()
+    except BaseException as e:
+        FAILED.append(agent.node_id)
+        traceback.print_exc()
+        say(f"failed {agent.node_id} {type(e).__name__}: {e}")
+        stop.set()
 
 
 if __name__ == "__main__":
