@@ -3,6 +3,8 @@ and once, a compaction turns into a full re-read, an etcd restart mid-watch lose
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import pytest
@@ -58,6 +60,25 @@ def test_a_transaction_arrives_as_one_update(store):
         assert isinstance(update, Update)
         assert {e.name: e.value for e in update.events} == {"plan": 1, "state": "RUNNING"}
         assert len({e.revision for e in update.events}) == 1 == len({update.revision})
+
+
+def test_on_update_is_called_from_the_watch_thread_and_a_failing_call_ends_nothing(store):
+    taken: queue.Queue[tuple[str, Update]] = queue.Queue()
+
+    def take(update: Update) -> None:
+        taken.put((threading.current_thread().name, update))
+        if any(e.value == "boom" for e in update.events):
+            raise RuntimeError("the caller's bug")
+
+    with PrefixWatch(store, "nodes/", on_update=take) as watch:
+        assert watch.start() == {}
+        for value in ("boom", 1, 2):
+            store.put("nodes/a", value)
+        seen = [taken.get(timeout=20) for _ in range(3)]
+        assert [u.events[0].value for _, u in seen] == ["boom", 1, 2]
+        assert {thread for thread, _ in seen} == {"watch-nodes/"}
+        assert watch.get(timeout=0.3) is None  # nothing queued besides
+        assert watch.healthy and watch.reconnects == 0
 
 
 def test_a_slow_caller_loses_nothing(store):

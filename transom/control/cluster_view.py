@@ -3,10 +3,10 @@
 The leading controller acts on four of a job's key names: `nodes/` (a node is alive while its
 lease-bound registration exists; a lease's expiry arrives as a delete), `status/`, `monitor/`
 and `preflight/`. The view reads each once (`start`) and then applies the changes a
-`PrefixWatch` delivers, one thread per name, keeping the parsed records (a value that is not a
-valid record counts as absent, as a prefix read's `parse_all` would leave it out; a
-registration that is not valid still counts as a live node). After a compaction the watch hands
-a full re-read, which replaces that name's records.
+`PrefixWatch` delivers, in that watch's own thread (one a name), keeping the parsed records (a
+value that is not a valid record counts as absent, as a prefix read's `parse_all` would leave it
+out; a registration that is not valid still counts as a live node). After a compaction the
+watch hands a full re-read, which replaces that name's records.
 
 It remembers when it received what matters to the controller's clocks (`Observed`): when each
 node's monitor summary changed and when a registration was last deleted, on this process's
@@ -30,6 +30,7 @@ It only reads etcd; it never writes, and its threads never raise into the caller
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -57,7 +58,6 @@ WATCHED = {
     keys.MONITOR: MonitorSummary,
     keys.PREFLIGHT: PreflightResult,
 }
-WAIT_S = 0.5  # how long an applier thread waits for an update before checking for stop
 
 
 @dataclass
@@ -108,33 +108,26 @@ class WatchedCluster:
         self.summary_changed_at: dict[str, float] = {}  # node -> when its summary arrived
         self.node_deleted_at = 0.0  # when a registration was last deleted (0: never)
         self._watches: dict[str, PrefixWatch] = {}
-        self._threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
 
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Read every name and follow it from there (StoreError if etcd cannot be read)."""
+        """Read every name and follow it from there (StoreError if etcd cannot be read). Each
+        watch's own thread applies its changes (no thread of the view's in between)."""
         try:
             for name in WATCHED:
-                watch = PrefixWatch(self.store, name)
+                apply = functools.partial(self._apply, name)
+                watch = PrefixWatch(self.store, name, on_update=apply)
                 self._watches[name] = watch
-                self._replace(name, watch.start())
+                values, revision = watch.read()
+                self._replace(name, values)  # before the first change is applied on top
+                watch.follow(revision)
         except BaseException:
             self.stop()
             raise
-        for name, watch in self._watches.items():
-            thread = threading.Thread(
-                target=self._apply_updates, args=(name, watch), name=f"view-{name}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
 
     def stop(self) -> None:
-        self._stopping.set()
         for watch in self._watches.values():
             watch.stop()
-        for thread in self._threads:
-            thread.join(WAIT_S * 2)
 
     @property
     def current(self) -> bool:
@@ -194,13 +187,3 @@ class WatchedCluster:
                     self.summary_changed_at[event.name] = now
         if urgent:
             self.changed.set()
-
-    def _apply_updates(self, name: str, watch: PrefixWatch) -> None:
-        while not self._stopping.is_set():
-            update = watch.get(timeout=WAIT_S)
-            if update is None:
-                continue
-            try:
-                self._apply(name, update)
-            except Exception:  # noqa: BLE001 - a bad update must not end the view
-                log.exception("cannot apply a change of %s", name)

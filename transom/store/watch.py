@@ -2,8 +2,10 @@
 
 A watch reads the prefix once (`start()` returns the values and the revision they were read
 at) and then follows etcd's v3 HTTP gateway stream (`POST /v3/watch`) from the next revision.
-Its one thread hands the changes to the caller through a bounded queue as `Update`s, in
-revision order:
+Its one thread hands the changes to the caller as `Update`s, in revision order, through a
+bounded queue (`get`), or, given `on_update`, by calling it from the watch's thread (no second
+thread woken per change: for a caller that only files the change away, as the controller's view
+of a thousand nodes' summaries does):
   - `events`: puts and deletes, each with its revision; a transaction's writes come together;
   - `snapshot`: when etcd has compacted the revisions the watch would resume from, it cannot
     replay them; the watch reads the whole prefix again and hands over that full view instead
@@ -26,6 +28,7 @@ import logging
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +95,13 @@ class Compacted(Exception):
 class PrefixWatch:
     """Watch every key under `store.key(name)` (e.g. keys.NODES, or keys.PLAN for one key)."""
 
-    def __init__(self, store: Store, name: str, queue_size: int = QUEUE_SIZE):
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        queue_size: int = QUEUE_SIZE,
+        on_update: Callable[[Update], None] | None = None,
+    ):
         # A client of its own (the stream holds a connection for as long as it runs), with the
         # caller's limits: a direct read gives up when the caller's own requests would.
         policy = store.policy
@@ -105,6 +114,7 @@ class PrefixWatch:
         self.name = name
         self.start_key = store.key(name)
         self.updates: queue.Queue[Update] = queue.Queue(maxsize=queue_size)
+        self.on_update = on_update  # set: called with each update instead of queueing it
         self.revision = 0  # the newest revision delivered
         self.healthy = False
         self.reconnects = 0
@@ -266,7 +276,14 @@ class PrefixWatch:
             self.revision = max(self.revision, header_revision)
 
     def _deliver(self, update: Update) -> None:
-        """Queue `update`, waiting while the caller is behind (never dropping it)."""
+        """Hand `update` to `on_update`, or queue it, waiting while the caller is behind (never
+        dropping it)."""
+        if self.on_update is not None:
+            try:
+                self.on_update(update)
+            except Exception:  # noqa: BLE001 - the caller's bug must not end the stream
+                log.exception("watch on %s: the caller failed to take an update", self.name)
+            return
         while not self._stopping.is_set():
             try:
                 self.updates.put(update, timeout=0.2)
