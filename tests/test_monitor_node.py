@@ -113,13 +113,8 @@ def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch
     wait_for(lambda: node.due(time.monotonic()) and node._pending, 5, "the NaN anomaly")
 
 
-def test_a_short_phase_sends_nothing_and_a_long_one_is_told_its_end_and_next_step_at_once(
-    node, monkeypatch
-):
-    """A phase shorter than PHASE_TOLD_AFTER_S (a checkpoint's memory copy) costs no datagram:
-    the step it fell in names it. A longer one is told by the sender thread; its end is told at
-    once, and the first step after it goes at once (the agent waited long for one)."""
-    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # no heartbeat tells the phase instead
+def count_sent(monkeypatch) -> list[str]:
+    """The kinds of datagram this test's reporter channel sends, in order, as they go."""
     kinds: list[str] = []
     send = reporter._Channel.send
 
@@ -129,6 +124,17 @@ def test_a_short_phase_sends_nothing_and_a_long_one_is_told_its_end_and_next_ste
         send(self, kind, **values)
 
     monkeypatch.setattr(reporter._Channel, "send", counted)
+    return kinds
+
+
+def test_a_short_phase_sends_nothing_and_a_long_one_is_told_its_end_and_next_step_at_once(
+    node, monkeypatch
+):
+    """A phase shorter than PHASE_TOLD_AFTER_S (a checkpoint's memory copy) costs no datagram:
+    the step it fell in names it. A longer one is told by the sender thread; its end is told at
+    once, and the first step after it goes at once (the agent waited long for one)."""
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # no heartbeat tells the phase instead
+    kinds = count_sent(monkeypatch)
     for step in range(1, WARMUP_STEPS + 3):
         with reporter.step(step):
             if step == WARMUP_STEPS + 1:
@@ -153,15 +159,7 @@ def test_steps_going_out_are_the_ranks_heartbeat_and_a_stuck_rank_beats_alone(no
     besides them; once steps stop (stuck in one) the heartbeat goes every HEARTBEAT_S."""
     monkeypatch.setattr(reporter, "BATCH_S", 0.1)
     monkeypatch.setattr(reporter, "HEARTBEAT_S", 0.5)
-    kinds: list[str] = []
-    send = reporter._Channel.send
-
-    def counted(self, kind, /, **values):
-        if self is reporter._channel:  # earlier tests' channels beat on in their threads
-            kinds.append(kind)
-        send(self, kind, **values)
-
-    monkeypatch.setattr(reporter._Channel, "send", counted)
+    kinds = count_sent(monkeypatch)
     work = threading.Event()  # never set: each wait is a step's compute, or the stuck step
     for step in range(1, 41):  # 2 s of 0.05 s steps: 4 heartbeats before, alone
         with reporter.step(step):
