@@ -70,12 +70,19 @@ def test_on_update_is_called_from_the_watch_thread_and_a_failing_call_ends_nothi
         if any(e.value == "boom" for e in update.events):
             raise RuntimeError("the caller's bug")
 
+    store.put("nodes/z", 0)
     with PrefixWatch(store, "nodes/", on_update=take) as watch:
-        assert watch.start() == {}
-        for value in ("boom", 1, 2):
-            store.put("nodes/a", value)
-        seen = [taken.get(timeout=20) for _ in range(3)]
-        assert [u.events[0].value for _, u in seen] == ["boom", 1, 2]
+        assert watch.start() == {"z": 0}
+        # the first read first, in the caller's thread: no change can be applied before it
+        thread, first = taken.get(timeout=0)
+        assert thread == threading.current_thread().name and first.snapshot == {"z": 0}
+        store.put("nodes/a", "boom")
+        seen = [taken.get(timeout=20)]  # the call that raised
+        store.put("nodes/a", 1)
+        store.put("nodes/a", 2)  # may come in the same update as 1
+        while sum(len(u.events) for _, u in seen) < 3:
+            seen.append(taken.get(timeout=20))
+        assert [e.value for _, u in seen for e in u.events] == ["boom", 1, 2]
         assert {thread for thread, _ in seen} == {"watch-nodes/"}
         assert watch.get(timeout=0.3) is None  # nothing queued besides
         assert watch.healthy and watch.reconnects == 0

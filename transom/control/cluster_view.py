@@ -112,15 +112,14 @@ class WatchedCluster:
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
         """Read every name and follow it from there (StoreError if etcd cannot be read). Each
-        watch's own thread applies its changes (no thread of the view's in between)."""
+        watch hands its first read, then its changes, to `_apply` from its own thread (no
+        thread of the view's in between)."""
         try:
             for name in WATCHED:
                 apply = functools.partial(self._apply, name)
                 watch = PrefixWatch(self.store, name, on_update=apply)
                 self._watches[name] = watch
-                values, revision = watch.read()
-                self._replace(name, values)  # before the first change is applied on top
-                watch.follow(revision)
+                watch.start()
         except BaseException:
             self.stop()
             raise

@@ -126,8 +126,11 @@ class PrefixWatch:
     # -- the caller's side ---------------------------------------------------------------------
     def start(self) -> dict[str, Any]:
         """The values under the name now (keyed by the rest of their key); changes after them
-        arrive through `get`. StoreError if etcd cannot be read."""
+        arrive through `get`, or `on_update`, which is first handed these values as a snapshot
+        (so no change can reach it before them). StoreError if etcd cannot be read."""
         values, revision = self.read()
+        if self.on_update is not None:
+            self._deliver(Update(revision=revision, snapshot=values))
         self.follow(revision)
         return values
 
