@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import etcd_requests, wait_for
+from conftest import etcd_requests, etcd_requests_by_method, wait_for
 
 from transom.common import keys
 from transom.common.records import (
@@ -283,6 +283,40 @@ def test_status_progress_is_written_at_a_first_step_and_state_changes_at_once(st
     assert (
         written.writes == 5 and store.get(keys.status("node0"))["state"] == NodeState.FAILED.value
     )
+
+
+def test_a_turns_status_and_summary_reach_etcd_together_in_one_request(store):
+    node = reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
+    before = etcd_requests_by_method(store)
+    with node.batch():
+        node.status(NodeState.RUNNING, pids={"0": 1})
+        node.summary(summary(100.0, 5), [], 100.0)
+        assert store.get(keys.status("node0")) is None  # nothing before the turn ends
+    after = etcd_requests_by_method(store)
+    writes = sum(after.get(m, 0) - before.get(m, 0) for m in ("Put", "Txn"))
+    assert writes == 1 and node.writes == 2
+    assert store.get(keys.status("node0"))["state"] == NodeState.RUNNING.value
+    assert store.get(keys.monitor("node0"))["ranks"]["0"]["step"] == 5
+
+
+def test_a_transient_status_is_written_only_if_it_lasts(store):
+    node = reports.NodeReports(store, "node0", "inc", lambda: (1, None, 0))
+    node.status(NodeState.STARTING, quiet_s=30.0)
+    node.flush()
+    assert store.get(keys.status("node0")) is None and node.writes == 0
+    node.status(NodeState.RUNNING, pids={"0": 1})  # started before it was due: never written
+    assert store.get(keys.status("node0"))["state"] == NodeState.RUNNING.value
+    assert node.writes == 1
+    node.status(NodeState.STARTING, quiet_s=0.3)
+    assert store.get(keys.status("node0"))["state"] == NodeState.RUNNING.value
+    started = time.monotonic()
+
+    def written() -> bool:
+        node.flush()  # what the agent's turns do, every TICK_S
+        return store.get(keys.status("node0"))["state"] == NodeState.STARTING.value
+
+    wait_for(written, 5, "the lasting STARTING status")
+    assert time.monotonic() - started >= 0.3 and node.writes == 2
 
 
 def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back(store, proxied):

@@ -190,6 +190,24 @@ def test_recovering_is_committed_before_the_restart_writes_the_next_generation()
     assert incident.failed == ["node0"] and incident.lost == []
 
 
+def test_a_thousand_node_generation_is_announced_in_a_short_message_naming_who_changed():
+    members = [f"node{i}" for i in range(1024)]
+    s = spec(nnodes_min=1024, nnodes_max=1024, spares=1)
+    job = running(members, s)
+    alive = nodes(*members[:-1], "node1024")  # node1023 lost, the spare registered
+    snap = Snapshot(alive, statuses(1, NodeState.RUNNING, *members[:-1]))
+    d = run(job, snap, s, T0 + 2)
+    assert kinds(d) == ["incident"]
+    d = run(d.job, snap, s, T0 + 2 + s.settle_s)  # the cause is known: after the settle time
+    assert "diagnosis" in kinds(d) and d.job.next_generation is not None
+    d = run(d.job, snap, s, T0 + 3 + s.settle_s)
+    (generation,) = [e for e in d.events if e.kind is EventKind.GENERATION]
+    assert generation.members == [*members[:-1], "node1024"]  # every name is in the record
+    assert "1024 members node0, node1" in generation.message
+    assert "(in node1024; out node1023)" in generation.message
+    assert len(generation.message) < 200
+
+
 def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     s = spec(settle_s=0.5, node_ttl_s=10.0)
     live = nodes("node0", "node1")

@@ -26,3 +26,11 @@ def check_id(what: str, value: str) -> str:
 def natural_key(name: str) -> list[int | str]:
     """Sort key for names with numbers: node2 < node10."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def listing(names: list[str], most: int = 8) -> str:
+    """`names` for a message: all of them when there are at most `most`, else the first few and
+    how many more (a thousand-node job's log lines and events stay short); "" for none."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[: most - 1])} and {len(names) - most + 1} more"

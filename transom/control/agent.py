@@ -44,7 +44,7 @@ from transom.control.leaving import close_all, deregister
 from transom.control.outage import RIDING_OUT, PauseGuard, fence_reason, until_reached
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import joining_checks
-from transom.control.reports import NodeReports
+from transom.control.reports import STARTING_QUIET_S, NodeReports
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
@@ -115,10 +115,11 @@ class NodeAgent:
         self._lease_loss_seen = False
         self._report(self.group_state, **self.reports.extra)
 
-    def _report(self, state: NodeState, **extra) -> None:
-        """Publish this node's status; during an outage it is published when etcd is back."""
+    def _report(self, state: NodeState, quiet_s: float = 0.0, **extra) -> None:
+        """Publish this node's status (inside a turn: at its end; `quiet_s`: only if it lasts
+        that long); during an outage it is published when etcd is back."""
         self.group_state = state
-        self.reports.status(state, **extra)
+        self.reports.status(state, quiet_s, **extra)
 
     def _facts(self) -> tuple[int, int | None, int]:
         """(generation, newest step, warm interpreters): what a status says besides its state."""
@@ -226,7 +227,8 @@ class NodeAgent:
         self.reports.held, self.reports.failure = self.link.in_outage, None
         if not self.link.in_outage:
             try:
-                outcome = self._tick()
+                with self.reports.batch():  # the turn's writes: one request at its end
+                    outcome = self._tick()
             except StoreError as e:
                 outcome, self.reports.failure = None, e
             failure = self.reports.failure  # a call that failed, or a write the tick let pass
@@ -294,7 +296,6 @@ class NodeAgent:
             self.ckpt.ensure_running()
         except (RuntimeError, OSError) as e:  # workers fall back to peers and storage; next tick
             log.warning("%s", e)
-        self.reports.flush()
         lease_lost = self.keeper.lost.is_set()
         if lease_lost and not self._lease_loss_seen:
             self._lease_loss_seen = self._resync = True  # etcd stalled or this node was cut off
@@ -371,7 +372,9 @@ class NodeAgent:
         self.waiting_for_master = plan
         self._start_group(plan)  # the master node publishes its address before anything else
         if self.group is None:
-            self._report(NodeState.STARTING)  # waiting for the master node's address
+            # Waiting for the master node's address, which nearly always comes within a few
+            # ticks: said only if the wait lasts.
+            self._report(NodeState.STARTING, quiet_s=STARTING_QUIET_S)
 
     def _preflight(self) -> None:
         """Check this node once, when it joins; publish the result for the controller to compare."""
@@ -455,6 +458,7 @@ class NodeAgent:
             self.monitor.raise_anomaly(detectors.crash(self.node_id, described))
             self._monitor_tick()
             self._report(NodeState.FAILED, failures=described)
+            self.reports.write_now()  # before stopping the other workers, which takes a while
             self._stop_group()
         else:
             self._report(NodeState.SUCCEEDED)
@@ -483,11 +487,7 @@ class NodeAgent:
             return
         summary, events = self.monitor.collect()
         if running or events:
-            self.reports.summary(summary, events, now, progress)
-        try:
-            self.reports.flush()
-        except StoreError:
-            pass  # published next tick or when etcd is back
+            self.reports.summary(summary, events, now, progress)  # written at the turn's end
 
     def _stop_group(self) -> None:
         self.waiting_for_master = None

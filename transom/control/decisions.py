@@ -23,7 +23,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from transom.common.names import natural_key
+from transom.common.names import listing, natural_key
 from transom.common.records import (
     Anomaly,
     Event,
@@ -134,6 +134,15 @@ def decide(
     d = t.decision
     d.changed = d.plan is not None or bool(d.events) or d.job != job
     return d
+
+
+def _changes(before: list[str], after: list[str]) -> str:
+    """Who joined and who left between two generations' members, for a message ("" if none)."""
+    was, now = set(before), set(after)
+    joined = [m for m in after if m not in was]
+    left = [m for m in before if m not in now]
+    parts = [f"{what} {listing(names)}" for what, names in (("in", joined), ("out", left)) if names]
+    return f" ({'; '.join(parts)})" if parts and before else ""
 
 
 def _copy(value: T) -> T:
@@ -248,7 +257,7 @@ class Tick:
         j.next_generation = None
         j.restore_step = self.snap.restore_step
         j.generation += 1
-        j.members = nxt.members
+        before, j.members = j.members, nxt.members
         self.set_state(JobState.WARMUP, f"generation {j.generation} starting")
         j.generation_started = self.now
         j.handled_anomalies = []
@@ -256,8 +265,9 @@ class Tick:
         restore = "fresh" if j.restore_step is None else f"from step {j.restore_step}"
         self.event(
             EventKind.GENERATION,
-            f"generation {j.generation} ({nxt.why}): members {', '.join(j.members)}; "
-            f"spares {', '.join(spares) or 'none'}; resuming {restore}",
+            f"generation {j.generation} ({nxt.why}): {len(j.members)} members "
+            f"{listing(j.members)}{_changes(before, j.members)}; "
+            f"spares {listing(spares) or 'none'}; resuming {restore}",
             members=j.members,
             spares=spares,
             restore_step=j.restore_step,
@@ -379,7 +389,7 @@ class Tick:
         )
         for node in incident.stuck:
             d.evict.setdefault(node, f"did not start workers within {spec.warmup_timeout_s:.0f} s")
-        cause = f"{d.summary}; blamed: {', '.join(d.blamed) or 'nobody'}"
+        cause = f"{d.summary}; blamed: {listing(d.blamed) or 'nobody'}"
         self.event(
             EventKind.DIAGNOSIS,
             f"generation {j.generation}: {cause}",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from transom.common.names import listing
 from transom.common.records import EventKind
 from transom.config import JobSpec
 from transom.control.contact import PROBE_S
@@ -73,7 +74,7 @@ def excused_lost(t: Tick, lost: list[str]) -> list[str]:
         t.event(
             EventKind.WARNING,
             f"control-plane incident ({reason}): waiting up to {until - now:.1f} s for "
-            f"{', '.join(lost)} to register again; no restart, no eviction",
+            f"{listing(lost)} to register again; no restart, no eviction",
             nodes=list(lost),
         )
         return []

@@ -2,7 +2,10 @@
 
 Every write is an etcd request on every node, so each is made when the controller has something
 new to learn from it, or at a slow heartbeat, never on a timer alone:
-- `status/<node>`: at once when the node's state or its facts (pids, failures) change. Its
+- `status/<node>`: at once when the node's state or its facts (pids, failures) change, but a
+  transient state only if it lasts (`status(quiet_s=...)`: a member waiting for its master's
+  address is STARTING only after STARTING_QUIET_S; it starts before that on nearly every restart,
+  and a thousand nodes then write one status each, not two). Its
   step and warm interpreter count only people read (`transom status`, the launcher's progress
   bar and progress.jsonl; the controller acts on states). The step is written at once for a
   generation's first step, when training is back (the run report's recovery time), and not
@@ -23,6 +26,8 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   (detectors.HEARTBEAT_GAP_S), never a telemetry gap (anomalies.SUMMARY_GAP_S, 5 s); and it
   is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
 - events (the anomalies'): with the summary that announces them.
+What an agent's turn queues (`batch`: its status, summary and events) is written together at the
+turn's end, in one request.
 During an outage the newest of each waits and is written when etcd is back (`flush`): while
 `held` (the agent knows etcd does not answer, or a write just failed) nothing is tried, so a
 cut-off agent never spends its loop waiting on writes that cannot succeed (its fence rule must
@@ -35,7 +40,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from transom.common import keys
 from transom.common.records import Event, MonitorSummary, NodeStatus
@@ -58,6 +64,9 @@ BEAT_MARGIN_S = 1.0
 BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
 # A changed warm interpreter count (for people only) is written at most this often.
 STATUS_PROGRESS_S = 5.0
+# A member waiting for its generation's master address is reported STARTING only this long
+# after: the address normally arrives with the plan's watch a few ticks later.
+STARTING_QUIET_S = 1.0
 
 
 def signature(summary: MonitorSummary) -> tuple:
@@ -99,27 +108,49 @@ class NodeReports:
         self.facts = facts
         self.state = NodeState.IDLE
         self.extra: dict = {}
-        self.writes = 0  # puts made (status, summaries, events)
+        self.writes = 0  # records written (statuses, summaries, events)
         self.held = False  # etcd does not answer: queue everything, write nothing
         self.failure: StoreError | None = None
         self._status_pending = False  # the newest status did not reach etcd yet
         # (generation, step, warm) last written
         self._status_shown: tuple[int, int | None, int] = (0, None, 0)
         self._status_at = -math.inf
+        self._status_after = -math.inf  # a transient status waits until then (time.monotonic)
+        self._batching = False  # inside `batch`: statuses wait for its end
         self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
         self._summary_signature: tuple | None = None
         self._summary_at = -math.inf
         self._summary_allowance = SUMMARY_FLOOR_S
 
     # -- status --------------------------------------------------------------------------------
-    def status(self, state: NodeState, **extra) -> None:
-        """Publish the node's state; during an outage it is published when etcd is back."""
+    def status(self, state: NodeState, quiet_s: float = 0.0, **extra) -> None:
+        """Publish the node's state: at the end of a `batch`, else now; with `quiet_s` (a
+        transient state) only if no other status replaced it that long after; during an outage
+        when etcd is back."""
         self.state, self.extra = state, extra
         self._status_pending = True
+        self._status_after = time.monotonic() + quiet_s if quiet_s > 0 else -math.inf
+        if not self._batching:
+            self.write_now()
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """What is queued inside (statuses, summaries, events) is written together when it ends
+        (one request), unless it raised; a failed write leaves `held` and `failure` set."""
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+        self.write_now()
+
+    def write_now(self) -> None:
+        """`flush`, even inside a `batch` (news that must not wait for the rest of a turn); a
+        failed write leaves `held` and `failure` set."""
         try:
             self.flush()
         except StoreError:
-            pass
+            pass  # held: written when etcd is back; `failure` says why
 
     def progress(self, now: float) -> None:
         """Re-publish the status at the generation's first step (at once), or when the warm
@@ -133,8 +164,8 @@ class NodeReports:
         if first_step or (warm != shown_warm and now - self._status_at >= STATUS_PROGRESS_S):
             self.status(self.state, **self.extra)
 
-    def _write_status(self) -> None:
-        generation, step, warm = self.facts()
+    def _status_value(self, facts: tuple[int, int | None, int]) -> dict:
+        generation, step, warm = facts
         status = NodeStatus(
             node=self.node_id,
             generation=generation,
@@ -145,12 +176,7 @@ class NodeReports:
             incarnation=self.incarnation,
             **self.extra,
         )
-        # Not leased: the last status of a dead node stays readable; liveness is `nodes/`.
-        self.store.put(keys.status(self.node_id), status.to_dict())
-        self.writes += 1
-        self._status_pending = False
-        self._status_shown = (generation, step, warm)
-        self._status_at = time.monotonic()
+        return status.to_dict()
 
     # -- monitor summaries ---------------------------------------------------------------------
     def summary_due(self, now: float) -> bool:
@@ -173,18 +199,33 @@ class NodeReports:
             self._summary_allowance = allowance(summary, self.hang_floor_s)
 
     def flush(self) -> None:
-        """Write what waits, unless `held`: the status, then monitor summaries and events.
-        StoreError: etcd could not be reached (now `held`; what is left waits)."""
+        """Write what waits, unless `held`: the status (a transient one once it is due), the
+        monitor summary and events, in one request. StoreError: etcd could not be reached (now
+        `held`; everything waits)."""
         if self.held:
             return
+        writes = dict(self._unsent)
+        facts = None  # (generation, step, warm) of a status written now
+        if self._status_pending and time.monotonic() >= self._status_after:
+            facts = self.facts()
+            # Not leased: the last status of a dead node stays readable; liveness is `nodes/`.
+            writes[keys.status(self.node_id)] = self._status_value(facts)
+        if not writes:
+            return
         try:
-            if self._status_pending:
-                self._write_status()
-            while self._unsent:
-                key = next(iter(self._unsent))
-                self.store.put(key, self._unsent[key])
-                self.writes += 1
-                del self._unsent[key]
+            if len(writes) == 1:
+                [(key, value)] = writes.items()
+                self.store.put(key, value)
+            else:
+                self.store.write_all({key: (value, None) for key, value in writes.items()})
         except StoreError as e:
             self.held, self.failure = True, e
             raise
+        self.writes += len(writes)
+        for key, value in writes.items():
+            if self._unsent.get(key) is value:
+                del self._unsent[key]
+        if facts is not None:
+            self._status_pending = False
+            self._status_shown = facts
+            self._status_at = time.monotonic()
