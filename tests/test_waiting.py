@@ -338,3 +338,27 @@ def test_node_delays_match_medians_over_the_other_nodes_ranks():
             assert rank == next(r for d, r in delays if d == best)
             assert evidence()["peers_wait_s"] == peers_wait
         assert set(got) == {v["node"] for v in views}
+
+
+def test_the_detector_state_the_controller_copies_each_tick_does_not_grow_with_the_job():
+    import pickle
+
+    from transom.control.decisions import Memory
+    from transom.monitor.cluster import ClusterView
+
+    def views(n: int, step: int) -> list[dict]:
+        timing = {"step_s": 0.1, "busy_s": 0.09, "wait_s": 0.01, "compute_s": 0.08}
+        return [{"node": f"node{i}", "rank": i, "step": step, **timing} for i in range(n)]
+
+    sizes = {}
+    for n in (8, 1024):
+        memory = Memory()
+        for step in range(100, 120):
+            for detector in memory.detectors:
+                detector.update(ClusterView(views(n, step), float(step), 8.0, False))
+        sizes[n] = len(pickle.dumps(memory, pickle.HIGHEST_PROTOCOL))
+    assert sizes[1024] < sizes[8] + 200  # no per-rank views or keys kept between ticks
+    tracker = waiting.StragglerTracker()
+    tracker.update(views(4, 1), 1.0, explain=True)  # the controller's debug log asks
+    evaluation = tracker.evaluation()
+    assert evaluation is not None and set(evaluation["ranks"]) == {0, 1, 2, 3}

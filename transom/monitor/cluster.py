@@ -54,8 +54,9 @@ class StragglerDetector:
         if view.finishing:
             return None
         before = self.tracker.evaluated_at
-        found = self.tracker.update(view.ranks, view.now)
-        if self.tracker.evaluated_at != before and log.isEnabledFor(logging.DEBUG):
+        explain = log.isEnabledFor(logging.DEBUG)
+        found = self.tracker.update(view.ranks, view.now, explain)
+        if self.tracker.evaluated_at != before and explain:
             log.debug("straggler evaluation: %s", self.tracker.evaluation())
         return found
 

@@ -313,12 +313,17 @@ class StragglerTracker:
         self.missed = 0  # evaluations in a row since that did not
         self.strong_since: int | None = None  # the newest step when strong namings began
         self.baseline = Baseline()  # the job's step time in the first evaluations
-        # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`.
+        # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`,
+        # when asked to explain it: kept otherwise, a thousand ranks' views would be copied with
+        # the controller's detector state at every tick (transom.control.decisions._copy).
         self._last: tuple[list[dict], float | None, str | None] | None = None
 
-    def update(self, views: list[dict], now: float | None = None) -> Anomaly | None:
+    def update(
+        self, views: list[dict], now: float | None = None, explain: bool = False
+    ) -> Anomaly | None:
         """The straggler once confirmed by the fresh evaluations of `views` so far; `now`, the
-        controller's clock (None: the streak's length in seconds is not checked)."""
+        controller's clock (None: the streak's length in seconds is not checked); `explain`:
+        keep what a fresh evaluation saw for `evaluation()`."""
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
         if newest is None or (self.evaluated_at is not None and newest <= self.evaluated_at):
             return None  # no new step since the last evaluation
@@ -328,7 +333,7 @@ class StragglerTracker:
             self.baseline.add(step_s)
         baseline_s = self.baseline.value()
         found = straggler_candidate(views, baseline_s, named=self.node)
-        self._last = (views, baseline_s, found[0] if found else None)
+        self._last = (views, baseline_s, found[0] if found else None) if explain else None
         strong = found is not None and (found[2]["bar_x"] or 0.0) >= STRONG_BAR_X
         if found is None or found[0] != self.node:
             self.missed += 1
@@ -366,7 +371,7 @@ class StragglerTracker:
 
     def evaluation(self) -> dict | None:
         """What the newest evaluation saw and the streak after it, in a loggable form (built
-        only when asked: the controller logs it at debug level)."""
+        only when asked: the controller logs it at debug level); None unless it was explained."""
         if self._last is None:
             return None
         views, baseline_s, named = self._last
@@ -390,10 +395,12 @@ class ThroughputTracker:
     def __init__(self) -> None:
         self.baseline = Baseline()
         self.raised = False
-        self.last_key: tuple | None = None
+        # The hash of the newest views' (node, rank, step)s: not the thousand tuples themselves,
+        # which the controller would copy with its detector state at every tick.
+        self.last_key: int | None = None
 
     def update(self, views: list[dict]) -> Anomaly | None:
-        key = _fresh_key(views)
+        key = hash(_fresh_key(views))
         if key == self.last_key:
             return None
         self.last_key = key
