@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import ssl
 import stat
 
 import pytest
@@ -50,13 +51,11 @@ def test_the_store_client_gets_the_tls_files(tls):
     client = Store(access, "j").client
     assert client.session.verify == str(tls.ca)  # the watch streams'
     assert client.session.cert == (str(tls.client_cert), str(tls.client_key))
-    pool = client.pool  # every other request's
-    assert (pool.ca_certs, pool.cert_file, pool.key_file, pool.cert_reqs) == (
-        str(tls.ca),
-        str(tls.client_cert),
-        str(tls.client_key),
-        "CERT_REQUIRED",
-    )
+    context = client.tls  # every other request's (its client certificate: test_store.py)
+    assert context is not None and context.verify_mode == ssl.CERT_REQUIRED
+    assert context.check_hostname
+    ca = ssl.PEM_cert_to_DER_cert(tls.ca.read_text())
+    assert context.get_ca_certs(binary_form=True) == [ca]  # this CA only, not a bundle
     assert Store("http://127.0.0.1:2379", "j").access == StoreAccess("http://127.0.0.1:2379")
 
 

@@ -54,6 +54,70 @@ def answering() -> Iterator[tuple[int, list]]:
         thread.join(timeout=10)
 
 
+@pytest.fixture
+def keeping() -> Iterator[tuple[int, list, threading.Event]]:
+    """An HTTP/1.1 server on loopback that answers {"ok": true} and keeps the connection open,
+    appending each request's client port to its list; when that list holds "close", it closes
+    each connection after answering (without saying so), then sets its event."""
+    ports: list = []
+    closed = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            ports.append(self.client_address[1])
+            self.send_response(200)
+            self.send_header("Content-Length", "12")
+            self.end_headers()
+            self.wfile.write(b'{"ok": true}')
+            self.close_connection = "close" in ports
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server(ThreadingHTTPServer):
+        def shutdown_request(self, request) -> None:
+            super().shutdown_request(request)
+            closed.set()
+
+    server = Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], ports, closed
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_requests_one_after_another_reuse_one_connection(keeping):
+    port, ports, _ = keeping
+    client = _client(port)
+    try:
+        for _ in range(3):
+            assert client.post(client.get_url("kv/put"), json={}) == {"ok": True}
+        assert len(ports) == 3 and len(set(ports)) == 1
+    finally:
+        client.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused(keeping):
+    """Sent on a connection the server had closed, the request would fail; it goes on a new one."""
+    port, ports, closed = keeping
+    ports.append("close")
+    client = _client(port)
+    try:
+        assert client.post(client.get_url("kv/put"), json={}) == {"ok": True}
+        assert closed.wait(timeout=10)  # the server closed the connection the client kept
+        assert client.post(client.get_url("kv/put"), json={}) == {"ok": True}
+        assert ports[1] != ports[2]
+    finally:
+        client.close()
+
+
 def test_a_request_posts_json_and_returns_the_answer(answering):
     port, answers = answering
     client = _client(port)
