@@ -113,9 +113,9 @@ def test_same_error_on_every_rank_fails_fast(start_job, tmp_path, timing):
     assert job.wait() == 1
     last = job.output.splitlines()[-1]
     assert "same error twice" in last and "ValueError: bad config value" in last
-    # Not ten: at once, one retry; in turn, the evidence takes two generations and the third's
-    # failure ends the job (a generation that failed before all its workers ran uses no restart).
-    assert 1 <= job.status()["job"]["restarts_used"] <= (1 if timing == "at once" else 2)
+    # Not ten: one retry, however the ranks' start-up times fall (at once on a busy machine, one
+    # rank may still be starting when the other's error ends the generation: CI's run, stop 32).
+    assert job.status()["job"]["restarts_used"] == 1
 
 
 def test_restart_budget_is_enforced(start_job, tmp_path):

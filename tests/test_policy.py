@@ -283,26 +283,38 @@ def test_the_same_error_on_each_node_in_turn_is_every_rank_raising_it():
     members, history = ["node0", "node1"], {}
     g1 = _decide(members, failed=_alone("node1", 1), history=history, now=1000.0)
     assert g1.signature is None and g1.same_error == SameError(SIG, frozenset({"node1"}))
+    assert g1.fail is None  # one retry, whatever
     g2 = _decide(
         members, failed=_alone("node0", 0), history=history, now=1001.0, before=g1.same_error
     )
-    assert g2.signature == SIG and g2.fail is None
-    g3 = _decide(
-        members,
-        failed=_alone("node1", 1),
-        history=history,
-        last_signature=g2.signature,
-        now=1002.0,
-        before=g2.same_error,
-    )
-    assert g3.fail is not None and SIG in g3.fail
+    # Every rank has raised it now, and it came back after a restart: no second retry.
+    assert g2.signature == SIG and g2.fail is not None and SIG in g2.fail
+    assert g2.evict == {}
+
+
+def test_the_same_error_on_every_rank_at_once_is_retried_once():
+    members = ["node0", "node1"]
+    both = _alone("node0", 0) | _alone("node1", 1)
+    g1 = _decide(members, failed=both)
+    assert g1.signature == SIG and g1.fail is None
+    g2 = _decide(members, failed=_alone("node0", 0), last_signature=SIG, before=g1.same_error)
+    assert g2.fail is not None and "same error twice" in g2.fail
+
+
+def test_an_error_gathered_over_generations_but_not_on_every_rank_is_no_script_error():
+    members = ["node0", "node1", "node2"]
+    g1 = _decide(members, failed=_alone("node0", 0))
+    g2 = _decide(members, failed=_alone("node1", 1), before=g1.same_error)
+    assert g2.signature is None and g2.fail is None and g2.same_error is not None
+    g3 = _decide(members, failed=_alone("node2", 2), before=g2.same_error)
+    assert g3.signature == SIG and g3.fail is not None
 
 
 def test_a_node_failing_again_with_an_error_every_member_raised_is_not_evicted():
     members = ["node0", "node1"]
     before = SameError(SIG, frozenset({"node0", "node1"}))
     d = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]}, before=before)
-    assert d.evict == {} and d.fail is None and d.signature == SIG
+    assert d.evict == {} and d.signature == SIG and d.fail is not None
     alone = _decide(members, failed=_alone("node1", 1), history={"node1": [999.0]})
     assert "node1" in alone.evict  # its error alone: a node that fails again is evicted
 

@@ -6,13 +6,16 @@ Pure functions of the reports and the job's history, so each rule is tested on i
 - the root cause of a worker failure is a node whose worker failed by itself, not one whose
   worker only saw its peer go away (`peer_error`); the same node failing again within the
   eviction window is evicted;
-- the same exception on every rank twice in a row is a bug in the script: fail fast. Ranks
-  that start seconds apart reach the error at different times, and the first to raise ends
-  the generation, so "every rank" is gathered over the generations of one incident that never
-  trained a step (`SameError`), including a member whose failure is reported after the
-  diagnosis (transom.control.decisions.Tick.take_late_failures); the second time it is enough
-  that the nodes that reported raised it. A node is not evicted for failing again with an
-  exception every member raised: it follows the script, not the node.
+- the same exception twice in a row, raised by every rank, is a bug in the script: fail fast,
+  after one retry. Ranks that start seconds apart reach the error at different times, and the
+  first to raise ends the generation, so "every rank" is gathered over the generations of one
+  incident that never trained a step (`SameError`), including a member whose failure is
+  reported after the diagnosis (transom.control.decisions.Tick.take_late_failures). The job
+  fails once every rank has raised it and it came back after a restart: the second time it is
+  enough that the nodes that reported raised it, and a rank the first failure ended before it
+  raised may raise it the second time (one retry however the ranks' start-up times fall). A
+  node is not evicted for failing again with an exception every member raised: it follows the
+  script, not the node.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class SameError:
     signature: str
     nodes: frozenset[str]
     trained: bool = False  # a worker of the newest generation had trained a step
+    again: bool = False  # the incident before raised it too, and neither generation trained
 
     def on_every(self, members: list[str]) -> bool:
         return self.nodes >= set(members)
@@ -79,9 +83,10 @@ def same_error(failed: dict[str, NodeStatus], before: SameError | None) -> SameE
         return None
     signature = signatures.pop()
     trained = any(report.step is not None for report in failed.values())
-    if before is not None and before.signature == signature and not (trained or before.trained):
+    again = before is not None and before.signature == signature and not (trained or before.trained)
+    if again and before is not None:
         nodes |= before.nodes
-    return SameError(signature, frozenset(nodes), trained)
+    return SameError(signature, frozenset(nodes), trained, again)
 
 
 def diagnose(
@@ -129,10 +134,12 @@ def diagnose(
             first = _worker_failures(worker_failed[node])[0]
             parts.append(f"{node}: {first.get('describe', 'worker failed')}")
     # The second time, the nodes that reported first are enough: the others may still be starting.
+    # Gathered over two generations, every rank raising it after a restart is enough too.
     repeated = d.same_error.signature if d.same_error else None
-    if repeated is not None and repeated == last_signature:
+    came_back_on_every = d.signature is not None and d.same_error is not None and d.same_error.again
+    if repeated is not None and (repeated == last_signature or came_back_on_every):
         d.fail = (
-            "every rank failed with the same error twice in a row (a bug in the script?): "
+            "the same error twice in a row, raised by every rank (a bug in the script?): "
             f"{repeated}"
         )
     d.summary = "; ".join(parts) or "generation stopped"
