@@ -7,7 +7,8 @@ restart, so `post`, the one method every unary request of etcd3gw goes through (
 transaction, lease grant, keep-alive, revoke), sends them over the standard library's
 `http.client` connections instead, kept open between requests (`KeptConnections`): a small
 put costs the client 0.5-0.8 ms of CPU this way, against 0.7-1.1 ms through a urllib3 pool
-and more through the session (alternating runs, 500 puts 5 ms apart). Same TLS files, timeouts and errors:
+and more through the session (alternating runs, 500 puts 5 ms apart). Same TLS files,
+timeouts and errors:
   - connect or read timeout: ConnectionTimeoutError; refused, reset, TLS failure, a malformed
     answer, anything else on the way: ConnectionFailedError, with the cause chained (the retry
     policy finds a refused certificate there); an HTTP error status: what etcd3gw raises for it.
