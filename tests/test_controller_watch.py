@@ -6,6 +6,7 @@ is SIGKILLed or hands over on SIGTERM (real `transom controller` processes)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -30,7 +31,13 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster
-from transom.control.controller import EVENTS_KEPT_S, LEADER_TTL_S, Controller
+from transom.control.controller import (
+    EVENTS_KEPT_S,
+    LEADER_TTL_S,
+    TICK_S,
+    Controller,
+    tick_wait,
+)
 from transom.store import EmbeddedEtcd, Store, StoreError
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,6 +144,20 @@ def event_kinds(store: Store) -> list[str]:
     return [e["kind"] for e in store.get_prefix(keys.EVENTS).values()]
 
 
+def test_a_tick_comes_when_the_previous_asked_for_it_else_after_tick_s():
+    # nothing asked: changes wait TICK_S from the previous tick's start, the timer decides
+    assert tick_wait(10.0, 10.05, None) == (pytest.approx(TICK_S - 0.05), math.inf)
+    assert tick_wait(10.0, 10.5, None) == (0.0, math.inf)
+    # the next tick at once (a generation's plan)
+    assert tick_wait(10.0, 10.05, 10.05) == (0.0, 0.0)
+    # a rule due before TICK_S is up: then, changes or not
+    assert tick_wait(10.0, 10.05, 10.1) == (pytest.approx(0.05), 0.0)
+    # due later: changes may wake it after TICK_S, and it ticks at the due time at the latest
+    floor, limit = tick_wait(10.0, 10.05, 10.5)
+    assert floor == pytest.approx(TICK_S - 0.05) and limit == pytest.approx(0.3)
+    assert tick_wait(10.0, 10.6, 10.5) == (0.0, 0.0)  # overdue: at once
+
+
 # -- the view ---------------------------------------------------------------------------------
 
 
@@ -228,6 +249,9 @@ def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
         assert plan["members"] == ["node0", "node2"]
         # settle_s, then one tick to decide and one to write the plan: no polling interval
         assert took < 0.5 + 2.5, took
+        at = {e["kind"]: e["time"] for e in store.get_prefix(keys.EVENTS).values()}
+        # the plan's tick follows the deciding one at once, not TICK_S later
+        assert at["generation"] - at["diagnosis"] < TICK_S / 2, at
     finally:
         ctl.stop()
         for agent in agents.values():

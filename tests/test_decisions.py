@@ -219,9 +219,12 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     # only a peer error so far: wait for node1's report (up to the lease time)
     assert run(job, Snapshot(live, peer_only), s, T0 + 3).job.next_generation is None
     assert run(job, Snapshot(live, peer_only), s, T0 + 2 + 11.0).job.next_generation is not None
+    waiting = run(job, Snapshot(live, peer_only), s, T0 + 3)
+    assert waiting.due == T0 + 2 + s.node_ttl_s + 1.0  # the controller ticks then
     # its own fault: diagnose after settle_s
     own = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
-    assert run(job, Snapshot(live, own), s, T0 + 2.4).job.next_generation is None
+    waiting = run(job, Snapshot(live, own), s, T0 + 2.4)
+    assert waiting.job.next_generation is None and waiting.due == T0 + 2 + s.settle_s
     d = run(job, Snapshot(live, own), s, T0 + 2.5)
     assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
     # every member reported: no wait at all

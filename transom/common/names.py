@@ -6,6 +6,7 @@ every entry point validates them with `check_id`. This module must never do I/O.
 
 from __future__ import annotations
 
+import functools
 import re
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -23,9 +24,11 @@ def check_id(what: str, value: str) -> str:
     return value
 
 
-def natural_key(name: str) -> list[int | str]:
-    """Sort key for names with numbers: node2 < node10."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+@functools.lru_cache(maxsize=1 << 16)
+def natural_key(name: str) -> tuple[int | str, ...]:
+    """Sort key for names with numbers: node2 < node10 (cached: the controller sorts a thousand
+    node names several times a tick)."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
 def listing(names: list[str], most: int = 8) -> str:

@@ -9,9 +9,10 @@ decision is also an event with a reason in `events/`.
 
 Nothing is polled. The leader follows what the agents publish through etcd watches
 (transom.control.cluster_view) and ticks when something changed, a tick's commit asks for the
-next one, or a timer runs out (TICK_S while the job is changing, STEADY_TICK_S while it runs,
-or STEPS_PER_TICK median steps if shorter, for the straggler detector: the time-based rules,
-hang and telemetry-gap ages, warm-up and settle timeouts). A node's
+next one (a generation's plan right after the tick that decided it; an incident's diagnosis
+when its settle time is up), or a timer runs out (TICK_S while the job is changing,
+STEADY_TICK_S while it runs, or STEPS_PER_TICK median steps if shorter, for the straggler
+detector: the time-based rules, hang and telemetry-gap ages, warm-up timeouts). A node's
 death is the delete of its lease-bound registration, pushed like any other change. A standby
 waits on the leader key's delete (transom.control.leader_watch) and only then tries to lead.
 Each candidate's one steady store call, the leader's lease refresh or a standby's read of the
@@ -26,6 +27,7 @@ The controller never touches processes: it writes the `plan` and the agents act 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -68,6 +70,18 @@ EVENTS_PRUNE_S = 60.0
 PRUNE_DEADLINE_S = 1.0  # a prune never holds the leader's loop up longer
 
 
+def tick_wait(started: float, now: float, due: float | None) -> tuple[float, float]:
+    """After a tick that started at `started` (time.monotonic, as `now` and `due`): how long the
+    loop waits before a change may wake it (changes that come faster are taken together), then
+    the most it waits for one after that (math.inf: the caller's timer decides). A tick that
+    asked for the next at `due` gets it then, sooner than TICK_S if need be."""
+    floor = max(0.0, started + TICK_S - now)
+    if due is None:
+        return floor, math.inf
+    floor = min(floor, max(0.0, due - now))
+    return floor, max(0.0, due - now - floor)
+
+
 class Controller:
     """One controller candidate for one job.
 
@@ -86,6 +100,9 @@ class Controller:
         self.exporter = MonitorExporter()
         self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
         self._step_s: float | None = None  # the members' median step time, newest snapshot
+        # When (time.monotonic) the newest tick asked for the next: at once after deciding a
+        # generation (its plan follows), or when a waiting rule decides (Decision.due).
+        self._due: float | None = None
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
@@ -237,8 +254,10 @@ class Controller:
         return None
 
     def _wait_for_change(self, started: float) -> None:
-        """Until something changed (at least TICK_S after `started`), or the timer ran out."""
-        if self.stopping.wait(max(0.0, TICK_S - (time.monotonic() - started))):
+        """Until something changed (at least TICK_S after `started`), the timer ran out, or the
+        tick the newest one asked for is due."""
+        floor, limit = tick_wait(started, time.monotonic(), self._due)
+        if self.stopping.wait(floor):
             return
         job = self.job
         steady = (
@@ -250,7 +269,7 @@ class Controller:
         steady_s = STEADY_TICK_S
         if self._step_s is not None:
             steady_s = min(steady_s, max(TICK_S, STEPS_PER_TICK * self._step_s))
-        self._wait_woken(steady_s if steady else TICK_S)
+        self._wait_woken(min(limit, steady_s if steady else TICK_S))
         self.wake.clear()
 
     def _wait_woken(self, timeout: float) -> None:
@@ -318,6 +337,7 @@ class Controller:
             self.view = view
         # Act only on a view etcd answered for lately, and after the newest lease expiry the
         # view saw (so any gap in reaching etcd before it is known: grace.py).
+        self._due = None
         if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
             return
         snap = self.snapshot()
@@ -325,7 +345,8 @@ class Controller:
             r.step_s for s in snap.summaries.values() for r in s.ranks.values()
         )
         self.exporter.update(self.job, snap.summaries)
-        d = decide(self.job, snap, self.spec, time.time(), self.memory)
+        now = time.time()
+        d = decide(self.job, snap, self.spec, now, self.memory)
         self.memory = d.memory
         for anomaly in d.anomalies:
             self.exporter.count(anomaly)
@@ -335,6 +356,10 @@ class Controller:
             self.job = d.job
             self._commit(d.events, d.plan)
             self.wake.set()  # a decision often leads to the next (RECOVERING, then the plan)
+            if d.job.next_generation is not None:  # its plan: at once (decisions' module doc)
+                self._due = time.monotonic()
+        if d.due is not None and self._due is None:
+            self._due = time.monotonic() + max(0.0, d.due - now)
         self._prune_events(time.monotonic())
 
     def _prune_events(self, now: float) -> None:

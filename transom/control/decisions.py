@@ -9,8 +9,8 @@ transom.control.policy. The monitor's part (anomalies -> actions) is in `control
 
 A generation starts in two ticks: the tick that decides it records `job.next_generation`
 (members, why); the I/O loop then reads the newest restorable checkpoint step for it from the
-catalog into the snapshot, and the next tick writes the plan. So an incident is committed as
-RECOVERING (visible to `transom status` and the event log) before its restart is.
+catalog into the snapshot, and the next tick, at once, writes the plan. So an incident is
+committed as RECOVERING (visible to `transom status` and the event log) before its restart is.
 
 Control-plane incidents (transom.control.grace) are told from node deaths here too: members
 whose leases vanished because etcd itself stalled are given time to register again.
@@ -106,6 +106,9 @@ class Decision:
     # Forget checkpoints of steps >= [0] saved since [1] (the workers that went bad are gone).
     discard_poisoned: tuple[int, int] | None = None  # (first bad step, first generation kept)
     anomalies: list[Anomaly] = field(default_factory=list)  # newly handled, for the exporter
+    # When (`now`'s clock) a time-based rule that is waiting now decides (the settle time of an
+    # incident): the controller ticks then, not at its next TICK_S (None: no such rule waits).
+    due: float | None = None
 
     changed: bool = False  # something to commit (the record, the plan or events)
 
@@ -368,12 +371,15 @@ class Tick:
         # so stop waiting after settle_s once the cause is known (a worker failed by itself, a
         # node was lost or never started), and in any case once a silent node's lease would
         # have expired (a silent node is then alive but stuck).
+        cause_known = bool(own_fault or lost or incident.stuck)
         ready = (
             not silent
-            or (elapsed >= spec.settle_s and bool(own_fault or lost or incident.stuck))
+            or (elapsed >= spec.settle_s and cause_known)
             or elapsed >= spec.node_ttl_s + 1.0
         )
         if not ready:
+            wait_s = spec.settle_s if cause_known else spec.node_ttl_s + 1.0
+            self.decision.due = incident.since + wait_s
             return
         memory = self.decision.memory
         before = memory.same_error
