@@ -217,16 +217,17 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     }
     job = run(running(["node0", "node1"], s), Snapshot(live, peer_only), s, T0 + 2).job
     # only a peer error so far: wait for node1's report (up to the lease time)
-    assert run(job, Snapshot(live, peer_only), s, T0 + 3).job.next_generation is None
-    assert run(job, Snapshot(live, peer_only), s, T0 + 2 + 11.0).job.next_generation is not None
     waiting = run(job, Snapshot(live, peer_only), s, T0 + 3)
+    assert waiting.job.next_generation is None
     assert waiting.due == T0 + 2 + s.node_ttl_s + 1.0  # the controller ticks then
+    assert run(job, Snapshot(live, peer_only), s, T0 + 2 + 11.0).job.next_generation is not None
     # its own fault: diagnose after settle_s
     own = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
     waiting = run(job, Snapshot(live, own), s, T0 + 2.4)
     assert waiting.job.next_generation is None and waiting.due == T0 + 2 + s.settle_s
     d = run(job, Snapshot(live, own), s, T0 + 2.5)
     assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
+    assert d.job.next_generation is not None and d.due == T0 + 2.5  # its plan: at once
     # every member reported: no wait at all
     both = own | {"node1": status("node1", 1, NodeState.FAILED, failures=[crash(1, True)])}
     assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None

@@ -100,8 +100,7 @@ class Controller:
         self.exporter = MonitorExporter()
         self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
         self._step_s: float | None = None  # the members' median step time, newest snapshot
-        # When (time.monotonic) the newest tick asked for the next: at once after deciding a
-        # generation (its plan follows), or when a waiting rule decides (Decision.due).
+        # When (time.monotonic) the newest tick asked for the next (Decision.due), or None.
         self._due: float | None = None
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
@@ -356,9 +355,7 @@ class Controller:
             self.job = d.job
             self._commit(d.events, d.plan)
             self.wake.set()  # a decision often leads to the next (RECOVERING, then the plan)
-            if d.job.next_generation is not None:  # its plan: at once (decisions' module doc)
-                self._due = time.monotonic()
-        if d.due is not None and self._due is None:
+        if d.due is not None:
             self._due = time.monotonic() + max(0.0, d.due - now)
         self._prune_events(time.monotonic())
 

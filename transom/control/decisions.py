@@ -106,8 +106,9 @@ class Decision:
     # Forget checkpoints of steps >= [0] saved since [1] (the workers that went bad are gone).
     discard_poisoned: tuple[int, int] | None = None  # (first bad step, first generation kept)
     anomalies: list[Anomaly] = field(default_factory=list)  # newly handled, for the exporter
-    # When (`now`'s clock) a time-based rule that is waiting now decides (the settle time of an
-    # incident): the controller ticks then, not at its next TICK_S (None: no such rule waits).
+    # When (`now`'s clock) the next tick is due, sooner than the controller's TICK_S if need be:
+    # at once when a generation was decided (its plan follows), or when a rule that waits now
+    # decides (an incident's settle time). None: when something changes or the timer runs out.
     due: float | None = None
 
     changed: bool = False  # something to commit (the record, the plan or events)
@@ -135,6 +136,8 @@ def decide(
     elif state is JobState.RECOVERING:
         t.recover()
     d = t.decision
+    if t.job.next_generation is not None and not t.job.state.terminal:
+        d.due = now  # its plan: at once (the module doc)
     d.changed = d.plan is not None or bool(d.events) or d.job != job
     return d
 
