@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import stats
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -42,7 +43,6 @@ from transom.monitor import reporter  # noqa: E402
 
 BLOCK_STEPS = 25
 PAIRS = 250
-BOOTSTRAP = 2000
 WARMUP_STEPS = 20  # steps before the first block (allocator, caches)
 
 
@@ -137,7 +137,7 @@ def measure(pairs: int, block_steps: int, batch_s: float) -> dict:
         (a["step_s"], b["step_s"]) if a["on"] else (b["step_s"], a["step_s"])
         for a, b in zip(blocks[::2], blocks[1::2], strict=True)
     ]
-    low, high = ratio_interval(pairs_s)
+    low, high = stats.interval(pairs_s, ratio_of_means)
     return {
         "pairs": pairs,
         "block_steps": block_steps,
@@ -154,13 +154,6 @@ def measure(pairs: int, block_steps: int, batch_s: float) -> dict:
 def ratio_of_means(pairs_s: list[tuple[float, float]]) -> float:
     """sum(on) / sum(off) - 1 over (on, off) pairs of seconds."""
     return sum(on for on, _ in pairs_s) / sum(off for _, off in pairs_s) - 1.0
-
-
-def ratio_interval(pairs_s: list[tuple[float, float]], seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of `ratio_of_means`, resampling pairs."""
-    rng = random.Random(seed)
-    values = sorted(ratio_of_means(rng.choices(pairs_s, k=len(pairs_s))) for _ in range(BOOTSTRAP))
-    return values[int(0.025 * BOOTSTRAP)], values[int(0.975 * BOOTSTRAP) - 1]
 
 
 def describe(o: dict) -> str:

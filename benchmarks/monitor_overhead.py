@@ -6,7 +6,7 @@ its own) and once without (TRANSOM_MONITOR_SOCKET unset: every monitor call retu
 order alternates (on-off, off-on, ...) so a drift of the machine's load hits both sides alike. A
 run's step time is its mean step time from the times of its log's step lines (the first
 SKIP_STEPS left out). The overhead of a pair is on/off - 1; the result is their mean with a 95%
-bootstrap confidence interval (BOOTSTRAP resamples, seeded), and the monitor calls' own cost a
+bootstrap confidence interval (stats.py), and the monitor calls' own cost a
 step measured in a tight loop (`api_call_s`, to a listener in another process).
 
 On a machine shared with other work the pairs are noisy: read the interval, not the mean.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import stats
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 sys.path.insert(0, str(REPO))
@@ -36,7 +37,6 @@ from transom.common import env as env_names  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=(\d+\.\d+)$", re.M)
 SKIP_STEPS = 5
-BOOTSTRAP = 10000
 TARGET = 0.01
 
 
@@ -75,13 +75,6 @@ def run_once(tmp: Path, steps: int, socket_path: Path | None) -> float:
     return step_time(out)
 
 
-def confidence_interval(values: list[float], seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of `values`."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP))
-    return means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]
-
-
 def measure(tmp: Path, pairs: int, steps: int) -> dict:
     """Alternating on/off pairs of one-process runs: the monitor's overhead with its interval."""
     from transom.monitor.node import NodeMonitor
@@ -98,7 +91,7 @@ def measure(tmp: Path, pairs: int, steps: int) -> dict:
     finally:
         monitor.close()
     ratios = [a / b - 1.0 for a, b in zip(on, off, strict=True)]
-    low, high = confidence_interval(ratios)
+    low, high = stats.interval(ratios)
     call = api_call_s()
     off_s = statistics.median(off)
     return {

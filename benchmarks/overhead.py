@@ -12,7 +12,11 @@ and reports, from rank 0's step lines and psutil samples of every process each j
   transom_cpu_per_node_x  the same without the checkpoint servers, per node (the issue's bar)
   etcd_requests_per_s     etcd's requests a second over the steady state, by method (its
                           metrics, read every REQUESTS_EVERY_S)
-Numbers are means over the pairs. On a machine shared with other work they are not final.
+Numbers are means over the pairs, each ratio and difference with its 95% bootstrap interval
+over the pairs (stats.py; `*_ci95`), and a verdict per target of the issue (step_rate_x at least
+0.97, startup_delta_s at most 2 s, transom_cpu_per_node_x below 0.03): met or missed when the
+whole interval says so, else "not shown either way". On this shared machine single pairs scatter
+by several percent: read the interval, not the mean.
 
     flock /work/wt/e2e.lock timeout 600 python benchmarks/overhead.py --json
 
@@ -35,6 +39,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import stats
 from jobs import (
     Line,
     embedded_etcd,
@@ -58,8 +63,15 @@ SAMPLE_EVERY_S = 0.5
 STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that one
 REQUESTS_EVERY_S = 5.0  # reading etcd's metrics costs it some CPU too
 NODES = 2  # transom's nodes in the job (--nnodes), one rank each
+PAIRS = 4  # fewer leave the intervals little to say
 TIMES = ("startup_s", "step_rate", "wall_s")
 TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "warm", "other")
+# The issue's bars: (target, whether a value must be at least it (else below it)).
+TARGETS = {
+    "step_rate_x": (0.97, True),
+    "startup_delta_s": (2.0, False),
+    "transom_cpu_per_node_x": (0.03, False),
+}
 
 
 def kind_of(cmdline: list[str], is_root: bool) -> str:
@@ -247,23 +259,46 @@ def transom(work: Path, args) -> dict:
     return run_job(command, logs, str(run_dir), work / f"{job_id}.out", args.steps, requests)
 
 
+def own_cores(cores: dict[str, float]) -> dict[str, float]:
+    """The CPU of Transom's own processes in one job's sample, by kind."""
+    return {k: v for k, v in cores.items() if k in TRANSOM_KINDS}
+
+
+def per_node_without_servers(cores: dict[str, float]) -> float:
+    """Transom's CPU a node without the checkpoint servers' data movement (the issue's bar)."""
+    own = own_cores(cores)
+    return (sum(own.values()) - own.get("ckpt_servers", 0.0)) / NODES
+
+
 def summarize(pairs: list[tuple[dict, dict]]) -> dict:
-    """Means over the pairs (torchrun, transom) of what the issue asks for."""
-    ratios = [b["step_rate"] / a["step_rate"] for a, b in pairs]
-    deltas = [b["startup_s"] - a["startup_s"] for a, b in pairs]
+    """Means over the pairs (torchrun, transom) of what the issue asks for, with the intervals
+    and verdicts of its targets."""
+    per_pair = {
+        "step_rate_x": [b["step_rate"] / a["step_rate"] for a, b in pairs],
+        "startup_delta_s": [b["startup_s"] - a["startup_s"] for a, b in pairs],
+        "transom_cpu_per_node_x": [per_node_without_servers(b["cores"]) for _, b in pairs],
+    }
     kinds = {k for _, b in pairs for k in b["cores"]}
     cpu = {k: statistics.mean(b["cores"].get(k, 0.0) for _, b in pairs) for k in sorted(kinds)}
-    own = {k: v for k, v in cpu.items() if k in TRANSOM_KINDS}
+    own = own_cores(cpu)
     methods = {k for _, b in pairs for k in b["requests"]}
     requests = {k: statistics.mean(b["requests"].get(k, 0.0) for _, b in pairs) for k in methods}
-    return {
-        "step_rate_x": statistics.mean(ratios),
-        "step_rate_x_pairs": ratios,
+    result: dict = {}
+    targets = {}
+    for name, values in per_pair.items():
+        low, high = stats.interval(values)
+        target, at_least = TARGETS[name]
+        result |= {name: statistics.mean(values), f"{name}_ci95": [low, high]}
+        result[f"{name}_pairs"] = values
+        targets[name] = {
+            "target": target,
+            "at_least": at_least,
+            "verdict": stats.verdict(low, high, target, at_least),
+        }
+    return result | {
+        "targets": targets,
         "step_rate_pairs": [[a["step_rate"], b["step_rate"]] for a, b in pairs],
-        "startup_delta_s": statistics.mean(deltas),
-        "startup_delta_s_pairs": deltas,
         "transom_cpu_x": own | {"total": sum(own.values())},
-        "transom_cpu_per_node_x": (sum(own.values()) - own.get("ckpt_servers", 0.0)) / NODES,
         "etcd_requests_per_s": dict(sorted(requests.items(), key=lambda kv: -kv[1])),
         "transom_workers_cpu_x": cpu.get("workers", 0.0),
         "torchrun_cpu_x": {
@@ -275,11 +310,26 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     }
 
 
+def describe_targets(result: dict) -> list[str]:
+    """One line per target: the mean, its interval over the pairs and the verdict."""
+    lines = []
+    for name, t in result["targets"].items():
+        low, high = result[f"{name}_ci95"]
+        bar = f"{'>=' if t['at_least'] else '<'} {t['target']:g}"
+        lines.append(
+            f"{name} {result[name]:.3f} (95% CI {low:.3f} to {high:.3f} over "
+            f"{len(result[f'{name}_pairs'])} pairs; target {bar}: {t['verdict']})"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pairs", type=int, default=2, help="torchrun/transom pairs (default 2)")
+    parser.add_argument(
+        "--pairs", type=int, default=PAIRS, help=f"torchrun/transom pairs (default {PAIRS})"
+    )
     parser.add_argument("--steps", type=int, default=1200, help="steps per job (default 1200)")
     parser.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (20)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -302,11 +352,10 @@ def main() -> int:
         r = result[name]
         print(f"{name:<9} start-up {r['startup_s']:6.2f} s  steady {r['step_rate']:6.1f} steps/s"
               f"  wall {r['wall_s']:6.1f} s")  # fmt: skip
-    print(f"step_rate_x {result['step_rate_x']:.3f}  startup_delta_s "
-          f"{result['startup_delta_s']:+.2f}")  # fmt: skip
+    for line in describe_targets(result):
+        print(line)
     print("Transom's own processes in the steady state (cores): " + ", ".join(
         f"{k} {v:.3f}" for k, v in result["transom_cpu_x"].items()))  # fmt: skip
-    print(f"per node without the checkpoint servers: {result['transom_cpu_per_node_x']:.3f} cores")
     print("etcd requests a second: " + ", ".join(
         f"{k} {v:.2f}" for k, v in result["etcd_requests_per_s"].items()))  # fmt: skip
     if args.json:

@@ -63,3 +63,24 @@ def test_summarize_means_over_pairs():
     assert s["etcd_requests_per_s"] == pytest.approx({"Put": 3.0, "total": 3.0})
     assert s["transom_workers_cpu_x"] == pytest.approx(1.0)
     assert s["torchrun_cpu_x"]["torchrun"] == pytest.approx(0.02)
+
+
+def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
+    def pair(ratio, startup_delta, per_node):
+        base = {"step_rate": 40.0, "startup_s": 5.0, "wall_s": 9.0, "cores": {}, "requests": {}}
+        cores = {"agents": per_node * overhead.NODES, "ckpt_servers": 0.5}
+        return base, base | {
+            "step_rate": 40.0 * ratio,
+            "startup_s": 5.0 + startup_delta,
+            "cores": cores,
+        }
+
+    s = overhead.summarize([pair(0.98, 3.0, 0.02), pair(0.99, 3.5, 0.04), pair(1.00, 4.0, 0.03)])
+    low, high = s["step_rate_x_ci95"]
+    assert 0.98 <= low <= s["step_rate_x"] <= high <= 1.0
+    assert s["step_rate_x_pairs"] == pytest.approx([0.98, 0.99, 1.0])
+    assert s["targets"]["step_rate_x"]["verdict"] == "met"  # every resample is >= 0.97
+    assert s["targets"]["startup_delta_s"]["verdict"] == "missed"  # every resample is > 2 s
+    assert s["transom_cpu_per_node_x_pairs"] == pytest.approx([0.02, 0.04, 0.03])
+    assert s["targets"]["transom_cpu_per_node_x"]["verdict"] == "not shown either way"
+    assert overhead.describe_targets(s)[0].startswith("step_rate_x 0.990 (95% CI 0.980 to")
