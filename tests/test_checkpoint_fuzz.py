@@ -221,3 +221,16 @@ def test_a_shard_of_another_timeline_is_refused_by_rebuild() -> None:
         "generation": 0,
         "world_size": 1,
     }
+
+
+@pytest.mark.parametrize("size", [0, 100, 1024, 1025, 5000])
+def test_chunk_checksums_are_the_same_with_one_chunk_or_many(monkeypatch, size) -> None:
+    monkeypatch.setattr(shard_format, "DATA_CHUNK", 1024)  # several chunks without 64 MiB
+    data = memoryview(random.Random(size).randbytes(size))
+    expected = [xxhash.xxh3_64_hexdigest(data[i : i + 1024]) for i in range(0, size, 1024)]
+    assert shard_format.checksum_data(data) == expected
+    if size > 1024:  # a flipped byte in the last chunk is found there, by the pool's threads
+        flipped = bytearray(data)
+        flipped[-1] ^= 1
+        with pytest.raises(shard_format.ShardError, match=rf"chunk\(s\) \[{len(expected) - 1}\]"):
+            shard_format.verify_data({"chunks": expected}, memoryview(bytes(flipped)))

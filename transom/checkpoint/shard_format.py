@@ -60,11 +60,18 @@ def _chunks(n: int) -> list[tuple[int, int]]:
 
 
 def checksum_data(data: memoryview) -> list[str]:
-    """xxh3-64 of every DATA_CHUNK of `data`, as hex (xxhash releases the GIL: threads help)."""
-    with ThreadPoolExecutor(VERIFY_THREADS) as pool:
-        return list(
-            pool.map(lambda c: xxhash.xxh3_64_hexdigest(data[c[0] : c[1]]), _chunks(len(data)))
-        )
+    """xxh3-64 of every DATA_CHUNK of `data`, as hex (xxhash releases the GIL: threads help a
+    shard of several chunks; one of a single chunk is hashed in this thread, as starting the
+    pool would cost ten times the hashing)."""
+    chunks = _chunks(len(data))
+
+    def digest(chunk: tuple[int, int]) -> str:
+        return xxhash.xxh3_64_hexdigest(data[chunk[0] : chunk[1]])
+
+    if len(chunks) <= 1:
+        return [digest(c) for c in chunks]
+    with ThreadPoolExecutor(min(VERIFY_THREADS, len(chunks))) as pool:
+        return list(pool.map(digest, chunks))
 
 
 def verify_data(header: dict, data: memoryview) -> None:
