@@ -198,6 +198,29 @@ def test_a_connection_that_does_not_authenticate_in_time_is_closed(
         server.stop()
 
 
+def test_both_ends_of_a_peer_connection_send_without_waiting_for_acks(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """TCP_NODELAY on both ends: a reply followed by a shard header (or a request after the
+    handshake) must not sit out the peer's delayed acknowledgement."""
+    served: list[int] = []
+    authenticate = peer_service.authenticate
+
+    def recording(sock, *args, **kwargs):
+        served.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        return authenticate(sock, *args, **kwargs)
+
+    monkeypatch.setattr(peer_service, "authenticate", recording)
+    server = _server(tmp_path, "n0")
+    try:
+        sock = replication.connect(server.addr, SECRET)
+        with sock:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert served and served[0] != 0
+    finally:
+        server.stop()
+
+
 def test_connections_beyond_the_cap_are_closed_at_once(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(peer_service, "AUTH_TIMEOUT_S", 30.0)
     server = _server(tmp_path, "n0")

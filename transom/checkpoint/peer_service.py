@@ -33,6 +33,7 @@ from transom.checkpoint.protocol import (
     authenticate,
     deadline_in,
     recv_msg,
+    send_at_once,
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
@@ -60,6 +61,7 @@ class PeerService:
     def serve(self, sock: socket.socket) -> None:
         """Authenticate one peer connection and answer its request."""
         try:
+            send_at_once(sock)
             authenticate(sock, self.secret, initiator=False, deadline=deadline_in(AUTH_TIMEOUT_S))
         except AuthError as e:
             self._auth_failed(sock, e)

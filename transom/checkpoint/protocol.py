@@ -61,6 +61,14 @@ def _arm(sock: socket.socket, deadline: float | None) -> None:
     sock.settimeout(left)
 
 
+def send_at_once(sock: socket.socket) -> None:
+    """Let a TCP socket send every write at once (TCP_NODELAY). This protocol writes whole
+    frames; a frame written right after another (a reply, then a shard header) would otherwise
+    wait for the peer's delayed acknowledgement, up to 40 ms on Linux: a request after the
+    handshake took 32 ms on loopback, 0.3 ms without the wait."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def send_all(sock: socket.socket, data: bytes, deadline: float | None = None) -> None:
     _arm(sock, deadline)
     try:

@@ -38,6 +38,7 @@ from transom.checkpoint.protocol import (
     recv_into,
     recv_msg,
     send_all,
+    send_at_once,
     send_msg,
 )
 from transom.checkpoint.shm import Region, anonymous_buffer
@@ -116,6 +117,7 @@ def connect(addr: str, secret: bytes) -> socket.socket:
     try:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        send_at_once(sock)
         authenticate(sock, secret, initiator=True, deadline=deadline_in(AUTH_TIMEOUT_S))
     except (ProtocolError, OSError) as e:
         sock.close()
