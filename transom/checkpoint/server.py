@@ -18,6 +18,7 @@ or policy of its own.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socketserver
 import sys
@@ -40,6 +41,8 @@ from transom.store import Store, StoreError
 log = logging.getLogger("transom.ckpt.server")
 
 SOCKET_PATH_MAX = 100
+# A server whose node agent died ends the agent's lease within this long, or leaves it to expire.
+ORPHAN_LEASE_END_S = 2.0
 
 
 class CheckpointServer:
@@ -165,10 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
+    parent = os.getppid()
     server.start()
     print(f"ready {server.cfg.socket_path} {server.addr}", flush=True)
     while not stop.wait(1.0):
         pass  # a timed wait: a signal delivered to another thread is handled within a second
+    if cfg.lease == "agent" and os.getppid() != parent:
+        # The agent died (its death signal, SIGTERM, stopped us): its node is lost. End its
+        # lease so the controller knows at once, then go as a killed server would (its shared
+        # memory is swept as a dead server's, shm_dirs.sweep_stale_shm; no drain: the node left
+        # the job).
+        ended = server.publisher.end_agent_lease(ORPHAN_LEASE_END_S)
+        log.warning("the node agent died; %s", "its lease ended" if ended else "its lease stays")
+        logging.shutdown()
+        os._exit(0)
     if server.cfg.storage_dir is not None and not server.drain(config.PERSIST_ON_STOP_S):
         log.warning(
             "stopping before every saved shard reached storage (%.0f s)", config.PERSIST_ON_STOP_S
