@@ -4,7 +4,12 @@ Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training
 state (past step 12 and, under Transom, every agent's warm interpreter ready, as it is hours into
 a real job):
   transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
-  transom_node_death     SIGKILL of node1's agent (its workers die with it; a spare replaces it)
+  transom_node_death     a machine's death: SIGKILL of node1's agent and every process it started
+                         (checkpoint server, workers, warm interpreters) at once; nothing of the
+                         node is left to say so, the controller learns it when the node's lease
+                         expires; a spare replaces it
+  transom_agent_crash    SIGKILL of node1's agent alone (its workers and checkpoint server die
+                         with it; the server ends the agent's lease first); a spare replaces it
   torchrun_worker_crash  SIGKILL of rank 1's worker under
                          `torchrun --nproc-per-node 3 --max-restarts 3`
 The transom runs checkpoint with transom.checkpoint (in node memory, replicated, persisted in the
@@ -15,8 +20,8 @@ and splits the time from the fault to the first step completed afterwards into
   reload_s      new worker started -> every rank has loaded the checkpoint (imports included)
   first_step_s  checkpoint loaded -> the first step completed (process group set-up, one step)
   total_s       fault -> the first completed step
-and, for the node death, how the spare that replaced the dead node restored its rank's shard
-(from the checkpoint server's `restored` event of the spare's worker):
+and, for the node death and the agent crash, how the spare that replaced the node restored its
+rank's shard (from the checkpoint server's `restored` event of the spare's worker):
   replacement_tier    the tier it loaded from: "memory" when its server had prefetched the
                       shard from a peer ahead of it (checkpoint/prefetch.py), "peer" or "storage"
                       when the worker fetched it itself
@@ -33,6 +38,7 @@ A run stops as soon as that first step after the fault is done (or after a timeo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -54,8 +60,8 @@ RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
 FAULT_AT_STEP = 12
-# After recovering from a node death, wait this long at most for the spare's `restored` event to
-# reach the run's events.jsonl.
+# After recovering from a node death or an agent crash, wait this long at most for the spare's
+# `restored` event to reach the run's events.jsonl.
 EVENTS_WAIT_S = 10
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
@@ -159,14 +165,20 @@ def run_transom(fault: str, work: Path) -> dict:
         wait_for_step(logs, FAULT_AT_STEP, process)
         wait_until_warm(run_dir)
         if fault == "worker_crash":
-            victim = find_process(lambda p: p.pid == rank_pid(run_dir, 1))
+            victims = [find_process(lambda p: p.pid == rank_pid(run_dir, 1))]
         else:
-            victim = wait_for(lambda: agent_process(job_id, "node1"), 30, "node1's agent")
+            agent = wait_for(lambda: agent_process(job_id, "node1"), 30, "node1's agent")
+            # A machine's death: its processes all at once, the agent's children first, so that
+            # none outlives the agent for a moment (as the checkpoint server would, to end the
+            # agent's lease).
+            victims = [*agent.children(recursive=True), agent] if fault == "node_death" else [agent]
         fault_time = time.time()
-        victim.send_signal(signal.SIGKILL)
+        for victim in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.send_signal(signal.SIGKILL)
         if not recovered(logs, fault_time, process):
             raise RuntimeError(f"transom job {job_id} did not recover from the {fault}")
-        if fault == "node_death":  # the launcher copies etcd's events to events.jsonl each tick
+        if fault != "worker_crash":  # the launcher copies etcd's events to events.jsonl each tick
             deadline = time.monotonic() + EVENTS_WAIT_S
             while time.monotonic() < deadline:
                 if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:
@@ -178,7 +190,7 @@ def run_transom(fault: str, work: Path) -> dict:
     events = run_events(run_dir)
     detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
     row = split(parse(logs()), fault_time, detected)
-    if fault == "node_death":
+    if fault != "worker_crash":
         row |= replacement_load(events, fault_time)
     return row
 
@@ -306,6 +318,7 @@ def main() -> int:
     every = {
         "transom_worker_crash": lambda w: run_transom("worker_crash", w),
         "transom_node_death": lambda w: run_transom("node_death", w),
+        "transom_agent_crash": lambda w: run_transom("agent_crash", w),
         "torchrun_worker_crash": lambda w: run_torchrun(w),
     }
     parser.add_argument(
@@ -332,7 +345,7 @@ def main() -> int:
     speedup = None if torchrun_total is None or not crash else torchrun_total / crash
     results["worker_crash_speedup_x"] = speedup
     columns = ["detection_s", "restart_s", "reload_s", "first_step_s", "total_s"]
-    columns += ["replacement_tier", "replacement_load_s", "prefetch_s"]  # node death only
+    columns += ["replacement_tier", "replacement_load_s", "prefetch_s"]  # node death, agent crash
     print(f"{'scenario':<24}" + "".join(f"{c:>20}" for c in columns))  # means over recovered trials
     for name in scenarios:
         r = results[name]

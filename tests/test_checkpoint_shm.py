@@ -177,6 +177,7 @@ h.wait("memory")
 print("SAVED", ckpt.server.cfg.shm_dir, flush=True)
 if sys.argv[2] == "hang":
     time.sleep(600)
+sys.stdin.readline()  # alive until the test has looked at its folder
 # normal exit without close(): the finalizer frees the regions
 """
 
@@ -193,18 +194,20 @@ def test_single_process_engines_leave_nothing_in_dev_shm(tmp_path: Path) -> None
         mode = "exit" if i % 2 == 0 else "hang"
         p = subprocess.Popen(
             [sys.executable, str(script), str(tmp_path / "ckpt"), mode],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=environ,
         )
         try:
-            assert p.stdout is not None
+            assert p.stdout is not None and p.stdin is not None
             line = p.stdout.readline()
             assert line.startswith("SAVED"), line
             folder = Path(line.split()[1])
             assert any(folder.iterdir())  # it held regions while alive
             if mode == "hang":
                 p.send_signal(signal.SIGKILL)
+            p.stdin.close()  # an "exit" run exits now
             assert p.wait(60) in (0, -signal.SIGKILL)
         finally:
             if p.poll() is None:
