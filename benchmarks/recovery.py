@@ -9,7 +9,7 @@ a real job):
                          node is left to say so, the controller learns it when the node's lease
                          expires; a spare replaces it
   transom_agent_crash    SIGKILL of node1's agent alone (its workers and checkpoint server die
-                         with it; the server ends the agent's lease first); a spare replaces it
+                         with it; the machine lives on); a spare replaces it
   torchrun_worker_crash  SIGKILL of rank 1's worker under
                          `torchrun --nproc-per-node 3 --max-restarts 3`
 The transom runs checkpoint with transom.checkpoint (in node memory, replicated, persisted in the
@@ -169,8 +169,7 @@ def run_transom(fault: str, work: Path) -> dict:
         else:
             agent = wait_for(lambda: agent_process(job_id, "node1"), 30, "node1's agent")
             # A machine's death: its processes all at once, the agent's children first, so that
-            # none outlives the agent for a moment (as the checkpoint server would, to end the
-            # agent's lease).
+            # none outlives the agent for a moment.
             victims = [*agent.children(recursive=True), agent] if fault == "node_death" else [agent]
         fault_time = time.time()
         for victim in victims:

@@ -7,18 +7,13 @@ under the agent's lease, and a restarted server withdraws what the dead one list
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 from conftest import wait_for
 
 from transom.checkpoint import catalog
-from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import keys
 from transom.config import JobSpec
 from transom.control.ckpt_node import RESTART_INTERVAL_S, NodeCheckpointServer
@@ -90,63 +85,3 @@ def test_the_server_lists_under_the_agents_lease_and_its_successor_withdraws_its
         node.stop()
         store.revoke(lease)
     assert store.get(keys.ckpt_server("node0")) is None  # withdrawn by the server's stop
-
-
-# A node agent's stand-in: starts the node's checkpoint server under the lease it is given, says
-# the server's pid, and waits to be killed.
-AGENT_STAND_IN = """
-import argparse, sys, threading
-from transom.config import JobSpec
-from transom.control.ckpt_node import NodeCheckpointServer
-from transom.store import Store
-from transom.store.access import add_store_options, from_args
-parser = argparse.ArgumentParser()
-add_store_options(parser, required=True)
-parser.add_argument("job_id")
-parser.add_argument("lease_id", type=int)
-parser.add_argument("run_dir")
-args = parser.parse_args()
-store = Store(from_args(args), args.job_id)
-node = NodeCheckpointServer(JobSpec(script="train.py", job_id=args.job_id), store, "node0",
-                            args.run_dir, "127.0.0.1")
-node.launch()
-node.use_lease(args.lease_id)
-node.start()
-print(node.process.pid, flush=True)
-threading.Event().wait()
-"""
-
-
-def test_a_server_whose_agent_dies_ends_the_agents_lease_at_once(store, tmp_path: Path):
-    lease = store.lease(60)  # the agent's: by itself it would outlive this test
-    store.put(keys.node("node0"), {"node": "node0"}, lease=lease)  # the node's registration
-    agent = subprocess.Popen(
-        [sys.executable, "-c", AGENT_STAND_IN, *store.access.argv()]
-        + [store.job_id, str(lease.id), str(tmp_path)],
-        stdout=subprocess.PIPE,
-    )
-    server_pid = None
-    try:
-        assert agent.stdout is not None
-        server_pid = int(agent.stdout.readline())
-
-        def server_registered() -> bool:
-            found = store.client.get(store.key(keys.ckpt_server("node0")), metadata=True)
-            return bool(found) and int(found[0][1].get("lease", 0)) == lease.id
-
-        wait_for(server_registered, 30, "the server to take the agent's lease")
-        agent.kill()  # the agent dies; its server is told by its death signal
-        agent.wait()
-        wait_for(
-            lambda: store.get(keys.node("node0")) is None,
-            20,
-            "the node's registration to go with the agent's lease, long before its TTL",
-        )
-        wait_for(lambda: not psutil.pid_exists(server_pid), 20, "the server to exit")
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
-        if server_pid is not None and psutil.pid_exists(server_pid):
-            psutil.Process(server_pid).kill()
-        shutil.rmtree(default_shm_dir(store.job_id, "node0"), ignore_errors=True)

@@ -139,29 +139,6 @@ class Publisher:
             except StoreError:
                 pass
 
-    def end_agent_lease(self, deadline_s: float) -> bool:
-        """The node agent is dead and this server is about to follow it: end the agent's newest
-        lease now, so the node's registration and everything listed under it go at once, not
-        when etcd lets the lease expire (up to its TTL later; the controller waits for that to
-        tell a lost node from a slow one). At most `deadline_s` (etcd unreachable: the lease
-        expires as before); whether it ended. Only under the agent's lease."""
-        offered = self._offered
-        if self.store is None or offered is None or self.lease_ttl_s is not None:
-            return False
-        lease = self.store.lease_of(offered)
-        store = self.store
-        ended = threading.Event()
-
-        def revoke() -> None:
-            try:
-                store.revoke(lease)
-                ended.set()
-            except StoreError as e:
-                log.warning("cannot end the dead node agent's lease: %s", e)
-
-        threading.Thread(target=revoke, name="ckpt-end-agent-lease", daemon=True).start()
-        return ended.wait(deadline_s)
-
     def adopt(self, lease_id: int) -> None:
         """Take the node agent's lease `lease_id` (any thread): the control thread lists
         everything under it within WAKE_S."""

@@ -18,7 +18,6 @@ or policy of its own.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socketserver
 import sys
@@ -41,9 +40,6 @@ from transom.store import Store, StoreError
 log = logging.getLogger("transom.ckpt.server")
 
 SOCKET_PATH_MAX = 100
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-# A server whose node agent died ends the agent's lease within this long, or leaves it to expire.
-ORPHAN_LEASE_END_S = 2.0
 
 
 class CheckpointServer:
@@ -155,10 +151,6 @@ class CheckpointServer:
 
 def main(argv: list[str] | None = None) -> int:
     """`transom ckpt-server` / `python -m transom.checkpoint.server` (options: config.py)."""
-    # SIGTERM and SIGINT are waited for (sigtimedwait below), never handled: a handler that set
-    # an Event could deadlock on the lock the main thread holds while it waits on that Event.
-    # Blocked before any thread starts, so every thread inherits the block.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     args = config.build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -170,20 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"transom ckpt-server: {e}", file=sys.stderr)
         return 2
     server = CheckpointServer(cfg)
-    parent = os.getppid()
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
     server.start()
     print(f"ready {server.cfg.socket_path} {server.addr}", flush=True)
-    while signal.sigtimedwait(STOP_SIGNALS, 3600.0) is None:
-        pass
-    if cfg.lease == "agent" and os.getppid() != parent:
-        # The agent died (its death signal, SIGTERM, stopped us): its node is lost. End its
-        # lease so the controller knows at once, then go as a killed server would (its shared
-        # memory is swept as a dead server's, shm_dirs.sweep_stale_shm; no drain: the node left
-        # the job).
-        ended = server.publisher.end_agent_lease(ORPHAN_LEASE_END_S)
-        log.warning("the node agent died; %s", "its lease ended" if ended else "its lease stays")
-        logging.shutdown()
-        os._exit(0)
+    while not stop.wait(1.0):
+        pass  # a timed wait: a signal delivered to another thread is handled within a second
     if server.cfg.storage_dir is not None and not server.drain(config.PERSIST_ON_STOP_S):
         log.warning(
             "stopping before every saved shard reached storage (%.0f s)", config.PERSIST_ON_STOP_S

@@ -1,24 +1,20 @@
 """The node agent's checkpoint server: started with the agent, restarted if it dies, gone with it.
 
-The server is a child process of the agent (it dies with the agent, as the node's memory would:
-told by SIGTERM, it first ends the agent's lease, so the controller learns of the lost node at
-once rather than a lease TTL later), configured from the job spec; its etcd entries live under
-the agent's lease, which the agent writes to its stdin (transom.checkpoint.agent_lease: the
-node renews one lease, not two), and a server started in place of a dead one withdraws what that
-one listed under it. The agent hands its workers the variables the checkpoint engine reads
-(socket, secret, storage directory). The job's checkpoint secret lives in etcd (`ckpt/secret`):
-the first agent creates it, every other one reads the same. This module never touches
-checkpoint data.
+The server is a child process of the agent (it dies with the agent, as the node's memory would),
+configured from the job spec; its etcd entries live under the agent's lease, which the agent
+writes to its stdin (transom.checkpoint.agent_lease: the node renews one lease, not two), and a
+server started in place of a dead one withdraws what that one listed under it. The agent hands
+its workers the variables the checkpoint engine reads (socket, secret, storage directory). The
+job's checkpoint secret lives in etcd (`ckpt/secret`): the first agent creates it, every other
+one reads the same. This module never touches checkpoint data.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -147,7 +143,7 @@ class NodeCheckpointServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.PIPE,
                 env={**os.environ, env.CKPT_SECRET: self.secret},
-                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
+                preexec_fn=die_with_parent,
             )
         self._hand_lease()
         self.serving = False

@@ -106,7 +106,7 @@ def diagnose(
         d.signature = d.same_error.signature
     parts = []
     for node in lost:
-        d.evict[node] = "node lost: its lease expired or was ended (agent dead or cut off)"
+        d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
         parts.append(f"{node} lost")
     for node, report in failed.items():
         if any(f.get("kind") == "preflight" for f in report.failures):

@@ -237,8 +237,7 @@ class Store:
 
     def lease_of(self, lease_id: int) -> Lease:
         """Another process's lease, by id, to put keys under; this process must never renew or
-        revoke it (its holder does), unless its holder is dead (a node agent's checkpoint server
-        ends the dead agent's lease, checkpoint/publisher.py)."""
+        revoke it (its holder does)."""
         return Lease(lease_id, self.client, 0, -math.inf)
 
     def refresh(self, lease: Lease, deadline_s: float | None = None) -> bool:
