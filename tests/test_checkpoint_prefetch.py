@@ -181,15 +181,22 @@ def test_a_replacement_server_prefetches_its_ranks_shards_before_its_workers_loa
             assert held["origin"] == "node1", held
             assert node1.prefetch_outcome(STEP, 1) is None  # node1 holds its own rank already
             assert "loaded memory exact" in _load(tmp_path, spare, 0, 2)
-            events = [e for e in store.get_prefix("events/").values() if e["kind"] == "checkpoint"]
-            assert any(
-                e["action"] == "prefetched" and e["node"] == "node3" and e["rank"] == 0
-                for e in events
-            ), events
-            assert any(
-                e["action"] == "restored" and e["node"] == "node3" and e["tier"] == "memory"
-                for e in events
-            ), events
+
+            def node3_prefetched_and_restored_from_memory() -> bool:
+                """As node3's events say (they go to etcd with the server's next batch of
+                writes, up to store/batch_writer.py's spacing after the fact)."""
+                mine = [
+                    e
+                    for e in store.get_prefix("events/").values()
+                    if e["kind"] == "checkpoint" and e["node"] == "node3" and e.get("rank") == 0
+                ]
+                return any(e["action"] == "prefetched" for e in mine) and any(
+                    e["action"] == "restored" and e["tier"] == "memory" for e in mine
+                )
+
+            wait_for(
+                node3_prefetched_and_restored_from_memory, 10, "node3's prefetch and restore events"
+            )
             for server in (node1, spare):  # pushed, received, served and prefetched shards
                 assert torch_mapped(server.process.pid) == [], server.node
         finally:
