@@ -51,9 +51,10 @@ def newest_saved(job, before: float = float("inf")) -> dict[int, int]:
 
 
 def test_killed_worker_resumes_from_node_memory(start_job):
-    # Saves 1.5 s apart: the kill comes once both ranks' newest saved step is the same, which
-    # their servers list in etcd with the event (store/batch_writer.py, 0.2 s), so that step is
-    # the restore step and in both nodes' memory, unless the next save began meanwhile (below).
+    # Saves 1.5 s apart: the kill comes once both ranks' newest saved step is the same. Their
+    # servers list it in etcd in the same batch as the event (store/batch_writer.py: 0.2 s after
+    # a save when saves are more than its 1 s spacing apart), so that step is the restore step
+    # and in both nodes' memory, unless the next save began meanwhile (below).
     job = start_job("--nnodes", "2", SCRIPT, *SMALL, "--ckpt-every", "10", "--steps", "40")
     wait_for(
         lambda: (saved := newest_saved(job)).keys() == {0, 1} and saved[0] == saved[1] >= 20,
