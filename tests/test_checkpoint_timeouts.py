@@ -182,3 +182,78 @@ def test_a_slow_worker_connection_does_not_stop_the_server(tmp_path: Path) -> No
     finally:
         engine.close()
         server.stop()
+
+
+def _stuck_commits(server: CheckpointServer, monkeypatch) -> tuple[threading.Event, ...]:
+    """(entered, release, done): the server's commits wait for `release` (10 s at most);
+    `entered` is set when one waits, `done` when one is done."""
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+    commit = server.pipeline.commit
+
+    def stuck_commit(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        try:
+            return commit(*args, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(server.pipeline, "commit", stuck_commit)
+    return entered, release, done
+
+
+def test_a_save_returns_before_its_commit_is_answered(tmp_path: Path, monkeypatch) -> None:
+    """The commit's reply is read later (with the next request, or by `wait`): a save blocks
+    training for its copy, not for the server's turn on the node's CPUs."""
+    server = _server(tmp_path)
+    entered, release, done = _stuck_commits(server, monkeypatch)
+    engine = checkpoint.Engine(
+        socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1, request_timeout_s=30.0
+    )
+    try:
+        state = {"w": torch.randn(1000)}
+        handle = engine.save(1, state)
+        assert not done.is_set(), "the save waited for its commit"
+        assert entered.wait(10) and handle.ok  # the commit reached the server, which holds it
+        with pytest.raises(TimeoutError, match="not staged"):  # its own time limit, not 30 s
+            handle.wait("memory", timeout=0.5)
+        assert not done.is_set()
+        release.set()
+        handle.wait("memory", timeout=30)
+        assert handle.ok, handle.error
+        assert _same(state, engine.load(1))
+    finally:
+        release.set()
+        engine.close()
+        server.stop()
+
+
+def test_a_stuck_commit_is_a_refused_save_when_its_reply_is_awaited(
+    tmp_path: Path, monkeypatch
+) -> None:
+    server = _server(tmp_path)
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append((action, message))
+    )
+    entered, release, _ = _stuck_commits(server, monkeypatch)
+    engine = checkpoint.Engine(
+        socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1, request_timeout_s=1.0
+    )
+    try:
+        state = {"w": torch.randn(1000)}
+        handle = engine.save(1, state)
+        assert entered.wait(10) and handle.ok  # nothing known yet
+        with pytest.raises(checkpoint.SaveRefused, match="no answer to 'commit'"):
+            handle.wait("memory")
+        assert not handle.ok
+        wait_for(lambda: any(a == "refused" for a, _ in events), 10, "a refused event")
+        release.set()  # the server recovers: the next save reaches it on a new connection
+        handle = engine.save(2, state)
+        handle.wait("memory", timeout=30)
+        assert handle.ok, handle.error
+        assert _same(state, engine.load(2))
+    finally:
+        release.set()
+        engine.close()
+        server.stop()

@@ -11,9 +11,11 @@ This module never decides what a timeout means for a save or a load (engine.py d
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from transom.checkpoint.protocol import ProtocolError, ProtocolTimeout, recv_msg, send_msg
 
@@ -30,12 +32,18 @@ class RequestTimeout(CheckpointError):
     """The node's checkpoint server did not answer a request in time."""
 
 
+# What a `send` request's reply is handed to: the reply, or the error that stands for it.
+OnReply = Callable[[dict | CheckpointError], None]
+
+
 class ServerConnection:
     def __init__(self, socket_path: str, timeout_s: float = REQUEST_TIMEOUT_S):
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # The `send` request whose reply is still to be read: (its receiver, its op).
+        self._unanswered: tuple[OnReply, str] | None = None
 
     def _connect(self, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,6 +77,7 @@ class ServerConnection:
         if not self._lock.acquire(timeout=limit):
             raise RequestTimeout(f"{late} (an earlier request is still waiting)")
         try:
+            self._settle()
             for attempt in (0, 1):
                 if self._sock is None:
                     self._sock = self._connect(deadline)
@@ -76,8 +85,7 @@ class ServerConnection:
                     send_msg(self._sock, msg, deadline)
                     return recv_msg(self._sock, deadline)
                 except (ProtocolError, OSError) as e:
-                    self._sock.close()  # a late reply must not answer the next request
-                    self._sock = None
+                    self._drop()
                     if isinstance(e, ProtocolTimeout):
                         raise RequestTimeout(late) from e
                     if attempt or msg.get("op") == "commit":
@@ -86,8 +94,87 @@ class ServerConnection:
             self._lock.release()
         raise AssertionError("unreachable")
 
+    def send(self, msg: dict, on_reply: OnReply, timeout: float | None = None) -> None:
+        """Write `msg` on the shared connection and return without waiting for its reply, which
+        `on_reply` gets later (see the module's docstring), in the thread that reads it; it must
+        not make a request on this connection. A failure to write, or a reply not read within
+        the time limit once it is awaited, reaches `on_reply` as the error request() raises
+        (never retried: the request may have reached the server)."""
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if not self._lock.acquire(timeout=limit):
+            on_reply(
+                RequestTimeout(
+                    f"{msg.get('op')!r} not sent within {limit:g} s (an earlier "
+                    "request is still waiting)"
+                )
+            )
+            return
+        try:
+            self._settle()
+            try:
+                if self._sock is None:
+                    self._sock = self._connect(deadline)
+                send_msg(self._sock, msg, deadline)
+            except CheckpointError as e:
+                on_reply(e)
+                return
+            except (ProtocolError, OSError) as e:
+                self._drop()
+                on_reply(_failure(e, f"{msg.get('op')!r} not sent within {limit:g} s"))
+                return
+            self._unanswered = (on_reply, str(msg.get("op")))
+        finally:
+            self._lock.release()
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Hand over the reply of the `send` request not yet answered, if any. Within `timeout`
+        seconds, when shorter than the request time limit (timeout_s): without a reply by then,
+        return and leave it unanswered. Otherwise as a request: no reply within the limit is a
+        RequestTimeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=self.timeout_s if timeout is None else timeout):
+            return
+        try:
+            self._settle(None if deadline is None else deadline - time.monotonic())
+        finally:
+            self._lock.release()
+
+    def _settle(self, within: float | None = None) -> None:
+        """(Holding the lock.) Hand the unanswered `send` request its reply or error; see
+        `settle` for `within`."""
+        if self._unanswered is None:
+            return
+        assert self._sock is not None  # sent on it, and dropped only with its answer
+        if within is not None and within < self.timeout_s:
+            if not select.select([self._sock], [], [], max(0.0, within))[0]:
+                return
+        on_reply, op = self._unanswered
+        self._unanswered = None
+        answer: dict | CheckpointError
+        try:
+            answer = recv_msg(self._sock, time.monotonic() + self.timeout_s)
+        except (ProtocolError, OSError) as e:
+            self._drop()
+            late = f"no answer to {op!r} from the checkpoint server within {self.timeout_s:g} s"
+            answer = _failure(e, late)
+        on_reply(answer)
+
+    def _drop(self) -> None:
+        """Close the shared connection (a late reply must not answer the next request)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def close(self) -> None:
+        """Read the unanswered `send` request's reply, then disconnect."""
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            self._settle()
+            self._drop()
+
+
+def _failure(error: ProtocolError | OSError, late: str) -> CheckpointError:
+    """What a failed exchange on a connection means to the caller: a timeout or a lost server."""
+    if isinstance(error, ProtocolTimeout):
+        return RequestTimeout(late)
+    return CheckpointError(f"checkpoint server connection lost: {error}")

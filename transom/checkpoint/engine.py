@@ -14,9 +14,11 @@ tiers, no peer replica, and `close()` waits for pending writes so the next proce
 Tiers are named by `Tier` (memory, peer, storage); the load path walks `tiers.REGISTERED`.
 A save copies every tensor straight into a shared-memory region the server hands out (CUDA
 tensors: asynchronously into that region registered as pinned memory, then committed from a
-background thread once the copy has finished). A load from local memory maps the server's region
-copy-on-write: no copy, and the server never writes into that region again (shm.py). Every load
-path verifies the shard's checksums; a bad copy is reported as an event and the next tier tried.
+background thread once the copy has finished; CPU tensors: committed by a request whose reply
+is read with the next one, client.py's `send`, so the save does not wait for it). A load from
+local memory maps the server's region copy-on-write: no copy, and the server never writes into
+that region again (shm.py). Every load path verifies the shard's checksums; a bad copy is
+reported as an event and the next tier tried.
 
 Every request to the server has a time limit (client.py; `locate` LOCATE_TIMEOUT_S), so a
 stuck or silent server never stops training: a save whose request times out is a refused save
@@ -27,6 +29,7 @@ This module never pickles or unpickles.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -89,17 +92,22 @@ class SaveHandle:
 
     @property
     def ok(self) -> bool:
+        """False once the save is known to have failed: at once when the server refused it, or
+        when its commit's reply said so (read with the engine's next request, or by `wait`)."""
         return self.error is None
 
     def wait(self, tier: Tier | str = Tier.STORAGE, timeout: float | None = None) -> None:
         """Return once the shard has reached `tier`; CheckpointError if it cannot (TimeoutError
         when `timeout` passes first)."""
         tier = _tier(tier)
-        if not self._committed.wait(timeout):
+        deadline = deadline_in(timeout)
+        if not self._committed.is_set():
+            self.engine.connection.settle(timeout)  # the commit's reply, unless read already
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._committed.wait(left):
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
-        deadline = deadline_in(timeout)
         while True:  # without a timeout: in rounds of WAIT_POLL_S, each answered in time
             left = WAIT_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
             reply = self.engine._request(
@@ -264,7 +272,7 @@ class Engine:
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
             thread.start()
         else:
-            self._commit(handle, plan.header)
+            self._commit(handle, plan.header, wait=False)
         handle.blocking_s = time.perf_counter() - t0
         return handle
 
@@ -281,18 +289,27 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(self, handle: SaveHandle, header: dict) -> None:
+    def _commit(self, handle: SaveHandle, header: dict, wait: bool = True) -> None:
+        """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
+        is written: its reply comes with the connection's next request (or `handle.wait`)."""
+        msg = {"op": "commit", "step": handle.step, "rank": self.rank, "header": header}
+        if not wait:
+            self.connection.send(msg, functools.partial(self._commit_answered, handle))
+            return
         try:
-            reply = self._request(
-                {"op": "commit", "step": handle.step, "rank": self.rank, "header": header}
-            )
-            if not reply.get("ok"):
-                handle.error = reply.get("error")
-        except RequestTimeout as e:
-            handle.error = str(e)
-            self._refused(handle.step, handle.error, report=True)
+            reply: dict | CheckpointError = self._request(msg)
         except CheckpointError as e:
-            handle.error = str(e)
+            reply = e
+        self._commit_answered(handle, reply)
+
+    def _commit_answered(self, handle: SaveHandle, reply: dict | CheckpointError) -> None:
+        try:
+            if isinstance(reply, CheckpointError):
+                handle.error = str(reply)
+                if isinstance(reply, RequestTimeout):
+                    self._refused(handle.step, handle.error, report=True)
+            elif not reply.get("ok"):
+                handle.error = reply.get("error")
         finally:
             handle._committed.set()
 
@@ -445,6 +462,7 @@ class Engine:
         disconnect."""
         for thread in self._pending:
             thread.join()
+        self.connection.settle()  # the server has the last commit before it drains
         if self.server is not None and wait:
             self.server.drain()
         self.connection.close()
