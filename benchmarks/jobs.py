@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -119,16 +120,19 @@ def finish(process: subprocess.Popen, marker: str, timeout: float) -> bool:
     return process.returncode == 0
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+def wait_for(predicate, timeout: float, what: str | Callable[[], str], interval: float = 0.1):
     """Poll `predicate` until it returns something truthy and return that; TimeoutError naming
-    `what` after `timeout` seconds (a test fails on it, a benchmark may catch it)."""
+    `what` after `timeout` seconds (a test fails on it, a benchmark may catch it). `what` may be
+    a function, called at the timeout: its text can say what was seen instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise TimeoutError(
+        f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}"
+    )
 
 
 def job_processes(marker: str) -> list[psutil.Process]:

@@ -182,20 +182,28 @@ def test_a_replacement_server_prefetches_its_ranks_shards_before_its_workers_loa
             assert node1.prefetch_outcome(STEP, 1) is None  # node1 holds its own rank already
             assert "loaded memory exact" in _load(tmp_path, spare, 0, 2)
 
-            def node3_prefetched_and_restored_from_memory() -> bool:
-                """As node3's events say (they go to etcd with the server's next batch of
-                writes, up to store/batch_writer.py's spacing after the fact)."""
-                mine = [
+            def node3_events() -> list[dict]:
+                """Node3's checkpoint events of rank 0 (they go to etcd with the server's next
+                batch of writes, up to store/batch_writer.py's spacing after the fact)."""
+                return [
                     e
                     for e in store.get_prefix("events/").values()
                     if e["kind"] == "checkpoint" and e["node"] == "node3" and e.get("rank") == 0
                 ]
+
+            def node3_prefetched_and_restored_from_memory() -> bool:
+                mine = node3_events()
                 return any(e["action"] == "prefetched" for e in mine) and any(
                     e["action"] == "restored" and e["tier"] == "memory" for e in mine
                 )
 
             wait_for(
-                node3_prefetched_and_restored_from_memory, 10, "node3's prefetch and restore events"
+                node3_prefetched_and_restored_from_memory,
+                10,
+                lambda: (
+                    "node3's prefetched event and its restored event from memory; it sent: "
+                    + ", ".join(f"{e['action']} ({e.get('tier')})" for e in node3_events())
+                ),
             )
             for server in (node1, spare):  # pushed, received, served and prefetched shards
                 assert torch_mapped(server.process.pid) == [], server.node
