@@ -33,6 +33,15 @@ def _server(tmp_path: Path) -> CheckpointServer:
     return CheckpointServer(cfg).start()
 
 
+def _events_of(server: CheckpointServer, monkeypatch) -> list[tuple[str, str]]:
+    """The (action, message) of every event `server` publishes from now on."""
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        server.publisher, "event", lambda action, message, **f: events.append((action, message))
+    )
+    return events
+
+
 def _same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -130,10 +139,7 @@ def test_a_stuck_reserve_is_a_refused_save_reported_as_an_event(
     tmp_path: Path, monkeypatch
 ) -> None:
     server = _server(tmp_path)
-    events: list[tuple[str, str]] = []
-    monkeypatch.setattr(
-        server.publisher, "event", lambda action, message, **f: events.append((action, message))
-    )
+    events = _events_of(server, monkeypatch)
     release = threading.Event()
     reserve = server.memory.reserve
 
@@ -232,10 +238,7 @@ def test_a_stuck_commit_is_a_refused_save_when_its_reply_is_awaited(
     tmp_path: Path, monkeypatch
 ) -> None:
     server = _server(tmp_path)
-    events: list[tuple[str, str]] = []
-    monkeypatch.setattr(
-        server.publisher, "event", lambda action, message, **f: events.append((action, message))
-    )
+    events = _events_of(server, monkeypatch)
     entered, release, _ = _stuck_commits(server, monkeypatch)
     engine = checkpoint.Engine(
         socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1, request_timeout_s=1.0
