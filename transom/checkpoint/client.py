@@ -94,13 +94,13 @@ class ServerConnection:
             self._lock.release()
         raise AssertionError("unreachable")
 
-    def send(self, msg: dict, on_reply: OnReply, timeout: float | None = None) -> None:
+    def send(self, msg: dict, on_reply: OnReply) -> None:
         """Write `msg` on the shared connection and return without waiting for its reply, which
         `on_reply` gets later (see the module's docstring), in the thread that reads it; it must
         not make a request on this connection. A failure to write, or a reply not read within
         the time limit once it is awaited, reaches `on_reply` as the error request() raises
         (never retried: the request may have reached the server)."""
-        limit = self.timeout_s if timeout is None else timeout
+        limit = self.timeout_s
         deadline = time.monotonic() + limit
         if not self._lock.acquire(timeout=limit):
             on_reply(
