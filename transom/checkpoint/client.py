@@ -68,10 +68,8 @@ class ServerConnection:
             try:
                 send_msg(sock, msg, deadline)
                 return recv_msg(sock, deadline)
-            except ProtocolTimeout as e:
-                raise RequestTimeout(late) from e
             except (ProtocolError, OSError) as e:
-                raise CheckpointError(f"checkpoint server connection lost: {e}") from e
+                raise _failure(e, late) from e
             finally:
                 sock.close()
         if not self._lock.acquire(timeout=limit):
@@ -86,10 +84,8 @@ class ServerConnection:
                     return recv_msg(self._sock, deadline)
                 except (ProtocolError, OSError) as e:
                     self._drop()
-                    if isinstance(e, ProtocolTimeout):
-                        raise RequestTimeout(late) from e
-                    if attempt or msg.get("op") == "commit":
-                        raise CheckpointError(f"checkpoint server connection lost: {e}") from e
+                    if isinstance(e, ProtocolTimeout) or attempt or msg.get("op") == "commit":
+                        raise _failure(e, late) from e
         finally:
             self._lock.release()
         raise AssertionError("unreachable")
