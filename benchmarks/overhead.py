@@ -2,7 +2,9 @@
 
 Runs examples/train_gpt.py (2 ranks, a checkpoint every --ckpt-every steps) in alternating pairs:
   torchrun   `torchrun --standalone --nproc-per-node 2`, torch.save checkpoints (rank 0 writes)
-  transom    `transom run --nnodes 2 --nproc-per-node 1`, Transom's checkpoint engine
+  transom    `transom run --nnodes 2 --nproc-per-node 1`, Transom's checkpoint engine (every
+             checkpoint in memory and a peer's; to storage every one, or with --persist-every P
+             only steps that are multiples of P)
 and reports, from rank 0's step lines and psutil samples of every process each job started:
   step_rate_x      steady-state steps/s under Transom / under torchrun (steps 20%..85% of the run)
   startup_delta_s  Transom's time from launch to the first step, less torchrun's
@@ -248,7 +250,7 @@ def transom(work: Path, args) -> dict:
     command = transom_run(
         run_dir, job_id, "--nnodes", str(NODES), "--nproc-per-node", "1",
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
-        "--ckpt-every", str(args.ckpt_every),
+        "--ckpt-every", str(args.ckpt_every), "--persist-every", str(args.persist_every),
     )  # fmt: skip
 
     def logs() -> str:
@@ -335,6 +337,13 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=1200, help="steps per job (default 1200)")
     parser.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (20)")
+    parser.add_argument(
+        "--persist-every",
+        type=int,
+        default=0,
+        help="transom: steps between checkpoints written to storage, the others in memory and a "
+        "peer's (train_gpt's --persist-every; default 0: every checkpoint, as torch.save does)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     pairs = []
@@ -349,6 +358,7 @@ def main() -> int:
         "pairs": args.pairs,
         "steps": args.steps,
         "ckpt_every": args.ckpt_every,
+        "persist_every": args.persist_every,
         "cores": psutil.cpu_count(),
     }
     for name in ("torchrun", "transom"):

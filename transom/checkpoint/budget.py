@@ -55,6 +55,7 @@ class Shard:
     failed: dict[Tier, str] = field(default_factory=dict)
     pins: int = 0  # transfers reading the region right now
     staged_at: float = 0.0
+    persist: bool = True  # False: its writer asked for memory and peer only (until a drain)
 
     @property
     def key(self) -> tuple[int, int]:

@@ -4,6 +4,7 @@ the fastest tier that holds a good copy.
     ckpt = checkpoint.Engine()                       # from the launcher's environment, or arguments
     h = ckpt.save(step, {"model": ..., "optim": ..., "rng": ..., "data": ...})
     h.wait("peer"); h.wait("storage")                # only when the caller wants to
+    ckpt.save(step, state, persist=False)            # memory and peer only (storage less often)
     state = ckpt.load()                              # the controller's restore step, or the newest
 
 Under `transom run` the engine talks to its node's checkpoint server (TRANSOM_CKPT_SOCKET) and
@@ -220,10 +221,15 @@ class Engine:
             self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
         return bool(reply.get("ok"))
 
-    def save(self, step: int, state: Any, replicated: Iterable[str] = ()) -> SaveHandle:
+    def save(
+        self, step: int, state: Any, replicated: Iterable[str] = (), persist: bool = True
+    ) -> SaveHandle:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the
         background. `replicated` names the values the same on every rank ("model", "optim/state",
-        "" for all), so a world of another size can load this step (reshard.py).
+        "" for all), so a world of another size can load this step (reshard.py). Not `persist`:
+        memory and peer only, storage only if it is still the newest when its server stops or
+        an embedded one closes (every rank must pass the same for a step: storage keeps steps
+        all ranks wrote).
 
         A save the server refuses (memory budget), does not answer in time or cannot take (it
         died; the node agent starts a new one) does not raise: the handle says why, `wait`
@@ -266,13 +272,12 @@ class Engine:
             done = torch.cuda.Event()
             # Later kernels on this stream are ordered after the copy: training may go on.
             done.record()
-            thread = threading.Thread(
-                target=self._commit_after, args=(handle, plan.header, done), daemon=True
-            )
+            args = (handle, plan.header, persist, done)
+            thread = threading.Thread(target=self._commit_after, args=args, daemon=True)
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
             thread.start()
         else:
-            self._commit(handle, plan.header, wait=False)
+            self._commit(handle, plan.header, persist, wait=False)
         handle.blocking_s = time.perf_counter() - t0
         return handle
 
@@ -289,10 +294,12 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(self, handle: SaveHandle, header: dict, wait: bool = True) -> None:
+    def _commit(self, handle: SaveHandle, header: dict, persist: bool, wait: bool = True) -> None:
         """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
         is written: its reply comes with the connection's next request (or `handle.wait`)."""
         msg = {"op": "commit", "step": handle.step, "rank": self.rank, "header": header}
+        if not persist:
+            msg["persist"] = False
         if not wait:
             self.connection.send(msg, functools.partial(self._commit_answered, handle))
             return
@@ -313,9 +320,9 @@ class Engine:
         finally:
             handle._committed.set()
 
-    def _commit_after(self, handle: SaveHandle, header: dict, done) -> None:
+    def _commit_after(self, handle: SaveHandle, header: dict, persist: bool, done) -> None:
         done.synchronize()
-        self._commit(handle, header)
+        self._commit(handle, header, persist)
 
     def _pin(self, path: str, data: torch.Tensor) -> None:
         """Register a region as pinned memory once, so device-to-host copies into it are fast
@@ -487,9 +494,4 @@ def _tier(tier: Tier | str) -> Tier:
             f"tier {tier!r} is now called {new.value!r}", DeprecationWarning, stacklevel=3
         )
         return new
-    try:
-        return Tier(tier)
-    except ValueError:
-        raise ValueError(
-            f"unknown tier {tier!r}: one of {', '.join(t.value for t in Tier)}"
-        ) from None
+    return Tier.parse(tier)

@@ -5,7 +5,9 @@ listed in the catalog) -> the replicator pushes it to the ring peer's server (`p
 persister writes it to storage (`storage`). Each tier reached or failed is recorded on the shard
 (`wait` returns on either) and is an event. Background work waits (QUIET_WAIT_S at most) while a
 worker of this node copies a save, so it does not compete with the copy for memory bandwidth;
-the persister skips a step when storage is behind and a newer one is queued.
+the persister skips a step when storage is behind and a newer one is queued. A save its writer
+made memory-only (`Engine.save(..., persist=False)`) skips storage, except each rank's newest
+one when the server drains (it stops, or an embedded server closes): the newest step outlives it.
 
 This module never copies shard bytes in Python (checksums read the region in place, transfers
 use sendfile, storage writes from the region) and never blocks a worker's save.
@@ -36,6 +38,7 @@ PERSIST_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # bandwidth.
 QUIET_WAIT_S = 5.0
 NO_PEER = "no peer"
+MEMORY_ONLY = "not persisted: saved for memory and peer only (persist=False)"
 
 
 class SavePipeline:
@@ -68,8 +71,11 @@ class SavePipeline:
         for q in (self.finalize_q, self.replicate_q, self.persist_q):
             q.put(None)
 
-    def commit(self, step: int, rank: int, region: Region, header: dict) -> None:
-        """The worker finished copying: checksums and the rest happen in the background."""
+    def commit(
+        self, step: int, rank: int, region: Region, header: dict, persist: bool = True
+    ) -> None:
+        """The worker finished copying: checksums and the rest happen in the background; not
+        `persist`: memory and peer only, storage at a drain if it is still its rank's newest."""
         with self.lock:
             shard = self.memory.shards.get((step, rank))
             if shard is None or shard.region is not region or shard.state != RESERVED:
@@ -77,6 +83,7 @@ class SavePipeline:
                     f"step {step} rank {rank} was not reserved by this connection"
                 )
             shard.header = header
+            shard.persist = persist
             shard.state = STAGED
             shard.staged_at = time.time()
             self.lock.notify_all()
@@ -141,8 +148,10 @@ class SavePipeline:
                 self.lock.wait(left if left is not None else 1.0)
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every shard this node's workers saved is in storage, or failed to get
-        there, or was evicted (an embedded server's `close`); False when `timeout_s` ran out."""
+        """Persist each rank's newest memory-only shard, then wait until every shard this node's
+        workers saved is in storage, or failed to get there, or was evicted (a stopping server,
+        an embedded server's `close`); False when `timeout_s` ran out."""
+        self._persist_newest()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.lock:
             shards = [s for s in self.memory.shards.values() if s.origin == LOCAL]
@@ -159,6 +168,35 @@ class SavePipeline:
                         return False
                     self.lock.wait(left)
         return True
+
+    def _persist_newest(self) -> None:
+        """Queue for storage each rank's newest shard of this node saved memory-only (every
+        server of a stopping job writes the same step: its newest is complete in storage)."""
+        if self.cfg.storage_dir is None:
+            return
+        queued = []
+        with self.lock:
+            newest: dict[int, Shard] = {}
+            for s in self.memory.shards.values():
+                if s.origin == LOCAL and s.state != RESERVED:
+                    if s.rank not in newest or s.step > newest[s.rank].step:
+                        newest[s.rank] = s
+            for s in newest.values():
+                s.persist = True  # a shard still being checksummed is queued by the finaliser
+                if s.failed.get(Tier.STORAGE) == MEMORY_ONLY:
+                    del s.failed[Tier.STORAGE]
+                    queued.append(s)
+        for s in queued:
+            self.persist_q.put(s)
+
+    def _to_storage(self, shard: Shard) -> None:
+        """Queue a committed shard for storage, unless its writer made it memory-only."""
+        with self.lock:  # decided under the lock a drain's `_persist_newest` takes
+            if not shard.persist:
+                shard.failed[Tier.STORAGE] = MEMORY_ONLY
+                self.lock.notify_all()
+                return
+        self.persist_q.put(shard)
 
     def _reached(self, shard: Shard, tier: Tier) -> None:
         with self.lock:
@@ -213,7 +251,7 @@ class SavePipeline:
             else:
                 self._fail(shard, Tier.PEER, "replication is off (replicas=0)")
             if self.cfg.storage_dir is not None:
-                self.persist_q.put(shard)
+                self._to_storage(shard)
             else:
                 self._fail(shard, Tier.STORAGE, "no storage directory configured")
             self.memory.prepare_spare(shard.region.nbytes, shard.rank)

@@ -3,7 +3,8 @@
 Each message (protocol.py framing) is one request with one reply:
     reserve {step, rank, nbytes, world_size[, generation]} -> {path, nbytes} a region to copy the
                                        shard into (refused for a generation older than the plan's)
-    commit  {step, rank, header}             the copy is done (the save pipeline takes over)
+    commit  {step, rank, header, persist?}   the copy is done (the save pipeline takes over);
+                                             persist false: memory and peer only
     abort   {step, rank}                     the copy failed: give the region back
     wait    {step, rank, tier, timeout}      once the shard reached (or failed) a `Tier`
     locate  {step, rank}      -> {sources}   where the shard can be read, fastest first (after
@@ -113,8 +114,11 @@ class WorkerService:
             header = msg.get("header")
             if not isinstance(header, dict):
                 raise ValueError("commit needs the shard's header (an object)")
+            persist = msg.get("persist", True)
+            if not isinstance(persist, bool):
+                raise ValueError(f"persist must be true or false, not {str(persist)[:40]!r}")
             region = reserved.pop((step, rank))
-            self.pipeline.commit(step, rank, region, header)
+            self.pipeline.commit(step, rank, region, header, persist)
             return {"ok": True}
         if op == "abort":
             step, rank = field_int(msg, "step"), field_int(msg, "rank")
@@ -123,7 +127,7 @@ class WorkerService:
                 self.memory.abort(step, rank, aborted)
             return {"ok": True}
         if op == "wait":
-            tier = parse_tier(msg.get("tier"))
+            tier = Tier.parse(msg.get("tier"))
             step, rank = field_int(msg, "step"), field_int(msg, "rank")
             return self.pipeline.wait(step, rank, tier, parse_timeout(msg.get("timeout")))
         if op == "locate":
@@ -215,13 +219,3 @@ def parse_timeout(value: Any) -> float | None:
     if type(value) not in (int, float) or not 0 <= value < float("inf"):
         raise ValueError(f"timeout must be null or seconds >= 0, not {str(value)[:40]!r}")
     return float(value)
-
-
-def parse_tier(name: Any) -> Tier:
-    """A tier named in a request; ValueError naming the tiers when it is none of them."""
-    try:
-        return Tier(name)
-    except ValueError:
-        raise ValueError(
-            f"unknown tier {name!r}: one of {', '.join(t.value for t in Tier)}"
-        ) from None

@@ -67,3 +67,13 @@ class Tier(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def parse(cls, name: object) -> Tier:
+        """The tier called `name`; ValueError naming the tiers when it is none of them."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(
+                f"unknown tier {name!r}: one of {', '.join(t.value for t in cls)}"
+            ) from None

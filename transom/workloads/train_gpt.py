@@ -35,7 +35,8 @@ Checkpoints: the checkpoint for step s holds the state after step s was applied;
 it resumes at step s+1 (steps are numbered 1..--steps). Two implementations (--checkpoint):
   transom (default)  every rank saves its state with transom.checkpoint every --ckpt-every
       steps: the save blocks only for a copy into its node's checkpoint memory, which replicates
-      it to a peer node and persists it to --ckpt-dir in the background. At start every rank
+      it to a peer node and persists it to --ckpt-dir in the background (with --persist-every P,
+      only steps that are multiples of P and the run's last). At start every rank
       loads the step the controller chose (TRANSOM_RESTORE_STEP under `transom run`), else the
       newest step restorable for every rank, from the fastest tier with a good copy. Outside
       `transom run` the engine runs inside the process (memory + --ckpt-dir).
@@ -132,6 +133,15 @@ def parse_args(argv=None):
         help="checkpoint every K steps; 0 disables",
     )
     p.add_argument(
+        "--persist-every",
+        type=int,
+        default=0,
+        metavar="P",
+        help="transom: write to --ckpt-dir only the checkpoints of steps that are multiples of P "
+        "and the run's last one; the others stay in memory and a peer's memory (and a stopping "
+        "checkpoint server writes its newest); 0 (default): every checkpoint",
+    )
+    p.add_argument(
         "--ckpt-dir",
         default=os.environ.get(env.CHECKPOINT_DIR) or "./checkpoints",
         help="checkpoint directory (storage tier); the default is $TRANSOM_CHECKPOINT_DIR if set, "
@@ -193,7 +203,12 @@ def parse_args(argv=None):
         help="every rank keeps DIR/rankR.json: resumed step, last step, loss, done "
         "(transom/workloads/results.py)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.persist_every < 0:
+        p.error(f"--persist-every {args.persist_every}: steps, 0 or more")
+    if args.persist_every and args.checkpoint != "transom":
+        p.error("--persist-every needs --checkpoint transom (torch writes every checkpoint)")
+    return args
 
 
 def main(argv=None):
@@ -318,8 +333,13 @@ def main(argv=None):
             ):
                 with monitor.phase("checkpoint"):
                     if engine is not None:
+                        persist = (
+                            args.persist_every <= 0
+                            or step % args.persist_every == 0
+                            or step + args.ckpt_every > args.steps  # the run's last checkpoint
+                        )
                         last_save = engine_save(
-                            engine, step, model, optimizer, args.seed, world_size
+                            engine, step, model, optimizer, args.seed, world_size, persist
                         )
                     else:
                         if rank == 0:
