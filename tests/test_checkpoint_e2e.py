@@ -50,12 +50,17 @@ def newest_saved(job, before: float = float("inf")) -> dict[int, int]:
     return out
 
 
-def test_killed_worker_resumes_from_node_memory(start_job):
+@pytest.mark.parametrize("persist_every", ["0", "1000"])
+def test_killed_worker_resumes_from_node_memory(start_job, persist_every):
     # Saves 1.5 s apart: the kill comes once both ranks' newest saved step is the same. Their
     # servers list it in etcd in the same batch as the event (store/batch_writer.py: 0.2 s after
     # a save when saves are more than its 1 s spacing apart), so that step is the restore step
-    # and in both nodes' memory, unless the next save began meanwhile (below).
-    job = start_job("--nnodes", "2", SCRIPT, *SMALL, "--ckpt-every", "10", "--steps", "40")
+    # and in both nodes' memory, unless the next save began meanwhile (below). With
+    # --persist-every 1000 only the run's last checkpoint is written to storage.
+    job = start_job(
+        "--nnodes", "2", SCRIPT, *SMALL, "--ckpt-every", "10", "--steps", "40",
+        "--persist-every", persist_every,
+    )  # fmt: skip
     wait_for(
         lambda: (saved := newest_saved(job)).keys() == {0, 1} and saved[0] == saved[1] >= 20,
         90,
@@ -71,13 +76,12 @@ def test_killed_worker_resumes_from_node_memory(start_job):
     assert set(ranks) == {0, 1}
     # Memory keeps one step a rank: a rank that saved a step newer than the restore step (the
     # next save, finished by one rank but not the other when the kill came) has the restore step
-    # only in storage. Every other rank reads its own node's memory.
+    # only in storage, or, when that newer step is memory-only, in memory still (memory keeps
+    # the step before it). Every other rank reads its own node's memory.
     newest = newest_saved(job, before=generation["time"])
     for rank in (0, 1):
-        assert ranks[rank] == (step, "memory" if newest[rank] == step else "storage"), (
-            rank,
-            newest,
-        )
+        tier = "memory" if newest[rank] == step or persist_every != "0" else "storage"
+        assert ranks[rank] == (step, tier), (rank, newest)
     assert f"[train_gpt] resumed step={step} rank=1" in job.log_text("g002/rank1.log")
     assert "done step=40 rank=1" in job.log_text("g002/rank1.log")
     assert not list(Path("/dev/shm").glob(f"transom-{job.job_id}-*")), (

@@ -23,7 +23,7 @@ def _state(step: int) -> dict:
     return {"w": torch.full((1 << 12,), float(step)), "step": step}
 
 
-def test_a_memory_only_save_skips_storage_until_the_engine_closes(tmp_path: Path) -> None:
+def test_a_memory_only_save_skips_storage_and_memory_keeps_the_step_before(tmp_path: Path) -> None:
     root = tmp_path / "store"
     with checkpoint.Engine(storage_dir=root, keep=5) as engine:
         engine.save(1, _state(1)).wait("storage", timeout=30)
@@ -35,6 +35,23 @@ def test_a_memory_only_save_skips_storage_until_the_engine_closes(tmp_path: Path
         assert storage.complete_steps(root) == [1]
         assert engine.load()["step"] == 3
         assert engine.last_load["tier"] == "memory"
+        # Memory keeps one step more while the newest is memory-only: a rank that died before
+        # saving step 3 makes step 2 the restore step, and only memory has it.
+        assert engine.load(2)["step"] == 2
+        assert engine.last_load["tier"] == "memory"
+        engine.save(4, _state(4)).wait("storage", timeout=30)
+        with pytest.raises(checkpoint.CheckpointError):
+            engine.load(2)  # a persisted newest step: one step a rank again
+    assert storage.complete_steps(root) == [4, 1]
+
+
+def test_closing_persists_the_newest_memory_only_step(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with checkpoint.Engine(storage_dir=root, keep=5) as engine:
+        engine.save(1, _state(1)).wait("storage", timeout=30)
+        for step in (2, 3):
+            engine.save(step, _state(step), persist=False).wait("memory", timeout=30)
+        assert storage.complete_steps(root) == [1]
     # Closing drained the server: its newest step is in storage, the older memory-only one not.
     assert storage.complete_steps(root) == [3, 1]
     with checkpoint.Engine(storage_dir=root) as engine:

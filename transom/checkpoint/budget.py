@@ -205,13 +205,17 @@ class ShardMemory:
                 self.lock.notify_all()
 
     def retain(self, rank: int) -> None:
-        """Evict this rank's complete shards beyond the `memory_keep` newest (lock held)."""
+        """Evict this rank's complete shards beyond the `memory_keep` newest, and beyond one more
+        while the newest is memory-only (lock held): when a rank dies before saving a step its
+        peers saved, the job restores the step before, which storage then does not hold. The
+        extra step goes first when the budget is short (`_victims`)."""
         mine = sorted(
             (s for s in self.shards.values() if s.rank == rank and s.state == COMMITTED),
             key=lambda s: s.step,
             reverse=True,
         )
-        for s in mine[self.memory_keep :]:
+        keep = self.memory_keep + (1 if mine and not mine[0].persist else 0)
+        for s in mine[keep:]:
             if not s.pins and s.step != self.protected_step:
                 self.evict(s)
 
