@@ -281,6 +281,28 @@ def test_a_replica_never_replaces_a_shard_of_this_nodes_workers(tmp_path: Path) 
         server.stop()
 
 
+def test_a_replica_keeps_the_header_bytes_it_verified_with_the_padding_zeroed(
+    tmp_path: Path,
+) -> None:
+    origin, peer = _server(tmp_path, "n0"), _server(tmp_path, "n1")
+    engine = checkpoint.Engine(socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1)
+    try:
+        engine.save(1, {"w": torch.randn(1000)}).wait("memory", timeout=30)
+        shard = origin.memory.shards[(1, 0)]
+        assert shard.header is not None
+        body_end = shard_format.PREFIX.size + shard_format.decode_prefix(shard.header_bytes)[0]
+        assert body_end < len(shard.header_bytes)  # there is padding to fill
+        dirty = shard.header_bytes[:body_end] + b"\xff" * (len(shard.header_bytes) - body_end)
+        replication.push(peer.addr, SECRET, shard.header, dirty, shard.region.path, "n0")
+        replica = peer.memory.shards[(1, 0)]
+        assert replica.header == shard.header
+        assert replica.header_bytes == shard_format.encode_header(shard.header)
+    finally:
+        engine.close()
+        origin.stop()
+        peer.stop()
+
+
 class Flood:
     """`idle` connections to a port, opened at once and kept open (those the server closes are
     reopened, at most `reopen_per_s` a second), `slow` of them sending a garbage byte every

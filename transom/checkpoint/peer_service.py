@@ -127,7 +127,7 @@ class PeerService:
                         self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
-        def commit(region: Region, header: dict | None) -> None:
+        def commit(region: Region, header: dict | None, header_bytes: bytes) -> None:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return
@@ -146,7 +146,7 @@ class PeerService:
             with self.memory.lock:
                 shard = self.memory.shards[(step, rank)]
                 shard.header, shard.world_size = header, header["world_size"]
-                shard.header_bytes = shard_format.encode_header(header)
+                shard.header_bytes = header_bytes
                 shard.staged_at = time.time()
             self.pipeline.committed(shard)
 

@@ -134,9 +134,10 @@ def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
         sock.sendfile(f, 0, nbytes)
 
 
-def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> dict:
-    """The shard header that follows a message naming `header_len` and `data_len`: its prefix
-    is read and checked against them before the rest is read. ShardError when they differ."""
+def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tuple[dict, bytes]:
+    """The shard header that follows a message naming `header_len` and `data_len`, and its
+    bytes (`shard_format.received_header_bytes`): its prefix is read and checked against them
+    before the rest is read. ShardError when they differ."""
     deadline = transfer_deadline(header_len)
     prefix = recv_exact(sock, shard_format.PREFIX.size, deadline)
     body_len, _, prefix_data_len = shard_format.decode_prefix(prefix)
@@ -146,9 +147,9 @@ def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> di
             f"shard header ({span} bytes, data {prefix_data_len}) does not match the request "
             f"({header_len} bytes, data {data_len})"
         )
-    rest = recv_exact(sock, header_len - shard_format.PREFIX.size, deadline)
-    header, _ = shard_format.decode_header(prefix + rest)
-    return header
+    received = prefix + recv_exact(sock, header_len - shard_format.PREFIX.size, deadline)
+    header, _ = shard_format.decode_header(received)
+    return header, shard_format.received_header_bytes(received)
 
 
 def push(
@@ -219,7 +220,7 @@ def fetch_into(
             data_len = field_int(reply, "data_len", 0, MAX_SHARD_BYTES)
         except ValueError as e:
             raise ReplicationError(f"server at {addr} sent a bad reply: {e}") from e
-        header = recv_shard_header(sock, header_len, data_len)
+        header, _ = recv_shard_header(sock, header_len, data_len)
         check_shard_header(header, step, rank)
         view = destination(header)
         recv_into(sock, view, transfer_deadline(data_len))
@@ -244,12 +245,13 @@ def receive_put(
     sock: socket.socket,
     request: PutRequest,
     reserve: Callable[[int, int, int], Region],
-    commit: Callable[[Region, dict | None], None],
+    commit: Callable[[Region, dict | None, bytes], None],
 ) -> None:
-    """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header)`
-    keeps it (`commit(region, None)` gives it back). ShardError for a shard that is not the one
-    announced or does not verify; nothing is reserved before its header has been checked."""
-    header = recv_shard_header(sock, request.header_len, request.data_len)
+    """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header,
+    header_bytes)` keeps it (`commit(region, None, b"")` gives it back). ShardError for a shard
+    that is not the one announced or does not verify; nothing is reserved before its header has
+    been checked."""
+    header, header_bytes = recv_shard_header(sock, request.header_len, request.data_len)
     check_shard_header(header, request.step, request.rank)
     region = reserve(request.step, request.rank, request.data_len)
     try:
@@ -258,9 +260,9 @@ def receive_put(
         shard_format.verify_data(header, view)
         del view
     except BaseException:
-        commit(region, None)  # gives the region back
+        commit(region, None, b"")  # gives the region back
         raise
-    commit(region, header)
+    commit(region, header, header_bytes)
     send_msg(sock, {"ok": True}, deadline_in(FRAME_TIMEOUT_S))
 
 

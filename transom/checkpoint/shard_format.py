@@ -137,6 +137,15 @@ def header_span(header_len: int) -> int:
     return align(PREFIX.size + header_len, DATA_ALIGN)
 
 
+def received_header_bytes(prefix_and_body: bytes) -> bytes:
+    """The bytes in front of the data of a header `decode_header` accepted, as this node keeps
+    them: prefix and body as received (checksummed), the padding zeroed whatever the sender put
+    there. What `encode_header` of the decoded header gives, without encoding it again."""
+    header_len = decode_prefix(prefix_and_body)[0]
+    end = PREFIX.size + header_len
+    return prefix_and_body[:end] + bytes(header_span(header_len) - end)
+
+
 # -- identity ---------------------------------------------------------------------------------
 
 
