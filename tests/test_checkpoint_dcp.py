@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -47,6 +48,20 @@ def test_dcp_save_and_load_go_through_memory_and_storage(tmp_path: Path) -> None
         back = template()
         dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=5)
         assert engine.last_load["tier"] == "storage" and torch.equal(back["w"], state["w"])
+
+
+def test_a_dcp_save_can_be_memory_only(tmp_path: Path) -> None:
+    state = {"w": torch.randn(4, 5)}
+    with checkpoint.Engine(storage_dir=tmp_path) as engine:
+        writer = TransomWriter(engine, persist=False)
+        dcp.save(state, storage_writer=writer, checkpoint_id=6)
+        assert writer.handle is not None
+        writer.handle.wait("memory", timeout=30)
+        with pytest.raises(checkpoint.CheckpointError, match="persist=False"):
+            writer.handle.wait("storage", timeout=30)
+        back = {"w": torch.zeros(4, 5)}
+        dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=6)
+        assert engine.last_load["tier"] == "memory" and torch.equal(back["w"], state["w"])
 
 
 RANK_SCRIPT = textwrap.dedent("""

@@ -96,11 +96,13 @@ def _decode_metadata(tree: dict) -> Metadata:
 
 
 class TransomWriter(StorageWriter):
-    """DCP StorageWriter: each rank's items go into its checkpoint shard of step `checkpoint_id`."""
+    """DCP StorageWriter: each rank's items go into its checkpoint shard of step `checkpoint_id`
+    (not `persist`: memory and peer only, `Engine.save`'s memory-only saves)."""
 
-    def __init__(self, engine: Engine, step: int | None = None):
+    def __init__(self, engine: Engine, step: int | None = None, persist: bool = True):
         self.engine = engine
         self.step = step
+        self.persist = persist
         self.is_coordinator = False
         self.items: dict[str, Any] = {}
         self.handle: SaveHandle | None = None
@@ -157,7 +159,7 @@ class TransomWriter(StorageWriter):
     def _save(self, metadata: dict | None) -> None:
         assert self.step is not None  # write_data checked it
         state = DcpShard(dcp_items=self.items, dcp_metadata=metadata)  # the planner reshards it
-        handle = self.engine.save(self.step, state)
+        handle = self.engine.save(self.step, state, persist=self.persist)
         self.handle = handle
         if not handle.ok:
             raise CheckpointError(f"DCP save of step {self.step} refused: {handle.error}")
