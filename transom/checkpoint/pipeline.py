@@ -71,9 +71,7 @@ class SavePipeline:
         for q in (self.finalize_q, self.replicate_q, self.persist_q):
             q.put(None)
 
-    def commit(
-        self, step: int, rank: int, region: Region, header: dict, persist: bool = True
-    ) -> None:
+    def commit(self, step: int, rank: int, region: Region, header: dict, persist: bool) -> None:
         """The worker finished copying: checksums and the rest happen in the background; not
         `persist`: memory and peer only, storage at a drain if it is still its rank's newest."""
         with self.lock:
