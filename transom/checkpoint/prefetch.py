@@ -194,7 +194,9 @@ class Prefetcher:
                 return region.view()[: header["data_len"]]
 
             try:
-                header = replication.fetch_into(info["addr"], self.secret, step, rank, into_region)
+                header, header_bytes = replication.fetch_into(
+                    info["addr"], self.secret, step, rank, into_region
+                )
             except BudgetExceeded as e:  # does not fit (or a worker saves it now): skip
                 return SKIPPED, str(e)
             except (replication.ReplicationError, shard_format.ShardError) as e:
@@ -206,11 +208,11 @@ class Prefetcher:
                 if taken:
                     self.memory.abort(step, rank, taken[0])
                 raise
-            return self._keep(step, rank, taken[0], header, origin)
+            return self._keep(step, rank, taken[0], header, header_bytes, origin)
         return FAILED, "; ".join(errors)
 
     def _keep(
-        self, step: int, rank: int, region: Region, header: dict, origin: str
+        self, step: int, rank: int, region: Region, header: dict, header_bytes: bytes, origin: str
     ) -> tuple[str, str]:
         """Make a fetched shard a complete one of this server's memory (listed in the catalog),
         unless it falls under a discard."""
@@ -219,7 +221,7 @@ class Prefetcher:
             if shard is None or shard.region is not region:
                 return FAILED, "its region was taken back during the transfer"
             shard.header, shard.world_size = header, header["world_size"]
-            shard.header_bytes = shard_format.encode_header(header)
+            shard.header_bytes = header_bytes
             shard.staged_at = time.time()
         if not self.pipeline.committed(shard):  # evicted there if it falls under a discard
             return SKIPPED, "the step was discarded as poisoned"

@@ -195,14 +195,15 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, memoryv
         landed.append(memoryview(anonymous_buffer(header["data_len"]))[: header["data_len"]])
         return landed[0]
 
-    header = fetch_into(addr, secret, step, rank, into_anonymous)
+    header, _ = fetch_into(addr, secret, step, rank, into_anonymous)
     return header, landed[0]
 
 
 def fetch_into(
     addr: str, secret: bytes, step: int, rank: int, destination: Callable[[dict], memoryview]
-) -> dict:
-    """The header of a shard held by the server at `addr`, its data received straight into
+) -> tuple[dict, bytes]:
+    """The header of a shard held by the server at `addr` and its bytes (as `recv_shard_header`
+    gives them), its data received straight into
     `destination(header)` (asked for only once the header has been checked: its step, rank and
     a world size) and verified there. ReplicationError when the server cannot be reached or does
     not hold it, ShardError for a bad copy; whatever `destination` raises propagates. On any
@@ -220,7 +221,7 @@ def fetch_into(
             data_len = field_int(reply, "data_len", 0, MAX_SHARD_BYTES)
         except ValueError as e:
             raise ReplicationError(f"server at {addr} sent a bad reply: {e}") from e
-        header, _ = recv_shard_header(sock, header_len, data_len)
+        header, header_bytes = recv_shard_header(sock, header_len, data_len)
         check_shard_header(header, step, rank)
         view = destination(header)
         recv_into(sock, view, transfer_deadline(data_len))
@@ -230,7 +231,7 @@ def fetch_into(
         sock.close()
     shard_format.verify_data(header, view)
     del view
-    return header
+    return header, header_bytes
 
 
 def check_shard_header(header: dict, step: int, rank: int) -> None:
