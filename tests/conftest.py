@@ -65,7 +65,10 @@ def standalone_ckpt_server(tmp_path: Path, name: str, memory: str) -> Iterator[t
         ],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     engine = None
     try:

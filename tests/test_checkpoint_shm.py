@@ -293,3 +293,21 @@ def test_region_names_carry_the_server_process_so_a_new_server_never_reuses_one(
     regions = RegionDir(tmp_path / "regions")
     names = {regions.new(64).path.name for _ in range(3)}
     assert len(names) == 3 and all(n.startswith(f"r{os.getpid()}-") for n in names)
+
+
+def test_every_mapping_is_released_once_before_it_is_closed(tmp_path: Path) -> None:
+    # The engine unregisters a pinned region in `release`; a mapping closed without it kept the
+    # region's pages pinned after the server deleted it (the GPU path's leak).
+    released: list[int] = []
+    cache = MappingCache(layout.as_bytes, limit=2, release=lambda v: released.append(v.data_ptr()))
+    paths = [tmp_path / f"r{i}" for i in range(4)]
+    for p in paths:
+        p.write_bytes(b"\x00" * 4096)
+    views = {p.name: cache.get(str(p), 4096).data_ptr() for p in paths[:3]}  # r0 over the limit
+    assert released == [views["r0"]]
+    paths[1].unlink()
+    assert cache.drop_missing() == [str(paths[1])]  # a region the server deleted
+    assert released == [views["r0"], views["r1"]]
+    cache.get(str(paths[2]), 4096)  # still mapped: no release
+    cache.clear()
+    assert released == [views["r0"], views["r1"], views["r2"]]

@@ -6,6 +6,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
   engine.py          the worker's API (`Engine`, `SaveHandle`)
   single_file.py     `save`/`load`: a torch.save / torch.load pair in the shard format
     client.py        its requests to the node's server, each with a time limit
+    pinning.py       CUDA registration of the regions it copies GPU tensors into
   tiers/             where the loader reads from: one `LoadTier` a file, registered in order
   server.py          the per-node server, wiring:
     config.py        its configuration and command line (`ServerConfig`, `default_budget`)

@@ -51,6 +51,7 @@ from transom.checkpoint.client import (
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.protocol import deadline_in
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.shm_dirs import SHM_ROOT, sweep_stale_shm
@@ -169,8 +170,8 @@ class Engine:
             self.server = self._embedded_server(memory_bytes, keep)
             self.socket_path = str(self.server.cfg.socket_path)
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
-        self._maps = MappingCache(layout.as_bytes)
-        self._pinned: set[str] = set()
+        self._pinned = PinnedRegions()
+        self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
@@ -218,7 +219,9 @@ class Engine:
             log.warning("%s: no region prepared", e)
             return False
         if reply.get("ok") and reply.get("path") and plan.data_len:
-            self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
+            data = self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
+            if any(r.source.is_cuda for r in plan.ranges):
+                self._pinned.pin(data)  # and register it now, not during the save
         return bool(reply.get("ok"))
 
     def save(
@@ -260,7 +263,7 @@ class Engine:
         on_gpu = any(r.source.is_cuda for r in plan.ranges)
         try:
             if on_gpu:
-                self._pin(reply["path"], data)
+                self._pinned.pin(data)
             layout.copy_into(plan, data, non_blocking=on_gpu)
         except BaseException:
             try:
@@ -324,21 +327,9 @@ class Engine:
         done.synchronize()
         self._commit(handle, header, persist)
 
-    def _pin(self, path: str, data: torch.Tensor) -> None:
-        """Register a region as pinned memory once, so device-to-host copies into it are fast
-        and asynchronous."""
-        if path in self._pinned or data.numel() == 0:
-            return
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(data.data_ptr(), data.numel(), 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister failed (%s): device-to-host copies will be slower", err)
-        self._pinned.add(path)
-
     def _forget_unlinked(self) -> None:
         """Unmap regions the server has deleted, so their memory can go back to the system."""
-        for path in self._maps.drop_missing():
-            self._pinned.discard(path)
+        self._maps.drop_missing()
 
     # -- load ------------------------------------------------------------------------------------
     def restore_step(self) -> int | None:

@@ -165,12 +165,22 @@ class MappingCache(Generic[View]):
 
     A mapping is reused only while the file at its path is the very file it maps (same device
     and inode): a region deleted and a new one created under the same path (a server started
-    again) must never receive a save through the old mapping, whose bytes no one reads."""
+    again) must never receive a save through the old mapping, whose bytes no one reads.
+    `release(view)` runs before a mapping is closed (the engine unregisters a pinned one there)."""
 
-    def __init__(self, as_view: Callable[[mmap.mmap], View], limit: int = 8):
+    def __init__(
+        self,
+        as_view: Callable[[mmap.mmap], View],
+        limit: int = 8,
+        release: Callable[[View], None] | None = None,
+    ):
         self.as_view = as_view
         self.limit = limit
+        self.release = release
         self._maps: dict[str, tuple[mmap.mmap, View, FileIdentity]] = {}
+
+    def __len__(self) -> int:
+        return len(self._maps)
 
     def get(self, path: str, nbytes: int) -> View:
         hit = self._maps.get(path)
@@ -188,6 +198,8 @@ class MappingCache(Generic[View]):
         hit = self._maps.pop(path, None)
         if hit is not None:
             m, view, _ = hit
+            if self.release is not None:
+                self.release(view)
             del view
             try:
                 m.close()

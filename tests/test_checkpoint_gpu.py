@@ -1,0 +1,64 @@
+"""The checkpoint engine's GPU path on a real CUDA device: skipped on machines without one.
+
+A save of CUDA tensors copies them asynchronously into pinned shared memory and returns; these
+tests check that the checkpoint holds the values from the moment of the save while training
+changes the tensors at once, and that a region the server destroys is unregistered from CUDA
+before the worker unmaps it (benchmarks/checkpoint_gpu.py measures the same path's speed).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from transom import checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MIB = 1 << 20
+
+
+def state_of(n: int, numel: int = 4 * MIB) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(n)
+    return {f"w{i}": torch.randn(numel, generator=g, device="cuda") for i in range(n)}
+
+
+def test_a_save_holds_the_values_of_its_moment_while_training_changes_them(
+    tmp_path: Path,
+) -> None:
+    state = state_of(8)
+    before = {k: v.cpu() for k, v in state.items()}
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        h = engine.save(3, state)
+        for v in state.values():
+            v.mul_(-2.0)  # the next step's in-place updates, queued at once
+        h.wait("storage")
+        from_memory = engine.load(3, tier="memory")
+        from_storage = engine.load(3, tier="storage", map_location="cuda")
+    assert all(torch.equal(before[k], from_memory[k]) for k in before)
+    assert all(v.is_cuda and torch.equal(before[k], v.cpu()) for k, v in from_storage.items())
+
+
+def test_regions_the_server_destroys_are_unregistered_and_new_ones_register(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A state that grows every save, under a budget of about three regions: the server destroys
+    # the regions of earlier sizes, which this worker had registered with CUDA.
+    caplog.set_level(logging.WARNING)
+    rounds = 12
+    budget = 3 * (rounds + 2) * 4 * MIB * 4
+    with checkpoint.Engine(
+        storage_dir=tmp_path, rank=0, world_size=1, memory_bytes=budget
+    ) as engine:
+        for step in range(rounds):
+            state = state_of(step + 1)
+            h = engine.save(step, state, persist=False)
+            h.wait("memory")
+            assert len(engine._pinned) == len(engine._maps)  # each open mapping, no other
+        loaded = engine.load(rounds - 1, tier="memory")
+        assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+    assert len(engine._pinned) == 0
+    assert not [r for r in caplog.records if "cudaHost" in r.getMessage()]
