@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -62,6 +63,33 @@ def test_a_dcp_save_can_be_memory_only(tmp_path: Path) -> None:
         back = {"w": torch.zeros(4, 5)}
         dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=6)
         assert engine.last_load["tier"] == "memory" and torch.equal(back["w"], state["w"])
+
+
+def test_dcp_round_trips_an_optimizer_state_with_0_dim_tensors(tmp_path: Path) -> None:
+    # An optimizer's `step` is a 0-dim tensor: its chunk offset is empty, not absent, and the
+    # reader must find it under the same index (it was looked up as a bytes item's).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "scale": torch.tensor(8.0)}
+    expected = copy.deepcopy(saved)
+    with checkpoint.Engine(storage_dir=tmp_path) as engine:
+        dcp.save(saved, storage_writer=TransomWriter(engine), checkpoint_id=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt.state[model.weight]["step"].zero_()
+    back = {"model": model.state_dict(), "optim": opt.state_dict(), "scale": torch.tensor(0.0)}
+    with checkpoint.Engine(storage_dir=tmp_path) as engine:  # from storage
+        dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=3)
+    assert torch.equal(back["scale"], expected["scale"])
+    for k, v in expected["model"].items():
+        assert torch.equal(back["model"][k], v)
+    for i, state in expected["optim"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(back["optim"]["state"][i][k], v), (i, k)
 
 
 RANK_SCRIPT = textwrap.dedent("""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from transom import checkpoint
+from transom.checkpoint.dcp import TransomReader, TransomWriter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -62,3 +63,23 @@ def test_regions_the_server_destroys_are_unregistered_and_new_ones_register(
         assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
     assert len(engine._pinned) == 0
     assert not [r for r in caplog.records if "cudaHost" in r.getMessage()]
+
+
+def test_a_dcp_save_of_a_cuda_model_and_optimizer_loads_back_onto_the_gpu(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        dcp.save(state, storage_writer=TransomWriter(engine), checkpoint_id=9)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        template = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(template, storage_reader=TransomReader(engine), checkpoint_id=9)
+    for k, v in model.state_dict().items():
+        assert v.is_cuda and torch.equal(v.cpu(), expected[k])

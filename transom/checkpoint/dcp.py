@@ -88,8 +88,11 @@ def _decode_metadata(tree: dict) -> Metadata:
     storage = {}
     for key, data in tree["storage"].items():
         fqn, _, offset = key.rpartition("@")
+        # A bytes item has no offset; a tensor's chunk has one per dimension: none for a 0-dim
+        # tensor (an optimizer's step), which the key cannot tell from a bytes item's.
+        is_tensor = isinstance(entries.get(fqn), TensorStorageMetadata)
         index = MetadataIndex(
-            fqn, torch.Size(int(x) for x in offset.split(",")) if offset else None
+            fqn, torch.Size(int(x) for x in offset.split(",") if x) if is_tensor else None
         )
         storage[index] = data
     return Metadata(state_dict_metadata=entries, storage_data=storage, version=tree.get("version"))
