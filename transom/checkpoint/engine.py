@@ -272,9 +272,12 @@ class Engine:
                 pass  # the connection is closed: the server gives the region back itself
             raise
         if on_gpu:
-            done = torch.cuda.Event()
-            # Later kernels on this stream are ordered after the copy: training may go on.
-            done.record()
+            # A device-to-host copy runs on its source device's current stream (not always the
+            # current device's: a model moved to cuda:1 without set_device); later kernels on
+            # those streams are ordered after it, so training may go on.
+            devices = {r.source.device for r in plan.ranges if r.source.is_cuda}
+            done = [torch.cuda.current_stream(d).record_event() for d in devices]
+            self._pinned.copying(data, done)
             args = (handle, plan.header, persist, done)
             thread = threading.Thread(target=self._commit_after, args=args, daemon=True)
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
@@ -323,8 +326,9 @@ class Engine:
         finally:
             handle._committed.set()
 
-    def _commit_after(self, handle: SaveHandle, header: dict, persist: bool, done) -> None:
-        done.synchronize()
+    def _commit_after(self, handle: SaveHandle, header: dict, persist: bool, done: list) -> None:
+        for event in done:
+            event.synchronize()
         self._commit(handle, header, persist)
 
     def _forget_unlinked(self) -> None:

@@ -17,11 +17,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# cudaHostRegisterPortable: pinned for every device's context, not only the current device's
+# (a worker whose tensors live on another GPU than its current one copies from there).
+REGISTER_PORTABLE = 1
+
+
 class PinnedRegions:
-    """The mappings registered with CUDA, by address (True when the registration worked)."""
+    """The mappings registered with CUDA, by address (True when the registration worked), and
+    the events that end the newest copy into each."""
 
     def __init__(self) -> None:
         self._registered: dict[int, bool] = {}
+        self._copies: dict[int, list[torch.cuda.Event]] = {}
 
     def __len__(self) -> int:
         return sum(self._registered.values())
@@ -31,18 +38,25 @@ class PinnedRegions:
         address = data.data_ptr()
         if address in self._registered or data.numel() == 0:
             return
-        err = torch.cuda.cudart().cudaHostRegister(address, data.numel(), 0)
+        err = torch.cuda.cudart().cudaHostRegister(address, data.numel(), REGISTER_PORTABLE)
         if int(err) != 0:
             log.warning("cudaHostRegister failed (%s): device-to-host copies will be slower", err)
         self._registered[address] = int(err) == 0
 
+    def copying(self, data: torch.Tensor, done: list[torch.cuda.Event]) -> None:
+        """Copies into `data`'s mapping end with `done` (one event per source device)."""
+        self._copies[data.data_ptr()] = done
+
     def release(self, data: torch.Tensor) -> None:
         """Before `data`'s mapping is closed: wait for the copies into it, then unregister it."""
-        if not self._registered.pop(data.data_ptr(), False):
+        address = data.data_ptr()
+        done = self._copies.pop(address, [])
+        if not self._registered.pop(address, False):
             return
         try:
-            torch.cuda.synchronize()
-            err = torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
+            for event in done:
+                event.synchronize()
+            err = torch.cuda.cudart().cudaHostUnregister(address)
         except RuntimeError as e:  # the device failed: the process's pins end with it
             log.warning("could not unregister a pinned checkpoint region: %s", e)
             return
