@@ -1,9 +1,11 @@
-"""The checkpoint engine's GPU path on a real CUDA device: skipped on machines without one.
+"""The checkpoint engine's GPU path: on a real CUDA device where there is one (those tests are
+skipped elsewhere), and its failure path everywhere.
 
 A save of CUDA tensors copies them asynchronously into pinned shared memory and returns; these
 tests check that the checkpoint holds the values from the moment of the save while training
-changes the tensors at once, and that a region the server destroys is unregistered from CUDA
-before the worker unmaps it (benchmarks/checkpoint_gpu.py measures the same path's speed).
+changes the tensors at once, that a region the server destroys is unregistered from CUDA before
+the worker unmaps it, and that a copy the device fails is a refused save whose region is given
+back (benchmarks/checkpoint_gpu.py measures the same path's speed).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch
 
 from transom import checkpoint
 from transom.checkpoint.dcp import TransomReader, TransomWriter
+from transom.checkpoint.engine import SaveHandle
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MIB = 1 << 20
 
@@ -27,6 +30,7 @@ def state_of(n: int, numel: int = 4 * MIB) -> dict:
     return {f"w{i}": torch.randn(numel, generator=g, device="cuda") for i in range(n)}
 
 
+@needs_cuda
 def test_a_save_holds_the_values_of_its_moment_while_training_changes_them(
     tmp_path: Path,
 ) -> None:
@@ -43,6 +47,7 @@ def test_a_save_holds_the_values_of_its_moment_while_training_changes_them(
     assert all(v.is_cuda and torch.equal(before[k], v.cpu()) for k, v in from_storage.items())
 
 
+@needs_cuda
 def test_regions_the_server_destroys_are_unregistered_and_new_ones_register(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -65,6 +70,7 @@ def test_regions_the_server_destroys_are_unregistered_and_new_ones_register(
     assert not [r for r in caplog.records if "cudaHost" in r.getMessage()]
 
 
+@needs_cuda
 def test_a_dcp_save_of_a_cuda_model_and_optimizer_loads_back_onto_the_gpu(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -83,3 +89,28 @@ def test_a_dcp_save_of_a_cuda_model_and_optimizer_loads_back_onto_the_gpu(tmp_pa
         dcp.load(template, storage_reader=TransomReader(engine), checkpoint_id=9)
     for k, v in model.state_dict().items():
         assert v.is_cuda and torch.equal(v.cpu(), expected[k])
+
+
+class FailedCudaEventMock:
+    """A torch.cuda.Event whose device failed during the copy. A mock: a device fault cannot be
+    caused on purpose, and this test runs on machines without a GPU."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_copy_the_device_fails_is_a_refused_save_and_its_region_is_given_back(
+    tmp_path: Path,
+) -> None:
+    state = {"w": torch.arange(1000.0)}
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        msg = {"op": "reserve", "step": 5, "rank": 0, "nbytes": 4000, "world_size": 1}
+        assert engine._request(msg)["ok"]  # what save() does before its asynchronous copy
+        handle = SaveHandle(engine, 5, 0)
+        engine._commit_after(handle, {}, True, [FailedCudaEventMock()])
+        assert not handle.ok
+        with pytest.raises(checkpoint.SaveRefused, match="copy from the GPU failed"):
+            handle.wait("memory", timeout=10)  # raises at once, never waits for ever
+        again = engine.save(5, state)  # step 5's region was given back: it can be saved again
+        again.wait("storage", timeout=30)
+        assert torch.equal(engine.load(5, tier="storage")["w"], state["w"])

@@ -110,18 +110,11 @@ class SaveHandle:
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
+        msg = {"op": "wait", "step": self.step, "rank": self.rank, "tier": tier.value}
         while True:  # without a timeout: in rounds of WAIT_POLL_S, each answered in time
             left = WAIT_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
             reply = self.engine._request(
-                {
-                    "op": "wait",
-                    "step": self.step,
-                    "rank": self.rank,
-                    "tier": tier.value,
-                    "timeout": left,
-                },
-                fresh=True,
-                timeout=left + self.engine.request_timeout_s,
+                msg | {"timeout": left}, fresh=True, timeout=left + self.engine.request_timeout_s
             )
             if not (reply.get("timeout") and deadline is None):
                 break
@@ -266,10 +259,7 @@ class Engine:
                 self._pinned.pin(data)
             layout.copy_into(plan, data, non_blocking=on_gpu)
         except BaseException:
-            try:
-                self._request({"op": "abort", "step": step, "rank": self.rank})
-            except CheckpointError:
-                pass  # the connection is closed: the server gives the region back itself
+            self._abort(step)
             raise
         if on_gpu:
             # A device-to-host copy runs on its source device's current stream (not always the
@@ -327,9 +317,22 @@ class Engine:
             handle._committed.set()
 
     def _commit_after(self, handle: SaveHandle, header: dict, persist: bool, done: list) -> None:
-        for event in done:
-            event.synchronize()
+        try:
+            for event in done:
+                event.synchronize()
+        except RuntimeError as e:  # the device failed: the region may hold part of the shard
+            self._abort(handle.step)
+            error = CheckpointError(f"step {handle.step}: the copy from the GPU failed: {e}")
+            self._commit_answered(handle, error)  # `wait` raises it, never waits for ever
+            return
         self._commit(handle, header, persist)
+
+    def _abort(self, step: int) -> None:
+        """Give back the region reserved for `step`, whose copy did not finish."""
+        try:
+            self._request({"op": "abort", "step": step, "rank": self.rank})
+        except CheckpointError:
+            pass  # the connection is closed: the server gives the region back itself
 
     def _forget_unlinked(self) -> None:
         """Unmap regions the server has deleted, so their memory can go back to the system."""
