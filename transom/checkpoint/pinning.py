@@ -2,9 +2,10 @@
 
 A region registered as pinned memory takes device-to-host copies at full speed and
 asynchronously (the engine's save returns while the copy runs). `PinnedRegions` registers a
-mapping once and unregisters it before the mapping is closed (it is MappingCache's `release`):
-a registration that outlives its mapping keeps the region's pages pinned, so their memory never
-goes back to the system, and it refuses a later mapping at the same address.
+mapping once and unregisters it before the mapping is closed (it is MappingCache's `release`),
+after the copies into it have ended: a registration that outlives its mapping makes CUDA take
+later memory at that address for registered memory (on an H200 the process's next ordinary
+`tensor.cpu()` failed with "CUDA error: invalid argument").
 This module never raises into a save or a load: a failed registration costs speed, not the save.
 """
 
