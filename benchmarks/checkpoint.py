@@ -64,21 +64,24 @@ SHM_SLACK = 1 << 20  # page rounding of region files
 # -- one rank ------------------------------------------------------------------------------------
 
 
-def make_state(nbytes: int, rank: int):
+def make_state(nbytes: int, rank: int, device: str = "cpu"):
+    """fp32 weights and two Adam moments on `device` (`step` on the CPU, as torch's AdamW keeps
+    it), `nbytes` in all."""
     import torch
 
     per_kind = nbytes // 3
     n_tensors = max(1, per_kind // TENSOR_BYTES)
     numel = per_kind // n_tensors // 4
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator(device=device).manual_seed(rank)
     model = {
-        f"rank{rank}.layer{i}.weight": torch.randn(numel, generator=g) for i in range(n_tensors)
+        f"rank{rank}.layer{i}.weight": torch.randn(numel, generator=g, device=device)
+        for i in range(n_tensors)
     }
     state = {
         name: {
             "step": torch.tensor(10.0),
-            "exp_avg": torch.randn(numel, generator=g),
-            "exp_avg_sq": torch.rand(numel, generator=g),
+            "exp_avg": torch.randn(numel, generator=g, device=device),
+            "exp_avg_sq": torch.rand(numel, generator=g, device=device),
         }
         for name in model
     }

@@ -38,36 +38,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from checkpoint import GIB, TENSOR_BYTES, flat_tensors, make_state  # noqa: E402
 
 from transom import checkpoint  # noqa: E402
 from transom.monitor.collect import Nvml  # noqa: E402
 
-TENSOR_BYTES = 64 << 20  # the state is made of 64 MiB tensors (like a large layer's weight)
 SAVES = 5
 ROUNDS = 10
 NVML_READS = 20
-GIB = 1 << 30
-
-
-def gpu_state(nbytes: int, seed: int = 0) -> dict:
-    """fp32 weights and two Adam moments, on the GPU, `nbytes` in all."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    n = max(1, nbytes // 3 // TENSOR_BYTES)
-    numel = nbytes // 3 // n // 4
-
-    def randn() -> torch.Tensor:
-        return torch.randn(numel, generator=g, device="cuda")
-
-    model = {f"layer{i}.weight": randn() for i in range(n)}
-    moments = {k: {"exp_avg": randn(), "exp_avg_sq": randn().abs()} for k in model}
-    return {"model": model, "optim": {"state": moments, "param_groups": [{"lr": 1e-4}]}}
-
-
-def tensors(state: dict) -> list[torch.Tensor]:
-    out = list(state["model"].values())
-    for moments in state["optim"]["state"].values():
-        out += [moments["exp_avg"], moments["exp_avg_sq"]]
-    return out
 
 
 def timed(fn) -> float:
@@ -78,7 +56,7 @@ def timed(fn) -> float:
 
 
 def baselines(state: dict, work: Path) -> dict:
-    flat = tensors(state)
+    flat = flat_tensors(state)
     pinned = torch.empty(sum(t.numel() for t in flat), dtype=torch.float32, pin_memory=True)
 
     def floor() -> None:
@@ -122,18 +100,20 @@ def engine_saves(state: dict, work: Path) -> dict:
 
 def consistent(state: dict, work: Path) -> bool:
     """A save, then every tensor changed in place at once: the checkpoint holds the old values."""
-    before = [t.cpu() for t in tensors(state)]
+    before = [t.cpu() for t in flat_tensors(state)]
     with checkpoint.Engine(storage_dir=work / "consistent", rank=0, world_size=1) as engine:
         h = engine.save(7, state)
-        for t in tensors(state):
+        for t in flat_tensors(state):
             t.add_(1.0)  # queued behind the copy on the same stream, as a training step's are
         h.wait("storage")
         from_memory = engine.load(7, tier="memory")
         from_storage = engine.load(7, tier="storage", map_location="cuda")
-    on_gpu = all(t.is_cuda for t in tensors(from_storage))
+    on_gpu = all(t.is_cuda for t in flat_tensors(from_storage))
     same = all(
         torch.equal(a, b) and torch.equal(a, c.cpu())
-        for a, b, c in zip(before, tensors(from_memory), tensors(from_storage), strict=True)
+        for a, b, c in zip(
+            before, flat_tensors(from_memory), flat_tensors(from_storage), strict=True
+        )
     )
     return on_gpu and same
 
@@ -161,7 +141,7 @@ def turnover(nbytes: int, work: Path) -> dict:
     logging.getLogger().addHandler(warnings)
     gc.collect()
     before = mem_available()
-    state = gpu_state(nbytes)
+    state = make_state(nbytes, 0, device="cuda")
     budget = int(3 * (nbytes + ROUNDS * TENSOR_BYTES))
     blocking = []
     with checkpoint.Engine(
@@ -217,7 +197,7 @@ def main() -> int:
     result["gib"] = args.gib
     with tempfile.TemporaryDirectory(prefix="transom-ckpt-gpu-") as tmp:
         work = Path(tmp)
-        state = gpu_state(nbytes)
+        state = make_state(nbytes, 0, device="cuda")
         result |= baselines(state, work)
         result |= engine_saves(state, work)
         result["save_vs_floor_x"] = result["transom_save_s"] / result["floor_s"]
