@@ -253,19 +253,18 @@ class Engine:
         self._forget_unlinked()
         data = self._maps.get(reply["path"], reply["nbytes"])
         handle = SaveHandle(self, step, self.rank)
-        on_gpu = any(r.source.is_cuda for r in plan.ranges)
+        devices = {r.source.device for r in plan.ranges if r.source.is_cuda}
         try:
-            if on_gpu:
+            if devices:
                 self._pinned.pin(data)
-            layout.copy_into(plan, data, non_blocking=on_gpu)
+            layout.copy_into(plan, data, non_blocking=bool(devices))
         except BaseException:
             self._abort(step)
             raise
-        if on_gpu:
+        if devices:
             # A device-to-host copy runs on its source device's current stream (not always the
             # current device's: a model moved to cuda:1 without set_device); later kernels on
             # those streams are ordered after it, so training may go on.
-            devices = {r.source.device for r in plan.ranges if r.source.is_cuda}
             done = [torch.cuda.current_stream(d).record_event() for d in devices]
             self._pinned.copying(data, done)
             args = (handle, plan.header, persist, done)
