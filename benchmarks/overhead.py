@@ -354,6 +354,13 @@ def main() -> int:
             print(f"pair {i + 1}/{args.pairs}: transom ...", file=sys.stderr, flush=True)
             b = transom(Path(tmp), args)
             pairs.append((a, b))
+            print(
+                f"pair {i + 1}/{args.pairs}: torchrun {a['step_rate']:.1f} steps/s, transom "
+                f"{b['step_rate']:.1f} steps/s (x{b['step_rate'] / a['step_rate']:.3f}); start-up "
+                f"{a['startup_s']:.2f} s and {b['startup_s']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     result = summarize(pairs) | {
         "pairs": args.pairs,
         "steps": args.steps,
