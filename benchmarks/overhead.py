@@ -8,6 +8,12 @@ Runs examples/train_gpt.py (2 ranks, a checkpoint every --ckpt-every steps) in a
 and reports, from rank 0's step lines and psutil samples of every process each job started:
   step_rate_x      steady-state steps/s under Transom / under torchrun (steps 20%..85% of the run)
   startup_delta_s  Transom's time from launch to the first step, less torchrun's
+  ramp_delta_s     Transom's ramp less torchrun's: a job's ramp is how much longer it took from
+                   its first step to the steady state's than its steady rate would take (what
+                   slows the first steps: warm-up, and under Transom the refill of the warm
+                   interpreter pool, whose imports run while the first steps do). No target;
+                   startup_delta_s + ramp_delta_s is what Transom costs a generation before the
+                   steady state
   transom_cpu_x    CPU of Transom's own processes over the steady state, in cores, by kind
                    (etcd, checkpoint servers, agents, controllers, launcher, warm interpreters
                    waiting, other); the workers are not Transom's and are reported apart
@@ -66,7 +72,7 @@ STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that 
 REQUESTS_EVERY_S = 5.0  # reading etcd's metrics costs it some CPU too
 NODES = 2  # transom's nodes in the job (--nnodes), one rank each
 PAIRS = 4  # fewer leave the intervals little to say
-TIMES = ("startup_s", "step_rate", "wall_s")
+TIMES = ("startup_s", "ramp_s", "step_rate", "wall_s")
 TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "warm", "other")
 # The issue's bars: (target, whether a value must be at least it (else below it)).
 TARGETS = {
@@ -191,6 +197,20 @@ def rank0_steps(lines: list[Line]) -> dict[int, float]:
     return {x.step: x.t for x in lines if x.what == "step" and x.step is not None}
 
 
+def steady_steps(steps: int) -> tuple[int, int]:
+    """The first and last step of a run's steady state."""
+    first, last = (max(2, int(steps * share)) for share in STEADY)
+    return first, last
+
+
+def steady_rate_and_ramp(t: dict[int, float], steps: int) -> tuple[float, float]:
+    """From the times rank 0 printed each step (`t`): the steady-state steps a second and the
+    ramp, the seconds from step 1 to the steady state's first step beyond what that rate takes."""
+    first, last = steady_steps(steps)
+    rate = (last - first) / (t[last] - t[first])
+    return rate, (t[first] - t[1]) - (first - 1) / rate
+
+
 def run_job(
     command: list[str],
     logs,
@@ -220,12 +240,14 @@ def run_job(
     if not ok:
         raise RuntimeError(f"{command[:4]}... failed; see {out_path}")
     t = rank0_steps(parse(logs()))
-    first, last = (max(2, int(steps * share)) for share in STEADY)
-    if first not in t or last not in t or steps not in t:
-        raise RuntimeError(f"rank 0 did not print steps {first}, {last} and {steps}: {out_path}")
+    first, last = steady_steps(steps)
+    if 1 not in t or first not in t or last not in t or steps not in t:
+        raise RuntimeError(f"rank 0 did not print steps 1, {first}, {last} and {steps}: {out_path}")
+    rate, ramp_s = steady_rate_and_ramp(t, steps)
     return {
         "startup_s": t[1] - launched,
-        "step_rate": (last - first) / (t[last] - t[first]),
+        "ramp_s": ramp_s,
+        "step_rate": rate,
         "wall_s": t[steps] - launched,
         "cores": samplers[0].cores(t[first], t[last]),
         "requests": requests.rates(t[first], t[last]) if requests else {},
@@ -249,6 +271,7 @@ def transom(work: Path, args) -> dict:
     run_dir = work / job_id
     command = transom_run(
         run_dir, job_id, "--nnodes", str(NODES), "--nproc-per-node", "1",
+        *([] if args.warm_workers else ["--no-warm-workers"]),
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
         "--ckpt-every", str(args.ckpt_every), "--persist-every", str(args.persist_every),
     )  # fmt: skip
@@ -300,7 +323,11 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
             "at_least": at_least,
             "verdict": stats.verdict(low, high, target, at_least),
         }
+    ramps = [b["ramp_s"] - a["ramp_s"] for a, b in pairs]
     return result | {
+        "ramp_delta_s": statistics.mean(ramps),
+        "ramp_delta_s_ci95": list(stats.interval(ramps)),
+        "ramp_delta_s_pairs": ramps,
         "targets": targets,
         "step_rate_pairs": [[a["step_rate"], b["step_rate"]] for a, b in pairs],
         "transom_cpu_x": own | {"total": sum(own.values())},
@@ -344,6 +371,13 @@ def main() -> int:
         help="transom: steps between checkpoints written to storage, the others in memory and a "
         "peer's (train_gpt's --persist-every; default 0: every checkpoint, as torch.save does)",
     )
+    parser.add_argument(
+        "--no-warm-workers",
+        dest="warm_workers",
+        action="store_false",
+        help="transom: no warm interpreter pool (`transom run --no-warm-workers`): workers start "
+        "cold, and no refill imports run beside the first steps (see ramp_delta_s)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     pairs = []
@@ -366,12 +400,13 @@ def main() -> int:
         "steps": args.steps,
         "ckpt_every": args.ckpt_every,
         "persist_every": args.persist_every,
+        "warm_workers": args.warm_workers,
         "cores": psutil.cpu_count(),
     }
     for name in ("torchrun", "transom"):
         r = result[name]
-        print(f"{name:<9} start-up {r['startup_s']:6.2f} s  steady {r['step_rate']:6.1f} steps/s"
-              f"  wall {r['wall_s']:6.1f} s")  # fmt: skip
+        print(f"{name:<9} start-up {r['startup_s']:6.2f} s  ramp {r['ramp_s']:5.2f} s  steady "
+              f"{r['step_rate']:6.1f} steps/s  wall {r['wall_s']:6.1f} s")  # fmt: skip
     for line in describe_targets(result):
         print(line)
     print("Transom's own processes in the steady state (cores): " + ", ".join(

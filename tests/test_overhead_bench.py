@@ -36,6 +36,7 @@ def test_summarize_means_over_pairs():
         return {
             "step_rate": rate,
             "startup_s": startup,
+            "ramp_s": startup / 10,
             "wall_s": 10.0,
             "cores": cores,
             "requests": requests or {},
@@ -56,6 +57,8 @@ def test_summarize_means_over_pairs():
     s = overhead.summarize(pairs)
     assert s["step_rate_x"] == pytest.approx(0.9)
     assert s["startup_delta_s"] == pytest.approx(2.0)
+    assert s["ramp_delta_s"] == pytest.approx(0.2)
+    assert s["ramp_delta_s_pairs"] == pytest.approx([0.3, 0.1])
     assert s["transom_cpu_x"] == pytest.approx(
         {"etcd": 0.2, "agents": 0.1, "ckpt_servers": 0.1, "total": 0.4}
     )
@@ -67,7 +70,8 @@ def test_summarize_means_over_pairs():
 
 def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
     def pair(ratio, startup_delta, per_node):
-        base = {"step_rate": 40.0, "startup_s": 5.0, "wall_s": 9.0, "cores": {}, "requests": {}}
+        base = {"step_rate": 40.0, "startup_s": 5.0, "ramp_s": 0.5, "wall_s": 9.0, "cores": {}}
+        base |= {"requests": {}}
         cores = {"agents": per_node * overhead.NODES, "ckpt_servers": 0.5}
         return base, base | {
             "step_rate": 40.0 * ratio,
@@ -84,3 +88,13 @@ def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
     assert s["transom_cpu_per_node_x_pairs"] == pytest.approx([0.02, 0.04, 0.03])
     assert s["targets"]["transom_cpu_per_node_x"]["verdict"] == "not shown either way"
     assert overhead.describe_targets(s)[0].startswith("step_rate_x 0.990 (95% CI 0.980 to")
+
+
+def test_ramp_is_the_time_the_first_steps_took_beyond_the_steady_rate():
+    steps = 100  # steady state: steps 20 to 85
+    t = {1: 0.0}
+    for step in range(2, steps + 1):  # 0.5 s a step up to step 11, then 0.1 s a step
+        t[step] = t[step - 1] + (0.5 if step <= 11 else 0.1)
+    rate, ramp_s = overhead.steady_rate_and_ramp(t, steps)
+    assert rate == pytest.approx(10.0)
+    assert ramp_s == pytest.approx(10 * 0.4)  # ten steps, each 0.4 s slower than steady
