@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -47,7 +48,19 @@ def process_of(job, marker: str) -> psutil.Process:
                 continue
         return None
 
-    return wait_for(find, 30, marker)
+    def seen() -> str:
+        """What the launcher runs instead, and the end of each agent's log."""
+        children = []
+        for p in psutil.Process(job.process.pid).children():
+            with contextlib.suppress(psutil.Error):
+                children.append(" ".join(p.cmdline()[3:8]))
+        logs = {
+            path.name: path.read_text(errors="replace")[-600:]
+            for path in sorted((job.run_dir / "logs").glob("agent-*.log"))
+        }
+        return f"{marker} among the launcher's children {children}; agents' logs: {logs}"
+
+    return wait_for(find, 30, seen)
 
 
 def test_etcd_paused_longer_than_the_node_ttl_costs_no_restart_and_no_eviction(start_job):
