@@ -295,6 +295,15 @@ def per_node_without_servers(cores: dict[str, float]) -> float:
     return (sum(own.values()) - own.get("ckpt_servers", 0.0)) / NODES
 
 
+def spread(name: str, values: list[float]) -> dict:
+    """One measure over the pairs: its mean, 95% bootstrap interval and per-pair values."""
+    return {
+        name: statistics.mean(values),
+        f"{name}_ci95": list(stats.interval(values)),
+        f"{name}_pairs": values,
+    }
+
+
 def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     """Means over the pairs (torchrun, transom) of what the issue asks for, with the intervals
     and verdicts of its targets."""
@@ -308,26 +317,18 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
     own = own_cores(cpu)
     methods = {k for _, b in pairs for k in b["requests"]}
     requests = {k: statistics.mean(b["requests"].get(k, 0.0) for _, b in pairs) for k in methods}
-    result: dict = {}
+    result = spread("ramp_delta_s", [b["ramp_s"] - a["ramp_s"] for a, b in pairs])  # no target
     targets = {}
     for name, values in per_pair.items():
-        low, high = stats.interval(values)
+        result |= spread(name, values)
+        low, high = result[f"{name}_ci95"]
         target, at_least = TARGETS[name]
-        result |= {
-            name: statistics.mean(values),
-            f"{name}_ci95": [low, high],
-            f"{name}_pairs": values,
-        }
         targets[name] = {
             "target": target,
             "at_least": at_least,
             "verdict": stats.verdict(low, high, target, at_least),
         }
-    ramps = [b["ramp_s"] - a["ramp_s"] for a, b in pairs]
     return result | {
-        "ramp_delta_s": statistics.mean(ramps),
-        "ramp_delta_s_ci95": list(stats.interval(ramps)),
-        "ramp_delta_s_pairs": ramps,
         "targets": targets,
         "step_rate_pairs": [[a["step_rate"], b["step_rate"]] for a, b in pairs],
         "transom_cpu_x": own | {"total": sum(own.values())},

@@ -70,8 +70,14 @@ def test_summarize_means_over_pairs():
 
 def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
     def pair(ratio, startup_delta, per_node):
-        base = {"step_rate": 40.0, "startup_s": 5.0, "ramp_s": 0.5, "wall_s": 9.0, "cores": {}}
-        base |= {"requests": {}}
+        base = {
+            "step_rate": 40.0,
+            "startup_s": 5.0,
+            "ramp_s": 0.5,
+            "wall_s": 9.0,
+            "cores": {},
+            "requests": {},
+        }
         cores = {"agents": per_node * overhead.NODES, "ckpt_servers": 0.5}
         return base, base | {
             "step_rate": 40.0 * ratio,
