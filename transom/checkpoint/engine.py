@@ -213,7 +213,7 @@ class Engine:
             return False
         if reply.get("ok") and reply.get("path") and plan.data_len:
             data = self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
-            if any(r.source.is_cuda for r in plan.ranges):
+            if _cuda_devices(plan):
                 self._pinned.pin(data)  # and register it now, not during the save
         return bool(reply.get("ok"))
 
@@ -253,7 +253,7 @@ class Engine:
         self._forget_unlinked()
         data = self._maps.get(reply["path"], reply["nbytes"])
         handle = SaveHandle(self, step, self.rank)
-        devices = {r.source.device for r in plan.ranges if r.source.is_cuda}
+        devices = _cuda_devices(plan)
         try:
             if devices:
                 self._pinned.pin(data)
@@ -481,6 +481,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cuda_devices(plan: layout.Plan) -> set[torch.device]:
+    """The GPUs `plan` copies from (none: a CPU save)."""
+    return {r.source.device for r in plan.ranges if r.source.is_cuda}
 
 
 def _tier(tier: Tier | str) -> Tier:
