@@ -211,7 +211,14 @@ def test_every_option_sets_its_field():
         *("--evict-window", "12.5", "--node-ttl", "6", "--join-timeout", "3"),
         *("--warmup-timeout", "60", "--settle-time", "2", "--hang-floor", "12.5"),
         *("--store-outage", "45"),
-        *("--no-warm-workers", "--faults", "crash@step=4", "--fault-seed", "9"),
+        *(
+            "--no-warm-workers",
+            "--no-auto-monitor",
+            "--faults",
+            "crash@step=4",
+            "--fault-seed",
+            "9",
+        ),
         *("--metrics-port", "-1", "--ckpt-memory", "1.5G", "--ckpt-storage", "rel/dir"),
         *("--ckpt-keep", "5", "--ckpt-replicas", "0"),
         resolve_faults=lambda text, world, seed: seen.append((text, world, seed)) or ["F"],
@@ -220,6 +227,7 @@ def test_every_option_sets_its_field():
     assert (spec.max_restarts, spec.evict_window_s, spec.node_ttl_s) == (7, 12.5, 6)
     assert (spec.join_timeout_s, spec.warmup_timeout_s, spec.settle_s) == (3.0, 60.0, 2.0)
     assert spec.hang_floor_s == 12.5 and spec.warm_workers is False
+    assert spec.auto_monitor is False
     assert spec.store_outage_s == 45.0
     # The fault schedule is resolved against the world size and the seed.
     assert spec.faults == ["F"] and seen == [("crash@step=4", 8, 9)] and spec.fault_seed == 9

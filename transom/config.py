@@ -215,6 +215,16 @@ class JobSpec(Record):
             action="store_false",
         ),
     )
+    auto_monitor: bool = field(
+        default=True,
+        metadata=option(
+            "--no-auto-monitor",
+            "install no automatic instrumentation in the workers (default: the worker bootstrap "
+            "counts optimizer steps, beats, times collectives and registers a stack dump, so an "
+            "unmodified script gets hang and straggler detection)",
+            action="store_false",
+        ),
+    )
     # Faults to inject (transom.faults), resolved against the world size and
     # `fault_seed` when the spec is built from the command line (see `from_args`).
     faults: list[dict] = field(

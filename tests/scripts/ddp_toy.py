@@ -1,7 +1,9 @@
 """An unmodified torchrun-style DDP script (no transom imports): a linear model, a few steps.
 
 Prints its world and resumes from a torch.save checkpoint in --ckpt-dir, so restarts are
-visible. --step-delay makes steps slow enough for a test to kill something mid-run.
+visible. --step-delay makes steps slow enough for a test to kill something mid-run;
+--slow-rank R --slow-s S makes rank R compute S seconds longer each step (the others wait for
+it); --sync allreduce averages the gradients with torch.distributed.all_reduce instead of DDP.
 """
 
 import argparse
@@ -15,6 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--step-delay", type=float, default=0.0)
+parser.add_argument("--slow-rank", type=int, default=-1)
+parser.add_argument("--slow-s", type=float, default=0.0)
+parser.add_argument("--sync", choices=("ddp", "allreduce"), default="ddp")
 parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
 args = parser.parse_args()
 
@@ -26,24 +31,31 @@ print(
     flush=True,
 )
 torch.manual_seed(0)
-model = DDP(torch.nn.Linear(8, 1))
+net = torch.nn.Linear(8, 1)
+model = DDP(net) if args.sync == "ddp" else net
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 path = os.path.join(args.ckpt_dir, "toy.pt")
 start = 0
 if os.path.exists(path):
     state = torch.load(path, weights_only=True)
-    model.module.load_state_dict(state["model"])
+    net.load_state_dict(state["model"])
     start = state["step"]
 print(f"resumed step={start} rank={rank}", flush=True)
 for step in range(start + 1, args.steps + 1):
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 100 + rank))
+    if rank == args.slow_rank:
+        time.sleep(args.slow_s)
     loss = model(x).pow(2).mean()
     opt.zero_grad()
     loss.backward()
+    if args.sync == "allreduce":
+        for p in net.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
     opt.step()
     if rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
-        torch.save({"model": model.module.state_dict(), "step": step}, path + ".tmp")
+        torch.save({"model": net.state_dict(), "step": step}, path + ".tmp")
         os.replace(path + ".tmp", path)
         print(f"step {step} loss {loss.item():.4f}", flush=True)
     time.sleep(args.step_delay)

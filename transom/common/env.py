@@ -25,6 +25,13 @@ CKPT_SECRET = "TRANSOM_CKPT_SECRET"
 MONITOR_SOCKET = "TRANSOM_MONITOR_SOCKET"
 # Faults the worker applies itself (JSON list), for tests, benchmarks and the demo.
 FAULTS = "TRANSOM_FAULTS"
+# "0": the worker bootstrap installs no automatic instrumentation (`--no-auto-monitor`);
+# anything else or unset: it does (transom.monitor.auto).
+AUTO_MONITOR = "TRANSOM_AUTO_MONITOR"
+# The directory of the files (common.files.stacks_name) the worker's faulthandler writes every
+# thread's stack to when the agent sends it transom.monitor.stacks.STACKS_SIGNAL (unset: no
+# handler is registered and the agent never sends it).
+STACKS_DIR = "TRANSOM_STACKS_DIR"
 
 # -- Slurm (transom.cluster) -------------------------------------------------------------------
 # Set for the processes `transom run` starts in a Slurm step: they ignore SIGUSR1, the time

@@ -2,6 +2,7 @@
 
 RUN_DIR/
   logs/gNNN/rankR.log     each rank's output, per generation
+  logs/gNNN/rankR.stacks  each rank's Python stacks, dumped when its node looked hung
   logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreters)
   logs/controller-HOST-I.log  a controller candidate's log (the candidate id is its name)
   logs/etcd.log, logs/reference.log   the embedded etcd; the demo's fault-free run
@@ -47,6 +48,11 @@ def generation_logs(run_dir: Path, generation: int) -> Path:
 
 def rank_log(run_dir: Path, generation: int, rank: int) -> Path:
     return generation_logs(run_dir, generation) / f"rank{rank}.log"
+
+
+def stacks_name(rank: int) -> str:
+    """A rank's stacks file in its generation's log directory."""
+    return f"rank{rank}.stacks"
 
 
 def agent_log(run_dir: Path, node_id: str) -> Path:

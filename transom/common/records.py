@@ -198,6 +198,9 @@ class RankSummary(Record):
     wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
     busy_s: float | None = None  # time between steps' ends less the wait, trimmed mean (waiting)
     tokens_per_s: float | None = None
+    # Where the rank is while its node looks hung (transom.monitor.stacks): "stopped", "exited"
+    # or "in all_reduce at train.py:57"; None while it makes progress.
+    where: str | None = None
 
 
 @dataclass

@@ -37,7 +37,7 @@ from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
 from transom.config import JobSpec
-from transom.control import links
+from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
@@ -174,7 +174,7 @@ class NodeAgent:
             lambda: read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id),
             self.stopping,
         )
-        self.monitor = NodeMonitor(self.node_id, scope=str(self.run_dir))
+        self.monitor = NodeMonitor(self.node_id, str(self.run_dir), spec.hang_floor_s, spec.script)
         if spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
             warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: spec.job_id}
@@ -432,15 +432,13 @@ class NodeAgent:
         }
         if plan.restore_step is not None:
             extra_env[env.RESTORE_STEP] = str(plan.restore_step)
+        log_dir = files.generation_logs(self.run_dir, self.generation)
+        stacks_dir = log_dir if self.spec.auto_monitor else None  # and the zero-code monitor
+        extra_env.update(bootstrap.instrumentation_env(stacks_dir))
         self.waiting_for_master = None
-        self.monitor.expect_ranks(local_ranks)
-        self.group = WorkerGroup(
-            assignment,
-            self.spec.script,
-            self.spec.script_args,
-            files.generation_logs(self.run_dir, self.generation),
-            extra_env,
-        )
+        self.monitor.expect_ranks(local_ranks, stacks_dir)
+        spec = self.spec
+        self.group = WorkerGroup(assignment, spec.script, spec.script_args, log_dir, extra_env)
         self.group.start(self.warm)
         self.group_started_at = time.monotonic()
         log.info("generation %d: started ranks %s", self.generation, local_ranks)

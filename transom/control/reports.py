@@ -75,7 +75,13 @@ def signature(summary: MonitorSummary) -> tuple:
         summary.generation,
         tuple(a.id for a in summary.anomalies),
         tuple(
-            (rank, r.phase, r.step is None, r.beat_age is None or r.beat_age >= BEAT_STOPPED_S)
+            (
+                rank,
+                r.phase,
+                r.step is None,
+                r.beat_age is None or r.beat_age >= BEAT_STOPPED_S,
+                r.where,
+            )
             for rank, r in sorted(summary.ranks.items())
         ),
     )

@@ -1,14 +1,15 @@
 """Warm worker interpreters: Python processes that have already imported torch, waiting for a job.
 
 Starting a worker costs seconds before the script runs its first line of its own (the
-interpreter, then `import torch`), and a restart pays it again, on the critical path. The
-agent therefore keeps one warm interpreter per local rank ready: a child started with the
-agent's environment that imports the heavy modules and then blocks reading one line on stdin.
-When a generation starts, the agent sends it the worker's environment, argv and log file; the
-child takes on that environment, sends its output to the log and runs the script as
-`__main__`, exactly as `python -u SCRIPT ARGS` would. Each warm interpreter serves one worker
-and is then gone; the agent starts replacements once the new workers are under way, so their
-imports do not compete with the restart they are meant to speed up.
+interpreter, then `import torch`), and a restart pays it again, on the critical path. The agent
+therefore keeps one warm interpreter per local rank ready: a child started with the agent's
+environment that imports the heavy modules and then blocks reading one line on stdin. When a
+generation starts, the agent sends it the worker's environment, argv and log file; the child
+takes on that environment, sends its output to the log and runs the script through the worker
+bootstrap (transom.control.bootstrap: the stack dump handler and the zero-code instrumentation,
+then the script as `__main__`, exactly as `python -u SCRIPT ARGS` would). Each warm interpreter
+serves one worker and is then gone; the agent starts replacements once the new workers are under
+way, so their imports do not compete with the restart they are meant to speed up.
 
 The imports of a replacement run under the SCHED_IDLE scheduling policy where this process may
 return to the normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only
@@ -156,17 +157,13 @@ def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
     return stream
 
 
-def worker_title(argv: list[str]) -> str:
-    """What `ps` shows for a worker: the command line a cold-started worker has."""
-    return " ".join([sys.executable, "-u", *argv])
-
-
 def _serve() -> int:
     """The warm interpreter itself: import, wait for one job, become that worker."""
     import importlib
-    import runpy
 
     import setproctitle
+
+    from transom.control import bootstrap
 
     if len(sys.argv) > 1:
         setproctitle.setproctitle(sys.argv[1])
@@ -199,11 +196,7 @@ def _serve() -> int:
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    script = job["argv"][0]
-    setproctitle.setproctitle(worker_title(job["argv"]))
-    sys.argv = list(job["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    bootstrap.run_script(job["argv"])  # the same start-up as a cold worker's
     return 0
 
 

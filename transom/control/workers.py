@@ -1,8 +1,10 @@
 """One node's workers for one generation: start them torchrun-style, watch them, stop them.
 
-Each worker is `python SCRIPT ARGS` in its own process group with the environment torchrun
-gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its stdout and
-stderr in one log file per rank and generation. Workers die with their agent
+Each worker is `python SCRIPT ARGS`, started through the worker bootstrap (a warm interpreter
+from the agent's pool, else `python -u -m transom.control.bootstrap SCRIPT ARGS`, titled `python
+-u SCRIPT ARGS`: transom.control.bootstrap), in its own process group with the environment
+torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its
+stdout and stderr in one log file per rank and generation. Workers die with their agent
 (PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree. `pause()` freezes the
 trees (SIGSTOP) while the agent cannot tell whether the job went on without this node; a paused
 group is resumed, or killed without running again (`stop()`).
@@ -184,7 +186,7 @@ class WorkerGroup:
             if proc is None:
                 with open(path, "ab") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-u", *argv],
+                        [sys.executable, "-u", "-m", "transom.control.bootstrap", *argv],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from transom.common.records import Anomaly, MonitorSummary, Severity
+from transom.monitor import stacks
 
 __all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the detectors' users
 
@@ -198,18 +199,29 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     )
     nodes = sorted({v["node"] for v in suspects})
     named = ", ".join(f"rank {v['rank']} on {v['node']}" for v in suspects) or "none"
+    # Where each rank is, from its agent's stack dump (transom.monitor.stacks), bounded: it
+    # crossed a process boundary.
+    where = {
+        v["rank"]: v["where"][: stacks.MAX_WHERE]
+        for v in views
+        if isinstance(v.get("where"), str) and v["where"]
+    }
+    evidence: dict = {
+        "quiet_s": round(quiet, 2),
+        "timeout_s": round(timeout, 2),
+        "why": why,
+        "steps": {v["rank"]: v["step"] for v in stepping},
+    }
+    if where:
+        evidence["where"] = where
     return Anomaly(
         "hang",
         Severity.CRITICAL,
         f"no progress for {quiet:.1f} s (timeout {timeout:.1f} s) at step "
-        f"{newest}; suspects: {named} ({why})",
+        f"{newest}; suspects: {named} ({why})"
+        + (f"; {stacks.group_where(where)}" if where else ""),
         nodes,
         sorted(v["rank"] for v in suspects),
-        {
-            "quiet_s": round(quiet, 2),
-            "timeout_s": round(timeout, 2),
-            "why": why,
-            "steps": {v["rank"]: v["step"] for v in stepping},
-        },
+        evidence,
         step=newest,
     )

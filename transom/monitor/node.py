@@ -31,8 +31,9 @@ from pathlib import Path
 
 import psutil
 
+from transom.common import files
 from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
-from transom.monitor import datagram, detectors, waiting
+from transom.monitor import datagram, detectors, stacks, waiting
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 
@@ -129,8 +130,9 @@ class RankTrack:
             published, _trimmed_mean(self.busies), _trimmed_mean(self.computes)
         )
 
-    def view(self, now: float) -> RankSummary:
+    def view(self, now: float, where: str | None = None) -> RankSummary:
         return RankSummary(
+            where=where,
             step=self.step,
             phase=self.phase,
             step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
@@ -146,8 +148,16 @@ class RankTrack:
 class NodeMonitor:
     """Per-node signal collection and per-rank detection; one per agent."""
 
-    def __init__(self, node_id: str, nvml=None, scope: str = "") -> None:
-        """`scope` (the job's run directory) and the node id name the channel's directory."""
+    def __init__(
+        self,
+        node_id: str,
+        scope: str = "",
+        hang_floor_s: float = math.inf,
+        script: str = "",
+        nvml=None,
+    ) -> None:
+        """`scope` (the job's run directory) and the node id name the channel's directory;
+        the job's hang floor and script tell when and how to take stuck ranks' stacks."""
         self.node_id = node_id
         self.nvml = nvml if nvml is not None else Nvml()
         self.channel = ChannelSocket(node_id, scope)
@@ -172,6 +182,13 @@ class NodeMonitor:
         self._gpus: list[dict] = []
         self._host: dict = {}
         self._seq = 0
+        # Stacks of ranks that look hung (transom.monitor.stacks): where the workers' dump
+        # handler writes (None: no handler, never signalled), the script, the job's hang floor.
+        self.stacks_dir: Path | None = None
+        self.script = script
+        self.hang_floor_s = hang_floor_s
+        self.stacks = stacks.StackCollector()
+        self._stuck_key: tuple[int, int] | None = None  # (generation, newest step) collected for
         self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
         self.listener.start()
 
@@ -279,11 +296,15 @@ class NodeMonitor:
             self._published_views = {}
             self.anomalies = []
             self._pending.clear()
+            self._stuck_key = None
+        self.stacks.reset()
 
-    def expect_ranks(self, ranks: list[int]) -> None:
-        """This node's global ranks in the current generation: datagrams of others are dropped."""
+    def expect_ranks(self, ranks: list[int], stacks_dir: Path | None = None) -> None:
+        """This node's global ranks in the current generation: datagrams of others are dropped.
+        `stacks_dir`: where their bootstrap's stack dump handler writes (None: there is none)."""
         with self._lock:
             self.expected_ranks = frozenset(ranks)
+            self.stacks_dir = stacks_dir
 
     def excuse(self, seconds: float) -> None:
         """The agent paused the workers for `seconds`: their silence then is not theirs (no
@@ -334,6 +355,7 @@ class NodeMonitor:
                 if gap is not None and not r.gap_raised:
                     self._pending.append(gap)
                 r.gap_raised = gap is not None
+        self._check_stuck(pids, now)
         if now - self._hardware_at >= HARDWARE_PERIOD_S:
             self._hardware_at = now
             self._host = host_metrics()
@@ -351,6 +373,41 @@ class NodeMonitor:
                     )
                 )
             self._gpus = gpus
+
+    def _check_stuck(self, pids: dict[int, int], now: float) -> None:
+        """Ask for the ranks' stacks once per stuck step: when every rank of the node finished a
+        first step and none finished one for stacks.SUSPECT_FRACTION of the hang timeout (as the
+        controller's hang rule computes it from these ranks' step times)."""
+        with self._lock:
+            tracks = [self.ranks.get(rank) for rank in pids]
+            if (
+                self.stacks_dir is None
+                or not pids
+                or any(r is None or r.step is None or r.step_at is None for r in tracks)
+            ):
+                return
+            known = [r for r in tracks if r is not None and r.step is not None]
+            step_times = [statistics.median(r.durations) for r in known if r.durations]
+            timeout = max(
+                self.hang_floor_s,
+                detectors.HANG_STEP_FACTOR * statistics.median(step_times) if step_times else 0.0,
+            )
+            quiet = min(now - r.step_at for r in known if r.step_at is not None)
+            key = (self.generation, max(r.step for r in known if r.step is not None))
+            if quiet < stacks.SUSPECT_FRACTION * timeout or any(r.phase for r in known):
+                return
+            self._stuck_key = key
+            where = self.stacks_dir
+        ranks = {rank: (pid, where / files.stacks_name(rank)) for rank, pid in pids.items()}
+        self.stacks.request(key, ranks, self.script)
+
+    def _where(self) -> dict[int, str]:
+        """The collected stacks' lines, while the node is still at the step they were taken at."""
+        key = self._stuck_key
+        if key is None:
+            return {}
+        newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
+        return self.stacks.results(key) if (self.generation, newest) == key else {}
 
     def due(self, now: float) -> bool:
         """Whether a summary is to be collected: new anomalies, its period, or `steps_due`."""
@@ -386,11 +443,15 @@ class NodeMonitor:
                 new.append(a)
             self._pending.clear()
             self.anomalies = (self.anomalies + new)[-ANOMALIES_KEPT:]
+            where = self._where()
             summary = MonitorSummary(
                 node=self.node_id,
                 generation=self.generation,
                 t=now,
-                ranks={str(rank): r.view(now_mono) for rank, r in sorted(self.ranks.items())},
+                ranks={
+                    str(rank): r.view(now_mono, where.get(rank))
+                    for rank, r in sorted(self.ranks.items())
+                },
                 anomalies=list(self.anomalies),
                 host=self._host,
                 gpus=[

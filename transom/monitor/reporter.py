@@ -72,6 +72,9 @@ class _Channel:
         self.phase_told: str | None = None  # the phase the agent last heard of
         self.phases_seen: set[str] = set()  # phases entered since the current step began
         self.last_step: int | None = None
+        # Set by the explicit API's first step (`step`, `report`): the zero-code optimizer hook
+        # (transom.monitor.auto) then reports nothing, so no step is counted twice.
+        self.explicit_steps = False
         self.pending: list[tuple[float, dict]] = []  # step datagrams not sent yet: (time, values)
         self._pending_lock = threading.Lock()  # held only to queue or take `pending`
         # Held while datagrams are encoded and sent, so they leave in order from either thread;
@@ -243,6 +246,7 @@ def report(step: int, **metrics: float) -> None:
         ch = _get()
         if ch is None:
             return
+        ch.explicit_steps = True
         ch.last_step = int(step)
         values = {k: _number(v) for k, v in metrics.items() if k != "step"}
         ch.send_step({**values, "step": int(step)})
@@ -279,6 +283,7 @@ class StepTimer:
     def __enter__(self) -> StepTimer:
         ch = _get()
         if ch is not None:
+            ch.explicit_steps = True
             ch.phases_seen.clear()
             ch.faults.on_step(self.step)
             self.slow_factor = ch.faults.state.slow_factor

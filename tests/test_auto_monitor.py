@@ -1,0 +1,197 @@
+"""Zero-code instrumentation, end to end on one node: real worker processes started through the
+worker bootstrap (the cold-start path, `python -m transom.control.bootstrap SCRIPT`), real gloo,
+an unmodified script (tests/scripts/ddp_toy.py), and the node agent's real monitor receiving
+what the bootstrap's hooks send: steps from the optimizer hook, the wait in DDP's gradient
+all-reduce and in Python-level collectives, nothing from a script that reports its own steps,
+nothing at all with --no-auto-monitor, and the stuck ranks' stacks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TOY, wait_for
+
+from transom.common import env
+from transom.faults.mock_nvml import MockNvml
+from transom.monitor import stacks
+from transom.monitor.node import NodeMonitor
+from transom.utils.net import free_port
+
+
+@contextmanager
+def node(
+    tmp_path: Path, program: Path, args: list[str], extra: dict[str, str] | None = None, **kw
+) -> Iterator[tuple[NodeMonitor, list[subprocess.Popen]]]:
+    """A NodeMonitor and the 2 ranks of `program` started through the bootstrap, reporting to
+    it; every process ended on exit (continued first, in case a test stopped it)."""
+    stacks_dir = tmp_path / "logs"
+    stacks_dir.mkdir()
+    monitor = NodeMonitor("nodeA", nvml=MockNvml(), scope=str(tmp_path), **kw)
+    monitor.expect_ranks([0, 1], stacks_dir)
+    port = free_port("127.0.0.1")
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in (0, 1):
+            worker_env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "OMP_NUM_THREADS": "1",
+                env.GENERATION: "0",
+                env.MONITOR_SOCKET: str(monitor.socket_path),
+                env.STACKS_DIR: str(stacks_dir),
+                "PYTHONPATH": str(REPO),
+                **(extra or {}),
+            }
+            log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-u", "-m", "transom.control.bootstrap", str(program), *args],
+                    env=worker_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_path,
+                )
+            )
+            log.close()
+        yield monitor, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+        monitor.close()
+
+
+def logs(tmp_path: Path) -> str:
+    return "".join((tmp_path / f"rank{r}.log").read_text(errors="replace") for r in (0, 1))
+
+
+def finished(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 90) -> None:
+    wait_for(lambda: all(p.poll() is not None for p in procs), timeout, "the ranks to finish")
+    assert [p.returncode for p in procs] == [0, 0], logs(tmp_path)
+
+
+def test_an_unmodified_ddp_script_reports_steps_and_the_wait_for_the_slow_rank(tmp_path):
+    steps = 30
+    args = ["--steps", str(steps), "--slow-rank", "1", "--slow-s", "0.08", "--ckpt-dir", "ck"]
+    with node(tmp_path, TOY, args) as (monitor, procs):
+        finished(procs, tmp_path)
+        # One step per optimizer step, counted from 0; the last step of each rank arrived.
+        wait_for(lambda: monitor.steps() == {0: steps - 1, 1: steps - 1}, 10, "every step")
+        summary, _ = monitor.collect()
+    fast, slow = summary.ranks["0"], summary.ranks["1"]
+    # Rank 0 waits in DDP's all-reduce for rank 1's extra 80 ms; rank 1 hardly waits.
+    assert fast.wait_s is not None and slow.wait_s is not None
+    assert fast.wait_s > 0.05 and slow.wait_s < 0.03, (fast, slow)
+    # So their compute differs, though their step times are the same (synchronous training).
+    assert fast.compute_s is not None and slow.compute_s is not None
+    assert slow.compute_s - fast.compute_s > 0.05, (fast, slow)
+
+
+def test_python_level_collectives_are_timed_as_the_wait(tmp_path):
+    args = ["--steps", "20", "--slow-rank", "0", "--slow-s", "0.08", "--sync", "allreduce"]
+    with node(tmp_path, TOY, [*args, "--ckpt-dir", "ck"]) as (monitor, procs):
+        finished(procs, tmp_path)
+        wait_for(lambda: monitor.steps() == {0: 19, 1: 19}, 10, "every step")
+        summary, _ = monitor.collect()
+    slow, fast = summary.ranks["0"], summary.ranks["1"]
+    assert fast.wait_s is not None and slow.wait_s is not None
+    assert fast.wait_s > 0.05 and slow.wait_s < 0.03, (fast, slow)
+
+
+EXPLICIT = """
+import torch
+from transom import monitor
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1000, 1010):
+    with monitor.step(step) as s:
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        s.report(loss=loss.item())
+print("explicit done", flush=True)
+"""
+
+
+def test_a_script_using_the_explicit_api_is_not_counted_twice(tmp_path):
+    script = tmp_path / "explicit.py"
+    script.write_text(EXPLICIT)
+    with node(tmp_path, script, []) as (monitor, procs):
+        finished(procs, tmp_path)
+        wait_for(lambda: monitor.steps() == {0: 1009, 1: 1009}, 10, "every step")
+        tracks = dict(monitor.ranks)
+    # Only its own step numbers reached the agent: the optimizer hook stood down.
+    assert tracks[0].first_step == 1000 and tracks[1].first_step == 1000
+    assert len(tracks[0].losses) == 10  # each step once, with its loss
+
+
+def test_no_auto_monitor_sends_nothing_and_registers_no_stack_dump(tmp_path):
+    extra = {env.AUTO_MONITOR: "0", env.STACKS_DIR: ""}
+    with node(tmp_path, TOY, ["--steps", "5", "--ckpt-dir", "ck"], extra) as (monitor, procs):
+        finished(procs, tmp_path)
+        assert monitor.counters()["accepted"] == 0 and monitor.steps() == {}
+    assert not list((tmp_path / "logs").glob("*.stacks"))
+
+
+def test_stuck_ranks_stacks_name_the_stopped_rank_and_where_the_other_waits(tmp_path):
+    args = ["--steps", "100000", "--step-delay", "0.02", "--ckpt-dir", "ck"]
+    with node(tmp_path, TOY, args, hang_floor_s=2.0, script=str(TOY)) as (monitor, procs):
+        wait_for(lambda: all((monitor.steps().get(r) or 0) > 20 for r in (0, 1)), 60, "steps")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        pids = {0: procs[0].pid, 1: procs[1].pid}
+
+        def where() -> dict[str, str | None]:
+            monitor.check(pids, {})
+            summary, _ = monitor.collect()
+            found = {rank: r.where for rank, r in summary.ranks.items()}
+            return found if all(found.values()) else {}
+
+        found = wait_for(where, 20, "the stuck ranks' stacks")
+    assert found["1"] == stacks.STOPPED
+    # Rank 0 waits for rank 1 inside the backward pass (DDP's gradient all-reduce).
+    assert found["0"].startswith("in backward at ddp_toy.py:"), found
+    dump = (tmp_path / "logs" / "rank0.stacks").read_text()
+    assert "Current thread" in dump or "Thread 0x" in dump
+    assert not (tmp_path / "logs" / "rank1.stacks").read_text().count("Thread 0x")
+
+
+@pytest.mark.parametrize(
+    ("frames", "expected"),
+    [
+        (
+            [
+                ("/x/site-packages/torch/distributed/distributed_c10d.py", 10, "all_reduce"),
+                ("/x/site-packages/torch/distributed/c10d_logger.py", 5, "wrapper"),
+                ("/home/u/train.py", 57, "<module>"),
+            ],
+            "in all_reduce at train.py:57",
+        ),
+        ([("/home/u/train.py", 9, "loop")], "at train.py:9 in loop"),
+        ([("/x/site-packages/torch/a.py", 3, "f")], "in f at a.py:3"),
+        ([], "no Python stack"),
+    ],
+)
+def test_where_names_the_library_call_and_the_scripts_line(frames, expected):
+    assert stacks.where([stacks.Frame(*f) for f in frames]) == expected
+
+
+def test_group_where_puts_ranks_in_the_same_place_together():
+    text = stacks.group_where(
+        {2: "in all_reduce at t.py:5", 1: "stopped", 0: "in all_reduce at t.py:5"}
+    )
+    assert text == "ranks 0, 2: in all_reduce at t.py:5; rank 1: stopped"

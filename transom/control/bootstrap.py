@@ -1,0 +1,140 @@
+"""The worker bootstrap: the code every worker runs before the user's script, on both start paths.
+
+A worker starts either in a warm interpreter (transom.control.warm, which calls `run_script` once
+its job arrives) or cold, as `python -u -m transom.control.bootstrap SCRIPT ARGS`
+(transom.control.workers). Either way `run_script`:
+
+1. titles the process `python -u SCRIPT ARGS` (setproctitle), as a plain start would show;
+2. registers `faulthandler` on STACKS_SIGNAL, writing every thread's Python stack to the rank's
+   file in TRANSOM_STACKS_DIR (the agent sends that signal when its ranks look hung, and
+   reads the stacks back: transom.monitor.stacks); the dump works even while the rank is inside
+   C code, such as a collective;
+3. installs the zero-code instrumentation (transom.monitor.auto) unless TRANSOM_AUTO_MONITOR is
+   "0" (`--no-auto-monitor`): at once when torch is already imported (a warm interpreter), else
+   the moment the script imports torch, so a script that never does pays nothing for it;
+4. runs the script as `__main__`, exactly as `python -u SCRIPT ARGS` would.
+
+What it must never do: change what the script computes, or fail a worker because an
+instrumentation step failed (each step is skipped on error). It never signals anything itself.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.abc
+import importlib.machinery
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from transom.common import env, files
+from transom.monitor.stacks import READY, STACKS_SIGNAL
+
+_stacks_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
+
+
+def worker_title(argv: list[str]) -> str:
+    """What `ps` shows for a worker: the command line a plain start would have."""
+    return " ".join([sys.executable, "-u", *argv])
+
+
+def instrumentation_env(stacks_dir: Path | None) -> dict[str, str]:
+    """The variables a worker's bootstrap reads: where to write its stacks (and with it the
+    zero-code monitor), or, when `stacks_dir` is None (`--no-auto-monitor`), neither."""
+    if stacks_dir is None:
+        return {env.AUTO_MONITOR: "0"}
+    return {env.STACKS_DIR: str(stacks_dir)}
+
+
+def register_stack_dump() -> bool:
+    """Dump every thread's stack to this rank's file in TRANSOM_STACKS_DIR on STACKS_SIGNAL;
+    False if not asked for (no directory named) or not possible."""
+    global _stacks_file
+    directory = os.environ.get(env.STACKS_DIR)
+    if not directory or _stacks_file is not None:
+        return False
+    try:
+        path = os.path.join(directory, files.stacks_name(int(os.environ["RANK"])))
+        _stacks_file = open(path, "w")  # noqa: SIM115 - lives as long as the process
+        faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+        # The agent signals only a process whose pid this first line names (transom.monitor.stacks)
+        _stacks_file.write(f"{READY}{os.getpid()}\n")
+        _stacks_file.flush()
+        return True
+    except (OSError, ValueError, RuntimeError, KeyError):
+        return False
+
+
+def install_monitor() -> None:
+    """The zero-code instrumentation, now if torch is imported, else when the script imports it."""
+    if os.environ.get(env.AUTO_MONITOR) == "0" or not os.environ.get(env.MONITOR_SOCKET):
+        return
+    try:
+        from transom.monitor import auto, reporter
+
+        reporter._get()  # the heartbeat starts now, whether the script ever imports torch
+        if "torch" in sys.modules:
+            auto.install()
+        else:
+            sys.meta_path.insert(0, _AfterImport("torch", auto.install))
+    except Exception:  # noqa: BLE001 - the script runs without instrumentation rather than fail
+        pass
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then()` once module `name` has been imported (its loader wrapped, then removed)."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, then = spec.loader, self.then
+
+        class Loader(importlib.abc.Loader):
+            def __getattr__(self, name: str) -> Any:  # get_resource_reader and the like
+                return getattr(loader, name)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                try:
+                    then()
+                except Exception:  # noqa: BLE001
+                    pass
+
+        spec.loader = Loader()
+        return spec
+
+
+def run_script(argv: list[str]) -> None:
+    """Become the worker: title, stack dump, instrumentation, then `SCRIPT ARGS` as __main__."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(worker_title(argv))
+    except Exception:  # noqa: BLE001 - a title is for operators only
+        pass
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    register_stack_dump()
+    install_monitor()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m transom.control.bootstrap SCRIPT [ARGS...]")
+    run_script(sys.argv[1:])

@@ -1,0 +1,248 @@
+"""Zero-code instrumentation: what the worker bootstrap installs before an unmodified script runs.
+
+A script that never calls `transom.monitor` still gets the monitor's signals, from hooks PyTorch
+already has (all installed by `install()`, from transom.control.bootstrap):
+
+- steps: a global optimizer step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`)
+  reports a step each time the first optimizer that steps in this process steps again (a second
+  optimizer, as in a GAN, is not counted twice). Steps are numbered from 0 in each generation;
+  a step's duration is the time since the previous one ended, so the hang rule ("no rank
+  finished a step"), step times and progress work for any loop with an optimizer;
+- liveness: the heartbeat thread of transom.monitor.reporter, started at once, so a stopped rank
+  (no beat) is told apart from one waiting in a collective (beats on);
+- the wait: synchronous collectives called from Python (`torch.distributed.all_reduce`, ...)
+  are timed, and DDP's gradient all-reduce through a communication hook (the time from the last
+  bucket's launch to its completion: the time this rank waited for its peers at the end of the
+  backward pass). A step's wait is its `comm`, the rest its `compute`, as `monitor.step`'s
+  `sync` section would give them, so "the rank the others wait for" works unmodified.
+
+A script that also uses the explicit API (`monitor.step`, `monitor.report`) keeps its own,
+richer reports: from its first explicit call on, the optimizer hook reports nothing (nothing is
+counted twice; at most the steps before that call were counted by the hook).
+
+What it must never do: raise into or block training. Every hook swallows its own errors; a
+hook that cannot be installed (an older torch, no torch.distributed) is left out; a user's own
+DDP communication hook is kept (ours is only registered at the first forward of a model that has
+none, and a hook the user registers later replaces ours' all-reduce, still timed).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from typing import Any
+
+from transom.monitor import reporter
+
+# The Python-level collectives of torch.distributed whose synchronous calls are timed as wait.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+)
+_WRAPPED = "__transom_timed__"
+
+
+class StepCounter:
+    """Counts one optimizer's steps and the wait between them; sends each step to the agent."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.primary: weakref.ref | None = None  # the optimizer whose steps are counted
+        self.last_end: float | None = None  # perf_counter() of the last counted step's end
+        self.wait_s = 0.0  # time in timed collectives since then
+        # DDP's gradient all-reduce of the current step: last bucket's launch, last completion.
+        self.ddp_launch: float | None = None
+        self.ddp_done: float | None = None
+        self._lock = threading.Lock()  # DDP's completions run on the process group's thread
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
+
+    def ddp_launched(self, now: float) -> None:
+        with self._lock:
+            self.ddp_launch = now
+
+    def ddp_completed(self, now: float) -> None:
+        with self._lock:
+            self.ddp_done = now
+
+    def after_step(self, optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+        """The optimizer step post-hook: one step of the first optimizer that stepped."""
+        try:
+            ch = reporter._get()
+            if ch is None or ch.explicit_steps:
+                return  # no agent, or the script reports its own steps
+            if self.primary is None or self.primary() is None:
+                self.primary = weakref.ref(optimizer)
+            elif self.primary() is not optimizer:
+                return  # a second optimizer of the same loop: its step is the same step
+            now = time.perf_counter()
+            with self._lock:
+                wait = self.wait_s
+                if self.ddp_launch is not None and self.ddp_done is not None:
+                    wait += max(0.0, self.ddp_done - self.ddp_launch)
+                self.wait_s, self.ddp_launch, self.ddp_done = 0.0, None, None
+            step, self.count = self.count, self.count + 1
+            message: dict[str, Any] = {"step": step}
+            if self.last_end is not None:
+                duration = now - self.last_end
+                comm = min(wait, duration)
+                message.update(dur=duration, comm=comm, compute=duration - comm)
+            self.last_end = now
+            ch.faults.on_step(step)  # injected faults (tests, demos) fire at counted steps too
+            ch.last_step = step
+            ch.send_step(message)
+        except Exception:  # noqa: BLE001 - monitoring must never break training
+            pass
+
+
+_counter: StepCounter | None = None
+_install_lock = threading.Lock()
+
+
+def counter() -> StepCounter | None:
+    """The installed step counter (None before `install`)."""
+    return _counter
+
+
+def install() -> bool:
+    """Install every hook once in this process; True when the monitor channel is there (an agent
+    to report to), False (and nothing installed) otherwise. Never raises."""
+    global _counter
+    with _install_lock:
+        if _counter is not None:
+            return True
+        try:
+            if reporter._get() is None:  # starts the heartbeat thread
+                return False
+        except Exception:  # noqa: BLE001
+            return False
+        _counter = StepCounter()
+        for install_one in (_install_optimizer_hook, _wrap_collectives, _install_ddp_hook):
+            try:
+                install_one(_counter)
+            except Exception:  # noqa: BLE001 - a torch without this hook: go on without it
+                pass
+        return True
+
+
+def _install_optimizer_hook(steps: StepCounter) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(steps.after_step)
+
+
+def _wrap_collectives(steps: StepCounter) -> None:
+    """Time the synchronous calls of torch.distributed's collectives (an asynchronous call
+    returns a work handle at once: its wait is not seen here)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None or getattr(original, _WRAPPED, False):
+            continue
+        setattr(dist, name, _timed(original, steps))
+
+
+def _timed(original: Any, steps: StepCounter) -> Any:
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        if result is None:  # synchronous: it returned once the collective was done
+            steps.add_wait(time.perf_counter() - start)
+        return result
+
+    setattr(timed, _WRAPPED, True)
+    return timed
+
+
+class _DDPHookState:
+    """Our DDP communication hook's state: the process group, and a user's hook if one came
+    after ours (DDP takes one hook per model)."""
+
+    def __init__(self, process_group: Any, steps: StepCounter) -> None:
+        self.process_group = process_group
+        self.steps = steps
+        self.user_hook: Any = None
+        self.user_state: Any = None
+
+
+def _timed_allreduce_hook(state, bucket):
+    """DDP's default gradient all-reduce (or the user's hook), its wait timed. (No annotations:
+    DDP refuses a hook whose `bucket` or return annotation is not exactly its own types.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    state.steps.ddp_launched(time.perf_counter())
+    if state.user_hook is not None:
+        future = state.user_hook(state.user_state, bucket)
+    else:
+        future = default_hooks.allreduce_hook(state.process_group, bucket)
+
+    def done(f: Any) -> Any:
+        state.steps.ddp_completed(time.perf_counter())
+        return f.value()
+
+    return future.then(done)
+
+
+def _install_ddp_hook(steps: StepCounter) -> None:
+    """Every DistributedDataParallel model gets our communication hook at its first forward,
+    unless the script registered its own before; one registered after ours runs inside ours."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if getattr(DDP.__init__, _WRAPPED, False):
+        return
+    original_init = DDP.__init__
+    original_register = DDP.register_comm_hook
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        try:
+            self.register_forward_pre_hook(_first_forward)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _first_forward(module: Any, inputs: Any) -> None:
+        if getattr(module, "_transom_hook_state", None) is not None:
+            return
+        try:
+            if module._comm_hooks or getattr(module, "_transom_hook_skipped", False):
+                module._transom_hook_skipped = True
+                return
+            state = _DDPHookState(module.process_group, steps)
+            original_register(module, state, _timed_allreduce_hook)
+            module._transom_hook_state = state
+        except Exception:  # noqa: BLE001 - a model we cannot hook is left as it is
+            module._transom_hook_skipped = True
+
+    @functools.wraps(original_register)
+    def register(self: Any, state: object, hook: Any) -> None:
+        ours = getattr(self, "_transom_hook_state", None)
+        if ours is None:
+            original_register(self, state, hook)
+            return
+        self._check_comm_hook(hook)
+        ours.user_state, ours.user_hook = state, hook
+
+    setattr(init, _WRAPPED, True)
+    DDP.__init__ = init  # type: ignore[method-assign]
+    DDP.register_comm_hook = register  # type: ignore[method-assign]

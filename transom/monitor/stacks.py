@@ -1,0 +1,234 @@
+"""Where each stuck rank is: its Python stacks, taken by the agent before a hang is acted on.
+
+The worker bootstrap (transom.control.bootstrap) registers `faulthandler` on STACKS_SIGNAL,
+writing every thread's stack to the rank's stacks file (RUN_DIR/logs/gNNN/rankR.stacks) after
+a first line `READY<pid>`. When no rank of its node finished a step for half the time that
+would make a hang (`suspect_after`), the agent's monitor asks a `StackCollector` for the ranks'
+stacks: a rank whose process is stopped (SIGSTOP, a debugger) or gone is named as such and not
+signalled; each other rank is sent STACKS_SIGNAL once, its new stack text read back (at most
+MAX_DUMP_BYTES, waiting at most DUMP_WAIT_S), and summed up in one line by `where`: "in
+all_reduce at train.py:57" (the library call the script's innermost frame is in, and that
+frame's line). The node's monitor summary carries that line per rank, so the controller's hang
+anomaly can say "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57"; the full stacks
+stay in the files.
+
+What it must never do: signal a process that did not register the handler (the signal's default
+action ends a process: only a stacks file whose first line names that very pid is signalled),
+block the agent's loop (the collection runs in a thread of its own), or trust the file's content
+(it is parsed defensively and bounded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# A real-time signal nothing else in a worker uses (glibc keeps those below SIGRTMIN).
+STACKS_SIGNAL = signal.SIGRTMIN + 4
+READY = "transom stacks of pid "
+MAX_DUMP_BYTES = 256 * 1024
+DUMP_WAIT_S = 2.0
+POLL_S = 0.02
+MAX_WHERE = 160
+# The agent collects stacks once no rank of its node finished a step for this fraction of the
+# hang timeout (so they are in its summary before the controller declares the hang).
+SUSPECT_FRACTION = 0.5
+
+STOPPED = "stopped"
+GONE = "exited"
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.+)$')
+_LIBRARY_DIRS = tuple(
+    p
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if p
+)
+_TRANSOM_DIR = str(Path(__file__).resolve().parent.parent)
+_WRAPPERS = frozenset({"wrapper", "inner", "decorate_context", "_fn", "timed", "__call__"})
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+
+def parse_dump(text: str) -> list[list[Frame]]:
+    """The threads of one faulthandler dump, each a list of frames, most recent first."""
+    threads: list[list[Frame]] = []
+    for line in text.splitlines():
+        if _THREAD.match(line):
+            threads.append([])
+            continue
+        m = _FRAME.match(line)
+        if m and threads:
+            threads[-1].append(Frame(m.group(1), int(m.group(2)), m.group(3).strip()))
+    return threads
+
+
+def _is_library(path: str) -> bool:
+    return (
+        path.startswith("<")
+        or path.startswith(_LIBRARY_DIRS)
+        or path.startswith(_TRANSOM_DIR + os.sep)
+        or "/site-packages/" in path
+    )
+
+
+def main_thread(threads: list[list[Frame]], script: str) -> list[Frame]:
+    """The thread running the script: one with a frame in `script`, else one at a `<module>`
+    frame, else the first."""
+    script = os.path.abspath(script)
+    for frames in threads:
+        if any(os.path.abspath(f.file) == script for f in frames):
+            return frames
+    for frames in threads:
+        if any(f.function == "<module>" for f in frames):
+            return frames
+    return threads[0] if threads else []
+
+
+def where(frames: list[Frame]) -> str:
+    """One line for a stack: "in all_reduce at train.py:57": the outermost library function
+    (not a decorator's wrapper, not Transom's) the script's innermost frame called, and that
+    frame's place."""
+    if not frames:
+        return "no Python stack"
+    user = next((i for i, f in enumerate(frames) if not _is_library(f.file)), None)
+    if user is None:
+        top = frames[0]
+        return f"in {top.function} at {os.path.basename(top.file)}:{top.line}"[:MAX_WHERE]
+    place = f"{os.path.basename(frames[user].file)}:{frames[user].line}"
+    called = [
+        f
+        for f in frames[:user]
+        if f.function not in _WRAPPERS and not f.file.startswith(_TRANSOM_DIR + os.sep)
+    ]
+    if not called:
+        return f"at {place} in {frames[user].function}"[:MAX_WHERE]
+    return f"in {called[-1].function} at {place}"[:MAX_WHERE]
+
+
+def group_where(where_by_rank: dict[int, str]) -> str:
+    """ "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57" (ranks with the same line
+    together, in rank order of their first)."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(where_by_rank):
+        groups.setdefault(where_by_rank[rank][:MAX_WHERE], []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {', '.join(map(str, ranks))}: {text}")
+    return "; ".join(parts)
+
+
+def handler_ready(path: Path, pid: int) -> bool:
+    """Whether `path` says that process `pid` registered the dump handler (its first line)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(200).decode(errors="replace").strip()
+    except OSError:
+        return False
+    return first == f"{READY}{pid}"
+
+
+def dump(pid: int, path: Path, script: str, timeout_s: float = DUMP_WAIT_S) -> str | None:
+    """Signal `pid` to dump its stacks into `path`; its main thread's `where`, or None when
+    the handler is not there or nothing came within `timeout_s`."""
+    if not handler_ready(path, pid):
+        return None
+    try:
+        before = path.stat().st_size
+        os.kill(pid, STACKS_SIGNAL)
+    except OSError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    size, settled = before, 0
+    while time.monotonic() < deadline and settled < 3:
+        time.sleep(POLL_S)
+        try:
+            now = path.stat().st_size
+        except OSError:
+            return None
+        settled = settled + 1 if now == size and now > before else 0
+        size = now
+    if size <= before:
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(before)
+            text = f.read(MAX_DUMP_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+    return where(main_thread(parse_dump(text), script))
+
+
+def process_state(pid: int) -> str | None:
+    """STOPPED, GONE, or None for a process that can run."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return GONE
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return STOPPED
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return GONE
+    return None
+
+
+class StackCollector:
+    """Collects a node's ranks' `where` lines in a thread of its own, once per request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.where: dict[int, str] = {}
+        self.key: object = None  # what the last request was for (generation and step)
+
+    def request(self, key: object, ranks: dict[int, tuple[int, Path]], script: str) -> bool:
+        """Collect for `ranks` (rank -> (pid, stacks file)) unless already done for `key` or
+        a collection is under way; True when one was started."""
+        with self._lock:
+            if key == self.key or (self._thread is not None and self._thread.is_alive()):
+                return False
+            self.key = key
+            self.where = {}
+            self._thread = threading.Thread(
+                target=self._collect,
+                args=(key, dict(ranks), script),
+                daemon=True,
+                name="stack-collector",
+            )
+            self._thread.start()
+            return True
+
+    def _collect(self, key: object, ranks: dict[int, tuple[int, Path]], script: str) -> None:
+        found: dict[int, str] = {}
+        for rank, (pid, path) in sorted(ranks.items()):
+            try:
+                state = process_state(pid)
+                found[rank] = state if state is not None else dump(pid, path, script) or ""
+            except Exception:  # noqa: BLE001 - a rank we cannot read is left out
+                continue
+        with self._lock:
+            if self.key == key:
+                self.where = {r: w for r, w in found.items() if w}
+
+    def results(self, key: object) -> dict[int, str]:
+        with self._lock:
+            return dict(self.where) if self.key == key else {}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.key = None
+            self.where = {}
