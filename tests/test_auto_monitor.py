@@ -194,4 +194,4 @@ def test_group_where_puts_ranks_in_the_same_place_together():
     text = stacks.group_where(
         {2: "in all_reduce at t.py:5", 1: "stopped", 0: "in all_reduce at t.py:5"}
     )
-    assert text == "ranks 0, 2: in all_reduce at t.py:5; rank 1: stopped"
+    assert text == "rank 1: stopped; ranks 0, 2: in all_reduce at t.py:5"

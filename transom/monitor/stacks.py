@@ -120,13 +120,14 @@ def where(frames: list[Frame]) -> str:
 
 
 def group_where(where_by_rank: dict[int, str]) -> str:
-    """ "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57" (ranks with the same line
-    together, in rank order of their first)."""
+    """The ranks' lines in one: ranks with the same line together, stopped and exited ranks
+    first, then in the order of each group's first rank, as in
+    "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57"."""
     groups: dict[str, list[int]] = {}
     for rank in sorted(where_by_rank):
         groups.setdefault(where_by_rank[rank][:MAX_WHERE], []).append(rank)
     parts = []
-    for text, ranks in groups.items():
+    for text, ranks in sorted(groups.items(), key=lambda g: (g[0] not in (STOPPED, GONE), g[1])):
         label = "rank" if len(ranks) == 1 else "ranks"
         parts.append(f"{label} {', '.join(map(str, ranks))}: {text}")
     return "; ".join(parts)
