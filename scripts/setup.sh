@@ -9,8 +9,9 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "setting up .venv (torch 2.13.0 CPU, etcd, test tools)..." >&2
+echo "setting up .venv (torch 2.13.0 CPU, etcd, test tools, transformers, lightning)..." >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 numpy
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# The framework extras too (their tests run against the real packages); torch stays pinned.
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,hf,lightning]' torch==2.13.0
 echo "$want" > "$stamp"

@@ -17,7 +17,11 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from transom.common import env
+from transom.faults.mock_nvml import MockNvml
+from transom.monitor.node import NodeMonitor
 from transom.store import EmbeddedEtcd, Store, StoreError
+from transom.utils.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -84,6 +88,77 @@ def standalone_ckpt_server(tmp_path: Path, name: str, memory: str) -> Iterator[t
             p.kill()
             p.wait()
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@contextmanager
+def monitored_ranks(
+    tmp_path: Path,
+    program: Path,
+    args: list[str],
+    extra: dict[str, str] | None = None,
+    world: int = 2,
+    **kw,
+) -> Iterator[tuple[NodeMonitor, list[subprocess.Popen]]]:
+    """A real node agent's monitor (NodeMonitor) and `world` ranks of `program` started
+    through the worker bootstrap (the cold-start path), reporting to it, with the torchrun
+    environment of one node; every process is ended on exit (continued first, in case a test
+    stopped it). `kw` goes to NodeMonitor (hang_floor_s, script)."""
+    stacks_dir = tmp_path / "logs"
+    stacks_dir.mkdir()
+    monitor = NodeMonitor("nodeA", nvml=MockNvml(), scope=str(tmp_path), **kw)
+    monitor.expect_ranks(list(range(world)), stacks_dir)
+    port = free_port("127.0.0.1")
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(world):
+            worker_env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "OMP_NUM_THREADS": "1",
+                env.GENERATION: "0",
+                env.MONITOR_SOCKET: str(monitor.socket_path),
+                env.STACKS_DIR: str(stacks_dir),
+                "PYTHONPATH": str(REPO),
+                "HF_HUB_OFFLINE": "1",
+                **(extra or {}),
+            }
+            log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-u", "-m", "transom.control.bootstrap", str(program), *args],
+                    env=worker_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp_path,
+                )
+            )
+            log.close()
+        yield monitor, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+        monitor.close()
+
+
+def rank_logs(tmp_path: Path, world: int = 2) -> str:
+    """The output of `monitored_ranks`' ranks."""
+    return "".join((tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(world))
+
+
+def ranks_finished(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 90) -> None:
+    """Wait for `monitored_ranks`' ranks to end; each must have exited 0."""
+    wait_for(lambda: all(p.poll() is not None for p in procs), timeout, "the ranks to finish")
+    assert [p.returncode for p in procs] == [0] * len(procs), rank_logs(tmp_path, len(procs))
 
 
 def torch_mapped(pid: int) -> list[str]:

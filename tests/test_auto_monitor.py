@@ -9,87 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
-from conftest import REPO, TOY, wait_for
+from conftest import TOY, monitored_ranks, ranks_finished, wait_for
 
 from transom.common import env
-from transom.faults.mock_nvml import MockNvml
 from transom.monitor import stacks
-from transom.monitor.node import NodeMonitor
-from transom.utils.net import free_port
-
-
-@contextmanager
-def node(
-    tmp_path: Path, program: Path, args: list[str], extra: dict[str, str] | None = None, **kw
-) -> Iterator[tuple[NodeMonitor, list[subprocess.Popen]]]:
-    """A NodeMonitor and the 2 ranks of `program` started through the bootstrap, reporting to
-    it; every process ended on exit (continued first, in case a test stopped it)."""
-    stacks_dir = tmp_path / "logs"
-    stacks_dir.mkdir()
-    monitor = NodeMonitor("nodeA", nvml=MockNvml(), scope=str(tmp_path), **kw)
-    monitor.expect_ranks([0, 1], stacks_dir)
-    port = free_port("127.0.0.1")
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in (0, 1):
-            worker_env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "GROUP_RANK": "0",
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "TORCHELASTIC_RESTART_COUNT": "0",
-                "OMP_NUM_THREADS": "1",
-                env.GENERATION: "0",
-                env.MONITOR_SOCKET: str(monitor.socket_path),
-                env.STACKS_DIR: str(stacks_dir),
-                "PYTHONPATH": str(REPO),
-                **(extra or {}),
-            }
-            log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-u", "-m", "transom.control.bootstrap", str(program), *args],
-                    env=worker_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp_path,
-                )
-            )
-            log.close()
-        yield monitor, procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.wait()
-        monitor.close()
-
-
-def logs(tmp_path: Path) -> str:
-    return "".join((tmp_path / f"rank{r}.log").read_text(errors="replace") for r in (0, 1))
-
-
-def finished(procs: list[subprocess.Popen], tmp_path: Path, timeout: float = 90) -> None:
-    wait_for(lambda: all(p.poll() is not None for p in procs), timeout, "the ranks to finish")
-    assert [p.returncode for p in procs] == [0, 0], logs(tmp_path)
 
 
 def test_an_unmodified_ddp_script_reports_steps_and_the_wait_for_the_slow_rank(tmp_path):
     steps = 30
     args = ["--steps", str(steps), "--slow-rank", "1", "--slow-s", "0.08", "--ckpt-dir", "ck"]
-    with node(tmp_path, TOY, args) as (monitor, procs):
-        finished(procs, tmp_path)
+    with monitored_ranks(tmp_path, TOY, args) as (monitor, procs):
+        ranks_finished(procs, tmp_path)
         # One step per optimizer step, counted from 0; the last step of each rank arrived.
         wait_for(lambda: monitor.steps() == {0: steps - 1, 1: steps - 1}, 10, "every step")
         summary, _ = monitor.collect()
@@ -104,8 +36,8 @@ def test_an_unmodified_ddp_script_reports_steps_and_the_wait_for_the_slow_rank(t
 
 def test_python_level_collectives_are_timed_as_the_wait(tmp_path):
     args = ["--steps", "20", "--slow-rank", "0", "--slow-s", "0.08", "--sync", "allreduce"]
-    with node(tmp_path, TOY, [*args, "--ckpt-dir", "ck"]) as (monitor, procs):
-        finished(procs, tmp_path)
+    with monitored_ranks(tmp_path, TOY, [*args, "--ckpt-dir", "ck"]) as (monitor, procs):
+        ranks_finished(procs, tmp_path)
         wait_for(lambda: monitor.steps() == {0: 19, 1: 19}, 10, "every step")
         summary, _ = monitor.collect()
     slow, fast = summary.ranks["0"], summary.ranks["1"]
@@ -131,8 +63,8 @@ print("explicit done", flush=True)
 def test_a_script_using_the_explicit_api_is_not_counted_twice(tmp_path):
     script = tmp_path / "explicit.py"
     script.write_text(EXPLICIT)
-    with node(tmp_path, script, []) as (monitor, procs):
-        finished(procs, tmp_path)
+    with monitored_ranks(tmp_path, script, []) as (monitor, procs):
+        ranks_finished(procs, tmp_path)
         wait_for(lambda: monitor.steps() == {0: 1009, 1: 1009}, 10, "every step")
         tracks = dict(monitor.ranks)
     # Only its own step numbers reached the agent: the optimizer hook stood down.
@@ -142,15 +74,21 @@ def test_a_script_using_the_explicit_api_is_not_counted_twice(tmp_path):
 
 def test_no_auto_monitor_sends_nothing_and_registers_no_stack_dump(tmp_path):
     extra = {env.AUTO_MONITOR: "0", env.STACKS_DIR: ""}
-    with node(tmp_path, TOY, ["--steps", "5", "--ckpt-dir", "ck"], extra) as (monitor, procs):
-        finished(procs, tmp_path)
+    with monitored_ranks(tmp_path, TOY, ["--steps", "5", "--ckpt-dir", "ck"], extra) as (
+        monitor,
+        procs,
+    ):
+        ranks_finished(procs, tmp_path)
         assert monitor.counters()["accepted"] == 0 and monitor.steps() == {}
     assert not list((tmp_path / "logs").glob("*.stacks"))
 
 
 def test_stuck_ranks_stacks_name_the_stopped_rank_and_where_the_other_waits(tmp_path):
     args = ["--steps", "100000", "--step-delay", "0.02", "--ckpt-dir", "ck"]
-    with node(tmp_path, TOY, args, hang_floor_s=2.0, script=str(TOY)) as (monitor, procs):
+    with monitored_ranks(tmp_path, TOY, args, hang_floor_s=2.0, script=str(TOY)) as (
+        monitor,
+        procs,
+    ):
         wait_for(lambda: all((monitor.steps().get(r) or 0) > 20 for r in (0, 1)), 60, "steps")
         os.kill(procs[1].pid, signal.SIGSTOP)
         pids = {0: procs[0].pid, 1: procs[1].pid}
@@ -162,6 +100,15 @@ def test_stuck_ranks_stacks_name_the_stopped_rank_and_where_the_other_waits(tmp_
             return found if all(found.values()) else {}
 
         found = wait_for(where, 20, "the stuck ranks' stacks")
+        # The dump interrupted rank 0 inside gloo's wait; continued, both ranks train on.
+        stuck_at = monitor.steps()
+        os.kill(procs[1].pid, signal.SIGCONT)
+        wait_for(
+            lambda: all((monitor.steps()[r] or 0) > (stuck_at[r] or 0) + 5 for r in (0, 1)),
+            30,
+            "both ranks to step again",
+        )
+        assert all(p.poll() is None for p in procs)
     assert found["1"] == stacks.STOPPED
     # Rank 0 waits for rank 1 inside the backward pass (DDP's gradient all-reduce).
     assert found["0"].startswith("in backward at ddp_toy.py:"), found

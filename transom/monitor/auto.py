@@ -18,7 +18,9 @@ already has (all installed by `install()`, from transom.control.bootstrap):
 
 A script that also uses the explicit API (`monitor.step`, `monitor.report`) keeps its own,
 richer reports: from its first explicit call on, the optimizer hook reports nothing (nothing is
-counted twice; at most the steps before that call were counted by the hook).
+counted twice; at most the steps before that call were counted by the hook). A framework
+callback (transom.integrations) sets `framework`: it reports each step with the framework's own
+step number and loss, and the timing the hook measured (`take_timing`).
 
 What it must never do: raise into or block training. Every hook swallows its own errors; a
 hook that cannot be installed (an older torch, no torch.distributed) is left out; a user's own
@@ -68,6 +70,10 @@ class StepCounter:
         self.ddp_launch: float | None = None
         self.ddp_done: float | None = None
         self._lock = threading.Lock()  # DDP's completions run on the process group's thread
+        # A framework callback (transom.integrations) reports the steps, with their numbers and
+        # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
+        self.framework = False
+        self.timing: dict[str, float] = {}
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
@@ -85,7 +91,7 @@ class StepCounter:
         """The optimizer step post-hook: one step of the first optimizer that stepped."""
         try:
             ch = reporter._get()
-            if ch is None or ch.explicit_steps:
+            if ch is None or (ch.explicit_steps and not self.framework):
                 return  # no agent, or the script reports its own steps
             if self.primary is None or self.primary() is None:
                 self.primary = weakref.ref(optimizer)
@@ -104,11 +110,19 @@ class StepCounter:
                 comm = min(wait, duration)
                 message.update(dur=duration, comm=comm, compute=duration - comm)
             self.last_end = now
+            if self.framework:
+                self.timing = {k: v for k, v in message.items() if k != "step"}
+                return
             ch.faults.on_step(step)  # injected faults (tests, demos) fire at counted steps too
             ch.last_step = step
             ch.send_step(message)
         except Exception:  # noqa: BLE001 - monitoring must never break training
             pass
+
+    def take_timing(self) -> dict[str, float]:
+        """The newest optimizer step's dur, comm and compute (once), for a framework callback."""
+        timing, self.timing = self.timing, {}
+        return timing
 
 
 _counter: StepCounter | None = None

@@ -1,0 +1,63 @@
+"""A Hugging Face `Trainer` script with Transom's one line (`callbacks=[TransomCallback()]`): a
+tiny GPT-2 built from a config (nothing downloaded), a synthetic dataset, CPU.
+
+--nan-step N makes the model's loss NaN at training step N (a forward hook of the test's own),
+as a numerical blow-up would.
+"""
+
+import argparse
+import math
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from transom.integrations.hf import TransomCallback
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--nan-step", type=int, default=-1)
+args = parser.parse_args()
+
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+model = GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+forwards = 0
+
+
+def blow_up(module, inputs, output):
+    global forwards
+    if module.training:
+        forwards += 1
+        if forwards == args.nan_step:
+            output["loss"] = output["loss"] * math.nan
+    return output
+
+
+model.register_forward_hook(blow_up)
+training = TrainingArguments(
+    output_dir=args.out,
+    max_steps=args.steps,
+    per_device_train_batch_size=4,
+    learning_rate=1e-3,
+    logging_steps=1000,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=[TransomCallback()])
+trainer.train()
+print(f"hf done steps={trainer.state.global_step}", flush=True)
