@@ -128,6 +128,16 @@ def test_stuck_ranks_stacks_name_the_stopped_rank_and_where_the_other_waits(tmp_
             ],
             "in all_reduce at train.py:57",
         ),
+        (
+            [
+                ("/x/site-packages/torch/autograd/graph.py", 8, "_engine_run_backward"),
+                ("/x/site-packages/torch/autograd/__init__.py", 7, "backward"),
+                ("/x/site-packages/torch/_tensor.py", 6, "backward"),
+                ("/x/site-packages/transformers/trainer.py", 5, "train"),
+                ("/home/u/train_hf.py", 73, "<module>"),
+            ],
+            "in backward, from train at train_hf.py:73",
+        ),
         ([("/home/u/train.py", 9, "loop")], "at train.py:9 in loop"),
         ([("/x/site-packages/torch/a.py", 3, "f")], "in f at a.py:3"),
         ([], "no Python stack"),

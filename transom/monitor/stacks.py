@@ -99,9 +99,10 @@ def main_thread(threads: list[list[Frame]], script: str) -> list[Frame]:
 
 
 def where(frames: list[Frame]) -> str:
-    """One line for a stack: "in all_reduce at train.py:57": the outermost library function
-    (not a decorator's wrapper, not Transom's) the script's innermost frame called, and that
-    frame's place."""
+    """One line for a stack: "in all_reduce at train.py:57", the library function the rank is
+    in and the script's innermost frame; where the script called into a framework that is not
+    that function, both: "in backward, from train at train_hf.py:73". The function named is the
+    innermost public one (no leading underscore, not a decorator's wrapper, not Transom's)."""
     if not frames:
         return "no Python stack"
     user = next((i for i, f in enumerate(frames) if not _is_library(f.file)), None)
@@ -116,7 +117,11 @@ def where(frames: list[Frame]) -> str:
     ]
     if not called:
         return f"at {place} in {frames[user].function}"[:MAX_WHERE]
-    return f"in {called[-1].function} at {place}"[:MAX_WHERE]
+    outer = called[-1].function
+    inner = next((f.function for f in called if not f.function.startswith("_")), outer)
+    if inner == outer:
+        return f"in {outer} at {place}"[:MAX_WHERE]
+    return f"in {inner}, from {outer} at {place}"[:MAX_WHERE]
 
 
 def group_where(where_by_rank: dict[int, str]) -> str:
