@@ -11,6 +11,7 @@ import os
 import signal
 
 import pytest
+import torch
 from conftest import TOY, monitored_ranks, ranks_finished, wait_for
 
 from transom.common import env
@@ -32,6 +33,22 @@ def test_an_unmodified_ddp_script_reports_steps_and_the_wait_for_the_slow_rank(t
     # So their compute differs, though their step times are the same (synchronous training).
     assert fast.compute_s is not None and slow.compute_s is not None
     assert slow.compute_s - fast.compute_s > 0.05, (fast, slow)
+
+
+def test_instrumented_ddp_computes_the_same_bits_as_plain_ddp(tmp_path):
+    """Our DDP communication hook must not change a bit: with 3 ranks (not a power of two) a
+    hook that divides the bucket by the world size rounds differently from DDP's own reducer."""
+    weights = {}
+    for name, extra in (("plain", {env.AUTO_MONITOR: "0"}), ("auto", {})):
+        run = tmp_path / name
+        run.mkdir()
+        args = ["--steps", "20", "--ckpt-dir", str(run / "ck")]
+        with monitored_ranks(run, TOY, args, extra, world=3) as (monitor, procs):
+            ranks_finished(procs, run)
+            counted = monitor.counters()["accepted"] > 0
+        assert counted == (name == "auto")
+        weights[name] = torch.load(run / "ck" / "toy.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights["plain"][k], weights["auto"][k]) for k in weights["plain"])
 
 
 def test_python_level_collectives_are_timed_as_the_wait(tmp_path):

@@ -202,13 +202,20 @@ class _DDPHookState:
 def _timed_allreduce_hook(state, bucket):
     """DDP's default gradient all-reduce (or the user's hook), its wait timed. (No annotations:
     DDP refuses a hook whose `bucket` or return annotation is not exactly its own types.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    import torch.distributed.distributed_c10d as c10d  # not our timed wrapper: this is async
 
     state.steps.ddp_launched(time.perf_counter())
     if state.user_hook is not None:
         future = state.user_hook(state.user_state, bucket)
     else:
-        future = default_hooks.allreduce_hook(state.process_group, bucket)
+        # DDP's own all-reduce, bit for bit: without a hook its reducer multiplies each gradient
+        # by 1/world as it copies it into the bucket (torch's allreduce_hook divides instead,
+        # which rounds differently for a world that is not a power of two).
+        group = state.process_group if state.process_group is not None else c10d.group.WORLD
+        tensor = bucket.buffer()
+        tensor.mul_(1.0 / c10d.get_world_size(group))
+        work = c10d.all_reduce(tensor, group=group, async_op=True)
+        future = work.get_future().then(lambda f: f.value()[0])
 
     def done(f: Any) -> Any:
         state.steps.ddp_completed(time.perf_counter())
