@@ -9,9 +9,15 @@ SKIP_STEPS left out). The overhead of a pair is on/off - 1; the result is their 
 bootstrap confidence interval (stats.py), and the monitor calls' own cost a
 step measured in a tight loop (`api_call_s`, to a listener in another process).
 
+With --auto the pairs measure the zero-code instrumentation instead (transom.monitor.auto):
+benchmarks/plain_loop.py, a loop without any transom call, started through the worker bootstrap
+(`python -m transom.control.bootstrap`, its optimizer hook, heartbeat and collective timing
+reporting to the monitor) against the same loop started plainly (`python SCRIPT`).
+
 On a machine shared with other work the pairs are noisy: read the interval, not the mean.
 
     python benchmarks/monitor_overhead.py --pairs 20 --steps 300
+    python benchmarks/monitor_overhead.py --auto --pairs 20 --steps 300
     python benchmarks/monitor_overhead.py --json      # last line: JSON
 """
 
@@ -32,6 +38,7 @@ import stats
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
+PLAIN = REPO / "benchmarks" / "plain_loop.py"
 sys.path.insert(0, str(REPO))
 from transom.common import env as env_names  # noqa: E402
 
@@ -47,7 +54,9 @@ def step_time(out: str) -> float:
     return (points[-1] - points[0]) / (len(points) - 1)
 
 
-def run_once(tmp: Path, steps: int, socket_path: Path | None) -> float:
+def run_once(tmp: Path, steps: int, socket_path: Path | None, auto: bool = False) -> float:
+    """One run's mean step time: train_gpt (its monitor calls on with `socket_path`), or with
+    `auto` the plain loop (through the worker bootstrap with `socket_path`, else plainly)."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("TRANSOM_", "RANK", "WORLD_SIZE"))
     }
@@ -55,17 +64,15 @@ def run_once(tmp: Path, steps: int, socket_path: Path | None) -> float:
     if socket_path is not None:
         env[env_names.MONITOR_SOCKET] = str(socket_path)
         env["RANK"] = "0"  # the monitor's datagrams name their rank
+    if auto:
+        boot = ["-m", "transom.control.bootstrap"] if socket_path is not None else []
+        env["PYTHONPATH"] = str(REPO)
+        argv = [sys.executable, "-u", *boot, str(PLAIN), "--steps", str(steps)]
+    else:
+        argv = [sys.executable, str(SCRIPT), "--steps", str(steps)]
+        argv += ["--ckpt-every", "0", "--log-every", "1"]
     out = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps",
-            str(steps),
-            "--ckpt-every",
-            "0",
-            "--log-every",
-            "1",
-        ],
+        argv,
         env=env,
         capture_output=True,
         text=True,
@@ -75,8 +82,9 @@ def run_once(tmp: Path, steps: int, socket_path: Path | None) -> float:
     return step_time(out)
 
 
-def measure(tmp: Path, pairs: int, steps: int) -> dict:
-    """Alternating on/off pairs of one-process runs: the monitor's overhead with its interval."""
+def measure(tmp: Path, pairs: int, steps: int, auto: bool = False) -> dict:
+    """Alternating on/off pairs of one-process runs: the monitor's overhead with its interval
+    (`auto`: the zero-code instrumentation's, on the plain loop)."""
     from transom.monitor.node import NodeMonitor
 
     monitor = NodeMonitor("overhead")
@@ -86,7 +94,7 @@ def measure(tmp: Path, pairs: int, steps: int) -> dict:
         for i in range(pairs):
             for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
                 path = monitor.socket_path if mode == "on" else None
-                (on if mode == "on" else off).append(run_once(tmp, steps, path))
+                (on if mode == "on" else off).append(run_once(tmp, steps, path, auto))
         accepted = monitor.counters()["accepted"]
     finally:
         monitor.close()
@@ -95,6 +103,7 @@ def measure(tmp: Path, pairs: int, steps: int) -> dict:
     call = api_call_s()
     off_s = statistics.median(off)
     return {
+        "mode": "auto" if auto else "api",
         "pairs": pairs,
         "steps": steps,
         "step_on_s": statistics.median(on),
@@ -153,7 +162,8 @@ def api_call_s(calls: int = 20000) -> float:
 def describe(o: dict) -> str:
     low, high = o["overhead_ci95_x"]
     return (
-        f"monitoring overhead: {o['overhead_x'] * 100:+.2f}% (95% CI {low * 100:+.2f}% to "
+        f"{'zero-code ' if o.get('mode') == 'auto' else ''}monitoring overhead: "
+        f"{o['overhead_x'] * 100:+.2f}% (95% CI {low * 100:+.2f}% to "
         f"{high * 100:+.2f}%, {o['pairs']} alternating on/off pairs of {o['steps']} steps; step "
         f"{o['step_on_s'] * 1000:.2f} ms on vs {o['step_off_s'] * 1000:.2f} ms off, medians); "
         f"the calls themselves: {o['api_call_s'] * 1e6:.1f} us a step = "
@@ -166,9 +176,14 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=20, help="on/off pairs (default 20)")
     p.add_argument("--steps", type=int, default=300, help="steps a run (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="measure the zero-code instrumentation on an unmodified loop (plain_loop.py)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="transom-overhead-") as tmp:
-        result = measure(Path(tmp), args.pairs, args.steps)
+        result = measure(Path(tmp), args.pairs, args.steps, args.auto)
     print_result(describe(result), result, args.json)
     return 0
 

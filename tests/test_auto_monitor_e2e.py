@@ -8,6 +8,8 @@ the job finishes with the weights of a fault-free run."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +47,14 @@ def assert_hang_found_with_stacks(job, stopped_at: float, script: str) -> None:
     record = job.status()["job"]
     assert record["generation"] == 2 and record["members"] == ["node0", "node2"]
     assert "node1" in record["evicted"]
+    # `transom events` says it to a person, from the run directory.
+    shown = subprocess.run(
+        [sys.executable, "-m", "transom", "events", "--run-dir", str(job.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "rank 1: stopped; rank 0: in backward" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_stopped_rank_of_an_unmodified_ddp_script_is_found_with_stacks_and_replaced(start_job):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import overhead  # noqa: E402
@@ -104,3 +105,23 @@ def test_ramp_is_the_time_the_first_steps_took_beyond_the_steady_rate():
     rate, ramp_s = overhead.steady_rate_and_ramp(t, steps)
     assert rate == pytest.approx(10.0)
     assert ramp_s == pytest.approx(10 * 0.4)  # ten steps, each 0.4 s slower than steady
+
+
+def test_the_zero_code_pairs_run_the_plain_loop_instrumented_and_plainly(tmp_path):
+    """monitor_overhead.py --auto's two sides, a few steps each (the machinery, not a number):
+    through the bootstrap the plain loop reports its steps to the monitor, plainly it does not."""
+    import monitor_overhead
+
+    from transom.monitor.node import NodeMonitor
+
+    monitor = NodeMonitor("overhead-test", scope=str(tmp_path))
+    monitor.expect_ranks([0])
+    try:
+        on = monitor_overhead.run_once(tmp_path, 12, monitor.socket_path, auto=True)
+        wait_for(lambda: monitor.steps() == {0: 11}, 10, "the instrumented loop's steps")
+        accepted = monitor.counters()["accepted"]
+        off = monitor_overhead.run_once(tmp_path, 12, None, auto=True)
+        assert monitor.counters()["accepted"] == accepted  # the plain run sent nothing
+    finally:
+        monitor.close()
+    assert on > 0 and off > 0
