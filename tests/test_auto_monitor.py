@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +171,38 @@ def test_group_where_puts_ranks_in_the_same_place_together():
         {2: "in all_reduce at t.py:5", 1: "stopped", 0: "in all_reduce at t.py:5"}
     )
     assert text == "rank 1: stopped; ranks 0, 2: in all_reduce at t.py:5"
+
+
+HOLDS_STILL = """
+import signal, sys, time
+from transom.control import bootstrap
+assert bootstrap.register_stack_dump()
+if sys.argv[1] == "reset":
+    signal.signal(signal.SIGURG, signal.SIG_DFL)  # as a library resetting every handler would
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_rank_is_signalled_only_while_it_catches_the_signal(tmp_path, reset):
+    """A worker whose handler a library reset is not signalled (and would ignore the signal)."""
+    script = tmp_path / "holds_still.py"
+    script.write_text(HOLDS_STILL)
+    p = subprocess.Popen(
+        [sys.executable, str(script), "reset" if reset else "keep"],
+        env={**os.environ, env.STACKS_DIR: str(tmp_path), "RANK": "3"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        found = stacks.dump(p.pid, tmp_path / "rank3.stacks", str(script))
+        if reset:
+            assert found is None and not stacks.catches(p.pid, stacks.STACKS_SIGNAL)
+        else:
+            assert found == "at holds_still.py:8 in <module>", found  # sleep is C: no frame
+        assert p.poll() is None  # alive either way
+    finally:
+        p.kill()
+        p.wait()

@@ -81,10 +81,14 @@ class TransomCheckpointIO(CheckpointIO):
 
     @property
     def engine(self) -> Any:
+        """Lightning saves the whole checkpoint from global rank 0 and every rank loads it all
+        (DDP: the same state everywhere), so the engine holds it as the one rank of a world of
+        one, marked the same on every rank (`replicated=("",)`): a step is then complete with
+        that one shard, and any rank reads it back whole."""
         if self._engine is None:
             from transom import checkpoint
 
-            self._engine = checkpoint.Engine()
+            self._engine = checkpoint.Engine(rank=0, world_size=1)
         return self._engine
 
     def save_checkpoint(
@@ -116,8 +120,9 @@ class TransomCheckpointIO(CheckpointIO):
 
 
 def write_marker(path: Path, step: int) -> None:
+    """Write the marker atomically; ranks sharing a file system may write the same one at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({MARKER_KEY: step}))
     os.replace(tmp, path)
 

@@ -1,6 +1,6 @@
 """Where each stuck rank is: its Python stacks, taken by the agent before a hang is acted on.
 
-The worker bootstrap (transom.control.bootstrap) registers `faulthandler` on STACKS_SIGNAL,
+The worker bootstrap (transom.control.bootstrap) registers `faulthandler` on STACKS_SIGNAL (SIGURG),
 writing every thread's stack to the rank's stacks file (RUN_DIR/logs/gNNN/rankR.stacks) after
 a first line `READY<pid>`. When no rank of its node finished a step for half the time that
 would make a hang (`suspect_after`), the agent's monitor asks a `StackCollector` for the ranks'
@@ -12,8 +12,9 @@ frame's line). The node's monitor summary carries that line per rank, so the con
 anomaly can say "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57"; the full stacks
 stay in the files.
 
-What it must never do: signal a process that did not register the handler (the signal's default
-action ends a process: only a stacks file whose first line names that very pid is signalled),
+What it must never do: signal a process that did not register the handler (only a stacks file
+whose first line names that very pid is signalled, and only while the process catches the
+signal; its default action is to be ignored, should a library have reset the handler since),
 block the agent's loop (the collection runs in a thread of its own), or trust the file's content
 (it is parsed defensively and bounded).
 """
@@ -31,8 +32,10 @@ from pathlib import Path
 
 import psutil
 
-# A real-time signal nothing else in a worker uses (glibc keeps those below SIGRTMIN).
-STACKS_SIGNAL = signal.SIGRTMIN + 4
+# A signal whose default action is to be ignored: a library that resets every handler (as
+# Lightning's signal connector does at its teardown) leaves the process safe from it. Nothing in
+# a training process uses it (it announces a socket's out-of-band data, when asked for).
+STACKS_SIGNAL = signal.SIGURG
 READY = "transom stacks of pid "
 MAX_DUMP_BYTES = 256 * 1024
 DUMP_WAIT_S = 2.0
@@ -148,10 +151,23 @@ def handler_ready(path: Path, pid: int) -> bool:
     return first == f"{READY}{pid}"
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` now (the SigCgt mask of /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def dump(pid: int, path: Path, script: str, timeout_s: float = DUMP_WAIT_S) -> str | None:
     """Signal `pid` to dump its stacks into `path`; its main thread's `where`, or None when
-    the handler is not there or nothing came within `timeout_s`."""
-    if not handler_ready(path, pid):
+    the handler is not there (never registered, or reset since) or nothing came within
+    `timeout_s`."""
+    if not handler_ready(path, pid) or not catches(pid, STACKS_SIGNAL):
         return None
     try:
         before = path.stat().st_size

@@ -1,0 +1,56 @@
+"""End to end: a Lightning DDP script with Transom's one-liners (tests/scripts/lightning_job.py:
+`TransomCallback`, `TransomCheckpointIO`, `ckpt_path=resume_path(...)`) under `transom run` on
+2 nodes. A NaN loss on rank 1 is rolled back to the checkpoint before it; a node's death is
+recovered from the in-memory tiers (the restore events say memory and peer, not storage); both
+jobs end with the weights of a fault-free run, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "lightning_job.py")
+ARGS = ["--steps", "40", "--step-delay", "0.1"]
+
+
+def final_weights(job) -> dict:
+    return torch.load(job.run_dir / "checkpoints" / "final.pt", weights_only=True)
+
+
+def events(job, kind: str) -> list[dict]:
+    return [e for e in job.events() if e["kind"] == kind]
+
+
+def test_a_nan_is_rolled_back_and_a_node_death_resumes_from_memory_bit_identical(start_job):
+    reference = start_job("--nnodes", "2", SCRIPT, *ARGS)
+    assert reference.wait(timeout=300) == 0, reference.output
+    expected = final_weights(reference)
+
+    nan = start_job("--nnodes", "2", SCRIPT, *ARGS, "--nan-step", "22")
+    assert nan.wait(timeout=300) == 0, nan.output
+    found = [e for e in events(nan, "anomaly") if e.get("type") == "nan"]
+    assert found and found[0]["step"] == 22 and found[0]["ranks"] == [1], found
+    assert [e["rollback_before"] for e in events(nan, "rollback")] == [22]
+    restarted = [e for e in events(nan, "generation") if e["generation"] == 2]
+    assert restarted and restarted[0]["restore_step"] == 20, restarted  # Lightning's step-20 save
+    weights = final_weights(nan)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+    death = start_job(
+        *("--nnodes", "2", "--spares", "1", "--faults", "kill@step=23:node=node1"),
+        SCRIPT,
+        *ARGS,
+    )
+    assert death.wait(timeout=300) == 0, death.output
+    restored = [e for e in events(death, "checkpoint") if e.get("action") == "restored"]
+    # Both ranks read the step-20 checkpoint from memory: node0's own, and the spare from node0.
+    assert {e["step"] for e in restored} == {20}, restored
+    assert sorted(e["tier"] for e in restored) == ["memory", "peer"], restored
+    weights = final_weights(death)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
