@@ -40,3 +40,20 @@ def test_a_nan_loss_is_found_at_its_step(tmp_path):
         _, events = monitor.collect()
     nans = [e.to_dict() for e in events if e.to_dict().get("type") == "nan"]
     assert nans and nans[0]["step"] == 5 and nans[0]["ranks"] == [0], nans
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "sent"),
+    [
+        ("model.safetensors", 0, True),
+        ("optimizer.pt", 1, False),
+        ("rng_state_0.pth", 0, True),
+        ("rng_state_1.pth", 0, False),
+        ("rng_state_1.pth", 1, True),
+        ("rng_state.pth", 0, True),
+    ],
+)
+def test_each_rank_sends_its_own_files_of_a_checkpoint_folder(name, rank, sent):
+    from transom.integrations import hf
+
+    assert hf._own_file(name, rank) is sent

@@ -1,4 +1,6 @@
-"""Hugging Face `Trainer` in one line: `Trainer(..., callbacks=[TransomCallback()])`.
+"""Hugging Face `Trainer` in one line: `Trainer(..., callbacks=[TransomCallback()])`, and its
+checkpoints through transom.checkpoint in two: `TransomCheckpoints()` among the callbacks and
+`trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))`.
 
 The callback reports each optimizer step to the node agent with the Trainer's own step number
 (`state.global_step`, which a resumed Trainer continues) and that step's training loss, so the
@@ -8,18 +10,58 @@ step and its wait in collectives. The loss is taken from the model's own output 
 `outputs.loss` in training mode, averaged over gradient-accumulation micro-batches), so no
 `logging_steps=1` is needed; reading it costs one `.item()` a micro-batch.
 
-What it must never do: change the Trainer's control flow or raise into training (every hook
-swallows its errors; without Transom it does nothing but its bookkeeping).
+`TransomCheckpoints` sends each rank's files of every checkpoint the Trainer saved
+(`checkpoint-N/`: rank 0 the model, optimizer, scheduler and trainer state, every rank its RNG
+state) through transom.checkpoint, as uint8 tensors: node memory at once, a peer's memory and
+storage in the background. `resume_checkpoint(output_dir)` writes the step the controller chose
+to restore (TRANSOM_RESTORE_STEP: before a NaN after a rollback; the newest complete one after a
+crash) back as a checkpoint folder of this rank's own, from the fastest tier that holds it, and
+returns its path for the Trainer's own resume (weights, optimizer, RNG, data position); None
+for a fresh start.
+
+What it must never do: change the Trainer's control flow or raise into training from a report
+(every hook swallows its errors; without Transom it does nothing but its bookkeeping).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
+from transom.common import env
 from transom.integrations import steps
+
+FILES = "files"
+_RNG = re.compile(r"rng_state(_\d+)?\.pth$")
+_engine: Any = None
+
+
+def engine() -> Any:
+    """This process's transom.checkpoint.Engine (under `transom run`, on the node's server)."""
+    global _engine
+    if _engine is None:
+        from transom import checkpoint
+
+        _engine = checkpoint.Engine()
+    return _engine
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _own_file(name: str, rank: int) -> bool:
+    """Rank 0 sends the whole folder but the other ranks' RNG states; others their RNG state."""
+    if _RNG.fullmatch(name):
+        return name in (f"rng_state_{rank}.pth", "rng_state.pth")
+    return rank == 0
 
 
 class TransomCallback(TrainerCallback):
@@ -66,3 +108,48 @@ class TransomCallback(TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class TransomCheckpoints(TrainerCallback):
+    """Sends every checkpoint folder the Trainer saves through transom.checkpoint."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = int(state.global_step)
+        folder = Path(args.output_dir) / f"checkpoint-{step}"
+        rank = _rank()
+        files = {
+            f.name: torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8)
+            for f in sorted(folder.iterdir())
+            if f.is_file() and _own_file(f.name, rank)
+        }
+        handle = engine().save(step, {FILES: files})
+        if not handle.ok:
+            raise OSError(f"transom checkpoint of step {step} refused: {handle.error}")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        global _engine
+        if _engine is not None:
+            _engine.close()
+            _engine = None
+
+
+def resume_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint folder to resume from: the controller's restore step, written back from
+    transom.checkpoint into OUTPUT_DIR/transom-restore/rankR/checkpoint-N; None when the plan
+    names no step (a fresh start)."""
+    text = os.environ.get(env.RESTORE_STEP)
+    if not text or not text.isdigit():
+        return None
+    step, rank = int(text), _rank()
+    own = engine().load(step=step)
+    shards = [own] if rank == 0 else [engine().load(step=step, rank=0), own]
+    if any(shard is None or FILES not in shard for shard in shards):
+        raise FileNotFoundError(f"no transom checkpoint of step {step} for rank {rank}")
+    folder = Path(output_dir) / "transom-restore" / f"rank{rank}" / f"checkpoint-{step}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for shard in shards:
+        for name, data in shard[FILES].items():
+            if not _RNG.fullmatch(name) or _own_file(name, rank):
+                (folder / os.path.basename(name)).write_bytes(data.numpy().tobytes())
+    return str(folder)
