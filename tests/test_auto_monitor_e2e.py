@@ -97,3 +97,27 @@ def test_a_stopped_rank_of_an_unmodified_hf_trainer_script_is_found_and_replaced
     theirs = load_file(reference.run_dir / "checkpoints" / "hf" / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_throttled_node_of_an_unmodified_ddp_script_is_the_straggler_the_others_wait_for(
+    start_job,
+):
+    """The wait DDP's all-reduce spends, timed by the bootstrap's communication hook, names the
+    node the others wait for: rank 1 run 1/3 of the time from outside (SIGSTOP/SIGCONT every
+    0.1 s) is found within 30 steps and replaced by the spare."""
+    job = start_job(
+        *("--nnodes", "2", "--spares", "1", "--faults", "throttle@step=20:node=node1:factor=3"),
+        TOY,
+        *("--steps", "150", "--step-delay", "0.05"),
+    )
+    assert job.wait() == 0, job.output
+    fault = next(e for e in job.events() if e["kind"] == "fault")
+    straggler = next((e for e in job.events() if e.get("type") == "straggler"), None)
+    assert straggler is not None, [(e["kind"], e["message"]) for e in job.events()]
+    assert straggler["nodes"] == ["node1"] and straggler["ranks"] == [1]
+    assert "the one the others wait for" in straggler["message"]
+    evidence = straggler["evidence"]
+    assert evidence["peers_wait_s"] > evidence["wait_s"]  # rank 0 waits in DDP's all-reduce
+    assert 0 < straggler["step"] - fault["step"] <= 30, (fault["step"], straggler["step"])
+    assert "node1" in job.status()["job"]["evicted"]
+    assert not [e for e in job.events() if e.get("type") == "hang"]
