@@ -65,6 +65,12 @@ def test_a_stopped_rank_of_an_unmodified_ddp_script_is_found_with_stacks_and_rep
     stopped_at = time.time()
     assert job.wait() == 0, job.output
     assert_hang_found_with_stacks(job, stopped_at, "ddp_toy.py")
+    # The run report's incidents say it too.
+    from transom.report import write_report
+
+    summary = write_report(job.run_dir)
+    causes = [i["cause"] or "" for i in summary["incidents"]]
+    assert any("rank 1: stopped; rank 0: in backward at ddp_toy.py:" in c for c in causes), causes
     # The same job without a fault: the final weights are bit-identical.
     reference = start_job("--nnodes", "2", TOY, *ARGS)
     assert reference.wait() == 0, reference.output
