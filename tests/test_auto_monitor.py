@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TOY, monitored_ranks, ranks_finished, wait_for
+from conftest import TOY, monitored_ranks, rank_logs, ranks_finished, wait_for
 
 from transom.common import env
 from transom.monitor import stacks
@@ -206,3 +206,46 @@ def test_a_rank_is_signalled_only_while_it_catches_the_signal(tmp_path, reset):
     finally:
         p.kill()
         p.wait()
+
+
+USER_HOOK = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+calls = []
+
+
+def hook(state, bucket):
+    calls.append(1)
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+if sys.argv[1] == "before":
+    model.register_comm_hook(None, hook)
+for step in range(6):
+    if sys.argv[1] == "after" and step == 2:
+        model.register_comm_hook(None, hook)
+    loss = model(torch.ones(2, 4) * (dist.get_rank() + 1)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(f"calls={len(calls)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("when", "calls"), [("before", 6), ("after", 4)])
+def test_a_scripts_own_ddp_hook_is_kept_before_or_after_the_first_forward(tmp_path, when, calls):
+    """DDP takes one communication hook per model: the script's own, registered before the first
+    forward, is left alone (ours is not added); registered after it, it runs inside ours."""
+    script = tmp_path / "user_hook.py"
+    script.write_text(USER_HOOK)
+    with monitored_ranks(tmp_path, script, [when]) as (monitor, procs):
+        ranks_finished(procs, tmp_path)
+        wait_for(lambda: monitor.steps() == {0: 5, 1: 5}, 10, "every step")
+    assert rank_logs(tmp_path).count(f"calls={calls}") == 2, rank_logs(tmp_path)
