@@ -23,6 +23,7 @@ by a newly started one, which joins as a spare, so the pool of spares stays full
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -33,11 +34,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 
 from transom.checkpoint.shm_dirs import default_shm_dir
+from transom.checkpoint.storage_claim import ANY_JOB, Claim, StorageBusy, adopt
+from transom.checkpoint.storage_claim import claim as claim_storage
 from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
@@ -116,6 +120,10 @@ class Launch:
     # one launcher of a job needs to; the others follow the job record alone.
     mirror: bool = True
     total_steps: int | None = None  # shown in the live view's progress bar when known
+    # Start over instead of resuming from what the checkpoint storage holds (storage_claim.py);
+    # with discard_storage also remove the steps there.
+    fresh: bool = False
+    discard_storage: bool = False
     children: list[Child] = field(default_factory=list)
 
 
@@ -132,6 +140,7 @@ class Launcher:
         self._local_nodes: list[str] = []
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
         self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
+        self.claim: Claim | None = None  # this job's hold on its checkpoint storage
 
     @property
     def connected(self) -> Store:
@@ -166,18 +175,65 @@ class Launcher:
         return store
 
     def _publish_spec(self) -> None:
+        """Publish this machine's spec, unless another machine did: after this job has claimed
+        the spec's checkpoint storage, and (the first machine) listed the steps there it
+        resumes from (storage_claim.py), so that its first plan restores the newest of them."""
         job = _job_record(self.connected.get(keys.JOB))
         if job and job.state.terminal:
             raise ConfigError(
                 f"job {self.launch.spec.job_id} already ended ({job.state.value}); "
                 f"choose another --job-id"
             )
-        if not self.connected.create(keys.SPEC, self.launch.spec.to_dict()):
+        existing = self.connected.get(keys.SPEC)
+        spec = (
+            parse_spec(existing, self.launch.spec.job_id, check_script=True)
+            if existing is not None
+            else self.launch.spec
+        )
+        if spec.ckpt_storage is None:  # the default, made explicit for every machine
+            spec.ckpt_storage = str(self.launch.run_dir / files.CHECKPOINTS)
+        self._claim(Path(spec.ckpt_storage))
+        if existing is None and self.claim is not None and self.claim.steps:
+            self._resume_from(self.claim)
+        if not self.connected.create(keys.SPEC, spec.to_dict()):
             # This machine's agents will run what another machine wrote: check it first.
             theirs = parse_spec(
                 self.connected.get(keys.SPEC), self.launch.spec.job_id, check_script=True
             )
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
+
+    def _claim(self, root: Path) -> None:
+        """Hold `root` for this job for as long as this launcher runs; ConfigError when another
+        live job holds it or it cannot be written."""
+        L = self.launch
+        try:
+            self.claim = claim_storage(root, L.spec.job_id, L.fresh, L.discard_storage)
+        except StorageBusy as e:
+            raise ConfigError(str(e)) from None
+        except OSError as e:
+            raise ConfigError(
+                f"checkpoint storage {root} cannot be written: {e.strerror or e}"
+            ) from None
+
+    def _resume_from(self, claim: Claim) -> None:
+        """List the steps `claim` resumes from in the job's catalog, and say so first thing."""
+        adopted = adopt(self.connected, claim.root, claim.steps)
+        if not adopted:
+            return
+        whose = "" if claim.resumes in (None, ANY_JOB) else f" of job {claim.resumes}"
+        message = (
+            f"resuming from step {adopted[0]}{whose} in {claim.root} ({len(adopted)} complete "
+            f"step(s) there; --fresh starts over)"
+        )
+        log.warning("%s", message)
+        self._event(
+            EventKind.CHECKPOINT,
+            message,
+            action="resume",
+            step=adopted[0],
+            resumes=claim.resumes,
+            storage=str(claim.root),
+        )
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
@@ -352,11 +408,14 @@ class Launcher:
             f"directory (restart {self.etcd.restarts})",
         )
 
-    def _event(self, kind: EventKind, message: str) -> None:
-        """Record a control-plane event; one etcd cannot take now (a log line says so) is
-        recorded after a later poll that reached etcd (one just after an outage may still
-        find its writes slow)."""
-        self._unrecorded.append(Event(time.time(), kind, message))
+    def _event(self, kind: EventKind, message: str, **fields: Any) -> None:
+        """Record a control-plane event (`fields`: Event's own, or kept in its `extra`); one
+        etcd cannot take now (a log line says so) is recorded after a later poll that reached
+        etcd (one just after an outage may still find its writes slow)."""
+        own = {f.name for f in dataclasses.fields(Event)}
+        extra = {k: v for k, v in fields.items() if k not in own}
+        named = {k: v for k, v in fields.items() if k in own}
+        self._unrecorded.append(Event(time.time(), kind, message, **named, extra=extra))
         if not self._record():
             log.warning("%s (not recorded in etcd yet: it does not answer)", message)
 
@@ -443,6 +502,9 @@ class Launcher:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
 
 def _job_record(value: object) -> JobRecord | None:
