@@ -232,9 +232,14 @@ def start_job(tmp_path):
     jobs: list[Job] = []
 
     def start(
-        *args: str, env: dict | None = None, job_id: str | None = None, command: str = "run"
+        *args: str,
+        env: dict | None = None,
+        job_id: str | None = None,
+        command: str = "run",
+        run_dir: Path | None = None,
     ) -> Job:
-        job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id, command)
+        run_dir = run_dir or tmp_path / f"run{len(jobs)}"
+        job = Job(run_dir, [str(a) for a in args], env, job_id, command)
         jobs.append(job)
         return job
 

@@ -75,12 +75,15 @@ def test_a_rerun_resumes_from_storage_with_a_new_job_id_and_with_the_same(
     assert f"[train_gpt] restored step={newest}" in second.log_text()
     _old_steps_kept(store, old, second.job_id)
 
-    # The same job id again, from a new run directory: it goes on from its own newest step.
+    # The same job id again, in the same run directory (its default): it goes on from its own
+    # newest step, with a control plane of its own (the earlier run's files are kept aside).
     mine = storage.complete_steps(store)[0]
-    third = start_job(*_args(store, mine + 10), job_id=second.job_id)
+    third = start_job(*_args(store, mine + 10), job_id=second.job_id, run_dir=second.run_dir)
     assert third.wait() == 0, third.output
     assert _resume_event(third)["step"] == mine
     assert _first_generation(third)["restore_step"] == mine
+    assert [e["kind"] for e in third.events()][:2] == ["checkpoint", "leader"]  # its own record
+    assert len(list((second.run_dir / "previous").glob("*/events.jsonl"))) == 1
 
 
 def test_a_second_job_on_storage_a_live_job_holds_is_refused_and_deletes_nothing(

@@ -24,8 +24,10 @@ by a newly started one, which joins as a spare, so the pool of spares stays full
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -141,6 +143,7 @@ class Launcher:
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
         self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
         self.claim: Claim | None = None  # this job's hold on its checkpoint storage
+        self._run_dir_lock: int | None = None  # on one machine: the run directory's lock file
 
     @property
     def connected(self) -> Store:
@@ -149,9 +152,35 @@ class Launcher:
         return self.store
 
     # -- set-up -------------------------------------------------------------------------------
+    def _take_run_dir(self) -> None:
+        """On one machine: hold the run directory for this launcher (ConfigError when another
+        `transom run` holds it), and move what an earlier run left there (its etcd's state of
+        a job that is over, its events and logs) to previous/TIME/, so a rerun in the same
+        folder starts its own control plane and record, and loses nothing."""
+        run_dir = self.launch.run_dir
+        fd = os.open(run_dir / files.LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"run directory {run_dir} is in use by another `transom run`; give this one "
+                "another --run-dir"
+            ) from None
+        self._run_dir_lock = fd
+        left = [n for n in files.RUN_STATE if (run_dir / n).exists()]
+        if not left:
+            return
+        previous = run_dir / files.PREVIOUS_RUNS / time.strftime("%Y%m%d-%H%M%S")
+        previous.mkdir(parents=True, exist_ok=True)
+        for name in left:
+            os.replace(run_dir / name, previous / name)
+        log.warning("an earlier run's files in %s moved to %s", run_dir, previous)
+
     def _connect(self) -> Store:
         L = self.launch
         if L.store is None:
+            self._take_run_dir()
             self.etcd = EmbeddedEtcd(
                 L.run_dir / files.ETCD,
                 log_path=files.log_file(L.run_dir, "etcd"),
@@ -505,6 +534,9 @@ class Launcher:
         if self.claim is not None:
             self.claim.release()
             self.claim = None
+        if self._run_dir_lock is not None:
+            os.close(self._run_dir_lock)
+            self._run_dir_lock = None
 
 
 def _job_record(value: object) -> JobRecord | None:
