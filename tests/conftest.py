@@ -26,6 +26,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from jobs import (  # noqa: E402, F401
     SMALL_GPT,
     agent_process,
+    embedded_etcd,
+    etcd_access,
     etcd_requests_by_method,
     job_processes,
     wait_for,

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, replication, reshard, shard_format, tiers
+from transom.checkpoint import agreement, layout, replication, reshard, shard_format, tiers
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -363,7 +363,8 @@ class Engine:
     ) -> Any:
         """The state saved at `step` (default: under a launcher the plan's restore step, None
         when it names none - a fresh start, never the newest step, which may be poisoned; without
-        one the newest restorable), bit for bit; None when there is nothing to restore. Tensors
+        one the newest step every rank can load, the same on every rank: agreement.py), bit for
+        bit; None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
         "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
         world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
@@ -372,24 +373,19 @@ class Engine:
         if step is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
             return None
-        candidates = [step] if step is not None else self.steps()
-        errors = []
-        for s in candidates:
-            try:
-                if rank is None:
-                    state = reshard.load(self, s, tier)
-                else:
-                    state = self._load_step(s, tier, rank)
-            except CheckpointError as e:
-                errors.append(str(e))
-                if step is not None:
-                    raise
-                log.warning("%s; trying an older step", e)
-                continue
-            return to_device(state, map_location) if map_location is not None else state
-        if errors:
-            raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
-        return None
+
+        def load_step(s: int) -> Any:
+            return reshard.load(self, s, tier) if rank is None else self._load_step(s, tier, rank)
+
+        if step is not None:
+            state = load_step(step)
+        else:  # no controller: every rank the same step, or none (agreement.py)
+            size = self.world_size if rank is None else 1  # one given rank's shard: no peers
+            agreed = agreement.agree(self.steps(), load_step, size, self.storage_dir)
+            if agreed is None:
+                return None
+            state = agreed[1]
+        return to_device(state, map_location) if map_location is not None else state
 
     def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
         """Walk the registered tiers (fastest first) and every copy each locates, until one
@@ -424,6 +420,8 @@ class Engine:
                         rank=rank,
                         tier=name,
                         error=str(e),
+                        holder_node=source.get("node"),
+                        corrupt=isinstance(e, shard_format.ShardError),  # not just unreachable
                     )
                     continue
                 took = time.perf_counter() - t0
