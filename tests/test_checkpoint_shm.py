@@ -311,3 +311,26 @@ def test_every_mapping_is_released_once_before_it_is_closed(tmp_path: Path) -> N
     cache.get(str(paths[2]), 4096)  # still mapped: no release
     cache.clear()
     assert released == [views["r0"], views["r1"], views["r2"]]
+
+
+def test_the_next_saves_region_is_mapped_before_that_save(tmp_path: Path) -> None:
+    """A worker maps the region of its next save in the background after each save, so that
+    save is a plain copy: the region the server hands it next is mapped already."""
+    import torch
+    from conftest import wait_for
+
+    from transom import checkpoint
+    from transom.checkpoint import reshard
+
+    state = {"w": torch.randn(1 << 18)}
+    nbytes = reshard.plan_state(state, 0, 0, 1).data_len
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        engine.save(1, state).wait("memory", timeout=30)
+        for step in (2, 3, 4, 5):  # new regions until memory's two steps and a spare rotate
+            wait_for(lambda: not engine._next._busy.locked(), 10, "the next region mapped")
+            mapped = set(engine._maps._maps)
+            probe = {"op": "reserve", "step": 100 + step, "rank": 0, "nbytes": nbytes}
+            reply = engine._request(probe | {"world_size": 1})  # what the next save is handed
+            engine._request({"op": "abort", "step": 100 + step, "rank": 0})
+            assert reply["path"] in mapped, (step, reply["path"], mapped)
+            engine.save(step, state).wait("memory", timeout=30)

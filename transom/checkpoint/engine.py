@@ -51,6 +51,7 @@ from transom.checkpoint.client import (
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.next_region import NextRegion
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.protocol import deadline_in
 from transom.checkpoint.shm import MappingCache
@@ -165,6 +166,7 @@ class Engine:
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
         self._pinned = PinnedRegions()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
+        self._next = NextRegion(self._request, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
@@ -274,6 +276,8 @@ class Engine:
         else:
             self._commit(handle, plan.header, persist, wait=False)
         handle.blocking_s = time.perf_counter() - t0
+        if handle.ok:
+            self._next.after(plan.data_len, step)
         return handle
 
     def _refused(self, step: int, error: str, report: bool = False) -> SaveHandle:
@@ -385,6 +389,7 @@ class Engine:
             if agreed is None:
                 return None
             state = agreed[1]
+        self._next.after(reshard.plan_state(state, 0, self.rank, self.world_size).data_len)
         return to_device(state, map_location) if map_location is not None else state
 
     def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
@@ -464,6 +469,7 @@ class Engine:
         disconnect."""
         for thread in self._pending:
             thread.join()
+        self._next.wait()
         self.connection.settle()  # the server has the last commit before it drains
         if self.server is not None and wait:
             self.server.drain()
