@@ -48,8 +48,9 @@ import uuid
 from pathlib import Path
 
 from detection_table import print_table
-from jobs import transom_run
 from monitor_overhead import measure as measure_overhead
+
+from transom.testing.jobs import transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"

@@ -54,7 +54,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jobs import Line, finish, parse, transom_run
+from transom.testing.jobs import Line, finish, parse, transom_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

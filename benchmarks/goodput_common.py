@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-from jobs import Line
+
+from transom.testing.jobs import Line
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

@@ -16,7 +16,8 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import Line, kill_marked, parse
+
+from transom.testing.jobs import Line, kill_marked, parse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import psutil
 import stats
-from jobs import (
+
+from transom.testing.jobs import (
     Line,
     embedded_etcd,
     etcd_access,

@@ -52,7 +52,8 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import agent_process, finish, parse, transom_run, wait_for
+
+from transom.testing.jobs import agent_process, finish, parse, transom_run, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"

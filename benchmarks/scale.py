@@ -54,7 +54,8 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import etcd_requests_by_method
+
+from transom.testing.jobs import etcd_requests_by_method
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

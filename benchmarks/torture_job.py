@@ -34,10 +34,17 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import SMALL_GPT, embedded_etcd, etcd_access, job_processes, transom_run, wait_for
 
 from transom.common import files, keys
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
+from transom.testing.jobs import (
+    SMALL_GPT,
+    embedded_etcd,
+    etcd_access,
+    job_processes,
+    transom_run,
+    wait_for,
+)
 from transom.utils.procs import new_session_dying_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,7 +316,7 @@ class ProxiedJob(Job):
     """The multi-machine mode's parts on one machine, each node behind its own etcd proxy."""
 
     def start(self) -> ProxiedJob:
-        from torture_proxy import StoreProxy
+        from transom.testing.store_proxy import StoreProxy
 
         self.etcd_server = EmbeddedEtcd(
             self.run_dir.parent / f"etcd-{uuid.uuid4().hex[:6]}",

@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 
 import psutil
-from jobs import wait_for
 from torture_job import CKPT_EVERY, STEP_DELAY_S, Job
 from torture_scenarios import NOTHING_LOST, SHORT, Scenario
 
 from transom.common import keys
+from transom.testing.jobs import wait_for
 
 VICTIMS = ("worker", "server", "agent")
 MIXED_STEPS = 120  # room for 6-8 kills (a server's restart takes seconds of training)

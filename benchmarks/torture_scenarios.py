@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
-from jobs import wait_for
 from torture_job import Job
 from torture_measure import ExitWatch
 
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import keys
+from transom.testing.jobs import wait_for
 
 FAULT_STEP = 8
 NODE_TTL_S = 4  # JobSpec.node_ttl_s's default, which the jobs use

@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from torture import BY_NAME, run_trial  # noqa: E402
 from torture_measure import steps_lost  # noqa: E402
-from torture_proxy import StoreProxy  # noqa: E402
 from torture_scenarios import check  # noqa: E402
+
+from transom.testing.store_proxy import StoreProxy  # noqa: E402
 
 # The fast subset: an etcd stall every node sees, a dead controller leader, a dead node.
 FAST = ["etcd_stop_2s", "controller_kill_running", "agent_sigkill"]

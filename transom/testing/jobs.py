@@ -1,4 +1,4 @@
-"""What the benchmarks (and the end-to-end tests, through tests/conftest.py) running jobs share:
+"""What the benchmarks and the tests that run jobs share (tests/conftest.py re-exports it):
 the `transom run` command line, its progress lines, waiting with a deadline, finding and
 stopping a job's processes, reaching a job's embedded etcd and counting the requests it received.
 

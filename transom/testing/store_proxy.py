@@ -1,4 +1,4 @@
-"""A TCP proxy in front of etcd that the torture suite controls: pass, blackhole, or delay.
+"""A TCP proxy in front of etcd that a test or the torture suite controls: pass, blackhole, delay.
 
 One `StoreProxy` listens on a free loopback port and forwards every connection to etcd byte for
 byte (TLS passes through untouched: the client still authenticates etcd and itself end to end).
@@ -11,7 +11,7 @@ controllers keep their way in, or make the whole store slow:
   delay      every chunk a client sends is held `delay_s` before it is forwarded (in order), so
              each request takes at least that long to be answered
 
-It is part of the benchmark harness: it never starts or stops etcd or any process of a job.
+It is part of the test harness: it never starts or stops etcd or any process of a job.
 """
 
 from __future__ import annotations
