@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, check lint, format and types, then run the tests.
 #   bash test.sh               the unit and integration tiers (minutes)
-#   bash test.sh --all         every test, the e2e tier's whole jobs included (about half an hour)
+#   bash test.sh --all         every test, the e2e tier's whole jobs included (over half an hour)
 # Other options go to pytest after the tier choice, so they may narrow it or replace it:
 #   bash test.sh -k checkpoint        bash test.sh --all -m e2e        bash test.sh tests/test_cli.py
 # The tiers (unit, integration, e2e) and how a test gets one: docs/testing.md.
