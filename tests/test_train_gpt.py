@@ -15,6 +15,9 @@ import pytest
 import torch
 from conftest import SMALL_GPT
 
+# Whole training jobs of the example (torchrun, several runs a test): seconds to half a minute each.
+pytestmark = pytest.mark.e2e
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 # Small model and batch so that three torchrun jobs fit in well under a minute on two cores.
 SMALL = SMALL_GPT
@@ -76,7 +79,6 @@ def _torchrun(nproc: int, *args: str, cwd: Path) -> str:
     )
 
 
-@pytest.mark.integration
 def test_single_process_trains(tmp_path: Path) -> None:
     out = _run(
         [
@@ -101,7 +103,6 @@ def test_single_process_trains(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()  # --ckpt-every defaults to 20: no checkpoint yet
 
 
-@pytest.mark.integration
 def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = [
@@ -128,7 +129,6 @@ def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:
     assert "[train_gpt] done step=7 rank=0" in out, out
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["transom", "torch"])
 def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     steps, every = 12, 3
@@ -226,7 +226,6 @@ def _with_faults(faults: list[dict], tmp_path: Path) -> dict[str, str]:
     return _env() | {"TRANSOM_MONITOR_SOCKET": nowhere, "TRANSOM_FAULTS": json.dumps(faults)}
 
 
-@pytest.mark.integration
 def test_fail_on_nan_stops_the_run_and_a_restart_resumes_past_the_fault(tmp_path: Path) -> None:
     env = _with_faults(
         [
@@ -303,7 +302,6 @@ def test_collective_timeout_ends_a_job_whose_peer_stalls(tmp_path: Path) -> None
     assert seconds < 15, f"the job took {seconds:.1f} s to fail"
 
 
-@pytest.mark.integration
 def test_resumes_after_a_shrink_and_after_a_grow(tmp_path: Path) -> None:
     """3 ranks train to step 4; 2 ranks resume there (resharded) and train to step 6; 3 ranks
     resume at step 6. Never from step 0: every value train_gpt saves is declared replicated."""

@@ -1,11 +1,11 @@
-"""The detection benchmark's table (benchmarks/detection.py): its result dict, printed for people.
+"""The detection benchmark's table (benchmarks/detection/main.py): its result, printed for people.
 
 It only formats; it never runs a job and never changes the result.
 """
 
 from __future__ import annotations
 
-from monitor_overhead import describe as describe_overhead
+from benchmarks.monitor.overhead import describe as describe_overhead
 
 
 def fmt(value, spec="{:.2f}") -> str:

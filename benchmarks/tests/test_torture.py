@@ -1,4 +1,4 @@
-"""The torture suite (benchmarks/torture.py): its proxy and checks, and a fast subset of its
+"""The torture suite (benchmarks/torture/main.py): its proxy and checks, and a fast subset of its
 scenarios run end to end, each asserting what issue 11 asks (the job succeeds, no restart or
 eviction the fault should not cost, final weights bit-identical to a fault-free run, nothing
 left behind)."""
@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import random
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from torture import BY_NAME, run_trial  # noqa: E402
-from torture_measure import steps_lost  # noqa: E402
-from torture_scenarios import check  # noqa: E402
-
-from transom.testing.store_proxy import StoreProxy  # noqa: E402
+from benchmarks.torture.main import BY_NAME, run_trial
+from benchmarks.torture.measure import steps_lost
+from benchmarks.torture.scenarios import check
+from transom.testing.store_proxy import StoreProxy
 
 # The fast subset: an etcd stall every node sees, a dead controller leader, a dead node.
 FAST = ["etcd_stop_2s", "controller_kill_running", "agent_sigkill"]

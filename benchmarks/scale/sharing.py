@@ -1,4 +1,4 @@
-"""What the simulated node agents of one process share, for benchmarks/scale_agents.py.
+"""What the simulated node agents of one process share, for benchmarks/scale/agents.py.
 
 Hundreds of real NodeAgents in one process cannot each keep a watch stream, a renewal thread and
 a pause-guard thread (the simulator would starve, keep-alives would come late and nodes flap),
@@ -12,7 +12,7 @@ requests:
     (`SharedPauseGuard`);
   - `TurnSweep`: each agent's real loop turn (`NodeAgent._step`), run every TICK_S and at once
     when the plan stream delivers, by one of SWEEPERS threads instead of the agent's own.
-scale_agents.py's docstring says how each differs from a real agent. This module never starts
+agents.py's docstring says how each differs from a real agent. This module never starts
 a process and never touches etcd but through the agents' own stores.
 """
 
@@ -23,13 +23,9 @@ import itertools
 import logging
 import math
 import queue
-import sys
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 from transom.common import keys  # noqa: E402
 from transom.control.agent import TICK_S, NodeAgent  # noqa: E402
 from transom.control.lease_keeper import LeaseKeeper  # noqa: E402

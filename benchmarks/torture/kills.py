@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 
 import psutil
-from torture_job import CKPT_EVERY, STEP_DELAY_S, Job
-from torture_scenarios import NOTHING_LOST, SHORT, Scenario
 
+from benchmarks.torture.job import CKPT_EVERY, STEP_DELAY_S, Job
+from benchmarks.torture.scenarios import NOTHING_LOST, SHORT, Scenario
 from transom.common import keys
 from transom.testing.jobs import wait_for
 

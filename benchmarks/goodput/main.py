@@ -38,8 +38,8 @@ Measured for each system, from rank 0's progress lines (`step N loss X t=...`):
                time from the injection to the next fault (or the end) over the normal pace.
 Headline: sooner_x = (torchrun wall_s - transom wall_s) / torchrun wall_s (target >= 0.28, aim 0.5).
 
-    python benchmarks/goodput.py                 # a table (takes ~6 minutes a trial on 2 cores)
-    python benchmarks/goodput.py --json          # the table, then one JSON object on the last line
+    python -m benchmarks.goodput                 # a table (takes ~6 minutes a trial on 2 cores)
+    python -m benchmarks.goodput --json          # the table, then one JSON object on the last line
 """
 
 from __future__ import annotations
@@ -54,11 +54,7 @@ import time
 import uuid
 from pathlib import Path
 
-from transom.testing.jobs import Line, finish, parse, transom_run
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from goodput_common import (  # noqa: E402
+from benchmarks.goodput.common import (  # noqa: E402
     BASELINE_FAULTS,
     CKPT_EVERY,
     COLLECTIVE_TIMEOUT_S,
@@ -77,10 +73,10 @@ from goodput_common import (  # noqa: E402
     show_progress,
     worker_env,
 )
-from goodput_torchrun import TorchrunJob  # noqa: E402
-
+from benchmarks.goodput.torchrun import TorchrunJob  # noqa: E402
 from transom.config import ConfigError  # noqa: E402
 from transom.faults import parse_schedule  # noqa: E402
+from transom.testing.jobs import Line, finish, parse, transom_run
 
 # -- the fault-free reference ----------------------------------------------------------------------
 

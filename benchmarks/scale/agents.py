@@ -1,4 +1,4 @@
-"""Many simulated node agents in one process, for benchmarks/scale.py.
+"""Many simulated node agents in one process, for benchmarks/scale/main.py.
 
 Each simulated node is a real `transom.control.agent.NodeAgent` (its registration under a lease,
 lease keep-alive, the plan followed through etcd, generation following, status and monitor
@@ -14,7 +14,7 @@ replaced by stand-ins:
     of real checkpoint servers, catalog entries included, and of link tests is not in the
     numbers).
 What a real agent has alone, the simulated agents of one process share where etcd and the
-controller still see the same per node (benchmarks/scale_sharing.py; injected into
+controller still see the same per node (benchmarks/scale/sharing.py; injected into
 transom.control.agent like the stand-ins; transom/control is unchanged):
   - the plan watch: one watch stream per process (`SharedPlanStream`) instead of one per node;
     each agent's real PlanFollower gets every update the moment the stream delivers it (a queue
@@ -69,9 +69,7 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from scale_sharing import (  # noqa: E402
+from benchmarks.scale.sharing import (  # noqa: E402
     GUARDS,
     RENEWALS,
     STREAM,
@@ -80,7 +78,6 @@ from scale_sharing import (  # noqa: E402
     SharedPauseGuard,
     SharedPlanFollower,
 )
-
 from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402

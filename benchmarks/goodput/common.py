@@ -1,6 +1,6 @@
 """What the goodput benchmark's parts share: its constants, worker environment, and measures.
 
-Used by goodput.py (see its docstring for what is measured) and goodput_torchrun.py. This module
+Used by main.py (see its docstring for what is measured) and torchrun.py. This module
 never starts a job.
 """
 
@@ -15,11 +15,9 @@ from pathlib import Path
 
 import torch
 
-from transom.testing.jobs import Line
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO
 from transom.common import env as env_names  # noqa: E402
+from transom.testing.jobs import Line
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 NODES = 4

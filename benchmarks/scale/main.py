@@ -6,7 +6,7 @@ for a 1,024-node job rather than the 4 s default meant for small jobs (Kubernete
 40 s; a dead node's workers are found by their exit and the monitor long before its lease
 expires); agents renew it every TTL/4), two real `transom controller` candidates (processes,
 as `transom run` starts them), and N + 1 simulated node agents spread over a few processes
-(benchmarks/scale_agents.py: each a real NodeAgent whose workers, monitor, checkpoint server and
+(benchmarks/scale/agents.py: each a real NodeAgent whose workers, monitor, checkpoint server and
 pre-flight are stand-ins, and whose plan watch stream, renewal thread and pause-guard thread
 are shared by the agents of a process; its docstring says how they differ from real agents).
 It measures (and reports node_ttl_s with each size):
@@ -33,7 +33,7 @@ Agents follow the plan and controllers the cluster through etcd watches. Numbers
 machine shared with other work are noisy; a size that does not start in --timeout seconds is
 reported with why, and larger sizes are skipped.
 
-    flock /work/wt/e2e.lock timeout 900 python benchmarks/scale.py --nodes 64,256,1024 --json
+    flock /work/wt/e2e.lock timeout 900 python -m benchmarks.scale --nodes 64,256,1024 --json
 
 This module starts etcd, controllers and simulator processes and stops every one of them.
 """
@@ -45,6 +45,7 @@ import base64
 import functools
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -55,10 +56,7 @@ from pathlib import Path
 
 import psutil
 
-from transom.testing.jobs import etcd_requests_by_method
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import REPO, child_env
 from transom.common import keys  # noqa: E402
 from transom.common.records import JobRecord  # noqa: E402
 from transom.common.states import JobState  # noqa: E402
@@ -66,6 +64,7 @@ from transom.config import JobSpec  # noqa: E402
 from transom.store import EmbeddedEtcd, Store, StoreError  # noqa: E402
 from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch  # noqa: E402
+from transom.testing.jobs import etcd_requests_by_method
 from transom.utils.procs import die_with_parent  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -221,7 +220,8 @@ def run_size(n: int, work: Path, args) -> dict:
                 p = subprocess.Popen(
                     [
                         sys.executable,
-                        str(Path(__file__).parent / "scale_agents.py"),
+                        "-m",
+                        "benchmarks.scale.agents",
                         *etcd.access.argv(),
                         "--job-id",
                         job_id,
@@ -233,6 +233,7 @@ def run_size(n: int, work: Path, args) -> dict:
                     ],
                     stdout=f,
                     stderr=subprocess.STDOUT,
+                    env=child_env(os.environ),
                     preexec_fn=TERM_WITH_PARENT,
                 )
             children.append(p)

@@ -14,13 +14,13 @@ blocks a pair's ratio is noisy, and the mean of a noisy ratio is biased upwards 
 square of the step time's coefficient of variation; `overhead_pair_mean_x` shows it). It leaves
 out: the worker's sender thread (a heartbeat twice a second, a look for steps waiting ten times)
 runs in both halves, and start-up (opening the channel) in neither; the run pairs of
-monitor_overhead.py include both. The sender thread sends an "on" block's steps while it runs;
+overhead.py include both. The sender thread sends an "on" block's steps while it runs;
 those still waiting when it ends are sent before its time is taken, so none cost an "off" block
 (with blocks of one step most are sent by the main thread then: blocks of 20+ steps are fair to
 the thread).
 
-    python benchmarks/monitor_blocks.py --pairs 250 --block-steps 25
-    python benchmarks/monitor_blocks.py --json      # last line: JSON
+    python -m benchmarks.monitor.blocks --pairs 250 --block-steps 25
+    python -m benchmarks.monitor.blocks --json      # last line: JSON
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import stats
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import child_env, stats
 from transom.common import env as env_names  # noqa: E402
 from transom.monitor import reporter  # noqa: E402
 
@@ -114,7 +110,8 @@ def measure(pairs: int, block_steps: int, batch_s: float) -> dict:
         out = subprocess.run(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                "benchmarks.monitor.blocks",
                 "--child",
                 "--pairs",
                 str(pairs),
@@ -123,7 +120,7 @@ def measure(pairs: int, block_steps: int, batch_s: float) -> dict:
                 "--batch-s",
                 str(batch_s),
             ],
-            env=env,
+            env=child_env(env),
             capture_output=True,
             text=True,
             timeout=3600,
@@ -191,7 +188,7 @@ def main() -> int:
     if args.child:
         train_blocks(args.pairs, args.block_steps, args.batch_s)
         return 0
-    from monitor_overhead import print_result
+    from benchmarks.monitor.overhead import print_result
 
     result = measure(args.pairs, args.block_steps, args.batch_s)
     print_result(describe(result), result, args.json)

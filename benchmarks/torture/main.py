@@ -1,18 +1,18 @@
 """Torture suite: real faults in Transom's own control plane, and what each cost a real job.
 
-Each scenario (torture_scenarios.py) trains examples/train_gpt.py with the checkpoint engine on
+Each scenario (scenarios.py) trains examples/train_gpt.py with the checkpoint engine on
 3 nodes + 1 spare, injects its fault once training passed step 8, lets the job finish and
-measures (torture_measure.py): did it succeed, restarts, evictions, steps trained twice, wrong
+measures (measure.py): did it succeed, restarts, evictions, steps trained twice, wrong
 checkpoint loads, final weights bit-identical to a fault-free torchrun run of the same training,
 and processes or /dev/shm entries the job left behind. Every row is checked against what issue
 11 asks of the scenario ("meets" column; the JSON lists each unmet expectation).
 
-    python benchmarks/torture.py                              # every scenario, 1 trial each
-    python benchmarks/torture.py --json --trials 3 --scenario etcd_stop_2s agent_sigkill
-    python benchmarks/torture.py --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
-    python benchmarks/torture.py --scenario kill_mixed --trials 18 --kills 6  # issue 13: 108 kills
-    python benchmarks/torture.py --lock /work/wt/e2e.lock     # hold a lock file per trial only
-    python benchmarks/torture.py --markdown a.json b.json      # the README table of --json runs
+    python -m benchmarks.torture                              # every scenario, 1 trial each
+    python -m benchmarks.torture --json --trials 3 --scenario etcd_stop_2s agent_sigkill
+    python -m benchmarks.torture --scenario worker_kill_ckpt --trials 34 --kills 3  # ~100 moments
+    python -m benchmarks.torture --scenario kill_mixed --trials 18 --kills 6  # issue 13: 108 kills
+    python -m benchmarks.torture --lock /work/wt/e2e.lock     # hold a lock file per trial only
+    python -m benchmarks.torture --markdown a.json b.json      # the README table of --json runs
 
 With --json the last line printed is one JSON object: {"scenarios": [...]} with every trial's
 row. Run directories stay under --work (default a new temporary directory) for inspection.
@@ -30,16 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from torture_job import LocalJob, ProxiedJob, reference_weights  # noqa: E402
-from torture_kills import KILL_SCENARIOS, VICTIMS  # noqa: E402
-from torture_measure import measure  # noqa: E402
-from torture_scenarios import SCENARIOS as BASE_SCENARIOS  # noqa: E402
-from torture_scenarios import Scenario, check  # noqa: E402
+
+from benchmarks.torture.job import LocalJob, ProxiedJob, reference_weights  # noqa: E402
+from benchmarks.torture.kills import KILL_SCENARIOS, VICTIMS  # noqa: E402
+from benchmarks.torture.measure import measure  # noqa: E402
+from benchmarks.torture.scenarios import SCENARIOS as BASE_SCENARIOS  # noqa: E402
+from benchmarks.torture.scenarios import Scenario, check  # noqa: E402
 
 SCENARIOS = [*BASE_SCENARIOS, *KILL_SCENARIOS]
 BY_NAME = {s.name: s for s in SCENARIOS}

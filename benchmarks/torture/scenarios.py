@@ -1,12 +1,12 @@
 """The torture suite's scenarios: which job, which fault, and what the issue says must follow.
 
 Each `Scenario` names a job kind (`local`: `transom run`; `proxied`: every node behind its own
-etcd proxy, see torture_job.py), a step count, extra `transom run` options, a fault function
+etcd proxy, see job.py), a step count, extra `transom run` options, a fault function
 (job, rng) -> extra measurements, and `expect`: the outcome issue 11 asks for, checked against
 the measured row by `check`. Faults are injected once training passed FAULT_STEP (two
 checkpoints in node memory), unless a scenario says another step. Times in the extra
 measurements are seconds after the fault, on this machine's one clock (every process of a trial
-runs here). The kill-during-save scenarios (issue 13) are in torture_kills.py.
+runs here). The kill-during-save scenarios (issue 13) are in kills.py.
 
 This module injects faults only into the processes of the job it is given.
 """
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
-from torture_job import Job
-from torture_measure import ExitWatch
 
+from benchmarks.torture.job import Job
+from benchmarks.torture.measure import ExitWatch
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.common import keys
 from transom.testing.jobs import wait_for

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import stats  # noqa: E402
+from benchmarks import stats
 
 
 def test_interval_lies_within_the_samples_and_around_the_mean():

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import projection as pj  # noqa: E402
+from benchmarks import projection as pj
 
 DAYS = 1.0
 

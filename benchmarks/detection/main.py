@@ -16,7 +16,7 @@ fault over before, rank 0's log). Then it reads the jobs' event logs:
                       within DETECTION_WINDOW_S / faults fired
 A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
 anomaly above info severity, any decision), and single-process runs of train_gpt with the
-monitor on and off (alternating pairs: benchmarks/monitor_overhead.py) give the step-time
+monitor on and off (alternating pairs: benchmarks/monitor/overhead.py) give the step-time
 overhead of monitoring with a 95% confidence interval.
 Without running anything, the log classifier (transom.monitor.patterns) is measured on the
 corpora in tests/data/log_corpus: precision and recall of its hardware classifications
@@ -26,8 +26,8 @@ Targets (issue 4): crash < 2 s; hang within max(10 s, 5 x median step); a 2x slo
 30 steps; NaN within 1 step; right node >= 95%; no false positive in 30 fault-free minutes;
 overhead < 1%.
 
-    python benchmarks/detection.py --trials 20 --fault-free-minutes 30      # the full run
-    python benchmarks/detection.py --json                                   # last line: JSON
+    python -m benchmarks.detection --trials 20 --fault-free-minutes 30      # the full run
+    python -m benchmarks.detection --json                                   # last line: JSON
 """
 
 from __future__ import annotations
@@ -47,15 +47,13 @@ import time
 import uuid
 from pathlib import Path
 
-from detection_table import print_table
-from monitor_overhead import measure as measure_overhead
-
+from benchmarks import REPO
+from benchmarks.detection.table import print_table
+from benchmarks.monitor.overhead import measure as measure_overhead
 from transom.testing.jobs import transom_run
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
-sys.path.insert(0, str(REPO))
 from transom.common import anomalies  # noqa: E402
 from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
@@ -363,7 +361,7 @@ def main() -> int:
         "--overhead-rounds",
         type=int,
         default=20,
-        help="alternating on/off pairs (default 20; 0 skips; see monitor_overhead.py)",
+        help="alternating on/off pairs (default 20; 0 skips; see overhead.py)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")

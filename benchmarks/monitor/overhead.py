@@ -11,8 +11,8 @@ step measured in a tight loop (`api_call_s`, to a listener in another process).
 
 On a machine shared with other work the pairs are noisy: read the interval, not the mean.
 
-    python benchmarks/monitor_overhead.py --pairs 20 --steps 300
-    python benchmarks/monitor_overhead.py --json      # last line: JSON
+    python -m benchmarks.monitor.overhead --pairs 20 --steps 300
+    python -m benchmarks.monitor.overhead --json      # last line: JSON
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import stats
+from benchmarks import REPO, stats
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
-sys.path.insert(0, str(REPO))
 from transom.common import env as env_names  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=(\d+\.\d+)$", re.M)

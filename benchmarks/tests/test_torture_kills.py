@@ -1,15 +1,12 @@
-"""The kill-during-save scenarios' measurements (benchmarks/torture_kills.py), on made-up run
+"""The kill-during-save scenarios' measurements (benchmarks/torture/kills.py), on made-up run
 directories and events: the loss-continuity check that catches wrong bytes, the timeline counts
 (fresh starts, rollbacks, shrinks, grows), and the phase of each kill per victim kind."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from torture_kills import loss_mismatches, phases, timeline  # noqa: E402
+from benchmarks.torture.kills import loss_mismatches, phases, timeline
 
 
 class FakeJob:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import overhead  # noqa: E402
+from benchmarks import overhead
 
 PY = "/venv/bin/python"
 

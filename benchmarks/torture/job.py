@@ -35,6 +35,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import REPO
 from transom.common import files, keys
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.testing.jobs import (
@@ -47,7 +48,6 @@ from transom.testing.jobs import (
 )
 from transom.utils.procs import new_session_dying_with_parent
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
 STEP_DELAY_S = 0.2
 CKPT_EVERY = 3

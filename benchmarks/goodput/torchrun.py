@@ -17,11 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from transom.testing.jobs import Line, kill_marked, parse
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from goodput_common import (  # noqa: E402
+from benchmarks.goodput.common import (  # noqa: E402
     MAX_RESTARTS,
     NODES,
     POLL_S,
@@ -33,11 +29,11 @@ from goodput_common import (  # noqa: E402
     show_progress,
     worker_env,
 )
-
 from transom.common import env as env_names  # noqa: E402
 from transom.faults import WORKER_FAULTS  # noqa: E402
 from transom.monitor import datagram  # noqa: E402
 from transom.monitor.channel import ChannelSocket  # noqa: E402
+from transom.testing.jobs import Line, kill_marked, parse
 
 # -- torchrun --------------------------------------------------------------------------------
 

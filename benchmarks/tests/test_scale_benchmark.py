@@ -1,4 +1,4 @@
-"""The scale benchmark (benchmarks/scale.py) runs end to end at a small size.
+"""The scale benchmark (benchmarks/scale/main.py) runs end to end at a small size.
 
 Its simulated agents are the real NodeAgent with stand-ins for what touches the machine; when
 the agent starts calling something new on a part the stand-ins replace, the benchmark must
@@ -8,13 +8,14 @@ still run (or fail at once, saying which call), not wait out its start-up timeou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCALE = Path(__file__).resolve().parent.parent / "benchmarks" / "scale.py"
+from benchmarks import child_env
+
 KEYS = (
     "nodes",
     "startup_s",
@@ -31,7 +32,19 @@ def test_sixteen_simulated_nodes_start_lose_a_node_and_follow_the_new_plan():
     # subprocess.run kills the benchmark at its timeout; the benchmark stops its own etcd,
     # controllers and simulators on SIGTERM and when it dies (they die with their parent).
     done = subprocess.run(
-        [sys.executable, str(SCALE), "--nodes", "16", "--window", "2", "--timeout", "60", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.scale",
+            "--nodes",
+            "16",
+            "--window",
+            "2",
+            "--timeout",
+            "60",
+        ]
+        + ["--json"],
+        env=child_env(os.environ),
         capture_output=True,
         text=True,
         timeout=180,
