@@ -339,7 +339,9 @@ def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.detection",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--trials",

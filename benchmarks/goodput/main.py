@@ -294,7 +294,9 @@ def print_table(args, result: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.goodput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--steps", type=int, default=STEPS, help=f"training steps (default {STEPS})"

@@ -363,7 +363,9 @@ def fault(store: Store, plan_watch: PrefixWatch, run_dir: Path, outs: list[Path]
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--nodes", default="64,256,1024", help="sizes, comma-separated")
     parser.add_argument("--window", type=float, default=WINDOW_S, help="steady-state seconds")
