@@ -1,4 +1,7 @@
-"""Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it."""
+"""Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it.
+
+The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tiers,
+which pyproject.toml loads for every test directory (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -19,11 +22,9 @@ import pytest
 
 from transom.store import EmbeddedEtcd, Store, StoreError
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 # Waiting with a deadline, finding a job's processes, the smallest example GPT: one definition,
-# the benchmarks' (the tests import them from here).
-from jobs import (  # noqa: E402, F401
+# shared with the benchmarks (the tests import them from here).
+from transom.testing.jobs import (  # noqa: F401
     SMALL_GPT,
     agent_process,
     embedded_etcd,
@@ -32,6 +33,8 @@ from jobs import (  # noqa: E402, F401
     job_processes,
     wait_for,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
