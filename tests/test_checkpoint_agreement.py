@@ -99,6 +99,7 @@ def _load_in_a_process_group(root: Path) -> dict[int, dict]:
     return {rank: json.loads(out.strip().splitlines()[-1]) for rank, out in enumerate(outs)}
 
 
+@pytest.mark.integration  # two rank processes in a gloo group
 def test_with_a_process_group_every_rank_falls_back_together(tmp_path: Path) -> None:
     _save_world_of_two(tmp_path)
     _flip(storage.shard_path(tmp_path, 8440, 1))

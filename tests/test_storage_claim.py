@@ -97,6 +97,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.integration  # a process of its own holds the first job's claim
 def test_a_second_live_job_is_refused_and_a_dead_ones_claim_is_taken_over(
     tmp_path: Path,
 ) -> None:
