@@ -125,3 +125,12 @@ def test_a_second_live_job_is_refused_and_a_dead_ones_claim_is_taken_over(
     assert sorted(p.name for p in (tmp_path / ".jobs").iterdir()) == ["job-b.lock"]
     after.release()
     assert storage.complete_steps(tmp_path) == [10]
+
+
+def test_a_lock_file_that_names_no_job_is_left_alone(tmp_path: Path) -> None:
+    odd = tmp_path / ".jobs" / "\x1b[31mred.lock"
+    odd.parent.mkdir(parents=True)
+    odd.write_text("")
+    c = claim(tmp_path, "job-a")
+    assert odd.exists()  # not a job's lock: neither taken for one nor removed
+    c.release()

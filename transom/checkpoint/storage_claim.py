@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom.checkpoint import catalog, storage
-from transom.common.names import BadId, check_id
+from transom.common.names import BadId, check_id, valid_id
 from transom.common.record_base import Record, RecordError
 from transom.common.states import Tier
 from transom.store import Store
@@ -89,6 +89,8 @@ def claim(root: Path, job: str, fresh: bool = False, discard: bool = False) -> C
     with storage.locked(root):
         for lock in sorted(jobs.glob("*.lock")):
             other = lock.name.removesuffix(".lock")
+            if not valid_id(other):
+                continue  # not a job's lock: nothing of ours, and not a name to print
             if other != job and _held(lock):
                 raise StorageBusy(
                     f"checkpoint storage {root} is in use by job {other}, which is still "

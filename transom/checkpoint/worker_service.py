@@ -48,6 +48,7 @@ from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.reshard_steps import reshardable, restorable
 from transom.checkpoint.shard_format import ShardError
 from transom.checkpoint.shm import Region
+from transom.common.names import valid_id
 from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt.server")
@@ -176,7 +177,7 @@ class WorkerService:
                 if shard is not None and shard.state == COMMITTED and not shard.pins:
                     self.memory.evict(shard)
             holder = catalog.memory_holder(self.node)
-        elif tier is Tier.PEER and isinstance(node, str) and node:
+        elif tier is Tier.PEER and isinstance(node, str) and valid_id(node):
             holder = catalog.memory_holder(node)
         elif tier is Tier.STORAGE:
             holder = catalog.STORAGE_HOLDER
