@@ -23,8 +23,6 @@ by a newly started one, which joins as a spare, so the pool of spares stays full
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -36,18 +34,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 
 from transom.checkpoint.shm_dirs import default_shm_dir
-from transom.checkpoint.storage_claim import ANY_JOB, Claim, StorageBusy, adopt
-from transom.checkpoint.storage_claim import claim as claim_storage
+from transom.checkpoint.storage_claim import Claim
 from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
+from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.embedded import ONE_MACHINE_GO_THREADS
@@ -152,35 +149,10 @@ class Launcher:
         return self.store
 
     # -- set-up -------------------------------------------------------------------------------
-    def _take_run_dir(self) -> None:
-        """On one machine: hold the run directory for this launcher (ConfigError when another
-        `transom run` holds it), and move what an earlier run left there (its etcd's state of
-        a job that is over, its events and logs) to previous/TIME/, so a rerun in the same
-        folder starts its own control plane and record, and loses nothing."""
-        run_dir = self.launch.run_dir
-        fd = os.open(run_dir / files.LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(
-                f"run directory {run_dir} is in use by another `transom run`; give this one "
-                "another --run-dir"
-            ) from None
-        self._run_dir_lock = fd
-        left = [n for n in files.RUN_STATE if (run_dir / n).exists()]
-        if not left:
-            return
-        previous = run_dir / files.PREVIOUS_RUNS / time.strftime("%Y%m%d-%H%M%S")
-        previous.mkdir(parents=True, exist_ok=True)
-        for name in left:
-            os.replace(run_dir / name, previous / name)
-        log.warning("an earlier run's files in %s moved to %s", run_dir, previous)
-
     def _connect(self) -> Store:
         L = self.launch
         if L.store is None:
-            self._take_run_dir()
+            self._run_dir_lock = hold_run_dir(L.run_dir)
             self.etcd = EmbeddedEtcd(
                 L.run_dir / files.ETCD,
                 log_path=files.log_file(L.run_dir, "etcd"),
@@ -221,48 +193,20 @@ class Launcher:
         )
         if spec.ckpt_storage is None:  # the default, made explicit for every machine
             spec.ckpt_storage = str(self.launch.run_dir / files.CHECKPOINTS)
-        self._claim(Path(spec.ckpt_storage))
-        if existing is None and self.claim is not None and self.claim.steps:
-            self._resume_from(self.claim)
+        L = self.launch
+        self.claim = hold_storage(
+            Path(spec.ckpt_storage), L.spec.job_id, L.fresh, L.discard_storage
+        )
+        if existing is None and (event := resume(self.connected, self.claim)) is not None:
+            log.warning("%s", event.message)  # the job's first event: where it resumes from
+            self._unrecorded.append(event)
+            self._record()
         if not self.connected.create(keys.SPEC, spec.to_dict()):
             # This machine's agents will run what another machine wrote: check it first.
             theirs = parse_spec(
                 self.connected.get(keys.SPEC), self.launch.spec.job_id, check_script=True
             )
             log.info("joining job %s (spec written by another machine)", theirs.job_id)
-
-    def _claim(self, root: Path) -> None:
-        """Hold `root` for this job for as long as this launcher runs; ConfigError when another
-        live job holds it or it cannot be written."""
-        L = self.launch
-        try:
-            self.claim = claim_storage(root, L.spec.job_id, L.fresh, L.discard_storage)
-        except StorageBusy as e:
-            raise ConfigError(str(e)) from None
-        except OSError as e:
-            raise ConfigError(
-                f"checkpoint storage {root} cannot be written: {e.strerror or e}"
-            ) from None
-
-    def _resume_from(self, claim: Claim) -> None:
-        """List the steps `claim` resumes from in the job's catalog, and say so first thing."""
-        adopted = adopt(self.connected, claim.root, claim.steps)
-        if not adopted:
-            return
-        whose = "" if claim.resumes in (None, ANY_JOB) else f" of job {claim.resumes}"
-        message = (
-            f"resuming from step {adopted[0]}{whose} in {claim.root} ({len(adopted)} complete "
-            f"step(s) there; --fresh starts over)"
-        )
-        log.warning("%s", message)
-        self._event(
-            EventKind.CHECKPOINT,
-            message,
-            action="resume",
-            step=adopted[0],
-            resumes=claim.resumes,
-            storage=str(claim.root),
-        )
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
@@ -437,14 +381,11 @@ class Launcher:
             f"directory (restart {self.etcd.restarts})",
         )
 
-    def _event(self, kind: EventKind, message: str, **fields: Any) -> None:
-        """Record a control-plane event (`fields`: Event's own, or kept in its `extra`); one
-        etcd cannot take now (a log line says so) is recorded after a later poll that reached
-        etcd (one just after an outage may still find its writes slow)."""
-        own = {f.name for f in dataclasses.fields(Event)}
-        extra = {k: v for k, v in fields.items() if k not in own}
-        named = {k: v for k, v in fields.items() if k in own}
-        self._unrecorded.append(Event(time.time(), kind, message, **named, extra=extra))
+    def _event(self, kind: EventKind, message: str) -> None:
+        """Record a control-plane event; one etcd cannot take now (a log line says so) is
+        recorded after a later poll that reached etcd (one just after an outage may still
+        find its writes slow)."""
+        self._unrecorded.append(Event(time.time(), kind, message))
         if not self._record():
             log.warning("%s (not recorded in etcd yet: it does not answer)", message)
 
