@@ -29,12 +29,12 @@ the ranks' own server ("node0") and the peer holding their replicas ("node1") he
 case: the node's bound is 2x its share of the state (newest complete step + the save in
 progress) plus the replicas it holds; shm_within_bound says whether both stayed within it
 (own <= 2x the state, peer <= 1x). Run it alone:
-flock /tmp/transom-heavy.lock python benchmarks/checkpoint.py --json
+flock /tmp/transom-heavy.lock python -m benchmarks.checkpoint --json
 
-    python benchmarks/checkpoint.py                 # 0.25 and 1 GiB; 1 and 2 ranks; a table
-    python benchmarks/checkpoint.py --sizes 0.25,1,4   # 4 GiB needs about 20 GiB of free memory
-    python benchmarks/checkpoint.py --json          # ... and one JSON object on the last line
-    python benchmarks/checkpoint.py --sizes 0.25 --ranks 1
+    python -m benchmarks.checkpoint                 # 0.25 and 1 GiB; 1 and 2 ranks; a table
+    python -m benchmarks.checkpoint --sizes 0.25,1,4   # 4 GiB needs about 20 GiB of free memory
+    python -m benchmarks.checkpoint --json          # ... and one JSON object on the last line
+    python -m benchmarks.checkpoint --sizes 0.25 --ranks 1
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks import child_env
 
 TENSOR_BYTES = 64 << 20  # the state is made of 64 MiB tensors (like a large layer's weight)
 SECRET = "bench-secret"
@@ -343,7 +342,8 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
             for rank in range(ranks):
                 argv = [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "benchmarks.checkpoint",
                     "--rank-worker",
                     "--phase",
                     phase,
@@ -365,7 +365,7 @@ def run_case(size_gib: float, ranks: int, root: Path) -> dict:
                         argv,
                         preexec_fn=die_with_parent,
                         env={
-                            **env,
+                            **child_env(env),
                             "MASTER_PORT": port,
                             "RANK": str(rank),
                             "LOCAL_RANK": str(rank),

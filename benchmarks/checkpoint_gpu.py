@@ -18,8 +18,8 @@ registered with CUDA as pinned memory (transom/checkpoint/pinning.py). Per run i
   nvml                   transom.monitor.collect.Nvml on this GPU: the fields it reads and the
                          cost of one read (the node agent reads once a poll)
 
-    python benchmarks/checkpoint_gpu.py                # 1 GiB state; a summary
-    python benchmarks/checkpoint_gpu.py --gib 4 --json # ... and one JSON object on the last line
+    python -m benchmarks.checkpoint_gpu                # 1 GiB state; a summary
+    python -m benchmarks.checkpoint_gpu --gib 4 --json # ... and one JSON object on the last line
 """
 
 from __future__ import annotations
@@ -34,12 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 import torch  # noqa: E402
-from checkpoint import GIB, TENSOR_BYTES, flat_tensors, make_state  # noqa: E402
 
+from benchmarks.checkpoint import GIB, TENSOR_BYTES, flat_tensors, make_state  # noqa: E402
 from transom import checkpoint  # noqa: E402
 from transom.monitor.collect import Nvml  # noqa: E402
 

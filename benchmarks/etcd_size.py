@@ -5,7 +5,7 @@ rewrites `--keys` keys (like nodes' statuses and monitor summaries) at `--rate` 
 with `--value-bytes` values for `--minutes`, and prints the database size every `--every`
 seconds, then a JSON line with the sizes at start and end and what was written in all.
 
-    python benchmarks/etcd_size.py --minutes 30
+    python -m benchmarks.etcd_size --minutes 30
 
 It measures only; it must never be pointed at an etcd other than the one it starts.
 """

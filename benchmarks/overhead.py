@@ -26,7 +26,7 @@ over the pairs (stats.py; `*_ci95`), and a verdict per target of the issue (step
 whole interval says so, else "not shown either way". On this shared machine single pairs scatter
 by several percent: read the interval, not the mean.
 
-    flock /work/wt/e2e.lock timeout 600 python benchmarks/overhead.py --json
+    flock /work/wt/e2e.lock timeout 600 python -m benchmarks.overhead --json
 
 This module starts jobs and stops every process they started; it never changes the job.
 """
@@ -47,8 +47,10 @@ import uuid
 from pathlib import Path
 
 import psutil
-import stats
-from jobs import (
+
+from benchmarks import REPO, stats
+from transom.store import Store  # noqa: E402
+from transom.testing.jobs import (
     Line,
     embedded_etcd,
     etcd_access,
@@ -57,10 +59,6 @@ from jobs import (
     parse,
     transom_run,
 )
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from transom.store import Store  # noqa: E402
 from transom.utils.procs import new_session_dying_with_parent, stop_tree  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_gpt.py"

@@ -13,8 +13,8 @@ scale.json`: the last JSON line each printed with --json) or, by default, from t
 README.md (each one says which table). Everything not measured here is an assumption, and the
 output lists every assumption and every source with its value. Deterministic for a given --seed.
 
-    python benchmarks/projection.py                # a table
-    python benchmarks/projection.py --json         # the table, then one JSON line
+    python -m benchmarks.projection                # a table
+    python -m benchmarks.projection --json         # the table, then one JSON line
 
 This module only computes; it never starts a process.
 """

@@ -30,9 +30,9 @@ rank's shard (from the checkpoint server's `restored` event of the spare's worke
                       worker's start-up)
 A run stops as soon as that first step after the fault is done (or after a timeout: not recovered).
 
-    python benchmarks/recovery.py            # a table
-    python benchmarks/recovery.py --json     # the table, then one JSON object on the last line
-    python benchmarks/recovery.py --scenarios transom_node_death --trials 1
+    python -m benchmarks.recovery            # a table
+    python -m benchmarks.recovery --json     # the table, then one JSON object on the last line
+    python -m benchmarks.recovery --scenarios transom_node_death --trials 1
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ import uuid
 from pathlib import Path
 
 import psutil
-from jobs import agent_process, finish, parse, transom_run, wait_for
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks import REPO
+from transom.testing.jobs import agent_process, finish, parse, transom_run, wait_for
+
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.

@@ -1,4 +1,7 @@
-"""Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it."""
+"""Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it.
+
+The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tiers,
+which pyproject.toml loads for every test directory (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -21,19 +24,21 @@ from transom.common import env
 from transom.faults.mock_nvml import MockNvml
 from transom.monitor.node import NodeMonitor
 from transom.store import EmbeddedEtcd, Store, StoreError
-from transom.utils.net import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 # Waiting with a deadline, finding a job's processes, the smallest example GPT: one definition,
-# the benchmarks' (the tests import them from here).
-from jobs import (  # noqa: E402, F401
+# shared with the benchmarks (the tests import them from here).
+from transom.testing.jobs import (  # noqa: F401
     SMALL_GPT,
     agent_process,
+    embedded_etcd,
+    etcd_access,
     etcd_requests_by_method,
     job_processes,
     wait_for,
 )
+from transom.utils.net import free_port
+
+REPO = Path(__file__).resolve().parent.parent
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
@@ -307,9 +312,14 @@ def start_job(tmp_path):
     jobs: list[Job] = []
 
     def start(
-        *args: str, env: dict | None = None, job_id: str | None = None, command: str = "run"
+        *args: str,
+        env: dict | None = None,
+        job_id: str | None = None,
+        command: str = "run",
+        run_dir: Path | None = None,
     ) -> Job:
-        job = Job(tmp_path / f"run{len(jobs)}", [str(a) for a in args], env, job_id, command)
+        run_dir = run_dir or tmp_path / f"run{len(jobs)}"
+        job = Job(run_dir, [str(a) for a in args], env, job_id, command)
         jobs.append(job)
         return job
 

@@ -54,6 +54,7 @@ def test_a_controller_that_cannot_reach_etcd_keeps_trying_until_stopped(caplog):
     assert "cannot read the job spec yet" in caplog.text
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("role", ["agent", "controller"])
 def test_sigterm_ends_an_agent_or_controller_with_exit_0_even_while_etcd_is_unreachable(
     role, tmp_path

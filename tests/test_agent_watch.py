@@ -13,10 +13,8 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from conftest import etcd_requests, etcd_requests_by_method, wait_for
@@ -40,9 +38,7 @@ from transom.control.lease_keeper import LeaseKeeper
 from transom.control.plan_follow import PlanFollower
 from transom.monitor.detectors import HEARTBEAT_GAP_S
 from transom.store import Store, StoreAccess, key_follow
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from torture_proxy import StoreProxy  # noqa: E402
+from transom.testing.store_proxy import StoreProxy
 
 pytestmark = pytest.mark.timeout(90)
 

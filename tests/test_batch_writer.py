@@ -49,6 +49,7 @@ def test_writes_that_trickle_in_are_sent_once_a_spacing_at_most(store):
         writer.close()
 
 
+@pytest.mark.integration
 def test_writes_queued_through_a_stall_arrive_after_it(tmp_path):
     with running_etcd(tmp_path / "etcd") as server:
         store = Store(server.access, "stall")

@@ -108,6 +108,7 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_two_ranks_saved_one_rank_loads_everything(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)

@@ -21,7 +21,7 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import layout, peer_service, replication, shard_format
+from transom.checkpoint import layout, peer_port, peer_service, replication, shard_format
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import MAX_PEER_CONNECTIONS, Throttle
 from transom.checkpoint.protocol import (
@@ -184,7 +184,7 @@ def test_throttle_reports_once_per_interval_with_the_count() -> None:
 def test_a_connection_that_does_not_authenticate_in_time_is_closed(
     tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(peer_service, "AUTH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(peer_port, "AUTH_TIMEOUT_S", 0.5)
     server = _server(tmp_path, "n0")
     try:
         with socket.create_connection(_addr(server), timeout=10) as sock:
@@ -193,7 +193,8 @@ def test_a_connection_that_does_not_authenticate_in_time_is_closed(
             while sock.recv(4096):  # ... then nothing, until it closes the connection
                 pass
             assert time.monotonic() - t0 < 5
-        wait_for(lambda: server._tcp.connections() == 0, 10, "the connection to be released")
+        wait_for(lambda: not server._tcp.pending, 10, "the connection to be released")
+        assert server._tcp.connections() == 0
     finally:
         server.stop()
 
@@ -204,13 +205,13 @@ def test_both_ends_of_a_peer_connection_send_without_waiting_for_acks(
     """TCP_NODELAY on both ends: a reply followed by a shard header (or a request after the
     handshake) must not sit out the peer's delayed acknowledgement."""
     served: list[int] = []
-    authenticate = peer_service.authenticate
+    send_at_once = peer_port.send_at_once
 
-    def recording(sock, *args, **kwargs):
+    def recording(sock):
+        send_at_once(sock)
         served.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-        return authenticate(sock, *args, **kwargs)
 
-    monkeypatch.setattr(peer_service, "authenticate", recording)
+    monkeypatch.setattr(peer_port, "send_at_once", recording)
     server = _server(tmp_path, "n0")
     try:
         sock = replication.connect(server.addr, SECRET)
@@ -221,30 +222,59 @@ def test_both_ends_of_a_peer_connection_send_without_waiting_for_acks(
         server.stop()
 
 
-def test_connections_beyond_the_cap_are_closed_at_once(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(peer_service, "AUTH_TIMEOUT_S", 30.0)
+def test_unauthenticated_connections_never_crowd_out_a_replication(tmp_path: Path) -> None:
+    """Another local user holds 200 connections open against a node's peer port, reopening any
+    it closes: every replication to that node still gets through, and the port's threads stay
+    at one (the handshakes run in its selector) and its pending connections under their cap."""
+    peer = _server(tmp_path, "n1")
+    origin = _server(tmp_path, "n0", replicas=1, peer=peer.addr)
+    engine = checkpoint.Engine(socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1)
+    try:
+        state = {"w": torch.randn(1000)}
+        threads = threading.active_count()
+        with Flood(_addr(peer), idle=200, slow=10, reopen_per_s=20000) as flood:
+            wait_for(lambda: flood.most_open >= 200, 30, "200 connections to be open")
+            replicated = 0
+            for step in range(1, 21):
+                engine.save(step, state).wait("peer", timeout=30)
+                replicated += 1
+                assert len(peer._tcp.pending) <= peer_port.MAX_PENDING_AUTH
+                assert threading.active_count() <= threads + 2 + MAX_PEER_CONNECTIONS
+            assert peer._tcp.evicted > 0  # the flood was at the caps, and made room for peers
+        assert replicated == 20
+        header, data = replication.fetch(peer.addr, SECRET, 20, 0)
+        assert _same(state, layout.rebuild(header, data))
+    finally:
+        engine.close()
+        origin.stop()
+        peer.stop()
+
+
+def test_authenticated_connections_beyond_the_cap_are_closed_at_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(peer_service, "FRAME_TIMEOUT_S", 30.0)  # held peers wait for a request
     server = _server(tmp_path, "n0")
     engine = checkpoint.Engine(socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1)
     held: list[socket.socket] = []
     try:
         state = {"w": torch.randn(1000)}
         engine.save(1, state).wait("memory", timeout=30)
-        for _ in range(MAX_PEER_CONNECTIONS):
-            held.append(socket.create_connection(_addr(server), timeout=10))
+        held = [replication.connect(server.addr, SECRET) for _ in range(MAX_PEER_CONNECTIONS)]
         wait_for(
             lambda: server._tcp.connections() == MAX_PEER_CONNECTIONS, 10, "the port to be full"
         )
         threads = threading.active_count()
-        for _ in range(10):
-            with socket.create_connection(_addr(server), timeout=10) as extra:
-                t0 = time.monotonic()
-                assert extra.recv(NONCE_BYTES) == b""  # closed at once, not even challenged
-                assert time.monotonic() - t0 < 2
-        assert server._tcp.refused >= 10
+        for _ in range(5):
+            extra = replication.connect(server.addr, SECRET)  # proved, then closed at once
+            with extra:
+                extra.settimeout(5)
+                assert extra.recv(1) == b""
+        assert server._tcp.refused == 5
         assert threading.active_count() <= threads  # no thread for a refused connection
         saved = engine.save(2, state)
         assert saved.ok  # workers are not affected
-        saved.wait("memory", timeout=30)  # the node now holds step 2 only (bounded memory)
+        saved.wait("memory", timeout=30)
         for sock in held:
             sock.close()
         wait_for(lambda: server._tcp.connections() == 0, 10, "the held connections to end")
@@ -398,9 +428,9 @@ def test_a_thousand_idle_and_slow_connections_do_not_delay_a_save(tmp_path: Path
             with Flood(_addr(server), idle=1000, slow=8) as flood:
                 wait_for(lambda: flood.most_open >= 1000, 30, "1,000 connections to be open")
                 flooded = [save_seconds(step) for step in range(6, 16)]
-                assert server._tcp.refused > 0  # the cap was reached ...
-                assert server._tcp.connections() <= MAX_PEER_CONNECTIONS
-                # ... and it bounds the server's threads (+ the flood's and a wait's).
+                assert server._tcp.evicted > 0  # the caps were reached ...
+                assert len(server._tcp.pending) <= peer_port.MAX_PENDING_AUTH
+                # ... and the server's threads stay bounded (+ the flood's and a wait's).
                 assert threading.active_count() <= threads + 3 + MAX_PEER_CONNECTIONS
             assert max(flooded) - statistics.median(quiet) < 1.0, (quiet, flooded)
             header, data = replication.fetch(server.addr, SECRET, 15, 0)

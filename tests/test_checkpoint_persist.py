@@ -73,6 +73,7 @@ def test_a_commit_whose_persist_is_not_a_boolean_is_refused(tmp_path: Path) -> N
         assert engine.steps() == []
 
 
+@pytest.mark.integration
 def test_train_gpt_persists_multiples_of_persist_every_and_its_last_checkpoint(
     tmp_path: Path,
 ) -> None:

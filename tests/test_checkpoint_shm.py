@@ -41,6 +41,7 @@ def test_two_jobs_with_a_long_common_prefix_get_distinct_folders_and_sockets() -
     assert "/" not in shm_dirs.default_shm_dir("a/b", "../n").name
 
 
+@pytest.mark.integration
 def test_a_live_jobs_folder_is_never_taken_or_swept(tmp_path: Path) -> None:
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -61,6 +62,7 @@ def test_a_live_jobs_folder_is_never_taken_or_swept(tmp_path: Path) -> None:
     assert not other.exists()
 
 
+@pytest.mark.integration
 def test_sweep_removes_dead_owners_folders_and_keeps_foreign_ones(tmp_path: Path) -> None:
     dead = tmp_path / "transom-dead-n-0123"
     RegionDir(dead, "job", "n")
@@ -146,6 +148,7 @@ def _can_unshare() -> str | None:
     return None
 
 
+@pytest.mark.integration
 def test_a_small_dev_shm_refuses_saves_with_a_reason_and_training_goes_on(tmp_path: Path) -> None:
     why = _can_unshare()
     if why:
@@ -182,6 +185,7 @@ sys.stdin.readline()  # alive until the test has looked at its folder
 """
 
 
+@pytest.mark.integration
 def test_single_process_engines_leave_nothing_in_dev_shm(tmp_path: Path) -> None:
     """RUNS runs (half exit normally without close(), half are SIGKILLed after a save), then a
     new engine: nothing of theirs is left in /dev/shm."""
@@ -227,6 +231,7 @@ def test_single_process_engines_leave_nothing_in_dev_shm(tmp_path: Path) -> None
     assert not any(f.exists() for f in left)
 
 
+@pytest.mark.integration
 def test_server_sigterm_frees_shared_memory_and_exits_0(tmp_path: Path) -> None:
     shm_dir = Path("/dev/shm") / f"transom-test-sigterm-{os.getpid()}"
     p = subprocess.Popen(
@@ -252,6 +257,7 @@ def test_server_sigterm_frees_shared_memory_and_exits_0(tmp_path: Path) -> None:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+@pytest.mark.integration
 def test_server_sigterm_persists_what_its_workers_saved_before_it_exits(tmp_path: Path) -> None:
     """The time limit's signal or scancel stops a node right after a save: the step that was
     only in memory must still reach storage (within config.PERSIST_ON_STOP_S)."""
@@ -311,3 +317,26 @@ def test_every_mapping_is_released_once_before_it_is_closed(tmp_path: Path) -> N
     cache.get(str(paths[2]), 4096)  # still mapped: no release
     cache.clear()
     assert released == [views["r0"], views["r1"], views["r2"]]
+
+
+def test_the_next_saves_region_is_mapped_before_that_save(tmp_path: Path) -> None:
+    """A worker maps the region of its next save in the background after each save, so that
+    save is a plain copy: the region the server hands it next is mapped already."""
+    import torch
+    from conftest import wait_for
+
+    from transom import checkpoint
+    from transom.checkpoint import reshard
+
+    state = {"w": torch.randn(1 << 18)}
+    nbytes = reshard.plan_state(state, 0, 0, 1).data_len
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        engine.save(1, state).wait("memory", timeout=30)
+        for step in (2, 3, 4, 5):  # new regions until memory's two steps and a spare rotate
+            wait_for(lambda: not engine._next._busy.locked(), 10, "the next region mapped")
+            mapped = set(engine._maps._maps)
+            probe = {"op": "reserve", "step": 100 + step, "rank": 0, "nbytes": nbytes}
+            reply = engine._request(probe | {"world_size": 1})  # what the next save is handed
+            engine._request({"op": "abort", "step": 100 + step, "rank": 0})
+            assert reply["path"] in mapped, (step, reply["path"], mapped)
+            engine.save(step, state).wait("memory", timeout=30)

@@ -96,15 +96,62 @@ def test_discarded_steps_leave_storage_by_the_generation_that_wrote_them(tmp_pat
     for step in (1, 2, 3):
         _write(tmp_path, step, 0, old, keep=9)
     _write(tmp_path, 4, 0, new, keep=9)  # the generation that discards: its own steps stay
-    _write(tmp_path, 5, 0, shard_format.timeline("other-job", 9, 1), keep=9)  # older than all
+    _write(tmp_path, 5, 0, shard_format.timeline("other-job", 9, 1), keep=9)  # not j's at all
     future = time.time() + 3600  # a file's clock says nothing: only its timeline does
     for step in (3, 4):
         for f in storage.step_dir(tmp_path, step).iterdir():
             os.utime(f, (future, future))
-    assert storage.discard_steps(tmp_path, 2, 2, "j") == [2, 3, 5]
-    assert storage.complete_steps(tmp_path) == [4, 1] and storage.latest_step(tmp_path) == 4
+    assert storage.discard_steps(tmp_path, 2, 2, "j") == [2, 3]
+    assert storage.complete_steps(tmp_path) == [5, 4, 1] and storage.latest_step(tmp_path) == 5
     assert not storage.step_dir(tmp_path, 3).exists()
     assert storage.discard_steps(tmp_path, 2, 2, "j") == []
+
+
+def test_a_discard_never_removes_another_jobs_steps_or_a_file_it_cannot_read(
+    tmp_path: Path,
+) -> None:
+    """A rerun that resumes job A's step 10 starts fresh from there (its discard covers steps
+    >= 11 of its own earlier generations): A's later steps, and a file naming no timeline,
+    stay."""
+    a = shard_format.timeline("job-a", 3, 2)
+    for step in (10, 20):
+        for rank in (0, 1):
+            _write(tmp_path, step, rank, a, keep=9)
+    _write(tmp_path, 30, 0, a, keep=9)  # A's step 30 never completed
+    (storage.step_dir(tmp_path, 30) / "rank_000001.shard").write_bytes(b"torn")
+    assert storage.discard_steps(tmp_path, 11, 1, "job-b") == []
+    assert storage.discard_steps(tmp_path, 0, 1, "job-b") == []  # a fresh start: first_bad 0
+    assert storage.complete_steps(tmp_path) == [20, 10]
+    assert storage.shard_ranks(tmp_path, 30) == {0, 1}
+
+
+def test_retention_keeps_another_jobs_steps_until_this_job_has_k_newer_ones(
+    tmp_path: Path,
+) -> None:
+    a, b = shard_format.timeline("job-a", 1, 1), shard_format.timeline("job-b", 1, 1)
+    for step in (100, 110, 120):
+        _write(tmp_path, step, 0, a, keep=2)
+    assert storage.complete_steps(tmp_path) == [120, 110]
+    # Job B started over beside them (--fresh): its steps are older numbers, and its own.
+    for step in (10, 20, 30):
+        _write(tmp_path, step, 0, b, keep=2)
+    assert storage.complete_steps(tmp_path) == [120, 110, 30, 20]
+    # Job B resumed from A's step 120: A's steps go once B has 2 newer complete ones.
+    _write(tmp_path, 130, 0, b, keep=2)
+    assert storage.complete_steps(tmp_path) == [130, 120, 110, 30]
+    _write(tmp_path, 140, 0, b, keep=2)
+    assert storage.complete_steps(tmp_path) == [140, 130]
+
+
+def test_a_step_completes_beside_a_higher_ranks_file_another_world_left(tmp_path: Path) -> None:
+    """Job A (2 ranks) left rank 1's shard of step 30, never completed; job B (1 rank) saves
+    step 30: complete for B's world, A's file is not part of it."""
+    _write(tmp_path, 30, 1, shard_format.timeline("job-a", 1, 2))
+    b = shard_format.timeline("job-b", 1, 1)
+    _write(tmp_path, 30, 0, b)
+    manifest = storage.read_manifest(tmp_path, 30)
+    assert manifest is not None and manifest["timeline"] == b and manifest["world_size"] == 1
+    assert storage.restorable_steps(tmp_path, 1) == [30]
 
 
 def _server(tmp_path: Path, **kw) -> CheckpointServer:
@@ -198,7 +245,9 @@ def test_no_restore_step_in_the_plan_means_fresh(tmp_path: Path, monkeypatch) ->
 
 
 @pytest.mark.slow
-def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path: Path) -> None:
+def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(
+    tmp_path: Path, monkeypatch
+) -> None:
     from transom.checkpoint import catalog
     from transom.checkpoint.config import store_options
     from transom.store import EmbeddedEtcd, Store
@@ -206,6 +255,7 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(tmp_path:
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:
         store = Store(etcd.access, "job")
         server = _server(tmp_path, memory_keep=3, job_id="job", **store_options(etcd.access))
+        monkeypatch.setenv("TRANSOM_JOB_ID", "job")  # as a launcher sets it: shards of this job
         try:
             engine = checkpoint.Engine(
                 socket_path=str(server.cfg.socket_path), rank=0, world_size=1

@@ -13,10 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import standalone_ckpt_server, torch_mapped
 
 from transom.checkpoint import storage
+
+pytestmark = pytest.mark.integration  # its tests start processes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import TOY
 
 
+@pytest.mark.integration
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -35,6 +36,7 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         assert not (tmp_path / "r" / "logs").exists(), f"{expected}: something was started"
 
 
+@pytest.mark.integration
 def test_status_and_events_need_a_source(tmp_path):
     for command in ("status", "events"):
         out = subprocess.run(
@@ -50,6 +52,7 @@ def test_status_and_events_need_a_source(tmp_path):
         assert out.returncode == 2 and "not a transom run directory" in out.stderr
 
 
+@pytest.mark.integration
 def test_help_explains_every_command():
     for command in ("run", "demo", "agent", "controller", "status", "events"):
         out = subprocess.run(
@@ -61,6 +64,7 @@ def test_help_explains_every_command():
         assert out.returncode == 0 and "usage: transom " + command in out.stdout
 
 
+@pytest.mark.integration
 def test_bad_demo_and_refill_input_is_refused(tmp_path):
     cases = {
         "at least 80 steps": ["demo", "--run-dir", str(tmp_path / "d"), "--steps", "10"],

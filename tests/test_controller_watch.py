@@ -161,6 +161,7 @@ def test_a_tick_comes_when_the_previous_asked_for_it_else_after_tick_s():
 # -- the view ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
     server = EmbeddedEtcd(tmp_path / "etcd")
     view = None

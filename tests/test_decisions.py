@@ -468,6 +468,7 @@ def test_an_ended_job_decides_nothing(state):
     assert not run(job, Snapshot(nodes("node0")), spec(), T0 + 1).changed
 
 
+@pytest.mark.integration
 def test_the_report_imports_neither_the_controller_nor_the_etcd_client():
     code = (
         "import sys, transom.report, transom.report.analysis, transom.report.rundir\n"

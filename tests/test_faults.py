@@ -227,6 +227,7 @@ def test_a_new_fault_type_is_one_class_and_one_registration(monkeypatch, tmp_pat
     assert store.events()[0]["fault"] == "touch"
 
 
+@pytest.mark.integration
 def test_throttle_stops_and_continues_the_worker_from_outside_until_it_exits():
     child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -245,6 +246,7 @@ def test_throttle_stops_and_continues_the_worker_from_outside_until_it_exits():
     assert not thread.is_alive()  # the process is gone: the throttle ended
 
 
+@pytest.mark.integration
 def test_throttle_fires_once_at_its_step_on_the_target_rank(tmp_path):
     store = DictStore()
     injector = FaultInjector(store, "node0", parse_schedule("throttle@step=3:rank=1:factor=3", 2))

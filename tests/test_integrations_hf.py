@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 HF = Path(__file__).resolve().parent / "scripts" / "hf_tiny.py"
 
 
+@pytest.mark.integration
 def test_the_trainer_reports_its_steps_once_with_their_loss(tmp_path):
     args = ["--out", str(tmp_path / "out"), "--steps", "12"]
     with monitored_ranks(tmp_path, HF, args, world=1) as (monitor, procs):
@@ -32,6 +33,7 @@ def test_the_trainer_reports_its_steps_once_with_their_loss(tmp_path):
     assert not [e for e in events if e.to_dict().get("type") == "nan"]
 
 
+@pytest.mark.integration
 def test_a_nan_loss_is_found_at_its_step(tmp_path):
     args = ["--out", str(tmp_path / "out"), "--steps", "8", "--nan-step", "5"]
     with monitored_ranks(tmp_path, HF, args, world=1) as (monitor, procs):

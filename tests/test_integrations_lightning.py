@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, monitored_ranks, rank_logs, ranks_finished, wait_for
 
 pytest.importorskip("lightning")
+pytestmark = pytest.mark.integration  # real worker processes
 torch = pytest.importorskip("torch")
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_tiny.py"

@@ -265,6 +265,7 @@ def test_directories_of_dead_channels_are_swept_and_live_ones_kept():
         shutil.rmtree(base)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(
     sys.platform != "linux" or os.geteuid() != 0, reason="needs root to act as another user"
 )

@@ -298,6 +298,7 @@ def test_nan_is_detected_at_its_earliest_step_and_rollback_counts_as_recovery(tm
     assert s["job_id"] is None and s["unavailable"]
 
 
+@pytest.mark.integration
 def test_a_run_without_progress_or_weights_still_gets_a_report(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run", progress=False)
     s = write_report(run_dir)
@@ -342,6 +343,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", body[:8])
 
 
+@pytest.mark.integration
 def test_write_report_writes_png_markdown_and_json(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run")
     torch.save(tiny_model(), run_dir / "final_weights.pt")
@@ -434,6 +436,7 @@ def test_weights_check_is_strict_about_nan_and_dtype(tmp_path):
     json.dumps(result, allow_nan=False)  # the summary stays valid JSON
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_directory_without_events(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["report", str(tmp_path)]) == 2
@@ -456,6 +459,7 @@ def test_cli_help_explains_every_option(capsys):
     )
 
 
+@pytest.mark.integration
 def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
     run_dir = write_synthetic_run(tmp_path / "run")
     assert main(["report", str(run_dir)]) == 0
@@ -465,6 +469,7 @@ def test_cli_prints_the_markdown_or_the_json(tmp_path, capsys):
     assert (tmp_path / "o" / "report.png").exists()
 
 
+@pytest.mark.integration
 def test_report_of_a_recorded_demo_run(tmp_path):
     """tests/data/demo-run: the records of a real `transom demo --steps 160` (main at 51389fb):
     4 nodes + 1 spare, a crash, a node death, a hang, a NaN and a slow node, every one recovered,

@@ -6,9 +6,7 @@ mirror takes the job record the same way, and rewrites its files only when somet
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import etcd_requests, wait_for
@@ -18,9 +16,7 @@ from transom import run_mirror
 from transom.common import files, keys
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import Store, StoreAccess, StoreError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from torture_proxy import StoreProxy  # noqa: E402
+from transom.testing.store_proxy import StoreProxy
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -166,6 +166,7 @@ def _environ(pid: int) -> dict[str, str]:
         return {name: value for name, _, value in pairs}
 
 
+@pytest.mark.integration
 def test_an_etcd_for_one_machine_runs_on_the_go_threads_asked_for_also_after_a_restart(tmp_path):
     with running_etcd(tmp_path / "etcd", go_threads=1) as server:
         assert server.process is not None

@@ -112,6 +112,7 @@ def test_a_compacted_revision_gives_a_full_re_read(store):
         assert [(e.name, e.value) for e in events(watch, 1)] == [("z", 4)]
 
 
+@pytest.mark.integration
 def test_an_etcd_restart_mid_watch_loses_and_repeats_nothing(tmp_path):
     server = EmbeddedEtcd(tmp_path / "etcd")
     try:
@@ -142,6 +143,7 @@ def test_an_etcd_restart_mid_watch_loses_and_repeats_nothing(tmp_path):
         server.stop()
 
 
+@pytest.mark.integration
 def test_stop_is_prompt_while_etcd_is_down(tmp_path):
     server = EmbeddedEtcd(tmp_path / "etcd")
     try:

@@ -15,6 +15,9 @@ import pytest
 import torch
 from conftest import SMALL_GPT
 
+# Whole training jobs of the example (torchrun, several runs a test): seconds to half a minute each.
+pytestmark = pytest.mark.e2e
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 # Small model and batch so that three torchrun jobs fit in well under a minute on two cores.
 SMALL = SMALL_GPT

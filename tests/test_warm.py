@@ -45,6 +45,7 @@ def run_warm(pool: WarmPool, tmp_path, arg: str):
     return code, log.read_text()
 
 
+@pytest.mark.integration
 def test_runs_the_script_as_main_with_its_env_argv_and_output(pool, tmp_path):
     code, text = run_warm(pool, tmp_path, "0")
     assert code == 0
@@ -57,6 +58,7 @@ def test_runs_the_script_as_main_with_its_env_argv_and_output(pool, tmp_path):
     assert "to stderr" in text
 
 
+@pytest.mark.integration
 def test_exit_codes_and_tracebacks_are_those_of_a_plain_interpreter(pool, tmp_path):
     code, _ = run_warm(pool, tmp_path, "3")
     assert code == 3
@@ -66,6 +68,7 @@ def test_exit_codes_and_tracebacks_are_those_of_a_plain_interpreter(pool, tmp_pa
     assert "Traceback" in text and "ValueError: boom" in text
 
 
+@pytest.mark.integration
 def test_pool_refills_only_when_workers_are_under_way(pool, tmp_path):
     run_warm(pool, tmp_path, "0")
     pool.fill()  # just used: the replacement waits so it does not slow the restart
@@ -79,6 +82,7 @@ def test_an_empty_pool_hands_out_nothing(tmp_path):
     assert pool.launch([sys.executable], dict(os.environ), tmp_path / "x.log") is None
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(
     not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)"
 )
@@ -90,6 +94,7 @@ def test_imports_wait_at_idle_priority_and_the_worker_runs_at_normal_priority(po
     assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
 
 
+@pytest.mark.integration
 def test_a_worker_handed_over_before_its_imports_are_done_runs_at_normal_priority(tmp_path):
     pool = WarmPool(1, {**os.environ, "TRANSOM_WARM_IMPORTS": "json"}, tmp_path / "warm.log")
     pool.fill()
@@ -113,6 +118,7 @@ with open("/proc/self/cmdline", "rb") as f:
 """
 
 
+@pytest.mark.integration
 def test_ps_shows_a_waiting_interpreter_then_the_workers_script_and_arguments(tmp_path):
     import psutil
 

@@ -11,6 +11,8 @@ from conftest import wait_for
 
 from transom.control.workers import Assignment, WorkerGroup
 
+pytestmark = pytest.mark.integration  # its tests start processes
+
 # Appends a line every 10 ms; on SIGTERM writes TERM and exits (what a graceful stop would run).
 SCRIPT = """
 import signal, sys, time

@@ -114,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated nodes only: start a new node whenever one is evicted, as a cluster's "
         "scheduler would, so the pool of spares stays full",
     )
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over instead of resuming from the checkpoints --ckpt-storage holds (by "
+        "default a rerun resumes from the newest complete step there, whatever its job id); "
+        "the old steps stay until this job has saved newer ones",
+    )
+    run.add_argument(
+        "--discard-storage",
+        action="store_true",
+        help="with --fresh: also delete every checkpoint step in --ckpt-storage first",
+    )
     add_job_options(run)
     _add_script_args(run, required=True)
 
@@ -304,6 +316,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if not args.mirror and args.store is None:
         raise ConfigError("--no-mirror is for one machine of a multi-machine job (--store)")
+    if args.discard_storage and not args.fresh:
+        raise ConfigError("--discard-storage deletes checkpoints only with --fresh")
     store = _store(args)
     spec = spec_from_args(args)
     if allocation is not None:
@@ -327,6 +341,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         host=host,
         refill_spares=args.refill_spares,
         mirror=args.mirror,
+        fresh=args.fresh,
+        discard_storage=args.discard_storage,
     )
     return Launcher(launch).run()
 

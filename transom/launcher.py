@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -38,10 +39,12 @@ from rich.console import Console
 from rich.live import Live
 
 from transom.checkpoint.shm_dirs import default_shm_dir
+from transom.checkpoint.storage_claim import Claim
 from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
+from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.embedded import ONE_MACHINE_GO_THREADS
@@ -116,6 +119,10 @@ class Launch:
     # one launcher of a job needs to; the others follow the job record alone.
     mirror: bool = True
     total_steps: int | None = None  # shown in the live view's progress bar when known
+    # Start over instead of resuming from what the checkpoint storage holds (storage_claim.py);
+    # with discard_storage also remove the steps there.
+    fresh: bool = False
+    discard_storage: bool = False
     children: list[Child] = field(default_factory=list)
 
 
@@ -132,6 +139,8 @@ class Launcher:
         self._local_nodes: list[str] = []
         self._replaced: set[str] = set()  # evicted nodes a refill already replaced
         self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
+        self.claim: Claim | None = None  # this job's hold on its checkpoint storage
+        self._run_dir_lock: int | None = None  # on one machine: the run directory's lock file
 
     @property
     def connected(self) -> Store:
@@ -143,6 +152,7 @@ class Launcher:
     def _connect(self) -> Store:
         L = self.launch
         if L.store is None:
+            self._run_dir_lock = hold_run_dir(L.run_dir)
             self.etcd = EmbeddedEtcd(
                 L.run_dir / files.ETCD,
                 log_path=files.log_file(L.run_dir, "etcd"),
@@ -166,13 +176,32 @@ class Launcher:
         return store
 
     def _publish_spec(self) -> None:
+        """Publish this machine's spec, unless another machine did: after this job has claimed
+        the spec's checkpoint storage, and (the first machine) listed the steps there it
+        resumes from (storage_claim.py), so that its first plan restores the newest of them."""
         job = _job_record(self.connected.get(keys.JOB))
         if job and job.state.terminal:
             raise ConfigError(
                 f"job {self.launch.spec.job_id} already ended ({job.state.value}); "
                 f"choose another --job-id"
             )
-        if not self.connected.create(keys.SPEC, self.launch.spec.to_dict()):
+        existing = self.connected.get(keys.SPEC)
+        spec = (
+            parse_spec(existing, self.launch.spec.job_id, check_script=True)
+            if existing is not None
+            else self.launch.spec
+        )
+        if spec.ckpt_storage is None:  # the default, made explicit for every machine
+            spec.ckpt_storage = str(self.launch.run_dir / files.CHECKPOINTS)
+        L = self.launch
+        self.claim = hold_storage(
+            Path(spec.ckpt_storage), L.spec.job_id, L.fresh, L.discard_storage
+        )
+        if existing is None and (event := resume(self.connected, self.claim)) is not None:
+            log.warning("%s", event.message)  # the job's first event: where it resumes from
+            self._unrecorded.append(event)
+            self._record()
+        if not self.connected.create(keys.SPEC, spec.to_dict()):
             # This machine's agents will run what another machine wrote: check it first.
             theirs = parse_spec(
                 self.connected.get(keys.SPEC), self.launch.spec.job_id, check_script=True
@@ -443,6 +472,12 @@ class Launcher:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+        if self._run_dir_lock is not None:
+            os.close(self._run_dir_lock)
+            self._run_dir_lock = None
 
 
 def _job_record(value: object) -> JobRecord | None:

@@ -209,19 +209,30 @@ class ShardMemory:
         while the newest is memory-only (lock held): when a rank dies before saving a step its
         peers saved, the job restores the step before, which storage then does not hold. The
         extra step goes first when the budget is short (`_victims`)."""
-        mine = sorted(
+        mine = self._complete_of(rank)
+        for s in mine[self._keep(mine) :]:
+            if not s.pins and s.step != self.protected_step:
+                self.evict(s)
+
+    def _complete_of(self, rank: int) -> list[Shard]:
+        """This node's complete shards of `rank`, newest first (lock held)."""
+        return sorted(
             (s for s in self.shards.values() if s.rank == rank and s.state == COMMITTED),
             key=lambda s: s.step,
             reverse=True,
         )
-        keep = self.memory_keep + (1 if mine and not mine[0].persist else 0)
-        for s in mine[keep:]:
-            if not s.pins and s.step != self.protected_step:
-                self.evict(s)
+
+    def _keep(self, mine: list[Shard]) -> int:
+        """How many of a rank's complete shards (`mine`, newest first) memory keeps."""
+        return self.memory_keep + (1 if mine and not mine[0].persist else 0)
 
     def prepare_spare(self, nbytes: int, rank: int) -> Region | None:
-        """A populated region of `nbytes` ready for `rank`'s next save, if the budget has room."""
+        """A populated region of `nbytes` ready for `rank`'s next save, if the budget has room.
+        A spare being populated by another thread (the finaliser's, a worker's `prepare`) is
+        waited for, so two callers never make two spares."""
         with self.lock:
+            if self.preparing:
+                self.lock.wait_for(lambda: not self.preparing, timeout=PREPARING_WAIT_S)
             spare = next(
                 (r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)),
                 None,
@@ -229,8 +240,9 @@ class ShardMemory:
             if spare is not None:
                 spare.prepared_for = rank
                 return spare
-            if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > self.memory_keep:
-                return None  # beyond the budget, or beyond `memory_keep` steps + one save
+            kept = self._keep(self._complete_of(rank))
+            if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > kept:
+                return None  # beyond the budget, or beyond the steps memory keeps + one save
             self.used += nbytes
             self.preparing += 1
         region = None
@@ -262,9 +274,13 @@ class ShardMemory:
             return True
 
     def unpin(self, shard: Shard) -> None:
+        """The end of a read of `shard`; once nothing reads it, it goes if retention or a
+        discard wanted it gone meanwhile (its region is then free for the next save, instead of
+        the next save making a new one that its worker has not mapped)."""
         with self.lock:
             shard.pins -= 1
-            self.drop_if_discarded(shard)
+            if not self.drop_if_discarded(shard) and not shard.pins and shard.origin == LOCAL:
+                self.retain(shard.rank)
             self.lock.notify_all()
 
     def drop_discarded(self) -> None:

@@ -36,7 +36,6 @@ import os
 import secrets
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,86 +43,29 @@ from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, replication, reshard, shard_format, tiers
+from transom.checkpoint import agreement, layout, replication, reshard, shard_format, tiers
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.next_region import NextRegion
 from transom.checkpoint.pinning import PinnedRegions
-from transom.checkpoint.protocol import deadline_in
+from transom.checkpoint.save_handle import SaveHandle
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.shm_dirs import SHM_ROOT, sweep_stale_shm
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
 from transom.common import env, files
-from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt")
 
 DEFAULT_STORAGE = files.CHECKPOINTS
-# The tier names of earlier releases, accepted by `SaveHandle.wait` with a DeprecationWarning.
-DEPRECATED_TIERS = {"replicated": Tier.PEER, "persisted": Tier.STORAGE}
 # `locate` may wait for checksums being computed (worker_service.STAGED_WAIT_S): a longer limit.
 LOCATE_TIMEOUT_S = 60.0
-# `SaveHandle.wait` without a timeout asks the server again every this many seconds, so a server
-# that stops answering is noticed.
-WAIT_POLL_S = 60.0
 EMBEDDED_PREFIX = "transom-local-"
 LOCAL_JOB = "local"  # the job id of shards saved without a launcher
-
-
-class SaveRefused(CheckpointError):
-    """The node's checkpoint server refused a save (memory budget, or no answer in time);
-    training can go on."""
-
-
-class SaveHandle:
-    """A save in progress: `wait(tier)` for a `Tier`: "memory", "peer" or "storage"."""
-
-    def __init__(self, engine: Engine, step: int, rank: int, error: str | None = None):
-        self.engine = engine
-        self.step = step
-        self.rank = rank
-        self.error = error
-        self.blocking_s = 0.0
-        self._committed = threading.Event()
-        if error is not None:
-            self._committed.set()
-
-    @property
-    def ok(self) -> bool:
-        """False once the save is known to have failed: at once when the server refused it, or
-        when its commit's reply said so (read with the engine's next request, or by `wait`)."""
-        return self.error is None
-
-    def wait(self, tier: Tier | str = Tier.STORAGE, timeout: float | None = None) -> None:
-        """Return once the shard has reached `tier`; CheckpointError if it cannot (TimeoutError
-        when `timeout` passes first)."""
-        tier = _tier(tier)
-        deadline = deadline_in(timeout)
-        if not self._committed.is_set():
-            self.engine.connection.settle(timeout)  # the commit's reply, unless read already
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._committed.wait(left):
-            raise TimeoutError(f"step {self.step} not staged within {timeout} s")
-        if self.error is not None:
-            raise SaveRefused(self.error)
-        msg = {"op": "wait", "step": self.step, "rank": self.rank, "tier": tier.value}
-        while True:  # without a timeout: in rounds of WAIT_POLL_S, each answered in time
-            left = WAIT_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self.engine._request(
-                msg | {"timeout": left}, fresh=True, timeout=left + self.engine.request_timeout_s
-            )
-            if not (reply.get("timeout") and deadline is None):
-                break
-        if reply.get("timeout"):
-            raise TimeoutError(reply["error"])
-        if not reply.get("ok"):
-            raise CheckpointError(
-                f"step {self.step} rank {self.rank} did not reach {tier}: {reply.get('error')}"
-            )
 
 
 class Engine:
@@ -165,6 +107,7 @@ class Engine:
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
         self._pinned = PinnedRegions()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
+        self._next = NextRegion(self._request, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
@@ -274,6 +217,8 @@ class Engine:
         else:
             self._commit(handle, plan.header, persist, wait=False)
         handle.blocking_s = time.perf_counter() - t0
+        if handle.ok:
+            self._next.after(plan.data_len, step)
         return handle
 
     def _refused(self, step: int, error: str, report: bool = False) -> SaveHandle:
@@ -363,7 +308,8 @@ class Engine:
     ) -> Any:
         """The state saved at `step` (default: under a launcher the plan's restore step, None
         when it names none - a fresh start, never the newest step, which may be poisoned; without
-        one the newest restorable), bit for bit; None when there is nothing to restore. Tensors
+        one the newest step every rank can load, the same on every rank: agreement.py), bit for
+        bit; None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
         "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
         world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
@@ -372,24 +318,20 @@ class Engine:
         if step is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
             return None
-        candidates = [step] if step is not None else self.steps()
-        errors = []
-        for s in candidates:
-            try:
-                if rank is None:
-                    state = reshard.load(self, s, tier)
-                else:
-                    state = self._load_step(s, tier, rank)
-            except CheckpointError as e:
-                errors.append(str(e))
-                if step is not None:
-                    raise
-                log.warning("%s; trying an older step", e)
-                continue
-            return to_device(state, map_location) if map_location is not None else state
-        if errors:
-            raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
-        return None
+
+        def load_step(s: int) -> Any:
+            return reshard.load(self, s, tier) if rank is None else self._load_step(s, tier, rank)
+
+        if step is not None:
+            state = load_step(step)
+        else:  # no controller: every rank the same step, or none (agreement.py)
+            size = self.world_size if rank is None else 1  # one given rank's shard: no peers
+            agreed = agreement.agree(self.steps(), load_step, size, self.storage_dir)
+            if agreed is None:
+                return None
+            state = agreed[1]
+        self._next.after(reshard.plan_state(state, 0, self.rank, self.world_size).data_len)
+        return to_device(state, map_location) if map_location is not None else state
 
     def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
         """Walk the registered tiers (fastest first) and every copy each locates, until one
@@ -424,6 +366,8 @@ class Engine:
                         rank=rank,
                         tier=name,
                         error=str(e),
+                        holder_node=source.get("node"),
+                        corrupt=isinstance(e, shard_format.ShardError),  # not just unreachable
                     )
                     continue
                 took = time.perf_counter() - t0
@@ -466,6 +410,7 @@ class Engine:
         disconnect."""
         for thread in self._pending:
             thread.join()
+        self._next.wait()
         self.connection.settle()  # the server has the last commit before it drains
         if self.server is not None and wait:
             self.server.drain()
@@ -486,14 +431,3 @@ class Engine:
 def _cuda_devices(plan: layout.Plan) -> set[torch.device]:
     """The GPUs `plan` copies from (none: a CPU save)."""
     return {r.source.device for r in plan.ranges if r.source.is_cuda}
-
-
-def _tier(tier: Tier | str) -> Tier:
-    """`tier` as a Tier; the names of earlier releases with a DeprecationWarning."""
-    if isinstance(tier, str) and tier in DEPRECATED_TIERS:
-        new = DEPRECATED_TIERS[tier]
-        warnings.warn(
-            f"tier {tier!r} is now called {new.value!r}", DeprecationWarning, stacklevel=3
-        )
-        return new
-    return Tier.parse(tier)

@@ -1,8 +1,8 @@
 """The server side of the peer protocol: other nodes' servers push replicas and fetch shards.
 
-A TCP connection (admitted by peer_port.py) must pass the mutual HMAC challenge (the job's
-checkpoint secret) within AUTH_TIMEOUT_S, or it is closed; failed challenges are reported as an
-`auth` event, at most once a minute with their count. Then one request, read within
+A TCP connection must pass the mutual HMAC challenge (the job's checkpoint secret) within
+AUTH_TIMEOUT_S, or it is closed (peer_port.py runs the challenge); failed challenges are reported
+here as an `auth` event, at most once a minute with their count. Then one request, read within
 FRAME_TIMEOUT_S and validated by `replication.parse_request` (replication.py has the wire
 format):
     put  a replica arrives: it is written straight into a region of this server's memory,
@@ -26,14 +26,11 @@ from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMem
 from transom.checkpoint.peer_port import Throttle
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.protocol import (
-    AUTH_TIMEOUT_S,
     FRAME_TIMEOUT_S,
     AuthError,
     ProtocolError,
-    authenticate,
     deadline_in,
     recv_msg,
-    send_at_once,
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
@@ -59,15 +56,7 @@ class PeerService:
         self._request_reports = Throttle()
 
     def serve(self, sock: socket.socket) -> None:
-        """Authenticate one peer connection and answer its request."""
-        try:
-            send_at_once(sock)
-            authenticate(sock, self.secret, initiator=False, deadline=deadline_in(AUTH_TIMEOUT_S))
-        except AuthError as e:
-            self._auth_failed(sock, e)
-            return
-        except (ProtocolError, OSError):  # closed, or silent past the deadline
-            return
+        """Answer the request of one peer connection that peer_port.py saw authenticate."""
         try:
             msg = recv_msg(sock, deadline_in(FRAME_TIMEOUT_S), replication.MAX_PEER_MESSAGE)
             try:
@@ -86,7 +75,8 @@ class PeerService:
             if count:
                 log.warning("peer request failed (%d since the last report): %s", count, e)
 
-    def _auth_failed(self, sock: socket.socket, error: AuthError) -> None:
+    def auth_failed(self, sock: socket.socket, error: AuthError) -> None:
+        """Report a connection that failed the challenge (peer_port.py calls it), throttled."""
         count = self._auth_reports.hit()
         if count is None:
             return

@@ -24,6 +24,7 @@ import time
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 64 << 20  # a worker's commit carries its shard's header: tensor tables can be large
 NONCE_BYTES = 32
+PROOF_BYTES = hashlib.sha256().digest_size
 RECV_CHUNK = 8 << 20
 # The largest shard (one rank's data at one step) a request may name: bigger is a bad request.
 MAX_SHARD_BYTES = 1 << 40
@@ -151,9 +152,44 @@ def authenticate(
     theirs = recv_exact(sock, NONCE_BYTES, deadline)
     me, them = (b"client", b"server") if initiator else (b"server", b"client")
     send_all(sock, _proof(secret, theirs, me), deadline)
-    proof = recv_exact(sock, hashlib.sha256().digest_size, deadline)
+    proof = recv_exact(sock, PROOF_BYTES, deadline)
     if not hmac.compare_digest(proof, _proof(secret, mine, them)):
         raise AuthError("peer failed authentication: wrong checkpoint secret")
+
+
+class ServerHandshake:
+    """The server's side of `authenticate`, fed the peer's bytes as they arrive (peer_port.py's
+    selector), so no thread waits on a peer that has not proved it holds the secret.
+
+    Send `greeting()` first; `wanted()` is how many bytes to read next (never more: what the
+    peer sends after its proof stays in the socket for the request); `feed(data)` returns the
+    bytes to send back (or b""), and raises AuthError on a wrong proof; `done` once proved."""
+
+    def __init__(self, secret: bytes):
+        self.secret = secret
+        self.mine = os.urandom(NONCE_BYTES)
+        self.theirs: bytes | None = None
+        self.buffer = b""
+        self.done = False
+
+    def greeting(self) -> bytes:
+        return self.mine
+
+    def wanted(self) -> int:
+        return (NONCE_BYTES if self.theirs is None else PROOF_BYTES) - len(self.buffer)
+
+    def feed(self, data: bytes) -> bytes:
+        self.buffer += data[: self.wanted()]
+        if self.wanted() > 0:
+            return b""
+        got, self.buffer = self.buffer, b""
+        if self.theirs is None:
+            self.theirs = got
+            return _proof(self.secret, got, b"server")
+        if not hmac.compare_digest(got, _proof(self.secret, self.mine, b"client")):
+            raise AuthError("peer failed authentication: wrong checkpoint secret")
+        self.done = True
+        return b""
 
 
 def field_int(msg: dict, name: str, low: int = 0, high: int = (1 << 63) - 1) -> int:

@@ -277,6 +277,16 @@ class Publisher:
             key = catalog.shard_key(shard.step, shard.rank, catalog.memory_holder(self.node))
             self.writes.delete(key)
 
+    def withdraw(self, step: int, rank: int, holder: str) -> None:
+        """Withdraw one listing now, not batched (a copy found corrupt: the next plan must not
+        restore from it); a failure is logged (the listing then stays until its lease ends)."""
+        if self.store is None:
+            return
+        try:
+            self.store.delete(catalog.shard_key(step, rank, holder))
+        except StoreError as e:
+            log.warning("cannot withdraw step %d rank %d of %s: %s", step, rank, holder, e)
+
     def list_storage(self, shard, path: str, removed: dict[int, list[int]]) -> None:
         """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
         the shards of the steps retention removed (step -> ranks), in the same batch."""

@@ -109,7 +109,13 @@ class CheckpointServer:
         socketserver.ThreadingUnixStreamServer.daemon_threads = True
         self._unix = socketserver.ThreadingUnixStreamServer(str(path), UnixHandler)
         if self.cfg.secret:  # peers authenticate with the secret: without one, no peer port
-            self._tcp = PeerPort(self.cfg.host, self.cfg.port, self.peers.serve)
+            self._tcp = PeerPort(
+                self.cfg.host,
+                self.cfg.port,
+                self.cfg.secret,
+                self.peers.serve,
+                self.peers.auth_failed,
+            )
             self.addr = f"{self.cfg.host}:{self._tcp.port}"
         self.publisher.start(self.addr)
         threads = [(self._unix.serve_forever, "ckpt-unix"), *self.pipeline.threads()]

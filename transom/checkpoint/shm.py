@@ -178,24 +178,28 @@ class MappingCache(Generic[View]):
         self.limit = limit
         self.release = release
         self._maps: dict[str, tuple[mmap.mmap, View, FileIdentity]] = {}
+        # A save's thread and the thread mapping the next save's region (next_region.py).
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._maps)
 
     def get(self, path: str, nbytes: int) -> View:
-        hit = self._maps.get(path)
-        if hit is not None and len(hit[0]) == nbytes and hit[2] == file_identity(path):
-            return hit[1]
-        self.drop(path)
-        if len(self._maps) >= self.limit:
-            self.drop(next(iter(self._maps)))
-        m, identity = mapped_file(Path(path), nbytes)
-        view = self.as_view(m)
-        self._maps[path] = (m, view, identity)
-        return view
+        with self._lock:
+            hit = self._maps.get(path)
+            if hit is not None and len(hit[0]) == nbytes and hit[2] == file_identity(path):
+                return hit[1]
+            self.drop(path)
+            if len(self._maps) >= self.limit:
+                self.drop(next(iter(self._maps)))
+            m, identity = mapped_file(Path(path), nbytes)
+            view = self.as_view(m)
+            self._maps[path] = (m, view, identity)
+            return view
 
     def drop(self, path: str) -> None:
-        hit = self._maps.pop(path, None)
+        with self._lock:
+            hit = self._maps.pop(path, None)
         if hit is not None:
             m, view, _ = hit
             if self.release is not None:
@@ -209,11 +213,13 @@ class MappingCache(Generic[View]):
     def drop_missing(self) -> list[str]:
         """Unmap every region whose file is gone (the server deleted it) or is another file now
         (a new server's region under the same path); the paths dropped."""
-        gone = [path for path, hit in self._maps.items() if file_identity(path) != hit[2]]
-        for path in gone:
-            self.drop(path)
+        with self._lock:
+            gone = [path for path, hit in self._maps.items() if file_identity(path) != hit[2]]
+            for path in gone:
+                self.drop(path)
         return gone
 
     def clear(self) -> None:
-        for path in list(self._maps):
-            self.drop(path)
+        with self._lock:
+            for path in list(self._maps):
+                self.drop(path)

@@ -15,8 +15,10 @@ manifest. A manifest names its timeline and covers only shards of that timeline:
 newer timeline written into a complete step withdraws the old manifest first (the step is being
 re-saved after a fresh start or a rollback); one of an older generation is refused
 (`StaleTimeline`); a read checks the shard against its step's manifest. Steps discarded as
-poisoned are removed (`discard_steps`). Retention never deletes a step that is newer than the K
-newest complete ones.
+poisoned are removed (`discard_steps`), and retention keeps the K newest complete steps of the
+job that writes; both act on that job's own timeline only. Another job's steps (a directory
+a rerun resumes from: storage_claim.py) are never discarded, and leave only once the writing
+job has K complete steps newer than them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from transom.checkpoint import shard_format
 from transom.checkpoint.reshard_steps import reshardable
-from transom.checkpoint.saved_by import saved_by
+from transom.checkpoint.saved_by import UNKNOWN, saved_by
 from transom.checkpoint.shm import anonymous_buffer
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
@@ -76,7 +78,7 @@ def atomic_write(path: Path, parts) -> None:
 
 
 @contextmanager
-def _locked(root: Path):
+def locked(root: Path):
     with open(root / ".lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -113,7 +115,7 @@ def write_shard(
     directory.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(root, step)
     if manifest is not None and manifest.get("timeline") != timeline:
-        with _locked(Path(root)):
+        with locked(Path(root)):
             manifest = read_manifest(root, step)
             if manifest is not None and manifest.get("timeline") != timeline:
                 if _older(timeline, manifest.get("timeline")):
@@ -227,16 +229,17 @@ def complete_step(
     root: Path, step: int, world_size: int, keep: int, timeline: dict | None = None
 ) -> dict[int, list[int]]:
     """If every rank's shard of `step` is on disk, all of `timeline`, write its manifest and
-    `latest`; apply retention.
+    `latest`; apply retention (to `timeline`'s job: `_retain`). A file of a rank beyond the
+    world (left by another world that never completed the step) is not part of the step.
 
     Returns the steps removed by retention, each with the ranks whose shards it held.
     """
     root = Path(root)
-    with _locked(root):
+    with locked(root):
         if (step_dir(root, step) / MANIFEST).exists():
             return {}
-        ranks = shard_ranks(root, step)
-        if ranks != set(range(world_size)) or not _same_timeline(root, step, ranks, timeline):
+        ranks = set(range(world_size))
+        if not ranks <= shard_ranks(root, step) or not _same_timeline(root, step, ranks, timeline):
             return {}
         manifest = {
             "step": step,
@@ -247,7 +250,7 @@ def complete_step(
         }
         atomic_write(step_dir(root, step) / MANIFEST, [json.dumps(manifest, indent=1).encode()])
         complete = _write_latest(root)
-        return _retain(root, complete, keep)
+        return _retain(root, complete, keep, job_of(timeline))
 
 
 def _write_latest(root: Path) -> list[int]:
@@ -262,15 +265,16 @@ def _write_latest(root: Path) -> list[int]:
 
 
 def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) -> list[int]:
-    """Remove what `job`'s generations before `generation` (or another job) wrote of steps >=
-    `first_bad_step` (an abandoned history: see catalog.discard_poisoned): their shard files and
-    manifests, by the timeline each names (a file that names none, or cannot be read, is old);
-    the steps touched."""
+    """Remove what `job`'s generations before `generation` wrote of steps >= `first_bad_step`
+    (an abandoned history: see catalog.discard_poisoned): their shard files and manifests; the
+    steps touched. A file of another job, or one that names no timeline or cannot
+    be read, is never removed: a discard acts on `job`'s own timeline only (a rerun's restore
+    step must not cost the job it resumed from its later steps)."""
     root = Path(root)
     if not root.is_dir():
         return []
     touched = []
-    with _locked(root):
+    with locked(root):
         for entry in root.iterdir():
             m = STEP_RE.match(entry.name)
             if not m or int(m.group(1)) < first_bad_step:
@@ -279,11 +283,13 @@ def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) ->
                 f
                 for f in entry.iterdir()
                 if (SHARD_RE.match(f.name) or f.name == MANIFEST)
-                and saved_by(_timeline_of(f), job) < generation
+                and UNKNOWN < saved_by(_timeline_of(f), job) < generation
             ]
             if not old:
                 continue
-            (entry / MANIFEST).unlink(missing_ok=True)  # the step is no longer complete
+            # The step is no longer complete. Its manifest is `job`'s: a shard of `job` written
+            # into another timeline's complete step withdrew that one's manifest first.
+            (entry / MANIFEST).unlink(missing_ok=True)
             for f in old:
                 f.unlink(missing_ok=True)
             if not any(entry.iterdir()):
@@ -306,12 +312,27 @@ def _timeline_of(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _retain(root: Path, complete: list[int], keep: int) -> dict[int, list[int]]:
-    """Remove every step folder older than the `keep` newest complete steps; the steps removed,
-    each with the ranks whose shards it held."""
-    if len(complete) <= keep:
+def job_of(timeline: object) -> str | None:
+    """The job a timeline names (None: none, or not a timeline)."""
+    job = timeline.get("job") if isinstance(timeline, dict) else None
+    return job if isinstance(job, str) else None
+
+
+def manifest_job(root: Path, step: int) -> str | None:
+    """The job whose timeline `step`'s manifest names (None: none, or no readable manifest)."""
+    manifest = read_manifest(root, step)
+    return job_of(manifest.get("timeline")) if isinstance(manifest, dict) else None
+
+
+def _retain(root: Path, complete: list[int], keep: int, job: str | None) -> dict[int, list[int]]:
+    """Remove every step folder older than `job`'s `keep` newest complete steps (all complete
+    steps' when `job` is None); the steps removed, each with the ranks whose shards it held.
+    Another job's step newer than those stays: a job resumed from it, or started over beside
+    it, has not saved K newer steps of its own yet."""
+    mine = complete if job is None else [s for s in complete if manifest_job(root, s) == job]
+    if len(mine) <= keep:
         return {}
-    oldest_kept = complete[keep - 1]
+    oldest_kept = mine[keep - 1]
     removed = {}
     for entry in root.iterdir():
         m = STEP_RE.match(entry.name)

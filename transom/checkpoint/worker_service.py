@@ -12,7 +12,8 @@ Each message (protocol.py framing) is one request with one reply:
                                        PREFETCH_WAIT_S)
     prepare {nbytes, rank}    -> {path}      populate a spare region for the rank's next save
     steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
-    event   {action, message, fields}        a `checkpoint` event on the worker's behalf
+    event   {action, message, fields}        a `checkpoint` event on the worker's behalf (a
+                                       corrupt `bad-copy` also withdraws that copy)
     status                    -> what the server holds, and what became of its prefetches
 A refused save answers {"ok": false, "refused": true, "error"}; a bad request (a field of the
 wrong type or out of bounds, a shard over MAX_SHARD_BYTES) {"ok": false, "error"}. A connection
@@ -30,8 +31,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from transom.checkpoint import storage
-from transom.checkpoint.budget import STAGED, BudgetExceeded, ShardMemory
+from transom.checkpoint import catalog, storage
+from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
@@ -47,6 +48,7 @@ from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.reshard_steps import reshardable, restorable
 from transom.checkpoint.shard_format import ShardError
 from transom.checkpoint.shm import Region
+from transom.common.names import valid_id
 from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt.server")
@@ -148,6 +150,8 @@ class WorkerService:
             if not isinstance(fields, dict) or {"action", "message"} & set(fields):
                 raise ValueError("an event's fields are an object without action or message")
             self.publisher.event(action, message, **fields)
+            if action == "bad-copy" and fields.get("corrupt") is True:
+                self.withdraw_corrupt(fields)
             return {"ok": True}
         if op == "status":
             return {
@@ -158,6 +162,29 @@ class WorkerService:
                 "prefetch": self.prefetcher.status() if self.prefetcher is not None else [],
             }
         raise ValueError(f"unknown request {str(op)[:40]!r}")
+
+    def withdraw_corrupt(self, fields: dict) -> None:
+        """A worker found a copy corrupt (its checksums failed): no restore may be planned from it
+        again. A copy in this server's memory is evicted; the listing of a peer's or storage's
+        copy leaves the catalog (the file stays, for inspection). When a rank's every copy of
+        its restore step is corrupt, its load fails, and the next generation's restore step is
+        an older one, the same for every rank (catalog.restorable_steps)."""
+        step, rank = field_int(fields, "step"), field_int(fields, "rank")
+        tier, node = Tier.parse(fields.get("tier")), fields.get("holder_node")
+        if tier is Tier.MEMORY:
+            with self.lock:
+                shard = self.memory.shards.get((step, rank))
+                if shard is not None and shard.state == COMMITTED and not shard.pins:
+                    self.memory.evict(shard)
+            holder = catalog.memory_holder(self.node)
+        elif tier is Tier.PEER and isinstance(node, str) and valid_id(node):
+            holder = catalog.memory_holder(node)
+        elif tier is Tier.STORAGE:
+            holder = catalog.STORAGE_HOLDER
+        else:
+            return
+        self.publisher.withdraw(step, rank, holder)
+        log.warning("step %d rank %d: corrupt copy in %s withdrawn (%s)", step, rank, tier, holder)
 
     def locate(self, step: int, rank: int) -> list[dict]:
         """Where shard (step, rank) can be read from, fastest first."""

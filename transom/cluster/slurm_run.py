@@ -1,16 +1,16 @@
 """`transom run` as one task of a Slurm job step: where its etcd is, what its node is called,
 what it does with evicted nodes and with the signals Slurm sends.
 
-Every node of the step runs the same command (`srun ... transom run ...`, one task per node).
-The step's first node starts the job's etcd on its address (mutual TLS, certificates in the
-attempt's folder), lists the checkpoints storage already holds in it (`resume.adopt_storage`:
-a requeued or re-submitted job goes on from there), and writes the folder's `store.json`; every
-other node waits for that file and connects. An explicit `--store` wins: then no node starts
-one. Each node then runs what `transom run --store` runs on a machine of a multi-machine job:
-one agent named after its Slurm node (`transom.launcher`), and the first CONTROLLER_NODES nodes
-one controller candidate each; the controller makes the first `--nnodes` nodes to join members
-and the rest spares. Only the first node keeps the job's status.json, events.jsonl and
-progress.jsonl and prints its events (`Launch.mirror`); the others follow the job record alone.
+Every node of the step runs the same command (`srun ... transom run ...`, one task per node). The
+step's first node starts the job's etcd on its address (mutual TLS, certificates in the attempt's
+folder) and writes the folder's `store.json`; every other node waits for that file and connects. A
+requeued or re-submitted job goes on from the checkpoints storage holds, as every rerun of `transom
+run` does (the launcher's claim, checkpoint/storage_claim.py). An explicit `--store` wins: then no
+node starts one. Each node then runs what `transom run --store` runs on a machine of a multi-machine
+job: one agent named after its Slurm node (`transom.launcher`), and the first CONTROLLER_NODES nodes
+one controller candidate each; the controller makes the first `--nnodes` nodes to join members and
+the rest spares. Only the first node keeps the job's status.json, events.jsonl and progress.jsonl
+and prints its events (`Launch.mirror`); the others follow the job record alone.
 
 Files (RUN_DIR, default ./transom-runs/slurm-<job>, must be on a file system every node shares):
     RUN_DIR/checkpoints/          default --ckpt-storage: the same for every step and requeue
@@ -48,7 +48,6 @@ from rich.console import Console
 from transom.checkpoint import storage
 from transom.checkpoint.shm_dirs import default_shm_dir
 from transom.cluster import slurm
-from transom.cluster.resume import adopt_storage
 from transom.common import env, files, keys
 from transom.common.names import BadId
 from transom.common.records import Event, EventKind, JobRecord, RecordError
@@ -101,6 +100,8 @@ def run_args(
         args.host or host_address(),
         node_id=args.node_id,
         drain_evicted=args.slurm_drain,
+        fresh=args.fresh,
+        discard_storage=args.discard_storage,
     )
 
 
@@ -116,6 +117,8 @@ def run(
     host: str,
     node_id: str | None = None,
     drain_evicted: bool = False,
+    fresh: bool = False,
+    discard_storage: bool = False,
 ) -> int:
     """Run this node's part of the job; the exit code of `transom run` (EXIT_STOPPED when a
     signal stopped it)."""
@@ -140,6 +143,8 @@ def run(
         node_prefix=node,
         host=host,
         mirror=allocation.is_first,
+        fresh=fresh,
+        discard_storage=fresh and discard_storage,
     )
     stopped = threading.Event()
     watcher = None
@@ -197,8 +202,7 @@ def ran_out_of_nodes(node_dir: Path) -> bool:
 
 
 def start_store(here: Path, host: str, spec: JobSpec) -> EmbeddedEtcd:
-    """The first node: start the job's etcd on `host`, list storage's checkpoints in it, and
-    tell the other nodes where it is (written last, so nobody joins before that is done)."""
+    """The first node: start the job's etcd on `host`, and tell the other nodes where it is."""
     rendezvous = here / files.STORE_RENDEZVOUS
     rendezvous.unlink(missing_ok=True)
     etcd = EmbeddedEtcd(
@@ -208,10 +212,6 @@ def start_store(here: Path, host: str, spec: JobSpec) -> EmbeddedEtcd:
         host=host,
     ).start()
     try:
-        assert spec.ckpt_storage is not None
-        steps = adopt_storage(Store(etcd.access, spec.job_id), Path(spec.ckpt_storage))
-        if steps:
-            log.warning("checkpoints in %s: resuming from step %d", spec.ckpt_storage, steps[0])
         tmp = rendezvous.with_name(f".{rendezvous.name}.tmp")
         tmp.write_text(json.dumps({"job_id": spec.job_id, "url": etcd.url}))
         os.replace(tmp, rendezvous)

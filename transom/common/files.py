@@ -17,6 +17,9 @@ RUN_DIR/
   checkpoints/            the storage tier (TRANSOM_CHECKPOINT_DIR) unless --ckpt-storage
   report.png|md|json      `transom report`
   final_weights.pt, reference_weights.pt, reference.json: the demo's weights and reference
+  previous/TIME/          what an earlier run on one machine left in this folder (its etcd,
+                          events, status, progress, logs and report), moved when a rerun starts
+  .launcher.lock          held by the `transom run` that uses this folder on one machine
 
 This module must never do I/O: it only names things.
 """
@@ -40,6 +43,10 @@ REPORT_JSON = "report.json"
 FINAL_WEIGHTS = "final_weights.pt"
 REFERENCE_WEIGHTS = "reference_weights.pt"
 REFERENCE = "reference.json"
+PREVIOUS_RUNS = "previous"
+LAUNCHER_LOCK = ".launcher.lock"
+# What a run on one machine leaves in its folder that a rerun there must not mix with its own.
+RUN_STATE = (ETCD, ETCD_TLS, EVENTS, STATUS, PROGRESS, LOGS, REPORT_PNG, REPORT_MD, REPORT_JSON)
 
 
 def generation_logs(run_dir: Path, generation: int) -> Path:

@@ -24,6 +24,11 @@ def check_id(what: str, value: str) -> str:
     return value
 
 
+def valid_id(value: object) -> bool:
+    """Whether `value` is a valid id (a value read from a file or a message: no error to raise)."""
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def natural_key(name: str) -> tuple[int | str, ...]:
     """Sort key for names with numbers: node2 < node10 (cached: the controller sorts a thousand

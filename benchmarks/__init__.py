@@ -1,0 +1,35 @@
+"""Transom's benchmarks, run from the repository root as modules:
+
+    python -m benchmarks.checkpoint        checkpoint save/load against torch.save/load and DCP
+    python -m benchmarks.checkpoint_gpu    the same engine's CUDA path (needs a GPU)
+    python -m benchmarks.detection         detection latency, attribution, false positives
+    python -m benchmarks.etcd_size         the embedded etcd's size under rewrites
+    python -m benchmarks.goodput           one job through five faults, Transom against torchrun
+    python -m benchmarks.monitor.blocks    the monitor's overhead inside one process
+    python -m benchmarks.monitor.overhead  the monitor's overhead, process against process
+    python -m benchmarks.overhead          a fault-free job's overhead against torchrun
+    python -m benchmarks.projection        the measured costs projected to a cluster (no processes)
+    python -m benchmarks.recovery          fault to first step, against torchrun
+    python -m benchmarks.scale             the real controller and up to 1,024 simulated agents
+    python -m benchmarks.torture           faults of Transom's own control plane
+
+Each prints a readable table; with `--json` the last line of output is one JSON object. The
+current numbers and the command behind each are in docs/benchmarks.md; results/ holds the JSON
+of the runs it cites. Nothing outside benchmarks/ imports from here but the benchmarks' own
+tests; what benchmarks and tests share is in transom/testing/.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a child `python -m benchmarks.X`: the repository first on its PYTHONPATH, so the
+    child finds this package wherever it was started from."""
+    path = [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}

@@ -1,0 +1,7 @@
+"""`python -m benchmarks.goodput`: the goodput benchmark (main.py)."""
+
+import sys
+
+from benchmarks.goodput.main import main
+
+sys.exit(main())

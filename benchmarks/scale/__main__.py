@@ -1,0 +1,7 @@
+"""`python -m benchmarks.scale`: the scale benchmark (main.py)."""
+
+import sys
+
+from benchmarks.scale.main import main
+
+sys.exit(main())

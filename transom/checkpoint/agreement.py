@@ -1,0 +1,160 @@
+"""Ranks that load without a controller agree on the step: every rank loads the same one, or none.
+
+Under a launcher the controller names the restore step for every rank (TRANSOM_RESTORE_STEP).
+Without one, each rank would take the newest step it can read and fall back on its own when its
+copy is bad, so two ranks could resume from different steps and train from mismatched state.
+`agree` makes the fallback collective, by what the job has:
+
+* **A torch.distributed process group of the engine's world** (the usual case: the script
+  initialised it before loading): the ranks take the newest step every rank lists (an
+  all-reduce MIN of each rank's newest), each loads and verifies its shard of it, and an
+  all-reduce of the outcomes decides: every rank good, every rank uses it; else every rank
+  moves to an older step together. Two small all-reduces a step tried.
+* **No process group**: a rank takes a step only once every rank's shard of it in storage has
+  verified (the manifest names them, the checksums are checked): the ranks read the same files
+  and reach the same verdict without talking. That reads the whole step, world_size times a
+  rank's own share: for large worlds a log line suggests initialising the process group first.
+
+When no step is good for every rank, every rank raises one CheckpointError (there were bad
+copies) or returns None (nothing saved): never some ranks one way and some the other.
+This module never loads bytes that a tier has not verified, and never chooses a step that no
+rank listed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transom.checkpoint import shard_format, storage
+from transom.checkpoint.client import CheckpointError
+
+log = logging.getLogger("transom.ckpt")
+
+# A world this large or larger, loading without a process group, reads this many ranks' shards
+# per rank: worth a hint.
+LARGE_WORLD = 8
+
+# Loads rank's shard of a step (verified) and returns its state; CheckpointError when no tier
+# holds a good copy.
+LoadStep = Callable[[int], Any]
+
+
+def agree(
+    candidates: list[int],
+    load: LoadStep,
+    world_size: int,
+    storage_dir: Path,
+) -> tuple[int, Any] | None:
+    """(step, state) of the newest step every rank of `world_size` can load, the same on every
+    rank; None when no rank has anything to load; CheckpointError on every rank when copies
+    were bad and no step is good for all. `candidates` are this rank's restorable steps,
+    newest first."""
+    if world_size <= 1:
+        return _alone(candidates, load)
+    group = _process_group(world_size)
+    if group:
+        return _collectively(candidates, load)
+    if world_size >= LARGE_WORLD:
+        log.info(
+            "loading without a process group: verifying all %d ranks' shards of a step in "
+            "storage before using it (initialise torch.distributed before loading to agree "
+            "by an all-reduce instead)",
+            world_size,
+        )
+    return _by_storage(candidates, load, world_size, storage_dir)
+
+
+def _alone(candidates: list[int], load: LoadStep) -> tuple[int, Any] | None:
+    errors = []
+    for step in candidates:
+        try:
+            return step, load(step)
+        except CheckpointError as e:
+            errors.append(str(e))
+            log.warning("%s; trying an older step", e)
+    if errors:
+        raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
+    return None
+
+
+def _process_group(world_size: int) -> bool:
+    """Whether the default process group spans this engine's world."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
+
+
+def _reduce(value: int, op: str) -> int:
+    """`value` reduced over the default group by MIN or MAX, on the device its backend needs."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _collectively(candidates: list[int], load: LoadStep) -> tuple[int, Any] | None:
+    errors: list[str] = []
+    bound = None
+    while True:
+        mine = next((s for s in candidates if bound is None or s < bound), -1)
+        step = _reduce(mine, "min")  # the newest step every rank lists at or below its own
+        if step < 0:
+            if _reduce(1 if errors else 0, "max"):
+                raise CheckpointError(
+                    "no step could be loaded by every rank"
+                    + (f": {'; '.join(errors)}" if errors else " (another rank's copies were bad)")
+                )
+            return None
+        try:
+            state, good = load(step), 1
+        except CheckpointError as e:
+            state, good = None, 0
+            errors.append(str(e))
+        if _reduce(good, "min"):
+            return step, state
+        log.warning("step %d is not good on every rank; every rank tries an older one", step)
+        bound = step
+
+
+def _by_storage(
+    candidates: list[int], load: LoadStep, world_size: int, root: Path
+) -> tuple[int, Any] | None:
+    errors = []
+    for step in candidates:
+        bad = _unverified(root, step, world_size)
+        if bad:
+            errors.append(f"step {step}: {bad}")
+            log.warning("step %d: %s; every rank tries an older step", step, bad)
+            continue
+        try:
+            return step, load(step)
+        except CheckpointError as e:  # every shard verified a moment ago: not expected
+            errors.append(str(e))
+            log.warning("%s; trying an older step", e)
+    if errors:
+        raise CheckpointError(
+            f"no step could be loaded by every rank of {world_size}: {'; '.join(errors)}"
+        )
+    return None
+
+
+def _unverified(root: Path, step: int, world_size: int) -> str | None:
+    """Why some rank's shard of `step` in storage is not good (None: all verify): every rank of
+    the world that saved it (its manifest's; a resharded load reads them all)."""
+    manifest = storage.read_manifest(root, step)
+    saved_by = manifest.get("world_size") if isinstance(manifest, dict) else None
+    for rank in range(saved_by if type(saved_by) is int and saved_by > 0 else world_size):
+        try:
+            storage.read_shard(storage.shard_path(root, step, rank), step, rank)
+        except (shard_format.ShardError, OSError) as e:
+            return f"rank {rank}'s shard in storage is not good ({e})"
+    return None

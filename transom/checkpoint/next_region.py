@@ -1,0 +1,69 @@
+"""The next save's region, mapped before that save: a save should be a plain memory copy.
+
+The server keeps a populated spare region ready for each rank's next save (budget.py,
+`prepare_spare`), but a worker maps a region it has not seen yet during the save that first
+uses it, and filling that mapping's page tables (MAP_POPULATE) costs more than the copy: a
+rank's first saves rotate through new regions (memory keeps two steps and a spare), so the 2nd
+and 3rd saves of 256 MiB blocked 2-7x the copy floor here, the 4th and later at it. After each
+save (and after a load: the next save has the loaded state's size) `NextRegion.after` waits for
+the server to take that save in (its older steps are evicted then, and a spare prepared), asks
+for the spare of that size and maps it, in a background thread, so the save that takes it
+finds it mapped already.
+
+This module never blocks a save or a load: its request runs on a connection of its own, one at
+a time (a request under way makes the next one wait for the save after), and a failure costs
+only the head start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from transom.checkpoint.client import CheckpointError
+from transom.checkpoint.shm import MappingCache
+
+log = logging.getLogger("transom.ckpt")
+
+# (message, fresh, timeout) -> reply: the engine's request to its node's server.
+Request = Callable[..., dict]
+# How long the mapping waits for the server to finish taking in the save before it.
+SAVED_WAIT_S = 30.0
+
+
+class NextRegion:
+    def __init__(self, request: Request, maps: MappingCache[Any], rank: int):
+        self.request = request
+        self.maps = maps
+        self.rank = rank
+        self._busy = threading.Lock()
+
+    def after(self, nbytes: int, saved: int | None = None) -> None:
+        """Have the region for a save of `nbytes` mapped before that save, in the background,
+        once step `saved` (the save just made, if any) is in the server's memory (nothing when a
+        previous one is still under way, or there is nothing to save)."""
+        if nbytes <= 0 or not self._busy.acquire(blocking=False):
+            return
+        threading.Thread(
+            target=self._map_next, args=(nbytes, saved), name="ckpt-next-region", daemon=True
+        ).start()
+
+    def _map_next(self, nbytes: int, saved: int | None) -> None:
+        try:
+            if saved is not None:
+                msg = {"op": "wait", "step": saved, "rank": self.rank, "tier": "memory"}
+                self.request(msg | {"timeout": SAVED_WAIT_S}, True, SAVED_WAIT_S + 5.0)
+            reply = self.request({"op": "prepare", "nbytes": nbytes, "rank": self.rank}, True)
+            if reply.get("ok") and isinstance(reply.get("path"), str):
+                self.maps.get(reply["path"], nbytes)
+        except (CheckpointError, OSError, ValueError) as e:
+            log.debug("no region mapped ahead of the next save: %s", e)
+        finally:
+            self._busy.release()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until no mapping is under way (an engine closing)."""
+        if self._busy.acquire(timeout=-1 if timeout is None else timeout):
+            self._busy.release()
