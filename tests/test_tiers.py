@@ -12,6 +12,10 @@ import pytest
 @pytest.fixture
 def etcd():  # only its name matters here: the tiers treat it as a real etcd
     return None
+
+@pytest.fixture
+def start_job(etcd):  # and this one as a whole job
+    return None
 """
 
 TESTS = """
@@ -29,6 +33,9 @@ def test_old_slow():
 
 @pytest.mark.e2e
 def test_marked_e2e(etcd):
+    pass
+
+def test_whole_job(start_job):
     pass
 """
 
@@ -52,7 +59,7 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     [
         ("unit", ["test_plain"]),
         ("integration", ["test_with_etcd"]),
-        ("e2e", ["test_old_slow", "test_marked_e2e"]),
+        ("e2e", ["test_old_slow", "test_marked_e2e", "test_whole_job"]),
     ],
 )
 def test_each_test_is_in_exactly_one_tier(suite, tier, selected):
