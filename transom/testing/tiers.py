@@ -5,9 +5,10 @@ Every test gets exactly one of three markers (docs/testing.md):
 - `integration`: a real etcd or real processes, seconds each;
 - `e2e`: whole jobs (the tests once marked `slow`, which still means e2e).
 A test's tier is the one tier marker on it (the test's own, its class's or its module's
-`pytestmark`; two different ones are an error); without one it is `integration` when it uses a
-fixture that starts etcd or processes (PROCESS_FIXTURES), else `unit`. So a new test file needs
-no central list: a unit test that starts a process fails and says to mark it `integration`.
+`pytestmark`; two different ones are an error); without one it is what the fixtures it uses
+start (FIXTURE_TIERS: `e2e` for a whole `transom run` job, `integration` for a real etcd), else
+`unit`. So a new test file needs no central list: a unit test that starts a process fails and
+says to mark it `integration`.
 It applies to every test directory (tests/, benchmarks/tests/) whatever conftest they have.
 """
 
@@ -24,9 +25,9 @@ from _pytest.monkeypatch import MonkeyPatch
 TIERS = ("unit", "integration", "e2e")
 # Markers of the tests written before the tiers, and the tier each means.
 TIER_ALIASES = {"slow": "e2e"}
-# Fixtures (here and in test modules) that start a real etcd or other processes: a test that
-# uses one and names no tier is an integration test.
-PROCESS_FIXTURES = {"etcd", "store", "start_job"}
+# Fixtures (tests/conftest.py's) that start a whole job, a real etcd: the tier of a test that
+# uses one and names no tier (the highest, if it uses several).
+FIXTURE_TIERS = {"start_job": "e2e", "etcd": "integration", "store": "integration"}
 TIER_KEY = pytest.StashKey[str]()
 
 
@@ -42,8 +43,9 @@ def tier_of(item: pytest.Item) -> str:
         )
     if named:
         return named.pop()
-    fixtures = set(getattr(item, "fixturenames", ()))
-    return "integration" if fixtures & PROCESS_FIXTURES else "unit"
+    fixtures = getattr(item, "fixturenames", ())
+    implied = {FIXTURE_TIERS[f] for f in fixtures if f in FIXTURE_TIERS}
+    return max(implied | {"unit"}, key=TIERS.index)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers must be there to select on
