@@ -140,7 +140,14 @@ class StandInGroup:
 class StandInMonitor:
     """The node monitor's interface, fed by the stand-in group's steps."""
 
-    def __init__(self, node_id: str, nvml=None, scope: str = "") -> None:
+    def __init__(
+        self,
+        node_id: str,
+        scope: str = "",
+        hang_floor_s: float = float("inf"),
+        script: str = "",
+        nvml=None,
+    ) -> None:  # NodeMonitor's parameters, as the agent passes them
         self.node_id = node_id
         self.socket_path = Path("/nonexistent")
         self.generation = 0
@@ -153,7 +160,7 @@ class StandInMonitor:
     def new_generation(self, generation: int) -> None:
         self.generation, self.expected = generation, []
 
-    def expect_ranks(self, ranks: list[int]) -> None:
+    def expect_ranks(self, ranks: list[int], stacks_dir: Path | None = None) -> None:
         self.expected = list(ranks)
 
     def steps(self) -> dict[int, int | None]:
