@@ -185,28 +185,21 @@ class Launcher:
                 f"job {self.launch.spec.job_id} already ended ({job.state.value}); "
                 f"choose another --job-id"
             )
-        existing = self.connected.get(keys.SPEC)
-        spec = (
-            parse_spec(existing, self.launch.spec.job_id, check_script=True)
-            if existing is not None
-            else self.launch.spec
-        )
-        if spec.ckpt_storage is None:  # the default, made explicit for every machine
-            spec.ckpt_storage = str(self.launch.run_dir / files.CHECKPOINTS)
         L = self.launch
-        self.claim = hold_storage(
-            Path(spec.ckpt_storage), L.spec.job_id, L.fresh, L.discard_storage
-        )
+        existing = self.connected.get(keys.SPEC)
+        spec = L.spec if existing is None else parse_spec(existing, L.spec.job_id, True)
+        if spec.ckpt_storage is None:  # the default, made explicit for every machine
+            spec.ckpt_storage = str(L.run_dir / files.CHECKPOINTS)
+        root = Path(spec.ckpt_storage)
+        self.claim = hold_storage(root, L.spec.job_id, L.fresh, L.discard_storage)
         if existing is None and (event := resume(self.connected, self.claim)) is not None:
             log.warning("%s", event.message)  # the job's first event: where it resumes from
-            self._unrecorded.append(event)
-            self._record()
-        if not self.connected.create(keys.SPEC, spec.to_dict()):
-            # This machine's agents will run what another machine wrote: check it first.
-            theirs = parse_spec(
-                self.connected.get(keys.SPEC), self.launch.spec.job_id, check_script=True
-            )
-            log.info("joining job %s (spec written by another machine)", theirs.job_id)
+            self._event(event)
+        if existing is None and self.connected.create(keys.SPEC, spec.to_dict()):
+            return
+        if existing is None:  # another machine wrote it meanwhile: check it first
+            spec = parse_spec(self.connected.get(keys.SPEC), L.spec.job_id, check_script=True)
+        log.info("joining job %s (spec written by another machine)", spec.job_id)
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
@@ -356,10 +349,10 @@ class Launcher:
             return None
         reason, ended = self.outage.reason, self.outage.ok()
         if ended is not None:
-            self._event(
-                EventKind.WARNING,
-                f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on",
+            message = (
+                f"launcher: etcd was unreachable for {ended:.1f} s ({reason}); the job went on"
             )
+            self._event(Event(time.time(), EventKind.WARNING, message))
         else:
             self._record()
         return job
@@ -375,19 +368,19 @@ class Launcher:
         except StoreError as e:  # counted as an outage by the next poll; tried again after it
             log.error("could not restart the embedded etcd: %s", e)
             return
-        self._event(
-            EventKind.WARNING,
+        message = (
             f"launcher: the embedded etcd exited (code {code}) and was restarted from its data "
-            f"directory (restart {self.etcd.restarts})",
+            f"directory (restart {self.etcd.restarts})"
         )
+        self._event(Event(time.time(), EventKind.WARNING, message))
 
-    def _event(self, kind: EventKind, message: str) -> None:
+    def _event(self, event: Event) -> None:
         """Record a control-plane event; one etcd cannot take now (a log line says so) is
         recorded after a later poll that reached etcd (one just after an outage may still
         find its writes slow)."""
-        self._unrecorded.append(Event(time.time(), kind, message))
+        self._unrecorded.append(event)
         if not self._record():
-            log.warning("%s (not recorded in etcd yet: it does not answer)", message)
+            log.warning("%s (not recorded in etcd yet: it does not answer)", event.message)
 
     def _record(self) -> bool:
         """Write the unrecorded events, oldest first, until one fails; whether all went."""
