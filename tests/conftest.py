@@ -290,6 +290,16 @@ class Job:
             p.read_text(errors="replace") for p in sorted(self.run_dir.glob(f"logs/{pattern}"))
         )
 
+    def story(self, tail: int = 3000) -> str:
+        """What the job did, for a failed test's report: its events but the per-rank checkpoint
+        chatter, then the tail of its output."""
+        lines = [
+            f"{e.get('kind')}: {e.get('message', '')}"
+            for e in self.events()
+            if e.get("kind") != "checkpoint" or e.get("action") == "restored"
+        ]
+        return "\n".join([f"--- job {self.job_id} ({self.run_dir})", *lines, self.output[-tail:]])
+
     def kill(self) -> None:
         """End the launcher's whole session, then anything left of the job."""
         if self.process.poll() is None:
@@ -306,9 +316,19 @@ class Job:
         self._out.close()
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so a fixture can tell that its test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def start_job(tmp_path):
-    """start_job(args...) -> Job; every job is ended after the test, and must leave no process."""
+def start_job(tmp_path, request):
+    """start_job(args...) -> Job; every job is ended after the test, and must leave no process.
+
+    When the test fails, each job's story (events, output tail) is printed into its report."""
     jobs: list[Job] = []
 
     def start(
@@ -324,6 +344,10 @@ def start_job(tmp_path):
         return job
 
     yield start
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for job in jobs:
+            print(job.story())
     leftovers = []
     for job in jobs:
         if job.process.poll() is None:

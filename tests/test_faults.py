@@ -26,11 +26,14 @@ from transom.faults import (
     WORKER_FAULTS,
     FaultInjector,
     WorkerFaults,
+    cpu_quota,
     parse_schedule,
     parse_worker_faults,
 )
+from transom.faults.schedule import from_dict
 from transom.faults.throttle import throttle
 from transom.monitor import patterns
+from transom.testing.jobs import wait_for
 
 
 class DictStore:
@@ -60,8 +63,8 @@ def test_the_table_names_a_place_and_detectors_for_every_fault_type():
     assert DETECTORS["crash"] == ("crash",) and DETECTORS["hang"] == ("hang",)
     assert DETECTORS["slow"] == ("straggler",) and DETECTORS["nan"] == ("nan",)
     assert DETECTORS["kill"] == (NODE_LOST,)
-    assert set(AGENT_FAULTS) == {"crash", "hang", "log", "kill", "throttle"}
-    assert DETECTORS["throttle"] == ("straggler",)
+    assert set(AGENT_FAULTS) == {"crash", "hang", "log", "kill", "throttle", "quota"}
+    assert DETECTORS["throttle"] == DETECTORS["quota"] == ("straggler",)
     assert set(WORKER_FAULTS) == {"slow", "nan"}
     assert RANDOM_TYPES == ("crash", "hang", "slow", "nan", "log")  # the seeded draw's order
 
@@ -176,6 +179,12 @@ def test_fault_schedule_parsing():
         and faults[2]["factor"] == 2.5
     )
     assert len({f["id"] for f in faults}) == 3
+    (duty,) = parse_schedule("throttle@step=5:rank=0:factor=2:period=0.6", 2)
+    assert duty["period"] == 0.6 and from_dict(duty).period == 0.6
+    assert parse_schedule("throttle@step=5:rank=0", 2)[0]["period"] is None
+    for forged in ("nan", "inf", -1, "x"):  # a spec read back from etcd is not trusted
+        with pytest.raises(ValueError):
+            from_dict({**duty, "period": forged})
     assert parse_schedule("random:count=5:steps=10-20", 4, seed=3) == parse_schedule(
         "random:count=5:steps=10-20", 4, seed=3
     )
@@ -189,6 +198,9 @@ def test_fault_schedule_parsing():
         "crash@step=3:rank=9",
         "slow@step=3:factor=0.5",
         "crash",
+        "throttle@step=3:period=0",
+        "throttle@step=3:period=x",
+        "throttle@step=3:period=60",
     ):
         with pytest.raises(ConfigError):
             parse_schedule(bad, 4)
@@ -256,7 +268,7 @@ def test_throttle_fires_once_at_its_step_on_the_target_rank(tmp_path):
         assert store.events() == []
         injector.on_agent_tick({1: 3}, {1: child.pid}, {1: tmp_path / "log"})
         assert [e["fault"] for e in store.events()] == ["throttle"]
-        assert "runs 1/3 of the time" in store.events()[0]["message"]
+        assert "runs 1/3 of each 100 ms" in store.events()[0]["message"]
 
         def status() -> str:
             return psutil.Process(child.pid).status()
@@ -268,3 +280,53 @@ def test_throttle_fires_once_at_its_step_on_the_target_rank(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.integration
+def test_a_throttle_period_sets_the_length_of_each_stop():
+    """300/300 ms: the worker is stopped for stretches of about 0.3 s, not 0.05 s."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        throttle(child.pid, run_fraction=0.5, period_s=0.6)
+        stretches, start = [], None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            stopped = psutil.Process(child.pid).status() == psutil.STATUS_STOPPED
+            if stopped and start is None:
+                start = time.monotonic()
+            elif not stopped and start is not None:
+                stretches.append(time.monotonic() - start)
+                start = None
+            time.sleep(0.005)
+        assert stretches and max(stretches) > 0.2, stretches
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not cpu_quota.available(), reason="no writable cpu cgroup here")
+def test_a_cgroup_quota_caps_the_worker_to_a_share_of_what_it_used_and_goes_with_it():
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        thread = cpu_quota.cap(child.pid, 4.0, f"transom-test-{child.pid}")
+        group = wait_for(
+            lambda: next(
+                (g for g in cpu_quota.CGROUP_ROOT.rglob(f"transom-test-{child.pid}")), None
+            ),
+            10,
+            "the worker's cgroup",
+        )
+        wait_for(lambda: str(child.pid) in (group / "cgroup.procs").read_text(), 10, "the move")
+        assert 0.1 < cpu_quota.cpu_use(child.pid, 1.0) < 0.45  # a quarter of the one CPU it used
+    finally:
+        child.kill()
+        child.wait()
+    thread.join(timeout=15)
+    assert not thread.is_alive() and not group.exists()  # the worker gone, its cgroup too
+
+
+def test_a_quota_that_cannot_be_applied_is_logged_not_raised(caplog):
+    thread = cpu_quota.cap(2**22 + 12345, 2.0, "transom-test-none")  # no such process
+    thread.join(timeout=5)
+    assert "could not cap worker" in caplog.text

@@ -7,7 +7,9 @@ slow, throttle, log) need a spare per fault and a job has at most as many as nod
 in jobs of that many faults. `throttle` slows a rank from outside its process (the agent stops
 and continues it, running 1/--throttle-factor of the time), as CPU throttling or a noisy
 neighbour would; its row also gives the job's slowdown it caused (median step time after the
-fault over before, rank 0's log). Then it reads the jobs' event logs:
+fault over before, rank 0's log). The slowdown shapes (`--types shapes`: duty cycles of 50/50,
+75/25 and 300/300 ms stopped/run, and a cgroup CPU quota) are rows of their own, each scored like
+throttle. Then it reads the jobs' event logs:
   detection latency   fault event -> the first anomaly of the matching type (p50, p95)
                       (and, for slow, throttle and nan, in training steps)
   attribution         the controller's decision (or diagnosis, for crashes) blames the node the
@@ -71,8 +73,19 @@ JOB_TIMEOUT_S = 1800
 # The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
 # detection evicts the node, so that each fault needs a spare.
 FAULTS = ("crash", "hang", "slow", "throttle", "nan", "log")
-EVICTING = ("hang", "slow", "throttle", "log")
 THROTTLE_FACTOR = 2.0  # the throttled rank runs half of the time
+# Shapes of a slowdown from outside, each its own row (`--types shapes` runs them all): the fault
+# type that plays it and its options. dutySTOP_RUN: stopped STOP ms, then run RUN ms, in turn;
+# quota: a cgroup CFS quota of half the CPU the rank used (transom.faults.cpu_quota; needs a
+# writable cgroup).
+SHAPES = {
+    "duty50_50": ("throttle", ":factor=2:period=0.1"),
+    "duty75_25": ("throttle", ":factor=4:period=0.1"),
+    "duty300_300": ("throttle", ":factor=2:period=0.6"),
+    "quota": ("quota", ":factor=2"),
+}
+EVICTING = ("hang", "slow", "throttle", "log", *SHAPES)
+SLOWED = ("slow", "throttle", "nan", *SHAPES)  # latencies also counted in steps
 SLOWDOWN_STEPS = 15  # steps before the fault (and after it, to its detection) in its slowdown
 TARGETS = {
     "crash_s": 2.0,
@@ -186,18 +199,19 @@ def schedule(
 ) -> tuple[str, int]:
     """A fault spec of `trials` faults of one type at random ranks and steps; the steps to run."""
     items, step = [], FIRST_FAULT_STEP
-    factor = {"slow": ":factor=2", "throttle": f":factor={throttle_factor:g}"}
+    options = {"slow": ":factor=2", "throttle": f":factor={throttle_factor:g}"}
+    fault_type, option = SHAPES.get(kind, (kind, options.get(kind, "")))
     for _ in range(trials):
         at = step + rng.randint(0, 9)
-        item = f"{kind}@step={at}:rank={rng.randrange(nodes)}"
-        items.append(item + factor.get(kind, ""))
+        items.append(f"{fault_type}@step={at}:rank={rng.randrange(nodes)}{option}")
         step += FAULT_SPACING_STEPS
     return ",".join(items), step + 15
 
 
 def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     faults = [e for e in events if e["kind"] == "fault"]
-    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") in DETECTORS[kind]]
+    detected_by = DETECTORS[SHAPES[kind][0] if kind in SHAPES else kind]
+    anomalies = [e for e in events if e["kind"] == "anomaly" and e.get("type") in detected_by]
     if kind == "crash":
         verdicts = [e for e in events if e["kind"] == "diagnosis"]
         blamed = lambda v: v.get("blamed", [])  # noqa: E731
@@ -225,11 +239,7 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
             anomaly_nodes=hits[0].get("nodes"),
             latency_s=round(latencies[-1], 2),
         )
-        if (
-            kind in ("slow", "throttle", "nan")
-            and hits[0].get("step") is not None
-            and f.get("step") is not None
-        ):
+        if kind in SLOWED and hits[0].get("step") is not None and f.get("step") is not None:
             latency_steps.append(hits[0]["step"] - f["step"])
             trial["latency_steps"] = latency_steps[-1]
         verdict = next(
@@ -349,7 +359,12 @@ def main() -> int:
         default=20,
         help="faults per type, all in one job per type (default 20)",
     )
-    p.add_argument("--types", default=",".join(FAULTS), help="fault types to run (default: all)")
+    p.add_argument(
+        "--types",
+        default=",".join(FAULTS),
+        help="fault types to run (default: all), and slowdown shapes: "
+        f"{', '.join(SHAPES)}, or 'shapes' for all four",
+    )
     p.add_argument(
         "--fault-free-minutes",
         type=float,
@@ -393,6 +408,9 @@ def main() -> int:
         "at debug level (every straggler evaluation), to study a trial",
     )
     args = p.parse_args()
+    unknown = set(args.types.split(",")) - {"", "shapes", *FAULTS, *SHAPES}
+    if unknown:
+        p.error(f"--types: unknown {', '.join(sorted(unknown))}")
     rng = random.Random(args.seed)
     result: dict = {"transom": {}, "trials": args.trials, "seed": args.seed, "targets": TARGETS}
     result["patterns"] = pattern_scores()
@@ -403,7 +421,10 @@ def main() -> int:
         args.types, args.fault_free_minutes, args.overhead_rounds = "", 0, 0
     with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
         tmp = Path(tmp_name)
-        for kind in [t for t in args.types.split(",") if t]:
+        kinds = [t for t in args.types.split(",") if t]
+        if "shapes" in kinds:
+            kinds[kinds.index("shapes") : kinds.index("shapes") + 1] = list(SHAPES)
+        for kind in kinds:
             # Evictions use up spares, and a job has at most as many spares as nodes: several jobs.
             per_job = args.nodes if kind in EVICTING else args.trials
             t0, events, dirs, slowed = time.time(), [], [], []
@@ -427,10 +448,13 @@ def main() -> int:
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
             result["transom"][kind]["nodes"] = args.nodes
-            if kind == "throttle" and slowed:
+            if (kind == "throttle" or kind in SHAPES) and slowed:
                 result["transom"][kind]["job_slowdown_p50_x"] = statistics.median(slowed)
                 result["transom"][kind]["job_slowdowns_x"] = slowed
-                result["transom"][kind]["throttle_factor"] = args.throttle_factor
+                if kind == "throttle":
+                    result["transom"][kind]["throttle_factor"] = args.throttle_factor
+                else:
+                    result["transom"][kind]["fault"] = "".join(SHAPES[kind])
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
             if args.keep_dir:
                 keep = Path(args.keep_dir) / f"{kind}-{args.nodes}n-{int(time.time())}"

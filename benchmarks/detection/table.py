@@ -26,7 +26,7 @@ def print_table(result: dict) -> None:
         if not result["transom"]:
             return
     print(
-        f"\n{'fault':<8} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
+        f"\n{'fault':<11} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
         f"{'right node':>10} "
         f"{'p50 s':>6} {'p95 s':>6} {'max s':>6} {'steps p50/max':>13} {'median step s':>13}"
     )
@@ -38,17 +38,22 @@ def print_table(result: dict) -> None:
             else "-"
         )
         print(
-            f"{kind:<8} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
+            f"{kind:<11} {r['faults']:>5} {r['detected']:>5} {fmt(r['recall']):>6} "
             f"{fmt(r['precision']):>9} {fmt(r['attribution']):>10} "
             f"{fmt(r['latency_p50_s']):>6} {fmt(r['latency_p95_s']):>6} "
             f"{fmt(r['latency_max_s']):>6} {steps:>13} {fmt(r['median_step_s'], '{:.3f}'):>13}"
         )
     for kind, r in result["transom"].items():
         if "job_slowdown_p50_x" in r:
+            how = (
+                f"the rank ran 1/{r['throttle_factor']:g} of the time"
+                if "throttle_factor" in r
+                else f"fault {r.get('fault', kind)}"
+            )
             print(
-                f"{kind} on {r['nodes']} nodes: the rank ran 1/{r['throttle_factor']:g} of the "
-                f"time; the job's steps took {r['job_slowdown_p50_x']:.2f}x as long (median over "
-                f"the faults of the mean step time after the fault over before it)"
+                f"{kind} on {r['nodes']} nodes: {how}; the job's steps took "
+                f"{r['job_slowdown_p50_x']:.2f}x as long (median over the faults of the mean "
+                "step time after the fault over before it)"
             )
         if "within_target_steps" in r:
             print(

@@ -43,6 +43,7 @@ class Fault:
     node: str | None = None
     factor: float = DEFAULT_FACTOR
     line: str = DEFAULT_LOG_LINE
+    period: float | None = None  # seconds, for a duty cycle (throttle); None: the type's own
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from transom.faults.agent_side import Crash, Hang, Kill, LogLine
 from transom.faults.base import AGENT, PREFLIGHT, WORKER, FaultType
+from transom.faults.cpu_quota import CpuQuota
 from transom.faults.preflight_side import SlowLink, SlowPreflight
 from transom.faults.throttle import Throttle
 from transom.faults.worker_side import Nan, Slow
@@ -27,6 +28,7 @@ FAULT_TYPES: dict[str, FaultType] = {
         SlowPreflight(),
         SlowLink(),
         Throttle(),
+        CpuQuota(),
     )
 }
 

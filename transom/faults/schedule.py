@@ -1,7 +1,8 @@
 """The fault schedule: parsing and validating `--faults`, and seeded random schedules.
 
-A schedule is a comma-separated list of FAULT@step=N[:rank=R][:node=NODE][:factor=F][:line=TEXT]
-(the fault types are in registry.py), e.g.
+A schedule is a comma-separated list of
+FAULT@step=N[:rank=R][:node=NODE][:factor=F][:period=S][:line=TEXT] (the fault types are in
+registry.py), e.g.
 "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2", or
 "random[:count=N][:steps=A-B]" for N faults of random types, ranks and steps (--fault-seed), or
 the path of a file holding such items, one a line. A fault without a rank or node gets a random
@@ -20,7 +21,7 @@ from transom.faults.registry import FAULT_TYPES, RANDOM_TYPES
 
 RANDOM_COUNT = 3
 RANDOM_STEPS = (10, 100)
-KEYS = {"step", "rank", "node", "factor", "line"}
+KEYS = {"step", "rank", "node", "factor", "period", "line"}
 
 
 def _parse_one(text: str) -> tuple[str, dict]:
@@ -78,14 +79,19 @@ def _fault(item: str, rng: random.Random, world_size: int, fault_id: str) -> Fau
         step = int(fields.get("step", 0))
         rank = int(fields["rank"]) if "rank" in fields else None
         factor = float(fields.get("factor", DEFAULT_FACTOR))
+        period = float(fields["period"]) if "period" in fields else None
     except ValueError as e:
-        raise ConfigError(f"--faults {item!r}: step and rank are integers, factor a number") from e
+        raise ConfigError(
+            f"--faults {item!r}: step and rank are integers, factor and period numbers"
+        ) from e
     node = fields.get("node")
     if rank is not None and not 0 <= rank < world_size:
         raise ConfigError(
             f"--faults {item!r}: rank {rank} is outside the world (size {world_size})"
         )
-    fault = Fault(fault_id, kind, step, rank, node, factor, fields.get("line", DEFAULT_LOG_LINE))
+    fault = Fault(
+        fault_id, kind, step, rank, node, factor, fields.get("line", DEFAULT_LOG_LINE), period
+    )
     problem = fault_type.validate(fault)
     if problem:
         raise ConfigError(f"--faults {item!r}: {problem}")
@@ -123,4 +129,12 @@ def from_dict(data: dict) -> Fault:
         node=None if data.get("node") is None else str(data["node"]),
         factor=float(data.get("factor", DEFAULT_FACTOR)),
         line=str(data.get("line", DEFAULT_LOG_LINE)),
+        period=None if data.get("period") is None else _period(data["period"]),
     )
+
+
+def _period(value: object) -> float:
+    period = float(value)  # type: ignore[arg-type]
+    if not 0 < period < float("inf"):
+        raise ValueError(f"not a period: {value!r}")
+    return period

@@ -4,9 +4,10 @@ A real slowdown of one rank (a thermal or power limit, a CPU quota, a noisy neig
 land in a section of the training step the way the worker-side `slow` fault does: it stretches
 whatever the rank is doing at the time, compute, communication and its monitor's heartbeat alike.
 This fault plays that from the node agent: a thread of the agent stops the worker (SIGSTOP) and
-lets it run again (SIGCONT) with a duty cycle, so the worker runs 1/FACTOR of each THROTTLE_PERIOD_S
-(like a CFS quota of cpu.max, which this machine's read-only cgroups do not allow). It goes on
-until the worker exits; the worker is always left running (SIGCONT) when it stops.
+lets it run again (SIGCONT) with a duty cycle, so the worker runs 1/FACTOR of each PERIOD (default
+THROTTLE_PERIOD_S; `period=0.6` with factor 2 is stopped 300 ms, run 300 ms). The cgroup quota
+itself is the `quota` fault (cpu_quota.py). It goes on until the worker exits; the worker is
+always left running (SIGCONT) when it stops.
 
 This module must never signal a process other than the target worker.
 """
@@ -22,6 +23,7 @@ from transom.common import anomalies
 from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
 
 THROTTLE_PERIOD_S = 0.1  # the CFS bandwidth controller's default period
+PERIOD_RANGE_S = (0.01, 10.0)
 
 
 def throttle(
@@ -61,13 +63,19 @@ class Throttle(FaultType):
     description = "a worker is throttled from outside its process to 1/FACTOR of the CPU time"
 
     def note(self, fault: Fault) -> str:
-        return f" (runs 1/{fault.factor:g} of the time)"
+        return f" (runs 1/{fault.factor:g} of each {self.period(fault) * 1000:g} ms)"
 
     def validate(self, fault: Fault) -> str | None:
+        if fault.period is not None and not PERIOD_RANGE_S[0] <= fault.period <= PERIOD_RANGE_S[1]:
+            return f"period must be {PERIOD_RANGE_S[0]:g}-{PERIOD_RANGE_S[1]:g} seconds"
         return None if fault.factor > 1.0 else "factor must be above 1"
 
     def fire_agent(self, fault: Fault, target: AgentTarget) -> None:
-        throttle(target.pid, 1.0 / float(fault.factor))
+        throttle(target.pid, 1.0 / float(fault.factor), self.period(fault))
+
+    @staticmethod
+    def period(fault: Fault) -> float:
+        return THROTTLE_PERIOD_S if fault.period is None else float(fault.period)
 
     def describe(self, fault: Fault) -> str:
         return f"a worker is throttled from outside to 1/{fault.factor:g} of the CPU time"
