@@ -3,7 +3,8 @@ summaries published every SUMMARY_PERIOD_S, the controller's cross-node detector
 
 No processes and no sockets: each rank's step is computed (its compute, the all-reduce every rank
 waits in, its work after the all-reduce, a sleep between steps, a checkpoint with a barrier every
-`ckpt_every` steps), its step datagram's values go to the real `node.RankTrack.add_timing`, each
+`ckpt_every` steps), its step datagram's values go to the real
+`rank_timing.RankTrack.add_timing`, each
 node's summary (`RankTrack.view`) is published at the agent's ticks when due (as
 `NodeMonitor.due`: every SUMMARY_PERIOD_S, or after SUMMARY_STEPS new steps or shifted timings),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
@@ -21,7 +22,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from transom.monitor import cluster, node
+from transom.monitor import cluster, node, rank_timing
 
 CONTROLLER_TICK_S = 0.2  # transom.control.controller.TICK_S
 AGENT_TICK_S = 0.2  # transom.control.agent.TICK_S: a summary is published at a tick when due
@@ -183,7 +184,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
         events.append((t, 2, 0, ()))
         t += CONTROLLER_TICK_S
     heapq.heapify(events)
-    tracks = [node.RankTrack() for _ in range(job.nodes)]
+    tracks = [rank_timing.RankTrack() for _ in range(job.nodes)]
     published: dict[int, list[dict]] = {}
     last_summary: dict[int, tuple[float, int | None]] = {}  # node -> (when, newest step)
     last_view: dict[int, node.RankSummary] = {}  # node -> its rank's view in that summary

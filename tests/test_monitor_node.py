@@ -15,7 +15,8 @@ from conftest import wait_for
 from transom.common import env
 from transom.faults import DEFAULT_LOG_LINE, MockNvml
 from transom.monitor import datagram, reporter
-from transom.monitor.node import WARMUP_STEPS, NodeMonitor
+from transom.monitor.node import NodeMonitor
+from transom.monitor.rank_timing import WARMUP_STEPS
 
 
 @pytest.fixture

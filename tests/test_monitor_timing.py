@@ -7,13 +7,14 @@ import time
 import pytest
 
 from transom.faults import MockNvml
-from transom.monitor import node
-from transom.monitor.node import NodeMonitor, RankTrack
+from transom.monitor import node, rank_timing
+from transom.monitor.node import NodeMonitor
+from transom.monitor.rank_timing import RankTrack
 
 
 def track_of(busies: list[float]) -> RankTrack:
     """A rank whose steps each took `busy` s of its own and waited 0.01 s in the all-reduce."""
-    return feed(RankTrack(), [0.05] * node.WARMUP_STEPS + busies)
+    return feed(RankTrack(), [0.05] * rank_timing.WARMUP_STEPS + busies)
 
 
 def feed(track: RankTrack, busies: list[float]) -> RankTrack:
@@ -40,6 +41,17 @@ def test_a_delay_in_half_of_the_steps_shows_where_a_median_would_not():
     view = track_of(stopped_now_and_then).view(0.0)
     assert view.busy_s is not None and view.busy_s > 0.05 + 0.02
     assert view.compute_s is not None and view.compute_s > 0.05 + 0.02
+
+
+def test_a_stall_every_few_steps_counts_where_the_trimmed_mean_drops_it():
+    """Stopped 0.3 s in one step of four (a 300/300 ms duty cycle on 0.1 s steps): the trimmed
+    busy time ignores it, the stalls' measure does not; two hiccups in the window count for
+    nothing."""
+    stalled = track_of(([0.05] * 3 + [0.35]) * 4).view(0.0)
+    assert stalled.busy_s == pytest.approx(0.05, abs=1e-4)
+    assert stalled.stall_s == pytest.approx(2 * 0.3 / 16, abs=1e-3)  # 4 stalls, 2 ignored
+    hiccups = track_of([0.05] * 6 + [0.35] + [0.05] * 6 + [0.35] + [0.05] * 2).view(0.0)
+    assert hiccups.stall_s == 0.0
 
 
 def test_a_phase_or_warm_up_step_is_not_timed():

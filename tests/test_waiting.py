@@ -12,7 +12,7 @@ import random
 import statistics
 from collections import deque
 
-from transom.monitor import node, waiting
+from transom.monitor import rank_timing, waiting
 
 COMPUTE_S = 0.10
 COMM_S = 0.02
@@ -27,7 +27,7 @@ def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=2, job_factor=1.0
     """
     rng = random.Random(seed)
     windows = {
-        r: {k: deque(maxlen=node.TIMING_WINDOW) for k in ("dur", "compute", "wait", "busy")}
+        r: {k: deque(maxlen=rank_timing.TIMING_WINDOW) for k in ("dur", "compute", "wait", "busy")}
         for r in range(nodes)
     }
     clock = 0.0
@@ -52,7 +52,7 @@ def simulate(nodes, steps, slow=None, noise=0.0, seed=0, every=2, job_factor=1.0
             w["wait"].append(end - arrivals[r])
             w["busy"].append(end - clock - (end - arrivals[r]))  # the cycle less the wait
         clock = end
-        if step % every == 0 and step >= node.MIN_TIMING_SAMPLES:
+        if step % every == 0 and step >= rank_timing.MIN_TIMING_SAMPLES:
             yield (
                 step,
                 [

@@ -38,14 +38,35 @@ def throttle_trial(nodes: int, runner, seed: int) -> tuple[float, step_sim.Outco
 
 @pytest.mark.parametrize("nodes", [2, 4])
 @pytest.mark.parametrize(
-    "runner",
+    ("runner", "median_steps", "worst_steps"),
     [
-        pytest.param(lambda start: step_sim.DutyCycle(start, 1 / 2), id="stopped-half-the-time"),
-        pytest.param(lambda start: step_sim.CpuQuota(start, 1 / 3.5), id="cpu-quota"),
+        pytest.param(
+            lambda start: step_sim.DutyCycle(start, 1 / 2),
+            MEDIAN_STEPS,
+            WORST_STEPS,
+            id="stopped-half-the-time",
+        ),
+        pytest.param(
+            lambda start: step_sim.CpuQuota(start, 1 / 3.5),
+            MEDIAN_STEPS,
+            WORST_STEPS,
+            id="cpu-quota",
+        ),
+        # A duty cycle longer than a step (stopped 300 ms of every 600): late in one step of four,
+        # by three, which the trimmed busy time drops as hiccups; the stalls' measure
+        # (transom.monitor.rank_timing) finds it once more than HICCUPS_IGNORED stalls are in its
+        # window. The job is 1.8x slower, so 30 healthy steps are 16.7 of its steps: the median
+        # is within that, the worst trials are not.
+        pytest.param(
+            lambda start: step_sim.DutyCycle(start, 1 / 2, period_s=0.6),
+            16,
+            24,
+            id="stopped-300-of-600-ms",
+        ),
     ],
 )
 def test_an_outside_slowdown_making_the_job_1_5x_slower_is_found_within_bounded_steps(
-    nodes, runner
+    nodes, runner, median_steps, worst_steps
 ):
     slowdowns, latencies = [], []
     for seed in range(SEEDS):
@@ -56,8 +77,8 @@ def test_an_outside_slowdown_making_the_job_1_5x_slower_is_found_within_bounded_
         assert blamed == [f"node{THROTTLED_RANK}"], seed
         latencies.append(step - FAULT_STEP)
     assert statistics.median(slowdowns) >= 1.45  # the job really is about 1.5x slower
-    assert statistics.median(latencies) <= MEDIAN_STEPS, latencies
-    assert max(latencies) <= WORST_STEPS, latencies
+    assert statistics.median(latencies) <= median_steps, latencies
+    assert max(latencies) <= worst_steps, latencies
 
 
 @pytest.mark.parametrize("nodes", [2, 4])

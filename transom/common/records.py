@@ -197,6 +197,7 @@ class RankSummary(Record):
     compute_s: float | None = None
     wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
     busy_s: float | None = None  # time between steps' ends less the wait, trimmed mean (waiting)
+    stall_s: float | None = None  # recurring stalls' excess busy time a step (rank_timing)
     tokens_per_s: float | None = None
     # Where the rank is while its node looks hung (transom.monitor.stacks): "stopped", "exited"
     # or "in all_reduce at train.py:57"; None while it makes progress.

@@ -26,26 +26,19 @@ import os
 import statistics
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import psutil
 
 from transom.common import files
 from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
-from transom.monitor import datagram, detectors, stacks, waiting
+from transom.monitor import datagram, detectors, stacks
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
+from transom.monitor.rank_timing import RankTrack
 
 SUMMARY_PERIOD_S = 1.0
 HARDWARE_PERIOD_S = 5.0
-WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
-TIMING_WINDOW = 8  # comparable steps in a rank's timing statistics
-MIN_TIMING_SAMPLES = 5
-# Compute and busy times: the mean of the window less its TRIM_HIGH highest and TRIM_LOW lowest
-# (of a full window; as many in proportion of one not yet full).
-TRIM_HIGH = 3
-TRIM_LOW = 1
 # A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, or advanced at
 # all and its timings shifted (waiting.timings_shifted: a rank beginning to lag), at most every
 # SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
@@ -76,73 +69,6 @@ COUNTERS = (
     FOREIGN_RANK,
     ERROR,
 )
-
-
-class RankTrack:
-    """What one rank reported in this generation."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.first_step: int | None = None
-        self.step_at: float | None = None  # monotonic time of the last step report
-        self.beat_at: float | None = None
-        self.phase: str | None = None
-        self.durations: deque[float] = deque(maxlen=TIMING_WINDOW)
-        self.computes: deque[float] = deque(maxlen=TIMING_WINDOW)
-        self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
-        # Time between the ends of consecutive steps less the wait: compute and anything the rank
-        # did (or was stopped in) between steps; its peers wait for this much.
-        self.busies: deque[float] = deque(maxlen=TIMING_WINDOW)
-        self.sent_at: float | None = None  # the sender's time of the last step datagram
-        self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
-        self.tokens_per_s: float | None = None
-        self.gap_raised = False
-
-    def add_timing(
-        self,
-        step: int,
-        m: dict,
-        previous: int | None,
-        previous_sent: float | None,
-        sent: float | None,
-    ) -> bool:
-        """Take in step `step`'s timings (a checked step datagram's values `m`, sent at `sent` on
-        the worker's clock, after step `previous` sent at `previous_sent`); False when the step is
-        not comparable (no timing, a phase such as a checkpoint or evaluation, a warm-up step)."""
-        if m.get("dur") is None or m.get("phase") or step < (self.first_step or 0) + WARMUP_STEPS:
-            return False
-        duration = m["dur"]
-        self.durations.append(duration)
-        compute = m.get("compute")
-        self.computes.append(duration if compute is None else compute)
-        comm = m.get("comm")
-        wait = comm if comm is not None else duration - self.computes[-1]
-        self.waits.append(wait)
-        if previous == step - 1 and sent is not None and previous_sent is not None:
-            cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
-            if 0.0 <= cycle <= datagram.MAX_SECONDS:
-                self.busies.append(max(0.0, cycle - wait))
-        return True
-
-    def shifted(self, published: RankSummary | None) -> bool:
-        """Whether its timings shifted since `published`, its view in the node's last summary."""
-        return waiting.timings_shifted(
-            published, _trimmed_mean(self.busies), _trimmed_mean(self.computes)
-        )
-
-    def view(self, now: float, where: str | None = None) -> RankSummary:
-        return RankSummary(
-            where=where,
-            step=self.step,
-            phase=self.phase,
-            step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
-            beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
-            step_s=round(statistics.median(self.durations), 5) if self.durations else None,
-            compute_s=_trimmed_mean(self.computes),
-            wait_s=_median(self.waits),
-            busy_s=_trimmed_mean(self.busies),
-            tokens_per_s=self.tokens_per_s,
-        )
 
 
 class NodeMonitor:
@@ -471,21 +397,6 @@ class NodeMonitor:
     def close(self) -> None:
         self._stop.set()
         self.channel.close()
-
-
-def _median(values: deque[float]) -> float | None:
-    return round(statistics.median(values), 5) if len(values) >= MIN_TIMING_SAMPLES else None
-
-
-def _trimmed_mean(values: deque[float]) -> float | None:
-    """The mean without the TRIM_HIGH highest and TRIM_LOW lowest values: a delay that hits only
-    some steps (a rank stopped from outside now and then) counts in proportion, where a median
-    would ignore it until it hits half of the steps; the hiccups of a busy machine are left out."""
-    if len(values) < MIN_TIMING_SAMPLES:
-        return None
-    low, high = (len(values) * trim // TIMING_WINDOW for trim in (TRIM_LOW, TRIM_HIGH))
-    kept = sorted(values)[low : len(values) - high]
-    return round(statistics.fmean(kept), 5)
 
 
 def _process_state(pid: int) -> str | None:

@@ -85,23 +85,30 @@ THROUGHPUT_DROP = "throughput_drop"
 
 
 def timings_shifted(
-    before: RankSummary | None, busy_s: float | None, compute_s: float | None
+    before: RankSummary | None,
+    busy_s: float | None,
+    compute_s: float | None,
+    stall_s: float | None = None,
 ) -> bool:
-    """Whether a rank's busy or compute time (now `busy_s`, `compute_s`) moved by
-    TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with)."""
+    """Whether a rank's busy, compute or stall time (now `busy_s`, `compute_s`, `stall_s`) moved
+    by TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with)."""
     if before is None or not before.step_s:
         return False
     bar = TIMING_SHIFT_FRACTION * before.step_s
     return any(
         now is not None and then is not None and abs(now - then) >= bar
-        for now, then in ((busy_s, before.busy_s), (compute_s, before.compute_s))
+        for now, then in (
+            (busy_s, before.busy_s),
+            (compute_s, before.compute_s),
+            (stall_s, before.stall_s),
+        )
     )
 
 
 def summary_shifted(before: MonitorSummary, after: MonitorSummary) -> bool:
     """Whether some rank's timings shifted from one summary of a node to the next."""
     return any(
-        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s)
+        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s, r.stall_s)
         for rank, r in after.ranks.items()
     )
 
@@ -114,8 +121,10 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
     """node -> (its delay in seconds, its latest rank, its evidence when asked), for nodes with
     timings.
 
-    A rank's delay is max(lateness, compute excess), both against the ranks of the other nodes;
-    its lateness is its busy time (between the ends of its steps, less its wait) above theirs.
+    A rank's delay is max(lateness, compute excess, stall excess), each against the ranks of the
+    other nodes; its lateness is its busy time (between the ends of its steps, less its wait)
+    above theirs, its stall excess its recurring stalls' time a step (transom.monitor.rank_timing)
+    above theirs: a duty cycle longer than a step, which the trimmed busy time leaves out.
     The medians of the other nodes' ranks come from one sorted list per measure (`_Others`), so
     a thousand nodes cost a sort, not a million comparisons; the evidence (rounded numbers and
     the others' wait) is worked out only for the node a caller names.
@@ -129,6 +138,8 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
     compute_peers = {node: compute.median(node) for node in nodes}
     busy = _Others(timed, "busy_s") if with_busy else None
     busy_peers = {node: busy.median(node) for node in nodes} if busy is not None else {}
+    stall = _Others(timed, "stall_s")
+    stall_peers = {node: stall.median(node) for node in nodes}
     # node -> its worst rank's delay, view, lateness, compute excess, others' compute
     worst: dict[str, tuple[float, dict, float, float, float]] = {}
     for v in timed:
@@ -141,6 +152,10 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
             others_busy = busy_peers[node]
             assert others_busy is not None
             late = v["busy_s"] - others_busy
+        stalled = v.get("stall_s")
+        others_stalled = stall_peers[node]
+        if stalled is not None and others_stalled is not None:
+            late = max(late, stalled - others_stalled)
         delay = max(late, excess)
         if node not in worst or delay > worst[node][0]:
             worst[node] = (delay, v, late, excess, others_compute)

@@ -1,0 +1,134 @@
+"""One rank's timing window in the node agent's monitor, and the summary of it the agent publishes.
+
+The agent (transom.monitor.node) feeds each checked step datagram of a rank to its `RankTrack`:
+step duration, compute and sync-section ("wait") times, and the rank's *busy* time (from the end of
+one step to the end of the next, less the wait: what its peers wait for). Over TIMING_WINDOW steps
+it keeps medians and trimmed means (a delay that hits only some steps counts in proportion, the
+machine's hiccups are left out); over the longer STALL_WINDOW it counts *stalls*, steps whose busy
+time stands above the rank's median by STALL_FRACTION of a step: a rank stopped for 300 ms every
+600 ms (a duty cycle longer than a step) is late in one step of four, which the trimmed mean drops
+as hiccups. `stall_s` is the stalls' excess busy time per step over the long window, less the
+HICCUPS_IGNORED largest stalls: a machine's hiccups (one or two a window) count for nothing, a
+stall that recurs every few steps for nearly all of its time. The controller compares it across
+nodes like the busy time (transom.monitor.waiting).
+
+This module must never do I/O or act: it keeps numbers and summarises them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from transom.common.records import RankSummary
+from transom.monitor import datagram, detectors, waiting
+
+WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
+TIMING_WINDOW = 8  # comparable steps in a rank's timing statistics
+MIN_TIMING_SAMPLES = 5
+# Compute and busy times: the mean of the window less its TRIM_HIGH highest and TRIM_LOW lowest
+# (of a full window; as many in proportion of one not yet full).
+TRIM_HIGH = 3
+TRIM_LOW = 1
+# Stalls: over the last STALL_WINDOW steps, a step whose busy time is above the window's median
+# busy time by STALL_FRACTION of the median step time; the HICCUPS_IGNORED largest count for
+# nothing.
+STALL_WINDOW = 16
+STALL_FRACTION = 0.5
+HICCUPS_IGNORED = 2
+
+
+class RankTrack:
+    """What one rank reported in this generation."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.first_step: int | None = None
+        self.step_at: float | None = None  # monotonic time of the last step report
+        self.beat_at: float | None = None
+        self.phase: str | None = None
+        self.durations: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.computes: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
+        # Time between the ends of consecutive steps less the wait: compute and anything the rank
+        # did (or was stopped in) between steps; its peers wait for this much.
+        self.busies: deque[float] = deque(maxlen=TIMING_WINDOW)
+        self.long_busies: deque[float] = deque(maxlen=STALL_WINDOW)  # the same, for stalls
+        self.sent_at: float | None = None  # the sender's time of the last step datagram
+        self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
+        self.tokens_per_s: float | None = None
+        self.gap_raised = False
+
+    def add_timing(
+        self,
+        step: int,
+        m: dict,
+        previous: int | None,
+        previous_sent: float | None,
+        sent: float | None,
+    ) -> bool:
+        """Take in step `step`'s timings (a checked step datagram's values `m`, sent at `sent` on
+        the worker's clock, after step `previous` sent at `previous_sent`); False when the step is
+        not comparable (no timing, a phase such as a checkpoint or evaluation, a warm-up step)."""
+        if m.get("dur") is None or m.get("phase") or step < (self.first_step or 0) + WARMUP_STEPS:
+            return False
+        duration = m["dur"]
+        self.durations.append(duration)
+        compute = m.get("compute")
+        self.computes.append(duration if compute is None else compute)
+        comm = m.get("comm")
+        wait = comm if comm is not None else duration - self.computes[-1]
+        self.waits.append(wait)
+        if previous == step - 1 and sent is not None and previous_sent is not None:
+            cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
+            if 0.0 <= cycle <= datagram.MAX_SECONDS:
+                self.busies.append(max(0.0, cycle - wait))
+                self.long_busies.append(self.busies[-1])
+        return True
+
+    def shifted(self, published: RankSummary | None) -> bool:
+        """Whether its timings shifted since `published`, its view in the node's last summary."""
+        return waiting.timings_shifted(
+            published, _trimmed_mean(self.busies), _trimmed_mean(self.computes), self.stall_s()
+        )
+
+    def stall_s(self) -> float | None:
+        """The stalls' excess busy time per step over the long window, less the HICCUPS_IGNORED
+        largest stalls (None before MIN_TIMING_SAMPLES steps)."""
+        if len(self.long_busies) < MIN_TIMING_SAMPLES or not self.durations:
+            return None
+        typical = statistics.median(self.long_busies)
+        floor = STALL_FRACTION * statistics.median(self.durations)
+        stalls = sorted(b - typical for b in self.long_busies if b - typical >= floor)
+        kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
+        return round(sum(kept) / len(self.long_busies), 5)
+
+    def view(self, now: float, where: str | None = None) -> RankSummary:
+        return RankSummary(
+            where=where,
+            step=self.step,
+            phase=self.phase,
+            step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
+            beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
+            step_s=round(statistics.median(self.durations), 5) if self.durations else None,
+            compute_s=_trimmed_mean(self.computes),
+            wait_s=_median(self.waits),
+            busy_s=_trimmed_mean(self.busies),
+            stall_s=self.stall_s(),
+            tokens_per_s=self.tokens_per_s,
+        )
+
+
+def _median(values: deque[float]) -> float | None:
+    return round(statistics.median(values), 5) if len(values) >= MIN_TIMING_SAMPLES else None
+
+
+def _trimmed_mean(values: deque[float]) -> float | None:
+    """The mean without the TRIM_HIGH highest and TRIM_LOW lowest values: a delay that hits only
+    some steps (a rank stopped from outside now and then) counts in proportion, where a median
+    would ignore it until it hits half of the steps; the hiccups of a busy machine are left out."""
+    if len(values) < MIN_TIMING_SAMPLES:
+        return None
+    low, high = (len(values) * trim // TIMING_WINDOW for trim in (TRIM_LOW, TRIM_HIGH))
+    kept = sorted(values)[low : len(values) - high]
+    return round(statistics.fmean(kept), 5)
