@@ -162,7 +162,7 @@ def test_a_rank_is_signalled_only_while_it_catches_the_signal(tmp_path, reset):
     )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        found = stacks.dump(p.pid, tmp_path / "rank3.stacks", str(script))
+        found = stacks.dump(p.pid, tmp_path / "rank3.stacks", str(script), timeout_s=10)
         if reset:
             assert found is None and not stacks.catches(p.pid, stacks.STACKS_SIGNAL)
         else:

@@ -5,9 +5,12 @@ already has (all installed by `install()`, from transom.control.bootstrap):
 
 - steps: a global optimizer step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`)
   reports a step each time the first optimizer that steps in this process steps again (a second
-  optimizer, as in a GAN, is not counted twice). Steps are numbered from 0 in each generation;
-  a step's duration is the time since the previous one ended, so the hang rule ("no rank
-  finished a step"), step times and progress work for any loop with an optimizer;
+  optimizer, as in a GAN, is not counted twice). A step's number is the optimizer's own count
+  where it keeps one on the CPU (Adam, AdamW and most others: `state[param]["step"]`), which a
+  script that resumes from its checkpoint loads back, so numbers go on across restarts;
+  otherwise (SGD) steps are counted from 0 in each generation. A step's duration is the time
+  since the previous one ended, so the hang rule ("no rank finished a step"), step times and
+  progress work for any loop with an optimizer;
 - liveness: the heartbeat thread of transom.monitor.reporter, started at once, so a stopped rank
   (no beat) is told apart from one waiting in a collective (beats on);
 - the wait: synchronous collectives called from Python (`torch.distributed.all_reduce`, ...)
@@ -103,7 +106,9 @@ class StepCounter:
                 if self.ddp_launch is not None and self.ddp_done is not None:
                     wait += max(0.0, self.ddp_done - self.ddp_launch)
                 self.wait_s, self.ddp_launch, self.ddp_done = 0.0, None, None
-            step, self.count = self.count, self.count + 1
+            own = optimizer_step(optimizer)
+            step = self.count if own is None else own
+            self.count = step + 1
             message: dict[str, Any] = {"step": step}
             if self.last_end is not None:
                 duration = now - self.last_end
@@ -153,6 +158,25 @@ def install() -> bool:
             except Exception:  # noqa: BLE001 - a torch without this hook: go on without it
                 pass
         return True
+
+
+def optimizer_step(optimizer: Any) -> int | None:
+    """The step just taken, by the optimizer's own count (0 for its first step), where it keeps
+    one in its state on the CPU (a count on a GPU is not read: that would wait for the device);
+    None otherwise. Reads only: `optimizer.state` is a defaultdict, never indexed here."""
+    try:
+        first = optimizer.param_groups[0]["params"][0]
+        count = (optimizer.state.get(first) or {}).get("step")
+        if count is None:
+            return None
+        if not isinstance(count, (int, float)):
+            device = getattr(count, "device", None)
+            if getattr(device, "type", None) != "cpu" or count.numel() != 1:
+                return None
+            count = count.item()
+        return max(0, int(count) - 1)
+    except (AttributeError, LookupError, TypeError, ValueError, OverflowError):
+        return None
 
 
 def _install_optimizer_hook(steps: StepCounter) -> None:
