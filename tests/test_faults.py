@@ -65,7 +65,7 @@ def test_the_table_names_a_place_and_detectors_for_every_fault_type():
     assert DETECTORS["kill"] == (NODE_LOST,)
     assert set(AGENT_FAULTS) == {"crash", "hang", "log", "kill", "throttle", "quota"}
     assert DETECTORS["throttle"] == DETECTORS["quota"] == ("straggler",)
-    assert set(WORKER_FAULTS) == {"slow", "nan"}
+    assert set(WORKER_FAULTS) == {"slow", "nan", "corrupt"}
     assert RANDOM_TYPES == ("crash", "hang", "slow", "nan", "log")  # the seeded draw's order
 
 

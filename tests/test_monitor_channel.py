@@ -34,9 +34,9 @@ from transom.monitor.node import (
     FOREIGN_RANK,
     FOREIGN_SENDER,
     STALE_GENERATION,
-    WARMUP_STEPS,
     NodeMonitor,
 )
+from transom.monitor.rank_timing import WARMUP_STEPS
 
 GEN = 4
 RANK = 2
@@ -50,6 +50,7 @@ def valid(kind: str = "step", **values) -> dict:
         "beat": {"step": 9, "phase": None},
         "phase": {"step": 9, "phase": "checkpoint"},
         "fault": {"step": 9, "fault": {"id": "f0", "type": "nan", "step": 9}},
+        "fingerprint": {"step": 9, "fp": "9f2c4e1a07b3d865"},
     }[kind]
     return base | defaults | values
 

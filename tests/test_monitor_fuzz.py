@@ -42,6 +42,7 @@ def _template(kind: str, rank: int, generation: int, rng: random.Random) -> dict
         "beat": {"step": step, "phase": None},
         "phase": {"step": step, "phase": "checkpoint"},
         "fault": {"step": step, "fault": {"id": "f9", "type": "nan", "step": 1}},
+        "fingerprint": {"step": step, "fp": "9f2c4e1a07b3d865"},
     }[kind]
     return {"k": kind, "rank": rank, "gen": generation, "t": 1.7e9, **values}
 

@@ -12,6 +12,7 @@ CRASH = "crash"
 HANG = "hang"
 STRAGGLER = "straggler"
 NAN = "nan"
+SDC = "sdc"  # silent data corruption: replicas' parameters differ (transom.monitor.replicas)
 
 # -- failure signatures in worker logs and GPU counters (transom/monitor/patterns.py) ---------
 XID = "xid"  # an Xid that NVIDIA's catalogue ties to the hardware (patterns.HARDWARE_XIDS)

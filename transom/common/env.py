@@ -28,6 +28,8 @@ FAULTS = "TRANSOM_FAULTS"
 # "0": the worker bootstrap installs no automatic instrumentation (`--no-auto-monitor`);
 # anything else or unset: it does (transom.monitor.auto).
 AUTO_MONITOR = "TRANSOM_AUTO_MONITOR"
+# Replica fingerprints every N steps (transom.monitor.fingerprint; 0: off).
+FINGERPRINT_EVERY = "TRANSOM_FINGERPRINT_EVERY"
 # The directory of the files (common.files.stacks_name) the worker's faulthandler writes every
 # thread's stack to when the agent sends it transom.monitor.stacks.STACKS_SIGNAL (unset: no
 # handler is registered and the agent never sends it).

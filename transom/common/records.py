@@ -198,6 +198,8 @@ class RankSummary(Record):
     wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
     busy_s: float | None = None  # time between steps' ends less the wait, trimmed mean (waiting)
     stall_s: float | None = None  # recurring stalls' excess busy time a step (rank_timing)
+    # The newest replica fingerprints: step (as a string) -> digest (transom.monitor.fingerprint).
+    fingerprints: dict[str, str] = field(default_factory=dict)
     tokens_per_s: float | None = None
     # Where the rank is while its node looks hung (transom.monitor.stacks): "stopped", "exited"
     # or "in all_reduce at train.py:57"; None while it makes progress.

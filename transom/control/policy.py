@@ -192,6 +192,8 @@ def on_anomaly(
             f"{what}: roll back to a checkpoint before step {step}",
             rollback_before=step,
         )
+    if kind == "sdc":
+        return on_corruption(anomaly, nodes, replaceable, numerics_history)
     if anomaly.hardware:
         if nodes and replaceable:
             return Action(
@@ -219,6 +221,35 @@ def on_anomaly(
             )
         return Action("restart", f"{what}: restarting every worker")
     return Action("warn", what)
+
+
+def on_corruption(
+    anomaly: Anomaly, nodes: list[str], replaceable: bool, numerics_history: list[int]
+) -> Action:
+    """Replicas' fingerprints differ (transom.monitor.replicas): roll back to a checkpoint of the
+    last step on which they agreed or before, and evict the odd ones out where they can be
+    replaced (a node that computes wrong numbers without an error is not trusted again; without
+    a replay, a transient flip costs a spare). The same rollback point again, the node kept:
+    the corruption persists where nothing can replace it, and training on would spoil it: fail."""
+    evidence = anomaly.evidence if isinstance(anomaly.evidence, dict) else {}
+    agreed = evidence.get("last_agreeing_step")
+    # Fingerprints are numbered by the optimizer's count from 0 (step A: A + 1 steps taken); a
+    # checkpoint's step by the script, from 0 or from 1. Restoring a step up to A is safe either
+    # way: the replicas agreed after step A + 1 of a count from 1.
+    before = (
+        agreed + 1 if isinstance(agreed, int) and not isinstance(agreed, bool) else anomaly.step
+    )
+    what = f"sdc ({anomaly.message})"
+    evict = {n: f"silent data corruption: {anomaly.message}" for n in nodes} if replaceable else {}
+    if before is not None and before in numerics_history and not evict:
+        return Action("fail", f"{what} again after rolling back, and no node to evict")
+    return Action(
+        "rollback",
+        f"{what}: roll back to a checkpoint before step {before}"
+        + (f" and evict {', '.join(nodes)}" if evict else ""),
+        evict=evict,
+        rollback_before=before,
+    )
 
 
 # -- warm-up --------------------------------------------------------------------------------------

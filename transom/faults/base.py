@@ -59,9 +59,11 @@ class AgentTarget:
 
 @dataclass
 class WorkerState:
-    """What worker-side faults change in the worker: how much slower its compute runs."""
+    """What worker-side faults change in the worker: how much slower its compute runs, and how
+    many bits of its parameters are still to flip (applied after its next optimizer step)."""
 
     slow_factor: float = 1.0
+    corrupt_bits: int = 0
 
 
 class FaultType:

@@ -13,7 +13,7 @@ from transom.faults.base import AGENT, PREFLIGHT, WORKER, FaultType
 from transom.faults.cpu_quota import CpuQuota
 from transom.faults.preflight_side import SlowLink, SlowPreflight
 from transom.faults.throttle import Throttle
-from transom.faults.worker_side import Nan, Slow
+from transom.faults.worker_side import Corrupt, Nan, Slow
 
 # The order matters: `random` schedules draw from the in_random types in this order.
 FAULT_TYPES: dict[str, FaultType] = {
@@ -29,6 +29,7 @@ FAULT_TYPES: dict[str, FaultType] = {
         SlowLink(),
         Throttle(),
         CpuQuota(),
+        Corrupt(),
     )
 }
 

@@ -2,7 +2,7 @@
 
 A schedule is a comma-separated list of
 FAULT@step=N[:rank=R][:node=NODE][:factor=F][:period=S][:line=TEXT] (the fault types are in
-registry.py), e.g.
+registry.py; corrupt's factor is spelt bits=K), e.g.
 "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2", or
 "random[:count=N][:steps=A-B]" for N faults of random types, ranks and steps (--fault-seed), or
 the path of a file holding such items, one a line. A fault without a rank or node gets a random
@@ -21,7 +21,7 @@ from transom.faults.registry import FAULT_TYPES, RANDOM_TYPES
 
 RANDOM_COUNT = 3
 RANDOM_STEPS = (10, 100)
-KEYS = {"step", "rank", "node", "factor", "period", "line"}
+KEYS = {"step", "rank", "node", "factor", "period", "bits", "line"}
 
 
 def _parse_one(text: str) -> tuple[str, dict]:
@@ -67,6 +67,10 @@ def _random(item: str, rng: random.Random, world_size: int, first_id: int) -> li
 def _fault(item: str, rng: random.Random, world_size: int, fault_id: str) -> Fault:
     kind, fields = _parse_one(item)
     fault_type = FAULT_TYPES[kind]
+    if "bits" in fields:  # corrupt's own spelling of its factor: the bits to flip
+        if kind != "corrupt" or "factor" in fields:
+            raise ConfigError(f"--faults {item!r}: bits=K is corrupt's, instead of factor")
+        fields["factor"] = fields.pop("bits")
     unknown = set(fields) - KEYS
     if fault_type.needs_step:
         if unknown or "step" not in fields:

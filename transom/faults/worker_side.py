@@ -1,11 +1,13 @@
-"""Fault types the worker applies to itself through the monitor API: slow and nan.
+"""Fault types the worker applies to itself through the monitor API: slow, nan and corrupt.
 
-This module must never change anything but the worker's own timing or loss.
+This module must never change anything but the worker's own timing, loss or parameters.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Iterable
 from typing import Any
 
 from transom.common import anomalies
@@ -48,3 +50,52 @@ class Nan(FaultType):
 
     def fire_worker(self, fault: Fault, state: WorkerState, value: Any) -> Any:
         return value * math.nan
+
+
+class Corrupt(FaultType):
+    """After its step's optimizer step, FACTOR low mantissa bits of the rank's parameters flip:
+    no NaN, no loss spike, only replicas that no longer agree (transom.monitor.replicas)."""
+
+    name = "corrupt"
+    where = WORKER
+    worker_hook = ON_STEP
+    detected_by = (anomalies.SDC,)
+    description = "bits of one rank's parameters flip silently (no NaN, no error)"
+
+    def note(self, fault: Fault) -> str:
+        return f" ({int(fault.factor)} bits)"
+
+    def validate(self, fault: Fault) -> str | None:
+        return None if 1 <= fault.factor <= 64 else "factor (the bits to flip) must be 1-64"
+
+    def fire_worker(self, fault: Fault, state: WorkerState, value: Any) -> Any:
+        state.corrupt_bits += int(fault.factor)
+        return value
+
+    def describe(self, fault: Fault) -> str:
+        return f"{int(fault.factor)} bits of one rank's parameters flip silently"
+
+
+# Mantissa bits by dtype name: a flip in the lower half of them changes a value by a relative
+# 2^-12 (float32) or less: no NaN, no infinity, no visible jump in the loss.
+_MANTISSA = {"float32": 23, "float64": 52, "float16": 10, "bfloat16": 7}
+_SAME_WIDTH_INT = {"float32": "int32", "float64": "int64", "float16": "int16", "bfloat16": "int16"}
+
+
+def flip_bits(parameters: Iterable[Any], bits: int, seed: int) -> int:
+    """Flip `bits` low mantissa bits of the floating parameters, in place; how many flipped."""
+    import torch
+
+    names = {getattr(torch, n): n for n in _MANTISSA}
+    candidates = [p for p in parameters if p.dtype in names and p.numel() and p.is_contiguous()]
+    rng = random.Random(seed)
+    flipped = 0
+    with torch.no_grad():
+        for _ in range(bits if candidates else 0):
+            p = rng.choice(candidates)
+            name = names[p.dtype]
+            word = p.data.view(-1).view(getattr(torch, _SAME_WIDTH_INT[name]))
+            index = rng.randrange(word.numel())
+            word[index] ^= 1 << rng.randrange(_MANTISSA[name] // 2)
+            flipped += 1
+    return flipped

@@ -39,7 +39,8 @@ import time
 import weakref
 from typing import Any
 
-from transom.monitor import reporter
+from transom.faults.worker_side import flip_bits
+from transom.monitor import fingerprint, reporter
 
 # The Python-level collectives of torch.distributed whose synchronous calls are timed as wait.
 COLLECTIVES = (
@@ -77,6 +78,8 @@ class StepCounter:
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
         self.timing: dict[str, float] = {}
+        self.fingerprint_every = fingerprint.every()
+        self.fingerprinted: int | None = None  # the step of the newest fingerprint sent
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
@@ -94,21 +97,24 @@ class StepCounter:
         """The optimizer step post-hook: one step of the first optimizer that stepped."""
         try:
             ch = reporter._get()
-            if ch is None or (ch.explicit_steps and not self.framework):
-                return  # no agent, or the script reports its own steps
+            if ch is None:
+                return  # no agent
             if self.primary is None or self.primary() is None:
                 self.primary = weakref.ref(optimizer)
             elif self.primary() is not optimizer:
                 return  # a second optimizer of the same loop: its step is the same step
+            own = optimizer_step(optimizer)
+            step = self.count if own is None else own
+            self.count = step + 1
+            if ch.explicit_steps and not self.framework:
+                self.check_replica(ch, optimizer, step)
+                return  # the script reports its own steps
             now = time.perf_counter()
             with self._lock:
                 wait = self.wait_s
                 if self.ddp_launch is not None and self.ddp_done is not None:
                     wait += max(0.0, self.ddp_done - self.ddp_launch)
                 self.wait_s, self.ddp_launch, self.ddp_done = 0.0, None, None
-            own = optimizer_step(optimizer)
-            step = self.count if own is None else own
-            self.count = step + 1
             message: dict[str, Any] = {"step": step}
             if self.last_end is not None:
                 duration = now - self.last_end
@@ -117,12 +123,25 @@ class StepCounter:
             self.last_end = now
             if self.framework:
                 self.timing = {k: v for k, v in message.items() if k != "step"}
+                self.check_replica(ch, optimizer, step)
                 return
             ch.faults.on_step(step)  # injected faults (tests, demos) fire at counted steps too
+            self.check_replica(ch, optimizer, step)
             ch.last_step = step
             ch.send_step(message)
         except Exception:  # noqa: BLE001 - monitoring must never break training
             pass
+
+    def check_replica(self, ch: Any, optimizer: Any, step: int) -> None:
+        """An injected corruption due now flips its bits; a due fingerprint goes to the agent
+        (transom.monitor.fingerprint): both on the parameters `optimizer` steps."""
+        state = ch.faults.state
+        if state.corrupt_bits:
+            bits, state.corrupt_bits = state.corrupt_bits, 0
+            flip_bits(_parameters(optimizer), bits, seed=step)
+        if fingerprint.due(step, self.fingerprint_every, first=self.fingerprinted is None):
+            self.fingerprinted = step
+            ch.send("fingerprint", step=step, fp=fingerprint.of_parameters(_parameters(optimizer)))
 
     def take_timing(self) -> dict[str, float]:
         """The newest optimizer step's dur, comm and compute (once), for a framework callback."""
@@ -158,6 +177,10 @@ def install() -> bool:
             except Exception:  # noqa: BLE001 - a torch without this hook: go on without it
                 pass
         return True
+
+
+def _parameters(optimizer: Any) -> list[Any]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def optimizer_step(optimizer: Any) -> int | None:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from transom.common.records import Anomaly
 from transom.monitor import detectors, waiting
+from transom.monitor.replicas import ReplicaDetector
 
 log = logging.getLogger("transom.monitor.cluster")
 
@@ -75,6 +76,7 @@ REGISTERED: list[Callable[[], ClusterDetector]] = [
     HangDetector,
     StragglerDetector,
     ThroughputDetector,
+    ReplicaDetector,
 ]
 
 

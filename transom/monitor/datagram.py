@@ -12,6 +12,7 @@ sender's wall time). The other fields of each kind are in SCHEMA:
     beat   step, phase (a liveness heartbeat)
     phase  step, phase (entering / leaving a checkpoint save, an evaluation, ...)
     fault  step, fault (an injected fault that fired: an object with a string id and type)
+    fingerprint  step, fp (a digest of the rank's parameters: transom.monitor.fingerprint)
 
 Numbers must be finite and in range (a step's comm and compute no longer than its dur), except
 `loss` (a NaN or infinite loss is what the numerics detector is for) and the worker's own
@@ -85,6 +86,10 @@ SCHEMA: dict[str, dict[str, Spec]] = {
     "beat": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
     "phase": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
     "fault": {"step": _int(MAX_STEP), "fault": Spec("fault", required=True, nullable=False)},
+    "fingerprint": {
+        "step": _int(MAX_STEP, required=True),
+        "fp": Spec("name", required=True, nullable=False),
+    },
 }
 KINDS = frozenset(SCHEMA)
 # The required fields: of every datagram, and of each kind (a batched step record's are a step's).

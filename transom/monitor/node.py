@@ -187,6 +187,8 @@ class NodeMonitor:
                 self.fired_faults.append((v["fault"], d.rank, v.get("step"), when))
         elif d.kind == "step":
             self._step(d.rank, r, v, now, d.t)
+        elif d.kind == "fingerprint":
+            r.add_fingerprint(v["step"], v["fp"])
         elif d.kind == "steps":
             for record in v["steps"]:
                 self._step(d.rank, r, record.values, now, record.t)

@@ -10,7 +10,8 @@ time stands above the rank's median by STALL_FRACTION of a step: a rank stopped 
 as hiccups. `stall_s` is the stalls' excess busy time per step over the long window, less the
 HICCUPS_IGNORED largest stalls: a machine's hiccups (one or two a window) count for nothing, a
 stall that recurs every few steps for nearly all of its time. The controller compares it across
-nodes like the busy time (transom.monitor.waiting).
+nodes like the busy time (transom.monitor.waiting). It also keeps the rank's FINGERPRINTS_KEPT
+newest replica fingerprints (transom.monitor.fingerprint) for the summary.
 
 This module must never do I/O or act: it keeps numbers and summarises them.
 """
@@ -36,6 +37,7 @@ TRIM_LOW = 1
 STALL_WINDOW = 16
 STALL_FRACTION = 0.5
 HICCUPS_IGNORED = 2
+FINGERPRINTS_KEPT = 3
 
 
 class RankTrack:
@@ -54,6 +56,7 @@ class RankTrack:
         # did (or was stopped in) between steps; its peers wait for this much.
         self.busies: deque[float] = deque(maxlen=TIMING_WINDOW)
         self.long_busies: deque[float] = deque(maxlen=STALL_WINDOW)  # the same, for stalls
+        self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
         self.sent_at: float | None = None  # the sender's time of the last step datagram
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
         self.tokens_per_s: float | None = None
@@ -103,6 +106,11 @@ class RankTrack:
         kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
         return round(sum(kept) / len(self.long_busies), 5)
 
+    def add_fingerprint(self, step: int, digest: str) -> None:
+        self.fingerprints[str(step)] = digest
+        while len(self.fingerprints) > FINGERPRINTS_KEPT:
+            del self.fingerprints[min(self.fingerprints, key=int)]
+
     def view(self, now: float, where: str | None = None) -> RankSummary:
         return RankSummary(
             where=where,
@@ -115,6 +123,7 @@ class RankTrack:
             wait_s=_median(self.waits),
             busy_s=_trimmed_mean(self.busies),
             stall_s=self.stall_s(),
+            fingerprints=dict(self.fingerprints),
             tokens_per_s=self.tokens_per_s,
         )
 
