@@ -22,8 +22,8 @@ from transom.common.records import (
     Severity,
 )
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
 from transom.control.decisions import PREFLIGHT_WAIT_S, Decision, Memory, Snapshot, decide
+from transom.job_spec import JobSpec
 
 T0 = 1000.0
 

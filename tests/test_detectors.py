@@ -6,9 +6,9 @@ import math
 import random
 
 from transom.common.records import Anomaly, MonitorSummary, PreflightResult, Severity
-from transom.config import JobSpec
 from transom.control.policy import on_anomaly
 from transom.faults import MockNvml
+from transom.job_spec import JobSpec
 from transom.monitor import detectors, patterns
 from transom.monitor.collect import gpu_problems
 

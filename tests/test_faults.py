@@ -14,8 +14,7 @@ import time
 import psutil
 import pytest
 
-from transom.common import anomalies, keys
-from transom.config import ConfigError
+from transom.common import anomaly_types, keys
 from transom.faults import (
     AGENT_FAULTS,
     DEFAULT_LOG_LINE,
@@ -30,6 +29,7 @@ from transom.faults import (
     parse_worker_faults,
 )
 from transom.faults.throttle import throttle
+from transom.job_spec import ConfigError
 from transom.monitor import patterns
 
 
@@ -68,7 +68,7 @@ def test_the_table_names_a_place_and_detectors_for_every_fault_type():
 
 def test_a_log_fault_is_detected_by_the_hardware_types_its_line_raises():
     hardware = {p.type for p in patterns.PATTERNS if p.hardware}
-    assert set(DETECTORS["log"]) == hardware == set(anomalies.HARDWARE)
+    assert set(DETECTORS["log"]) == hardware == set(anomaly_types.HARDWARE)
     matched = patterns.classify(DEFAULT_LOG_LINE)
     assert matched is not None and matched.type in DETECTORS["log"]
 

@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from transom.config import ConfigError, JobSpec, new_job_id, prepare_run_dir
 from transom.faults import DETECTORS, FAULT_TYPES, Fault, parse_schedule
+from transom.job_spec import ConfigError, JobSpec, new_job_id, prepare_run_dir
 from transom.launcher import Launch, Launcher
 from transom.report.rundir import FINAL_WEIGHTS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE
 from transom.utils.procs import die_with_parent, stop_process

@@ -74,8 +74,8 @@ from benchmarks.goodput.common import (  # noqa: E402
     worker_env,
 )
 from benchmarks.goodput.torchrun import TorchrunJob  # noqa: E402
-from transom.config import ConfigError  # noqa: E402
 from transom.faults import parse_schedule  # noqa: E402
+from transom.job_spec import ConfigError  # noqa: E402
 from transom.testing.jobs import Line, finish, parse, transom_run
 
 # -- the fault-free reference ----------------------------------------------------------------------

@@ -113,8 +113,8 @@ class Engine:
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None):
-        from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
         from transom.checkpoint.server import CheckpointServer
+        from transom.checkpoint.server_options import SOCKET_NAME, ServerConfig, default_budget
 
         for stale in sweep_stale_shm():
             log.info("removed the shared memory of a dead checkpoint process: %s", stale)

@@ -6,7 +6,7 @@ lease's expiry; transom.control.lease_keeper), follows the plan through an etcd 
 generation stops the old workers and, when the node is a member, starts the new ones (its
 checkpoint server starts while it registers and runs its pre-flight checks, once, on joining).
 It reports what its workers do to `status/<node>` and `monitor/<node>`, each written only when
-it changed or at a slow heartbeat (transom.control.reports). Its loop ticks every TICK_S to
+it changed or at a slow heartbeat (transom.control.node_reports). Its loop ticks every TICK_S to
 watch its workers; a tick costs etcd nothing unless something is to be written. The controller
 decides, the agent never restarts workers on its own.
 
@@ -14,7 +14,7 @@ A fault of the control plane never ends the agent: an etcd call that fails (`Sto
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
 workers train on through a short one (their collectives never need etcd) and are paused
 (SIGSTOP) before the node's lease can expire, so an old generation never runs beside a new one
-(the rule and its numbers: transom.control.outage); reports wait for etcd to come back, the plan
+(the rule and its numbers: transom.control.fence); reports wait for etcd to come back, the plan
 is read again and its watch reconnected, a lease that expired meanwhile is taken again under the
 same node id, and paused workers resume if the plan still has the node in their generation.
 SIGTERM (a scheduler's stop) ends the agent cleanly: workers stopped, the checkpoint server
@@ -36,23 +36,23 @@ from pathlib import Path
 from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
 from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
+from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, until_reached
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
-from transom.control.outage import RIDING_OUT, PauseGuard, fence_reason, until_reached
+from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import joining_checks
-from transom.control.reports import STARTING_QUIET_S, NodeReports
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
+from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
-from transom.store.outage import StoreOutage
+from transom.store.reachability import StoreOutage
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address
 
@@ -77,7 +77,7 @@ class NodeAgent:
         self.lease: Lease | None = None
         self.stopping = threading.Event()
         self.keeper = LeaseKeeper(store, self.stopping)
-        self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.outage
+        self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.fence
         self.plan = PlanFollower(store)
         self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
         self.generation = 0
@@ -135,7 +135,7 @@ class NodeAgent:
         code = 1
         try:
             code = self._serve()
-        except StoreError as e:  # only start-up gives up on etcd (outage.STARTUP_WAIT_S)
+        except StoreError as e:  # only start-up gives up on etcd (fence.STARTUP_WAIT_S)
             if not self.terminated:
                 log.error("node %s: %s", self.node_id, e)
             code = 0 if self.terminated else 1
@@ -161,7 +161,7 @@ class NodeAgent:
     def _serve(self) -> int:
         self._join()
         while not self.stopping.is_set():
-            outcome = self._step()
+            outcome = self._turn()
             if outcome is not None:
                 return outcome
             self.plan.wait(TICK_S)  # returns at once when a new plan arrives
@@ -220,7 +220,7 @@ class NodeAgent:
             self.keeper.hold(None)
 
     # -- main loop ----------------------------------------------------------------------------
-    def _step(self) -> int | None:
+    def _turn(self) -> int | None:
         """One turn of the loop: a tick while etcd answers, the fence rule while it does not."""
         assert self.spec is not None
         self._check_contact(time.monotonic())
@@ -253,7 +253,7 @@ class NodeAgent:
             self.link.failed(error)
 
     def _offline(self) -> None:
-        """etcd cannot be reached: give the workers up after --store-outage (control.outage;
+        """etcd cannot be reached: give the workers up after --store-outage (control.fence;
         the PauseGuard thread pauses them before the lease can expire)."""
         assert self.spec is not None
         if self.group is None or self.group_state is not NodeState.RUNNING:
@@ -463,7 +463,7 @@ class NodeAgent:
 
     def _monitor_tick(self) -> None:
         """Fire due faults, run the node's detectors, publish the summary (when it changed or
-        is due, see transom.control.reports) and new anomalies; during an outage they wait."""
+        is due, see transom.control.node_reports) and new anomalies; during an outage they wait."""
         assert self.faults is not None and self.monitor is not None
         g = self.group
         try:

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from transom.checkpoint import agent_lease
-from transom.checkpoint.config import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
+from transom.checkpoint.server_options import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.common import env, files, keys
-from transom.config import JobSpec
+from transom.job_spec import JobSpec
 from transom.store import Store
 from transom.utils.procs import die_with_parent, stop_process
 

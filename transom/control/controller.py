@@ -36,12 +36,12 @@ from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
 from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
-from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster, read_direct
 from transom.control.contact import PROBE_S, STALE_S, STANDBY_PROBE_S, StoreContact
 from transom.control.decisions import Memory, Snapshot, decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
+from transom.job_spec import JobSpec
 from transom.monitor.exporter import MonitorExporter
 from transom.monitor.waiting import median_step_s
 from transom.store import Store, StoreError

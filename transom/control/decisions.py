@@ -5,7 +5,7 @@ agents published (read by the controller's I/O loop) and returns the new job rec
 to write (if it changed), the events, and the side effects the I/O loop must perform (forget
 poisoned checkpoints, count anomalies). It never touches etcd, processes or the clock, so each
 rule is unit-tested on its own (tests/test_decisions.py); incidents are diagnosed by
-transom.control.policy. The monitor's part (anomalies -> actions) is in `control.anomalies`.
+transom.control.policy. The monitor's part (anomalies -> actions) is in `control.monitor_rules`.
 
 A generation starts in two ticks: the tick that decides it records `job.next_generation`
 (members, why); the I/O loop then reads the newest restorable checkpoint step for it from the
@@ -39,10 +39,10 @@ from transom.common.records import (
     PreflightResult,
 )
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
-from transom.control.anomalies import watch_monitor
 from transom.control.grace import excused_lost, lift_evictions
+from transom.control.monitor_rules import watch_monitor
 from transom.control.policy import SameError, diagnose, same_error, slow_outliers
+from transom.job_spec import JobSpec
 from transom.monitor import cluster
 
 T = TypeVar("T")
@@ -118,25 +118,25 @@ def decide(
     job: JobRecord, snapshot: Snapshot, spec: JobSpec, now: float, memory: Memory | None = None
 ) -> Decision:
     """The job's next step; `job` and `memory` are not modified (the Decision holds new ones)."""
-    t = Tick(_copy(job), snapshot, spec, now, _copy(memory or Memory()))
-    state = t.job.state
+    tick = Tick(_copy(job), snapshot, spec, now, _copy(memory or Memory()))
+    state = tick.job.state
     if not state.terminal:
-        lift_evictions(t)
-        t.take_late_failures()
+        lift_evictions(tick)
+        tick.take_late_failures()
     if state.terminal:
         pass
-    elif t.job.next_generation is not None:
-        t.start_next_generation()
+    elif tick.job.next_generation is not None:
+        tick.start_next_generation()
     elif state is JobState.PENDING:
-        t.pending()
+        tick.pending()
     elif state in (JobState.WARMUP, JobState.RUNNING):
-        t.watch_generation()
-        if t.job.state is JobState.RUNNING:
-            watch_monitor(t)
+        tick.watch_generation()
+        if tick.job.state is JobState.RUNNING:
+            watch_monitor(tick)
     elif state is JobState.RECOVERING:
-        t.recover()
-    d = t.decision
-    if t.job.next_generation is not None and not t.job.state.terminal:
+        tick.recover()
+    d = tick.decision
+    if tick.job.next_generation is not None and not tick.job.state.terminal:
         d.due = now  # its plan: at once (the module doc)
     d.changed = d.plan is not None or bool(d.events) or d.job != job
     return d

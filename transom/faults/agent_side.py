@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.faults.base import AGENT, NODE_LOST, AgentTarget, Fault, FaultType
 
 
@@ -22,7 +22,7 @@ def _signal(pid: int, sig: int) -> None:
 class Crash(FaultType):
     name = "crash"
     where = AGENT
-    detected_by = (anomalies.CRASH,)
+    detected_by = (anomaly_types.CRASH,)
     description = "a worker is SIGKILLed"
     in_random = True
 
@@ -33,7 +33,7 @@ class Crash(FaultType):
 class Hang(FaultType):
     name = "hang"
     where = AGENT
-    detected_by = (anomalies.HANG,)
+    detected_by = (anomaly_types.HANG,)
     description = "a worker freezes (SIGSTOP): its peers wait in the all-reduce"
     in_random = True
 
@@ -46,7 +46,7 @@ class LogLine(FaultType):
 
     name = "log"
     where = AGENT
-    detected_by = anomalies.HARDWARE
+    detected_by = anomaly_types.HARDWARE
     description = "a hardware error (Xid) appears in a worker's log"
     in_random = True
 

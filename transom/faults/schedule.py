@@ -14,9 +14,9 @@ import os
 import random
 from pathlib import Path
 
-from transom.config import ConfigError
 from transom.faults.base import DEFAULT_FACTOR, DEFAULT_LOG_LINE, Fault
 from transom.faults.registry import FAULT_TYPES, RANDOM_TYPES
+from transom.job_spec import ConfigError
 
 RANDOM_COUNT = 3
 RANDOM_STEPS = (10, 100)

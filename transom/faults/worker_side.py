@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.faults.base import ON_LOSS, ON_STEP, WORKER, Fault, FaultType, WorkerState
 
 
@@ -18,7 +18,7 @@ class Slow(FaultType):
     name = "slow"
     where = WORKER
     worker_hook = ON_STEP
-    detected_by = (anomalies.STRAGGLER,)
+    detected_by = (anomaly_types.STRAGGLER,)
     description = "a node computes FACTOR x slower"
     in_random = True
 
@@ -42,7 +42,7 @@ class Nan(FaultType):
     name = "nan"
     where = WORKER
     worker_hook = ON_LOSS
-    detected_by = (anomalies.NAN,)
+    detected_by = (anomaly_types.NAN,)
     description = "the loss of one rank turns NaN"
     in_random = True
 

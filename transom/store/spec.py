@@ -15,7 +15,7 @@ from typing import Any
 
 from transom.common import keys
 from transom.common.records import Event, EventKind
-from transom.config import ConfigError, JobSpec
+from transom.job_spec import ConfigError, JobSpec
 from transom.store.access import StoreError
 from transom.store.client import Store
 

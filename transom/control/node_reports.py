@@ -23,7 +23,7 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
   as if it stopped when the last was written. The allowance keeps that view true enough: never
   a false hang (the hang floor, 1 s at least), never a stopped heartbeat of a rank that beats
-  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (anomalies.SUMMARY_GAP_S, 5 s); and it
+  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (monitor_rules.SUMMARY_GAP_S, 5 s); and it
   is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
 - events (the anomalies'): with the summary that announces them.
 What an agent's turn queues (`batch`: its status, summary and events) is written together at the
