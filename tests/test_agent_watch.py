@@ -22,6 +22,8 @@ from conftest import etcd_requests, etcd_requests_by_method, wait_for
 from transom.common import keys
 from transom.common.records import (
     Anomaly,
+    FailureKind,
+    FailureReport,
     MasterAddress,
     MonitorSummary,
     Plan,
@@ -323,13 +325,15 @@ def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back
     proxy.set_blackhole()
     try:
         started = time.monotonic()
-        node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])  # fails: etcd is cut off
+        node.status(
+            NodeState.FAILED, failures=[FailureReport(FailureKind.FENCED)]
+        )  # fails: etcd is cut off
         assert node.held and node.failure is not None
         first = time.monotonic() - started
         for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
             node.summary(summary(i * 2.0, i), [], i * 2.0)  # each one due
             node.flush()
-            node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])
+            node.status(NodeState.FAILED, failures=[FailureReport(FailureKind.FENCED)])
         assert time.monotonic() - started < first + 0.5
     finally:
         proxy.set_pass()

@@ -38,12 +38,12 @@ from transom.common.records import MasterAddress, NodeRegistration, Plan, Prefli
 from transom.common.states import JobState, NodeState
 from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
-from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, until_reached
+from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, fenced, until_reached
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
 from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
-from transom.control.preflight import joining_checks
+from transom.control.preflight import failed_checks, joining_checks
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
@@ -266,8 +266,7 @@ class NodeAgent:
         if reason is not None:
             log.warning("fencing this node: %s: killing its workers", reason)
             self._stop_group()
-            fenced = {"kind": "fenced", "peer_error": True, "time": time.time(), "describe": reason}
-            self._report(NodeState.FAILED, failures=[fenced])
+            self._report(NodeState.FAILED, failures=[fenced(reason)])
 
     def _pause_group(self, reason: str) -> None:
         """The guard's (or a tick's) call: freeze running workers; resumed only on a fresh plan."""
@@ -363,7 +362,7 @@ class NodeAgent:
             self._report(
                 NodeState.FAILED,
                 preflight=evidence,
-                failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}],
+                failures=[failed_checks(evidence)],
             )
             return
         if plan.members[0] == self.node_id:
@@ -452,10 +451,9 @@ class NodeAgent:
             return
         if state is NodeState.FAILED:
             # The first failure decides; the rest of this node's workers cannot go on alone.
-            described = [f.to_dict() | {"describe": f.describe()} for f in failures]
-            self.monitor.raise_anomaly(detectors.crash(self.node_id, described))
+            self.monitor.raise_anomaly(detectors.crash(self.node_id, failures))
             self._monitor_tick()
-            self._report(NodeState.FAILED, failures=described)
+            self._report(NodeState.FAILED, failures=failures)
             self.reports.write_now()  # before stopping the other workers, which takes a while
             self._stop_group()
         else:

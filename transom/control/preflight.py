@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from transom.common.records import FailureKind, FailureReport
 from transom.control import links
 
 MIN_FREE_DISK_BYTES = 256 << 20
@@ -127,3 +128,8 @@ def joining_checks(
     peers = spec.nnodes_max + spec.spares - 1
     found.update(links.link_test(store, node_id, peers, faults.link_delay_s))
     return passed, found
+
+
+def failed_checks(evidence: dict) -> FailureReport:
+    """The failure a node reports when its pre-flight `evidence` (from `preflight`) failed."""
+    return FailureReport(FailureKind.PREFLIGHT, "; ".join(evidence["problems"]))

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transom.control.failures import WorkerFailure, classify_exit
+from transom.common.records import FailureReport
+from transom.control.failures import classify_exit
 from transom.control.warm import WarmPool
 from transom.utils.net import interface_of, listening_socket
 from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
@@ -201,7 +202,7 @@ class WorkerGroup:
         """Global rank (as a string, JSON-ready) -> worker pid."""
         return {str(self.assignment.global_rank(i)): p.pid for i, p in enumerate(self.processes)}
 
-    def poll(self) -> tuple[str, list[WorkerFailure]]:
+    def poll(self) -> tuple[str, list[FailureReport]]:
         """('running' | 'succeeded' | 'failed', failures so far)."""
         codes = [p.poll() for p in self.processes]
         failures = [
