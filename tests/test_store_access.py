@@ -154,9 +154,9 @@ def test_a_good_spec_passes():
         (_spec(script="a\0b"), "not a file name"),
         (_spec(script_args=["a\0b"]), "NUL"),
         (_spec(script="/nonexistent/train.py"), "script not found"),
-        (_spec(faults=[{"type": "format-disk"}]), "fault 0"),
-        (_spec(faults=[{"type": "crash", "step": "x", "id": "f0"}]), "fault 0"),
-        (_spec(faults=[{"type": "crash"}]), "fault 0"),
+        (_spec(faults=[{"type": "format-disk", "id": "f0"}]), "fault 0: 'format-disk'"),
+        (_spec(faults=[{"type": "crash", "step": "x", "id": "f0"}]), "faults[0]: Fault.step"),
+        (_spec(faults=[{"type": "crash"}]), "faults[0]: Fault: missing field 'id'"),
     ],
 )
 def test_a_bad_spec_is_one_clear_error(value, message):

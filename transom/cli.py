@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from transom.common import files, keys
+from transom.common.fault_spec import Fault
 from transom.common.names import BadId, check_id
 from transom.job_spec import (
     MAX_SIMULATED_NODES,
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_faults(text: str, world_size: int, seed: int) -> list[dict]:
+def _resolve_faults(text: str, world_size: int, seed: int) -> list[Fault]:
     from transom.faults import parse_schedule
 
     return parse_schedule(text, world_size, seed)
