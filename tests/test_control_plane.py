@@ -22,11 +22,11 @@ from transom.common.records import (
     Severity,
 )
 from transom.common.states import JobState, NodeState
-from transom.control.decisions import Snapshot
 from transom.control.fence import PAUSE_TTL_SHARE, PauseGuard, fence_reason, pause_reason
 from transom.control.grace import grace_s, lease_stall_s
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.observed import MIN_GAP_S, Observed
+from transom.control.tick import Snapshot
 
 MEMBERS = ["node0", "node1", "node2"]
 

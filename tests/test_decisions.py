@@ -25,7 +25,8 @@ from transom.common.records import (
     parse_all,
 )
 from transom.common.states import JobState, NodeState
-from transom.control.decisions import PREFLIGHT_WAIT_S, Decision, Memory, Snapshot, decide
+from transom.control.decisions import PREFLIGHT_WAIT_S, decide
+from transom.control.tick import Decision, Memory, Snapshot
 from transom.job_spec import JobSpec
 
 T0 = 1000.0

@@ -38,9 +38,10 @@ from transom.common.records import Event, EventKind, JobRecord, Plan, RecordErro
 from transom.common.states import JobState
 from transom.control.cluster_view import WatchedCluster, read_direct
 from transom.control.contact import PROBE_S, STALE_S, STANDBY_PROBE_S, StoreContact
-from transom.control.decisions import Memory, Snapshot, decide
+from transom.control.decisions import decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
+from transom.control.tick import Memory, Snapshot
 from transom.job_spec import JobSpec
 from transom.monitor.exporter import MonitorExporter
 from transom.monitor.waiting import median_step_s
@@ -98,7 +99,7 @@ class Controller:
         self.leading = threading.Event()
         self.stopping = threading.Event()
         self.exporter = MonitorExporter()
-        self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
+        self.memory = Memory()  # the detectors' in-memory state (see tick.Memory)
         self._step_s: float | None = None  # the members' median step time, newest snapshot
         # When (time.monotonic) the newest tick asked for the next (Decision.due), or None.
         self._due: float | None = None

@@ -24,16 +24,12 @@ restarted under the same name) rejoins as a spare.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transom.common.names import listing
 from transom.common.records import EventKind
 from transom.control.contact import PROBE_S
 from transom.control.observed import MIN_GAP_S
+from transom.control.tick import Tick
 from transom.job_spec import JobSpec
-
-if TYPE_CHECKING:
-    from transom.control.decisions import Tick
 
 REREGISTER_MARGIN_S = 2.0
 

@@ -9,15 +9,11 @@ transom.control.observed), never an agent's timestamp subtracted from the contro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transom.common.records import Anomaly, Event, EventKind, Severity
 from transom.common.states import JobState, NodeState
 from transom.control.policy import on_anomaly
+from transom.control.tick import Tick
 from transom.monitor import cluster, detectors
-
-if TYPE_CHECKING:
-    from transom.control.decisions import Tick
 
 # A member whose monitor summary has not changed for this long (as the controller saw it, while
 # its agent lives) has a telemetry gap.

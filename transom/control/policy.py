@@ -10,7 +10,7 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   after one retry. Ranks that start seconds apart reach the error at different times, and the
   first to raise ends the generation, so "every rank" is gathered over the generations of one
   incident that never trained a step (`SameError`), including a member whose failure is
-  reported after the diagnosis (transom.control.decisions.Tick.take_late_failures). The job
+  reported after the diagnosis (transom.control.decisions, `take_late_failures`). The job
   fails once every rank has raised it and it came back after a restart: the second time it is
   enough that the nodes that reported raised it, and a rank the first failure ended before it
   raised may raise it the second time (one retry however the ranks' start-up times fall). A
