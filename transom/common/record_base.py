@@ -31,8 +31,8 @@ class RecordError(ValueError):
 class Record:
     """Base of the records: `to_dict` for JSON, `from_dict` that validates."""
 
-    def to_dict(self) -> dict:
-        out: dict = {}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if f.name == "extra":
@@ -46,7 +46,7 @@ class Record:
         if not isinstance(data, dict):
             raise RecordError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
         fields, known, has_extra = _schema(cls)
-        values: dict = {}
+        values: dict[str, Any] = {}
         for name, parse, where, required in fields:
             if name in data:
                 values[name] = parse(data[name], where)
@@ -199,7 +199,7 @@ def _valid_items(hint: Any) -> Parser:
     (item_hint,) = typing.get_args(hint)
     item = _parser(item_hint)
 
-    def parse_valid_items(value: Any, where: str) -> list:
+    def parse_valid_items(value: Any, where: str) -> list[Any]:
         if not isinstance(value, list):
             raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
         valid = []

@@ -157,8 +157,8 @@ class NodeStatus(Record):
     step: int | None = None
     warm: int = 0
     failures: list[FailureReport] = field(default_factory=list, metadata=DROP_INVALID)
-    preflight: dict | None = None
-    pids: dict | None = None
+    preflight: dict[str, Any] | None = None
+    pids: dict[str, Any] | None = None
     incarnation: str = ""  # the agent process that wrote it (`NodeRegistration.incarnation`)
 
     def own_fault(self) -> bool:
@@ -174,7 +174,7 @@ class PreflightResult(Record):
     time: float = 0.0
     problems: list[str] = field(default_factory=list)
     compute_gflops: float | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,7 +208,7 @@ class Anomaly(Record):
     message: str
     nodes: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
     step: int | None = None
     hardware: bool = False  # a signature of a bad node
@@ -243,8 +243,8 @@ class MonitorSummary(Record):
     t: float
     ranks: dict[str, RankSummary] = field(default_factory=dict)
     anomalies: list[Anomaly] = field(default_factory=list)
-    host: dict = field(default_factory=dict)
-    gpus: list[dict] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
+    gpus: list[dict[str, Any]] = field(default_factory=list)
     # The monitor channel's counters: datagrams accepted and dropped by reason, since the start.
     datagrams: dict[str, int] = field(default_factory=dict)
 
@@ -301,18 +301,18 @@ class Event(Record):
     action: str | None = None
     anomaly: str | None = None  # the id of the anomaly decided on
     anomaly_type: str | None = None
-    preflight: dict | None = None
+    preflight: dict[str, Any] | None = None
     # an anomaly event's copy of the anomaly
     id: str | None = None
     type: str | None = None
     severity: Severity | None = None
     ranks: list[int] | None = None
-    evidence: dict | None = None
+    evidence: dict[str, Any] | None = None
     step: int | None = None
     hardware: bool | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in super().to_dict().items() if v is not None}
 
     @classmethod

@@ -31,7 +31,10 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
@@ -87,7 +90,7 @@ class NodeAgent:
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.unpublished_master: MasterAddress | None = None  # ours, not yet in etcd
         self.published_master: MasterAddress | None = None  # ours, in etcd
-        self.preflight_result: tuple[bool, dict] | None = None
+        self.preflight_result: tuple[bool, dict[str, Any]] | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
         self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
@@ -115,7 +118,7 @@ class NodeAgent:
         self._lease_loss_seen = False
         self._report(self.group_state, **self.reports.extra)
 
-    def _report(self, state: NodeState, quiet_s: float = 0.0, **extra) -> None:
+    def _report(self, state: NodeState, quiet_s: float = 0.0, **extra: Any) -> None:
         """Publish this node's status (inside a turn: at its end; `quiet_s`: only if it lasts
         that long); during an outage it is published when etcd is back."""
         self.group_state = state
@@ -146,11 +149,11 @@ class NodeAgent:
             log.info("agent of %s exits with code %d", self.node_id, code)
         return code
 
-    def _catch_sigterm(self):
+    def _catch_sigterm(self) -> Callable[[int, FrameType | None], Any] | int | None:
         if threading.current_thread() is not threading.main_thread():
             return None  # signals reach the main thread only (an agent run in a test thread)
 
-        def leave(signum, frame):
+        def leave(signum: int, frame: FrameType | None) -> None:
             if not self.terminated:
                 log.warning("SIGTERM: leaving the job (stopping workers, deregistering)")
             self.terminated = True

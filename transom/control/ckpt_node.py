@@ -53,7 +53,7 @@ class NodeCheckpointServer:
         self.storage_dir = (
             Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / files.CHECKPOINTS
         )
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.serving = False  # the current process answered on its socket
         self.launched_at = -RESTART_INTERVAL_S  # monotonic time of the newest launch
         self.secret = ""
@@ -216,7 +216,7 @@ class NodeCheckpointServer:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
-def _close_stdin(process: subprocess.Popen) -> None:
+def _close_stdin(process: subprocess.Popen[bytes]) -> None:
     if process.stdin is not None:
         try:
             process.stdin.close()

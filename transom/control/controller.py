@@ -31,6 +31,9 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
@@ -285,11 +288,11 @@ class Controller:
             self.view.stop()
             self.view = None
 
-    def _catch_sigterm(self):
+    def _catch_sigterm(self) -> Callable[[int, FrameType | None], Any] | int | None:
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def leave(signum, frame):
+        def leave(signum: int, frame: FrameType | None) -> None:
             log.warning("SIGTERM: handing leadership over and exiting")
             self.terminated = True
             self.stopping.set()

@@ -87,7 +87,8 @@ def _copy(value: T) -> T:
     bytes never leave this process (nothing read from outside is ever unpickled). A registered
     detector pickle cannot take (a class defined in a function) is copied by copy.deepcopy."""
     try:
-        return pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+        copied: T = pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+        return copied
     except (pickle.PicklingError, AttributeError, TypeError):
         return copy.deepcopy(value)
 

@@ -12,6 +12,7 @@ rule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transom.common.names import natural_key
 from transom.common.records import (
@@ -62,7 +63,8 @@ class Memory:
 
     generation: int = 0
     detectors: list[cluster.ClusterDetector] = field(default_factory=cluster.fresh)
-    warned: set[tuple[str, tuple]] = field(default_factory=set)  # (type, nodes) warned about
+    # (anomaly type, nodes) warned about
+    warned: set[tuple[str, tuple[str, ...]]] = field(default_factory=set)
     first_seen: dict[str, float] = field(default_factory=dict)  # anomaly id -> first seen (now)
     # A control-plane incident (grace.py): until when lost members may register again, why.
     grace_until: float | None = None
@@ -106,7 +108,7 @@ class Tick:
         self.decision = Decision(job, memory=memory)
 
     # -- outputs --------------------------------------------------------------------------------
-    def event(self, kind: EventKind, message: str, **fields) -> None:
+    def event(self, kind: EventKind, message: str, **fields: Any) -> None:
         # Distinct times keep the events' keys distinct and in order within one commit.
         at = self.now + len(self.decision.events) * 1e-6
         fields.setdefault("generation", self.job.generation)
@@ -144,14 +146,14 @@ class Tick:
             if m in s and s[m].generation == g and s[m].state is state
         }
 
-    def evict(self, node: str, reason: str, message: str, **fields) -> None:
+    def evict(self, node: str, reason: str, message: str, **fields: Any) -> None:
         known = self.snap.nodes.get(node) or self.snap.statuses.get(node)
         incarnation = known.incarnation if known is not None else ""
         self.job.evicted[node] = Eviction(reason, self.now, self.job.generation, incarnation)
         self.event(EventKind.EVICT, message, node=node, **fields)
 
     # -- steps the rules share ------------------------------------------------------------------
-    def exclude_outliers(self, keep: list[str] | tuple = ()) -> None:
+    def exclude_outliers(self, keep: list[str] | tuple[str, ...] = ()) -> None:
         """Evict nodes (but not those in `keep`) that failed pre-flight or are far below peers."""
         results = {
             n: r

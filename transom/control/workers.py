@@ -164,7 +164,7 @@ class WorkerGroup:
         self.script_args = list(script_args)
         self.log_dir = Path(log_dir)
         self.extra_env = extra_env
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
         self.log_paths: list[Path] = []
         self.paused_at: float | None = None  # monotonic time of pause(); None while running
         self._lock = threading.Lock()  # pause (the agent's guard thread) against start and stop
