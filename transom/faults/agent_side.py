@@ -9,7 +9,8 @@ import os
 import signal
 
 from transom.common import anomaly_types
-from transom.faults.base import AGENT, NODE_LOST, AgentTarget, Fault, FaultType
+from transom.common.fault_spec import Fault
+from transom.faults.base import AGENT, NODE_LOST, AgentTarget, FaultType
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -19,7 +19,8 @@ import threading
 import time
 
 from transom.common import anomaly_types
-from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
+from transom.common.fault_spec import Fault
+from transom.faults.base import AGENT, AgentTarget, FaultType
 
 THROTTLE_PERIOD_S = 0.1  # the CFS bandwidth controller's default period
 

@@ -9,7 +9,8 @@ import math
 from typing import Any
 
 from transom.common import anomaly_types
-from transom.faults.base import ON_LOSS, ON_STEP, WORKER, Fault, FaultType, WorkerState
+from transom.common.fault_spec import Fault
+from transom.faults.base import ON_LOSS, ON_STEP, WORKER, FaultType, WorkerState
 
 
 class Slow(FaultType):
