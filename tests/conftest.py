@@ -62,7 +62,7 @@ def standalone_ckpt_server(tmp_path: Path, name: str, memory: str) -> Iterator[t
     and an Engine of rank 0 of 1 on it: (process, engine, storage directory). Both are stopped
     and the server's shared memory removed on exit, whatever the test did."""
     from transom import checkpoint
-    from transom.checkpoint import config
+    from transom.checkpoint import server_options
 
     shm_dir = Path("/dev/shm") / f"transom-test-{name}-{os.getpid()}"
     storage_dir = tmp_path / "storage"
@@ -83,7 +83,7 @@ def standalone_ckpt_server(tmp_path: Path, name: str, memory: str) -> Iterator[t
     try:
         assert p.stdout is not None
         assert p.stdout.readline().startswith("ready")
-        socket_path = shm_dir / config.SOCKET_NAME
+        socket_path = shm_dir / server_options.SOCKET_NAME
         engine = checkpoint.Engine(socket_path=str(socket_path), rank=0, world_size=1)
         yield p, engine, storage_dir
     finally:

@@ -1,7 +1,7 @@
 """An agent or controller whose etcd cannot be reached at all: no traceback, no "bad input".
 
 A control-plane fault is never exit code 2 (what the command line uses for bad input): the
-agent retries start-up for `outage.STARTUP_WAIT_S`, then exits 1 saying what it could not do,
+agent retries start-up for `fence.STARTUP_WAIT_S`, then exits 1 saying what it could not do,
 having closed everything it started. No etcd is started: the store's port is closed.
 """
 
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from transom.control import outage
+from transom.control import fence
 from transom.control.agent import NodeAgent
 from transom.control.controller import Controller
 from transom.store import Store
@@ -29,7 +29,7 @@ def dead_store() -> Store:
 def test_an_agent_that_never_reaches_etcd_gives_up_with_exit_1_not_bad_input(
     tmp_path, monkeypatch, caplog
 ):
-    monkeypatch.setattr(outage, "STARTUP_WAIT_S", 1.5)
+    monkeypatch.setattr(fence, "STARTUP_WAIT_S", 1.5)
     agent = NodeAgent(dead_store(), "node0", tmp_path)
     started = time.monotonic()
     assert agent.run() == 1

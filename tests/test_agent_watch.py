@@ -22,6 +22,8 @@ from conftest import etcd_requests, etcd_requests_by_method, wait_for
 from transom.common import keys
 from transom.common.records import (
     Anomaly,
+    FailureKind,
+    FailureReport,
     MasterAddress,
     MonitorSummary,
     Plan,
@@ -29,13 +31,13 @@ from transom.common.records import (
     Severity,
 )
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
 from transom.control import agent as agent_module
-from transom.control import reports
+from transom.control import node_reports
 from transom.control.agent import NodeAgent
-from transom.control.anomalies import SUMMARY_GAP_S
 from transom.control.lease_keeper import LeaseKeeper
+from transom.control.monitor_rules import SUMMARY_GAP_S
 from transom.control.plan_follow import PlanFollower
+from transom.job_spec import JobSpec
 from transom.monitor.detectors import HEARTBEAT_GAP_S
 from transom.store import Store, StoreAccess, key_follow
 from transom.testing.store_proxy import StoreProxy
@@ -216,7 +218,7 @@ def summary(t: float, step: int, beat_age: float = 0.2, anomalies=()) -> Monitor
 
 
 def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(store):
-    node = reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
+    node = node_reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
     node.hang_floor_s = JobSpec(script="train.py").hang_floor_s
     times = []
     for i in range(31):  # 3 s of collections every 0.1 s, a step each
@@ -226,7 +228,7 @@ def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(st
         if node._unsent != before:
             times.append(now)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    allowed = reports.allowance(summary(0, 0), node.hang_floor_s)
+    allowed = node_reports.allowance(summary(0, 0), node.hang_floor_s)
     assert len(times) == 2 and gaps[0] >= allowed - 1e-9 >= 1.5  # progress waits: no news
     node.flush()
     anomaly = Anomaly("nan", Severity.CRITICAL, "nan", ["node0"], [0])
@@ -241,21 +243,21 @@ def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(st
 
 def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
     floor = JobSpec(script="train.py").hang_floor_s
-    assert reports.SUMMARY_HEARTBEAT_S < SUMMARY_GAP_S  # never a telemetry gap
+    assert node_reports.SUMMARY_HEARTBEAT_S < SUMMARY_GAP_S  # never a telemetry gap
     for beat_age in (0.0, 0.5, 1.0, 1.5):
-        allowed = reports.allowance(summary(0, 1, beat_age), floor)
+        allowed = node_reports.allowance(summary(0, 1, beat_age), floor)
         # A rank that beats on never looks stopped (the agent's tick and the controller's
         # observation fit in the margin), unless its beat was nearly stopped already.
-        assert beat_age + allowed + reports.BEAT_MARGIN_S <= HEARTBEAT_GAP_S or allowed == 1.0
-        assert allowed <= floor / 2 or allowed == reports.SUMMARY_FLOOR_S  # never a false hang
-    assert reports.allowance(summary(0, 1, 0.2), 1.0) == reports.SUMMARY_FLOOR_S
-    stopped = reports.allowance(summary(0, 1, reports.BEAT_STOPPED_S), floor)
-    assert stopped == reports.SUMMARY_HEARTBEAT_S  # a stopped beat ages truly between writes
+        assert beat_age + allowed + node_reports.BEAT_MARGIN_S <= HEARTBEAT_GAP_S or allowed == 1.0
+        assert allowed <= floor / 2 or allowed == node_reports.SUMMARY_FLOOR_S  # never a false hang
+    assert node_reports.allowance(summary(0, 1, 0.2), 1.0) == node_reports.SUMMARY_FLOOR_S
+    stopped = node_reports.allowance(summary(0, 1, node_reports.BEAT_STOPPED_S), floor)
+    assert stopped == node_reports.SUMMARY_HEARTBEAT_S  # a stopped beat ages truly between writes
 
 
 def test_status_progress_is_written_at_a_first_step_and_state_changes_at_once(store):
     facts: list = [1, None, 0]  # generation, newest step, warm interpreters
-    written = reports.NodeReports(store, "node0", "inc", lambda: tuple(facts))
+    written = node_reports.NodeReports(store, "node0", "inc", lambda: tuple(facts))
     written.status(NodeState.RUNNING, pids={"0": 1})
     assert written.writes == 1
     facts[1] = 41
@@ -268,12 +270,12 @@ def test_status_progress_is_written_at_a_first_step_and_state_changes_at_once(st
         written.progress(now + i)  # however long after: later steps are the summaries'
     assert written.writes == 2
     facts[2] = 1  # a warm interpreter more: for people, at most every STATUS_PROGRESS_S
-    written.progress(now + reports.STATUS_PROGRESS_S / 2)
+    written.progress(now + node_reports.STATUS_PROGRESS_S / 2)
     assert written.writes == 2
-    written.progress(now + reports.STATUS_PROGRESS_S + 0.1)
+    written.progress(now + node_reports.STATUS_PROGRESS_S + 0.1)
     assert written.writes == 3
     facts[:2] = [2, 30]  # the next generation's first step (restored before 41)
-    written.progress(now + reports.STATUS_PROGRESS_S + 0.2)
+    written.progress(now + node_reports.STATUS_PROGRESS_S + 0.2)
     assert written.writes == 4
     written.status(NodeState.FAILED, failures=[])
     assert (
@@ -282,7 +284,7 @@ def test_status_progress_is_written_at_a_first_step_and_state_changes_at_once(st
 
 
 def test_a_turns_status_and_summary_reach_etcd_together_in_one_request(store):
-    node = reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
+    node = node_reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
     before = etcd_requests_by_method(store)
     with node.batch():
         node.status(NodeState.RUNNING, pids={"0": 1})
@@ -296,7 +298,7 @@ def test_a_turns_status_and_summary_reach_etcd_together_in_one_request(store):
 
 
 def test_a_transient_status_is_written_only_if_it_lasts(store):
-    node = reports.NodeReports(store, "node0", "inc", lambda: (1, None, 0))
+    node = node_reports.NodeReports(store, "node0", "inc", lambda: (1, None, 0))
     node.status(NodeState.STARTING, quiet_s=30.0)
     node.flush()
     assert store.get(keys.status("node0")) is None and node.writes == 0
@@ -317,19 +319,21 @@ def test_a_transient_status_is_written_only_if_it_lasts(store):
 
 def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back(store, proxied):
     cut_store, proxy = proxied
-    node = reports.NodeReports(cut_store, "node0", "inc", lambda: (1, 5, 0))
+    node = node_reports.NodeReports(cut_store, "node0", "inc", lambda: (1, 5, 0))
     node.status(NodeState.RUNNING)
     assert node.writes == 1 and not node.held
     proxy.set_blackhole()
     try:
         started = time.monotonic()
-        node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])  # fails: etcd is cut off
+        node.status(
+            NodeState.FAILED, failures=[FailureReport(FailureKind.FENCED)]
+        )  # fails: etcd is cut off
         assert node.held and node.failure is not None
         first = time.monotonic() - started
         for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
             node.summary(summary(i * 2.0, i), [], i * 2.0)  # each one due
             node.flush()
-            node.status(NodeState.FAILED, failures=[{"kind": "fenced"}])
+            node.status(NodeState.FAILED, failures=[FailureReport(FailureKind.FENCED)])
         assert time.monotonic() - started < first + 0.5
     finally:
         proxy.set_pass()

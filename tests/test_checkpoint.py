@@ -15,9 +15,16 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import config, layout, replication, shard_format, storage, tiers
-from transom.checkpoint.config import ServerConfig, parse_size
+from transom.checkpoint import (
+    layout,
+    replication,
+    server_options,
+    shard_format,
+    storage,
+    tiers,
+)
 from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.server_options import ServerConfig, parse_size
 from transom.checkpoint.tiers import LoaderContext, LoadTier
 
 ALL_DTYPES = sorted(layout.DTYPES.values(), key=str)
@@ -533,21 +540,21 @@ def test_old_tier_names_still_work_with_a_deprecation_warning(tmp_path: Path) ->
 
 
 def test_server_options_are_generated_from_its_config() -> None:
-    parser = config.build_parser()
-    argv = config.to_argv(
+    parser = server_options.build_parser()
+    argv = server_options.to_argv(
         node_id="n1", job_id="j", storage_keep=5, budget_bytes=1 << 30, storage_dir="/tmp/s"
     )
     assert argv[:4] == ["--node-id", "n1", "--job-id", "j"] and "--keep" in argv
-    cfg = config.from_args(parser.parse_args(argv), environ={})
+    cfg = server_options.from_args(parser.parse_args(argv), environ={})
     assert (cfg.node_id, cfg.job_id, cfg.storage_keep, cfg.budget_bytes) == ("n1", "j", 5, 1 << 30)
     assert cfg.storage_dir == Path("/tmp/s") and cfg.socket_path == cfg.shm_dir / "server.sock"
     assert cfg.replicas == 0 and cfg.memory_keep == ServerConfig.memory_keep  # no peers: no replica
     with pytest.raises(KeyError, match="secret"):
-        config.to_argv(secret=b"x")  # the secret is never an option (it would show in `ps`)
+        server_options.to_argv(secret=b"x")  # the secret is never an option (it would show in `ps`)
     networked = parser.parse_args(["--store", "http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="TRANSOM_CKPT_SECRET"):
-        config.from_args(networked, environ={})
-    cfg = config.from_args(networked, environ={"TRANSOM_CKPT_SECRET": "s"})
+        server_options.from_args(networked, environ={})
+    cfg = server_options.from_args(networked, environ={"TRANSOM_CKPT_SECRET": "s"})
     assert cfg.secret == b"s" and cfg.replicas == 1
     with pytest.raises(SystemExit):
         parser.parse_args(["--memory", "lots"])

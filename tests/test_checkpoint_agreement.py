@@ -130,7 +130,7 @@ def _job_store(job):
 def _memory_copies(job, step: int, rank: int) -> list[str]:
     """The region files of `rank`'s shard of `step` in each node's server memory."""
     from transom.checkpoint.client import ServerConnection
-    from transom.checkpoint.config import SOCKET_NAME
+    from transom.checkpoint.server_options import SOCKET_NAME
     from transom.checkpoint.shm_dirs import default_shm_dir
 
     paths = []

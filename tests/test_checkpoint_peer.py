@@ -22,7 +22,6 @@ from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, peer_port, peer_service, replication, shard_format
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import MAX_PEER_CONNECTIONS, Throttle
 from transom.checkpoint.protocol import (
     LENGTH,
@@ -33,6 +32,7 @@ from transom.checkpoint.protocol import (
     recv_msg,
 )
 from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.server_options import ServerConfig
 
 SECRET = b"the job's secret"
 

@@ -21,9 +21,9 @@ from conftest import torch_mapped, wait_for
 from transom import checkpoint
 from transom.checkpoint import catalog, prefetch
 from transom.checkpoint.client import ServerConnection
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.server_options import ServerConfig
 from transom.common import env, keys
 from transom.common.records import Plan
 from transom.common.states import JobState

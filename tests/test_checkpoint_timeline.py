@@ -14,9 +14,9 @@ from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, shard_format, storage
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.server_options import ServerConfig
 
 
 def _shard(step: int, rank: int, tl: dict, value: float = 0.0) -> tuple[bytes, memoryview]:
@@ -249,7 +249,7 @@ def test_discarded_steps_are_never_listed_again_even_after_a_new_lease(
     tmp_path: Path, monkeypatch
 ) -> None:
     from transom.checkpoint import catalog
-    from transom.checkpoint.config import store_options
+    from transom.checkpoint.server_options import store_options
     from transom.store import EmbeddedEtcd, Store
 
     with EmbeddedEtcd(tmp_path / "etcd") as etcd:

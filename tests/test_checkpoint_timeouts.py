@@ -17,9 +17,9 @@ from conftest import wait_for
 from transom import checkpoint
 from transom.checkpoint import engine as engine_mod
 from transom.checkpoint import worker_service
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.protocol import LENGTH
 from transom.checkpoint.server import CheckpointServer
+from transom.checkpoint.server_options import ServerConfig
 
 
 def _server(tmp_path: Path) -> CheckpointServer:

@@ -15,8 +15,8 @@ from conftest import wait_for
 
 from transom.checkpoint import catalog
 from transom.common import keys
-from transom.config import JobSpec
 from transom.control.ckpt_node import RESTART_INTERVAL_S, NodeCheckpointServer
+from transom.job_spec import JobSpec
 
 
 def test_a_dead_server_is_started_again_without_holding_up_the_agent(store, tmp_path: Path):

@@ -99,7 +99,7 @@ def _job_flags(parser, command: str) -> set[str]:
 
 def test_run_and_controller_take_every_job_option():
     from transom.cli import build_parser
-    from transom.config import job_options
+    from transom.job_spec import job_options
 
     parser = build_parser()
     flags = {opt.flag for _, opt in job_options()}
@@ -163,7 +163,7 @@ def test_a_wildcard_host_is_refused_with_one_line(host, capsys, tmp_path, monkey
 
 def test_too_many_simulated_nodes_is_refused(capsys, tmp_path, monkeypatch):
     from transom.cli import main
-    from transom.config import MAX_SIMULATED_NODES
+    from transom.job_spec import MAX_SIMULATED_NODES
 
     monkeypatch.chdir(tmp_path)
     n = MAX_SIMULATED_NODES + 1

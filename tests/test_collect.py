@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems
 
 NOT_SUPPORTED, GPU_IS_LOST, TIMEOUT = 3, 15, 10
@@ -105,9 +105,9 @@ def test_nvml_xid_events_are_judged_by_their_number(nvml):
     now = reader.read()
     assert (now[0]["xid"], now[0]["xid_codes"], now[1]["xid"]) == (1, [79], 2)
     assert types_of(gpu_problems(before, now)) == [
-        (anomalies.XID, True),
-        (anomalies.XID_APP, False),
-        (anomalies.XID_APP, False),
+        (anomaly_types.XID, True),
+        (anomaly_types.XID_APP, False),
+        (anomaly_types.XID_APP, False),
     ]
     assert gpu_problems(now, reader.read()) == []  # each event is reported once
 
@@ -118,7 +118,7 @@ def test_ecc_counters_and_the_row_remapper_are_hardware(nvml):
     state.ecc[0] = 2
     state.remap[1] = (0, 1, 1, 1)  # one uncorrectable row, pending, remapping failed
     found = gpu_problems(before, reader.read())
-    assert types_of(found) == [(anomalies.ECC, True)] * 3
+    assert types_of(found) == [(anomaly_types.ECC, True)] * 3
     assert "row remapping failed" in found[2][1]
 
 
@@ -127,7 +127,9 @@ def test_only_nvmls_gpu_is_lost_makes_a_gpu_lost(nvml):
     before = reader.read()
     state.lost.add(1)
     now = reader.read()
-    assert "lost" in now[1] and types_of(gpu_problems(before, now)) == [(anomalies.GPU_LOST, True)]
+    assert "lost" in now[1] and types_of(gpu_problems(before, now)) == [
+        (anomaly_types.GPU_LOST, True)
+    ]
 
 
 def test_the_log_scanner_classifies_whole_new_lines_only(tmp_path):
@@ -138,5 +140,5 @@ def test_the_log_scanner_classifies_whole_new_lines_only(tmp_path):
     with open(log, "a") as f:
         f.write("9, pid=1, GPU has fallen off the bus.\nstep 2 loss 1.9\n")
     ((rank, found, line),) = scanner.poll({0: log})
-    assert (rank, found.type, found.hardware, found.xid) == (0, anomalies.XID, True, 79)
+    assert (rank, found.type, found.hardware, found.xid) == (0, anomaly_types.XID, True, 79)
     assert line.startswith("NVRM: Xid") and scanner.poll({0: log}) == []

@@ -2,7 +2,7 @@
 
 Pure: `decide` with snapshots (control-plane incidents, a cut-off node, a skewed agent clock,
 a restarted agent rejoining), the controller's observations on its own clock
-(control/observed.py) and the agent's pause and fence rules (control/outage.py), the pause
+(control/observed.py) and the agent's pause and fence rules (control/fence.py), the pause
 guard's thread on a lease keeper that renews nothing. No etcd, no processes.
 """
 
@@ -22,11 +22,11 @@ from transom.common.records import (
     Severity,
 )
 from transom.common.states import JobState, NodeState
-from transom.control.decisions import Snapshot
+from transom.control.fence import PAUSE_TTL_SHARE, PauseGuard, fence_reason, pause_reason
 from transom.control.grace import grace_s, lease_stall_s
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.observed import MIN_GAP_S, Observed
-from transom.control.outage import PAUSE_TTL_SHARE, PauseGuard, fence_reason, pause_reason
+from transom.control.tick import Snapshot
 
 MEMBERS = ["node0", "node1", "node2"]
 

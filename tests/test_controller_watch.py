@@ -29,7 +29,6 @@ from transom.common.records import (
     RankSummary,
 )
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster
 from transom.control.controller import (
     EVENTS_KEPT_S,
@@ -38,6 +37,7 @@ from transom.control.controller import (
     Controller,
     tick_wait,
 )
+from transom.job_spec import JobSpec
 from transom.store import EmbeddedEtcd, Store, StoreError
 
 pytestmark = pytest.mark.timeout(120)

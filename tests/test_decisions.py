@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from transom.common.records import (
     Anomaly,
     EventKind,
+    FailureReport,
     JobRecord,
     MonitorSummary,
     NextGeneration,
@@ -20,10 +22,12 @@ from transom.common.records import (
     NodeStatus,
     PreflightResult,
     Severity,
+    parse_all,
 )
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
-from transom.control.decisions import PREFLIGHT_WAIT_S, Decision, Memory, Snapshot, decide
+from transom.control.decisions import PREFLIGHT_WAIT_S, decide
+from transom.control.tick import Decision, Memory, Snapshot
+from transom.job_spec import JobSpec
 
 T0 = 1000.0
 
@@ -49,16 +53,15 @@ def statuses(generation: int, state: NodeState, *names: str) -> dict[str, NodeSt
     return {n: status(n, generation, state) for n in names}
 
 
-def crash(rank: int, peer_error: bool = False) -> dict:
-    return {
-        "rank": rank,
-        "exitcode": -9,
-        "signal": "SIGKILL",
-        "signature": None,
-        "peer_error": peer_error,
-        "time": T0,
-        "describe": f"rank {rank} killed by SIGKILL",
-    }
+def crash(rank: int, peer_error: bool = False) -> FailureReport:
+    return FailureReport(
+        describe=f"rank {rank} killed by SIGKILL",
+        time=T0,
+        peer_error=peer_error,
+        rank=rank,
+        exitcode=-9,
+        signal="SIGKILL",
+    )
 
 
 def kinds(d: Decision) -> list[str]:
@@ -190,6 +193,22 @@ def test_recovering_is_committed_before_the_restart_writes_the_next_generation()
     assert incident.failed == ["node0"] and incident.lost == []
 
 
+def test_failure_reports_that_are_not_valid_are_left_out_and_the_rest_diagnosed():
+    """Statuses read back from etcd with junk among their failure reports: the controller
+    diagnoses on the valid ones and never stops on the rest."""
+    s = spec(settle_s=0.5)
+    own = status("node0", 1, NodeState.FAILED, failures=[crash(0)]).to_dict()
+    own["failures"] = ["junk", None, {"kind": "banana"}, {"rank": "0"}, *own["failures"]]
+    bare = status("node1", 1, NodeState.FAILED).to_dict() | {"failures": [42, {"time": "x"}]}
+    read = parse_all(NodeStatus, {"node0": own, "node1": bare})
+    assert read["node0"].failures == [crash(0)] and read["node1"].failures == []
+    live = nodes("node0", "node1")
+    job = run(running(["node0", "node1"], s), Snapshot(live, read), s, T0 + 2).job
+    d = run(job, Snapshot(live, read), s, T0 + 2.5)
+    assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
+    assert d.job.next_generation is not None
+
+
 def test_a_thousand_node_generation_is_announced_in_a_short_message_naming_who_changed():
     members = [f"node{i}" for i in range(1024)]
     s = spec(nnodes_min=1024, nnodes_max=1024, spares=1)
@@ -233,8 +252,8 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None
 
 
-def _raised(rank: int) -> dict:
-    return crash(rank) | {"exitcode": 1, "signal": None, "signature": "ValueError: bad value"}
+def _raised(rank: int) -> FailureReport:
+    return replace(crash(rank), exitcode=1, signal=None, signature="ValueError: bad value")
 
 
 def _diagnosed_on_node0_alone(s: JobSpec) -> tuple[dict, dict, Decision]:
@@ -296,7 +315,7 @@ def test_the_same_error_raised_by_each_member_in_turn_fails_fast():
 def test_a_late_report_of_another_error_or_a_signal_is_no_common_error():
     s = spec(settle_s=0.5)
     live, early, d = _diagnosed_on_node0_alone(s)
-    for failure in (crash(1), _raised(1) | {"signature": "KeyError: 'x'"}):
+    for failure in (crash(1), replace(_raised(1), signature="KeyError: 'x'")):
         late = early | {"node1": status("node1", 1, NodeState.FAILED, failures=[failure])}
         after = run(d.job, Snapshot(live, late), s, T0 + 2.6, d.memory)
         assert after.job.last_signature is None and after.memory.diagnosed is not None

@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 import random
 
-from transom.common.records import Anomaly, MonitorSummary, PreflightResult, Severity
-from transom.config import JobSpec
+from transom.common.records import (
+    Anomaly,
+    FailureReport,
+    MonitorSummary,
+    PreflightResult,
+    Severity,
+)
 from transom.control.policy import on_anomaly
 from transom.faults import MockNvml
+from transom.job_spec import JobSpec
 from transom.monitor import detectors, patterns
 from transom.monitor.collect import gpu_problems
 
@@ -218,22 +224,16 @@ def test_policy_for_hardware_hangs_and_warnings():
 
 
 def test_crash_suspects_only_workers_that_failed_by_themselves():
-    killed = {
-        "rank": 1,
-        "exitcode": -9,
-        "signal": "SIGKILL",
-        "peer_error": False,
-        "time": 5.0,
-        "describe": "rank 1 killed by SIGKILL",
-    }
-    peer = {
-        "rank": 0,
-        "exitcode": 1,
-        "signal": None,
-        "peer_error": True,
-        "time": 5.1,
-        "describe": "rank 0 exit code 1: Connection closed by peer",
-    }
+    killed = FailureReport(
+        describe="rank 1 killed by SIGKILL", time=5.0, rank=1, exitcode=-9, signal="SIGKILL"
+    )
+    peer = FailureReport(
+        describe="rank 0 exit code 1: Connection closed by peer",
+        time=5.1,
+        peer_error=True,
+        rank=0,
+        exitcode=1,
+    )
     a = detectors.crash("node1", [killed])
     assert (a.type, a.severity, a.ranks, a.time) == ("crash", "critical", [1], 5.0)
     b = detectors.crash("node0", [peer])

@@ -18,7 +18,7 @@ import pytest
 from conftest import job_processes, wait_for
 from prometheus_client import generate_latest
 
-from transom.checkpoint import config as ckpt_config
+from transom.checkpoint import server_options
 from transom.common.records import JobRecord, MonitorSummary, RankSummary
 from transom.common.states import JobState
 from transom.control.workers import GLOO_IFNAME, Assignment, TorchStore, worker_env
@@ -167,16 +167,16 @@ def test_every_rank_is_a_client_of_the_agents_torch_store():
 # -- the checkpoint server and the metrics endpoint ---------------------------------------------
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_checkpoint_server_refuses_a_wildcard_host(host, tmp_path):
-    args = ckpt_config.build_parser().parse_args(
+    args = server_options.build_parser().parse_args(
         ["--host", host, "--shm-dir", str(tmp_path), "--memory", "1M"]
     )
     with pytest.raises(ValueError, match="every interface"):
-        ckpt_config.from_args(args, environ={})
+        server_options.from_args(args, environ={})
 
 
 def test_checkpoint_server_listens_on_loopback_by_default(tmp_path):
-    args = ckpt_config.build_parser().parse_args(["--shm-dir", str(tmp_path), "--memory", "1M"])
-    assert ckpt_config.from_args(args, environ={}).host == "127.0.0.1"
+    args = server_options.build_parser().parse_args(["--shm-dir", str(tmp_path), "--memory", "1M"])
+    assert server_options.from_args(args, environ={}).host == "127.0.0.1"
 
 
 def test_metrics_endpoint_listens_where_it_is_told():

@@ -54,7 +54,7 @@ def test_traceback_gives_the_exception_line(tmp_path):
     assert f.signal is None
     assert f.peer_error is False
     assert (f.rank, f.local_rank, f.exitcode) == (3, 1, 1)
-    assert f.describe() == "rank 3 exit code 1: ValueError: bad shape: (3, 4)"
+    assert f.describe == "rank 3 exit code 1: ValueError: bad shape: (3, 4)"
     d = f.to_dict()
     assert d["signature"] == f.signature and d["log"] == str(tmp_path / "rank0.log")
 
@@ -87,7 +87,7 @@ def test_negative_exit_code_gives_the_signal_name(tmp_path, code, name):
     assert f.signal == name
     assert f.signature is None
     assert f.peer_error is False
-    assert f.describe() == f"rank 1 killed by {name}"
+    assert f.describe == f"rank 1 killed by {name}"
 
 
 def test_unknown_signal_number(tmp_path):
@@ -124,7 +124,7 @@ def test_empty_log_gives_no_signature(tmp_path):
     f = classify_exit(0, 0, 1, _log(tmp_path, ""))
     assert f.signature is None
     assert f.peer_error is False
-    assert f.describe() == "rank 0 exit code 1"
+    assert f.describe == "rank 0 exit code 1"
 
 
 def test_missing_log_gives_no_signature(tmp_path):

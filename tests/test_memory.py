@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from transom.checkpoint.config import default_budget
+from transom.checkpoint.server_options import default_budget
 from transom.utils import memory
 
 

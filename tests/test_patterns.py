@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.monitor import patterns
 
 CORPUS = Path(__file__).resolve().parent / "data" / "log_corpus"
@@ -43,8 +43,8 @@ def test_the_corpora_are_big_and_varied_enough():
         assert sum(word in line for line in lines) >= 10, word
     rows = labelled()
     assert len(rows) >= 50
-    hardware = [line for t, line in rows if t in anomalies.HARDWARE]
-    assert len(hardware) >= 50 and {t for t, _ in rows} >= set(anomalies.HARDWARE)
+    hardware = [line for t, line in rows if t in anomaly_types.HARDWARE]
+    assert len(hardware) >= 50 and {t for t, _ in rows} >= set(anomaly_types.HARDWARE)
     xids = {c.xid for line in hardware if (c := patterns.classify(line)) and c.xid is not None}
     assert len(xids) >= 10  # many Xid numbers, not one line repeated
 
@@ -63,7 +63,9 @@ def test_every_hardware_corpus_line_gets_its_type():
     for expected, line in labelled():
         c = patterns.classify(line)
         got = c.type if c is not None else None
-        if got != expected or (c is not None and c.hardware != (expected in anomalies.HARDWARE)):
+        if got != expected or (
+            c is not None and c.hardware != (expected in anomaly_types.HARDWARE)
+        ):
             wrong.append((expected, got, line))
     assert wrong == []
 
@@ -92,16 +94,16 @@ def test_lookalikes_of_real_errors_are_not_classified(line):
 def test_hardware_xids_are_critical_hardware_with_their_number(xid):
     c = patterns.classify(f"[ 12.5] NVRM: Xid (PCI:0000:3b:00): {xid}, pid=77, name=python, x")
     assert c is not None and (c.type, c.severity, c.hardware, c.xid) == (
-        anomalies.XID,
+        anomaly_types.XID,
         "critical",
         True,
         xid,
     )
 
 
-@pytest.mark.parametrize("xid,type_", [(13, anomalies.XID_APP), (31, anomalies.XID_APP),
-                                       (43, anomalies.XID_APP), (8, anomalies.XID_OTHER),
-                                       (154, anomalies.XID_OTHER)])  # fmt: skip
+@pytest.mark.parametrize("xid,type_", [(13, anomaly_types.XID_APP), (31, anomaly_types.XID_APP),
+                                       (43, anomaly_types.XID_APP), (8, anomaly_types.XID_OTHER),
+                                       (154, anomaly_types.XID_OTHER)])  # fmt: skip
 def test_application_and_other_xids_are_warnings_that_evict_nothing(xid, type_):
     for line in (
         f"NVRM: Xid (PCI:0000:9a:00): {xid}, pid=4242, name=python, Ch 00000010",
@@ -114,7 +116,7 @@ def test_application_and_other_xids_are_warnings_that_evict_nothing(xid, type_):
             False,
             xid,
         )
-    assert type_ not in anomalies.HARDWARE
+    assert type_ not in anomaly_types.HARDWARE
 
 
 def test_the_catalogue_lists_are_disjoint_and_every_pattern_names_its_source():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transom.common.records import NodeStatus
+from transom.common.records import FailureKind, FailureReport, NodeStatus
 from transom.common.states import NodeState
 from transom.control.policy import Diagnosis, SameError, diagnose, root_cause, same_error
 
@@ -17,29 +17,30 @@ def failure(
     signature: str | None = None,
     peer_error: bool = False,
     time: float = 1000.0,
-) -> dict:
-    """A failure dict as the agent reports it: WorkerFailure.to_dict() plus "describe"."""
+) -> FailureReport:
+    """A worker's failure as the agent reports it (transom.control.failures.classify_exit)."""
     how = f"killed by {signal}" if signal else f"exit code {exitcode}"
     detail = f": {signature}" if signature else ""
-    return {
-        "rank": rank,
-        "local_rank": 0,
-        "exitcode": exitcode,
-        "signal": signal,
-        "signature": signature,
-        "peer_error": peer_error,
-        "time": time,
-        "log": f"/tmp/rank{rank}.log",
-        "describe": f"rank {rank} {how}{detail}",
-    }
+    return FailureReport(
+        FailureKind.WORKER,
+        f"rank {rank} {how}{detail}",
+        time,
+        peer_error,
+        rank,
+        0,
+        exitcode,
+        signal,
+        signature,
+        f"/tmp/rank{rank}.log",
+    )
 
 
-def report(*failures: dict, generation: int = 1) -> NodeStatus:
+def report(*failures: FailureReport, generation: int = 1) -> NodeStatus:
     return NodeStatus("node", generation, NodeState.FAILED, 1000.0, failures=list(failures))
 
 
 def preflight_report(problem: str) -> NodeStatus:
-    return report({"kind": "preflight", "describe": problem})
+    return report(FailureReport(FailureKind.PREFLIGHT, problem))
 
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"

@@ -9,6 +9,8 @@ import pytest
 from transom.common.records import (
     Event,
     EventKind,
+    FailureKind,
+    FailureReport,
     JobRecord,
     MonitorSummary,
     NodeStatus,
@@ -72,3 +74,24 @@ def test_parse_all_leaves_out_invalid_values():
     parsed = parse_all(NodeStatus, {"node0": good, "node1": {"state": "running"}})
     assert list(parsed) == ["node0"] and parsed["node0"].state is NodeState.RUNNING
     assert JobState("RUNNING") is JobState.RUNNING
+
+
+def test_a_status_keeps_its_valid_failure_reports_and_leaves_out_the_others():
+    """A failure report that is not valid (another writer's, a broken agent's) costs only
+    itself: the status and its other reports are read."""
+    valid = FailureReport(describe="rank 1 killed by SIGKILL", time=5.0, rank=1, signal="SIGKILL")
+    stored = json.loads(
+        json.dumps(NodeStatus("n", 1, NodeState.FAILED, 5.0, failures=[valid]).to_dict())
+    )
+    junk = ["not an object", None, 7, [], {"kind": "banana"}, {"rank": "1"}, {"time": None}]
+    status = NodeStatus.from_dict(stored | {"failures": [*junk, *stored["failures"]]})
+    assert status.failures == [valid] and status.own_fault()
+    assert NodeStatus.from_dict(stored | {"failures": junk}).failures == []
+    # an older agent's report says less: a worker's failure, its own unless it says otherwise
+    (old,) = NodeStatus.from_dict(stored | {"failures": [{"rank": 0}]}).failures
+    assert (old.kind, old.peer_error, old.describe) == (FailureKind.WORKER, False, "worker failed")
+    # a list that is no list is no status: the controller's reads leave it out
+    not_a_list = stored | {"failures": {"rank": 0}}
+    with pytest.raises(RecordError, match="NodeStatus.failures: expected a list"):
+        NodeStatus.from_dict(not_a_list)
+    assert parse_all(NodeStatus, {"n": not_a_list, "m": stored}) == {"m": status}

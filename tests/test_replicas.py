@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from transom.common.records import Severity
-from transom.config import ConfigError
 from transom.control.policy import on_anomaly
 from transom.faults import parse_schedule
 from transom.faults.worker_side import flip_bits
+from transom.job_spec import ConfigError
 from transom.monitor import fingerprint
 from transom.monitor.replicas import ReplicaDetector
 
@@ -111,7 +111,7 @@ def test_fingerprints_are_taken_at_the_first_step_then_every_interval(monkeypatc
 
 def test_the_corrupt_fault_takes_its_bits():
     (fault,) = parse_schedule("corrupt@step=30:rank=1:bits=4", 2)
-    assert fault["type"] == "corrupt" and fault["factor"] == 4
+    assert fault.type == "corrupt" and fault.factor == 4
     for bad in ("corrupt@step=3:bits=0", "slow@step=3:bits=2", "corrupt@step=3:bits=2:factor=2"):
         with pytest.raises(ConfigError):
             parse_schedule(bad, 2)

@@ -29,7 +29,7 @@ from transom.cluster import slurm, slurm_run
 from transom.common import files
 from transom.common.records import JobRecord
 from transom.common.states import JobState
-from transom.control.decisions import REASON_NOT_ENOUGH_NODES
+from transom.control.tick import REASON_NOT_ENOUGH_NODES
 from transom.workloads.results import read_results
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from conftest import etcd_requests
 from transom.common import keys
 from transom.common.records import Plan
 from transom.common.states import JobState
-from transom.config import ConfigError, JobSpec
 from transom.control.controller import Controller
+from transom.job_spec import ConfigError, JobSpec
 from transom.store import Store, StoreAccess, StoreError
 from transom.store.client import MAX_TXN_OPS
 from transom.store.spec import read_spec

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from transom.config import ConfigError, JobSpec
+from transom.job_spec import ConfigError, JobSpec
 from transom.store import Store, StoreAccess, StoreError
 from transom.store import access as store_access
 from transom.store.spec import parse_spec
@@ -106,17 +106,17 @@ def test_certificates_are_written_private_and_anew(tls):
 
 
 def test_the_checkpoint_server_takes_the_same_options(tls):
-    from transom.checkpoint import config
+    from transom.checkpoint import server_options
 
     access = StoreAccess("https://10.0.0.7:2379", tls.ca, tls.client_cert, tls.client_key)
-    argv = config.to_argv(node_id="n1", job_id="j", **config.store_options(access))
+    argv = server_options.to_argv(node_id="n1", job_id="j", **server_options.store_options(access))
     assert argv[4:] == access.argv()
-    parsed = config.build_parser().parse_args(argv)
-    cfg = config.from_args(parsed, environ={"TRANSOM_CKPT_SECRET": "s"})
+    parsed = server_options.build_parser().parse_args(argv)
+    cfg = server_options.from_args(parsed, environ={"TRANSOM_CKPT_SECRET": "s"})
     assert cfg.store_access() == access
-    lone_cert = config.build_parser().parse_args(["--store-ca", str(tls.ca)])
+    lone_cert = server_options.build_parser().parse_args(["--store-ca", str(tls.ca)])
     with pytest.raises(ValueError, match="need --store"):
-        config.from_args(lone_cert, environ={})
+        server_options.from_args(lone_cert, environ={})
 
 
 # -- the spec as read back from etcd --------------------------------------------------------------
@@ -154,9 +154,9 @@ def test_a_good_spec_passes():
         (_spec(script="a\0b"), "not a file name"),
         (_spec(script_args=["a\0b"]), "NUL"),
         (_spec(script="/nonexistent/train.py"), "script not found"),
-        (_spec(faults=[{"type": "format-disk"}]), "fault 0"),
-        (_spec(faults=[{"type": "crash", "step": "x", "id": "f0"}]), "fault 0"),
-        (_spec(faults=[{"type": "crash"}]), "fault 0"),
+        (_spec(faults=[{"type": "format-disk", "id": "f0"}]), "fault 0: 'format-disk'"),
+        (_spec(faults=[{"type": "crash", "step": "x", "id": "f0"}]), "faults[0]: Fault.step"),
+        (_spec(faults=[{"type": "crash"}]), "faults[0]: Fault: missing field 'id'"),
     ],
 )
 def test_a_bad_spec_is_one_clear_error(value, message):

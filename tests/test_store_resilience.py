@@ -13,7 +13,7 @@ from conftest import running_etcd
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
-from transom.store.outage import StoreOutage
+from transom.store.reachability import StoreOutage
 from transom.store.upkeep import EtcdUpkeep
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,8 +61,8 @@ def test_a_stall_longer_than_the_deadline_raises_within_it(etcd):
 
 
 def test_an_outage_lasts_from_etcds_last_answer_to_its_next(etcd):
-    """The one definition of "etcd is unreachable" (store/outage.py, shared by the launcher and
-    the agents): it began when etcd last answered, not when the first failed call gave up (a
+    """The one definition of "etcd is unreachable" (store/reachability.py, shared by the launcher
+    and the agents): it began when etcd last answered, not when the first failed call gave up (a
     call waits out the store's deadline first), and ends with the next answer."""
     store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}", deadline_s=1.0)
     outage = StoreOutage("test")

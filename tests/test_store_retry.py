@@ -1,5 +1,5 @@
 """Unit tests of the store's one retry policy (store/retry.py) and of outage tracking
-(store/outage.py): a fake clock, no etcd."""
+(store/reachability.py): a fake clock, no etcd."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store.access import StoreError
-from transom.store.outage import StoreOutage
+from transom.store.reachability import StoreOutage
 from transom.store.retry import RetryPolicy, retry, tls_refusal, transient_reason
 
 

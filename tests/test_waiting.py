@@ -343,7 +343,7 @@ def test_node_delays_match_medians_over_the_other_nodes_ranks():
 def test_the_detector_state_the_controller_copies_each_tick_does_not_grow_with_the_job():
     import pickle
 
-    from transom.control.decisions import Memory
+    from transom.control.tick import Memory
     from transom.monitor.cluster import ClusterView
 
     def views(n: int, step: int) -> list[dict]:

@@ -2,7 +2,7 @@
 
 Every refusal or failure exits non-zero with a one-line reason on stderr; every id given on the
 command line is checked with `transom.common.names.check_id` before a command runs. The job's
-options (`run`, `controller`) come from `JobSpec` (`transom.config.add_job_options`): this module
+options (`run`, `controller`) come from `JobSpec` (`transom.job_spec.add_job_options`): this module
 must never define a job option or a default of its own. How every command reaches etcd
 (`--store` and its TLS files) is `transom.store.access`'s to define.
 """
@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from transom.common import files, keys
+from transom.common.fault_spec import Fault
 from transom.common.names import BadId, check_id
-from transom.config import (
+from transom.job_spec import (
     MAX_SIMULATED_NODES,
     ConfigError,
     JobSpec,
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_faults(text: str, world_size: int, seed: int) -> list[dict]:
+def _resolve_faults(text: str, world_size: int, seed: int) -> list[Fault]:
     from transom.faults import parse_schedule
 
     return parse_schedule(text, world_size, seed)

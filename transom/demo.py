@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from transom.config import ConfigError, JobSpec, new_job_id, prepare_run_dir
-from transom.faults import DETECTORS, FAULT_TYPES, Fault, parse_schedule
+from transom.faults import DETECTORS, FAULT_TYPES, parse_schedule
+from transom.job_spec import ConfigError, JobSpec, new_job_id, prepare_run_dir
 from transom.launcher import Launch, Launcher
 from transom.report.rundir import FINAL_WEIGHTS_FILE, REFERENCE_FILE, REFERENCE_WEIGHTS_FILE
 from transom.utils.procs import die_with_parent, stop_process
@@ -162,9 +162,9 @@ def run_reference(
 
 def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
     faults = "\n".join(
-        f"  step {f['step']:>4}: {f['type']:<5} "
-        + FAULT_TYPES[f["type"]].describe(Fault(**f))
-        + f"  (rank {f['rank']}; found by: {', '.join(DETECTORS[f['type']])})"
+        f"  step {f.step:>4}: {f.type:<5} "
+        + FAULT_TYPES[f.type].describe(f)
+        + f"  (rank {f.rank}; found by: {', '.join(DETECTORS[f.type])})"
         for f in spec.faults
     )
     return Panel(

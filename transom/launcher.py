@@ -43,12 +43,12 @@ from transom.checkpoint.storage_claim import Claim
 from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
-from transom.config import ConfigError, JobSpec
+from transom.job_spec import ConfigError, JobSpec
 from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.embedded import ONE_MACHINE_GO_THREADS
-from transom.store.outage import StoreOutage
+from transom.store.reachability import StoreOutage
 from transom.store.spec import parse_spec
 from transom.store.upkeep import EtcdUpkeep
 from transom.utils.procs import die_with_parent, stop_process, stop_tree

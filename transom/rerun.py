@@ -25,7 +25,7 @@ from pathlib import Path
 from transom.checkpoint.storage_claim import ANY_JOB, Claim, StorageBusy, adopt, claim
 from transom.common import files
 from transom.common.records import Event, EventKind
-from transom.config import ConfigError
+from transom.job_spec import ConfigError
 from transom.store import Store
 
 log = logging.getLogger("transom.run")

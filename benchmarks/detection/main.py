@@ -56,7 +56,7 @@ from transom.testing.jobs import transom_run
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
-from transom.common import anomalies  # noqa: E402
+from transom.common import anomaly_types  # noqa: E402
 from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
 from transom.monitor import patterns  # noqa: E402
@@ -333,7 +333,7 @@ def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
         if found is not None and found.hardware:
             true_pos += right
             false_pos += not right
-    positives = sum(label in anomalies.HARDWARE for label, _ in labelled)
+    positives = sum(label in anomaly_types.HARDWARE for label, _ in labelled)
     return {
         "benign_lines": len(benign),
         "hardware_corpus_lines": len(labelled),

@@ -74,8 +74,8 @@ from benchmarks.goodput.common import (  # noqa: E402
     worker_env,
 )
 from benchmarks.goodput.torchrun import TorchrunJob  # noqa: E402
-from transom.config import ConfigError  # noqa: E402
 from transom.faults import parse_schedule  # noqa: E402
+from transom.job_spec import ConfigError  # noqa: E402
 from transom.testing.jobs import Line, finish, parse, transom_run
 
 # -- the fault-free reference ----------------------------------------------------------------------
@@ -338,7 +338,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     try:
-        schedule = parse_schedule(args.faults, NODES)
+        schedule = [f.to_dict() for f in parse_schedule(args.faults, NODES)]
     except ConfigError as e:
         parser.exit(2, f"goodput.py: {e}\n")
     unsupported = sorted({f["type"] for f in schedule} - set(BASELINE_FAULTS))

@@ -34,7 +34,7 @@ transom.control.agent like the stand-ins; transom/control is unchanged):
   - the pause guard: each agent's real PauseGuard rule, applied every GUARD_TICK_S by one
     thread per process (`GuardSweep`) instead of a thread per node;
   - the loop: each agent starts (`NodeAgent._join`) in its own thread, then its turns
-    (`NodeAgent._step`, every TICK_S and at once when a plan update arrives) are run by one of
+    (`NodeAgent._turn`, every TICK_S and at once when a plan update arrives) are run by one of
     SWEEPERS threads per process (`TurnSweep`) instead of its own. What differs: a turn that
     waits on etcd (a slow answer, an outage) delays the turns of its sweeper's other agents.
 Real agents also differ in running one per machine, each with its own CPU; here hundreds share a
@@ -292,9 +292,9 @@ class SimulatedAgent(agent_module.NodeAgent):
             return 0
         return outcome
 
-    def _step(self):
+    def _turn(self):
         TICKS[0] += 1
-        return super()._step()
+        return super()._turn()
 
 
 def main() -> int:

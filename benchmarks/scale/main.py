@@ -60,7 +60,7 @@ from benchmarks import REPO, child_env
 from transom.common import keys  # noqa: E402
 from transom.common.records import JobRecord  # noqa: E402
 from transom.common.states import JobState  # noqa: E402
-from transom.config import JobSpec  # noqa: E402
+from transom.job_spec import JobSpec  # noqa: E402
 from transom.store import EmbeddedEtcd, Store, StoreError  # noqa: E402
 from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch  # noqa: E402

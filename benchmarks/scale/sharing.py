@@ -10,7 +10,7 @@ requests:
     own connection, scheduled by one thread and sent by RENEWERS threads (`SharedLeaseKeeper`);
   - `GuardSweep`: each agent's real PauseGuard rule, applied every GUARD_TICK_S by one thread
     (`SharedPauseGuard`);
-  - `TurnSweep`: each agent's real loop turn (`NodeAgent._step`), run every TICK_S and at once
+  - `TurnSweep`: each agent's real loop turn (`NodeAgent._turn`), run every TICK_S and at once
     when the plan stream delivers, by one of SWEEPERS threads instead of the agent's own.
 agents.py's docstring says how each differs from a real agent. This module never starts
 a process and never touches etcd but through the agents' own stores.
@@ -28,8 +28,8 @@ import time
 
 from transom.common import keys  # noqa: E402
 from transom.control.agent import TICK_S, NodeAgent  # noqa: E402
+from transom.control.fence import GUARD_TICK_S, PauseGuard  # noqa: E402
 from transom.control.lease_keeper import LeaseKeeper  # noqa: E402
-from transom.control.outage import GUARD_TICK_S, PauseGuard  # noqa: E402
 from transom.control.plan_follow import PlanFollower  # noqa: E402
 from transom.store import Store  # noqa: E402
 from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
@@ -302,7 +302,7 @@ class _Turns:
             self.outcome = 0
         else:
             try:
-                self.outcome = self.agent._step()
+                self.outcome = self.agent._turn()
             except BaseException as e:  # noqa: BLE001 - raised in the agent's own thread
                 self.error = e
             if self.outcome is None and self.error is None:

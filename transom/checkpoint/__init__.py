@@ -11,7 +11,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
     pinning.py       CUDA registration of the regions it copies GPU tensors into
   tiers/             where the loader reads from: one `LoadTier` a file, registered in order
   server.py          the per-node server, wiring:
-    config.py        its configuration and command line (`ServerConfig`, `default_budget`)
+    server_options.py  its configuration and command line (`ServerConfig`, `default_budget`)
     budget.py        its memory: shards, region pool, budget, eviction
     pipeline.py      the save pipeline: checksums, replication, persistence (background)
     worker_service.py / peer_service.py   its Unix-socket and TCP request handling

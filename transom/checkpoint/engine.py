@@ -7,6 +7,10 @@ the fastest tier that holds a good copy.
     ckpt.save(step, state, persist=False)            # memory and peer only (storage less often)
     state = ckpt.load()                              # the controller's restore step, or the newest
 
+Resharding (reshard.py) drives a load through three more public calls, its `ShardReader`:
+`read_shard` (one saved rank's shard, as saved), `locate` (where the server knows copies of one)
+and `report_event` (an event in the job's log).
+
 Under `transom run` the engine talks to its node's checkpoint server (TRANSOM_CKPT_SOCKET) and
 loads the step the controller chose (TRANSOM_RESTORE_STEP). Without a launcher it starts a server
 inside this process (its threads persist to `storage_dir` in the background): memory and storage
@@ -113,8 +117,8 @@ class Engine:
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None):
-        from transom.checkpoint.config import SOCKET_NAME, ServerConfig, default_budget
         from transom.checkpoint.server import CheckpointServer
+        from transom.checkpoint.server_options import SOCKET_NAME, ServerConfig, default_budget
 
         for stale in sweep_stale_shm():
             log.info("removed the shared memory of a dead checkpoint process: %s", stale)
@@ -320,7 +324,7 @@ class Engine:
             return None
 
         def load_step(s: int) -> Any:
-            return reshard.load(self, s, tier) if rank is None else self._load_step(s, tier, rank)
+            return reshard.load(self, s, tier) if rank is None else self.read_shard(s, tier, rank)
 
         if step is not None:
             state = load_step(step)
@@ -333,17 +337,21 @@ class Engine:
         self._next.after(reshard.plan_state(state, 0, self.rank, self.world_size).data_len)
         return to_device(state, map_location) if map_location is not None else state
 
-    def _load_step(self, step: int, tier: str | None, rank: int) -> Any:
-        """Walk the registered tiers (fastest first) and every copy each locates, until one
-        verifies; CheckpointError naming each bad copy when none does."""
+    def locate(self, step: int, rank: int, timeout: float | None = None) -> list:
+        """The copies of rank `rank`'s shard of `step` that the node's server knows of (its
+        memory, peers' memory, storage: what the tiers read); CheckpointError when it does not
+        answer within `timeout` (default: the connection's)."""
+        reply = self._request({"op": "locate", "step": step, "rank": rank}, timeout=timeout)
+        sources = reply.get("sources", [])
+        return sources if isinstance(sources, list) else []
+
+    def read_shard(self, step: int, tier: str | None, rank: int) -> Any:
+        """Rank `rank`'s shard of `step` as it was saved (no resharding): walk the registered
+        tiers (fastest first) and every copy each locates, until one verifies; CheckpointError
+        naming each bad copy when none does."""
         t0 = time.perf_counter()
         try:
-            reply = self._request(
-                {"op": "locate", "step": step, "rank": rank}, timeout=self.locate_timeout_s
-            )
-            located = reply.get("sources", [])
-            if not isinstance(located, list):
-                located = []
+            located = self.locate(step, rank, self.locate_timeout_s)
         except CheckpointError as e:
             log.warning("%s; reading the tiers the loader reaches itself", e)
             located = []
@@ -359,7 +367,7 @@ class Engine:
                     state = layout.rebuild(header, data)
                 except (shard_format.ShardError, replication.ReplicationError, OSError) as e:
                     problems.append(f"{name}: {e}")
-                    self._report(
+                    self.report_event(
                         "bad-copy",
                         f"rank {rank} step {step}: bad copy in {name} ({e}); trying the next tier",
                         step=step,
@@ -373,7 +381,7 @@ class Engine:
                 took = time.perf_counter() - t0
                 self.last_load = {"step": step, "tier": name, "seconds": took}
                 self.last_shard = reshard.load_info(header)
-                self._report(
+                self.report_event(
                     "restored",
                     f"rank {rank} restored step {step} from {name} in {took:.3f} s",
                     step=step,
@@ -387,12 +395,14 @@ class Engine:
             f"({'; '.join(problems) or 'no tier holds it'})"
         )
 
-    def _report(self, action: str, message: str, **fields) -> None:
+    def report_event(self, action: str, message: str, **fields: Any) -> None:
+        """Log `message` and send it to the node's server as a checkpoint event (`action`,
+        `fields`) for the job's event log."""
         log.info("%s", message)
         self._send_event(action, message, fields)
 
     def _report_later(self, action: str, message: str, **fields) -> None:
-        """`_report` without waiting, on a connection of its own: for a server that may not be
+        """`report_event` without waiting, on a connection of its own: for a server that may not be
         answering (the event is lost if it does not take it within request_timeout_s)."""
         args = (action, message, fields, True)
         threading.Thread(target=self._send_event, args=args, daemon=True).start()

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from transom.checkpoint import replication, shard_format, storage
 from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.publisher import Publisher
+from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 from transom.store import StoreError

@@ -24,6 +24,7 @@ shard that has a resharding record. `load` then builds rank r's state:
   * per-rank values are left out (the caller re-derives them: a data position and RNG state are
     functions of the global step, as in workloads/train_gpt.py); `Engine.last_load["resharded"]`
     lists them.
+It reads shards through the engine's public `ShardReader` calls, never its private members.
 This module never pickles, never talks to etcd, and never guesses: a step saved by another world
 without a record is not restorable for this one, and a record that does not match the chunks the
 shards hold raises CheckpointError (the loader tries an older step).
@@ -34,16 +35,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from transom.checkpoint import layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.reshard_steps import HEADER_KEY
-
-if TYPE_CHECKING:
-    from transom.checkpoint.engine import Engine
 
 # A rank whose own shard is missing (a grown world) asks its server where this many saved ranks'
 # shards are, to read the replicated state from one in its node's memory.
@@ -167,6 +165,22 @@ def load_info(header: dict) -> dict:
 # -- loading -------------------------------------------------------------------------------------
 
 
+class ShardReader(Protocol):
+    """What a resharding load needs of the worker's checkpoint engine (`Engine`): its place in
+    the world, its reads of saved shards, and its events."""
+
+    rank: int
+    world_size: int
+    last_load: dict  # what the last load read; a resharding load adds "resharded"
+    last_shard: dict  # `load_info` of the shard `read_shard` read last
+
+    def read_shard(self, step: int, tier: str | None, rank: int) -> Any: ...
+
+    def locate(self, step: int, rank: int, timeout: float | None = None) -> list: ...
+
+    def report_event(self, action: str, message: str, **fields: Any) -> None: ...
+
+
 def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """[start, end) of chunk `index` of `n` items split into `parts` (DTensor's Shard rule:
     chunks of ceil(n / parts), the last ones shorter or empty)."""
@@ -212,14 +226,14 @@ def _at(state: Any, path: Path_) -> Any:
 class _Resharder:
     """Rank `engine.rank`'s state of `step` from shards saved by another world."""
 
-    def __init__(self, engine: Engine, step: int, tier: str | None):
+    def __init__(self, engine: ShardReader, step: int, tier: str | None):
         self.engine, self.step, self.tier = engine, step, tier
         self.shards: dict[int, tuple[Any, dict]] = {}  # saved rank -> (state, record)
         self.saved_world = 0
 
     def shard(self, rank: int) -> tuple[Any, dict]:
         if rank not in self.shards:
-            state = self.engine._load_step(self.step, self.tier, rank)
+            state = self.engine.read_shard(self.step, self.tier, rank)
             info = self.engine.last_shard
             if info.get("world_size") != self.saved_world or not isinstance(
                 info.get(HEADER_KEY), dict
@@ -319,27 +333,24 @@ class _Resharder:
         return out
 
 
-def _memory_ranks(engine: Engine, step: int, limit: int) -> list[int]:
+def _memory_ranks(engine: ShardReader, step: int, limit: int) -> list[int]:
     """Saved ranks (below `limit`) whose shard of `step` is in this node's memory."""
     found: list[int] = []
     for rank in range(min(limit, PROBE_RANKS)):
         try:
-            reply = engine._request({"op": "locate", "step": step, "rank": rank})
+            sources = engine.locate(step, rank)
         except CheckpointError:
             return found
-        sources = reply.get("sources")
-        if isinstance(sources, list) and any(
-            isinstance(s, dict) and s.get("tier") == "memory" for s in sources
-        ):
+        if any(isinstance(s, dict) and s.get("tier") == "memory" for s in sources):
             found.append(rank)
     return found
 
 
-def load(engine: Engine, step: int, tier: str | None) -> Any:
+def load(engine: ShardReader, step: int, tier: str | None) -> Any:
     """Rank `engine.rank`'s state of `step`: its own shard when the step was saved by a world of
     this size, else resharded from the saving world's shards; CheckpointError when neither."""
     try:
-        state = engine._load_step(step, tier, engine.rank)
+        state = engine.read_shard(step, tier, engine.rank)
         base_rank = engine.rank
     except CheckpointError as own_error:
         if engine.rank == 0:
@@ -348,7 +359,7 @@ def load(engine: Engine, step: int, tier: str | None) -> Any:
         # a saved rank's copy, one in this node's memory first.
         base_rank = (_memory_ranks(engine, step, engine.rank) or [0])[0]
         try:
-            state = engine._load_step(step, tier, base_rank)
+            state = engine.read_shard(step, tier, base_rank)
         except CheckpointError:
             raise own_error from None
         if engine.last_shard.get("world_size") == engine.world_size:
@@ -371,7 +382,7 @@ def load(engine: Engine, step: int, tier: str | None) -> Any:
     resharder.saved_world = saved_world
     out = resharder.build(base_rank, state, record)
     resharded = engine.last_load["resharded"]
-    engine._report(
+    engine.report_event(
         "resharded",
         f"rank {engine.rank} restored step {step} saved by {saved_world} ranks (now "
         f"{engine.world_size}) from rank {base_rank}'s copy; per-rank values left out: "

@@ -24,14 +24,14 @@ import sys
 import threading
 from pathlib import Path
 
-from transom.checkpoint import agent_lease, capacity, catalog, config
+from transom.checkpoint import agent_lease, capacity, catalog, server_options
 from transom.checkpoint.budget import ShardMemory
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.peer_port import PeerPort
 from transom.checkpoint.peer_service import PeerService
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
 from transom.checkpoint.publisher import PlanView, Publisher
+from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shm import RegionDir
 from transom.checkpoint.worker_service import WorkerService
 from transom.common.states import Tier
@@ -156,14 +156,15 @@ class CheckpointServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`transom ckpt-server` / `python -m transom.checkpoint.server` (options: config.py)."""
-    args = config.build_parser().parse_args(argv)
+    """`transom ckpt-server` / `python -m transom.checkpoint.server` (its options:
+    server_options.py)."""
+    args = server_options.build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        cfg = config.from_args(args)
+        cfg = server_options.from_args(args)
     except ValueError as e:
         print(f"transom ckpt-server: {e}", file=sys.stderr)
         return 2
@@ -175,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ready {server.cfg.socket_path} {server.addr}", flush=True)
     while not stop.wait(1.0):
         pass  # a timed wait: a signal delivered to another thread is handled within a second
-    if server.cfg.storage_dir is not None and not server.drain(config.PERSIST_ON_STOP_S):
+    if server.cfg.storage_dir is not None and not server.drain(server_options.PERSIST_ON_STOP_S):
         log.warning(
-            "stopping before every saved shard reached storage (%.0f s)", config.PERSIST_ON_STOP_S
+            "stopping before every saved shard reached storage (%.0f s)",
+            server_options.PERSIST_ON_STOP_S,
         )
     server.stop()
     return 0

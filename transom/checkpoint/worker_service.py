@@ -33,7 +33,6 @@ from typing import Any
 
 from transom.checkpoint import catalog, storage
 from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
-from transom.checkpoint.config import ServerConfig
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
 from transom.checkpoint.protocol import (
@@ -46,6 +45,7 @@ from transom.checkpoint.protocol import (
 )
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.reshard_steps import reshardable, restorable
+from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shard_format import ShardError
 from transom.checkpoint.shm import Region
 from transom.common.names import valid_id

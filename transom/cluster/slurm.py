@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from transom.common import env
 from transom.common.names import BadId, check_id
-from transom.config import ConfigError
+from transom.job_spec import ConfigError
 
 SCONTROL_TIMEOUT_S = 20.0
 # Slurm's job ids are numbers; a step id is a number too under srun.

@@ -52,8 +52,8 @@ from transom.common import env, files, keys
 from transom.common.names import BadId
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
-from transom.config import ConfigError, JobSpec, prepare_run_dir
-from transom.control.decisions import REASON_NOT_ENOUGH_NODES
+from transom.control.tick import REASON_NOT_ENOUGH_NODES
+from transom.job_spec import ConfigError, JobSpec, prepare_run_dir
 from transom.launcher import Launch, Launcher
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.key_follow import KeyFollower

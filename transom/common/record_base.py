@@ -2,7 +2,9 @@
 
 `from_dict` validates a value that crossed a process boundary against the dataclass's type
 hints (str, int, float, bool, lists, dicts, unions with None, str enums, nested records),
-ignores keys it does not know and raises `RecordError` on a missing field or a wrong type. The
+ignores keys it does not know and raises `RecordError` on a missing field or a wrong type. A
+list field declared with `metadata=DROP_INVALID` keeps its valid items and leaves out the others
+(what one process reported about many things: one bad entry must not cost the rest). The
 records themselves are in transom.common.records. This module must never do I/O.
 """
 
@@ -18,6 +20,9 @@ from typing import Any, TypeVar
 
 R = TypeVar("R", bound="Record")
 
+# The `dataclasses.field` metadata of a list field whose invalid items `from_dict` leaves out.
+DROP_INVALID = {"drop_invalid": True}
+
 
 class RecordError(ValueError):
     """A stored value that is not a valid record: what was wrong, and where."""
@@ -26,8 +31,8 @@ class RecordError(ValueError):
 class Record:
     """Base of the records: `to_dict` for JSON, `from_dict` that validates."""
 
-    def to_dict(self) -> dict:
-        out: dict = {}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if f.name == "extra":
@@ -41,7 +46,7 @@ class Record:
         if not isinstance(data, dict):
             raise RecordError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
         fields, known, has_extra = _schema(cls)
-        values: dict = {}
+        values: dict[str, Any] = {}
         for name, parse, where, required in fields:
             if name in data:
                 values[name] = parse(data[name], where)
@@ -70,7 +75,9 @@ def _schema(cls: type) -> Schema:
         parsers = [
             (
                 f.name,
-                _parser(hints[f.name]),
+                _valid_items(hints[f.name])
+                if f.metadata.get("drop_invalid")
+                else _parser(hints[f.name]),
                 f"{cls.__name__}.{f.name}",
                 f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
             )
@@ -182,6 +189,28 @@ def _parser(hint: Any) -> Parser:
         raise _wrong(value, hint, where)
 
     return parse_nothing
+
+
+def _valid_items(hint: Any) -> Parser:
+    """The parser of a list field declared DROP_INVALID: the value must be a list; its items
+    that are not valid are left out."""
+    if typing.get_origin(hint) is not list:
+        raise TypeError(f"DROP_INVALID is for list fields, not {hint}")
+    (item_hint,) = typing.get_args(hint)
+    item = _parser(item_hint)
+
+    def parse_valid_items(value: Any, where: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise RecordError(f"{where}: expected a list, got {type(value).__name__}")
+        valid = []
+        for v in value:
+            try:
+                valid.append(item(v, where))
+            except RecordError:
+                continue
+        return valid
+
+    return parse_valid_items
 
 
 def _as_is(value: Any, where: str) -> Any:

@@ -1,7 +1,8 @@
 """The typed records processes exchange through etcd (and the run directory's event log).
 
 One dataclass per value stored under a key of `common.keys`: `JobRecord` (job), `Plan` (plan),
-`NodeRegistration` (nodes/<node>), `NodeStatus` (status/<node>), `MonitorSummary`
+`NodeRegistration` (nodes/<node>), `NodeStatus` (status/<node>, with its `FailureReport`s),
+`MonitorSummary`
 (monitor/<node>), `Anomaly` (in summaries and anomaly events), `PreflightResult`
 (preflight/<node>), `MasterAddress` (plan/master/<gen>), `Event` (events/<seq>).
 
@@ -19,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 # Readers import RecordError and parse_all from here, with the records.
-from transom.common.record_base import Record
+from transom.common.record_base import DROP_INVALID, Record
 from transom.common.record_base import RecordError as RecordError
 from transom.common.record_base import parse_all as parse_all
 from transom.common.states import JobState, NodeState
@@ -111,12 +112,42 @@ class NodeRegistration(Record):
     incarnation: str = ""  # unique to the agent process (a restarted agent has a new one)
 
 
+class FailureKind(str, Enum):
+    """What a node's failure report is about."""
+
+    WORKER = "worker"  # a worker exited non-zero or by a signal (transom.control.failures)
+    FENCED = "fenced"  # the agent killed its workers: cut off from etcd (transom.control.fence)
+    PREFLIGHT = "preflight"  # the node failed its pre-flight checks: no worker ran
+
+
+@dataclass
+class FailureReport(Record):
+    """One failure a node reports with its FAILED status (`NodeStatus.failures`).
+
+    Every field has a default, so a report from an older or newer agent is read as far as it
+    goes: a worker failure that does not say it was a peer's is the node's own.
+    """
+
+    kind: FailureKind = FailureKind.WORKER
+    describe: str = "worker failed"  # one line for people, e.g. "rank 3 exit code 1: ValueError"
+    time: float = 0.0  # when the agent saw it (its wall clock)
+    # The worker failed only because a peer went away (a consequence, not a cause); a fenced
+    # node's too (etcd was out of its reach, not its workers at fault).
+    peer_error: bool = False
+    rank: int | None = None  # the worker's global rank (a WORKER failure)
+    local_rank: int | None = None
+    exitcode: int | None = None  # negative: killed by that signal
+    signal: str | None = None  # the signal's name, e.g. "SIGKILL"
+    signature: str | None = None  # the exception line its log ends with, e.g. "ValueError: bad"
+    log: str = ""  # the worker's log file
+
+
 @dataclass
 class NodeStatus(Record):
     """What a node's workers do for which generation (`status/<node>`).
 
-    `failures` are the workers' failure reports (`WorkerFailure.to_dict()` plus `describe`, or a
-    pre-flight failure `{"kind": "preflight", "describe": ...}`).
+    `failures`: why the node FAILED; a report that is not valid is left out (the controller
+    reads the rest).
     """
 
     node: str
@@ -125,14 +156,14 @@ class NodeStatus(Record):
     time: float
     step: int | None = None
     warm: int = 0
-    failures: list[dict] = field(default_factory=list)
-    preflight: dict | None = None
-    pids: dict | None = None
+    failures: list[FailureReport] = field(default_factory=list, metadata=DROP_INVALID)
+    preflight: dict[str, Any] | None = None
+    pids: dict[str, Any] | None = None
     incarnation: str = ""  # the agent process that wrote it (`NodeRegistration.incarnation`)
 
     def own_fault(self) -> bool:
         """A worker failed by itself (not only because a peer went away)."""
-        return any(not f.get("peer_error") for f in self.failures)
+        return any(not f.peer_error for f in self.failures)
 
 
 @dataclass
@@ -143,7 +174,7 @@ class PreflightResult(Record):
     time: float = 0.0
     problems: list[str] = field(default_factory=list)
     compute_gflops: float | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -177,7 +208,7 @@ class Anomaly(Record):
     message: str
     nodes: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
     step: int | None = None
     hardware: bool = False  # a signature of a bad node
@@ -215,8 +246,8 @@ class MonitorSummary(Record):
     t: float
     ranks: dict[str, RankSummary] = field(default_factory=dict)
     anomalies: list[Anomaly] = field(default_factory=list)
-    host: dict = field(default_factory=dict)
-    gpus: list[dict] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
+    gpus: list[dict[str, Any]] = field(default_factory=list)
     # The monitor channel's counters: datagrams accepted and dropped by reason, since the start.
     datagrams: dict[str, int] = field(default_factory=dict)
 
@@ -273,18 +304,18 @@ class Event(Record):
     action: str | None = None
     anomaly: str | None = None  # the id of the anomaly decided on
     anomaly_type: str | None = None
-    preflight: dict | None = None
+    preflight: dict[str, Any] | None = None
     # an anomaly event's copy of the anomaly
     id: str | None = None
     type: str | None = None
     severity: Severity | None = None
     ranks: list[int] | None = None
-    evidence: dict | None = None
+    evidence: dict[str, Any] | None = None
     step: int | None = None
     hardware: bool | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in super().to_dict().items() if v is not None}
 
     @classmethod

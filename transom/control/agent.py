@@ -6,7 +6,7 @@ lease's expiry; transom.control.lease_keeper), follows the plan through an etcd 
 generation stops the old workers and, when the node is a member, starts the new ones (its
 checkpoint server starts while it registers and runs its pre-flight checks, once, on joining).
 It reports what its workers do to `status/<node>` and `monitor/<node>`, each written only when
-it changed or at a slow heartbeat (transom.control.reports). Its loop ticks every TICK_S to
+it changed or at a slow heartbeat (transom.control.node_reports). Its loop ticks every TICK_S to
 watch its workers; a tick costs etcd nothing unless something is to be written. The controller
 decides, the agent never restarts workers on its own.
 
@@ -14,7 +14,7 @@ A fault of the control plane never ends the agent: an etcd call that fails (`Sto
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
 workers train on through a short one (their collectives never need etcd) and are paused
 (SIGSTOP) before the node's lease can expire, so an old generation never runs beside a new one
-(the rule and its numbers: transom.control.outage); reports wait for etcd to come back, the plan
+(the rule and its numbers: transom.control.fence); reports wait for etcd to come back, the plan
 is read again and its watch reconnected, a lease that expired meanwhile is taken again under the
 same node id, and paused workers resume if the plan still has the node in their generation.
 SIGTERM (a scheduler's stop) ends the agent cleanly: workers stopped, the checkpoint server
@@ -31,28 +31,31 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
-from transom.config import JobSpec
 from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
+from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, fenced, until_reached
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
-from transom.control.outage import RIDING_OUT, PauseGuard, fence_reason, until_reached
+from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
-from transom.control.preflight import joining_checks
-from transom.control.reports import STARTING_QUIET_S, NodeReports
+from transom.control.preflight import failed_checks, joining_checks
 from transom.control.warm import WarmPool
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
+from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
 from transom.store.client import Lease
-from transom.store.outage import StoreOutage
+from transom.store.reachability import StoreOutage
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address
 
@@ -77,7 +80,7 @@ class NodeAgent:
         self.lease: Lease | None = None
         self.stopping = threading.Event()
         self.keeper = LeaseKeeper(store, self.stopping)
-        self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.outage
+        self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.fence
         self.plan = PlanFollower(store)
         self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
         self.generation = 0
@@ -87,7 +90,7 @@ class NodeAgent:
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.unpublished_master: MasterAddress | None = None  # ours, not yet in etcd
         self.published_master: MasterAddress | None = None  # ours, in etcd
-        self.preflight_result: tuple[bool, dict] | None = None
+        self.preflight_result: tuple[bool, dict[str, Any]] | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
         self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
@@ -115,7 +118,7 @@ class NodeAgent:
         self._lease_loss_seen = False
         self._report(self.group_state, **self.reports.extra)
 
-    def _report(self, state: NodeState, quiet_s: float = 0.0, **extra) -> None:
+    def _report(self, state: NodeState, quiet_s: float = 0.0, **extra: Any) -> None:
         """Publish this node's status (inside a turn: at its end; `quiet_s`: only if it lasts
         that long); during an outage it is published when etcd is back."""
         self.group_state = state
@@ -135,7 +138,7 @@ class NodeAgent:
         code = 1
         try:
             code = self._serve()
-        except StoreError as e:  # only start-up gives up on etcd (outage.STARTUP_WAIT_S)
+        except StoreError as e:  # only start-up gives up on etcd (fence.STARTUP_WAIT_S)
             if not self.terminated:
                 log.error("node %s: %s", self.node_id, e)
             code = 0 if self.terminated else 1
@@ -146,11 +149,11 @@ class NodeAgent:
             log.info("agent of %s exits with code %d", self.node_id, code)
         return code
 
-    def _catch_sigterm(self):
+    def _catch_sigterm(self) -> Callable[[int, FrameType | None], Any] | int | None:
         if threading.current_thread() is not threading.main_thread():
             return None  # signals reach the main thread only (an agent run in a test thread)
 
-        def leave(signum, frame):
+        def leave(signum: int, frame: FrameType | None) -> None:
             if not self.terminated:
                 log.warning("SIGTERM: leaving the job (stopping workers, deregistering)")
             self.terminated = True
@@ -161,7 +164,7 @@ class NodeAgent:
     def _serve(self) -> int:
         self._join()
         while not self.stopping.is_set():
-            outcome = self._step()
+            outcome = self._turn()
             if outcome is not None:
                 return outcome
             self.plan.wait(TICK_S)  # returns at once when a new plan arrives
@@ -220,7 +223,7 @@ class NodeAgent:
             self.keeper.hold(None)
 
     # -- main loop ----------------------------------------------------------------------------
-    def _step(self) -> int | None:
+    def _turn(self) -> int | None:
         """One turn of the loop: a tick while etcd answers, the fence rule while it does not."""
         assert self.spec is not None
         self._check_contact(time.monotonic())
@@ -253,7 +256,7 @@ class NodeAgent:
             self.link.failed(error)
 
     def _offline(self) -> None:
-        """etcd cannot be reached: give the workers up after --store-outage (control.outage;
+        """etcd cannot be reached: give the workers up after --store-outage (control.fence;
         the PauseGuard thread pauses them before the lease can expire)."""
         assert self.spec is not None
         if self.group is None or self.group_state is not NodeState.RUNNING:
@@ -266,8 +269,7 @@ class NodeAgent:
         if reason is not None:
             log.warning("fencing this node: %s: killing its workers", reason)
             self._stop_group()
-            fenced = {"kind": "fenced", "peer_error": True, "time": time.time(), "describe": reason}
-            self._report(NodeState.FAILED, failures=[fenced])
+            self._report(NodeState.FAILED, failures=[fenced(reason)])
 
     def _pause_group(self, reason: str) -> None:
         """The guard's (or a tick's) call: freeze running workers; resumed only on a fresh plan."""
@@ -363,7 +365,7 @@ class NodeAgent:
             self._report(
                 NodeState.FAILED,
                 preflight=evidence,
-                failures=[{"kind": "preflight", "describe": "; ".join(evidence["problems"])}],
+                failures=[failed_checks(evidence)],
             )
             return
         if plan.members[0] == self.node_id:
@@ -452,10 +454,9 @@ class NodeAgent:
             return
         if state is NodeState.FAILED:
             # The first failure decides; the rest of this node's workers cannot go on alone.
-            described = [f.to_dict() | {"describe": f.describe()} for f in failures]
-            self.monitor.raise_anomaly(detectors.crash(self.node_id, described))
+            self.monitor.raise_anomaly(detectors.crash(self.node_id, failures))
             self._monitor_tick()
-            self._report(NodeState.FAILED, failures=described)
+            self._report(NodeState.FAILED, failures=failures)
             self.reports.write_now()  # before stopping the other workers, which takes a while
             self._stop_group()
         else:
@@ -463,7 +464,7 @@ class NodeAgent:
 
     def _monitor_tick(self) -> None:
         """Fire due faults, run the node's detectors, publish the summary (when it changed or
-        is due, see transom.control.reports) and new anomalies; during an outage they wait."""
+        is due, see transom.control.node_reports) and new anomalies; during an outage they wait."""
         assert self.faults is not None and self.monitor is not None
         g = self.group
         try:

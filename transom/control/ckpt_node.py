@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from transom.checkpoint import agent_lease
-from transom.checkpoint.config import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
+from transom.checkpoint.server_options import PERSIST_ON_STOP_S, SOCKET_NAME, store_options, to_argv
 from transom.checkpoint.shm_dirs import default_shm_dir, sweep_stale_shm
 from transom.common import env, files, keys
-from transom.config import JobSpec
+from transom.job_spec import JobSpec
 from transom.store import Store
 from transom.utils.procs import die_with_parent, stop_process
 
@@ -53,7 +53,7 @@ class NodeCheckpointServer:
         self.storage_dir = (
             Path(spec.ckpt_storage) if spec.ckpt_storage else self.run_dir / files.CHECKPOINTS
         )
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.serving = False  # the current process answered on its socket
         self.launched_at = -RESTART_INTERVAL_S  # monotonic time of the newest launch
         self.secret = ""
@@ -216,7 +216,7 @@ class NodeCheckpointServer:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
-def _close_stdin(process: subprocess.Popen) -> None:
+def _close_stdin(process: subprocess.Popen[bytes]) -> None:
     if process.stdin is not None:
         try:
             process.stdin.close()

@@ -31,17 +31,21 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from transom.checkpoint.catalog import discard_poisoned, newest_restorable
 from transom.common import keys
 from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
-from transom.config import JobSpec
 from transom.control.cluster_view import WatchedCluster, read_direct
 from transom.control.contact import PROBE_S, STALE_S, STANDBY_PROBE_S, StoreContact
-from transom.control.decisions import Memory, Snapshot, decide
+from transom.control.decisions import decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
+from transom.control.tick import Memory, Snapshot
+from transom.job_spec import JobSpec
 from transom.monitor.exporter import MonitorExporter
 from transom.monitor.waiting import median_step_s
 from transom.store import Store, StoreError
@@ -98,7 +102,7 @@ class Controller:
         self.leading = threading.Event()
         self.stopping = threading.Event()
         self.exporter = MonitorExporter()
-        self.memory = Memory()  # the detectors' in-memory state (see decisions.Memory)
+        self.memory = Memory()  # the detectors' in-memory state (see tick.Memory)
         self._step_s: float | None = None  # the members' median step time, newest snapshot
         # When (time.monotonic) the newest tick asked for the next (Decision.due), or None.
         self._due: float | None = None
@@ -284,11 +288,11 @@ class Controller:
             self.view.stop()
             self.view = None
 
-    def _catch_sigterm(self):
+    def _catch_sigterm(self) -> Callable[[int, FrameType | None], Any] | int | None:
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def leave(signum, frame):
+        def leave(signum: int, frame: FrameType | None) -> None:
             log.warning("SIGTERM: handing leadership over and exiting")
             self.terminated = True
             self.stopping.set()

@@ -1,8 +1,9 @@
 """What a worker's exit means: its exit code or signal, and the error its log ends with.
 
 A worker that dies because a *peer* died (the collective's connection was closed) is not the
-root cause of an incident; `WorkerFailure.peer_error` tells the controller to look elsewhere.
-That covers a worker that exits with such an error, and one that aborts (SIGABRT) on it.
+root cause of an incident; `FailureReport.peer_error` (transom.common.records) tells the
+controller to look elsewhere. That covers a worker that exits with such an error, and one that
+aborts (SIGABRT) on it. This module only reads a worker's log; it never signals or reports.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import re
 import signal
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from transom.common.records import FailureKind, FailureReport
 
 LOG_TAIL_BYTES = 16384
 
@@ -37,28 +39,6 @@ _EXCEPTION_LINE = re.compile(
 )
 
 
-@dataclass
-class WorkerFailure:
-    """One worker's non-zero exit."""
-
-    rank: int
-    local_rank: int
-    exitcode: int
-    signal: str | None
-    signature: str | None  # the exception line, e.g. "ValueError: bad shape"
-    peer_error: bool
-    time: float
-    log: str
-
-    def describe(self) -> str:
-        how = f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
-        detail = f": {self.signature}" if self.signature else ""
-        return f"rank {self.rank} {how}{detail}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
     try:
         with open(path, "rb") as f:
@@ -69,7 +49,7 @@ def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def classify_exit(rank: int, local_rank: int, exitcode: int, log_path: Path) -> WorkerFailure:
+def classify_exit(rank: int, local_rank: int, exitcode: int, log_path: Path) -> FailureReport:
     """Describe a worker that exited with `exitcode` (negative: killed by that signal)."""
     sig = None
     if exitcode < 0:
@@ -84,6 +64,17 @@ def classify_exit(rank: int, local_rank: int, exitcode: int, log_path: Path) -> 
     peer = (sig is None and bool(_PEER_ERROR.search(tail))) or (
         sig == "SIGABRT" and bool(signature and _PEER_ERROR.search(signature))
     )
-    return WorkerFailure(
-        rank, local_rank, exitcode, sig, signature, peer, time.time(), str(log_path)
+    how = f"killed by {sig}" if sig else f"exit code {exitcode}"
+    detail = f": {signature}" if signature else ""
+    return FailureReport(
+        FailureKind.WORKER,
+        f"rank {rank} {how}{detail}",
+        time.time(),
+        peer,
+        rank,
+        local_rank,
+        exitcode,
+        sig,
+        signature,
+        str(log_path),
     )

@@ -16,7 +16,7 @@ The grace period is the node TTL + REREGISTER_MARGIN_S: an agent checks its leas
 and registers again on its next tick, so TTL covers it with margin to spare. A member still
 missing when it ends is lost (evicted as usual). A single node cut off while etcd answers the
 controller is never excused: no gap, and one lease alone is not "many at once". (That node's
-own agent fences itself: transom.control.outage.)
+own agent fences itself: transom.control.fence.)
 
 `lift_evictions`: an evicted node whose agent started again (a new incarnation: a Kubernetes pod
 restarted under the same name) rejoins as a spare.
@@ -24,16 +24,12 @@ restarted under the same name) rejoins as a spare.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transom.common.names import listing
 from transom.common.records import EventKind
-from transom.config import JobSpec
 from transom.control.contact import PROBE_S
 from transom.control.observed import MIN_GAP_S
-
-if TYPE_CHECKING:
-    from transom.control.decisions import Tick
+from transom.control.tick import Tick
+from transom.job_spec import JobSpec
 
 REREGISTER_MARGIN_S = 2.0
 
@@ -54,14 +50,14 @@ def lease_stall_s(spec: JobSpec) -> float:
     return max(MIN_GAP_S, spec.node_ttl_s / 2 - PROBE_S)
 
 
-def excused_lost(t: Tick, lost: list[str]) -> list[str]:
+def excused_lost(tick: Tick, lost: list[str]) -> list[str]:
     """`lost` (members without a lease), or none of them during a control-plane incident."""
-    memory, snap, now, members = t.decision.memory, t.snap, t.now, t.job.members
+    memory, snap, now, members = tick.decision.memory, tick.snap, tick.now, tick.job.members
     newly = [m for m in lost if m not in memory.lost_before]
     memory.lost_before = set(lost)
-    grace = grace_s(t.spec)
+    grace = grace_s(tick.spec)
     until, reason = None, ""
-    stalled = snap.store_gap_s >= lease_stall_s(t.spec)
+    stalled = snap.store_gap_s >= lease_stall_s(tick.spec)
     if stalled and snap.since_store_gap_s is not None and snap.since_store_gap_s < grace:
         until = now - snap.since_store_gap_s + grace
         reason = f"etcd did not answer the controller for {snap.store_gap_s:.1f} s"
@@ -71,7 +67,7 @@ def excused_lost(t: Tick, lost: list[str]) -> list[str]:
     in_grace = memory.grace_until is not None and now < memory.grace_until
     if until is not None and until > now and lost and not in_grace:
         memory.grace_until, memory.grace_reason = until, reason
-        t.event(
+        tick.event(
             EventKind.WARNING,
             f"control-plane incident ({reason}): waiting up to {until - now:.1f} s for "
             f"{listing(lost)} to register again; no restart, no eviction",
@@ -81,7 +77,7 @@ def excused_lost(t: Tick, lost: list[str]) -> list[str]:
     if in_grace:
         if lost:
             return []
-        t.event(
+        tick.event(
             EventKind.WARNING,
             f"control-plane incident over ({memory.grace_reason}): every member registered "
             f"again, workers kept",
@@ -92,11 +88,11 @@ def excused_lost(t: Tick, lost: list[str]) -> list[str]:
     return lost
 
 
-def lift_evictions(t: Tick) -> None:
+def lift_evictions(tick: Tick) -> None:
     """Take back, as spares, evicted nodes whose agent started again (a new incarnation)."""
-    j = t.job
+    j = tick.job
     pending = j.next_generation.members if j.next_generation else []
-    for node, registration in t.snap.nodes.items():
+    for node, registration in tick.snap.nodes.items():
         eviction = j.evicted.get(node)
         if (
             eviction is None
@@ -109,10 +105,10 @@ def lift_evictions(t: Tick) -> None:
         ):
             continue
         del j.evicted[node]
-        t.event(
+        tick.event(
             EventKind.SPARE,
             f"{node} rejoins as a spare: its agent started again after its eviction "
             f"({eviction.reason})",
             node=node,
         )
-        t.write_plan()
+        tick.write_plan()

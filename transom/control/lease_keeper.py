@@ -4,7 +4,7 @@ The agent registers its node under a lease (the node's death is the lease's expi
 thread renews it every `ttl / REFRESHES_PER_TTL` seconds. Every answer to a renewal, even "this
 lease has expired", proves that etcd was reachable when it was asked: `reached_at` (the agent's
 monotonic clock, taken when the request was sent) is what the agent's outage handling counts
-from (transom.control.outage: a lease outlives its last renewal by the TTL, so a node that has
+from (transom.control.fence: a lease outlives its last renewal by the TTL, so a node that has
 not reached etcd for its TTL may have lost it). The agent follows the plan through a watch and
 polls nothing, so without this signal a node cut off from etcd would not notice that it is.
 
@@ -47,7 +47,7 @@ class LeaseKeeper:
 
     def cut_off_s(self, now: float) -> float:
         """How long this node may have been cut off from etcd: seconds since the newest renewal
-        etcd answered was sent (what the fence rule counts, transom.control.outage)."""
+        etcd answered was sent (what the fence rule counts, transom.control.fence)."""
         return now - self.reached_at
 
     def start(self, ttl_s: float) -> None:

@@ -32,9 +32,14 @@ import statistics
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from transom.common import keys
 from transom.common.names import natural_key
+
+if TYPE_CHECKING:
+    from transom.store import Store
+    from transom.store.client import Lease
 
 LINK_PEERS = 4  # peers measured at most (the test stays short however large the job)
 LINK_PINGS = 10
@@ -135,7 +140,7 @@ class LinkServer:
         self.sock.close()
 
 
-def measure(address: tuple[str, int], delay_s: float = 0.0) -> dict | None:
+def measure(address: tuple[str, int], delay_s: float = 0.0) -> dict[str, float] | None:
     """{latency_ms, mbps} of the link to one peer's LinkServer; None if it cannot be reached."""
     try:
         with socket.create_connection(address, timeout=LINK_IO_TIMEOUT_S) as sock:
@@ -162,12 +167,12 @@ def measure(address: tuple[str, int], delay_s: float = 0.0) -> dict | None:
     return {"latency_ms": round(statistics.median(rtts) * 1000, 3), "mbps": round(best, 1)}
 
 
-def publish(store, node_id: str, server: LinkServer, lease=None) -> None:
+def publish(store: Store, node_id: str, server: LinkServer, lease: Lease | None = None) -> None:
     host, port = server.address
     store.put(keys.link(node_id), {"host": host, "port": port}, lease=lease)
 
 
-def peers(store, node_id: str) -> dict[str, tuple[str, int]]:
+def peers(store: Store, node_id: str) -> dict[str, tuple[str, int]]:
     """Live peers (registered nodes) that publish a link server, by name; bad entries left out."""
     live = set(store.get_prefix(keys.NODES))
     found = {}
@@ -188,7 +193,9 @@ def neighbours(node_id: str, peers: list[str]) -> list[str]:
     return [n for n in ring[at + 1 :] + ring[:at]][:LINK_PEERS]
 
 
-def link_test(store, node_id: str, expected_peers: int, delay_s: float = 0.0) -> dict:
+def link_test(
+    store: Store, node_id: str, expected_peers: int, delay_s: float = 0.0
+) -> dict[str, Any]:
     """This node's link evidence for its pre-flight result: {} when there is no peer to test."""
     if expected_peers <= 0:
         return {}
@@ -208,7 +215,7 @@ def link_test(store, node_id: str, expected_peers: int, delay_s: float = 0.0) ->
     }
 
 
-def link_outliers(scores: dict[str, dict]) -> dict[str, str]:
+def link_outliers(scores: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Nodes whose best link is far worse than the nodes' median -> why to exclude them.
 
     `scores`: node -> its pre-flight evidence (link_mbps, link_latency_ms where measured)."""

@@ -10,7 +10,7 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   after one retry. Ranks that start seconds apart reach the error at different times, and the
   first to raise ends the generation, so "every rank" is gathered over the generations of one
   incident that never trained a step (`SameError`), including a member whose failure is
-  reported after the diagnosis (transom.control.decisions.Tick.take_late_failures). The job
+  reported after the diagnosis (transom.control.decisions, `take_late_failures`). The job
   fails once every rank has raised it and it came back after a restart: the second time it is
   enough that the nodes that reported raised it, and a rank the first failure ended before it
   raised may raise it the second time (one retry however the ranks' start-up times fall). A
@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transom.common.records import Anomaly, NodeStatus, PreflightResult, Severity
+from transom.common.records import (
+    Anomaly,
+    FailureKind,
+    FailureReport,
+    NodeStatus,
+    PreflightResult,
+    Severity,
+)
 from transom.control.links import link_outliers
 
 
@@ -38,8 +45,8 @@ class Diagnosis:
     summary: str = ""
 
 
-def _worker_failures(report: NodeStatus) -> list[dict]:
-    return [f for f in report.failures if f.get("kind") != "preflight"]
+def _worker_failures(report: NodeStatus) -> list[FailureReport]:
+    return [f for f in report.failures if f.kind is not FailureKind.PREFLIGHT]
 
 
 def root_cause(failed: dict[str, NodeStatus]) -> list[str]:
@@ -47,7 +54,7 @@ def root_cause(failed: dict[str, NodeStatus]) -> list[str]:
     own = [node for node, report in failed.items() if report.own_fault()]
     if own or not failed:
         return sorted(own)
-    earliest = min(failed, key=lambda n: min(f.get("time", 0) for f in failed[n].failures))
+    earliest = min(failed, key=lambda n: min(f.time for f in failed[n].failures))
     return [earliest]
 
 
@@ -73,11 +80,11 @@ def same_error(failed: dict[str, NodeStatus], before: SameError | None) -> SameE
     signatures, nodes = set(), set()
     for node, report in failed.items():
         for f in _worker_failures(report):
-            if f.get("peer_error"):
+            if f.peer_error:
                 continue
-            if f.get("signal") or not f.get("signature"):
+            if f.signal or not f.signature:
                 return None
-            signatures.add(f["signature"])
+            signatures.add(f.signature)
             nodes.add(node)
     if len(signatures) != 1:
         return None
@@ -109,10 +116,9 @@ def diagnose(
         d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
         parts.append(f"{node} lost")
     for node, report in failed.items():
-        if any(f.get("kind") == "preflight" for f in report.failures):
-            reason = "; ".join(
-                f["describe"] for f in report.failures if f.get("kind") == "preflight"
-            )
+        preflight = [f.describe for f in report.failures if f.kind is FailureKind.PREFLIGHT]
+        if preflight:
+            reason = "; ".join(preflight)
             d.evict[node] = f"pre-flight check failed: {reason}"
             parts.append(f"{node} failed pre-flight")
     worker_failed = {n: r for n, r in failed.items() if _worker_failures(r)}
@@ -132,7 +138,7 @@ def diagnose(
     for node in d.blamed:
         if node in worker_failed:
             first = _worker_failures(worker_failed[node])[0]
-            parts.append(f"{node}: {first.get('describe', 'worker failed')}")
+            parts.append(f"{node}: {first.describe}")
     # The second time, the nodes that reported first are enough: the others may still be starting.
     # Gathered over two generations, every rank raising it after a restart is enough too.
     repeated = d.same_error.signature if d.same_error else None

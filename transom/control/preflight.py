@@ -16,10 +16,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from transom.common.records import FailureKind, FailureReport
 from transom.control import links
+
+if TYPE_CHECKING:
+    from transom.faults import FaultInjector
+    from transom.job_spec import JobSpec
+    from transom.store import Store
+    from transom.store.client import Lease
 
 MIN_FREE_DISK_BYTES = 256 << 20
 MIN_FREE_MEMORY_BYTES = 256 << 20
@@ -84,9 +92,9 @@ print(best)
 """
 
 
-def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, dict]:
+def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, dict[str, Any]]:
     """(passed, evidence) for this node (`slowdown`: see compute_benchmark)."""
-    evidence: dict = {"compute_gflops": compute_benchmark(slowdown)}
+    evidence: dict[str, Any] = {"compute_gflops": compute_benchmark(slowdown)}
     problems: list[str] = []
     start = time.perf_counter()
     try:
@@ -117,8 +125,14 @@ def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, 
 
 
 def joining_checks(
-    store, node_id: str, lease, link_server: links.LinkServer, spec, run_dir: Path, faults
-) -> tuple[bool, dict]:
+    store: Store,
+    node_id: str,
+    lease: Lease | None,
+    link_server: links.LinkServer,
+    spec: JobSpec,
+    run_dir: Path,
+    faults: FaultInjector,
+) -> tuple[bool, dict[str, Any]]:
     """Everything a joining node measures: its own checks and compute score (slowed only by an
     injected `slow_preflight` fault), then its links to live peers; its own link-test port is
     published first, so that peers joining later can test it too."""
@@ -127,3 +141,8 @@ def joining_checks(
     peers = spec.nnodes_max + spec.spares - 1
     found.update(links.link_test(store, node_id, peers, faults.link_delay_s))
     return passed, found
+
+
+def failed_checks(evidence: dict[str, Any]) -> FailureReport:
+    """The failure a node reports when its pre-flight `evidence` (from `preflight`) failed."""
+    return FailureReport(FailureKind.PREFLIGHT, "; ".join(evidence["problems"]))

@@ -82,7 +82,7 @@ class WarmPool:
         where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
         where += [f"node {node}"] if node else []
         self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
-        self.ready: list[subprocess.Popen] = []
+        self.ready: list[subprocess.Popen[bytes]] = []
         self._imported: set[int] = set()  # pids whose imports are done
         self._used_at = 0.0
         if can_leave_idle_policy():
@@ -119,7 +119,7 @@ class WarmPool:
 
     def launch(
         self, argv: list[str], env: dict[str, str], log_path: Path
-    ) -> subprocess.Popen | None:
+    ) -> subprocess.Popen[bytes] | None:
         """Hand a worker to a waiting interpreter; None when none is alive (start it cold)."""
         self._used_at = time.monotonic()
         while self.ready:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transom.control.failures import WorkerFailure, classify_exit
+from transom.common.records import FailureReport
+from transom.control.failures import classify_exit
 from transom.control.warm import WarmPool
 from transom.utils.net import interface_of, listening_socket
 from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
@@ -163,7 +164,7 @@ class WorkerGroup:
         self.script_args = list(script_args)
         self.log_dir = Path(log_dir)
         self.extra_env = extra_env
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
         self.log_paths: list[Path] = []
         self.paused_at: float | None = None  # monotonic time of pause(); None while running
         self._lock = threading.Lock()  # pause (the agent's guard thread) against start and stop
@@ -201,7 +202,7 @@ class WorkerGroup:
         """Global rank (as a string, JSON-ready) -> worker pid."""
         return {str(self.assignment.global_rank(i)): p.pid for i, p in enumerate(self.processes)}
 
-    def poll(self) -> tuple[str, list[WorkerFailure]]:
+    def poll(self) -> tuple[str, list[FailureReport]]:
         """('running' | 'succeeded' | 'failed', failures so far)."""
         codes = [p.poll() for p in self.processes]
         failures = [

@@ -1,7 +1,8 @@
 """Fault injection (chaos testing): a seeded schedule of real faults, fired through one hook.
 
 Layout:
-  base.py            what a fault type is (FaultType, Fault) and where faults apply
+  base.py            what a fault type is (FaultType) and where faults apply; a scheduled
+                     fault is a `Fault` (transom.common.fault_spec)
   agent_side.py      crash, hang, log, kill: the node agent applies them
   worker_side.py     slow, nan: the worker applies them through the monitor API
   preflight_side.py  slow_preflight, slow_link: a node whose pre-flight compute benchmark or
@@ -16,13 +17,8 @@ A new fault type is one class and one line in registry.py. This package must nev
 that is not in the schedule, and must never import the controller or the monitor.
 """
 
-from transom.faults.base import (
-    DEFAULT_LOG_LINE,
-    NODE_LOST,
-    PREFLIGHT_EXCLUSION,
-    Fault,
-    FaultType,
-)
+from transom.common.fault_spec import DEFAULT_LOG_LINE, Fault
+from transom.faults.base import NODE_LOST, PREFLIGHT_EXCLUSION, FaultType
 from transom.faults.injector import FaultInjector
 from transom.faults.mock_nvml import MockNvml
 from transom.faults.registry import (

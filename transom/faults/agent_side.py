@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import signal
 
-from transom.common import anomalies
-from transom.faults.base import AGENT, NODE_LOST, AgentTarget, Fault, FaultType
+from transom.common import anomaly_types
+from transom.common.fault_spec import Fault
+from transom.faults.base import AGENT, NODE_LOST, AgentTarget, FaultType
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -22,7 +23,7 @@ def _signal(pid: int, sig: int) -> None:
 class Crash(FaultType):
     name = "crash"
     where = AGENT
-    detected_by = (anomalies.CRASH,)
+    detected_by = (anomaly_types.CRASH,)
     description = "a worker is SIGKILLed"
     in_random = True
 
@@ -33,7 +34,7 @@ class Crash(FaultType):
 class Hang(FaultType):
     name = "hang"
     where = AGENT
-    detected_by = (anomalies.HANG,)
+    detected_by = (anomaly_types.HANG,)
     description = "a worker freezes (SIGSTOP): its peers wait in the all-reduce"
     in_random = True
 
@@ -46,7 +47,7 @@ class LogLine(FaultType):
 
     name = "log"
     where = AGENT
-    detected_by = anomalies.HARDWARE
+    detected_by = anomaly_types.HARDWARE
     description = "a hardware error (Xid) appears in a worker's log"
     in_random = True
 

@@ -1,7 +1,8 @@
 """What a fault type is: where it applies, how it fires, what detects it.
 
 Each fault type is one subclass of `FaultType` (agent_side.py, worker_side.py, preflight_side.py)
-plus one registration line in registry.py. Three places apply faults, each through one hook:
+plus one registration line in registry.py; a scheduled fault is a `Fault`
+(transom.common.fault_spec). Three places apply faults, each through one hook:
   AGENT      the node agent, every tick (`FaultInjector.on_agent_tick`): signals, log lines
   WORKER     the worker, through the monitor API (`WorkerFaults.on_step` / `on_loss`)
   PREFLIGHT  the agent's pre-flight benchmark, when the node joins (`FaultInjector.on_preflight`)
@@ -10,9 +11,11 @@ This module must never fire anything itself: it only defines the interface.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
+
+from transom.common.fault_spec import Fault
 
 AGENT = "agent"
 WORKER = "worker"
@@ -25,28 +28,6 @@ NODE_LOST = "node lost"
 # What detects a slow node at pre-flight: the controller excludes it (an `evict` event that
 # carries the node's pre-flight result), before training.
 PREFLIGHT_EXCLUSION = "pre-flight exclusion"
-
-DEFAULT_LOG_LINE = (
-    "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus. [transom injected fault]"
-)
-DEFAULT_FACTOR = 2.0
-
-
-@dataclass
-class Fault:
-    """One scheduled fault: its type, the step that triggers it, and its target."""
-
-    id: str
-    type: str
-    step: int
-    rank: int | None = None
-    node: str | None = None
-    factor: float = DEFAULT_FACTOR
-    line: str = DEFAULT_LOG_LINE
-    period: float | None = None  # seconds, for a duty cycle (throttle); None: the type's own
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class CpuQuota(FaultType):
 
     name = "quota"
     where = AGENT
-    detected_by = (anomalies.STRAGGLER,)
+    detected_by = (anomaly_types.STRAGGLER,)
     description = "a worker is capped by a cgroup quota to 1/FACTOR of the CPU it used"
 
     def note(self, fault: Fault) -> str:

@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 from transom.common import keys
-from transom.faults.base import AGENT, PREFLIGHT, WORKER, AgentTarget, Fault
+from transom.common.fault_spec import Fault
+from transom.common.record_base import RecordError
+from transom.faults.base import AGENT, PREFLIGHT, WORKER, AgentTarget
 from transom.faults.registry import FAULT_TYPES
-from transom.faults.schedule import from_dict
+from transom.faults.schedule import read_fault
 
 EVENT_SOURCE_SUFFIX = "-fault"
 
@@ -29,11 +31,11 @@ EVENT_SOURCE_SUFFIX = "-fault"
 class FaultInjector:
     """Fires the schedule's faults aimed at this node once their step (or place) is reached."""
 
-    def __init__(self, store, node_id: str, schedule: list[dict]):
+    def __init__(self, store, node_id: str, schedule: list[Fault]):
         self.store = store
         self.node_id = node_id
         self.generation = 0
-        self.schedule = [from_dict(f) for f in schedule]
+        self.schedule = list(schedule)
         self.fired: set[str] = set()
         self.link_delay_s = 0.0  # each pre-flight link-test send waits this long (slow_link)
 
@@ -96,8 +98,8 @@ class FaultInjector:
     ) -> bool:
         """A worker reports that it fired `fault` (a datagram: checked against the schedule)."""
         try:
-            reported = from_dict(fault)
-        except (ValueError, TypeError, KeyError):
+            reported = read_fault(fault)
+        except RecordError:
             return False
         scheduled = next((f for f in self.schedule if f.id == reported.id), None)
         if scheduled is None or scheduled.type != reported.type:

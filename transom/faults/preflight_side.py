@@ -6,7 +6,8 @@ benchmark or link test (transom.control.preflight, transom.control.links).
 
 from __future__ import annotations
 
-from transom.faults.base import PREFLIGHT, PREFLIGHT_EXCLUSION, Fault, FaultType
+from transom.common.fault_spec import Fault
+from transom.faults.base import PREFLIGHT, PREFLIGHT_EXCLUSION, FaultType
 
 
 class SlowPreflight(FaultType):

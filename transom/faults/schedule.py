@@ -6,7 +6,9 @@ registry.py; corrupt's factor is spelt bits=K), e.g.
 "crash@step=40:rank=1,hang@step=80,slow@step=120:node=node2:factor=2", or
 "random[:count=N][:steps=A-B]" for N faults of random types, ranks and steps (--fault-seed), or
 the path of a file holding such items, one a line. A fault without a rank or node gets a random
-rank from the seed. This module must never fire a fault: it only turns text into `Fault`s.
+rank from the seed. `read_fault` reads a scheduled fault back (the spec, a worker's FAULTS) and
+checks its type against the registry. This module must never fire a fault: it only turns text
+into `Fault`s.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Any
 
-from transom.config import ConfigError
-from transom.faults.base import DEFAULT_FACTOR, DEFAULT_LOG_LINE, Fault
+from transom.common.fault_spec import DEFAULT_FACTOR, DEFAULT_LOG_LINE, Fault
+from transom.common.record_base import RecordError
 from transom.faults.registry import FAULT_TYPES, RANDOM_TYPES
+from transom.job_spec import ConfigError
 
 RANDOM_COUNT = 3
 RANDOM_STEPS = (10, 100)
@@ -104,8 +108,8 @@ def _fault(item: str, rng: random.Random, world_size: int, fault_id: str) -> Fau
     return fault
 
 
-def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[dict]:
-    """The schedule as a list of fault dicts (ranks resolved), or ConfigError for bad input."""
+def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[Fault]:
+    """The schedule's faults (ranks resolved), or ConfigError for bad input."""
     text = spec.strip()
     if os.path.isfile(text):
         text = Path(text).read_text().strip().replace("\n", ",")
@@ -118,27 +122,21 @@ def parse_schedule(spec: str, world_size: int, seed: int = 0) -> list[dict]:
             faults += _random(item, rng, world_size, len(faults))
         else:
             faults.append(_fault(item, rng, world_size, f"f{len(faults)}"))
-    return [f.to_dict() for f in faults]
+    return faults
 
 
-def from_dict(data: dict) -> Fault:
-    """A scheduled fault read back from the job spec or TRANSOM_FAULTS (validated)."""
-    if not isinstance(data, dict) or data.get("type") not in FAULT_TYPES:
-        raise ValueError(f"not a fault: {data!r}")
-    return Fault(
-        id=str(data["id"]),
-        type=str(data["type"]),
-        step=int(data.get("step", 0)),
-        rank=None if data.get("rank") is None else int(data["rank"]),
-        node=None if data.get("node") is None else str(data["node"]),
-        factor=float(data.get("factor", DEFAULT_FACTOR)),
-        line=str(data.get("line", DEFAULT_LOG_LINE)),
-        period=None if data.get("period") is None else _period(data["period"]),
-    )
+def read_fault(data: Any) -> Fault:
+    """A scheduled fault read back (a worker's FAULTS, a worker's report of one it fired): its
+    fields checked (`Fault.from_dict`) and its type a registered one; RecordError if not."""
+    fault = Fault.from_dict(data)
+    check_type(fault)
+    return fault
 
 
-def _period(value: object) -> float:
-    period = float(value)  # type: ignore[arg-type]
-    if not 0 < period < float("inf"):
-        raise ValueError(f"not a period: {value!r}")
-    return period
+def check_type(fault: Fault) -> None:
+    """RecordError unless `fault`'s type is a registered one and its period, if it has one, a
+    positive finite number of seconds."""
+    if fault.type not in FAULT_TYPES:
+        raise RecordError(f"{fault.type!r} is not a fault type (one of {', '.join(FAULT_TYPES)})")
+    if fault.period is not None and not 0 < fault.period < float("inf"):
+        raise RecordError(f"fault {fault.id}: period {fault.period!r} is not a positive number")

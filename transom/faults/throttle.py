@@ -19,8 +19,9 @@ import signal
 import threading
 import time
 
-from transom.common import anomalies
-from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
+from transom.common import anomaly_types
+from transom.common.fault_spec import Fault
+from transom.faults.base import AGENT, AgentTarget, FaultType
 
 THROTTLE_PERIOD_S = 0.1  # the CFS bandwidth controller's default period
 PERIOD_RANGE_S = (0.01, 10.0)
@@ -59,7 +60,7 @@ class Throttle(FaultType):
 
     name = "throttle"
     where = AGENT
-    detected_by = (anomalies.STRAGGLER,)
+    detected_by = (anomaly_types.STRAGGLER,)
     description = "a worker is throttled from outside its process to 1/FACTOR of the CPU time"
 
     def note(self, fault: Fault) -> str:

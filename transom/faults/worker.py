@@ -16,9 +16,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from transom.common.record_base import RecordError
 from transom.faults.base import ON_LOSS, ON_STEP, WORKER, WorkerState
 from transom.faults.registry import FAULT_TYPES
-from transom.faults.schedule import from_dict
+from transom.faults.schedule import read_fault
 
 
 def parse_worker_faults(text: str | None, rank: int) -> list[dict]:
@@ -30,8 +31,8 @@ def parse_worker_faults(text: str | None, rank: int) -> list[dict]:
     out = []
     for item in items if isinstance(items, list) else []:
         try:
-            fault = from_dict(item)
-        except (ValueError, TypeError, KeyError):
+            fault = read_fault(item)
+        except RecordError:
             continue
         if FAULT_TYPES[fault.type].where == WORKER and fault.rank in (None, rank):
             out.append(item)
@@ -70,7 +71,7 @@ class WorkerFaults:
         for f in due:
             if _claim(f.get("once_file")):
                 self.announce(f, step)
-                value = FAULT_TYPES[f["type"]].fire_worker(from_dict(f), self.state, value)
+                value = FAULT_TYPES[f["type"]].fire_worker(read_fault(f), self.state, value)
         return value
 
     def on_step(self, step: int) -> None:

@@ -10,8 +10,9 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from transom.common import anomalies
-from transom.faults.base import ON_LOSS, ON_STEP, WORKER, Fault, FaultType, WorkerState
+from transom.common import anomaly_types
+from transom.common.fault_spec import Fault
+from transom.faults.base import ON_LOSS, ON_STEP, WORKER, FaultType, WorkerState
 
 
 class Slow(FaultType):
@@ -20,7 +21,7 @@ class Slow(FaultType):
     name = "slow"
     where = WORKER
     worker_hook = ON_STEP
-    detected_by = (anomalies.STRAGGLER,)
+    detected_by = (anomaly_types.STRAGGLER,)
     description = "a node computes FACTOR x slower"
     in_random = True
 
@@ -44,7 +45,7 @@ class Nan(FaultType):
     name = "nan"
     where = WORKER
     worker_hook = ON_LOSS
-    detected_by = (anomalies.NAN,)
+    detected_by = (anomaly_types.NAN,)
     description = "the loss of one rank turns NaN"
     in_random = True
 
@@ -59,7 +60,7 @@ class Corrupt(FaultType):
     name = "corrupt"
     where = WORKER
     worker_hook = ON_STEP
-    detected_by = (anomalies.SDC,)
+    detected_by = (anomaly_types.SDC,)
     description = "bits of one rank's parameters flip silently (no NaN, no error)"
 
     def note(self, fault: Fault) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.monitor import patterns
 
 LOG_READ_LIMIT = 1 << 20  # bytes read from one log per poll at most
@@ -152,7 +152,7 @@ def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bo
     for g in now:
         i, prev = g["index"], old.get(g["index"], {})
         if "lost" in g:
-            found.append((anomalies.GPU_LOST, f"GPU {i}: NVML: {g['lost']}", True))
+            found.append((anomaly_types.GPU_LOST, f"GPU {i}: NVML: {g['lost']}", True))
             continue
         if "unreadable" in g:
             continue  # NVML could not open it for another reason: no reading, no verdict
@@ -161,17 +161,19 @@ def gpu_problems(before: list[dict], now: list[dict]) -> list[tuple[str, str, bo
             codes = (g.get("xid_codes") or [])[-new_xids:]
             for code in codes:
                 type_ = patterns.xid_type(code)
-                found.append((type_, f"GPU {i}: Xid {code} (NVML event)", type_ == anomalies.XID))
+                found.append(
+                    (type_, f"GPU {i}: Xid {code} (NVML event)", type_ == anomaly_types.XID)
+                )
             if not codes:
-                found.append((anomalies.XID, f"GPU {i}: Xid error count {g['xid']}", True))
+                found.append((anomaly_types.XID, f"GPU {i}: Xid error count {g['xid']}", True))
         for key, what in (
             ("ecc_uncorrected", "uncorrected ECC errors"),
             ("remapped_uncorrectable", "rows remapped for uncorrectable ECC errors"),
         ):
             if (g.get(key) or 0) > (prev.get(key) or 0):
-                found.append((anomalies.ECC, f"GPU {i}: {g[key]} {what}", True))
+                found.append((anomaly_types.ECC, f"GPU {i}: {g[key]} {what}", True))
         if g.get("remap_failed") and not prev.get("remap_failed"):
-            found.append((anomalies.ECC, f"GPU {i}: row remapping failed", True))
+            found.append((anomaly_types.ECC, f"GPU {i}: row remapping failed", True))
         reasons, was = g.get("throttle_reasons") or 0, prev.get("throttle_reasons") or 0
         if reasons & BAD_THROTTLE_MASK and not was & BAD_THROTTLE_MASK:
             found.append(

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Sequence
 
-from transom.common.records import Anomaly, MonitorSummary, Severity
+from transom.common.records import Anomaly, FailureReport, MonitorSummary, Severity
 from transom.monitor import stacks
 
 __all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the detectors' users
@@ -45,29 +44,35 @@ def median_mad(values: Sequence[float]) -> tuple[float, float]:
 # -- per rank (agent) ---------------------------------------------------------------------------
 
 
-def crash(node: str, failures: list[dict]) -> Anomaly:
+def crash(node: str, failures: list[FailureReport]) -> Anomaly:
     """Workers exited non-zero or by a signal (failures as transom.control.failures reports them).
 
     Workers that only saw a peer go away (`peer_error`) are a consequence, not a cause: that is a
     `peer_exit` of severity info, so only the node whose worker failed by itself is suspected.
     """
-    own = [f for f in failures if not f.get("peer_error")]
+    own = [f for f in failures if not f.peer_error]
     type_, severity, shown = (
         ("crash", Severity.CRITICAL, own) if own else ("peer_exit", Severity.INFO, failures)
     )
     return Anomaly(
         type_,
         severity,
-        "; ".join(f.get("describe", "worker failed") for f in shown),
+        "; ".join(f.describe for f in shown),
         nodes=[node],
-        ranks=[f["rank"] for f in shown],
+        ranks=[f.rank for f in shown if f.rank is not None],
         evidence={
             "failures": [
-                {k: f.get(k) for k in ("rank", "exitcode", "signal", "signature", "peer_error")}
+                {
+                    "rank": f.rank,
+                    "exitcode": f.exitcode,
+                    "signal": f.signal,
+                    "signature": f.signature,
+                    "peer_error": f.peer_error,
+                }
                 for f in failures
             ]
         },
-        time=min(f.get("time", time.time()) for f in failures),
+        time=min(f.time for f in failures),
     )
 
 

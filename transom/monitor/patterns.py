@@ -2,7 +2,7 @@
 
 A pattern names a failure type, a severity, and whether it is a hardware signature: a line that
 means the node itself is bad (evict it) rather than the job or a peer (the types in
-transom.common.anomalies.HARDWARE). Because a hardware classification evicts a node, every
+transom.common.anomaly_types.HARDWARE). Because a hardware classification evicts a node, every
 pattern is anchored on the exact text a real component prints (the NVIDIA kernel driver, the
 CUDA runtime, DCGM, nvidia-smi, the mlx5 driver, NCCL, PyTorch), case-sensitive as that text is:
 a user's print that merely contains "error", "ECC", "Xid" or "fallen" is never a hardware error.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 
 # -- NVIDIA's Xid catalogue ---------------------------------------------------------------------
 # Source: NVIDIA's "Xid Errors" catalogue (docs.nvidia.com/deploy/xid-errors, the catalogue sheet's
@@ -52,10 +52,10 @@ _DCGM_XID = re.compile(r"\bDetected XID (\d{1,3}) for GPU \d+\b")
 def xid_type(xid: int) -> str:
     """The anomaly type of an Xid number (see the catalogue above)."""
     if xid in HARDWARE_XIDS:
-        return anomalies.XID
+        return anomaly_types.XID
     if xid in APPLICATION_XIDS:
-        return anomalies.XID_APP
-    return anomalies.XID_OTHER
+        return anomaly_types.XID_APP
+    return anomaly_types.XID_OTHER
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ class Classification:
 
 def _p(type_: str, severity: str, source: str, *alternatives: str) -> Pattern:
     regex = re.compile("|".join(f"(?:{a})" for a in alternatives))
-    return Pattern(type_, severity, type_ in anomalies.HARDWARE, regex, source)
+    return Pattern(type_, severity, type_ in anomaly_types.HARDWARE, regex, source)
 
 
 XID_PATTERN = Pattern(
-    anomalies.XID,
+    anomaly_types.XID,
     "critical",
     True,
     re.compile(f"{_NVRM_XID.pattern}|{_DCGM_XID.pattern}"),
@@ -95,7 +95,7 @@ XID_PATTERN = Pattern(
 PATTERNS: list[Pattern] = [
     XID_PATTERN,
     _p(
-        anomalies.GPU_LOST,
+        anomaly_types.GPU_LOST,
         "critical",
         "NVIDIA kernel driver, nvidia-smi, NVML",
         r"\bNVRM: GPU (?:at )?" + _PCI + r": GPU has fallen off the bus\b",
@@ -108,7 +108,7 @@ PATTERNS: list[Pattern] = [
         r"\bNVMLError_GpuIsLost\b",
     ),
     _p(
-        anomalies.ECC,
+        anomaly_types.ECC,
         "critical",
         "CUDA runtime and driver error names, DCGM health messages (dcgm_errors.h)",
         r"\buncorrectable ECC error encountered\b",  # cudaGetErrorString(cudaErrorECCUncorrectable)
@@ -120,7 +120,7 @@ PATTERNS: list[Pattern] = [
         r"\bCUDA APIs have indicated that a double-bit ECC error has occured on GPU \d+\.",
     ),
     _p(
-        anomalies.IB_ERROR,
+        anomaly_types.IB_ERROR,
         "critical",
         "the mlx5_core kernel driver (health poller, PCI errors and power, port module, link)",
         r"\bmlx5_core " + _PCI + r": (?:poll_health:\d+:\(pid \d+\): )?[Ff]atal error(?: \d+)? "
@@ -191,7 +191,7 @@ def classify(line: str) -> Classification | None:
         if pattern is XID_PATTERN:
             xid = _xid_number(line)
             type_ = xid_type(xid)
-            hardware = type_ in anomalies.HARDWARE
+            hardware = type_ in anomaly_types.HARDWARE
             severity = "critical" if hardware else "warning"
             return Classification(type_, severity, hardware, pattern, xid)
         return Classification(pattern.type, pattern.severity, pattern.hardware, pattern)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.common.records import Anomaly, Severity
 from transom.monitor.fingerprint import MAX_DIGEST
 
@@ -89,7 +89,7 @@ class ReplicaDetector:
             "no majority to name a node"
         )
         return Anomaly(
-            anomalies.SDC,
+            anomaly_types.SDC,
             Severity.CRITICAL,
             message,
             nodes,

@@ -45,7 +45,7 @@ import functools
 import statistics
 from collections.abc import Callable, Iterable
 
-from transom.common import anomalies
+from transom.common import anomaly_types
 from transom.common.records import Anomaly, MonitorSummary, RankSummary, Severity
 
 STRAGGLER_MIN_NODES = 2
@@ -375,7 +375,7 @@ class StragglerTracker:
             return None
         node, rank, evidence = found
         return Anomaly(
-            anomalies.STRAGGLER,
+            anomaly_types.STRAGGLER,
             Severity.WARNING,
             describe_wait(node, rank, evidence),
             [node],

@@ -114,7 +114,7 @@ def build_summary(records: RunRecords) -> dict:
 def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> dict:
     """Write report.png, report.md and report.json for `run_dir`; return the JSON summary.
 
-    Raises transom.config.ConfigError (a one-line message) when `run_dir` is no run directory."""
+    Raises transom.job_spec.ConfigError (a one-line message) when `run_dir` is no run directory."""
     from transom.report.timeline import draw_timeline  # matplotlib: only when drawing
 
     records = read_run(run_dir)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.common import files
-from transom.config import ConfigError
+from transom.job_spec import ConfigError
 
 # What a run directory holds (defined in transom.common.files).
 EVENTS_FILE = files.EVENTS

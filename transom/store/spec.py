@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from transom.common import keys
-from transom.common.records import Event, EventKind
-from transom.config import ConfigError, JobSpec
+from transom.common.records import Event, EventKind, RecordError
+from transom.job_spec import ConfigError, JobSpec
 from transom.store.access import StoreError
 from transom.store.client import Store
 
@@ -26,7 +26,7 @@ SPEC_WAIT_S = 120.0  # how long a controller or agent waits for the spec (it may
 def parse_spec(value: Any, job_id: str, check_script: bool) -> JobSpec:
     """The stored spec `value` of job `job_id`, validated (`check_script`: the script must be a
     readable file here, for a reader that runs it); ConfigError saying what is wrong."""
-    from transom.faults.schedule import from_dict as fault_from_dict
+    from transom.faults.schedule import check_type
 
     try:
         spec = JobSpec.from_dict(value).validate(check_script=check_script)
@@ -34,8 +34,8 @@ def parse_spec(value: Any, job_id: str, check_script: bool) -> JobSpec:
             raise ConfigError(f"it names job {spec.job_id!r}, not {job_id!r}")
         for i, fault in enumerate(spec.faults):
             try:
-                fault_from_dict(fault)
-            except (ValueError, KeyError, TypeError) as e:
+                check_type(fault)
+            except RecordError as e:
                 raise ConfigError(f"fault {i}: {e}") from None
     except ConfigError as e:
         raise ConfigError(f"the job spec of {job_id} in etcd is refused: {e}") from None

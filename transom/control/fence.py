@@ -32,8 +32,9 @@ buys a longer stall trained through.
 call for the store's whole deadline (4 s) just when etcd stops answering. It sleeps until the
 pause would be due (or the lease keeper says the lease expired) rather than polling, and then
 every GUARD_TICK_S while the pause is due.
-`until_reached` retries a start-up step while etcd cannot be reached. This module never calls
-etcd itself and never signals anything; the agent does, on its answers.
+`fenced` is the failure a fenced node reports. `until_reached` retries a start-up step while
+etcd cannot be reached. This module never calls etcd itself and never signals anything; the
+agent does, on its answers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from transom.common.records import FailureKind, FailureReport
 from transom.store.access import StoreError
 
 if TYPE_CHECKING:
@@ -86,6 +88,12 @@ def fence_reason(cut_off_s: float, outage_limit_s: float) -> str | None:
             f"(--store-outage {outage_limit_s:.0f} s)"
         )
     return None
+
+
+def fenced(reason: str) -> FailureReport:
+    """The failure a fenced node reports (its workers killed for `reason`): a peer's error, as
+    the node's cut-off from etcd is to blame, not its workers."""
+    return FailureReport(FailureKind.FENCED, reason, time.time(), peer_error=True)
 
 
 class PauseGuard:

@@ -9,15 +9,11 @@ transom.control.observed), never an agent's timestamp subtracted from the contro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transom.common.records import Anomaly, Event, EventKind, Severity
 from transom.common.states import JobState, NodeState
 from transom.control.policy import on_anomaly
+from transom.control.tick import Tick
 from transom.monitor import cluster, detectors
-
-if TYPE_CHECKING:
-    from transom.control.decisions import Tick
 
 # A member whose monitor summary has not changed for this long (as the controller saw it, while
 # its agent lives) has a telemetry gap.
@@ -27,14 +23,14 @@ SUMMARY_GAP_S = 5.0
 NUMERICS_SETTLE_S = 0.5
 
 
-def watch_monitor(t: Tick) -> None:
+def watch_monitor(tick: Tick) -> None:
     """Cross-node detectors on the agents' summaries; every anomaly goes through the policy."""
-    j, memory, now = t.job, t.decision.memory, t.now
+    j, memory, now = tick.job, tick.decision.memory, tick.now
     if memory.generation != j.generation:
         memory.generation = j.generation
         memory.detectors = cluster.fresh()
         memory.warned.clear()
-    summaries = t.snap.summaries
+    summaries = tick.snap.summaries
     handled = set(j.handled_anomalies)
     found = [
         a
@@ -43,22 +39,22 @@ def watch_monitor(t: Tick) -> None:
         for a in s.anomalies
         if a.id not in handled
     ]
-    found = earliest_numerics(t, found)
+    found = earliest_numerics(tick, found)
     view = cluster.ClusterView(
-        detectors.rank_views(summaries, j.generation, now, t.snap.summary_ages),
+        detectors.rank_views(summaries, j.generation, now, tick.snap.summary_ages),
         now,
-        t.spec.hang_floor_s,
-        finishing=bool(t.reports(NodeState.SUCCEEDED)),  # ranks that are done make no progress
+        tick.spec.hang_floor_s,
+        finishing=bool(tick.reports(NodeState.SUCCEEDED)),  # ranks that are done make no progress
     )
     for detector in memory.detectors:
         anomaly = detector.update(view)
         if anomaly is not None:
             found.append(anomaly)
-            controller_anomaly(t, anomaly)
+            controller_anomaly(tick, anomaly)
     for node in j.members:
         s = summaries.get(node)
-        if node in t.snap.nodes and s is not None and s.generation == j.generation:
-            age = t.snap.summary_ages.get(node, 0.0)
+        if node in tick.snap.nodes and s is not None and s.generation == j.generation:
+            age = tick.snap.summary_ages.get(node, 0.0)
             if age > SUMMARY_GAP_S:
                 gap = Anomaly(
                     "telemetry_gap",
@@ -68,17 +64,17 @@ def watch_monitor(t: Tick) -> None:
                     time=now,
                 )
                 found.append(gap)
-                controller_anomaly(t, gap)
+                controller_anomaly(tick, gap)
     for anomaly in found:
         if not anomaly.id:
             continue  # a repeated warning of the controller's own
         j.handled_anomalies.append(anomaly.id)
-        t.decision.anomalies.append(anomaly)
-        if act(t, anomaly):
+        tick.decision.anomalies.append(anomaly)
+        if act(tick, anomaly):
             return
 
 
-def earliest_numerics(t: Tick, found: list[Anomaly]) -> list[Anomaly]:
+def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the earliest step's.
 
     A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
@@ -88,43 +84,45 @@ def earliest_numerics(t: Tick, found: list[Anomaly]) -> list[Anomaly]:
     if not nans:
         return found
     # When the controller first saw each report (an agent's `time` is on the agent's clock).
-    seen = t.decision.memory.first_seen
+    seen = tick.decision.memory.first_seen
     for a in nans:
-        seen.setdefault(a.id, t.now)
-    if t.now - min(seen[a.id] for a in nans) < NUMERICS_SETTLE_S:
+        seen.setdefault(a.id, tick.now)
+    if tick.now - min(seen[a.id] for a in nans) < NUMERICS_SETTLE_S:
         return [a for a in found if a.type != "nan"]
     first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
-    t.job.handled_anomalies.extend(a.id for a in nans if a is not first)
+    tick.job.handled_anomalies.extend(a.id for a in nans if a is not first)
     return [a for a in found if a.type != "nan" or a is first]
 
 
-def controller_anomaly(t: Tick, anomaly: Anomaly) -> None:
+def controller_anomaly(tick: Tick, anomaly: Anomaly) -> None:
     """An anomaly the controller found itself: give it an id and write its event.
 
     A warning already given for the same nodes this generation stays without id (not acted on).
     """
-    anomaly.generation = t.job.generation
-    anomaly.time = t.now  # observed now, on the controller's clock (events are timed by it too)
+    anomaly.generation = tick.job.generation
+    anomaly.time = tick.now  # observed now, on the controller's clock (events are timed by it too)
     if anomaly.severity is not Severity.CRITICAL and (
-        (anomaly.type, tuple(anomaly.nodes)) in t.decision.memory.warned
+        (anomaly.type, tuple(anomaly.nodes)) in tick.decision.memory.warned
     ):
         return
-    anomaly.id = f"controller-{t.job.generation}-{anomaly.type}-{t.now:.3f}"
-    t.decision.events.append(Event.of_anomaly(anomaly, t.now + len(t.decision.events) * 1e-6))
+    anomaly.id = f"controller-{tick.job.generation}-{anomaly.type}-{tick.now:.3f}"
+    tick.decision.events.append(
+        Event.of_anomaly(anomaly, tick.now + len(tick.decision.events) * 1e-6)
+    )
 
 
-def act(t: Tick, anomaly: Anomaly) -> bool:
+def act(tick: Tick, anomaly: Anomaly) -> bool:
     """Apply the policy's action for one anomaly; True when it ended the generation."""
-    j, spec = t.job, t.spec
-    free = len(t.spares(j.members))
+    j, spec = tick.job, tick.spec
+    free = len(tick.spares(j.members))
     action = on_anomaly(anomaly, j.members, free, spec.nnodes_min, j.numerics_steps, j.hang_steps)
     if action.kind == "none":
         return False
     key = (anomaly.type, tuple(anomaly.nodes))
     if action.kind == "warn":
-        if key not in t.decision.memory.warned:
-            t.decision.memory.warned.add(key)
-            t.event(
+        if key not in tick.decision.memory.warned:
+            tick.decision.memory.warned.add(key)
+            tick.event(
                 EventKind.WARNING,
                 action.reason,
                 anomaly=anomaly.id,
@@ -132,7 +130,7 @@ def act(t: Tick, anomaly: Anomaly) -> bool:
                 nodes=anomaly.nodes,
             )
         return False
-    t.event(
+    tick.event(
         EventKind.DECISION,
         f"{action.kind}: {action.reason}",
         action=action.kind,
@@ -142,7 +140,7 @@ def act(t: Tick, anomaly: Anomaly) -> bool:
         detection=anomaly.time,
     )
     if action.kind == "fail":
-        t.finish(JobState.FAILED, action.reason)
+        tick.finish(JobState.FAILED, action.reason)
         return True
     if anomaly.type == "hang" and anomaly.step is not None:
         j.hang_steps.append(anomaly.step)
@@ -152,12 +150,12 @@ def act(t: Tick, anomaly: Anomaly) -> bool:
         j.rollback_before = (
             min(previous, action.rollback_before) if previous else action.rollback_before
         )
-        t.event(
+        tick.event(
             EventKind.ROLLBACK,
             f"next generation restores a checkpoint from before step {j.rollback_before}",
             rollback_before=j.rollback_before,
         )
-    t.set_state(JobState.RECOVERING, action.reason)
-    t.event(EventKind.INCIDENT, action.reason, detection=anomaly.time, anomaly=anomaly.id)
-    t.restart(action.evict, action.reason)
+    tick.set_state(JobState.RECOVERING, action.reason)
+    tick.event(EventKind.INCIDENT, action.reason, detection=anomaly.time, anomaly=anomaly.id)
+    tick.restart(action.evict, action.reason)
     return True

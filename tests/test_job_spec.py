@@ -1,4 +1,4 @@
-"""Unit tests for transom/config.py: --nnodes parsing, JobSpec validation, the run directory."""
+"""Unit tests for transom/job_spec.py: --nnodes parsing, JobSpec validation, the run directory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from transom.config import (
+from transom.job_spec import (
     ConfigError,
     JobSpec,
     add_job_options,

@@ -10,7 +10,7 @@ on this process's monotonic clock, never compared with another machine's clock.
 
 This module only keeps time and logs; it must never call etcd and never decide what an outage
 costs (its caller does, deliberately: the launcher ends the job past `--store-outage`, an agent
-applies its fence rule, transom.control.outage).
+applies its fence rule, transom.control.fence).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from transom.common import sizes
+from transom.common.fault_spec import Fault
 from transom.common.names import BadId, check_id
 from transom.common.record_base import Record, RecordError
 
@@ -227,7 +228,7 @@ class JobSpec(Record):
     )
     # Faults to inject (transom.faults), resolved against the world size and
     # `fault_seed` when the spec is built from the command line (see `from_args`).
-    faults: list[dict] = field(
+    faults: list[Fault] = field(
         default_factory=list,
         metadata=option(
             "--faults",
@@ -383,7 +384,7 @@ class JobSpec(Record):
     def from_args(
         cls,
         args: argparse.Namespace,
-        resolve_faults: Callable[[str, int, int], list[dict]] | None = None,
+        resolve_faults: Callable[[str, int, int], list[Fault]] | None = None,
         **fields: Any,
     ) -> JobSpec:
         """The spec from options added by `add_job_options` (not given: the field's default).

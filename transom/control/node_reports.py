@@ -23,7 +23,7 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
   as if it stopped when the last was written. The allowance keeps that view true enough: never
   a false hang (the hang floor, 1 s at least), never a stopped heartbeat of a rank that beats
-  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (anomalies.SUMMARY_GAP_S, 5 s); and it
+  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (monitor_rules.SUMMARY_GAP_S, 5 s); and it
   is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
 - events (the anomalies'): with the summary that announces them.
 What an agent's turn queues (`batch`: its status, summary and events) is written together at the
@@ -42,6 +42,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from transom.common import keys
 from transom.common.records import Event, MonitorSummary, NodeStatus
@@ -69,7 +70,7 @@ STATUS_PROGRESS_S = 5.0
 STARTING_QUIET_S = 1.0
 
 
-def signature(summary: MonitorSummary) -> tuple:
+def signature(summary: MonitorSummary) -> tuple[Any, ...]:
     """What in a summary the controller must see at once (all but progress, timings, ages)."""
     return (
         summary.generation,
@@ -113,7 +114,7 @@ class NodeReports:
         self.hang_floor_s = math.inf  # the job spec's, once the agent has read it
         self.facts = facts
         self.state = NodeState.IDLE
-        self.extra: dict = {}
+        self.extra: dict[str, Any] = {}
         self.writes = 0  # records written (statuses, summaries, events)
         self.held = False  # etcd does not answer: queue everything, write nothing
         self.failure: StoreError | None = None
@@ -123,13 +124,13 @@ class NodeReports:
         self._status_at = -math.inf
         self._status_after = -math.inf  # a transient status waits until then (time.monotonic)
         self._batching = False  # inside `batch`: statuses wait for its end
-        self._unsent: dict[str, dict] = {}  # key -> value: monitor writes that await etcd
-        self._summary_signature: tuple | None = None
+        self._unsent: dict[str, dict[str, Any]] = {}  # key -> value: monitor writes that await etcd
+        self._summary_signature: tuple[Any, ...] | None = None
         self._summary_at = -math.inf
         self._summary_allowance = SUMMARY_FLOOR_S
 
     # -- status --------------------------------------------------------------------------------
-    def status(self, state: NodeState, quiet_s: float = 0.0, **extra) -> None:
+    def status(self, state: NodeState, quiet_s: float = 0.0, **extra: Any) -> None:
         """Publish the node's state: at the end of a `batch`, else now; with `quiet_s` (a
         transient state) only if no other status replaced it that long after; during an outage
         when etcd is back."""
@@ -170,7 +171,7 @@ class NodeReports:
         if first_step or (warm != shown_warm and now - self._status_at >= STATUS_PROGRESS_S):
             self.status(self.state, **self.extra)
 
-    def _status_value(self, facts: tuple[int, int | None, int]) -> dict:
+    def _status_value(self, facts: tuple[int, int | None, int]) -> dict[str, Any]:
         generation, step, warm = facts
         status = NodeStatus(
             node=self.node_id,
