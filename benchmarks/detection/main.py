@@ -56,7 +56,7 @@ from transom.testing.jobs import transom_run
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
-from transom.common import anomaly_types  # noqa: E402
+from transom.common import anomaly_types, env  # noqa: E402
 from transom.common.files import rank_log  # noqa: E402
 from transom.faults import DETECTORS  # noqa: E402
 from transom.monitor import patterns  # noqa: E402
@@ -72,7 +72,7 @@ DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
 # detection evicts the node, so that each fault needs a spare.
-FAULTS = ("crash", "hang", "slow", "throttle", "nan", "log")
+FAULTS = ("crash", "hang", "slow", "throttle", "nan", "log", "corrupt")
 THROTTLE_FACTOR = 2.0  # the throttled rank runs half of the time
 # Shapes of a slowdown from outside, each its own row (`--types shapes` runs them all): the fault
 # type that plays it and its options. dutySTOP_RUN: stopped STOP ms, then run RUN ms, in turn;
@@ -84,8 +84,11 @@ SHAPES = {
     "duty300_300": ("throttle", ":factor=2:period=0.6"),
     "quota": ("quota", ":factor=2"),
 }
-EVICTING = ("hang", "slow", "throttle", "log", *SHAPES)
-SLOWED = ("slow", "throttle", "nan", *SHAPES)  # latencies also counted in steps
+EVICTING = ("hang", "slow", "throttle", "log", "corrupt", *SHAPES)
+SLOWED = ("slow", "throttle", "nan", "corrupt", *SHAPES)  # latencies also counted in steps
+# corrupt: 2 low mantissa bits of one rank's parameters flip; the replicas' fingerprints, taken
+# every FINGERPRINT_EVERY steps here, find it (transom.monitor.replicas).
+FINGERPRINT_EVERY = 10
 SLOWDOWN_STEPS = 15  # steps before the fault (and after it, to its detection) in its slowdown
 TARGETS = {
     "crash_s": 2.0,
@@ -145,7 +148,13 @@ def run_job(
         log_level=log_level,
     )
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, env.FINGERPRINT_EVERY: str(FINGERPRINT_EVERY)},
+        )
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -199,7 +208,11 @@ def schedule(
 ) -> tuple[str, int]:
     """A fault spec of `trials` faults of one type at random ranks and steps; the steps to run."""
     items, step = [], FIRST_FAULT_STEP
-    options = {"slow": ":factor=2", "throttle": f":factor={throttle_factor:g}"}
+    options = {
+        "slow": ":factor=2",
+        "throttle": f":factor={throttle_factor:g}",
+        "corrupt": ":bits=2",
+    }
     fault_type, option = SHAPES.get(kind, (kind, options.get(kind, "")))
     for _ in range(trials):
         at = step + rng.randint(0, 9)
