@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -159,6 +160,62 @@ def test_machines_of_one_job_organise_through_an_existing_etcd(start_job, tmp_pa
         assert "world_size=2" in first.log_text() + second.log_text()
         leaders = {e["controller"] for e in first.events() if e["kind"] == "leader"}
         assert len(leaders) == 1
+
+
+def _candidates(job_id: str) -> list[str]:
+    """The candidate ids of the job's live controller processes (all machines: one host here)."""
+    found = []
+    for p in job_processes(job_id):
+        try:
+            words = p.cmdline()
+        except psutil.Error:
+            continue
+        if "controller" in words and "--candidate-id" in words:
+            found.append(words[words.index("--candidate-id") + 1])
+    return sorted(found)
+
+
+def test_only_the_first_nodes_run_candidates_and_a_dead_ones_next_is_promoted(start_job, tmp_path):
+    """Four machines, --controllers 2: controllers on m0 and m1 only; the leader's machine dies
+    (its launcher and everything it started): m2 is promoted and the job goes on."""
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        common = [*etcd.access.argv(), "--controllers", "2", "--nnodes", "3", "--spares", "1"]
+        script = [TOY, "--steps", "60", "--step-delay", "0.15"]
+        machines = {"m0": start_job("--node-id", "m0", "--no-mirror", *common, *script)}
+        for node in ("m1", "m2", "m3"):
+            mirror = [] if node == "m3" else ["--no-mirror"]  # m3 (never killed) mirrors the job
+            machines[node] = start_job(
+                "--node-id", node, *mirror, *common, *script, job_id=machines["m0"].job_id
+            )
+        watcher = machines["m3"]
+        node_of = lambda candidate: candidate.split("-")[1]  # noqa: E731  controller-<node>-<n>
+        wait_for(
+            lambda: [node_of(c) for c in _candidates(watcher.job_id)] == ["m0", "m1"],
+            60,
+            "controllers on m0 and m1 only",
+        )
+        logs = lambda: "".join(m.log_text() for m in machines.values())  # noqa: E731
+        wait_for(lambda: "step 5 " in logs(), 90, "training to reach step 5")
+        leader = wait_for(
+            lambda: [e["controller"] for e in watcher.events() if e["kind"] == "leader"][-1:],
+            30,
+            "a leader",
+        )[0]
+        victim = machines[node_of(leader)]
+        os.killpg(victim.process.pid, signal.SIGKILL)  # the machine is lost
+        victim.process.wait()
+        survivor = "m1" if node_of(leader) == "m0" else "m0"
+        wait_for(
+            lambda: sorted(node_of(c) for c in _candidates(watcher.job_id)) == [survivor, "m2"],
+            60,
+            "m2 promoted",
+        )
+        for node, machine in machines.items():
+            if machine is not victim:
+                assert machine.wait() == 0, (node, machine.output)
+        leaders = [e["controller"] for e in watcher.events() if e["kind"] == "leader"]
+        assert len(leaders) >= 2 and node_of(leaders[-1]) in (survivor, "m2"), leaders
+        assert "world_size=3" in watcher.log_text()  # m3, the spare, took the dead node's place
 
 
 def _embedded_etcd(job) -> psutil.Process | None:

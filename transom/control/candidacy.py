@@ -1,0 +1,69 @@
+"""Which nodes of a multi-machine job run a controller candidate: the first N live nodes.
+
+A controller candidate on every machine of a thousand-node job is a thousand processes that
+stand by, each reading etcd and holding a watch, to survive what three survive as well. So a
+job has at most N candidates (`transom run --controllers N`, DEFAULT_CANDIDATES): those of the
+first N live nodes in node id order (`names.natural_key`: node2 before node10), where a node is
+live while its agent's registration (`nodes/<node>`, under the agent's lease) is in etcd. Every
+launcher follows the registrations through a watch and runs a candidate for each of its own
+nodes among them; the others only watch. When a candidate's node dies (its machine is lost, its
+agent exits or is evicted and leaves) the registration expires with its lease and the next
+live node in that order is promoted at once, so there are again N while N nodes remain.
+
+A node that drops out of the first N while it still runs a candidate (a node with a lower id
+joined, or every lease was revoked at once and the agents are registering again) keeps its
+candidate for DEMOTE_AFTER_S more, longer than the controller rides out such an incident:
+a few seconds with N+1 candidates cost less than a controller stopped in the middle of one.
+
+Only the keys under `nodes/` are used, never the values: a registration that is not a valid
+record is still a live node, and a key that is not a valid node id is no node of this job.
+This module must never start or stop processes (the launcher does) nor write to etcd; an etcd it
+cannot read raises StoreError to its caller, who keeps the candidates it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from transom.common import keys
+from transom.common.names import natural_key, valid_id
+from transom.store import Store
+from transom.store.prefix_mirror import PrefixMirror
+
+DEFAULT_CANDIDATES = 3  # a job's controller candidates unless --controllers says otherwise
+DEMOTE_AFTER_S = 15.0  # > the controller's grace after every lease was revoked (TTL + 2 s)
+
+
+def first_live(registered: Iterable[object], n: int) -> list[str]:
+    """The first `n` node ids of `registered` (names under `nodes/`) in node id order; names
+    that are not valid node ids are ignored."""
+    nodes = {name for name in registered if isinstance(name, str) and valid_id(name)}
+    return sorted(nodes, key=natural_key)[: max(0, n)]
+
+
+class Candidacy:
+    """For the nodes of this machine, which ones run a controller candidate now."""
+
+    def __init__(self, store: Store, n: int, demote_after_s: float = DEMOTE_AFTER_S) -> None:
+        self.n = n
+        self.demote_after_s = demote_after_s
+        self.registrations = PrefixMirror(store, keys.NODES)
+        self._out_since: dict[str, float] = {}  # a running candidate's node out of the first n
+
+    def stop(self) -> None:
+        self.registrations.stop()
+
+    def keep(self, local: Sequence[str], running: Iterable[str], now: float) -> set[str]:
+        """Of this machine's nodes `local` (those that run a candidate: `running`), those that
+        run one from now on (StoreError if the registrations cannot be read)."""
+        self.registrations.start_once(now)
+        self.registrations.refresh(now)
+        chosen = set(first_live(self.registrations.values, self.n))
+        keep = {node for node in local if node in chosen}
+        out_since = {}
+        for node in set(running) - keep:
+            out_since[node] = self._out_since.get(node, now)
+            if now - out_since[node] < self.demote_after_s:
+                keep.add(node)
+        self._out_since = out_since
+        return keep
