@@ -8,7 +8,8 @@ import time
 import pytest
 
 from transom.common import keys
-from transom.control.candidacy import Candidacy, first_live
+from transom.config import JobSpec
+from transom.control.candidacy import DEMOTE_AFTER_S, Candidacy, demote_after_s, first_live
 from transom.store import StoreError
 
 
@@ -79,6 +80,13 @@ def test_every_lease_revoked_at_once_stops_no_candidate_at_once():
     c.registrations.values["n1"] = {"node": "n1"}
     assert c.keep(["n1"], ["n1"], 5.0) == {"n1"}
     assert c.keep(["n1"], ["n1"], 50.0) == {"n1"}
+
+
+def test_a_long_node_ttl_keeps_a_candidate_longer():
+    spec = JobSpec(script=__file__, node_ttl_s=4)
+    assert demote_after_s(spec) == DEMOTE_AFTER_S
+    spec.node_ttl_s = 20
+    assert demote_after_s(spec) == 2 * (20 + 2)
 
 
 def test_an_unreadable_etcd_is_the_callers_to_ride_out():

@@ -45,7 +45,7 @@ from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.config import ConfigError, JobSpec
-from transom.control.candidacy import DEFAULT_CANDIDATES, Candidacy
+from transom.control.candidacy import DEFAULT_CANDIDATES, Candidacy, demote_after_s
 from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
@@ -189,7 +189,8 @@ class Launcher:
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
         children = []
         if not simulated:
-            self.candidacy = Candidacy(self.connected, L.controllers or DEFAULT_CANDIDATES)
+            n = L.controllers or DEFAULT_CANDIDATES
+            self.candidacy = Candidacy(self.connected, n, demote_after_s(spec))
         for i in range((L.controllers or 2) if simulated else 0):
             name = f"controller-{L.node_prefix or socket.gethostname()}-{i}"  # unique per node
             children.append(

@@ -12,8 +12,9 @@ live node in that order is promoted at once, so there are again N while N nodes 
 
 A node that drops out of the first N while it still runs a candidate (a node with a lower id
 joined, or every lease was revoked at once and the agents are registering again) keeps its
-candidate for DEMOTE_AFTER_S more, longer than the controller rides out such an incident:
-a few seconds with N+1 candidates cost less than a controller stopped in the middle of one.
+candidate for `demote_after_s` more (DEMOTE_AFTER_S, or twice the controller's grace for such an
+incident if longer: transom.control.grace): a few seconds with N+1 candidates cost less than a
+controller stopped in the middle of one.
 
 Only the keys under `nodes/` are used, never the values: a registration that is not a valid
 record is still a live node, and a key that is not a valid node id is no node of this job.
@@ -27,11 +28,18 @@ from collections.abc import Iterable, Sequence
 
 from transom.common import keys
 from transom.common.names import natural_key, valid_id
+from transom.config import JobSpec
+from transom.control.grace import grace_s
 from transom.store import Store
 from transom.store.prefix_mirror import PrefixMirror
 
 DEFAULT_CANDIDATES = 3  # a job's controller candidates unless --controllers says otherwise
-DEMOTE_AFTER_S = 15.0  # > the controller's grace after every lease was revoked (TTL + 2 s)
+DEMOTE_AFTER_S = 15.0  # at least; > the controller's grace after every lease was revoked
+
+
+def demote_after_s(spec: JobSpec) -> float:
+    """How long a node out of the first N keeps its candidate."""
+    return max(DEMOTE_AFTER_S, 2 * grace_s(spec))
 
 
 def first_live(registered: Iterable[object], n: int) -> list[str]:
