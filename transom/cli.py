@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help=f"the job's controller candidates (default: {DEFAULT_CANDIDATES} with --store, run "
-        "by the first live nodes in node id order, the next node promoted when one leaves; 2 "
+        "by the first live nodes in registration order, the next promoted when one leaves; 2 "
         "without --store, on this machine); give every machine of a job the same N",
     )
     run.add_argument(

@@ -7,8 +7,8 @@ folder) and writes the folder's `store.json`; every other node waits for that fi
 requeued or re-submitted job goes on from the checkpoints storage holds, as every rerun of `transom
 run` does (the launcher's claim, checkpoint/storage_claim.py). An explicit `--store` wins: then no
 node starts one. Each node then runs what `transom run --store` runs on a machine of a multi-machine
-job: one agent named after its Slurm node (`transom.launcher`), and, on the first live nodes in
-node id order (3, or --controllers: transom.control.candidacy), one controller candidate each; the
+job: one agent named after its Slurm node (`transom.launcher`), and, on the first live nodes to
+register (3, or --controllers: transom.control.candidacy), one controller candidate each; the
 controller makes the first `--nnodes` nodes to join members and the rest spares. Only the first
 node keeps the job's status.json, events.jsonl and progress.jsonl and prints its events
 (`Launch.mirror`); the others follow the job record alone.

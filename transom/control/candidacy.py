@@ -3,28 +3,33 @@
 A controller candidate on every machine of a thousand-node job is a thousand processes that
 stand by, each reading etcd and holding a watch, to survive what three survive as well. So a
 job has at most N candidates (`transom run --controllers N`, DEFAULT_CANDIDATES): those of the
-first N live nodes in node id order (`names.natural_key`: node2 before node10), where a node is
-live while its agent's registration (`nodes/<node>`, under the agent's lease) is in etcd. Every
+first N live nodes in registration order (the registration's `since`, then the node id in
+`names.natural_key` order: node2 before node10), where a node is live while its agent's
+registration (`nodes/<node>`, under the agent's lease) is in etcd. A node that registers later
+never displaces one that runs a candidate (unless its agent's clock is behind by more than the
+time between the two), so a thousand nodes registering in any order start N candidates, not a
+candidate on each node that was among the first N for a moment. Every
 launcher follows the registrations through a watch and runs a candidate for each of its own
 nodes among them; the others only watch. When a candidate's node dies (its machine is lost, its
 agent exits or is evicted and leaves) the registration expires with its lease and the next
 live node in that order is promoted at once, so there are again N while N nodes remain.
 
-A node that drops out of the first N while it still runs a candidate (a node with a lower id
-joined, or every lease was revoked at once and the agents are registering again) keeps its
+A node that drops out of the first N while it still runs a candidate (every lease was revoked at
+once and the agents registered again in another order, or its agent registered again) keeps its
 candidate for `demote_after_s` more (DEMOTE_AFTER_S, or twice the controller's grace for such an
 incident if longer: transom.control.grace): a few seconds with N+1 candidates cost less than a
 controller stopped in the middle of one.
 
-Only the keys under `nodes/` are used, never the values: a registration that is not a valid
-record is still a live node, and a key that is not a valid node id is no node of this job.
+Nothing read is trusted: a registration whose `since` is not a finite number is still a live
+node, ordered after the others, and a key that is not a valid node id is no node of this job.
 This module must never start or stop processes (the launcher does) nor write to etcd; an etcd it
 cannot read raises StoreError to its caller, who keeps the candidates it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 from transom.common import keys
 from transom.common.names import natural_key, valid_id
@@ -42,11 +47,19 @@ def demote_after_s(spec: JobSpec) -> float:
     return max(DEMOTE_AFTER_S, 2 * grace_s(spec))
 
 
-def first_live(registered: Iterable[object], n: int) -> list[str]:
-    """The first `n` node ids of `registered` (names under `nodes/`) in node id order; names
-    that are not valid node ids are ignored."""
-    nodes = {name for name in registered if isinstance(name, str) and valid_id(name)}
-    return sorted(nodes, key=natural_key)[: max(0, n)]
+def first_live(registrations: Mapping[str, object], n: int) -> list[str]:
+    """The first `n` node ids of `registrations` (node id -> its registration, as read under
+    `nodes/`) in registration order; names that are not valid node ids are ignored."""
+    nodes = [name for name in registrations if isinstance(name, str) and valid_id(name)]
+
+    def order(node: str) -> tuple[float, tuple[int | str, ...]]:
+        value = registrations[node]
+        since = value.get("since") if isinstance(value, dict) else None
+        if isinstance(since, bool) or not isinstance(since, int | float):
+            return math.inf, natural_key(node)
+        return (since if math.isfinite(since) else math.inf), natural_key(node)
+
+    return sorted(nodes, key=order)[: max(0, n)]
 
 
 class Candidacy:
