@@ -3,6 +3,7 @@
     python -m benchmarks.checkpoint        checkpoint save/load against torch.save/load and DCP
     python -m benchmarks.checkpoint_gpu    the same engine's CUDA path (needs a GPU)
     python -m benchmarks.detection         detection latency, attribution, false positives
+    python -m benchmarks.etcd_requests     etcd's requests a node a second in a steady job
     python -m benchmarks.etcd_size         the embedded etcd's size under rewrites
     python -m benchmarks.goodput           one job through five faults, Transom against torchrun
     python -m benchmarks.monitor.blocks    the monitor's overhead inside one process

@@ -19,12 +19,18 @@ and reports, from rank 0's step lines and psutil samples of every process each j
                    waiting, other); the workers are not Transom's and are reported apart
   transom_cpu_per_node_x  the same without the checkpoint servers, per node (the issue's bar)
   etcd_requests_per_s     etcd's requests a second over the steady state, by method (its
-                          metrics, read every REQUESTS_EVERY_S)
+                          metrics, read every REQUESTS_EVERY_S or --requests-every)
 Numbers are means over the pairs, each ratio and difference with its 95% bootstrap interval
 over the pairs (stats.py; `*_ci95`), and a verdict per target of the issue (step_rate_x at least
 0.97, startup_delta_s below 2 s, transom_cpu_per_node_x below 0.03): met or missed when the
 whole interval says so, else "not shown either way". On this shared machine single pairs scatter
 by several percent: read the interval, not the mean.
+
+With --isolate-ranks the ranks get cores of their own, as on a real node (benchmarks/isolation.py):
+1 node, half the cores' ranks (on 2 cores: 1 rank on core 1), every other process of both systems
+(and the benchmark) on the other cores; the targets are then those of issue 44 (step_rate_x at
+least 0.99, ramp_delta_s and startup_delta_s below 0.5 s and 1 s). Without it everything shares
+every core: the worst case.
 
     flock /work/wt/e2e.lock timeout 600 python -m benchmarks.overhead --json
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -48,7 +55,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks import REPO, stats
+from benchmarks import REPO, isolation, stats
 from transom.store import Store  # noqa: E402
 from transom.testing.jobs import (
     Line,
@@ -69,6 +76,7 @@ SAMPLE_EVERY_S = 0.5
 STEADY = (0.20, 0.85)  # the steady state: from this share of the steps to that one
 REQUESTS_EVERY_S = 5.0  # reading etcd's metrics costs it some CPU too
 NODES = 2  # transom's nodes in the job (--nnodes), one rank each
+ISOLATED_NODES = 1  # with --isolate-ranks: one node, its ranks on cores of their own
 PAIRS = 4  # fewer leave the intervals little to say
 TIMES = ("startup_s", "ramp_s", "step_rate", "wall_s")
 TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "warm", "other")
@@ -76,6 +84,13 @@ TRANSOM_KINDS = ("etcd", "ckpt_servers", "agents", "controllers", "launcher", "w
 TARGETS = {
     "step_rate_x": (0.97, True),
     "startup_delta_s": (2.0, False),
+    "transom_cpu_per_node_x": (0.03, False),
+}
+# ... and with the ranks on cores of their own (issue 44).
+ISOLATED_TARGETS = {
+    "step_rate_x": (0.99, True),
+    "ramp_delta_s": (0.5, False),
+    "startup_delta_s": (1.0, False),
     "transom_cpu_per_node_x": (0.03, False),
 }
 
@@ -150,11 +165,11 @@ class Sampler:
 
 
 class EtcdRequests:
-    """etcd's request counts by method, read every REQUESTS_EVERY_S from the embedded etcd of
-    the job in `run_dir`."""
+    """etcd's request counts by method, read every `every_s` from the embedded etcd of the job
+    in `run_dir`."""
 
-    def __init__(self, run_dir: Path, job_id: str):
-        self.run_dir, self.job_id = run_dir, job_id
+    def __init__(self, run_dir: Path, job_id: str, every_s: float = REQUESTS_EVERY_S):
+        self.run_dir, self.job_id, self.every_s = run_dir, job_id, every_s
         self.samples: list[tuple[float, dict[str, float]]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="etcd-requests", daemon=True)
@@ -178,7 +193,7 @@ class EtcdRequests:
                     return
                 self.stop.wait(SAMPLE_EVERY_S)
                 continue
-            self.stop.wait(REQUESTS_EVERY_S)
+            self.stop.wait(self.every_s)
 
     def rates(self, start: float, end: float) -> dict[str, float]:
         """Requests a second by method between the first and last samples in [start, end]."""
@@ -216,15 +231,26 @@ def run_job(
     out_path: Path,
     steps: int,
     requests: EtcdRequests | None = None,
+    cores: isolation.Cores | None = None,
 ) -> dict:
     """Run one job to its end; its start-up, steady step rate, CPU by kind (and etcd's
-    requests, given `requests`)."""
+    requests, given `requests`; with `cores`, its ranks on cores of their own and the
+    affinities seen)."""
+
+    def start() -> None:
+        JOB_DIES_WITH_US()
+        if cores is not None:
+            isolation.use_rest(cores)
+
     with open(out_path, "wb") as out:
         launched = time.time()
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=JOB_DIES_WITH_US
-        )
-        samplers = [Sampler(process.pid), *([requests] if requests else [])]
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=start)
+        samplers: list[Sampler | EtcdRequests | isolation.RankPinner] = [Sampler(process.pid)]
+        samplers += [requests] if requests else []
+        pinner = None
+        if cores is not None:
+            pinner = isolation.RankPinner(process.pid, cores, is_rank)
+            samplers.append(pinner)
         for sampler in samplers:
             sampler.thread.start()
         try:
@@ -242,33 +268,48 @@ def run_job(
     if 1 not in t or first not in t or last not in t or steps not in t:
         raise RuntimeError(f"rank 0 did not print steps 1, {first}, {last} and {steps}: {out_path}")
     rate, ramp_s = steady_rate_and_ramp(t, steps)
+    sampler = samplers[0]
+    assert isinstance(sampler, Sampler)
     return {
         "startup_s": t[1] - launched,
         "ramp_s": ramp_s,
         "step_rate": rate,
         "wall_s": t[steps] - launched,
-        "cores": samplers[0].cores(t[first], t[last]),
+        "cores": sampler.cores(t[first], t[last]),
         "requests": requests.rates(t[first], t[last]) if requests else {},
-    }
+    } | (pinned(pinner) if pinner else {})
 
 
-def torchrun(work: Path, args) -> dict:
+def is_rank(cmdline: list[str]) -> bool:
+    return kind_of(cmdline, False) == "workers"
+
+
+def pinned(pinner: isolation.RankPinner) -> dict:
+    """What the pinner saw: the cores of each rank (by pid) and of everything else."""
+    ranks = {str(pid): sorted(cores) for pid, cores in sorted(pinner.ranks.items())}
+    return {"pinned": {"ranks": ranks, "rest": sorted(pinner.rest)}}
+
+
+def torchrun(work: Path, args, cores: isolation.Cores | None = None) -> dict:
     run_id = "overhead-" + uuid.uuid4().hex[:6]
     out = work / f"{run_id}.out"
     ckpt = work / f"{run_id}-ckpt"
+    ranks = str(len(cores.ranks) if cores else NODES)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks,
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
         "--ckpt-every", str(args.ckpt_every), "--checkpoint", "torch", "--ckpt-dir", str(ckpt),
     ]  # fmt: skip
-    return run_job(command, lambda: out.read_text(errors="replace"), str(ckpt), out, args.steps)
+    logs = lambda: out.read_text(errors="replace")  # noqa: E731
+    return run_job(command, logs, str(ckpt), out, args.steps, cores=cores)
 
 
-def transom(work: Path, args) -> dict:
+def transom(work: Path, args, cores: isolation.Cores | None = None) -> dict:
     job_id = "overhead-" + uuid.uuid4().hex[:6]
     run_dir = work / job_id
+    nodes, ranks = (ISOLATED_NODES, len(cores.ranks)) if cores else (NODES, 1)
     command = transom_run(
-        run_dir, job_id, "--nnodes", str(NODES), "--nproc-per-node", "1",
+        run_dir, job_id, "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
         *([] if args.warm_workers else ["--no-warm-workers"]),
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
         "--ckpt-every", str(args.ckpt_every), "--persist-every", str(args.persist_every),
@@ -278,8 +319,9 @@ def transom(work: Path, args) -> dict:
         paths = sorted(run_dir.glob("logs/g*/rank0.log"))
         return "".join(p.read_text(errors="replace") for p in paths)
 
-    requests = EtcdRequests(run_dir, job_id)
-    return run_job(command, logs, str(run_dir), work / f"{job_id}.out", args.steps, requests)
+    requests = EtcdRequests(run_dir, job_id, args.requests_every)
+    out = work / f"{job_id}.out"
+    return run_job(command, logs, str(run_dir), out, args.steps, requests, cores) | {"nodes": nodes}
 
 
 def own_cores(cores: dict[str, float]) -> dict[str, float]:
@@ -287,10 +329,10 @@ def own_cores(cores: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in cores.items() if k in TRANSOM_KINDS}
 
 
-def per_node_without_servers(cores: dict[str, float]) -> float:
+def per_node_without_servers(cores: dict[str, float], nodes: int = NODES) -> float:
     """Transom's CPU a node without the checkpoint servers' data movement (the issue's bar)."""
     own = own_cores(cores)
-    return (sum(own.values()) - own.get("ckpt_servers", 0.0)) / NODES
+    return (sum(own.values()) - own.get("ckpt_servers", 0.0)) / nodes
 
 
 def spread(name: str, values: list[float]) -> dict:
@@ -302,25 +344,30 @@ def spread(name: str, values: list[float]) -> dict:
     }
 
 
-def summarize(pairs: list[tuple[dict, dict]]) -> dict:
+def summarize(pairs: list[tuple[dict, dict]], targets_of: dict = TARGETS) -> dict:
     """Means over the pairs (torchrun, transom) of what the issue asks for, with the intervals
-    and verdicts of its targets."""
+    and verdicts of its targets (`targets_of`: TARGETS or ISOLATED_TARGETS)."""
     per_pair = {
         "step_rate_x": [b["step_rate"] / a["step_rate"] for a, b in pairs],
+        "ramp_delta_s": [b["ramp_s"] - a["ramp_s"] for a, b in pairs],
         "startup_delta_s": [b["startup_s"] - a["startup_s"] for a, b in pairs],
-        "transom_cpu_per_node_x": [per_node_without_servers(b["cores"]) for _, b in pairs],
+        "transom_cpu_per_node_x": [
+            per_node_without_servers(b["cores"], b.get("nodes", NODES)) for _, b in pairs
+        ],
     }
     kinds = {k for _, b in pairs for k in b["cores"]}
     cpu = {k: statistics.mean(b["cores"].get(k, 0.0) for _, b in pairs) for k in sorted(kinds)}
     own = own_cores(cpu)
     methods = {k for _, b in pairs for k in b["requests"]}
     requests = {k: statistics.mean(b["requests"].get(k, 0.0) for _, b in pairs) for k in methods}
-    result = spread("ramp_delta_s", [b["ramp_s"] - a["ramp_s"] for a, b in pairs])  # no target
+    result: dict = {}
     targets = {}
     for name, values in per_pair.items():
         result |= spread(name, values)
+        if name not in targets_of:
+            continue  # measured, with no target in this mode
         low, high = result[f"{name}_ci95"]
-        target, at_least = TARGETS[name]
+        target, at_least = targets_of[name]
         targets[name] = {
             "target": target,
             "at_least": at_least,
@@ -377,15 +424,33 @@ def main() -> int:
         help="transom: no warm interpreter pool (`transom run --no-warm-workers`): workers start "
         "cold, and no refill imports run beside the first steps (see ramp_delta_s)",
     )
+    parser.add_argument(
+        "--isolate-ranks",
+        action="store_true",
+        help="1 node, its ranks on cores of their own (half the cores; on 2 cores 1 rank on core "
+        "1), every other process of both systems on the other cores (default: all share all)",
+    )
+    parser.add_argument(
+        "--requests-every",
+        type=float,
+        default=REQUESTS_EVERY_S,
+        help=f"seconds between two reads of etcd's request counts (default {REQUESTS_EVERY_S:g}; "
+        "a short run needs at least two in its steady state)",
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
+    cores = None
+    if args.isolate_ranks:
+        available = sorted(os.sched_getaffinity(0))
+        cores = isolation.split(available, isolation.ranks_for(available))
+        isolation.use_rest(cores)  # the benchmark's own samplers stay off the ranks' cores
     pairs = []
     with tempfile.TemporaryDirectory(prefix="transom-overhead-") as tmp:
         for i in range(args.pairs):
             print(f"pair {i + 1}/{args.pairs}: torchrun ...", file=sys.stderr, flush=True)
-            a = torchrun(Path(tmp), args)
+            a = torchrun(Path(tmp), args, cores)
             print(f"pair {i + 1}/{args.pairs}: transom ...", file=sys.stderr, flush=True)
-            b = transom(Path(tmp), args)
+            b = transom(Path(tmp), args, cores)
             pairs.append((a, b))
             print(
                 f"pair {i + 1}/{args.pairs}: torchrun {a['step_rate']:.1f} steps/s, transom "
@@ -394,7 +459,10 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    result = summarize(pairs) | {
+    result = summarize(pairs, ISOLATED_TARGETS if cores else TARGETS) | {
+        "isolated": cores.to_dict() if cores else None,
+        # with --isolate-ranks: the cores each pair's ranks and other processes were seen on
+        "pinned_pairs": [[a.get("pinned"), b.get("pinned")] for a, b in pairs] if cores else None,
         "pairs": args.pairs,
         "steps": args.steps,
         "ckpt_every": args.ckpt_every,

@@ -77,7 +77,11 @@ def test_bad_demo_and_refill_input_is_refused(tmp_path):
             "--refill-spares",
             str(TOY),
         ],
-        "at least 1 without --store": ["run", "--controllers", "0", str(TOY)],
+        "--controllers 0: at least 1": ["run", "--controllers", "0", str(TOY)],
+        "--controllers -1: at least 1": [
+            *("run", "--store", "http://127.0.0.1:1", "--job-id", "x"),
+            *("--controllers", "-1", str(TOY)),
+        ],
         "--no-mirror is for one machine of a multi-machine job": ["run", "--no-mirror", str(TOY)],
     }
     for expected, args in cases.items():

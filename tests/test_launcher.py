@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import pytest
 from conftest import TOY, agent_process, job_processes, wait_for
 
 from transom import launcher, run_mirror
-from transom.common import env
-from transom.store import EmbeddedEtcd
+from transom.common import env, keys
+from transom.store import EmbeddedEtcd, Store
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +160,71 @@ def test_machines_of_one_job_organise_through_an_existing_etcd(start_job, tmp_pa
         assert "world_size=2" in first.log_text() + second.log_text()
         leaders = {e["controller"] for e in first.events() if e["kind"] == "leader"}
         assert len(leaders) == 1
+
+
+def _candidates(job_id: str) -> list[str]:
+    """The candidate ids of the job's live controller processes (all machines: one host here)."""
+    found = []
+    for p in job_processes(job_id):
+        try:
+            words = p.cmdline()
+        except psutil.Error:
+            continue
+        if "controller" in words and "--candidate-id" in words:
+            found.append(words[words.index("--candidate-id") + 1])
+    return sorted(found)
+
+
+def test_only_the_first_nodes_run_candidates_and_a_dead_ones_next_is_promoted(start_job, tmp_path):
+    """Four machines, --controllers 2: controllers on 2 of them only; the leader's machine dies
+    (its launcher and everything it started): a third machine's node is promoted, the job goes
+    on."""
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        common = [*etcd.access.argv(), "--controllers", "2", "--nnodes", "3", "--spares", "1"]
+        script = [TOY, "--steps", "60", "--step-delay", "0.15"]
+        machines = {"m0": start_job("--node-id", "m0", "--no-mirror", *common, *script)}
+        for node in ("m1", "m2", "m3"):
+            mirror = [] if node == "m3" else ["--no-mirror"]  # m3 mirrors the job
+            machines[node] = start_job(
+                "--node-id", node, *mirror, *common, *script, job_id=machines["m0"].job_id
+            )
+        store = Store(etcd.access, machines["m0"].job_id)
+        node_of = lambda candidate: candidate.split("-")[1]  # noqa: E731  controller-<node>-<n>
+        nodes = lambda: sorted(node_of(c) for c in _candidates(store.job_id))  # noqa: E731
+        # the first two nodes to register, once all four did
+        first = wait_for(
+            lambda: (
+                len(live := store.get_prefix(keys.NODES)) == 4
+                and sorted(sorted(live, key=lambda n: live[n]["since"])[:2])
+            ),
+            60,
+            "4 registered nodes",
+        )
+        wait_for(lambda: nodes() == first, 60, lambda: f"{first}'s only: {nodes()}")
+        logs = lambda: "".join(m.log_text() for m in machines.values())  # noqa: E731
+        wait_for(lambda: "step 5 " in logs(), 90, "training to reach step 5")
+        leader = wait_for(
+            lambda: (c := store.get(keys.LEADER)) and node_of(c) in first and c,
+            30,
+            lambda: f"a leader on {first}: {store.get(keys.LEADER)}",
+        )
+        victim = machines[node_of(leader)]
+        os.killpg(victim.process.pid, signal.SIGKILL)  # the machine is lost
+        victim.process.wait()
+        survivor = next(n for n in first if n != node_of(leader))
+        wait_for(
+            lambda: len(nodes()) == 2 and survivor in nodes() and node_of(leader) not in nodes(),
+            60,
+            lambda: f"a third node promoted beside {survivor}: {nodes()}",
+        )
+        wait_for(
+            lambda: (c := store.get(keys.LEADER)) and node_of(c) in nodes(),
+            30,
+            lambda: f"a new leader: {store.get(keys.LEADER)}",
+        )
+        for node, machine in machines.items():
+            if machine is not victim:
+                assert machine.wait(300) == 0, (node, machine.output)
 
 
 def _embedded_etcd(job) -> psutil.Process | None:

@@ -21,6 +21,7 @@ from typing import Any
 from transom.common import files, keys
 from transom.common.fault_spec import Fault
 from transom.common.names import BadId, check_id
+from transom.control.candidacy import DEFAULT_CANDIDATES
 from transom.job_spec import (
     MAX_SIMULATED_NODES,
     ConfigError,
@@ -85,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--controllers",
         type=int,
         metavar="N",
-        help="controller candidates on this machine (default: 2 without --store, else 1); with "
-        "--store on a large job, give 0 to all but a few machines (under Slurm the first 3 "
-        "nodes run one each)",
+        help=f"the job's controller candidates (default: {DEFAULT_CANDIDATES} with --store, run "
+        "by the first live nodes in registration order, the next promoted when one leaves; 2 "
+        "without --store, on this machine); give every machine of a job the same N",
     )
     run.add_argument(
         "--no-mirror",
@@ -310,11 +311,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--store needs --job-id: every machine of the job must name the same job")
     if args.local_nodes is not None and args.local_nodes < 1:
         raise ConfigError(f"--local-nodes {args.local_nodes}: at least 1")
-    if args.controllers is not None and args.controllers < (0 if args.store else 1):
-        raise ConfigError(
-            f"--controllers {args.controllers}: at least "
-            + ("0" if args.store else "1 without --store (this machine runs the whole job)")
-        )
+    if args.controllers is not None and args.controllers < 1:
+        raise ConfigError(f"--controllers {args.controllers}: at least 1 (a job needs a leader)")
     if not args.mirror and args.store is None:
         raise ConfigError("--no-mirror is for one machine of a multi-machine job (--store)")
     if args.discard_storage and not args.fresh:

@@ -3,7 +3,8 @@
 On one machine (no --store) it starts a private etcd (mutual TLS, with certificates made for
 this run in RUN_DIR/etcd-tls) and simulates `nnodes + spares` nodes, each a separate agent
 process. With --store it joins a job on an existing etcd and runs one agent (or --local-nodes of
-them) and one controller candidate on this machine; every machine runs the same command. Every
+them) on this machine, and a controller candidate for each of its nodes among the job's first
+live nodes (transom.control.candidacy); every machine runs the same command. Every
 process it starts reaches etcd as it does (`StoreAccess.argv`); a spec another machine wrote is
 validated before this machine runs it. It mirrors the job's events into the run directory,
 keeps `status.json` current, records the job's progress over time (`progress.jsonl`) and shows
@@ -43,6 +44,7 @@ from transom.checkpoint.storage_claim import Claim
 from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
+from transom.control.candidacy import DEFAULT_CANDIDATES, Candidacy, demote_after_s
 from transom.job_spec import ConfigError, JobSpec
 from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
@@ -51,7 +53,8 @@ from transom.store.embedded import ONE_MACHINE_GO_THREADS
 from transom.store.reachability import StoreOutage
 from transom.store.spec import parse_spec
 from transom.store.upkeep import EtcdUpkeep
-from transom.utils.procs import die_with_parent, stop_process, stop_tree
+from transom.utils.child import Child
+from transom.utils.procs import stop_process, stop_tree
 from transom.view import snapshot
 
 log = logging.getLogger("transom.run")
@@ -79,31 +82,6 @@ class ControlPlaneLost(RuntimeError):
 
 
 @dataclass
-class Child:
-    """A process this launcher started: a controller candidate or a node agent."""
-
-    name: str
-    kind: str  # "controller" | "agent"
-    argv: list[str]
-    log_path: Path
-    process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-
-@dataclass
 class Launch:
     """How this machine takes part in the job."""
 
@@ -111,7 +89,8 @@ class Launch:
     run_dir: Path
     store: StoreAccess | None = None  # None: start a private etcd
     local_nodes: int | None = None  # None: all nodes here without --store, else 1
-    controllers: int | None = None  # candidates here (None: 2 without --store, else 1; may be 0)
+    # The job's controller candidates (None: 2 without --store, else DEFAULT_CANDIDATES).
+    controllers: int | None = None
     node_prefix: str | None = None
     host: str = "127.0.0.1"
     refill_spares: bool = False  # simulated nodes only: replace every evicted node with a new one
@@ -141,6 +120,8 @@ class Launcher:
         self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
         self.claim: Claim | None = None  # this job's hold on its checkpoint storage
         self._run_dir_lock: int | None = None  # on one machine: the run directory's lock file
+        self.candidacy: Candidacy | None = None  # with --store: which nodes here run a candidate
+        self._promotions = 0
 
     @property
     def connected(self) -> Store:
@@ -203,20 +184,20 @@ class Launcher:
 
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
-        base = [sys.executable, "-m", "transom", "--log-level", children_log_level()]
-        common = [*self.connected.access.argv(), "--job-id", spec.job_id]
         simulated = L.store is None
         n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
-        n_controllers = L.controllers if L.controllers is not None else (2 if simulated else 1)
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
         children = []
-        for i in range(n_controllers):
+        if not simulated:
+            n = L.controllers or DEFAULT_CANDIDATES
+            self.candidacy = Candidacy(self.connected, n, demote_after_s(spec))
+        for i in range((L.controllers or 2) if simulated else 0):
             name = f"controller-{L.node_prefix or socket.gethostname()}-{i}"  # unique per node
             children.append(
                 Child(
                     name,
                     "controller",
-                    base + ["controller", *common, "--candidate-id", name],
+                    [*self._argv("controller"), "--candidate-id", name],
                     files.log_file(L.run_dir, name),
                 )
             )
@@ -225,26 +206,15 @@ class Launcher:
         self._local_nodes = [c.name for c in children if c.kind == "agent"]
         return children
 
+    def _argv(self, command: str) -> list[str]:
+        """The command line of a child running `transom <command>` for this job."""
+        base = [sys.executable, "-m", "transom", "--log-level", children_log_level(), command]
+        return [*base, *self.connected.access.argv(), "--job-id", self.launch.spec.job_id]
+
     def _agent(self, name: str) -> Child:
         L = self.launch
-        argv = [
-            sys.executable,
-            "-m",
-            "transom",
-            "--log-level",
-            children_log_level(),
-            "agent",
-            *self.connected.access.argv(),
-            "--job-id",
-            L.spec.job_id,
-            "--node-id",
-            name,
-            "--run-dir",
-            str(L.run_dir),
-            "--host",
-            L.host,
-        ]
-        return Child(name, "agent", argv, files.agent_log(L.run_dir, name))
+        argv = [*self._argv("agent"), "--node-id", name, "--run-dir", str(L.run_dir)]
+        return Child(name, "agent", [*argv, "--host", L.host], files.agent_log(L.run_dir, name))
 
     # -- running ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -415,22 +385,47 @@ class Launcher:
             self.connected.put(keys.event(event.time, "launcher"), event.to_dict())
 
     def _keep_controllers(self) -> None:
-        """A controller candidate that died while the job goes on is replaced."""
+        """A controller candidate that died while the job goes on is replaced; with --store, one
+        starts or stops as a node of this machine enters or leaves the job's first live ones."""
+        if self.candidacy is not None:
+            self._keep_candidates(self.candidacy)
         for child in self.children:
             if child.kind == "controller" and child.process and child.process.poll() is not None:
                 # A new incarnation gets a new id: fencing compares ids, so ids are never reused.
-                base = child.name.split(".")[0]
-                incarnation = int(child.name.split(".")[1]) + 1 if "." in child.name else 1
+                child.restarts += 1
                 log.info(
                     "controller candidate %s exited (%s); starting a new one",
                     child.name,
                     child.process.returncode,
                 )
-                child.name = f"{base}.{incarnation}"
+                child.name = f"{child.base}.{child.restarts}"
                 child.argv[child.argv.index("--candidate-id") + 1] = child.name
                 child.start()
 
+    def _keep_candidates(self, candidacy: Candidacy) -> None:
+        running = {c.node: c for c in self.children if c.kind == "controller" and c.node}
+        try:
+            keep = candidacy.keep(self._local_nodes, running, time.monotonic())
+        except StoreError:  # etcd does not answer now: the candidates here stay as they are
+            return
+        for node in sorted(keep - set(running)):
+            self._promotions += 1  # ids are never reused, not even by a node promoted again
+            name = f"controller-{node}-{self._promotions}"
+            argv = [*self._argv("controller"), "--candidate-id", name]
+            child = Child(name, "controller", argv, files.log_file(self.launch.run_dir, name))
+            child.node = node
+            log.info("node %s is among the job's first live nodes: starting %s", node, name)
+            self.children.append(child)
+            child.start()
+        for node in set(running) - keep:
+            log.info("node %s is no longer a controller candidate", node)
+            running[node].kind = "retired"
+            if (process := running[node].process) is not None and process.poll() is None:
+                process.terminate()  # it hands leadership over at once if it leads
+
     def _shutdown(self, wait_for_exit: bool = True) -> None:
+        if self.candidacy is not None:
+            self.candidacy.stop()
         if self.mirror is not None:
             self.mirror.stop()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S

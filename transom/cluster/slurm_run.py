@@ -7,10 +7,11 @@ folder) and writes the folder's `store.json`; every other node waits for that fi
 requeued or re-submitted job goes on from the checkpoints storage holds, as every rerun of `transom
 run` does (the launcher's claim, checkpoint/storage_claim.py). An explicit `--store` wins: then no
 node starts one. Each node then runs what `transom run --store` runs on a machine of a multi-machine
-job: one agent named after its Slurm node (`transom.launcher`), and the first CONTROLLER_NODES nodes
-one controller candidate each; the controller makes the first `--nnodes` nodes to join members and
-the rest spares. Only the first node keeps the job's status.json, events.jsonl and progress.jsonl
-and prints its events (`Launch.mirror`); the others follow the job record alone.
+job: one agent named after its Slurm node (`transom.launcher`), and, on the first live nodes to
+register (3, or --controllers: transom.control.candidacy), one controller candidate each; the
+controller makes the first `--nnodes` nodes to join members and the rest spares. Only the first
+node keeps the job's status.json, events.jsonl and progress.jsonl and prints its events
+(`Launch.mirror`); the others follow the job record alone.
 
 Files (RUN_DIR, default ./transom-runs/slurm-<job>, must be on a file system every node shares):
     RUN_DIR/checkpoints/          default --ckpt-storage: the same for every step and requeue
@@ -67,10 +68,6 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL
 EXIT_INTERRUPTED = 130  # what the launcher returns when a signal stopped it
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long a node waits for the first node's etcd
 RENDEZVOUS_POLL_S = 0.2
-# The first nodes of the allocation run a controller candidate each: enough to survive two of
-# them failing, and not a standby on every one of a thousand nodes (each a watch and a read of
-# etcd every few seconds, and a thousand lead attempts when the leader dies).
-CONTROLLER_NODES = 3
 DRAIN_POLL_S = 1.0  # how often the drain watcher looks at `stopped` (and retries etcd)
 # The first node keeps etcd up this long at most after the job's end, until the other nodes'
 # agents have gone, so their launchers see the end instead of a vanished etcd.
@@ -87,11 +84,8 @@ def run_args(
         raise ConfigError("--refill-spares starts simulated nodes; Slurm gives this job its nodes")
     if args.local_nodes not in (None, 1):
         raise ConfigError("--local-nodes: one node agent per Slurm node (srun one task per node)")
-    if args.controllers is not None or not args.mirror:
-        raise ConfigError(
-            "--controllers and --no-mirror: under Slurm the first nodes run the controller "
-            f"candidates ({CONTROLLER_NODES}) and the first node mirrors the job"
-        )
+    if not args.mirror:
+        raise ConfigError("--no-mirror: under Slurm the first node mirrors the job")
     return run(
         allocation,
         spec,
@@ -99,6 +93,7 @@ def run_args(
         prepare_run_dir(args.run_dir or runs / f"{slurm.JOB_PREFIX}{allocation.job}"),
         args.host or host_address(),
         node_id=args.node_id,
+        controllers=args.controllers,
         drain_evicted=args.slurm_drain,
         fresh=args.fresh,
         discard_storage=args.discard_storage,
@@ -116,6 +111,7 @@ def run(
     run_dir: Path,
     host: str,
     node_id: str | None = None,
+    controllers: int | None = None,
     drain_evicted: bool = False,
     fresh: bool = False,
     discard_storage: bool = False,
@@ -139,7 +135,7 @@ def run(
         run_dir=node_dir,
         store=store,
         local_nodes=1,
-        controllers=1 if allocation.nodes.index(node) < CONTROLLER_NODES else 0,
+        controllers=controllers,
         node_prefix=node,
         host=host,
         mirror=allocation.is_first,
