@@ -94,6 +94,7 @@ class ShardMemory:
         self.free: list[Region] = []
         self.used = 0
         self.preparing = 0  # spare regions being populated right now
+        self.released = False  # release_all ran: no new region is made
         self.protected_step: int | None = None  # the plan's restore step: never evicted
         # Whether a shard falls under a discard (the server's publisher knows): such a shard is
         # evicted as soon as nothing reads it (`drop_discarded`, `unpin`).
@@ -240,6 +241,8 @@ class ShardMemory:
             if spare is not None:
                 spare.prepared_for = rank
                 return spare
+            if self.released:
+                return None
             kept = self._keep(self._complete_of(rank))
             if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > kept:
                 return None  # beyond the budget, or beyond the steps memory keeps + one save
@@ -252,6 +255,9 @@ class ShardMemory:
             pass
         with self.lock:
             self.preparing -= 1
+            if region is not None and self.released:  # the server stopped meanwhile
+                region.destroy()
+                region = None
             if region is None:
                 self.used -= nbytes
             else:
@@ -328,8 +334,11 @@ class ShardMemory:
             }
 
     def release_all(self) -> None:
-        """Destroy every region (the server stops)."""
+        """Destroy every region (the server stops), after any spare being populated: one made
+        during the removal of the folder would keep it in /dev/shm."""
         with self.lock:
+            self.released = True
+            self.lock.wait_for(lambda: not self.preparing, timeout=PREPARING_WAIT_S)
             for shard in self.shards.values():
                 shard.region.destroy()
             for region in self.free:
