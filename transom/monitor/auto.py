@@ -17,13 +17,16 @@ already has (all installed by `install()`, from transom.control.bootstrap):
   are timed, and DDP's gradient all-reduce through a communication hook (the time from the last
   bucket's launch to its completion: the time this rank waited for its peers at the end of the
   backward pass). A step's wait is its `comm`, the rest its `compute`, as `monitor.step`'s
-  `sync` section would give them, so "the rank the others wait for" works unmodified.
+  `sync` section would give them, so "the rank the others wait for" works unmodified;
+- replica fingerprints: every few steps the same hook hashes the parameters it steps
+  (transom.monitor.fingerprint) for the controller's replica check, and applies an injected
+  `corrupt` fault's bit flips (tests, demos) right after the optimizer step.
 
 A script that also uses the explicit API (`monitor.step`, `monitor.report`) keeps its own,
-richer reports: from its first explicit call on, the optimizer hook reports nothing (nothing is
-counted twice; at most the steps before that call were counted by the hook). A framework
-callback (transom.integrations) sets `framework`: it reports each step with the framework's own
-step number and loss, and the timing the hook measured (`take_timing`).
+richer reports: from its first explicit call on, the optimizer hook reports no steps (nothing is
+counted twice; at most the steps before that call were counted by the hook), only fingerprints.
+A framework callback (transom.integrations) sets `framework`: it reports each step with the
+framework's own step number and loss, and the timing the hook measured (`take_timing`).
 
 What it must never do: raise into or block training. Every hook swallows its own errors; a
 hook that cannot be installed (an older torch, no torch.distributed) is left out; a user's own
