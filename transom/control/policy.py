@@ -237,8 +237,7 @@ def on_corruption(
     replaced (a node that computes wrong numbers without an error is not trusted again; without
     a replay, a transient flip costs a spare). The same rollback point again, the node kept:
     the corruption persists where nothing can replace it, and training on would spoil it: fail."""
-    evidence = anomaly.evidence if isinstance(anomaly.evidence, dict) else {}
-    agreed = evidence.get("last_agreeing_step")
+    agreed = anomaly.evidence.get("last_agreeing_step")
     # Fingerprints are numbered by the optimizer's count from 0 (step A: A + 1 steps taken); a
     # checkpoint's step by the script, from 0 or from 1. Restoring a step up to A is safe either
     # way: the replicas agreed after step A + 1 of a count from 1.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 
 from transom.common.records import RankSummary
 from transom.monitor import datagram, detectors, waiting
@@ -54,8 +55,8 @@ class RankTrack:
         self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
         # Time between the ends of consecutive steps less the wait: compute and anything the rank
         # did (or was stopped in) between steps; its peers wait for this much.
-        self.busies: deque[float] = deque(maxlen=TIMING_WINDOW)
-        self.long_busies: deque[float] = deque(maxlen=STALL_WINDOW)  # the same, for stalls
+        # (The newest STALL_WINDOW, for stalls; the timing window is the newest TIMING_WINDOW.)
+        self.busies: deque[float] = deque(maxlen=STALL_WINDOW)
         self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
         self.sent_at: float | None = None  # the sender's time of the last step datagram
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
@@ -86,25 +87,28 @@ class RankTrack:
             cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
             if 0.0 <= cycle <= datagram.MAX_SECONDS:
                 self.busies.append(max(0.0, cycle - wait))
-                self.long_busies.append(self.busies[-1])
         return True
 
     def shifted(self, published: RankSummary | None) -> bool:
         """Whether its timings shifted since `published`, its view in the node's last summary."""
         return waiting.timings_shifted(
-            published, _trimmed_mean(self.busies), _trimmed_mean(self.computes), self.stall_s()
+            published, self.busy_s(), _trimmed_mean(self.computes), self.stall_s()
         )
+
+    def busy_s(self) -> float | None:
+        """The trimmed mean busy time over the timing window."""
+        return _trimmed_mean(list(self.busies)[-TIMING_WINDOW:])
 
     def stall_s(self) -> float | None:
         """The stalls' excess busy time per step over the long window, less the HICCUPS_IGNORED
         largest stalls (None before MIN_TIMING_SAMPLES steps)."""
-        if len(self.long_busies) < MIN_TIMING_SAMPLES or not self.durations:
+        if len(self.busies) < MIN_TIMING_SAMPLES or not self.durations:
             return None
-        typical = statistics.median(self.long_busies)
+        typical = statistics.median(self.busies)
         floor = STALL_FRACTION * statistics.median(self.durations)
-        stalls = sorted(b - typical for b in self.long_busies if b - typical >= floor)
+        stalls = sorted(b - typical for b in self.busies if b - typical >= floor)
         kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
-        return round(sum(kept) / len(self.long_busies), 5)
+        return round(sum(kept) / len(self.busies), 5)
 
     def add_fingerprint(self, step: int, digest: str) -> None:
         self.fingerprints[str(step)] = digest
@@ -121,18 +125,18 @@ class RankTrack:
             step_s=round(statistics.median(self.durations), 5) if self.durations else None,
             compute_s=_trimmed_mean(self.computes),
             wait_s=_median(self.waits),
-            busy_s=_trimmed_mean(self.busies),
+            busy_s=self.busy_s(),
             stall_s=self.stall_s(),
             fingerprints=dict(self.fingerprints),
             tokens_per_s=self.tokens_per_s,
         )
 
 
-def _median(values: deque[float]) -> float | None:
+def _median(values: Sequence[float]) -> float | None:
     return round(statistics.median(values), 5) if len(values) >= MIN_TIMING_SAMPLES else None
 
 
-def _trimmed_mean(values: deque[float]) -> float | None:
+def _trimmed_mean(values: Sequence[float]) -> float | None:
     """The mean without the TRIM_HIGH highest and TRIM_LOW lowest values: a delay that hits only
     some steps (a rank stopped from outside now and then) counts in proportion, where a median
     would ignore it until it hits half of the steps; the hiccups of a busy machine are left out."""
