@@ -314,7 +314,7 @@ def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:
 
 def test_budget_refuses_a_save_that_does_not_fit_and_training_goes_on(tmp_path: Path) -> None:
     shard = 4 << 20
-    server = _server(tmp_path, budget=2 * shard + (1 << 20))
+    server = _server(tmp_path, budget=2 * shard + (1 << 20), memory_keep=1)
     try:
         engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
         state = {"w": torch.zeros(shard // 4)}
@@ -338,11 +338,12 @@ def test_budget_refuses_a_save_that_does_not_fit_and_training_goes_on(tmp_path: 
         server.stop()
 
 
-def test_memory_keeps_the_newest_step_and_one_region_per_rank_and_storage_keeps_k(
-    tmp_path: Path,
+@pytest.mark.parametrize("keep", [1, ServerConfig.memory_keep])
+def test_memory_keeps_the_newest_steps_and_one_region_per_rank_and_storage_keeps_k(
+    tmp_path: Path, keep: int
 ) -> None:
     root = tmp_path / "store"
-    server = _server(tmp_path, budget=1 << 30, storage_dir=root, storage_keep=2)
+    server = _server(tmp_path, budget=1 << 30, storage_dir=root, storage_keep=2, memory_keep=keep)
     try:
         engine = checkpoint.Engine(
             socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1, storage_dir=root
@@ -351,8 +352,9 @@ def test_memory_keeps_the_newest_step_and_one_region_per_rank_and_storage_keeps_
             engine.save(step, {"w": torch.full((1 << 16,), float(step))}).wait(
                 "storage", timeout=30
             )
-        assert sorted(s.step for s in server.memory.shards.values()) == [5]
-        assert server.memory.used <= 2 * server.memory.shards[(5, 0)].region.nbytes  # 2x
+        assert sorted(s.step for s in server.memory.shards.values()) == list(range(6 - keep, 6))
+        region = server.memory.shards[(5, 0)].region.nbytes
+        assert server.memory.used <= (keep + 1) * region  # the steps kept, and the next save's
         assert storage.complete_steps(root) == [5, 4]
         assert (root / "latest").read_text().strip() == "5"
         assert len(server.memory.free) >= 1  # an evicted step's region waits for the next save

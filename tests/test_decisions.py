@@ -21,11 +21,12 @@ from transom.common.records import (
     NodeRegistration,
     NodeStatus,
     PreflightResult,
+    RankSummary,
     Severity,
     parse_all,
 )
 from transom.common.states import JobState, NodeState
-from transom.control.decisions import PREFLIGHT_WAIT_S, decide
+from transom.control.decisions import DISCARD_AFTER_S, PREFLIGHT_WAIT_S, decide
 from transom.control.tick import Decision, Memory, Snapshot
 from transom.job_spec import JobSpec
 
@@ -408,7 +409,7 @@ def _summary(node: str, generation: int, t: float, *anomalies: Anomaly) -> Monit
     return MonitorSummary(node, generation, t, anomalies=list(anomalies))
 
 
-def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generation_runs():
+def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generation_trains():
     s = spec()
     job = running(["node0", "node1"], s)
     live = nodes("node0", "node1")
@@ -429,10 +430,18 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     snap.restore_step = 20  # the I/O loop asked the catalog for a step before 30
     d = run(d.job, snap, s, T0 + 6.2)
     assert d.job.generation == 2 and d.plan is not None and d.plan.restore_step == 20
+    assert d.plan.restore_before == 30  # the ranks may agree on a newer step, never on 30
     assert d.job.rollback_before == 30 and d.discard_poisoned is None
-    d = run(d.job, Snapshot(live, statuses(2, NodeState.RUNNING, "node0", "node1")), s, T0 + 9)
-    assert d.job.state is JobState.RUNNING and d.job.rollback_before is None
-    assert d.discard_poisoned == (21, 2)  # after the restored step 20, saved before generation 2
+    up2 = statuses(2, NodeState.RUNNING, "node0", "node1")
+    d = run(d.job, Snapshot(live, up2), s, T0 + 9)
+    # Running, but no rank has finished a step: its ranks may still be loading step 29.
+    assert d.job.state is JobState.RUNNING and d.discard_poisoned is None
+    assert d.job.rollback_before == 30  # a restart meanwhile still restores below 30
+    trained = {"node0": MonitorSummary("node0", 2, T0 + 9.5, ranks={"0": RankSummary(step=30)})}
+    d = run(d.job, Snapshot(live, up2, trained), s, T0 + 10)
+    assert d.discard_poisoned == (21, 2)  # after the plan's step 20, saved before generation 2
+    assert d.job.rollback_before is None and d.job.discard_from is None
+    assert run(d.job, Snapshot(live, up2, trained), s, T0 + 11).discard_poisoned is None  # once
 
 
 def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():
@@ -444,9 +453,12 @@ def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_bef
     assert d.job.state is JobState.WARMUP and d.discard_poisoned is None  # node1 not started
     both = statuses(1, NodeState.RUNNING, "node0", "node1")
     d = run(d.job, Snapshot(nodes("node0", "node1"), both), s, T0 + 1)
-    assert d.job.state is JobState.RUNNING
+    assert d.job.state is JobState.RUNNING and d.discard_poisoned is None  # no step seen yet
+    # A script whose steps the monitor never sees: after DISCARD_AFTER_S all the same.
+    d = run(d.job, Snapshot(nodes("node0", "node1"), both), s, T0 + DISCARD_AFTER_S)
     assert d.discard_poisoned == (13, d.job.generation)
     fresh = run(started(["node0", "node1"], s, T0), Snapshot(nodes("node0", "node1"), both), s, T0)
+    fresh = run(fresh.job, Snapshot(nodes("node0", "node1"), both), s, T0 + DISCARD_AFTER_S)
     assert fresh.discard_poisoned == (0, fresh.job.generation)  # a fresh start: all of it
 
 

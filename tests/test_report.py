@@ -213,6 +213,20 @@ def test_goodput_numbers_are_exact(tmp_path):
     assert s["incidents"][1]["cause"] == "n0 lost; blamed: n0"
 
 
+def test_a_generation_resumes_from_the_step_its_ranks_restored_not_the_plans(tmp_path):
+    # The plan of generation 2 names step 20 (the catalog's newest when it was made); its ranks
+    # agreed on step 30, the newest they all held: one step lost, not eleven.
+    run = write_synthetic_run(tmp_path / "run")
+    restored = [
+        ev(9.2, "checkpoint", action="restored", step=30, rank=r, tier="memory") for r in (0, 1)
+    ]
+    events = sorted(synthetic_events() + restored, key=lambda e: e["time"])
+    write_lines(run / "events.jsonl", events)
+    s = build_summary(read_run(run))
+    assert [(i["restore_step"], i["lost_steps"]) for i in s["incidents"]] == [(30, 1), (40, 6)]
+    assert s["goodput"]["lost_steps"] == 1 + 6
+
+
 def test_each_fault_is_matched_to_its_detection_and_recovery(tmp_path):
     s = build_summary(read_run(write_synthetic_run(tmp_path / "run")))
     crash, kill, slow, log = s["faults"]

@@ -1,7 +1,11 @@
 """Ranks that load without a controller agree on the step: every rank loads the same one, or none.
 
-Under a launcher the controller names the restore step for every rank (TRANSOM_RESTORE_STEP).
-Without one, each rank would take the newest step it can read and fall back on its own when its
+Under a launcher the controller names the oldest step to restore (TRANSOM_RESTORE_STEP: the
+newest the catalog listed, which lags the saves by up to a second) and, after a rollback, the
+first not to (TRANSOM_RESTORE_BEFORE); with a process group the ranks agree on the newest step
+they all hold in between (engine.py `newer_held` lists a rank's), so a job that saves every step
+loses at most the step in flight. Without a controller, each rank would take the newest step it
+can read and fall back on its own when its
 copy is bad, so two ranks could resume from different steps and train from mismatched state.
 `agree` makes the fallback collective, by what the job has:
 
@@ -80,6 +84,11 @@ def _alone(candidates: list[int], load: LoadStep) -> tuple[int, Any] | None:
     if errors:
         raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
     return None
+
+
+def spans(world_size: int) -> bool:
+    """Whether the ranks of a world of `world_size` can agree by all-reduces (or need not)."""
+    return world_size <= 1 or _process_group(world_size)
 
 
 def _process_group(world_size: int) -> bool:

@@ -206,7 +206,7 @@ class ShardMemory:
                 self.lock.notify_all()
 
     def retain(self, rank: int) -> None:
-        """Evict this rank's complete shards beyond the `memory_keep` newest, and beyond one more
+        """Evict this rank's complete shards beyond the `memory_keep` newest, and beyond two
         while the newest is memory-only (lock held): when a rank dies before saving a step its
         peers saved, the job restores the step before, which storage then does not hold. The
         extra step goes first when the budget is short (`_victims`)."""
@@ -225,7 +225,7 @@ class ShardMemory:
 
     def _keep(self, mine: list[Shard]) -> int:
         """How many of a rank's complete shards (`mine`, newest first) memory keeps."""
-        return self.memory_keep + (1 if mine and not mine[0].persist else 0)
+        return max(self.memory_keep, 2) if mine and not mine[0].persist else self.memory_keep
 
     def prepare_spare(self, nbytes: int, rank: int) -> Region | None:
         """A populated region of `nbytes` ready for `rank`'s next save, if the budget has room.
@@ -307,6 +307,18 @@ class ShardMemory:
             self.evict(shard)
             return True
         return False
+
+    def held(self, rank: int) -> list[tuple[int, int]]:
+        """(step, world size) of each shard of `rank` in memory: checksummed, or being
+        checksummed (a save committed a moment ago; `locate` waits for it)."""
+        with self.lock:
+            return [
+                (s.step, s.world_size)
+                for s in self.shards.values()
+                if s.rank == rank
+                and s.world_size > 0
+                and (Tier.MEMORY in s.tiers or (s.state == STAGED and Tier.MEMORY not in s.failed))
+            ]
 
     def holding(self, tier: Tier) -> list[Shard]:
         """The shards that reached `tier`."""

@@ -5,7 +5,7 @@ the fastest tier that holds a good copy.
     h = ckpt.save(step, {"model": ..., "optim": ..., "rng": ..., "data": ...})
     h.wait("peer"); h.wait("storage")                # only when the caller wants to
     ckpt.save(step, state, persist=False)            # memory and peer only (storage less often)
-    state = ckpt.load()                              # the controller's restore step, or the newest
+    state = ckpt.load()                              # the newest step all ranks hold, or the plan's
 
 Resharding (reshard.py) drives a load through three more public calls, its `ShardReader`:
 `read_shard` (one saved rank's shard, as saved), `locate` (where the server knows copies of one)
@@ -20,7 +20,8 @@ Tiers are named by `Tier` (memory, peer, storage); the load path walks `tiers.RE
 A save copies every tensor straight into a shared-memory region the server hands out (CUDA
 tensors: asynchronously into that region registered as pinned memory, then committed from a
 background thread once the copy has finished; CPU tensors: committed by a request whose reply
-is read with the next one, client.py's `send`, so the save does not wait for it). A load from
+is read with the next one, client.py's `send`, or with `overlap` copied on a thread while
+training goes on, overlap.py). A load from
 local memory maps the server's region copy-on-write: no copy, and the server never writes into
 that region again (shm.py). Every load path verifies the shard's checksums; a bad copy is
 reported as an event and the next tier tried.
@@ -55,6 +56,7 @@ from transom.checkpoint.client import (
     ServerConnection,
 )
 from transom.checkpoint.next_region import NextRegion
+from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
 from transom.checkpoint.shm import MappingCache
@@ -110,6 +112,7 @@ class Engine:
             self.socket_path = str(self.server.cfg.socket_path)
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
         self._pinned = PinnedRegions()
+        self._copy = CopyInFlight()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._next = NextRegion(self._request, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
@@ -165,14 +168,21 @@ class Engine:
         return bool(reply.get("ok"))
 
     def save(
-        self, step: int, state: Any, replicated: Iterable[str] = (), persist: bool = True
+        self,
+        step: int,
+        state: Any,
+        replicated: Iterable[str] = (),
+        persist: bool = True,
+        overlap: bool = False,
     ) -> SaveHandle:
         """Copy `state` into the node's checkpoint memory and return; the rest happens in the
         background. `replicated` names the values the same on every rank ("model", "optim/state",
         "" for all), so a world of another size can load this step (reshard.py). Not `persist`:
         memory and peer only, storage only if it is still the newest when its server stops or
         an embedded one closes (every rank must pass the same for a step: storage keeps steps
-        all ranks wrote).
+        all ranks wrote). `overlap` (CPU tensors): the bytes are copied on a thread while
+        training goes on, and the next optimizer step waits for that copy (overlap.py: nothing
+        else may change the state's tensors meanwhile).
 
         A save the server refuses (memory budget), does not answer in time or cannot take (it
         died; the node agent starts a new one) does not raise: the handle says why, `wait`
@@ -180,6 +190,7 @@ class Engine:
         event, in the background). Training goes on; the next save reaches the new server.
         """
         t0 = time.perf_counter()
+        self._copy.wait_finished()  # an overlapped save before it: one in flight, in step order
         plan = reshard.plan_state(
             state, step, self.rank, self.world_size, replicated, self.timeline()
         )
@@ -201,6 +212,14 @@ class Engine:
         data = self._maps.get(reply["path"], reply["nbytes"])
         handle = SaveHandle(self, step, self.rank)
         devices = _cuda_devices(plan)
+        if overlap and not devices:
+            self._copy.start(
+                functools.partial(layout.copy_into, plan, data),
+                functools.partial(self._copied, handle, plan.header, persist),
+            )
+            handle.blocking_s = time.perf_counter() - t0
+            self._next.after(plan.data_len, step)
+            return handle
         try:
             if devices:
                 self._pinned.pin(data)
@@ -275,6 +294,16 @@ class Engine:
             return
         self._commit(handle, header, persist)
 
+    def _copied(
+        self, handle: SaveHandle, header: dict, persist: bool, error: BaseException | None
+    ) -> None:
+        """An overlapped copy ended (overlap.py): commit it, or give its region back."""
+        if error is not None:
+            self._abort(handle.step)
+            failed = CheckpointError(f"step {handle.step}: the copy failed: {error!r}")
+            return self._commit_answered(handle, failed)  # `wait` raises it
+        self._commit(handle, header, persist)
+
     def _abort(self, step: int) -> None:
         """Give back the region reserved for `step`, whose copy did not finish."""
         try:
@@ -288,9 +317,24 @@ class Engine:
 
     # -- load ------------------------------------------------------------------------------------
     def restore_step(self) -> int | None:
-        """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any."""
-        value = os.environ.get(env.RESTORE_STEP)
-        return int(value) if value not in (None, "") else None
+        """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any: the
+        oldest a `load()` restores (the newest the catalog listed when the plan was made)."""
+        return _env_step(env.RESTORE_STEP)
+
+    def newer_held(self, floor: int) -> list[int]:
+        """Steps of this rank's shard saved by this world in [floor, TRANSOM_RESTORE_BEFORE) that
+        its node's server or a peer holds in memory, newest first, then `floor` (alone when the
+        server does not answer): the catalog lists a save up to a second late."""
+        msg = {"op": "held", "rank": self.rank, "world_size": self.world_size, "floor": floor}
+        msg["before"] = _env_step(env.RESTORE_BEFORE)
+        try:
+            reply = self._request(msg, timeout=self.locate_timeout_s)
+        except CheckpointError as e:
+            log.warning("%s; restoring step %d", e, floor)
+            return [floor]
+        held = reply.get("steps") if reply.get("ok") else None
+        steps = [s for s in held if type(s) is int and s > floor] if isinstance(held, list) else []
+        return [*sorted(set(steps), reverse=True), floor]
 
     def steps(self) -> list[int]:
         """Steps restorable for every rank of this world, newest first."""
@@ -310,16 +354,19 @@ class Engine:
         tier: str | None = None,
         rank: int | None = None,
     ) -> Any:
-        """The state saved at `step` (default: under a launcher the plan's restore step, None
-        when it names none - a fresh start, never the newest step, which may be poisoned; without
-        one the newest step every rank can load, the same on every rank: agreement.py), bit for
-        bit; None when there is nothing to restore. Tensors
+        """The state saved at `step` (default: under a launcher the newest step every rank
+        holds at or after the plan's restore step and before its rollback bound, agreed over
+        the process group - the plan's step itself without one; None when the plan names none,
+        a fresh start, never the newest step, which may be poisoned; without a launcher the
+        newest step every rank can load; the same on every rank: agreement.py), bit for bit;
+        None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
         "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
         world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
         says what was left out)."""
-        step = step if step is not None else self.restore_step()
-        if step is None and self.generation is not None:
+        self._copy.wait_finished()  # a save being copied: its step may be the one loaded
+        floor = self.restore_step() if step is None else None
+        if step is None and floor is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
             return None
 
@@ -328,9 +375,12 @@ class Engine:
 
         if step is not None:
             state = load_step(step)
-        else:  # no controller: every rank the same step, or none (agreement.py)
+        elif floor is not None and (rank is not None or not agreement.spans(self.world_size)):
+            state = load_step(floor)  # the plan's step: no group to agree on a newer one with
+        else:  # the newest step every rank holds (at or after the plan's): agreement.py
             size = self.world_size if rank is None else 1  # one given rank's shard: no peers
-            agreed = agreement.agree(self.steps(), load_step, size, self.storage_dir)
+            candidates = self.newer_held(floor) if floor is not None else self.steps()
+            agreed = agreement.agree(candidates, load_step, size, self.storage_dir)
             if agreed is None:
                 return None
             state = agreed[1]
@@ -418,6 +468,7 @@ class Engine:
     def close(self, wait: bool = True) -> None:
         """Wait for pending commits (and, for an embedded server, pending writes), then
         disconnect."""
+        self._copy.close()
         for thread in self._pending:
             thread.join()
         self._next.wait()
@@ -436,6 +487,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _env_step(name: str) -> int | None:
+    """A step the launcher passed in the environment variable `name`; None when absent."""
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
 
 
 def _cuda_devices(plan: layout.Plan) -> set[torch.device]:

@@ -93,7 +93,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return int(t.storage_offset()) * size, (last + 1) * size
 
 
-def _check_tensor(t: torch.Tensor) -> None:
+def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
+    """t's `_span`, or UnsupportedValue when a checkpoint cannot hold t."""
     if t.layout != torch.strided:
         raise UnsupportedValue(
             f"cannot checkpoint a {t.layout} tensor: convert it to a dense tensor first"
@@ -112,6 +113,7 @@ def _check_tensor(t: torch.Tensor) -> None:
             f"cannot checkpoint a tensor expanded {MAX_EXPANSION}x beyond its storage: "
             "call .contiguous() on it first"
         )
+    return lo, hi
 
 
 def plan_state(
@@ -123,6 +125,21 @@ def plan_state(
     storages: dict[tuple, dict] = {}  # (device, storage pointer) -> {"tensors": [...], "lo", "hi"}
 
     def encode(v: Any) -> Any:
+        # The types of nearly every value of a model's and an optimizer's state first, by
+        # identity (a save every step walks the state every step); the rest below.
+        kind = type(v)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            return {"T": add_tensor(v)}
+        if kind is dict:
+            return {"d": [[encode(k), encode(x)] for k, x in v.items()]}
+        if kind is str or kind is bool or v is None:
+            return v
+        if kind is int:
+            return {"i": str(v)}
+        if kind is float:
+            return {"f": v.hex()}
+        if kind is list or kind is tuple:
+            return {"l" if kind is list else "t": [encode(x) for x in v]}
         if isinstance(v, torch.Tensor):
             return {"T": add_tensor(v)}
         if isinstance(v, np.ndarray):
@@ -164,9 +181,9 @@ def plan_state(
         )
 
     def add_tensor(t: torch.Tensor) -> int:
-        _check_tensor(t)
-        key = (str(t.device), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        lo, hi = _span(t)
+        lo, hi = _check_tensor(t)
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
         group = storages.setdefault(key, {"tensors": [], "lo": lo, "hi": hi, "example": t})
         group["lo"], group["hi"] = min(group["lo"], lo), max(group["hi"], hi)
         entry = {
@@ -178,7 +195,9 @@ def plan_state(
         }
         if t.requires_grad:
             entry["grad"] = True
-        if isinstance(t, torch.nn.Parameter):
+        if type(t) is torch.nn.Parameter or (
+            type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)
+        ):
             entry["param"] = True
         group["tensors"].append(len(tensors))
         tensors.append(entry)

@@ -10,6 +10,8 @@ format):
          replica may replace an earlier replica of the same step and rank (a step saved again
          after a rollback), never a shard of this node's own workers.
     get  a shard this server holds in memory is sent from its region (pinned meanwhile)
+    list the steps of a rank's shards this server holds in memory (a replacement node's server
+         asks, to restore the newest step: worker_service.py `held`)
 A request that is malformed, too large or late ends its connection, with an error reply where
 one can still be sent; it never raises out of `serve`'s caller's thread into anything shared.
 This module never decides placement or retention, and never reads shard bytes into Python.
@@ -68,6 +70,8 @@ class PeerService:
                 raise
             if isinstance(request, replication.PutRequest):
                 self._put(sock, request)
+            elif isinstance(request, replication.ListRequest):
+                replication.serve_list(sock, self.memory.held(request.rank))
             else:
                 self._get(sock, request.step, request.rank)
         except (ProtocolError, OSError, ValueError) as e:

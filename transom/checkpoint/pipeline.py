@@ -8,6 +8,7 @@ worker of this node copies a save, so it does not compete with the copy for memo
 the persister skips a step when storage is behind and a newer one is queued. A save its writer
 made memory-only (`Engine.save(..., persist=False)`) skips storage, except each rank's newest
 one when the server drains (it stops, or an embedded server closes): the newest step outlives it.
+Such a save (a snapshot every step) is no `saved` or `replicated` event, only its failures are.
 
 This module never copies shard bytes in Python (checksums read the region in place, transfers
 use sendfile, storage writes from the region) and never blocks a worker's save.
@@ -196,6 +197,12 @@ class SavePipeline:
                 return
         self.persist_q.put(shard)
 
+    def _routine(self, shard: Shard, action: str, message: str, **fields: object) -> None:
+        """The event of a tier reached, for a save that goes to storage; a memory-only save
+        (a snapshot every step) reaches its tiers without one: its failures are events."""
+        if shard.persist:
+            self.publisher.event(action, message, **fields)
+
     def _reached(self, shard: Shard, tier: Tier) -> None:
         with self.lock:
             shard.tiers.add(tier)
@@ -235,7 +242,8 @@ class SavePipeline:
             if not self.committed(shard):
                 self._fail(shard, Tier.MEMORY, "discarded while it was checksummed")
                 continue
-            self.publisher.event(
+            self._routine(
+                shard,
                 "saved",
                 f"step {shard.step} rank {shard.rank} saved in memory on {self.node} "
                 f"({shard.region.nbytes} bytes)",
@@ -298,7 +306,8 @@ class SavePipeline:
                     self.node,
                 )
                 self._reached(shard, Tier.PEER)
-                self.publisher.event(
+                self._routine(
+                    shard,
                     "replicated",
                     f"step {shard.step} rank {shard.rank} replicated to {peer}",
                     step=shard.step,

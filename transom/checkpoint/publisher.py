@@ -47,6 +47,7 @@ class PlanView:
     generation: int | None = None
     members: list[str] = field(default_factory=list)
     restore_step: int | None = None
+    previous_members: list[str] = field(default_factory=list)
 
 
 def plan_view(value: Any) -> PlanView:
@@ -62,7 +63,9 @@ def plan_view(value: Any) -> PlanView:
         plan = Plan.from_dict(value)
     except RecordError:
         return PlanView()
-    return PlanView(plan.generation, list(plan.members), plan.restore_step)
+    return PlanView(
+        plan.generation, list(plan.members), plan.restore_step, list(plan.previous_members)
+    )
 
 
 class Publisher:

@@ -5,6 +5,8 @@ within AUTH_TIMEOUT_S), then carries one request:
     {"op": "put", "step", "rank", "header_len", "data_len", "origin"} + header bytes + data bytes
         -> {"ok": true} once the receiver holds the shard in memory with its checksums verified
     {"op": "get", "step", "rank"} -> {"ok": true, "header_len", "data_len"} + header + data
+    {"op": "list", "rank"} -> {"ok": true, "held": [[step, world_size], ...]} the rank's shards
+        the receiver holds in memory (at most MAX_LISTED; `list_held` checks every entry)
 `parse_request` is the one reader of a request: it names the fields, their types and bounds
 (a shard's data at most MAX_SHARD_BYTES, its header at most shard_format's MAX_HEADER_BYTES). Both
 sides read the shard header's prefix first and check it against the lengths the message named
@@ -79,7 +81,16 @@ class GetRequest:
     rank: int
 
 
-def parse_request(msg: dict) -> PutRequest | GetRequest:
+@dataclass(frozen=True)
+class ListRequest:
+    rank: int
+
+
+# A "list" reply names at most this many shards (a server keeps a few steps per rank).
+MAX_LISTED = 256
+
+
+def parse_request(msg: dict) -> PutRequest | GetRequest | ListRequest:
     """The request in a peer's message; ValueError naming what is wrong with it."""
     op = msg.get("op")
     if op == "put":
@@ -92,7 +103,9 @@ def parse_request(msg: dict) -> PutRequest | GetRequest:
         )
     if op == "get":
         return GetRequest(step=field_int(msg, "step"), rank=field_int(msg, "rank"))
-    raise ValueError(f"unknown request {str(op)[:40]!r}: put or get")
+    if op == "list":
+        return ListRequest(rank=field_int(msg, "rank"))
+    raise ValueError(f"unknown request {str(op)[:40]!r}: put, get or list")
 
 
 def transfer_deadline(nbytes: int) -> float:
@@ -232,6 +245,46 @@ def fetch_into(
     shard_format.verify_data(header, view)
     del view
     return header, header_bytes
+
+
+def list_held(addr: str, secret: bytes, rank: int) -> list[tuple[int, int]]:
+    """(step, world size) of each shard of `rank` the server at `addr` holds in memory.
+    ReplicationError when it cannot be reached or its answer is not a well-formed listing."""
+    sock = connect(addr, secret)
+    try:
+        send_msg(sock, {"op": "list", "rank": rank}, deadline_in(FRAME_TIMEOUT_S))
+        reply = recv_msg(sock, deadline_in(FRAME_TIMEOUT_S), MAX_PEER_MESSAGE)
+    except (OSError, ProtocolError) as e:
+        raise ReplicationError(f"listing rank {rank}'s shards at {addr}: {e}") from e
+    finally:
+        sock.close()
+    return parse_listing(reply, addr)
+
+
+def parse_listing(reply: dict, addr: str) -> list[tuple[int, int]]:
+    """The (step, world size) pairs of a "list" reply from `addr`; ReplicationError for a
+    reply that is not a well-formed listing (at most MAX_LISTED pairs of integers)."""
+    held = reply.get("held") if reply.get("ok") is True else None
+    if not isinstance(held, list) or len(held) > MAX_LISTED:
+        raise ReplicationError(f"server at {addr} sent a bad listing: {str(reply)[:200]}")
+    listing = []
+    for item in held:
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and all(type(v) is int for v in item)
+            and item[0] >= 0
+            and item[1] >= 1
+        ):
+            raise ReplicationError(f"server at {addr} listed a bad entry: {str(item)[:80]}")
+        listing.append((item[0], item[1]))
+    return listing
+
+
+def serve_list(sock: socket.socket, held: list[tuple[int, int]]) -> None:
+    """Answer a "list" with `held`: (step, world size) pairs, at most MAX_LISTED (the newest)."""
+    newest = sorted(held, reverse=True)[:MAX_LISTED]
+    send_msg(sock, {"ok": True, "held": [list(h) for h in newest]}, deadline_in(FRAME_TIMEOUT_S))
 
 
 def check_shard_header(header: dict, step: int, rank: int) -> None:

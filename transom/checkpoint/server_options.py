@@ -25,9 +25,11 @@ from transom.common.sizes import parse_size
 from transom.store.access import FLAG_CA, FLAG_CERT, FLAG_KEY, FLAG_URL, StoreAccess, StoreError
 from transom.utils.net import LOOPBACK, WILDCARDS
 
-# Complete steps per rank kept in memory: with the region of the save in progress (a freed
-# region waits for it), a node holds at most twice its share of the state, plus replicas.
-DEFAULT_MEMORY_KEEP = 1
+# Complete steps per rank kept in memory: two, so that after a fault every rank still holds
+# the newest step all ranks finished (a rank that died saving step S+1 holds S; the others,
+# which saved S+1, still hold S) and the ring peer's replica may lag a step. With the region of
+# the save in progress, a node holds at most three times its share of the state, plus replicas.
+DEFAULT_MEMORY_KEEP = 2
 DEFAULT_STORAGE_KEEP = 3
 SOCKET_NAME = "server.sock"
 

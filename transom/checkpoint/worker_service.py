@@ -12,6 +12,12 @@ Each message (protocol.py framing) is one request with one reply:
                                        PREFETCH_WAIT_S)
     prepare {nbytes, rank}    -> {path}      populate a spare region for the rank's next save
     steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
+    held    {rank, world_size, floor[, before]} -> {steps}  steps of the rank's shard saved by a
+                                       world of world_size, floor <= step < before, held in
+                                       this server's memory or (when it holds none) in the
+                                       memory of the peers the catalog lists for `floor`
+                                       (asked directly: the catalog lags the newest saves);
+                                       `locate` then names those peers too
     event   {action, message, fields}        a `checkpoint` event on the worker's behalf (a
                                        corrupt `bad-copy` also withdraws that copy)
     status                    -> what the server holds, and what became of its prefetches
@@ -31,7 +37,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from transom.checkpoint import catalog, storage
+from transom.checkpoint import catalog, replication, storage
 from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
@@ -76,6 +82,8 @@ class WorkerService:
         self.lock = memory.lock
         self.pipeline = pipeline
         self.publisher = publisher
+        # (step, rank) -> peers (node, address) that said they hold it, from the newest `held`.
+        self.peer_holders: dict[tuple[int, int], list[tuple[str, str]]] = {}
 
     def serve(self, sock: socket.socket) -> None:
         """Answer one worker connection's requests until it closes."""
@@ -140,6 +148,11 @@ class WorkerService:
             rank = field_int(msg, "rank") if "rank" in msg else 0
             spare = self.memory.prepare_spare(nbytes, rank)
             return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
+        if op == "held":
+            rank, world_size = field_int(msg, "rank"), field_int(msg, "world_size", 1)
+            floor = field_int(msg, "floor")
+            before = field_int(msg, "before") if msg.get("before") is not None else None
+            return {"ok": True, "steps": self.held(rank, world_size, floor, before)}
         if op == "steps":
             return {"ok": True, "steps": self.steps(field_int(msg, "world_size", 1))}
         if op == "event":
@@ -217,11 +230,65 @@ class WorkerService:
                 and info.get("addr")
             ):
                 sources.append({"tier": Tier.PEER, "node": info["node"], "addr": info["addr"]})
+        listed = {s.get("addr") for s in sources}
+        for node, addr in self.peer_holders.get((step, rank), []):
+            if addr not in listed:  # a peer that said it holds it, not (yet) in the catalog
+                sources.append({"tier": Tier.PEER, "node": node, "addr": addr})
         if self.cfg.storage_dir is not None:
             path = storage.shard_path(self.cfg.storage_dir, step, rank)
             if path.exists():
                 sources.append({"tier": Tier.STORAGE, "path": str(path)})
         return sources
+
+    def held(self, rank: int, world_size: int, floor: int, before: int | None) -> list[int]:
+        """Steps of `rank`'s shard saved by a world of `world_size` in [floor, before), newest
+        first: this server's memory, or, when that holds none (a node that replaces another, a
+        rank that moved), the memory of each peer the catalog lists as holding `floor` (asked
+        directly; one that cannot be reached is skipped). Each peer's answer is remembered for
+        `locate`."""
+
+        def wanted(step: int, size: int) -> bool:
+            return size == world_size and step >= floor and (before is None or step < before)
+
+        steps = {step for step, size in self.memory.held(rank) if wanted(step, size)}
+        if steps:
+            return sorted(steps, reverse=True)
+        for node, addr in self.peers_to_ask(floor, rank).items():
+            try:
+                listing = replication.list_held(addr, self.cfg.secret, rank)
+            except replication.ReplicationError as e:
+                log.warning("%s", e)
+                continue
+            for step, size in listing:
+                if wanted(step, size):
+                    steps.add(step)
+                    holders = self.peer_holders.setdefault((step, rank), [])
+                    if (node, addr) not in holders:
+                        holders.append((node, addr))
+        return sorted(steps, reverse=True)
+
+    def peers_to_ask(self, floor: int, rank: int) -> dict[str, str]:
+        """The other nodes whose memory may hold `rank`'s newest shards, with their addresses:
+        those the catalog lists as holding `floor`, and the node that ran the rank in the
+        generation before and that node's ring peer (its replicas' holder; the catalog lists
+        their newest shards up to a second late)."""
+        peers = {
+            str(info["node"]): info["addr"]
+            for info in self.publisher.holders(floor, rank).values()
+            if info.get("tier") == Tier.MEMORY
+            and isinstance(info.get("node"), str)
+            and isinstance(info.get("addr"), str)
+            and info["addr"]
+        }
+        before, per_node = self.publisher.plan.previous_members, self.cfg.ranks_per_node
+        if per_node >= 1 and rank // per_node < len(before):
+            ran = before[rank // per_node]
+            for node in (ran, replication.ring_peer(before, ran)):
+                addr = self.publisher.peer_addr(node) if node and node not in peers else None
+                if node and addr:
+                    peers[node] = addr
+        peers.pop(self.node, None)
+        return peers
 
     def steps(self, world_size: int) -> list[int]:
         """Steps restorable for every rank of a world of `world_size`, newest first: the

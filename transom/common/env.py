@@ -15,6 +15,9 @@ STORE = "TRANSOM_STORE"
 RUN_DIR = "TRANSOM_RUN_DIR"
 # The step this generation resumes from; absent means start fresh.
 RESTORE_STEP = "TRANSOM_RESTORE_STEP"
+# After a rollback: the first step not to restore (the poisoned one); absent: no bound. With a
+# process group the ranks restore the newest step they all hold in [RESTORE_STEP, RESTORE_BEFORE).
+RESTORE_BEFORE = "TRANSOM_RESTORE_BEFORE"
 # The storage tier of checkpoints (a directory shared by all nodes).
 CHECKPOINT_DIR = "TRANSOM_CHECKPOINT_DIR"
 # The node's checkpoint server: its Unix socket and the secret that authenticates requests.

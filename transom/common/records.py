@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Any
 
 # Readers import RecordError and parse_all from here, with the records.
+from transom.common import env
 from transom.common.record_base import DROP_INVALID, Record
 from transom.common.record_base import RecordError as RecordError
 from transom.common.record_base import parse_all as parse_all
@@ -78,6 +79,11 @@ class JobRecord(Record):
     hang_steps: list[int] = field(default_factory=list)
     rollback_before: int | None = None
     restore_step: int | None = None
+    restore_before: int | None = None  # the generation's rollback bound (its plan's)
+    previous_members: list[str] = field(default_factory=list)  # the generation before's
+    # Steps from here, saved by earlier generations, are forgotten once this generation trained
+    # (its ranks have loaded by then: they may restore newer steps than restore_step).
+    discard_from: int | None = None
     generation_started: float | None = None
     next_generation: NextGeneration | None = None
 
@@ -96,6 +102,15 @@ class Plan(Record):
     evicted: dict[str, Eviction] = field(default_factory=dict)
     restart_count: int = 0
     restore_step: int | None = None
+    restore_before: int | None = None  # after a rollback: the first step not to restore
+    # The generation before's members: where its ranks' newest shards and their replicas are
+    # (a checkpoint server of a node that replaces one asks them: worker_service `held`).
+    previous_members: list[str] = field(default_factory=list)
+
+    def restore_env(self) -> dict[str, str]:
+        """The environment that tells this plan's workers what to restore (engine.py)."""
+        bounds = {env.RESTORE_STEP: self.restore_step, env.RESTORE_BEFORE: self.restore_before}
+        return {name: str(step) for name, step in bounds.items() if step is not None}
 
 
 # -- the agents' ----------------------------------------------------------------------------------

@@ -431,9 +431,8 @@ class NodeAgent:
             env.RUN_DIR: str(self.run_dir),
             env.MONITOR_SOCKET: str(self.monitor.socket_path),
             **self.ckpt.worker_env(),
+            **plan.restore_env(),
         }
-        if plan.restore_step is not None:
-            extra_env[env.RESTORE_STEP] = str(plan.restore_step)
         log_dir = files.generation_logs(self.run_dir, self.generation)
         stacks_dir = log_dir if self.spec.auto_monitor else None  # and the zero-code monitor
         extra_env.update(bootstrap.instrumentation_env(stacks_dir))

@@ -42,6 +42,9 @@ T = TypeVar("T")
 
 # How long to wait for a node's pre-flight result before starting without comparing it.
 PREFLIGHT_WAIT_S = 30.0
+# A running generation whose steps the monitor does not see forgets the abandoned history
+# this long after it started (discard_stale).
+DISCARD_AFTER_S = 60.0
 
 
 def decide(
@@ -121,8 +124,10 @@ class _Rules(Tick):
         assert nxt is not None
         j.next_generation = None
         j.restore_step = self.snap.restore_step
+        j.restore_before = j.rollback_before
         j.generation += 1
         before, j.members = j.members, nxt.members
+        j.previous_members = list(before)
         self.set_state(JobState.WARMUP, f"generation {j.generation} starting")
         j.generation_started = self.now
         j.handled_anomalies = []
@@ -177,21 +182,40 @@ class _Rules(Tick):
             if len(started) == len(j.members):
                 # The incident that led here is over: the next one is charged a restart again.
                 j.incident_open = False
-                # Every old worker is stopped now. Shards of steps after the one this generation
-                # restored, saved by an earlier generation, belong to an abandoned history (a
-                # generation that went on past the restore step, maybe with another world size,
-                # or went bad before a rollback): forget them on every tier, so they never mix
-                # with the same steps this generation saves again. Later restarts restore the
-                # newest again.
-                first_stale = 0 if j.restore_step is None else j.restore_step + 1
-                self.decision.discard_poisoned = (first_stale, j.generation)
-                j.rollback_before = None
+                # Every old worker is stopped now. Shards of steps after the plan's restore
+                # step, saved by an earlier generation, belong to an abandoned history (a
+                # generation that went on past it, maybe with another world size, or went bad
+                # before a rollback): they are forgotten on every tier once this generation has
+                # trained (`discard_stale`), so they never mix with the same steps it saves
+                # again: not before, as its ranks may be loading one of them (the newest step
+                # they all hold: checkpoint/agreement.py).
+                j.discard_from = 0 if j.restore_step is None else j.restore_step + 1
                 self.set_state(JobState.RUNNING, f"generation {j.generation} running")
                 self.event(
                     EventKind.RUNNING,
                     f"generation {j.generation}: workers running on all {len(j.members)} nodes",
                 )
                 self.write_plan()
+        if j.state is JobState.RUNNING:
+            self.discard_stale()
+
+    def discard_stale(self) -> None:
+        """Forget the abandoned history (see watch_generation) once a rank of this generation
+        has finished a step (so every rank has loaded), or DISCARD_AFTER_S after it started
+        running (a script the monitor sees no steps of). Until then a restart still restores
+        below the rollback bound."""
+        j = self.job
+        if j.discard_from is None:
+            return
+        trained = any(
+            s.generation == j.generation and any(r.step is not None for r in s.ranks.values())
+            for s in self.snap.summaries.values()
+        )
+        started = j.generation_started if j.generation_started is not None else self.now
+        if not trained and self.now - started < DISCARD_AFTER_S:
+            return
+        self.decision.discard_poisoned = (j.discard_from, j.generation)
+        j.discard_from = j.rollback_before = None
 
     def take_late_failures(self) -> None:
         """Take in the failures of the newest diagnosed generation's members reported after its

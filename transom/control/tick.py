@@ -117,7 +117,14 @@ class Tick:
     def write_plan(self) -> None:
         j = self.job
         self.decision.plan = Plan(
-            j.generation, list(j.members), j.state, dict(j.evicted), j.restarts_used, j.restore_step
+            j.generation,
+            list(j.members),
+            j.state,
+            dict(j.evicted),
+            j.restarts_used,
+            j.restore_step,
+            j.restore_before,
+            list(j.previous_members),
         )
 
     def set_state(self, state: JobState, reason: str) -> None:

@@ -150,6 +150,7 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
             )
         elif e.get("kind") == EventKind.RUNNING and e.get("generation") in gens:
             gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
+    restored_steps(events, gens)
     # Progress samples, and with them each fault injection: the step its target rank had reached
     # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
     # one).
@@ -165,6 +166,26 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
         ):  # the first sample of each new step
             g.samples.append((p["time"], p["step"]))
     return [gens[n] for n in sorted(gens)]
+
+
+def restored_steps(events: list[dict], gens: dict[int, Generation]) -> None:
+    """Each generation's restore step as its ranks restored it: the plan names the oldest step
+    to restore, the ranks may agree on a newer one they all hold (checkpoint/agreement.py). A
+    `restored` checkpoint event belongs to the newest generation started before it; the lowest
+    step a generation's ranks restored is the one it resumed from."""
+    starts = sorted((g.started_at, n) for n, g in gens.items())
+    restored: dict[int, int] = {}
+    for e in events:
+        step = e.get("step")
+        if e.get("kind") != "checkpoint" or e.get("action") != "restored" or type(step) is not int:
+            continue
+        i = bisect_left(starts, (e["time"], float("inf"))) - 1
+        if i >= 0:
+            n = starts[i][1]
+            restored[n] = min(step, restored.get(n, step))
+    for n, step in restored.items():
+        if step > gens[n].restore_step:
+            gens[n].restore_step = step
 
 
 def kept_steps(gens: list[Generation]) -> list[int]:

@@ -181,7 +181,8 @@ REPLICATED = ("step", "model", "optim", "seed", "world_size")
 
 def engine_save(engine, step, model, optimizer, seed, world_size, persist=True):
     """Every rank: copy its state into checkpoint memory and go on (the rest runs in background;
-    not `persist`: no storage, every rank deciding alike)."""
+    not `persist`: no storage, every rank deciding alike). The copy overlaps the next step's
+    forward and backward; its optimizer step waits for it (nothing else changes the state)."""
     state = {
         "step": step,
         "model": model.state_dict(),
@@ -191,7 +192,7 @@ def engine_save(engine, step, model, optimizer, seed, world_size, persist=True):
     }
     # Every value is the same on every rank (DDP), so a world of another size can resume from it;
     # the data position is a function of the step (gpt_model.get_batch), not saved per rank.
-    handle = engine.save(step, state, replicated=REPLICATED, persist=persist)
+    handle = engine.save(step, state, replicated=REPLICATED, persist=persist, overlap=True)
     if not handle.ok:
         log(f"[train_gpt] warning: rank={RANK} checkpoint of step {step} refused: {handle.error}")
     return handle

@@ -34,12 +34,14 @@ not bit-identical to a run that kept its world size (it prints a warning saying 
 Checkpoints: the checkpoint for step s holds the state after step s was applied; a run that finds
 it resumes at step s+1 (steps are numbered 1..--steps). Two implementations (--checkpoint):
   transom (default)  every rank saves its state with transom.checkpoint every --ckpt-every
-      steps: the save blocks only for a copy into its node's checkpoint memory, which replicates
-      it to a peer node and persists it to --ckpt-dir in the background (with --persist-every P,
-      only steps that are multiples of P and the run's last). At start every rank
-      loads the step the controller chose (TRANSOM_RESTORE_STEP under `transom run`), else the
-      newest step restorable for every rank, from the fastest tier with a good copy. Outside
-      `transom run` the engine runs inside the process (memory + --ckpt-dir).
+      steps (default: every step): the save blocks only for a copy into its node's checkpoint
+      memory, which replicates it to a peer node and persists it to --ckpt-dir in the
+      background (with --persist-every P, only steps that are multiples of P and the run's
+      last; by default every 20th when saving every step). At start every rank loads the newest
+      step all ranks hold at or after the one the controller chose (TRANSOM_RESTORE_STEP under
+      `transom run`: a fault costs at most the step in flight), else the newest step restorable
+      for every rank, from the fastest tier with a good copy. Outside `transom run` the engine
+      runs inside the process (memory + --ckpt-dir).
   torch  rank 0 writes ckpt_dir/step_{s:08d}.pt with torch.save (temp file, fsync, os.replace),
       then the text file ckpt_dir/latest holding s, and all ranks wait for it; older checkpoints
       beyond --keep are removed. At start every rank reads `latest` and loads the checkpoint it
@@ -51,6 +53,8 @@ Failure behaviour of a plain torchrun job (what the goodput benchmark's baseline
                           default is 30 min, NCCL's 10 min), so a hung peer ends the job's attempt;
   --fail-on-nan           a rank whose loss is not finite raises before backward, as Megatron-style
                           checks do, so torchrun restarts the job from the last checkpoint.
+Under `transom run` a rank whose loss is not finite reports it and then waits (--nan-hold, 30 s)
+for the controller's rollback instead of training on poisoned weights.
 
 Output lines (parsed by benchmarks; t is time.time()):
     [train_gpt] start rank=R world=W t=...       every rank, at process start
@@ -67,6 +71,14 @@ import time
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+# Checkpoint every this many steps by default: a memory copy every step with transom (a fault
+# costs at most the step in flight), a file every 20 with torch.save (each blocks training).
+CKPT_EVERY = {"transom": 1, "torch": 20}
+# Saving every step, storage takes every this many (and the run's last): memory and a peer's
+# memory hold the others.
+PERSIST_EVERY_STEP = 20
+# Under `transom run`, a rank whose loss is not finite waits this long for the rollback.
+NAN_HOLD_S = 30.0
 
 # Say we are alive before the slow imports, so a launcher can see how long a (re)start takes.
 if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
@@ -77,6 +89,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import math  # noqa: E402
+import threading  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -128,18 +141,20 @@ def parse_args(argv=None):
     p.add_argument(
         "--ckpt-every",
         type=int,
-        default=20,
+        default=None,
         metavar="K",
-        help="checkpoint every K steps; 0 disables",
+        help=f"checkpoint every K steps; 0 disables (default: {CKPT_EVERY['transom']} with "
+        f"--checkpoint transom, {CKPT_EVERY['torch']} with torch)",
     )
     p.add_argument(
         "--persist-every",
         type=int,
-        default=0,
+        default=None,
         metavar="P",
         help="transom: write to --ckpt-dir only the checkpoints of steps that are multiples of P "
         "and the run's last one; the others stay in memory and a peer's memory (and a stopping "
-        "checkpoint server writes its newest); 0 (default): every checkpoint",
+        f"checkpoint server writes its newest); 0: every checkpoint (the default: "
+        f"{PERSIST_EVERY_STEP} when checkpointing every step, else 0)",
     )
     p.add_argument(
         "--ckpt-dir",
@@ -191,6 +206,15 @@ def parse_args(argv=None):
         help="raise (and exit) when this rank's loss is not finite, instead of going on",
     )
     p.add_argument(
+        "--nan-hold",
+        type=float,
+        default=None,
+        metavar="S",
+        help="after a step whose loss is not finite, wait up to S seconds (for the controller's "
+        f"rollback, which stops the workers) before going on (default: {NAN_HOLD_S:.0f} under "
+        "`transom run`, else 0)",
+    )
+    p.add_argument(
         "--step-delay",
         type=float,
         default=0.0,
@@ -204,6 +228,13 @@ def parse_args(argv=None):
         "(transom/workloads/results.py)",
     )
     args = p.parse_args(argv)
+    if args.nan_hold is None:
+        args.nan_hold = NAN_HOLD_S if os.environ.get(env.GENERATION) else 0.0
+    if args.ckpt_every is None:
+        args.ckpt_every = CKPT_EVERY[args.checkpoint]
+    if args.persist_every is None:
+        every_step = args.checkpoint == "transom" and args.ckpt_every == 1
+        args.persist_every = PERSIST_EVERY_STEP if every_step else 0
     if args.persist_every < 0:
         p.error(f"--persist-every {args.persist_every}: steps, 0 or more")
     if args.persist_every and args.checkpoint != "transom":
@@ -331,17 +362,20 @@ def main(argv=None):
                 and step % args.ckpt_every == 0
                 and math.isfinite(grad_norm.item())
             ):
-                with monitor.phase("checkpoint"):
-                    if engine is not None:
-                        persist = (
-                            args.persist_every <= 0
-                            or step % args.persist_every == 0
-                            or step + args.ckpt_every > args.steps  # the run's last checkpoint
-                        )
-                        last_save = engine_save(
-                            engine, step, model, optimizer, args.seed, world_size, persist
-                        )
-                    else:
+                if engine is not None:
+                    # A memory copy, part of the step like the optimizer's (not a phase, which
+                    # would leave the step out of the monitor's timings: every step, saving
+                    # every step).
+                    persist = (
+                        args.persist_every <= 0
+                        or step % args.persist_every == 0
+                        or step + args.ckpt_every > args.steps  # the run's last checkpoint
+                    )
+                    last_save = engine_save(
+                        engine, step, model, optimizer, args.seed, world_size, persist
+                    )
+                else:
+                    with monitor.phase("checkpoint"):  # a file write: it may take long
                         if rank == 0:
                             save_checkpoint(
                                 args.ckpt_dir,
@@ -361,6 +395,12 @@ def main(argv=None):
                 if rank == 0:
                     log(f"eval step {step} loss {val:.4f} t={time.time():.3f}")
             s.report(loss=loss_value, tokens=tokens_per_step)
+        if args.nan_hold > 0 and not math.isfinite(loss_value):
+            log(
+                f"[train_gpt] rank={rank} loss is {loss_value} at step {step}: waiting up to "
+                f"{args.nan_hold:.0f} s for a rollback t={time.time():.3f}"
+            )
+            threading.Event().wait(args.nan_hold)
         if args.step_delay > 0:
             time.sleep(args.step_delay)
 

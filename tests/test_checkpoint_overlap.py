@@ -1,0 +1,83 @@
+"""Overlapped saves (checkpoint/overlap.py): `save(..., overlap=True)` returns before the state's
+bytes are copied, the next optimizer step waits for the copy, and the step saved is the state as
+it was when `save` was called, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from transom import checkpoint
+from transom.checkpoint import engine as engine_module
+from transom.checkpoint import layout
+
+
+def _engine(tmp_path: Path) -> checkpoint.Engine:
+    return checkpoint.Engine(storage_dir=tmp_path / "ckpt", rank=0, world_size=1)
+
+
+def test_the_next_optimizer_step_waits_for_the_copy_and_the_step_saved_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    release, copying = threading.Event(), threading.Event()
+    real_copy = layout.copy_into
+
+    def held_copy(plan, data, non_blocking=False):
+        copying.set()
+        assert release.wait(30), "the test never released the copy"
+        real_copy(plan, data, non_blocking)
+
+    monkeypatch.setattr(engine_module.layout, "copy_into", held_copy)
+    engine = _engine(tmp_path)
+    try:
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        handle = engine.save(1, state, overlap=True)
+        assert handle.ok and copying.wait(30)  # returned while its copy is held
+        model(torch.randn(4, 64)).sum().backward()  # the next step's forward and backward
+        stepped = threading.Event()
+        stepper = threading.Thread(target=lambda: (optimizer.step(), stepped.set()))
+        stepper.start()
+        assert not stepped.wait(0.5)  # the optimizer step waits for the copy...
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        release.set()
+        assert stepped.wait(30)  # ...and runs once it is done
+        stepper.join()
+        handle.wait("memory", timeout=30)
+        assert not torch.equal(model.weight, before["weight"])
+        loaded = engine.load(step=1)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in before.items())
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_a_failed_overlapped_copy_is_a_failed_save_and_the_next_one_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_copy = layout.copy_into
+
+    def broken_copy(plan, data, non_blocking=False):
+        raise RuntimeError("the copy broke")
+
+    engine = _engine(tmp_path)
+    try:
+        monkeypatch.setattr(engine_module.layout, "copy_into", broken_copy)
+        failed = engine.save(1, {"w": torch.ones(100)}, overlap=True)
+        with pytest.raises(checkpoint.CheckpointError, match="the copy broke"):
+            failed.wait("memory", timeout=30)
+        monkeypatch.setattr(engine_module.layout, "copy_into", real_copy)
+        engine.save(2, {"w": torch.full((100,), 2.0)}, overlap=True).wait("memory", timeout=30)
+        assert torch.equal(engine.load(step=2)["w"], torch.full((100,), 2.0))
+        with pytest.raises(checkpoint.CheckpointError):
+            engine.load(step=1)  # nothing of the failed save is kept
+    finally:
+        engine.close()

@@ -1,0 +1,83 @@
+"""Overlapped saves: the copy of a save's bytes runs on a thread while training goes on, and the
+next optimizer step waits for it.
+
+`Engine.save(..., overlap=True)` plans the state (its tensor table and values: what the header
+says) and reserves the region before it returns, as any save does; only the copy of the tensors'
+bytes into the region, and the commit after it, run here. The tensors a save holds must not
+change until the copy is done: an optimizer's step changes them in place, so every optimizer
+step waits for the copy in flight first (a global optimizer pre-step hook, registered while an
+engine has copies in flight). The state's other tensors must not change in between either (a
+forward pass that updates BatchNorm statistics does: save such a model without `overlap`).
+torch's CPU copy releases the GIL, so the copy runs beside the next step's forward and backward.
+One copy is in flight at a time: a save, a load and `close` wait for the one before.
+
+This module never plans a state, never talks to a server and never decides what a save holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+
+class CopyInFlight:
+    """The one overlapped copy of an engine in flight, and the optimizer hook that waits for it."""
+
+    def __init__(self) -> None:
+        self._copied = threading.Event()
+        self._finished = threading.Event()
+        self._copied.set()
+        self._finished.set()
+        self._hook: Any = None
+
+    def start(self, copy: Callable[[], None], then: Callable[[BaseException | None], None]) -> None:
+        """Run `copy` on a thread, then `then(the exception copy raised, or None)`; after the
+        copy in flight before it has finished."""
+        self.wait_finished()
+        self._copied.clear()
+        self._finished.clear()
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(_waiting_for(weakref.ref(self)))
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                copy()
+            except BaseException as e:  # noqa: BLE001 - handed to `then`, which reports it
+                error = e
+            finally:
+                self._copied.set()
+            try:
+                then(error)
+            finally:
+                self._finished.set()
+
+        threading.Thread(target=run, name="ckpt-copy", daemon=True).start()
+
+    def wait_copied(self) -> None:
+        """Until the copy in flight (if any) has finished copying: its tensors may change."""
+        self._copied.wait()
+
+    def wait_finished(self) -> None:
+        """Until the copy in flight and its commit are done."""
+        self._finished.wait()
+
+    def close(self) -> None:
+        """Wait for the copy in flight and stop watching optimizer steps."""
+        self.wait_finished()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _waiting_for(ref: weakref.ReferenceType[CopyInFlight]) -> Callable[..., None]:
+    def before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        inflight = ref()
+        if inflight is not None:
+            inflight.wait_copied()
+
+    return before_optimizer_step
