@@ -578,3 +578,21 @@ def test_the_plan_is_read_validated() -> None:
         assert plan_view(bad) == PlanView()
     assert plan_view(None) == PlanView()
     assert plan_view(["n0"]) == PlanView()
+
+
+def test_a_tensor_described_before_is_described_anew_once_it_views_other_memory() -> None:
+    # plan_state remembers each tensor's description (a save every step sees the same tensors);
+    # a tensor given new data, a new shape or requires_grad must not keep the old one.
+    t = torch.nn.Parameter(torch.arange(4.0))
+    first = layout.plan_state({"t": t}, 1, 0, 1)
+    assert first.header["tensors"][0]["shape"] == [4] and first.header["tensors"][0]["param"]
+    assert layout.plan_state({"t": t}, 2, 0, 1).header["tensors"] == first.header["tensors"]
+    t.data = torch.arange(12.0).view(3, 4).t()  # other memory, shape and strides
+    plan = layout.plan_state({"t": t}, 3, 0, 1)
+    entry = plan.header["tensors"][0]
+    assert entry["shape"] == [4, 3] and entry["stride"] == [1, 4] and plan.data_len >= 48
+    t.requires_grad_(False)
+    assert "grad" not in layout.plan_state({"t": t}, 4, 0, 1).header["tensors"][0]
+    data = torch.zeros(plan.data_len, dtype=torch.uint8)
+    layout.copy_into(plan, data)
+    assert torch.equal(layout.rebuild(plan.header, data)["t"], t.detach())

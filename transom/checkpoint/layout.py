@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import math
 import mmap
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,47 @@ def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
+# What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
+# describes the same tensors every step. id -> (the tensor's weak reference, what the
+# description depends on, the description).
+_DESCRIBED: dict[int, tuple[weakref.ref, tuple, tuple[tuple, int, int, dict]]] = {}
+
+
+def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
+    """(storage key, first and last byte of the storage it spans, table entry) of tensor `t`,
+    checked (`_check_tensor`); the one from before while `t` views the same memory the same
+    way (data pointer, dtype, shape, strides, requires_grad)."""
+    key = id(t)
+    known = _DESCRIBED.get(key)
+    if known is not None and known[0]() is t and known[1] == _depends(t):
+        return known[2]
+    lo, hi = _check_tensor(t)  # UnsupportedValue for what a checkpoint cannot hold
+    storage = t.untyped_storage()
+    entry = {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "byte": t.storage_offset() * t.element_size(),
+        "device": str(t.device),
+    }
+    if t.requires_grad:
+        entry["grad"] = True
+    if isinstance(t, torch.nn.Parameter):
+        entry["param"] = True
+    described = ((str(t.device), storage.data_ptr(), storage.nbytes()), lo, hi, entry)
+
+    def forget(_: weakref.ref) -> None:
+        _DESCRIBED.pop(key, None)
+
+    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described)
+    return described
+
+
+def _depends(t: torch.Tensor) -> tuple:
+    """What `_described` of a checked tensor depends on."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.requires_grad)
+
+
 def plan_state(
     state: Any, step: int, rank: int, world_size: int, timeline: dict | None = None
 ) -> Plan:
@@ -181,26 +223,11 @@ def plan_state(
         )
 
     def add_tensor(t: torch.Tensor) -> int:
-        lo, hi = _check_tensor(t)
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        key, lo, hi, entry = _described(t)
         group = storages.setdefault(key, {"tensors": [], "lo": lo, "hi": hi, "example": t})
         group["lo"], group["hi"] = min(group["lo"], lo), max(group["hi"], hi)
-        entry = {
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-            "stride": list(t.stride()),
-            "byte": t.storage_offset() * t.element_size(),
-            "device": str(t.device),
-        }
-        if t.requires_grad:
-            entry["grad"] = True
-        if type(t) is torch.nn.Parameter or (
-            type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)
-        ):
-            entry["param"] = True
         group["tensors"].append(len(tensors))
-        tensors.append(entry)
+        tensors.append(dict(entry))  # its own: "storage" and "byte" are set below
         return len(tensors) - 1
 
     tree = encode(state)
