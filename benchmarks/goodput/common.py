@@ -23,6 +23,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 NODES = 4
 STEPS = 720
 CKPT_EVERY = 20
+TRANSOM_CKPT_EVERY = 1  # train_gpt.py's own default under transom run: a snapshot every step
 COLLECTIVE_TIMEOUT_S = 60
 MAX_RESTARTS = 10
 DEFAULT_FAULTS = (
@@ -70,7 +71,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def script_args(args, final: Path) -> list[str]:
+def script_args(args, final: Path, ckpt_every: int | None = None) -> list[str]:
+    """train_gpt's arguments: checkpoints every `ckpt_every` steps (default: --ckpt-every)."""
     return [
         str(SCRIPT),
         "--steps",
@@ -78,7 +80,7 @@ def script_args(args, final: Path) -> list[str]:
         "--log-every",
         "1",
         "--ckpt-every",
-        str(args.ckpt_every),
+        str(args.ckpt_every if ckpt_every is None else ckpt_every),
         "--save-final",
         str(final),
     ]

@@ -1,6 +1,8 @@
 """Goodput benchmark: one training job and one fault schedule under Transom and under torchrun.
 
-The same script (examples/train_gpt.py), steps, checkpoint interval K and faults run under
+The same script (examples/train_gpt.py), steps and faults run under (each checkpointing as it
+would: Transom a memory snapshot every step, --transom-ckpt-every; torchrun a file every K steps,
+--ckpt-every)
   transom   `transom run --nnodes 4 --spares 1 --refill-spares --max-restarts 10 --faults
             SCHEDULE`, checkpoints with transom.checkpoint (node memory, replicated, persisted in
             the background);
@@ -65,6 +67,7 @@ from benchmarks.goodput.common import (  # noqa: E402
     RUN_TIMEOUT_S,
     STEPS,
     TARGET_SOONER,
+    TRANSOM_CKPT_EVERY,
     TRANSOM_SPARES,
     compare_weights,
     measure,
@@ -146,7 +149,7 @@ def run_transom(args, work: Path, reference: Path | None) -> dict:
                 str(MAX_RESTARTS),
                 "--faults",
                 args.faults,
-                *script_args(args, final),
+                *script_args(args, final, args.transom_ckpt_every),
             ),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -244,7 +247,8 @@ def fmt(value, spec: str = ".1f") -> str:
 def print_table(args, result: dict) -> None:
     print(
         f"goodput: examples/train_gpt.py on {NODES} nodes x 1 worker, {args.steps} steps, "
-        f"checkpoint every {args.ckpt_every} steps, {args.trials} trial(s)"
+        f"checkpoint every {args.transom_ckpt_every} (Transom) and {args.ckpt_every} (torchrun) "
+        f"steps, {args.trials} trial(s)"
     )
     print(f"faults: {args.faults}")
     print(
@@ -306,7 +310,16 @@ def main() -> int:
         type=int,
         default=CKPT_EVERY,
         metavar="K",
-        help=f"both systems checkpoint every K steps (default {CKPT_EVERY})",
+        help=f"torchrun's torch.save checkpoints every K steps (default {CKPT_EVERY})",
+    )
+    parser.add_argument(
+        "--transom-ckpt-every",
+        type=int,
+        default=TRANSOM_CKPT_EVERY,
+        metavar="K",
+        help="Transom's checkpoints every K steps (default "
+        f"{TRANSOM_CKPT_EVERY}: a memory snapshot every step, as train_gpt.py does under "
+        f"transom run, persisted every 20th; give {CKPT_EVERY} for both alike)",
     )
     parser.add_argument(
         "--faults",
@@ -352,8 +365,12 @@ def main() -> int:
             "goodput.py: a kill fault must name a node other than node0 (node=nodeN), whose "
             "torchrun agent hosts the rendezvous\n",
         )
-    if args.steps < 1 or args.ckpt_every < 1 or args.trials < 1:
-        parser.exit(2, "goodput.py: --steps, --ckpt-every and --trials must be positive\n")
+    if args.steps < 1 or min(args.ckpt_every, args.transom_ckpt_every, args.trials) < 1:
+        parser.exit(
+            2,
+            "goodput.py: --steps, --ckpt-every, --transom-ckpt-every and --trials must be "
+            "positive\n",
+        )
     trials = []
     with tempfile.TemporaryDirectory(prefix="transom-goodput-") as tmp:
         for trial in range(args.trials):
