@@ -104,14 +104,17 @@ def kill_session(process: subprocess.Popen) -> None:
 class Job:
     """What both kinds of job share: the run directory, reading etcd directly, finding processes."""
 
-    def __init__(self, work: Path, steps: int, seed: int, options: list[str]):
+    def __init__(
+        self, work: Path, steps: int, seed: int, options: list[str], ckpt_every: int = CKPT_EVERY
+    ):
         self.job_id = "tt-" + uuid.uuid4().hex[:8]
         self.run_dir = work / self.job_id
         self.run_dir.mkdir(parents=True)
         self.final = self.run_dir / "final.pt"
         self.steps, self.seed = steps, seed
         self.options = ["--nnodes", str(NODES), "--spares", str(SPARES), *options]
-        self.script_args = train_args(steps, seed, self.final)
+        self.ckpt_every = ckpt_every
+        self.script_args = train_args(steps, seed, self.final, ckpt_every)
         self._store: Store | None = None
         self.started = time.time()
         # What this harness read from etcd itself while the job ran: the job's events and its

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import psutil
 
-from benchmarks.torture.job import CKPT_EVERY, STEP_DELAY_S, Job
+from benchmarks.torture.job import STEP_DELAY_S, Job
 from benchmarks.torture.scenarios import NOTHING_LOST, SHORT, Scenario
 from transom.common import keys
 from transom.testing.jobs import wait_for
@@ -78,7 +78,7 @@ def _before_ckpt_step(job: Job, after_step: int) -> tuple[int, float] | None:
         return None
     newest = max(times)
     step = newest + 1
-    if step % CKPT_EVERY or step <= after_step + 2 or newest - 1 not in times:
+    if step % job.ckpt_every or step <= after_step + 2 or newest - 1 not in times:
         return None
     return step, times[newest] + (times[newest] - times[newest - 1])
 
@@ -165,7 +165,7 @@ def kill_moments(
             # The victim is chosen first (etcd and process-table reads take tens of ms), so the
             # kill follows the checkpoint step by no more than its drawn delay.
             chosen, generation = _choose(job, kind, rng), _generation(job)
-            if fresh:  # before step CKPT_EVERY's save: nothing restorable yet
+            if fresh:  # before the first checkpoint's save: nothing restorable yet
                 step = _current_step(job)
                 time.sleep(rng.uniform(0, STEP_DELAY_S))
             else:
@@ -199,7 +199,7 @@ def kill_moments(
                 break
             moments.append(
                 {"time": t, "victim": kind, "rank": rank, "node": node, "step": step}
-                | ({"before_any_checkpoint": step < CKPT_EVERY} if fresh else {})
+                | ({"before_any_checkpoint": step < job.ckpt_every} if fresh else {})
             )
             try:
                 wait_for(

@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from benchmarks.torture.job import LocalJob, ProxiedJob, reference_weights  # noqa: E402
+from benchmarks.torture.job import CKPT_EVERY, LocalJob, ProxiedJob, reference_weights  # noqa: E402
 from benchmarks.torture.kills import KILL_SCENARIOS, VICTIMS  # noqa: E402
 from benchmarks.torture.measure import measure  # noqa: E402
 from benchmarks.torture.scenarios import SCENARIOS as BASE_SCENARIOS  # noqa: E402
@@ -58,18 +58,30 @@ def held(lock: Path | None):
 
 
 def run_trial(
-    scenario: Scenario, work: Path, seed: int, rng: random.Random, kills: int, lock: Path | None
+    scenario: Scenario,
+    work: Path,
+    seed: int,
+    rng: random.Random,
+    kills: int,
+    lock: Path | None,
+    ckpt_every: int = CKPT_EVERY,
 ) -> dict:
     with held(lock):
         reference = reference_weights(work, scenario.steps, seed)
-        return _trial(scenario, work, seed, rng, kills, reference)
+        return _trial(scenario, work, seed, rng, kills, reference, ckpt_every)
 
 
 def _trial(
-    scenario: Scenario, work: Path, seed: int, rng: random.Random, kills: int, reference: Path
+    scenario: Scenario,
+    work: Path,
+    seed: int,
+    rng: random.Random,
+    kills: int,
+    reference: Path,
+    ckpt_every: int = CKPT_EVERY,
 ) -> dict:
     job = (LocalJob if scenario.kind == "local" else ProxiedJob)(
-        work, scenario.steps, seed, scenario.options
+        work, scenario.steps, seed, scenario.options, ckpt_every
     )
     job.kills = kills
     extra: dict = {}
@@ -212,6 +224,14 @@ def main() -> int:
     parser.add_argument(
         "--kills", type=int, default=2, help="*_kill_*: SIGKILLs per trial (default 2)"
     )
+    parser.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=CKPT_EVERY,
+        metavar="K",
+        help=f"the job checkpoints every K steps (default {CKPT_EVERY}; 1: a snapshot every "
+        "step, storage every 20th, as train_gpt.py does by default)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the training and the faults")
     parser.add_argument("--work", type=Path, help="where run directories go (default: a temp dir)")
     parser.add_argument("--lock", type=Path, help="a lock file to hold (flock) for each trial")
@@ -230,7 +250,7 @@ def main() -> int:
         rows = []
         for trial in range(args.trials):
             started = time.monotonic()
-            row = run_trial(scenario, work, args.seed, rng, args.kills, args.lock)
+            row = run_trial(scenario, work, args.seed, rng, args.kills, args.lock, args.ckpt_every)
             rows.append(row)
             console.print(
                 f"{scenario.name} trial {trial + 1}/{args.trials}: "
