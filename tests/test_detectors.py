@@ -109,6 +109,22 @@ def test_hang_blames_the_rank_whose_heartbeat_stopped():
     assert a.evidence["timeout_s"] == HANG_FLOOR_S
 
 
+def test_a_stopped_rank_is_a_hang_at_half_the_timeout_and_nothing_else_is():
+    # Quiet for 4.5 s of an 8 s timeout: the agents have collected the stacks (at half of it).
+    quiet = [view(f"node{i}", i, 50, step_age=4.5, beat_age=0.3) for i in range(3)]
+    assert hang(quiet) is None
+    for v, where in zip(quiet, ("in all_reduce at train.py:57", "stopped", None), strict=True):
+        v["where"] = where
+    quiet[1]["beat_age"] = 4.4
+    a = hang(quiet)
+    assert a is not None and a.nodes == ["node1"] and a.evidence["timeout_s"] == HANG_FLOOR_S
+    assert "rank 1: stopped" in a.message
+    running = [dict(v, where="in all_reduce at train.py:57") for v in quiet]
+    assert hang(running) is None  # every rank can run: the whole timeout
+    early = [dict(v, step_age=3.5) for v in quiet]
+    assert hang(early) is None  # stopped, but before half the timeout
+
+
 def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
     views = [
         view("node0", 0, 50, step_age=9),

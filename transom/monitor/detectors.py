@@ -178,8 +178,10 @@ def rank_views(
 
 
 def hang(views: list[dict], floor_s: float) -> Anomaly | None:
-    """No rank progressed for the learned timeout (at least `floor_s`, the spec's hang floor);
-    blame the ranks that stopped, else those behind."""
+    """No rank progressed for the learned timeout (at least `floor_s`, the spec's hang floor),
+    or for stacks.SUSPECT_FRACTION of it while a rank's process is stopped (SIGSTOP, a tracer:
+    its peers can only be waiting for it, its agent's stacks say so); blame the ranks that
+    stopped, else those behind."""
     stepping = [v for v in views if v.get("step") is not None and v.get("step_age") is not None]
     if not stepping or len(stepping) < len(views):
         return None  # some rank has not finished a first step yet: start-up, not a hang
@@ -190,7 +192,15 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     if any(v.get("phase") for v in views):
         timeout = max(timeout, PHASE_HANG_S)
     quiet = min(v["step_age"] for v in stepping)
-    if quiet < timeout:
+    # Where each rank is, from its agent's stack dump (transom.monitor.stacks), bounded: it
+    # crossed a process boundary.
+    where = {
+        v["rank"]: v["where"][: stacks.MAX_WHERE]
+        for v in views
+        if isinstance(v.get("where"), str) and v["where"]
+    }
+    halted = stacks.STOPPED in where.values() and quiet >= stacks.SUSPECT_FRACTION * timeout
+    if quiet < timeout and not halted:
         return None
     stopped = [v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S]
     newest = max(v["step"] for v in stepping)
@@ -204,13 +214,6 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     )
     nodes = sorted({v["node"] for v in suspects})
     named = ", ".join(f"rank {v['rank']} on {v['node']}" for v in suspects) or "none"
-    # Where each rank is, from its agent's stack dump (transom.monitor.stacks), bounded: it
-    # crossed a process boundary.
-    where = {
-        v["rank"]: v["where"][: stacks.MAX_WHERE]
-        for v in views
-        if isinstance(v.get("where"), str) and v["where"]
-    }
     evidence: dict = {
         "quiet_s": round(quiet, 2),
         "timeout_s": round(timeout, 2),
