@@ -292,11 +292,13 @@ def test_corrupt_storage_copy_is_detected_and_an_older_step_used(
             "seconds": engine.last_load["seconds"],
         }
         assert torch.equal(back["w"], torch.full((1000,), 1.0))
-        monkeypatch.setenv(
-            "TRANSOM_RESTORE_STEP", "2"
-        )  # the controller chose step 2: no silent fallback
         with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
-            engine.load()
+            engine.load(step=2)  # the step the caller names, or an error: no fallback
+        # The controller chose step 2 (the catalog still listed it): the ranks (here one) go on
+        # to the newest older step they all hold, after reporting the bad copy.
+        monkeypatch.setenv("TRANSOM_RESTORE_STEP", "2")
+        assert torch.equal(engine.load()["w"], torch.full((1000,), 1.0))
+        assert engine.last_load["step"] == 1
 
 
 def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:

@@ -116,6 +116,19 @@ def test_a_worker_that_aborts_on_a_broken_collective_is_a_peer_error(tmp_path):
     assert classify_exit(2, 0, -6, _log(tmp_path, TRACEBACK)).peer_error is False
 
 
+def test_a_rank_whose_copies_were_good_when_another_ranks_were_not_is_a_peer_error(tmp_path):
+    from transom.checkpoint.agreement import PEER_COPIES_BAD
+
+    raised = (
+        'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+        f"transom.checkpoint.client.CheckpointError: no step could be loaded by every rank "
+        f"({PEER_COPIES_BAD})\n"
+    )
+    assert classify_exit(1, 1, 1, _log(tmp_path, raised)).peer_error is True
+    own = raised.replace(f"({PEER_COPIES_BAD})", ": step 20 rank 0: no good copy in any tier")
+    assert classify_exit(0, 0, 1, _log(tmp_path, own)).peer_error is False
+
+
 def test_an_ordinary_error_is_not_a_peer_error(tmp_path):
     assert classify_exit(0, 0, 1, _log(tmp_path, TRACEBACK)).peer_error is False
 

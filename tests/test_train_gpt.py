@@ -100,7 +100,10 @@ def test_single_process_trains(tmp_path: Path) -> None:
     assert losses[-1] < losses[0] - 0.2, losses
     assert sum(losses[-3:]) < sum(losses[:3]), losses
     assert re.search(r"^\[train_gpt\] done step=12 rank=0 t=\d+\.\d{3}$", out, re.M), out
-    assert not (tmp_path / "ckpt").exists()  # --ckpt-every defaults to 20: no checkpoint yet
+    # A snapshot every step by default, storage every 20th and the run's last: only step 12.
+    from transom.checkpoint import storage
+
+    assert storage.complete_steps(tmp_path / "ckpt") == [12]
 
 
 def test_falls_back_when_latest_is_corrupt(tmp_path: Path) -> None:

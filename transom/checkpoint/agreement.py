@@ -1,19 +1,19 @@
-"""Ranks that load without a controller agree on the step: every rank loads the same one, or none.
+"""The ranks agree on the step they restore: every rank loads the same one, or none.
 
-Under a launcher the controller names the oldest step to restore (TRANSOM_RESTORE_STEP: the
-newest the catalog listed, which lags the saves by up to a second) and, after a rollback, the
-first not to (TRANSOM_RESTORE_BEFORE); with a process group the ranks agree on the newest step
-they all hold in between (engine.py `newer_held` lists a rank's), so a job that saves every step
-loses at most the step in flight. Without a controller, each rank would take the newest step it
-can read and fall back on its own when its
-copy is bad, so two ranks could resume from different steps and train from mismatched state.
-`agree` makes the fallback collective, by what the job has:
+Under a launcher the controller names a step to restore (TRANSOM_RESTORE_STEP: the newest the
+catalog listed, which lags the saves by up to a second) and, after a rollback, the first not to
+(TRANSOM_RESTORE_BEFORE); with a process group the ranks agree on the newest step they all hold
+before that bound (engine.py lists a rank's candidates: the steps its node or a peer holds at or
+after the plan's, the plan's, then older restorable ones), so a job that saves every step loses
+at most the step in flight. Without a controller, each rank would take the newest step it can
+read and fall back on its own when its copy is bad, so two ranks could resume from different
+steps and train from mismatched state. `agree` makes the choice collective, by what the job has:
 
 * **A torch.distributed process group of the engine's world** (the usual case: the script
-  initialised it before loading): the ranks take the newest step every rank lists (an
-  all-reduce MIN of each rank's newest), each loads and verifies its shard of it, and an
-  all-reduce of the outcomes decides: every rank good, every rank uses it; else every rank
-  moves to an older step together. Two small all-reduces a step tried.
+  initialised it before loading): the ranks gather each other's newest MAX_CANDIDATES
+  candidates (one all-gather) and try the steps every rank lists, newest first: each loads and
+  verifies its shard, and an all-reduce of the outcomes decides: every rank good, every rank
+  uses it; else every rank moves to the next step together.
 * **No process group**: a rank takes a step only once every rank's shard of it in storage has
   verified (the manifest names them, the checksums are checked): the ranks read the same files
   and reach the same verdict without talking. That reads the whole step, world_size times a
@@ -42,6 +42,12 @@ log = logging.getLogger("transom.ckpt")
 # A world this large or larger, loading without a process group, reads this many ranks' shards
 # per rank: worth a hint.
 LARGE_WORLD = 8
+# The newest candidate steps of each rank that the ranks compare (a rank keeps a few in memory,
+# the storage a few more).
+MAX_CANDIDATES = 64
+# What a rank whose own copies were good says when another rank's were not: its agent counts it
+# as a peer's failure (control/failures.py matches it), not the node's.
+PEER_COPIES_BAD = "another rank's copies were bad"
 
 # Loads rank's shard of a step (verified) and returns its state; CheckpointError when no tier
 # holds a good copy.
@@ -98,31 +104,41 @@ def _process_group(world_size: int) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
 
 
-def _reduce(value: int, op: str) -> int:
-    """`value` reduced over the default group by MIN or MAX, on the device its backend needs."""
+def _device() -> torch.device:
+    """Where the default group's backend takes its tensors."""
     import torch.distributed as dist
 
-    device = torch.device("cpu")
     if "nccl" in str(dist.get_backend()).lower():
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce(value: int, op: str) -> int:
+    """`value` reduced over the default group by MIN or MAX."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
     return int(t.item())
 
 
+def _common(candidates: list[int]) -> list[int]:
+    """The steps every rank lists among its MAX_CANDIDATES newest candidates, newest first: one
+    all-gather of fixed-size tensors (no pickling)."""
+    import torch.distributed as dist
+
+    mine = sorted({s for s in candidates if s >= 0}, reverse=True)[:MAX_CANDIDATES]
+    t = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64, device=_device())
+    t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    table = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, t)
+    listed = [{int(s) for s in row.tolist() if s >= 0} for row in table]
+    return sorted(set.intersection(*listed), reverse=True)
+
+
 def _collectively(candidates: list[int], load: LoadStep) -> tuple[int, Any] | None:
     errors: list[str] = []
-    bound = None
-    while True:
-        mine = next((s for s in candidates if bound is None or s < bound), -1)
-        step = _reduce(mine, "min")  # the newest step every rank lists at or below its own
-        if step < 0:
-            if _reduce(1 if errors else 0, "max"):
-                raise CheckpointError(
-                    "no step could be loaded by every rank"
-                    + (f": {'; '.join(errors)}" if errors else " (another rank's copies were bad)")
-                )
-            return None
+    for step in _common(candidates):  # newest first; the same list on every rank
         try:
             state, good = load(step), 1
         except CheckpointError as e:
@@ -131,7 +147,12 @@ def _collectively(candidates: list[int], load: LoadStep) -> tuple[int, Any] | No
         if _reduce(good, "min"):
             return step, state
         log.warning("step %d is not good on every rank; every rank tries an older one", step)
-        bound = step
+    if _reduce(1 if errors else 0, "max"):
+        raise CheckpointError(
+            "no step could be loaded by every rank"
+            + (f": {'; '.join(errors)}" if errors else f" ({PEER_COPIES_BAD})")
+        )
+    return None
 
 
 def _by_storage(

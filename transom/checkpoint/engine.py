@@ -317,8 +317,7 @@ class Engine:
 
     # -- load ------------------------------------------------------------------------------------
     def restore_step(self) -> int | None:
-        """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any: the
-        oldest a `load()` restores (the newest the catalog listed when the plan was made)."""
+        """The step the controller chose for this generation (TRANSOM_RESTORE_STEP), if any."""
         return _env_step(env.RESTORE_STEP)
 
     def newer_held(self, floor: int) -> list[int]:
@@ -332,9 +331,9 @@ class Engine:
         except CheckpointError as e:
             log.warning("%s; restoring step %d", e, floor)
             return [floor]
-        held = reply.get("steps") if reply.get("ok") else None
-        steps = [s for s in held if type(s) is int and s > floor] if isinstance(held, list) else []
-        return [*sorted(set(steps), reverse=True), floor]
+        held = reply.get("steps")
+        newer = {s for s in held if type(s) is int and s > floor} if isinstance(held, list) else {}
+        return [*sorted(newer, reverse=True), floor]
 
     def steps(self) -> list[int]:
         """Steps restorable for every rank of this world, newest first."""
@@ -379,7 +378,9 @@ class Engine:
             state = load_step(floor)  # the plan's step: no group to agree on a newer one with
         else:  # the newest step every rank holds (at or after the plan's): agreement.py
             size = self.world_size if rank is None else 1  # one given rank's shard: no peers
-            candidates = self.newer_held(floor) if floor is not None else self.steps()
+            candidates = self.steps()
+            if floor is not None:  # newer ones held, the plan's, older ones (it may have gone)
+                candidates = [*self.newer_held(floor), *(s for s in candidates if s < floor)]
             agreed = agreement.agree(candidates, load_step, size, self.storage_dir)
             if agreed is None:
                 return None
@@ -491,8 +492,7 @@ class Engine:
 
 def _env_step(name: str) -> int | None:
     """A step the launcher passed in the environment variable `name`; None when absent."""
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
+    return int(os.environ[name]) if os.environ.get(name) else None
 
 
 def _cuda_devices(plan: layout.Plan) -> set[torch.device]:

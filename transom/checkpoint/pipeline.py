@@ -5,9 +5,11 @@ listed in the catalog) -> the replicator pushes it to the ring peer's server (`p
 persister writes it to storage (`storage`). Each tier reached or failed is recorded on the shard
 (`wait` returns on either) and is an event. Background work waits (QUIET_WAIT_S at most) while a
 worker of this node copies a save, so it does not compete with the copy for memory bandwidth;
-the persister skips a step when storage is behind and a newer one is queued. A save its writer
-made memory-only (`Engine.save(..., persist=False)`) skips storage, except each rank's newest
-one when the server drains (it stops, or an embedded server closes): the newest step outlives it.
+the replicator and the persister skip a step when they are behind and a newer one is queued (a
+save every step outpaces a slow peer or disk: the newest step is what a restart needs). A save
+its writer made memory-only (`Engine.save(..., persist=False)`) skips storage, except each
+rank's newest one when the server drains (it stops, or an embedded server closes): the newest
+step outlives it.
 Such a save (a snapshot every step) is no `saved` or `replicated` event, only its failures are.
 
 This module never copies shard bytes in Python (checksums read the region in place, transfers
@@ -278,6 +280,9 @@ class SavePipeline:
 
     def _replicator(self) -> None:
         while (shard := self.replicate_q.get()) is not None:
+            if self._superseded(shard) and not self.replicate_q.empty():
+                self._fail(shard, Tier.PEER, "skipped: replication is behind, a newer step is due")
+                continue
             self._quiet()
             if not self.memory.pin(shard):
                 self._fail(shard, Tier.PEER, "evicted before it was replicated")
@@ -333,17 +338,20 @@ class SavePipeline:
             )
 
     # -- storage: persistence ------------------------------------------------------------------
+    def _superseded(self, shard: Shard) -> bool:
+        """Whether this node's workers saved a newer step of `shard`'s rank (copied already)."""
+        with self.lock:
+            return any(
+                s.rank == shard.rank
+                and s.step > shard.step
+                and s.origin == LOCAL
+                and s.state != RESERVED
+                for s in self.memory.shards.values()
+            )
+
     def _persister(self) -> None:
         while (shard := self.persist_q.get()) is not None:
-            with self.lock:
-                newer = any(
-                    s.rank == shard.rank
-                    and s.step > shard.step
-                    and s.origin == LOCAL
-                    and s.state != RESERVED
-                    for s in self.memory.shards.values()
-                )
-            if newer and not self.persist_q.empty():
+            if self._superseded(shard) and not self.persist_q.empty():
                 self._fail(
                     shard, Tier.STORAGE, "skipped: storage is behind and a newer step is queued"
                 )

@@ -30,6 +30,8 @@ PEER_ERROR_PATTERNS = [
     r"DistBackendError",
     r"Read error",
     r"Sending data failed",
+    # checkpoint/agreement.py PEER_COPIES_BAD: this rank's copies were good, another's were not
+    r"another rank's copies were bad",
 ]
 _PEER_ERROR = re.compile("|".join(PEER_ERROR_PATTERNS))
 # The last "SomethingError: message" line of a Python traceback; once a process group exists,
