@@ -8,7 +8,9 @@ and 3rd saves of 256 MiB blocked 2-7x the copy floor here, the 4th and later at 
 save (and after a load: the next save has the loaded state's size) `NextRegion.after` waits for
 the server to take that save in (its older steps are evicted then, and a spare prepared), asks
 for the spare of that size and maps it, in a background thread, so the save that takes it
-finds it mapped already.
+finds it mapped already. Once WARM_SAVES saves of one size have gone by, every region the
+server rotates through for them is mapped: it stops asking (a save every step would otherwise
+pay two requests and a thread a step), until the size changes or a load comes.
 
 This module never blocks a save or a load: its request runs on a connection of its own, one at
 a time (a request under way makes the next one wait for the save after), and a failure costs
@@ -31,6 +33,9 @@ log = logging.getLogger("transom.ckpt")
 Request = Callable[..., dict]
 # How long the mapping waits for the server to finish taking in the save before it.
 SAVED_WAIT_S = 30.0
+# Saves of one size after which every region the server rotates through is mapped (memory keeps
+# two steps, one is being saved, one is a spare).
+WARM_SAVES = 4
 
 
 class NextRegion:
@@ -39,12 +44,17 @@ class NextRegion:
         self.maps = maps
         self.rank = rank
         self._busy = threading.Lock()
+        self._size, self._saves = 0, 0  # the size saved lately, and how many saves of it
 
     def after(self, nbytes: int, saved: int | None = None) -> None:
         """Have the region for a save of `nbytes` mapped before that save, in the background,
         once step `saved` (the save just made, if any) is in the server's memory (nothing when a
-        previous one is still under way, or there is nothing to save)."""
-        if nbytes <= 0 or not self._busy.acquire(blocking=False):
+        previous one is still under way, there is nothing to save, or WARM_SAVES of this size
+        have gone by)."""
+        if saved is None or nbytes != self._size:
+            self._size, self._saves = nbytes, 0
+        self._saves += saved is not None
+        if nbytes <= 0 or self._saves > WARM_SAVES or not self._busy.acquire(blocking=False):
             return
         threading.Thread(
             target=self._map_next, args=(nbytes, saved), name="ckpt-next-region", daemon=True

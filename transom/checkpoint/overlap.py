@@ -16,6 +16,7 @@ This module never plans a state, never talks to a server and never decides what 
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,7 +26,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 class CopyInFlight:
-    """The one overlapped copy of an engine in flight, and the optimizer hook that waits for it."""
+    """The one overlapped copy of an engine in flight, and the optimizer hook that waits for it.
+    The copies run on one thread, started with the first and kept while the engine lives (a
+    thread started for every save costs its start-up on every step)."""
 
     def __init__(self) -> None:
         self._copied = threading.Event()
@@ -33,30 +36,25 @@ class CopyInFlight:
         self._copied.set()
         self._finished.set()
         self._hook: Any = None
+        self._work: queue.SimpleQueue[tuple[Callable, Callable] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        weakref.finalize(self, self._work.put, None)  # never closed: its thread ends with it
 
     def start(self, copy: Callable[[], None], then: Callable[[BaseException | None], None]) -> None:
-        """Run `copy` on a thread, then `then(the exception copy raised, or None)`; after the
-        copy in flight before it has finished."""
+        """Run `copy` on the copy thread, then `then(the exception copy raised, or None)`; after
+        the copy in flight before it has finished."""
         self.wait_finished()
         self._copied.clear()
         self._finished.clear()
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(_waiting_for(weakref.ref(self)))
-
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                copy()
-            except BaseException as e:  # noqa: BLE001 - handed to `then`, which reports it
-                error = e
-            finally:
-                self._copied.set()
-            try:
-                then(error)
-            finally:
-                self._finished.set()
-
-        threading.Thread(target=run, name="ckpt-copy", daemon=True).start()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_run, args=(self._work, self._copied, self._finished), daemon=True
+            )
+            self._thread.name = "ckpt-copy"
+            self._thread.start()
+        self._work.put((copy, then))
 
     def wait_copied(self) -> None:
         """Until the copy in flight (if any) has finished copying: its tensors may change."""
@@ -67,11 +65,39 @@ class CopyInFlight:
         self._finished.wait()
 
     def close(self) -> None:
-        """Wait for the copy in flight and stop watching optimizer steps."""
+        """Wait for the copy in flight, stop the copy thread and stop watching optimizer steps."""
         self.wait_finished()
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _run(
+    work: queue.SimpleQueue[tuple[Callable, Callable] | None],
+    copied: threading.Event,
+    finished: threading.Event,
+) -> None:
+    """The copy thread: each copy, then what follows it, until None. It holds no reference to
+    its CopyInFlight (an engine nobody closes is still collected)."""
+    while (item := work.get()) is not None:
+        copy, then = item
+        error: BaseException | None = None
+        try:
+            copy()
+        except BaseException as e:  # noqa: BLE001 - handed to `then`, which reports it
+            error = e
+        finally:
+            copied.set()
+        try:
+            then(error)
+        except Exception:  # noqa: BLE001 - `then` reports its own failures; the thread goes on
+            pass
+        finally:
+            finished.set()
 
 
 def _waiting_for(ref: weakref.ReferenceType[CopyInFlight]) -> Callable[..., None]:
