@@ -43,6 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
 
 
+def shm_dir_for(tmp_path: Path, suffix: str = "") -> Path:
+    """A /dev/shm folder for a test's checkpoint server, unique to the test and to the pytest
+    process (tmp_path's name alone repeats across pytest-xdist's workers)."""
+    return Path("/dev/shm") / f"transom-test-{os.getpid()}-{tmp_path.name}{suffix}"
+
+
 def held_shard(step: int, rank: int) -> SimpleNamespace:
     """What a checkpoint server's publisher reads of a shard its memory holds."""
     return SimpleNamespace(
