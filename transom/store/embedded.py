@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from transom.store.access import StoreAccess, StoreError
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 from transom.utils.net import free_port
 from transom.utils.procs import die_with_parent, stop_process
 

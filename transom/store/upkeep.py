@@ -26,7 +26,7 @@ from collections.abc import Callable
 from transom.common import keys
 from transom.common.records import Event, EventKind
 from transom.store.access import StoreError
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 
 log = logging.getLogger("transom.store")
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import requests
 
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 
 log = logging.getLogger(__name__)
 
