@@ -1,6 +1,6 @@
 """Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it.
 
-The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tiers,
+The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tier_plugin,
 which pyproject.toml loads for every test directory (docs/testing.md)."""
 
 from __future__ import annotations
