@@ -114,7 +114,7 @@ def test_a_full_database_is_compacted_defragmented_and_disarmed(etcd):
         check_every_s=0.5,
     ).start()
     try:
-        start_size = upkeep.status()["db_size"]
+        start_size = upkeep.status().db_size
         payload = "x" * (256 << 10)
         for i in range(200):  # 50 MiB written in all, six times the quota
             store.put("blob", {"i": i, "data": payload})
@@ -145,7 +145,7 @@ def test_a_check_of_an_etcd_with_room_is_one_request(etcd):
     store.request = counted  # type: ignore[method-assign]
     upkeep = EtcdUpkeep(store, etcd.quota_bytes)
     assert upkeep.check() == [] and asked == ["maintenance/status"]
-    assert upkeep.status()["full"] is False
+    assert upkeep.status().full is False
 
 
 def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):
