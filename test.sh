@@ -7,10 +7,10 @@
 # The tiers (unit, integration, e2e) and how a test gets one: docs/testing.md.
 set -euo pipefail
 cd "$(dirname "$0")"
-# The unit and integration tiers run on 2 pytest-xdist workers (their tests wait more than they
-# compute); --all runs every test one at a time, as the e2e tier's whole jobs need. `-n 0` (or
-# another -n) after these options overrides the workers.
-tiers=(-m "unit or integration" -n 2 --dist worksteal)
+# The unit and integration tiers run on 3 pytest-xdist workers (their tests wait more than they
+# compute: 2 cores stay busy); --all runs every test one at a time, as the e2e tier's whole jobs
+# need. `-n 0` (or another -n) after these options overrides the workers.
+tiers=(-m "unit or integration" -n 3 --dist worksteal)
 if [ "${1:-}" = "--all" ]; then
   tiers=()
   shift

@@ -5,6 +5,7 @@ which pyproject.toml loads for every test directory (docs/testing.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -41,6 +42,14 @@ from transom.utils.net import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+def skip_unless_installed(package: str) -> None:
+    """Skip the calling test module when `package` is not installed: found, not imported (for
+    lightning an import costs every pytest process that collects the module 3 s of CPU; the
+    tests' own processes import it)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed", allow_module_level=True)
 
 
 def shm_dir_for(tmp_path: Path, suffix: str = "") -> Path:
