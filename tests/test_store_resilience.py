@@ -7,9 +7,10 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
-from conftest import running_etcd
+from conftest import running_etcd, wait_for
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
@@ -25,13 +26,27 @@ def etcd(tmp_path):
         yield server
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (a signal is delivered to each thread
+    of a busy process when it next leaves the CPU: on a loaded machine, not at once)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that just exited
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def paused(etcd: EmbeddedEtcd, seconds: float) -> threading.Thread:
-    """SIGSTOP etcd now and SIGCONT it after `seconds` (in a thread)."""
+    """SIGSTOP etcd now (returning once it has stopped) and SIGCONT it after `seconds` (in a
+    thread)."""
     assert etcd.process is not None
     pid = etcd.process.pid
     os.kill(pid, signal.SIGSTOP)
     resume = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
     resume.start()
+    wait_for(lambda: _stopped(pid), seconds, "etcd to stop")
     return resume
 
 
