@@ -7,7 +7,10 @@
 # The tiers (unit, integration, e2e) and how a test gets one: docs/testing.md.
 set -euo pipefail
 cd "$(dirname "$0")"
-tiers=(-m "unit or integration")
+# The unit and integration tiers run on 3 pytest-xdist workers (their tests wait more than they
+# compute: 2 cores stay busy); --all runs every test one at a time, as the e2e tier's whole jobs
+# need. `-n 0` (or another -n) after these options overrides the workers.
+tiers=(-m "unit or integration" -n 3 --dist worksteal)
 if [ "${1:-}" = "--all" ]; then
   tiers=()
   shift

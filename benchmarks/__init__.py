@@ -6,9 +6,9 @@
     python -m benchmarks.etcd_requests     etcd's requests a node a second in a steady job
     python -m benchmarks.etcd_size         the embedded etcd's size under rewrites
     python -m benchmarks.goodput           one job through five faults, Transom against torchrun
+    python -m benchmarks.job_overhead      a fault-free job's overhead against torchrun
     python -m benchmarks.monitor.blocks    the monitor's overhead inside one process
     python -m benchmarks.monitor.overhead  the monitor's overhead, process against process
-    python -m benchmarks.overhead          a fault-free job's overhead against torchrun
     python -m benchmarks.projection        the measured costs projected to a cluster (no processes)
     python -m benchmarks.recovery          fault to first step, against torchrun
     python -m benchmarks.scale             the real controller and up to 1,024 simulated agents

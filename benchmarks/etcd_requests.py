@@ -1,6 +1,6 @@
 """etcd's requests a node a second in a steady fault-free job with checkpoints (issue 44: <= 1).
 
-Runs the overhead benchmark's Transom job alone (`benchmarks.overhead.transom`: examples/
+Runs the overhead benchmark's Transom job alone (`benchmarks.job_overhead.transom`: examples/
 train_gpt.py, `--nnodes 2 --nproc-per-node 1`, a checkpoint every --ckpt-every steps, all of
 them persisted) --runs times, reads the embedded etcd's request counts by method (its /metrics,
 every --requests-every seconds) over each run's steady state, and prints them a second and a
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import overhead
+from benchmarks import job_overhead
 
 TARGET_PER_NODE_S = 1.0  # issue 44: at most 1 request a node a second
 
@@ -36,8 +36,8 @@ def main() -> int:
     parser.add_argument(
         "--requests-every",
         type=float,
-        default=overhead.REQUESTS_EVERY_S,
-        help=f"seconds between reads of etcd's counts ({overhead.REQUESTS_EVERY_S:g})",
+        default=job_overhead.REQUESTS_EVERY_S,
+        help=f"seconds between reads of etcd's counts ({job_overhead.REQUESTS_EVERY_S:g})",
     )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
@@ -51,7 +51,7 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="transom-etcd-requests-") as tmp:
         for i in range(args.runs):
-            result = overhead.transom(Path(tmp), job_args)
+            result = job_overhead.transom(Path(tmp), job_args)
             per_node = {k: v / result["nodes"] for k, v in result["requests"].items()}
             runs.append(per_node)
             print(
@@ -69,7 +69,7 @@ def main() -> int:
           f"{'met' if total <= TARGET_PER_NODE_S else 'missed'})")  # fmt: skip
     if args.json:
         print(json.dumps({
-            "per_node_s": mean, "runs": runs, "nodes": overhead.NODES, "steps": args.steps,
+            "per_node_s": mean, "runs": runs, "nodes": job_overhead.NODES, "steps": args.steps,
             "ckpt_every": args.ckpt_every, "target_per_node_s": TARGET_PER_NODE_S,
         }))  # fmt: skip
     return 0

@@ -47,8 +47,8 @@ def main() -> None:
                 if now >= next_report:
                     s = upkeep.status()
                     print(
-                        f"{now - began:7.0f} s  db {s['db_size'] / 2**20:7.2f} MiB  "
-                        f"in use {s['db_in_use'] / 2**20:7.2f} MiB  revision {s['revision']}",
+                        f"{now - began:7.0f} s  db {s.db_size / 2**20:7.2f} MiB  "
+                        f"in use {s.db_in_use / 2**20:7.2f} MiB  revision {s.revision}",
                         flush=True,
                     )
                     next_report += args.every
@@ -64,9 +64,9 @@ def main() -> None:
                 "minutes": args.minutes,
                 "writes": written,
                 "written_mib": round(written * args.value_bytes / 2**20, 1),
-                "db_start_mib": round(start["db_size"] / 2**20, 2),
-                "db_end_mib": round(end["db_size"] / 2**20, 2),
-                "db_in_use_end_mib": round(end["db_in_use"] / 2**20, 2),
+                "db_start_mib": round(start.db_size / 2**20, 2),
+                "db_end_mib": round(end.db_size / 2**20, 2),
+                "db_in_use_end_mib": round(end.db_in_use / 2**20, 2),
                 "defrags": upkeep.defrags,
                 "alarms_handled": upkeep.alarms_handled,
             }

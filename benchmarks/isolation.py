@@ -1,4 +1,4 @@
-"""Cores of their own for the ranks: what `python -m benchmarks.overhead --isolate-ranks` pins.
+"""Cores of their own for the ranks: what `python -m benchmarks.job_overhead --isolate-ranks` pins.
 
 A real node gives its ranks cores that the launcher and its helpers do not use; on a small
 machine where everything shares every core, whatever the control plane uses is taken from the

@@ -210,7 +210,7 @@ def measured_costs(paths: list[Path]) -> dict[str, tuple[float, str]]:
             tr = data["torchrun_worker_crash"]
             costs["torchrun_restart_s"] = (tr["restart_s"], f"{src}: torchrun_worker_crash")
             costs["torchrun_reload_s"] = (tr["reload_s"], f"{src}: torchrun_worker_crash")
-        if "step_rate_x" in data:  # overhead.py
+        if "step_rate_x" in data:  # job_overhead.py
             costs["step_rate_x"] = (data["step_rate_x"], f"{src}: step_rate_x")
             costs["startup_delta_s"] = (data["startup_delta_s"], f"{src}: startup_delta_s")
         if "sizes" in data and data["sizes"]:  # scale.py: its largest size
@@ -337,7 +337,7 @@ def main() -> int:
         "--from",
         dest="sources",
         default="",
-        help="comma-separated outputs of recovery.py/overhead.py/scale.py --json",
+        help="comma-separated outputs of recovery.py/job_overhead.py/scale --json",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--traces", type=int, default=50, help="failure traces (default 50)")

@@ -1,10 +1,11 @@
 """Shared fixtures: run `transom` as a real subprocess; prove that nothing of a job outlives it.
 
-The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tiers,
+The test tiers (unit, integration, e2e) are given by the pytest plugin transom.testing.tier_plugin,
 which pyproject.toml loads for every test directory (docs/testing.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -41,6 +42,20 @@ from transom.utils.net import free_port
 REPO = Path(__file__).resolve().parent.parent
 
 TOY = REPO / "tests" / "scripts" / "ddp_toy.py"
+
+
+def skip_unless_installed(package: str) -> None:
+    """Skip the calling test module when `package` is not installed: found, not imported (for
+    lightning an import costs every pytest process that collects the module 3 s of CPU; the
+    tests' own processes import it)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed", allow_module_level=True)
+
+
+def shm_dir_for(tmp_path: Path, suffix: str = "") -> Path:
+    """A /dev/shm folder for a test's checkpoint server, unique to the test and to the pytest
+    process (tmp_path's name alone repeats across pytest-xdist's workers)."""
+    return Path("/dev/shm") / f"transom-test-{os.getpid()}-{tmp_path.name}{suffix}"
 
 
 def held_shard(step: int, rank: int) -> SimpleNamespace:

@@ -14,16 +14,20 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 from transom.control import fence
 from transom.control.agent import NodeAgent
 from transom.control.controller import Controller
+from transom.monitor import stacks
 from transom.store import Store
 from transom.utils.net import free_port
 
 
 def dead_store() -> Store:
-    return Store(f"http://127.0.0.1:{free_port()}", "j-unreachable", timeout=0.5)
+    """A store whose port is closed; each call gives up after a second of retries (a stop is
+    seen between calls)."""
+    return Store(f"http://127.0.0.1:{free_port()}", "j-unreachable", timeout=0.5, deadline_s=1.0)
 
 
 def test_an_agent_that_never_reaches_etcd_gives_up_with_exit_1_not_bad_input(
@@ -71,7 +75,9 @@ def test_sigterm_ends_an_agent_or_controller_with_exit_0_even_while_etcd_is_unre
         text=True,
     )
     try:
-        time.sleep(3)  # let it start and begin waiting for etcd (nothing to poll for)
+        # It catches SIGTERM from the moment it starts serving, which begins with waiting for
+        # etcd: signalled earlier, it would die of the signal's default action.
+        wait_for(lambda: stacks.catches(process.pid, signal.SIGTERM), 60, "a SIGTERM handler")
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=30)
     finally:

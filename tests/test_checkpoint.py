@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import wait_for
+from conftest import shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import (
@@ -310,7 +310,7 @@ def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:
         replicas=0,
         **kw,
     )
-    cfg.shm_dir = Path("/dev/shm") / f"transom-test-{tmp_path.name}"
+    cfg.shm_dir = shm_dir_for(tmp_path)
     return CheckpointServer(cfg).start()
 
 
@@ -392,7 +392,7 @@ def test_peer_authentication(tmp_path: Path, monkeypatch) -> None:
     cfg = ServerConfig(
         node_id="n0",
         socket_path=tmp_path / "s.sock",
-        shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}",
+        shm_dir=shm_dir_for(tmp_path),
         budget_bytes=1 << 30,
         replicas=1,
         secret=b"the job's secret",

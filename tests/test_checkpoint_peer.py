@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, peer_port, peer_service, replication, shard_format
@@ -41,7 +41,7 @@ def _server(tmp_path: Path, node: str, **kw) -> CheckpointServer:
     cfg = ServerConfig(
         node_id=node,
         socket_path=tmp_path / f"{node}.sock",
-        shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}-{node}",
+        shm_dir=shm_dir_for(tmp_path, f"-{node}"),
         budget_bytes=1 << 30,
         replicas=kw.pop("replicas", 0),
         secret=SECRET,

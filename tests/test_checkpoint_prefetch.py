@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import torch_mapped, wait_for
+from conftest import shm_dir_for, torch_mapped, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import catalog, prefetch
@@ -219,7 +219,7 @@ def test_a_worker_waits_for_a_prefetch_under_way_at_most_the_bound(tmp_path, mon
     cfg = ServerConfig(
         node_id="n0",
         socket_path=tmp_path / "n0.sock",
-        shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}-n0",
+        shm_dir=shm_dir_for(tmp_path, "-n0"),
         budget_bytes=1 << 26,
         replicas=0,
         ranks_per_node=1,

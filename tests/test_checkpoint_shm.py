@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +43,20 @@ def test_two_jobs_with_a_long_common_prefix_get_distinct_folders_and_sockets() -
     assert "/" not in shm_dirs.default_shm_dir("a/b", "../n").name
 
 
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path, as /dev/shm's are: the sweep probes a socket inside each
+    folder, and under a long tmp_path (pytest-xdist's) its address would not fit a Unix socket's,
+    which the sweep must count as "cannot tell" and keep."""
+    folder = Path(tempfile.mkdtemp(prefix="tsh-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.integration
-def test_a_live_jobs_folder_is_never_taken_or_swept(tmp_path: Path) -> None:
+def test_a_live_jobs_folder_is_never_taken_or_swept(short_dir: Path, monkeypatch) -> None:
+    tmp_path = short_dir
+    monkeypatch.setattr(shm_dirs, "CLAIM_WAIT_S", 0.5)  # how long a claim waits for its owner
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         other = tmp_path / "transom-run-02-node-abc"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import engine as engine_mod
@@ -26,7 +26,7 @@ def _server(tmp_path: Path) -> CheckpointServer:
     cfg = ServerConfig(
         node_id="n0",
         socket_path=tmp_path / "n0.sock",
-        shm_dir=Path("/dev/shm") / f"transom-test-{tmp_path.name}-n0",
+        shm_dir=shm_dir_for(tmp_path, "-n0"),
         budget_bytes=1 << 30,
         replicas=0,
     )

@@ -22,18 +22,28 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
         "cannot be written": ["--run-dir", str(blocker / "run"), str(TOY)],
         "expected N or MIN:MAX": ["--nnodes", "two", str(TOY)],
     }
-    for expected, args in cases.items():
-        run_dir = ["--run-dir", str(tmp_path / "r")] if "--run-dir" not in args else []
-        out = subprocess.run(
-            [sys.executable, "-m", "transom", "run", *run_dir, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 2, (expected, out.stderr)
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], (expected, out.stderr)
-        assert not (tmp_path / "r" / "logs").exists(), f"{expected}: something was started"
+    # All at once: "cannot reach etcd" waits out the store's deadline, the others do not wait.
+    procs = {}
+    try:
+        for expected, args in cases.items():
+            run_dir = ["--run-dir", str(tmp_path / "r")] if "--run-dir" not in args else []
+            procs[expected] = subprocess.Popen(
+                [sys.executable, "-m", "transom", "run", *run_dir, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        for expected, p in procs.items():
+            _, stderr = p.communicate(timeout=60)
+            assert p.returncode == 2, (expected, stderr)
+            lines = stderr.strip().splitlines()
+            assert len(lines) == 1 and expected in lines[0], (expected, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert not (tmp_path / "r" / "logs").exists(), "something was started"
 
 
 @pytest.mark.integration

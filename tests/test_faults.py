@@ -218,7 +218,7 @@ def test_schedules_are_those_of_the_old_parser():
 
 
 def test_a_new_fault_type_is_one_class_and_one_registration(monkeypatch, tmp_path):
-    from transom.faults.base import AGENT, AgentTarget, FaultType
+    from transom.faults.fault_type import AGENT, AgentTarget, FaultType
 
     class Touch(FaultType):
         name = "touch"

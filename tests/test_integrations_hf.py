@@ -9,9 +9,15 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import monitored_ranks, rank_logs, ranks_finished, wait_for
+from conftest import (
+    monitored_ranks,
+    rank_logs,
+    ranks_finished,
+    skip_unless_installed,
+    wait_for,
+)
 
-pytest.importorskip("transformers")
+skip_unless_installed("transformers")
 
 HF = Path(__file__).resolve().parent / "scripts" / "hf_tiny.py"
 

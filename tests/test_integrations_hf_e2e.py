@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import skip_unless_installed
 
-pytest.importorskip("transformers")
+skip_unless_installed("transformers")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 

@@ -14,9 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, monitored_ranks, rank_logs, ranks_finished, wait_for
+from conftest import (
+    REPO,
+    monitored_ranks,
+    rank_logs,
+    ranks_finished,
+    skip_unless_installed,
+    wait_for,
+)
 
-pytest.importorskip("lightning")
+skip_unless_installed("lightning")
 pytestmark = pytest.mark.integration  # real worker processes
 torch = pytest.importorskip("torch")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import skip_unless_installed
 
-pytest.importorskip("lightning")
+skip_unless_installed("lightning")
 import torch  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,6 @@
 """The code's shape, checked: no import cycle between transom's subpackages, no file over 500 lines,
-and the bottom layer (transom.common) imports nothing else of transom."""
+no two modules with one name, and the bottom layer (transom.common) imports nothing else of
+transom."""
 
 from __future__ import annotations
 
@@ -61,3 +62,14 @@ def test_no_file_is_longer_than_500_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_no_two_modules_share_a_name():
+    """Each module's name says its job where it stands: no two modules of transom/ and
+    benchmarks/ have one file name (but a package's __init__.py and __main__.py)."""
+    by_name: dict[str, list[str]] = {}
+    for top in (ROOT, ROOT.parent / "benchmarks"):
+        for p in top.rglob("*.py"):
+            if p.name not in ("__init__.py", "__main__.py"):
+                by_name.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}

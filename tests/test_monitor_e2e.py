@@ -83,8 +83,9 @@ def test_hang_is_detected_blamed_on_the_stopped_rank_and_its_generation_replaced
         and hang["ranks"] == [1]
         and hang["evidence"]["why"] == "heartbeat stopped"
     )
-    # The target, max(10 s, 5 x median step), is measured by benchmarks/detection/main.py; here only
-    # that the hang detector, not some later timeout, caught it.
+    # The target, max(10 s, 5 x median step), is measured by
+    # benchmarks/detection/detection_bench.py; here only that the hang detector, not some later
+    # timeout, caught it.
     assert hang["time"] - fault["time"] < 30.0
     assert first(job, "decision", anomaly_type="hang")["action"] == "evict"
     record = job.status()["job"]

@@ -16,7 +16,7 @@ from transom.checkpoint.publisher import Publisher
 from transom.common import keys
 from transom.common.records import Plan
 from transom.common.states import JobState
-from transom.store.client import REFRESHES_PER_TTL
+from transom.store.etcd_client import REFRESHES_PER_TTL
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from transom.common.states import JobState
 from transom.control.controller import Controller
 from transom.job_spec import ConfigError, JobSpec
 from transom.store import Store, StoreAccess, StoreError
-from transom.store.client import MAX_TXN_OPS
+from transom.store.etcd_client import MAX_TXN_OPS
 from transom.store.spec import read_spec
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,9 +7,10 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
-from conftest import running_etcd
+from conftest import running_etcd, wait_for
 from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
@@ -25,13 +26,27 @@ def etcd(tmp_path):
         yield server
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (a signal is delivered to each thread
+    of a busy process when it next leaves the CPU: on a loaded machine, not at once)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that just exited
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def paused(etcd: EmbeddedEtcd, seconds: float) -> threading.Thread:
-    """SIGSTOP etcd now and SIGCONT it after `seconds` (in a thread)."""
+    """SIGSTOP etcd now (returning once it has stopped) and SIGCONT it after `seconds` (in a
+    thread)."""
     assert etcd.process is not None
     pid = etcd.process.pid
     os.kill(pid, signal.SIGSTOP)
     resume = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
     resume.start()
+    wait_for(lambda: _stopped(pid), seconds, "etcd to stop")
     return resume
 
 
@@ -114,7 +129,7 @@ def test_a_full_database_is_compacted_defragmented_and_disarmed(etcd):
         check_every_s=0.5,
     ).start()
     try:
-        start_size = upkeep.status()["db_size"]
+        start_size = upkeep.status().db_size
         payload = "x" * (256 << 10)
         for i in range(200):  # 50 MiB written in all, six times the quota
             store.put("blob", {"i": i, "data": payload})
@@ -145,7 +160,7 @@ def test_a_check_of_an_etcd_with_room_is_one_request(etcd):
     store.request = counted  # type: ignore[method-assign]
     upkeep = EtcdUpkeep(store, etcd.quota_bytes)
     assert upkeep.check() == [] and asked == ["maintenance/status"]
-    assert upkeep.status()["full"] is False
+    assert upkeep.status().full is False
 
 
 def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):

@@ -1,4 +1,4 @@
-"""The test tiers (transom/testing/tiers.py, docs/testing.md): every test gets exactly one, a
+"""The test tiers (transom/testing/tier_plugin.py, docs/testing.md): every test gets exactly one, a
 test that names two is refused, and a unit test that starts a process fails even when the code
 under test swallows the error. Each case runs an inner pytest session in this process (pytester)."""
 
@@ -41,7 +41,9 @@ def test_whole_job(start_job):
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess("-p", "transom.testing.tiers", "--strict-markers", *args)
+    return pytester.runpytest_inprocess(
+        "-p", "transom.testing.tier_plugin", "--strict-markers", *args
+    )
 
 
 @pytest.fixture

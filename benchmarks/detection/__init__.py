@@ -1,3 +1,3 @@
 """The detection benchmark: latency, attribution, precision and false positives of the monitor.
 
-main.py (`python -m benchmarks.detection`), table.py (its table for people)."""
+detection_bench.py (`python -m benchmarks.detection`), table.py (its table for people)."""

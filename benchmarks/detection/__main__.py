@@ -1,7 +1,7 @@
-"""`python -m benchmarks.detection`: the detection benchmark (main.py)."""
+"""`python -m benchmarks.detection`: the detection benchmark (detection_bench.py)."""
 
 import sys
 
-from benchmarks.detection.main import main
+from benchmarks.detection.detection_bench import main
 
 sys.exit(main())

@@ -1,4 +1,5 @@
-"""The detection benchmark's table (benchmarks/detection/main.py): its result, printed for people.
+"""The detection benchmark's table (benchmarks/detection/detection_bench.py): its result,
+printed for people.
 
 It only formats; it never runs a job and never changes the result.
 """

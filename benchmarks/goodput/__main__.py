@@ -1,7 +1,7 @@
-"""`python -m benchmarks.goodput`: the goodput benchmark (main.py)."""
+"""`python -m benchmarks.goodput`: the goodput benchmark (goodput_bench.py)."""
 
 import sys
 
-from benchmarks.goodput.main import main
+from benchmarks.goodput.goodput_bench import main
 
 sys.exit(main())

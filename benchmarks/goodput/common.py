@@ -1,6 +1,6 @@
 """What the goodput benchmark's parts share: its constants, worker environment, and measures.
 
-Used by main.py (see its docstring for what is measured) and torchrun.py. This module
+Used by goodput_bench.py (see its docstring for what is measured) and torchrun.py. This module
 never starts a job.
 """
 

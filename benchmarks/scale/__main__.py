@@ -1,7 +1,7 @@
-"""`python -m benchmarks.scale`: the scale benchmark (main.py)."""
+"""`python -m benchmarks.scale`: the scale benchmark (scale_bench.py)."""
 
 import sys
 
-from benchmarks.scale.main import main
+from benchmarks.scale.scale_bench import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Many simulated node agents in one process, for benchmarks/scale/main.py.
+"""Many simulated node agents in one process, for benchmarks/scale/scale_bench.py.
 
 Each simulated node is a real `transom.control.agent.NodeAgent` (its registration under a lease,
 lease keep-alive, the plan followed through etcd, generation following, status and monitor

@@ -32,7 +32,7 @@ from transom.control.fence import GUARD_TICK_S, PauseGuard  # noqa: E402
 from transom.control.lease_keeper import LeaseKeeper  # noqa: E402
 from transom.control.plan_follow import PlanFollower  # noqa: E402
 from transom.store import Store  # noqa: E402
-from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
+from transom.store.etcd_client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch, Update  # noqa: E402
 
 RENEWERS = 16  # threads that send the process's lease renewals (each one node's request)

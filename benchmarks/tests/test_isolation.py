@@ -1,4 +1,4 @@
-"""benchmarks/isolation.py and `benchmarks.overhead --isolate-ranks`: the ranks end up on cores
+"""benchmarks/isolation.py and `benchmarks.job_overhead --isolate-ranks`: the ranks end up on cores
 of their own and everything else on the others (the pinning, not the speed)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_isolate_ranks_pins_every_rank_of_both_systems_to_its_own_core(tmp_path)
     available = sorted(os.sched_getaffinity(0))
     cores = isolation.split(available, isolation.ranks_for(available))
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.overhead", "--isolate-ranks", "--pairs", "1"]
+        [sys.executable, "-m", "benchmarks.job_overhead", "--isolate-ranks", "--pairs", "1"]
         + ["--steps", "400", "--ckpt-every", "100", "--requests-every", "0.5", "--json"],
         capture_output=True,
         text=True,

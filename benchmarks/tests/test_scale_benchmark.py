@@ -1,4 +1,4 @@
-"""The scale benchmark (benchmarks/scale/main.py) runs end to end at a small size.
+"""The scale benchmark (benchmarks/scale/scale_bench.py) runs end to end at a small size.
 
 Its simulated agents are the real NodeAgent with stand-ins for what touches the machine; when
 the agent starts calling something new on a part the stand-ins replace, the benchmark must

@@ -1,7 +1,7 @@
-"""The torture suite (benchmarks/torture/main.py): its proxy and checks, and a fast subset of its
-scenarios run end to end, each asserting what issue 11 asks (the job succeeds, no restart or
-eviction the fault should not cost, final weights bit-identical to a fault-free run, nothing
-left behind)."""
+"""The torture suite (benchmarks/torture/torture_suite.py): its proxy and checks, and a fast
+subset of its scenarios run end to end, each asserting what issue 11 asks (the job succeeds, no
+restart or eviction the fault should not cost, final weights bit-identical to a fault-free run,
+nothing left behind)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.torture.main import BY_NAME, run_trial
 from benchmarks.torture.measure import steps_lost
 from benchmarks.torture.scenarios import check
+from benchmarks.torture.torture_suite import BY_NAME, run_trial
 from transom.testing.store_proxy import StoreProxy
 
 # The fast subset: an etcd stall every node sees, a dead controller leader, a dead node.

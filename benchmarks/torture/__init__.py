@@ -1,5 +1,5 @@
 """The torture suite: faults of Transom's own control plane while a real job trains.
 
-main.py (the campaign and its table; `python -m benchmarks.torture`), job.py (the job under
-test, local or behind per-node etcd proxies), scenarios.py (the faults and what each must
+torture_suite.py (the campaign and its table; `python -m benchmarks.torture`), job.py (the job
+under test, local or behind per-node etcd proxies), scenarios.py (the faults and what each must
 cost), kills.py (kills around checkpoints), measure.py (what a trial cost)."""

@@ -1,7 +1,7 @@
-"""`python -m benchmarks.torture`: the torture suite (main.py)."""
+"""`python -m benchmarks.torture`: the torture suite (torture_suite.py)."""
 
 import sys
 
-from benchmarks.torture.main import main
+from benchmarks.torture.torture_suite import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
   single_file.py     `save`/`load`: a torch.save / torch.load pair in the shard format
     client.py        its requests to the node's server, each with a time limit
     pinning.py       CUDA registration of the regions it copies GPU tensors into
-  tiers/             where the loader reads from: one `LoadTier` a file, registered in order
+  tiers.py           where the loader reads from (memory, peer, storage): `LoadTier`s, in order
   server.py          the per-node server, wiring:
     server_options.py  its configuration and command line (`ServerConfig`, `default_budget`)
     budget.py        its memory: shards, region pool, budget, eviction

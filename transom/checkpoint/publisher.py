@@ -32,7 +32,7 @@ from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
 from transom.store import Store, StoreError
 from transom.store.batch_writer import BatchWriter
-from transom.store.client import REFRESHES_PER_TTL
+from transom.store.etcd_client import REFRESHES_PER_TTL
 from transom.store.key_follow import KeyFollower
 
 log = logging.getLogger("transom.ckpt.server")

@@ -41,7 +41,7 @@ PERSIST_ON_STOP_S = 15.0
 
 def default_budget() -> int:
     """Half of this machine's memory, or of the container's where a cgroup limits it."""
-    from transom.utils.memory import usable_memory
+    from transom.utils.memory_limit import usable_memory
 
     return usable_memory() // 2
 

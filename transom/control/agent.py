@@ -54,7 +54,7 @@ from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
-from transom.store.client import Lease
+from transom.store.etcd_client import Lease
 from transom.store.reachability import StoreOutage
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address

@@ -33,7 +33,7 @@ from transom.store import StoreError
 log = logging.getLogger("transom.controller")
 
 # One call this often: the leader's lease (TTL 3 s) is refreshed four times a TTL, as every lease
-# is (store.client.REFRESHES_PER_TTL), and a call answered within STALE_S is at hand for
+# is (store.etcd_client.REFRESHES_PER_TTL), and a call answered within STALE_S is at hand for
 # `confirm` while etcd answers, so a tick needs no extra call.
 PROBE_S = 0.75
 STANDBY_PROBE_S = 5.0  # a standby's call: its watch on the leader key is what wakes it

@@ -49,7 +49,7 @@ from transom.job_spec import JobSpec
 from transom.monitor.exporter import MonitorExporter
 from transom.monitor.waiting import median_step_s
 from transom.store import Store, StoreError
-from transom.store.client import Lease
+from transom.store.etcd_client import Lease
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address, host_address
 

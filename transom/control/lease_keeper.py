@@ -22,7 +22,7 @@ import threading
 import time
 
 from transom.store import Store, StoreError
-from transom.store.client import REFRESHES_PER_TTL, Lease
+from transom.store.etcd_client import REFRESHES_PER_TTL, Lease
 
 log = logging.getLogger("transom.agent")
 

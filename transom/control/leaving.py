@@ -15,7 +15,7 @@ from collections.abc import Callable
 from transom.common import keys
 from transom.common.records import Event, EventKind
 from transom.store import Store, StoreError
-from transom.store.client import Lease
+from transom.store.etcd_client import Lease
 
 log = logging.getLogger("transom.agent")
 

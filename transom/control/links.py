@@ -39,7 +39,7 @@ from transom.common.names import natural_key
 
 if TYPE_CHECKING:
     from transom.store import Store
-    from transom.store.client import Lease
+    from transom.store.etcd_client import Lease
 
 LINK_PEERS = 4  # peers measured at most (the test stays short however large the job)
 LINK_PINGS = 10

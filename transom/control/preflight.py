@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transom.faults import FaultInjector
     from transom.job_spec import JobSpec
     from transom.store import Store
-    from transom.store.client import Lease
+    from transom.store.etcd_client import Lease
 
 MIN_FREE_DISK_BYTES = 256 << 20
 MIN_FREE_MEMORY_BYTES = 256 << 20

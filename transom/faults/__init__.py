@@ -1,7 +1,7 @@
 """Fault injection (chaos testing): a seeded schedule of real faults, fired through one hook.
 
 Layout:
-  base.py            what a fault type is (FaultType) and where faults apply; a scheduled
+  fault_type.py      what a fault type is (FaultType) and where faults apply; a scheduled
                      fault is a `Fault` (transom.common.fault_spec)
   agent_side.py      crash, hang, log, kill: the node agent applies them
   worker_side.py     slow, nan: the worker applies them through the monitor API
@@ -18,7 +18,7 @@ that is not in the schedule, and must never import the controller or the monitor
 """
 
 from transom.common.fault_spec import DEFAULT_LOG_LINE, Fault
-from transom.faults.base import NODE_LOST, PREFLIGHT_EXCLUSION, FaultType
+from transom.faults.fault_type import NODE_LOST, PREFLIGHT_EXCLUSION, FaultType
 from transom.faults.injector import FaultInjector
 from transom.faults.mock_nvml import MockNvml
 from transom.faults.registry import (

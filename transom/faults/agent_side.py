@@ -10,7 +10,7 @@ import signal
 
 from transom.common import anomaly_types
 from transom.common.fault_spec import Fault
-from transom.faults.base import AGENT, NODE_LOST, AgentTarget, FaultType
+from transom.faults.fault_type import AGENT, NODE_LOST, AgentTarget, FaultType
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from transom.common import anomaly_types
-from transom.faults.base import AGENT, AgentTarget, Fault, FaultType
+from transom.faults.fault_type import AGENT, AgentTarget, Fault, FaultType
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from transom.common import keys
 from transom.common.fault_spec import Fault
 from transom.common.record_base import RecordError
-from transom.faults.base import AGENT, PREFLIGHT, WORKER, AgentTarget
+from transom.faults.fault_type import AGENT, PREFLIGHT, WORKER, AgentTarget
 from transom.faults.registry import FAULT_TYPES
 from transom.faults.schedule import read_fault
 

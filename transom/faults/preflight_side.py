@@ -7,7 +7,7 @@ benchmark or link test (transom.control.preflight, transom.control.links).
 from __future__ import annotations
 
 from transom.common.fault_spec import Fault
-from transom.faults.base import PREFLIGHT, PREFLIGHT_EXCLUSION, FaultType
+from transom.faults.fault_type import PREFLIGHT, PREFLIGHT_EXCLUSION, FaultType
 
 
 class SlowPreflight(FaultType):

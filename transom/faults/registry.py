@@ -9,8 +9,8 @@ parser, the injector and the worker hook read FAULT_TYPES. This module must neve
 from __future__ import annotations
 
 from transom.faults.agent_side import Crash, Hang, Kill, LogLine
-from transom.faults.base import AGENT, PREFLIGHT, WORKER, FaultType
 from transom.faults.cpu_quota import CpuQuota
+from transom.faults.fault_type import AGENT, PREFLIGHT, WORKER, FaultType
 from transom.faults.preflight_side import SlowLink, SlowPreflight
 from transom.faults.throttle import Throttle
 from transom.faults.worker_side import Corrupt, Nan, Slow

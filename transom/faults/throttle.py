@@ -21,7 +21,7 @@ import time
 
 from transom.common import anomaly_types
 from transom.common.fault_spec import Fault
-from transom.faults.base import AGENT, AgentTarget, FaultType
+from transom.faults.fault_type import AGENT, AgentTarget, FaultType
 
 THROTTLE_PERIOD_S = 0.1  # the CFS bandwidth controller's default period
 PERIOD_RANGE_S = (0.01, 10.0)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transom.common.record_base import RecordError
-from transom.faults.base import ON_LOSS, ON_STEP, WORKER, WorkerState
+from transom.faults.fault_type import ON_LOSS, ON_STEP, WORKER, WorkerState
 from transom.faults.registry import FAULT_TYPES
 from transom.faults.schedule import read_fault
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from transom.common import anomaly_types
 from transom.common.fault_spec import Fault
-from transom.faults.base import ON_LOSS, ON_STEP, WORKER, FaultType, WorkerState
+from transom.faults.fault_type import ON_LOSS, ON_STEP, WORKER, FaultType, WorkerState
 
 
 class Slow(FaultType):

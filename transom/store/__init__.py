@@ -6,7 +6,7 @@ and per-step monitoring samples never do.
 """
 
 from transom.store.access import StoreAccess, StoreError
-from transom.store.client import Store
 from transom.store.embedded import EmbeddedEtcd
+from transom.store.etcd_client import Store
 
 __all__ = ["Store", "StoreAccess", "StoreError", "EmbeddedEtcd"]

@@ -4,7 +4,7 @@ The options `--store URL --store-ca F --store-cert F --store-key F` mean what et
 `--endpoints --cacert --cert --key` mean. Every command that talks to etcd takes them
 (`add_store_options`, `from_args`), and a process that starts another one hands them on with
 `argv()`, so the launcher, controller candidates, agents and the checkpoint servers all reach
-etcd the same way. `Store` (client.py) builds its client from a `StoreAccess`.
+etcd the same way. `Store` (etcd_client.py) builds its client from a `StoreAccess`.
 
 This module checks options and files; it must never connect to etcd or start anything.
 """

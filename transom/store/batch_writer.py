@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transom.store.access import StoreError
-from transom.store.client import Lease, Store
+from transom.store.etcd_client import Lease, Store
 
 log = logging.getLogger(__name__)
 

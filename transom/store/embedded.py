@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from transom.store.access import StoreAccess, StoreError
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 from transom.utils.net import free_port
 from transom.utils.procs import die_with_parent, stop_process
 
@@ -75,7 +75,7 @@ class EmbeddedEtcd:
         self.go_threads = go_threads  # GOMAXPROCS for etcd (None: Go's default or the caller's)
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self._access: StoreAccess | None = None
         self._command: list[str] | None = None
         self.restarts = 0
@@ -214,5 +214,5 @@ class EmbeddedEtcd:
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 from transom.store.watch import PrefixWatch, Update
 
 # The watch reconnects within 2 s at most (watch.BACKOFF_S); a stream down longer than this is

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 from transom.store.key_follow import Followed
 from transom.store.watch import Update
 

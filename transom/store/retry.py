@@ -68,7 +68,7 @@ class RetryPolicy:
 
     def backoff_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
         """The wait after failed attempt number `attempt` (1, 2, ...)."""
-        base = min(self.max_backoff_s, self.first_backoff_s * 2 ** (attempt - 1))
+        base = min(self.max_backoff_s, self.first_backoff_s * 2.0 ** (attempt - 1))
         return base * (0.5 + 0.5 * rand())
 
     def attempt_timeout_s(self, remaining_s: float) -> float:

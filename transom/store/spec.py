@@ -17,7 +17,7 @@ from transom.common import keys
 from transom.common.records import Event, EventKind, RecordError
 from transom.job_spec import ConfigError, JobSpec
 from transom.store.access import StoreError
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 
 EVENT_SOURCE_SUFFIX = "-spec"
 SPEC_WAIT_S = 120.0  # how long a controller or agent waits for the spec (it may start first)

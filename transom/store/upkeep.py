@@ -22,11 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from transom.common import keys
 from transom.common.records import Event, EventKind
 from transom.store.access import StoreError
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 
 log = logging.getLogger("transom.store")
 
@@ -34,6 +36,17 @@ CHECK_EVERY_S = 5.0
 DEFRAG_EVERY_S = 600.0
 SOURCE = "etcd-upkeep"
 NOSPACE = "NOSPACE"
+
+
+@dataclass(frozen=True)
+class EtcdStatus:
+    """What etcd says of itself (its maintenance status): sizes in bytes."""
+
+    revision: int
+    member: int
+    db_size: int
+    db_in_use: int
+    full: bool  # a NOSPACE alarm is raised (etcd lists it in `errors` as "... alarm:NOSPACE")
 
 
 class EtcdUpkeep:
@@ -63,54 +76,54 @@ class EtcdUpkeep:
         return len(self.freed)
 
     # -- one pass -----------------------------------------------------------------------------
-    def status(self) -> dict:
-        """etcd's status: `revision`, `db_size` and `db_in_use` in bytes, `member`, and `full`:
-        whether a NOSPACE alarm is raised (etcd lists it in `errors` as "... alarm:NOSPACE")."""
+    def status(self) -> EtcdStatus:
+        """etcd's status, from its maintenance/status answer (the gateway's JSON: 64-bit numbers
+        come as strings)."""
         answer = self.store.request("maintenance/status", {})
         header = answer.get("header", {})
         errors = answer.get("errors") or []
-        return {
-            "revision": int(header.get("revision", 0)),
-            "member": header.get("member_id", 0),
-            "db_size": int(answer.get("dbSize", 0)),
-            "db_in_use": int(answer.get("dbSizeInUse", 0) or answer.get("dbSize", 0)),
-            "full": any(f"alarm:{NOSPACE}" in str(e) for e in errors),
-        }
+        return EtcdStatus(
+            revision=int(header.get("revision", 0)),
+            member=int(header.get("member_id", 0)),
+            db_size=int(answer.get("dbSize", 0)),
+            db_in_use=int(answer.get("dbSizeInUse", 0) or answer.get("dbSize", 0)),
+            full=any(f"alarm:{NOSPACE}" in str(e) for e in errors),
+        )
 
     def check(self) -> list[str]:
         """One pass; what it did, in words (nothing when nothing was needed)."""
         status = self.status()
-        if status["full"]:
+        if status.full:
             alarms = self.store.request(
                 "maintenance/alarm", {"action": "GET", "memberID": 0, "alarm": "NONE"}
             ).get("alarms", [])
             full = [a for a in alarms if a.get("alarm") == NOSPACE]
             if full:
                 return [self._free_space(full)]
-        wasted = status["db_size"] - status["db_in_use"]
+        wasted = status.db_size - status.db_in_use
         if self.clock() - self.last_defrag >= self.defrag_every_s or wasted > self.quota_bytes / 4:
-            return [self._defragment(status["db_size"])]
+            return [self._defragment(status.db_size)]
         return []
 
-    def _free_space(self, alarms: list[dict]) -> str:
+    def _free_space(self, alarms: list[dict[str, Any]]) -> str:
         before = self.status()
         try:
-            self.store.request("kv/compaction", {"revision": before["revision"], "physical": True})
+            self.store.request("kv/compaction", {"revision": before.revision, "physical": True})
         except StoreError as e:  # compacted already (by etcd itself, or a pass before)
             if "compacted" not in str(e):
                 raise
-        self._defragment(before["db_size"])
+        self._defragment(before.db_size)
         for alarm in alarms:
             self.store.request(
                 "maintenance/alarm",
                 {"action": "DEACTIVATE", "memberID": alarm.get("memberID", 0), "alarm": NOSPACE},
             )
         after = self.status()
-        self.freed.append((before["db_size"], after["db_size"]))
+        self.freed.append((before.db_size, after.db_size))
         message = (
             f"etcd's database reached its quota ({_mb(self.quota_bytes)}, NOSPACE alarm): "
-            f"compacted to revision {before['revision']}, defragmented "
-            f"({_mb(before['db_size'])} -> {_mb(after['db_size'])}), alarm disarmed; "
+            f"compacted to revision {before.revision}, defragmented "
+            f"({_mb(before.db_size)} -> {_mb(after.db_size)}), alarm disarmed; "
             f"writes go on"
         )
         log.warning("%s", message)

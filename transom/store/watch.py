@@ -34,7 +34,7 @@ from typing import Any
 
 import requests
 
-from transom.store.client import Store
+from transom.store.etcd_client import Store
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class PrefixWatch:
     def __enter__(self) -> PrefixWatch:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- reading -------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class PrefixWatch:
         finally:
             self._close_stream()
 
-    def _handle(self, message: dict) -> None:
+    def _handle(self, message: dict[str, Any]) -> None:
         if "error" in message:
             raise RuntimeError(f"watch error: {message['error']}")
         result = message.get("result", {})

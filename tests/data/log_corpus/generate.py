@@ -12,7 +12,8 @@ hardware.txt  "<expected type>\\t<line>": real-format error lines of the NVIDIA 
 
     python tests/data/log_corpus/generate.py      # rewrites both files next to this script
 
-Used by tests/test_patterns.py and benchmarks/detection/main.py; it must never import transom.
+Used by tests/test_patterns.py and benchmarks/detection/detection_bench.py; it must never
+import transom.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 import psutil
 
 from transom.checkpoint.server_options import default_budget
-from transom.utils import memory
+from transom.utils import memory_limit
 
 
 def _fake_cgroup(root: Path, v1_value: str | None, v2_value: str | None) -> None:
@@ -26,13 +26,13 @@ def _fake_cgroup(root: Path, v1_value: str | None, v2_value: str | None) -> None
 
 def test_a_cgroup_limit_is_read_and_no_limit_is_none(tmp_path):
     _fake_cgroup(tmp_path / "a", "2147483648", "2147483648")
-    assert memory.cgroup_limit(tmp_path / "a") == 2 << 30
+    assert memory_limit.cgroup_limit(tmp_path / "a") == 2 << 30
     _fake_cgroup(tmp_path / "b", "9223372036854771712", "max")  # what "no limit" looks like
-    assert memory.cgroup_limit(tmp_path / "b") is None
-    assert memory.cgroup_limit(tmp_path / "none") is None
+    assert memory_limit.cgroup_limit(tmp_path / "b") is None
+    assert memory_limit.cgroup_limit(tmp_path / "none") is None
 
 
 def test_the_default_budget_is_half_of_what_this_process_may_use():
-    usable = memory.usable_memory()
+    usable = memory_limit.usable_memory()
     assert usable <= psutil.virtual_memory().total
     assert default_budget() == usable // 2

@@ -1,10 +1,10 @@
-"""benchmarks/overhead.py's bookkeeping: which process is what, and the means over pairs."""
+"""benchmarks/job_overhead.py's bookkeeping: which process is what, and the means over pairs."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import overhead
+from benchmarks import job_overhead
 from transom.testing.jobs import wait_for
 
 PY = "/venv/bin/python"
@@ -25,7 +25,7 @@ PY = "/venv/bin/python"
     ],
 )
 def test_kind_of(cmdline, root, kind):
-    assert overhead.kind_of(cmdline, root) == kind
+    assert job_overhead.kind_of(cmdline, root) == kind
 
 
 def test_summarize_means_over_pairs():
@@ -51,7 +51,7 @@ def test_summarize_means_over_pairs():
             ),
         ),
     ]
-    s = overhead.summarize(pairs)
+    s = job_overhead.summarize(pairs)
     assert s["step_rate_x"] == pytest.approx(0.9)
     assert s["startup_delta_s"] == pytest.approx(2.0)
     assert s["ramp_delta_s"] == pytest.approx(0.2)
@@ -59,7 +59,7 @@ def test_summarize_means_over_pairs():
     assert s["transom_cpu_x"] == pytest.approx(
         {"etcd": 0.2, "agents": 0.1, "ckpt_servers": 0.1, "total": 0.4}
     )
-    assert s["transom_cpu_per_node_x"] == pytest.approx(0.3 / overhead.NODES)  # no ckpt servers
+    assert s["transom_cpu_per_node_x"] == pytest.approx(0.3 / job_overhead.NODES)  # no ckpt servers
     assert s["etcd_requests_per_s"] == pytest.approx({"Put": 3.0, "total": 3.0})
     assert s["transom_workers_cpu_x"] == pytest.approx(1.0)
     assert s["torchrun_cpu_x"]["torchrun"] == pytest.approx(0.02)
@@ -75,14 +75,16 @@ def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
             "cores": {},
             "requests": {},
         }
-        cores = {"agents": per_node * overhead.NODES, "ckpt_servers": 0.5}
+        cores = {"agents": per_node * job_overhead.NODES, "ckpt_servers": 0.5}
         return base, base | {
             "step_rate": 40.0 * ratio,
             "startup_s": 5.0 + startup_delta,
             "cores": cores,
         }
 
-    s = overhead.summarize([pair(0.98, 3.0, 0.02), pair(0.99, 3.5, 0.04), pair(1.00, 4.0, 0.03)])
+    s = job_overhead.summarize(
+        [pair(0.98, 3.0, 0.02), pair(0.99, 3.5, 0.04), pair(1.00, 4.0, 0.03)]
+    )
     low, high = s["step_rate_x_ci95"]
     assert 0.98 <= low <= s["step_rate_x"] <= high <= 1.0
     assert s["step_rate_x_pairs"] == pytest.approx([0.98, 0.99, 1.0])
@@ -90,7 +92,7 @@ def test_each_target_gets_its_interval_over_pairs_and_a_verdict():
     assert s["targets"]["startup_delta_s"]["verdict"] == "missed"  # every resample is > 2 s
     assert s["transom_cpu_per_node_x_pairs"] == pytest.approx([0.02, 0.04, 0.03])
     assert s["targets"]["transom_cpu_per_node_x"]["verdict"] == "not shown either way"
-    assert overhead.describe_targets(s)[0].startswith("step_rate_x 0.990 (95% CI 0.980 to")
+    assert job_overhead.describe_targets(s)[0].startswith("step_rate_x 0.990 (95% CI 0.980 to")
 
 
 def test_ramp_is_the_time_the_first_steps_took_beyond_the_steady_rate():
@@ -98,7 +100,7 @@ def test_ramp_is_the_time_the_first_steps_took_beyond_the_steady_rate():
     t = {1: 0.0}
     for step in range(2, steps + 1):  # 0.5 s a step up to step 11, then 0.1 s a step
         t[step] = t[step - 1] + (0.5 if step <= 11 else 0.1)
-    rate, ramp_s = overhead.steady_rate_and_ramp(t, steps)
+    rate, ramp_s = job_overhead.steady_rate_and_ramp(t, steps)
     assert rate == pytest.approx(10.0)
     assert ramp_s == pytest.approx(10 * 0.4)  # ten steps, each 0.4 s slower than steady
 

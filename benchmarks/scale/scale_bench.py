@@ -62,7 +62,7 @@ from transom.common.records import JobRecord  # noqa: E402
 from transom.common.states import JobState  # noqa: E402
 from transom.job_spec import JobSpec  # noqa: E402
 from transom.store import EmbeddedEtcd, Store, StoreError  # noqa: E402
-from transom.store.client import REFRESHES_PER_TTL  # noqa: E402
+from transom.store.etcd_client import REFRESHES_PER_TTL  # noqa: E402
 from transom.store.watch import PrefixWatch  # noqa: E402
 from transom.testing.jobs import etcd_requests_by_method
 from transom.utils.procs import die_with_parent  # noqa: E402

@@ -32,7 +32,7 @@ With --isolate-ranks the ranks get cores of their own, as on a real node (benchm
 least 0.99, ramp_delta_s and startup_delta_s below 0.5 s and 1 s). Without it everything shares
 every core: the worst case.
 
-    flock /work/wt/e2e.lock timeout 600 python -m benchmarks.overhead --json
+    flock /work/wt/e2e.lock timeout 600 python -m benchmarks.job_overhead --json
 
 This module starts jobs and stops every process they started; it never changes the job.
 """

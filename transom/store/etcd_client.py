@@ -132,7 +132,9 @@ class Store:
         except etcd_errors.Etcd3Exception as e:
             raise StoreError(f"etcd at {self.url} refused a request: {_detail(e)}") from e
 
-    def request(self, path: str, body: dict, deadline_s: float | None = None) -> dict:
+    def request(
+        self, path: str, body: dict[str, Any], deadline_s: float | None = None
+    ) -> dict[str, Any]:
         """One request to etcd's HTTP gateway (`path` under /v3/, e.g. "maintenance/status")."""
         url = self.client.get_url(path)
         return self._retried(lambda: self.client.post(url, json=body), deadline_s)
@@ -206,7 +208,9 @@ class Store:
         each otherwise); each name once, in no particular order."""
         self._transact(_ops(self, writes))
 
-    def _transact(self, ops: list[dict], compare: tuple[dict, ...] = ()) -> bool:
+    def _transact(
+        self, ops: list[dict[str, Any]], compare: tuple[dict[str, Any], ...] = ()
+    ) -> bool:
         """`ops` in transactions of at most MAX_TXN_OPS (the last one full: what must land
         together goes last), each under `compare`; False at the first one refused."""
         ends = range(len(ops), 0, -MAX_TXN_OPS)
@@ -283,10 +287,10 @@ class Store:
         return self._transact(_ops(self, {n: (v, None) for n, v in values.items()}), (fence,))
 
 
-def _ops(store: Store, writes: dict[str, tuple[Any, Lease | None] | None]) -> list[dict]:
+def _ops(store: Store, writes: dict[str, tuple[Any, Lease | None] | None]) -> list[dict[str, Any]]:
     """The transaction operations of `writes` under `store`'s job, in order: name -> (value,
     lease or None) puts the value as JSON, name -> None deletes the key."""
-    ops: list[dict] = []
+    ops: list[dict[str, Any]] = []
     for name, write in writes.items():
         key = _encode(store.key(name))
         if write is None:

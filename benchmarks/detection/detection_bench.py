@@ -391,7 +391,7 @@ def main() -> int:
         "--overhead-rounds",
         type=int,
         default=20,
-        help="alternating on/off pairs (default 20; 0 skips; see overhead.py)",
+        help="alternating on/off pairs (default 20; 0 skips; see benchmarks/monitor/overhead.py)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=NODES, help=f"nodes a job (default {NODES})")

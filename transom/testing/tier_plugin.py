@@ -1,4 +1,4 @@
-"""The test tiers, a pytest plugin (pyproject.toml loads it: `-p transom.testing.tiers`).
+"""The test tiers, a pytest plugin (pyproject.toml loads it: `-p transom.testing.tier_plugin`).
 
 Every test gets exactly one of three markers (docs/testing.md):
 - `unit`: no processes (no etcd, no `transom`, no workers); fails loudly if it starts one;

@@ -1,0 +1,135 @@
+"""Where a worker loads checkpoints from: the tiers, in the order `Engine.load` tries them.
+
+`Engine.load` walks `REGISTERED` in order (fastest first: local memory, a peer's memory,
+storage), tries every copy each tier locates, and takes the first whose checksums verify; a bad
+or unreachable copy is reported and the next one tried. A new tier (e.g. an object store) is a
+`LoadTier` subclass plus one line in `REGISTERED`.
+
+A tier's `read` must verify what it returns (the shard format's checksums, `shard_format`) and
+raise `ShardError` for a bad copy or `OSError` (`ConnectionError` included) for one it cannot
+reach:
+  memory   a shard in this node's checkpoint server, mapped copy-on-write: no copy, the worker
+           maps the server's region privately (the server never writes into a region it handed
+           out for loading again, shm.py) and verifies the checksums in place; never written to
+  peer     a replica in another node's checkpoint server, fetched over TCP: the node's server
+           locates replicas (its fixed peer, and the catalog's memory holders on other nodes);
+           `replication.fetch` authenticates with the job's secret and verifies the checksums
+  storage  shard files in the storage directory (checkpoint/storage.py), found where the server
+           says, else in the worker's own storage directory (so a worker whose server is gone
+           still finds it); complete steps are those with a manifest
+This module must never import torch at run time; only a tier's `read` talks to another process.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transom.checkpoint import replication, shard_format, storage
+from transom.checkpoint.shm import anonymous_buffer, populated_map
+from transom.common.states import Tier
+
+
+@dataclass(frozen=True)
+class LoaderContext:
+    """What a loading worker knows: its storage directory, the job's secret, and for one shard
+    the copies its node's server located (`locate` request; empty when unreachable)."""
+
+    storage_dir: Path
+    secret: bytes
+    located: list[dict] = field(default_factory=list)
+
+
+class LoadTier(ABC):
+    """One place shards can be loaded from. `name` is what events and `Engine.last_load` say."""
+
+    name: str
+
+    @abstractmethod
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+        """This tier's copies of shard (step, rank), fastest first, as JSON-able sources whose
+        "tier" is `name` (the rest is the tier's own: a path, an address, a header)."""
+
+    @abstractmethod
+    def read(
+        self, ctx: LoaderContext, source: dict, step: int, rank: int
+    ) -> tuple[dict, memoryview]:
+        """(header, data) of a copy `locate` returned, checksums verified: the data a view of
+        exactly the shard's data bytes, which `layout.rebuild` turns into tensors, no copy."""
+
+    def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
+        """Steps this tier holds for every rank of `world_size`, as far as the loader can tell
+        without the node's server (asked only when the server cannot answer); [] by default."""
+        return []
+
+    def from_server(self, ctx: LoaderContext) -> list[dict]:
+        """The copies the server located in this tier."""
+        return [s for s in ctx.located if s.get("tier") == self.name]
+
+
+class MemoryTier(LoadTier):
+    """The local memory tier: a shard in this node's checkpoint server, mapped copy-on-write."""
+
+    name = Tier.MEMORY
+
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+        return self.from_server(ctx)
+
+    def read(
+        self, ctx: LoaderContext, source: dict, step: int, rank: int
+    ) -> tuple[dict, memoryview]:
+        header = source["header"]
+        shard_format.check_identity(header, step, rank)
+        n = int(header["data_len"])
+        if n == 0:
+            empty = memoryview(anonymous_buffer(0))[:0]
+            shard_format.verify_data(header, empty)
+            return header, empty
+        view = memoryview(populated_map(Path(source["path"]), n, private=True))
+        shard_format.verify_data(header, view)
+        return header, view
+
+
+class PeerTier(LoadTier):
+    """The peer tier: a replica in another node's checkpoint server, fetched over TCP."""
+
+    name = Tier.PEER
+
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+        return self.from_server(ctx)
+
+    def read(
+        self, ctx: LoaderContext, source: dict, step: int, rank: int
+    ) -> tuple[dict, memoryview]:
+        return replication.fetch(source["addr"], ctx.secret, step, rank)
+
+
+class StorageTier(LoadTier):
+    """The storage tier: shard files in the storage directory."""
+
+    name = Tier.STORAGE
+
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+        sources = self.from_server(ctx)
+        path = storage.shard_path(ctx.storage_dir, step, rank)
+        if not sources and path.exists():
+            sources.append({"tier": self.name, "path": str(path)})
+        return sources
+
+    def read(
+        self, ctx: LoaderContext, source: dict, step: int, rank: int
+    ) -> tuple[dict, memoryview]:
+        return storage.read_shard(Path(source["path"]), step, rank)
+
+    def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
+        return storage.restorable_steps(ctx.storage_dir, world_size)
+
+
+REGISTERED: list[LoadTier] = [
+    MemoryTier(),
+    PeerTier(),
+    StorageTier(),
+]
+
+__all__ = ["REGISTERED", "LoadTier", "LoaderContext", "MemoryTier", "PeerTier", "StorageTier"]
