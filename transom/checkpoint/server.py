@@ -17,6 +17,7 @@ or policy of its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socketserver
@@ -38,6 +39,9 @@ from transom.common.states import Tier
 from transom.store import Store, StoreError
 
 log = logging.getLogger("transom.ckpt.server")
+# How soon the worker socket's loop sees a stop (socketserver's default, 0.5 s, was a half-second
+# wait in every embedded engine's close).
+STOP_POLL_S = 0.05
 
 SOCKET_PATH_MAX = 100
 
@@ -118,7 +122,10 @@ class CheckpointServer:
             )
             self.addr = f"{self.cfg.host}:{self._tcp.port}"
         self.publisher.start(self.addr)
-        threads = [(self._unix.serve_forever, "ckpt-unix"), *self.pipeline.threads()]
+        threads = [
+            (functools.partial(self._unix.serve_forever, STOP_POLL_S), "ckpt-unix"),
+            *self.pipeline.threads(),
+        ]
         if self._tcp is not None:
             self._tcp.start()
         if self.publisher.store is not None:
