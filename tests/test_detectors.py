@@ -116,6 +116,8 @@ def test_a_stopped_rank_is_a_hang_at_half_the_timeout_and_nothing_else_is():
     for v, where in zip(quiet, ("in all_reduce at train.py:57", "stopped", None), strict=True):
         v["where"] = where
     quiet[1]["beat_age"] = 4.4
+    assert hang(quiet) is None  # node2's agent has not said where its rank is yet
+    quiet[2]["where"] = "in all_reduce at train.py:57"
     a = hang(quiet)
     assert a is not None and a.nodes == ["node1"] and a.evidence["timeout_s"] == HANG_FLOOR_S
     assert "rank 1: stopped" in a.message

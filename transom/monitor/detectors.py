@@ -180,8 +180,8 @@ def rank_views(
 def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     """No rank progressed for the learned timeout (at least `floor_s`, the spec's hang floor),
     or for stacks.SUSPECT_FRACTION of it while a rank's process is stopped (SIGSTOP, a tracer:
-    its peers can only be waiting for it, its agent's stacks say so); blame the ranks that
-    stopped, else those behind."""
+    its peers can only be waiting for it) and every rank's agent has said where its ranks are;
+    blame the ranks that stopped, else those behind."""
     stepping = [v for v in views if v.get("step") is not None and v.get("step_age") is not None]
     if not stepping or len(stepping) < len(views):
         return None  # some rank has not finished a first step yet: start-up, not a hang
@@ -199,7 +199,11 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
         for v in views
         if isinstance(v.get("where"), str) and v["where"]
     }
-    halted = stacks.STOPPED in where.values() and quiet >= stacks.SUSPECT_FRACTION * timeout
+    halted = (  # every rank's place is known (each node's agent has collected), one is stopped
+        stacks.STOPPED in where.values()
+        and len(where) == len(views)
+        and quiet >= stacks.SUSPECT_FRACTION * timeout
+    )
     if quiet < timeout and not halted:
         return None
     stopped = [v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S]
