@@ -12,6 +12,7 @@
     python -m benchmarks.projection        the measured costs projected to a cluster (no processes)
     python -m benchmarks.recovery          fault to first step, against torchrun
     python -m benchmarks.scale             the real controller and up to 1,024 simulated agents
+    python -m benchmarks.snapshots         what a checkpoint every step costs the demo's model
     python -m benchmarks.torture           faults of Transom's own control plane
 
 Each prints a readable table; with `--json` the last line of output is one JSON object. The
