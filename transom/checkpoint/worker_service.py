@@ -15,8 +15,8 @@ Each message (protocol.py framing) is one request with one reply:
     held    {rank, world_size, floor[, before]} -> {steps}  steps of the rank's shard saved by a
                                        world of world_size, floor <= step < before, held in
                                        this server's memory or (when it holds none) in the
-                                       memory of the peers the catalog lists for `floor`
-                                       (asked directly: the catalog lags the newest saves);
+                                       memory of the peers that may hold them (`peers_to_ask`,
+                                       asked directly: the catalog lags the newest saves);
                                        `locate` then names those peers too
     event   {action, message, fields}        a `checkpoint` event on the worker's behalf (a
                                        corrupt `bad-copy` also withdraws that copy)
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,10 @@ class WorkerService:
         self.lock = memory.lock
         self.pipeline = pipeline
         self.publisher = publisher
-        # (step, rank) -> peers (node, address) that said they hold it, from the newest `held`.
+        # (step, rank) -> peers (node, address) that said they hold it (`held`), for `locate`;
+        # a rank's entries below the floor of its newest `held` are dropped.
         self.peer_holders: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        self._holders_lock = threading.Lock()
 
     def serve(self, sock: socket.socket) -> None:
         """Answer one worker connection's requests until it closes."""
@@ -231,7 +234,9 @@ class WorkerService:
             ):
                 sources.append({"tier": Tier.PEER, "node": info["node"], "addr": info["addr"]})
         listed = {s.get("addr") for s in sources}
-        for node, addr in self.peer_holders.get((step, rank), []):
+        with self._holders_lock:
+            said = list(self.peer_holders.get((step, rank), []))
+        for node, addr in said:
             if addr not in listed:  # a peer that said it holds it, not (yet) in the catalog
                 sources.append({"tier": Tier.PEER, "node": node, "addr": addr})
         if self.cfg.storage_dir is not None:
@@ -243,9 +248,8 @@ class WorkerService:
     def held(self, rank: int, world_size: int, floor: int, before: int | None) -> list[int]:
         """Steps of `rank`'s shard saved by a world of `world_size` in [floor, before), newest
         first: this server's memory, or, when that holds none (a node that replaces another, a
-        rank that moved), the memory of each peer the catalog lists as holding `floor` (asked
-        directly; one that cannot be reached is skipped). Each peer's answer is remembered for
-        `locate`."""
+        rank that moved), the memory of each of `peers_to_ask` (asked directly; one that cannot
+        be reached is skipped). Each peer's answer is remembered for `locate`."""
 
         def wanted(step: int, size: int) -> bool:
             return size == world_size and step >= floor and (before is None or step < before)
@@ -253,6 +257,9 @@ class WorkerService:
         steps = {step for step, size in self.memory.held(rank) if wanted(step, size)}
         if steps:
             return sorted(steps, reverse=True)
+        with self._holders_lock:
+            for key in [k for k in self.peer_holders if k[1] == rank and k[0] < floor]:
+                del self.peer_holders[key]
         for node, addr in self.peers_to_ask(floor, rank).items():
             try:
                 listing = replication.list_held(addr, self.cfg.secret, rank)
@@ -262,9 +269,10 @@ class WorkerService:
             for step, size in listing:
                 if wanted(step, size):
                     steps.add(step)
-                    holders = self.peer_holders.setdefault((step, rank), [])
-                    if (node, addr) not in holders:
-                        holders.append((node, addr))
+                    with self._holders_lock:
+                        holders = self.peer_holders.setdefault((step, rank), [])
+                        if (node, addr) not in holders:
+                            holders.append((node, addr))
         return sorted(steps, reverse=True)
 
     def peers_to_ask(self, floor: int, rank: int) -> dict[str, str]:
