@@ -12,8 +12,9 @@ a real job):
                          with it; the machine lives on); a spare replaces it
   torchrun_worker_crash  SIGKILL of rank 1's worker under
                          `torchrun --nproc-per-node 3 --max-restarts 3`
-The transom runs checkpoint with transom.checkpoint (in node memory, replicated, persisted in the
-background); the torchrun baseline with torch.save files (train_gpt.py --checkpoint torch).
+The transom runs checkpoint with transom.checkpoint every step, as train_gpt.py does by default (in
+node memory, replicated, persisted every 20th in the background); the torchrun baseline with
+torch.save files every TORCH_CKPT_EVERY steps (train_gpt.py --checkpoint torch).
 and splits the time from the fault to the first step completed afterwards into
   detection_s   fault -> the controller's incident event (transom only; torchrun does not say)
   restart_s     detection (or the fault, for torchrun) -> the first new worker process started
@@ -66,6 +67,7 @@ FAULT_AT_STEP = 12
 EVENTS_WAIT_S = 10
 # Long enough that no run finishes before its fault and recovery.
 STEPS = 1_000_000
+TORCH_CKPT_EVERY = 5  # the torchrun baseline's torch.save interval (Transom: train_gpt's own, 1)
 
 
 def split(lines: list, fault: float, detected: float | None) -> dict:
@@ -115,8 +117,10 @@ def recovered(text_of, fault: float, process: subprocess.Popen) -> bool:
     return False
 
 
-def train_args() -> list[str]:
-    return [str(SCRIPT), "--steps", str(STEPS), "--ckpt-every", "5", "--log-every", "1"]
+def train_args(ckpt_every: int | None = None) -> list[str]:
+    """train_gpt's arguments; its own checkpoint interval unless `ckpt_every` is given."""
+    every = [] if ckpt_every is None else ["--ckpt-every", str(ckpt_every)]
+    return [str(SCRIPT), "--steps", str(STEPS), *every, "--log-every", "1"]
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
@@ -242,7 +246,7 @@ def run_torchrun(work: Path) -> dict:
             "--max-restarts",
             "3",
             "--standalone",
-            *train_args(),
+            *train_args(TORCH_CKPT_EVERY),
             "--checkpoint",
             "torch",
             "--ckpt-dir",
