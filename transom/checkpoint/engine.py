@@ -331,9 +331,8 @@ class Engine:
         except CheckpointError as e:
             log.warning("%s; restoring step %d", e, floor)
             return [floor]
-        held = reply.get("steps")
-        newer = {s for s in held if type(s) is int and s > floor} if isinstance(held, list) else {}
-        return [*sorted(newer, reverse=True), floor]
+        held: list[Any] = reply["steps"] if isinstance(reply.get("steps"), list) else []
+        return [*sorted({s for s in held if type(s) is int and s > floor}, reverse=True), floor]
 
     def steps(self) -> list[int]:
         """Steps restorable for every rank of this world, newest first."""
