@@ -77,6 +77,23 @@ def test_two_nodes_cannot_tell_whose_link_is_slow():
     )
 
 
+def test_a_node_whose_peers_measured_a_good_link_to_it_is_not_blamed_for_its_own_busy_test():
+    # b's own test ran while its machine was busy (88 MB/s against a median of 2,165 MB/s), but
+    # a measured its link to b at full speed: b's link is fine, b stays.
+    scores = {
+        "a": {"link_mbps": 2165.0, "links": {"b": {"mbps": 2100.0, "latency_ms": 0.1}}},
+        "b": {"link_mbps": 88.0, "link_latency_ms": 30.0},
+        "c": {"link_mbps": 2200.0, "link_latency_ms": 0.1},
+        "d": {"link_mbps": 2100.0, "link_latency_ms": 0.1},
+    }
+    assert links.link_outliers(scores) == {}
+    # What a peer saw of a bad link corroborates it; forged entries are not evidence.
+    scores["a"]["links"]["b"] = {"mbps": 20.0, "latency_ms": 40.0}
+    scores["c"]["links"] = {"b": {"mbps": "fast", "latency_ms": -1}, "a": None}
+    scores["d"]["links"] = ["b"]
+    assert list(links.link_outliers(scores)) == ["b"]
+
+
 def test_no_peer_no_test_and_gone_or_bogus_peers_are_left_out(servers):
     store = DictStore()
     assert links.link_test(store, "node0", 0) == {}

@@ -215,25 +215,46 @@ def link_test(
     }
 
 
+def _measured_by_peers(scores: dict[str, dict[str, Any]], node: str, field: str) -> list[float]:
+    """What the other nodes measured of their link to `node` (`field`: mbps or latency_ms); an
+    entry that is not a positive number is left out (the evidence comes from etcd)."""
+    found = []
+    for other, evidence in scores.items():
+        tested = evidence.get("links") if other != node else None
+        link = tested.get(node) if isinstance(tested, dict) else None
+        value = link.get(field) if isinstance(link, dict) else None
+        if type(value) in (int, float) and value > 0:
+            found.append(float(value))
+    return found
+
+
 def link_outliers(scores: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Nodes whose best link is far worse than the nodes' median -> why to exclude them.
 
-    `scores`: node -> its pre-flight evidence (link_mbps, link_latency_ms where measured)."""
+    `scores`: node -> its pre-flight evidence (link_mbps, link_latency_ms where measured, and
+    `links`, what it measured of each peer). A node's own score can be low for a moment that is
+    not its link's fault (its test ran while its machine was busy): when a peer measured a good
+    link to it (not slow by the same rule), the node is not blamed."""
     bandwidth = {n: s["link_mbps"] for n, s in scores.items() if s.get("link_mbps")}
     latency = {n: s["link_latency_ms"] for n, s in scores.items() if s.get("link_latency_ms")}
     out: dict[str, str] = {}
     if len(bandwidth) >= LINK_MIN_NODES:
         median = statistics.median(bandwidth.values())
         for n, mbps in bandwidth.items():
-            if mbps < LINK_SLOW_RATIO * median:
+            seen = _measured_by_peers(scores, n, "mbps")
+            if mbps < LINK_SLOW_RATIO * median and not any(
+                m >= LINK_SLOW_RATIO * median for m in seen
+            ):
                 out[n] = (
                     f"pre-flight link test: best link {mbps:.1f} MB/s is {mbps / median:.2f}x its "
                     f"peers' median {median:.1f} MB/s (below {LINK_SLOW_RATIO}x)"
                 )
     if len(latency) >= LINK_MIN_NODES:
         median = statistics.median(latency.values())
+        limit = LINK_LATENCY_RATIO * median + LINK_LATENCY_FLOOR_MS
         for n, ms in latency.items():
-            if n not in out and ms > LINK_LATENCY_RATIO * median + LINK_LATENCY_FLOOR_MS:
+            seen = _measured_by_peers(scores, n, "latency_ms")
+            if n not in out and ms > limit and not any(m <= limit for m in seen):
                 out[n] = (
                     f"pre-flight link test: best latency {ms:.2f} ms against its peers' median "
                     f"{median:.2f} ms (above {LINK_LATENCY_RATIO}x + {LINK_LATENCY_FLOOR_MS} ms)"
