@@ -223,7 +223,7 @@ def _measured_by_peers(scores: dict[str, dict[str, Any]], node: str, field: str)
         tested = evidence.get("links") if other != node else None
         link = tested.get(node) if isinstance(tested, dict) else None
         value = link.get(field) if isinstance(link, dict) else None
-        if type(value) in (int, float) and value > 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             found.append(float(value))
     return found
 
