@@ -26,6 +26,7 @@ from transom.checkpoint import (
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig, parse_size
 from transom.checkpoint.tiers import LoaderContext, LoadTier
+from transom.checkpoint.worker_protocol import Source
 
 ALL_DTYPES = sorted(layout.DTYPES.values(), key=str)
 
@@ -490,12 +491,10 @@ class ObjectStoreTier(LoadTier):
         plan.header["chunks"] = shard_format.checksum_data(memoryview(data))
         self.objects[(step, rank)] = (shard_format.encode_header(plan.header), bytes(data))
 
-    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
-        return (
-            [{"tier": self.name, "key": f"{step}/{rank}"}] if (step, rank) in self.objects else []
-        )
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
+        return [Source(self.name, path=f"{step}/{rank}")] if (step, rank) in self.objects else []
 
-    def read(self, ctx: LoaderContext, source: dict, step: int, rank: int):
+    def read(self, ctx: LoaderContext, source: Source, step: int, rank: int):
         self.reads += 1
         head, data = self.objects[(step, rank)]
         header, _ = shard_format.decode_header(head)

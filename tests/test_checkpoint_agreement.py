@@ -132,15 +132,17 @@ def _memory_copies(job, step: int, rank: int) -> list[str]:
     from transom.checkpoint.client import ServerConnection
     from transom.checkpoint.server_options import SOCKET_NAME
     from transom.checkpoint.shm_dirs import default_shm_dir
+    from transom.checkpoint.worker_protocol import Locate, Located
 
     paths = []
     for node in ("node0", "node1"):
         conn = ServerConnection(str(default_shm_dir(job.job_id, node) / SOCKET_NAME))
         try:
-            reply = conn.request({"op": "locate", "step": step, "rank": rank})
+            reply = conn.request(Locate(step, rank))
         finally:
             conn.close()
-        paths += [s["path"] for s in reply["sources"] if s["tier"] == "memory"]
+        assert isinstance(reply, Located), reply
+        paths += [s.path for s in reply.sources if s.tier == "memory" and s.path]
     return paths
 
 

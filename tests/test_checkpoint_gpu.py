@@ -19,6 +19,7 @@ import torch
 from transom import checkpoint
 from transom.checkpoint.dcp import TransomReader, TransomWriter
 from transom.checkpoint.engine import SaveHandle
+from transom.checkpoint.worker_protocol import Region, Reserve
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -104,8 +105,9 @@ def test_a_copy_the_device_fails_is_a_refused_save_and_its_region_is_given_back(
 ) -> None:
     state = {"w": torch.arange(1000.0)}
     with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
-        msg = {"op": "reserve", "step": 5, "rank": 0, "nbytes": 4000, "world_size": 1}
-        assert engine._request(msg)["ok"]  # what save() does before its asynchronous copy
+        reserve = Reserve(step=5, rank=0, nbytes=4000, world_size=1)
+        reply = engine.connection.request(reserve)  # what save() does before its asynchronous copy
+        assert isinstance(reply, Region)
         handle = SaveHandle(engine, 5, 0)
         engine._commit_after(handle, {}, True, [FailedCudaEventMock()])
         assert not handle.ok

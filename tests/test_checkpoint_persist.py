@@ -4,6 +4,7 @@ embedded server closes); and train_gpt's --persist-every, which decides them by 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from transom import checkpoint
 from transom.checkpoint import storage
-from transom.checkpoint.client import ServerConnection
+from transom.checkpoint.protocol import deadline_in, recv_msg, send_msg
 from transom.workloads import train_gpt
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
@@ -61,14 +62,14 @@ def test_closing_persists_the_newest_memory_only_step(tmp_path: Path) -> None:
 
 def test_a_commit_whose_persist_is_not_a_boolean_is_refused(tmp_path: Path) -> None:
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
-        connection = ServerConnection(engine.socket_path)
-        try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # raw messages
+            sock.connect(engine.socket_path)
             reserve = {"op": "reserve", "step": 7, "rank": 0, "nbytes": 64, "world_size": 1}
-            assert connection.request(reserve)["ok"]
+            send_msg(sock, reserve, deadline_in(10))
+            assert recv_msg(sock, deadline_in(10))["ok"]
             commit = {"op": "commit", "step": 7, "rank": 0, "header": {}, "persist": "no"}
-            reply = connection.request(commit)
-        finally:
-            connection.close()
+            send_msg(sock, commit, deadline_in(10))
+            reply = recv_msg(sock, deadline_in(10))
         assert not reply["ok"] and "persist must be true or false" in reply["error"], reply
         assert engine.steps() == []
 

@@ -24,6 +24,7 @@ from transom.checkpoint.client import ServerConnection
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig
+from transom.checkpoint.worker_protocol import Status, StatusRequest
 from transom.common import env, keys
 from transom.common.records import Plan
 from transom.common.states import JobState
@@ -80,9 +81,11 @@ class Server:
     def status(self) -> dict:
         connection = ServerConnection(self.socket)
         try:
-            return connection.request({"op": "status"})
+            reply = connection.request(StatusRequest())
         finally:
             connection.close()
+        assert isinstance(reply, Status), reply
+        return reply.report
 
     def holds_in_memory(self, step: int, rank: int) -> dict | None:
         for shard in self.status()["shards"]:

@@ -341,6 +341,7 @@ def test_the_next_saves_region_is_mapped_before_that_save(tmp_path: Path) -> Non
 
     from transom import checkpoint
     from transom.checkpoint import reshard
+    from transom.checkpoint.worker_protocol import Abort, Region, Reserve
 
     state = {"w": torch.randn(1 << 18)}
     nbytes = reshard.plan_state(state, 0, 0, 1).data_len
@@ -349,8 +350,8 @@ def test_the_next_saves_region_is_mapped_before_that_save(tmp_path: Path) -> Non
         for step in (2, 3, 4, 5):  # new regions until memory's two steps and a spare rotate
             wait_for(lambda: not engine._next._busy.locked(), 10, "the next region mapped")
             mapped = set(engine._maps._maps)
-            probe = {"op": "reserve", "step": 100 + step, "rank": 0, "nbytes": nbytes}
-            reply = engine._request(probe | {"world_size": 1})  # what the next save is handed
-            engine._request({"op": "abort", "step": 100 + step, "rank": 0})
-            assert reply["path"] in mapped, (step, reply["path"], mapped)
+            probe = Reserve(100 + step, 0, nbytes, world_size=1)
+            reply = engine.connection.request(probe)  # what the next save is handed
+            engine.connection.request(Abort(100 + step, 0))
+            assert isinstance(reply, Region) and reply.path in mapped, (step, reply, mapped)
             engine.save(step, state).wait("memory", timeout=30)

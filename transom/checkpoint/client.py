@@ -16,8 +16,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from transom.checkpoint.protocol import ProtocolError, ProtocolTimeout, recv_msg, send_msg
+from transom.checkpoint.worker_protocol import Failed, Reply, Request
 
 CONNECT_TIMEOUT_S = 10.0
 # A request to the node's checkpoint server gives up after this many seconds without its reply.
@@ -32,8 +34,9 @@ class RequestTimeout(CheckpointError):
     """The node's checkpoint server did not answer a request in time."""
 
 
-# What a `send` request's reply is handed to: the reply, or the error that stands for it.
-OnReply = Callable[[dict | CheckpointError], None]
+R = TypeVar("R", bound=Reply)
+# What reads a `send` request's reply (or the error that stands for it), once it comes.
+_Receiver = Callable[[dict[str, Any] | CheckpointError], None]
 
 
 class ServerConnection:
@@ -43,7 +46,7 @@ class ServerConnection:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         # The `send` request whose reply is still to be read: (its receiver, its op).
-        self._unanswered: tuple[OnReply, str] | None = None
+        self._unanswered: tuple[_Receiver, str] | None = None
 
     def _connect(self, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -57,9 +60,14 @@ class ServerConnection:
             ) from e
         return sock
 
-    def request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
-        """The reply to `msg` within `timeout` s (default: timeout_s), RequestTimeout past it;
-        CheckpointError when the server cannot be reached."""
+    def request(
+        self, request: Request[R], fresh: bool = False, timeout: float | None = None
+    ) -> R | Failed:
+        """The reply to `request` within `timeout` s (default: timeout_s), RequestTimeout past
+        it; CheckpointError when the server cannot be reached or its reply is malformed."""
+        return _read(request, self._exchange(request.to_msg(), fresh, timeout))
+
+    def _exchange(self, msg: dict[str, Any], fresh: bool, timeout: float | None) -> dict[str, Any]:
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         late = f"no answer to {msg.get('op')!r} from the checkpoint server within {limit:g} s"
@@ -90,16 +98,29 @@ class ServerConnection:
             self._lock.release()
         raise AssertionError("unreachable")
 
-    def send(self, msg: dict, on_reply: OnReply) -> None:
-        """Write `msg` on the shared connection and return without waiting for its reply, which
-        `on_reply` gets later (see the module's docstring), in the thread that reads it; it must
-        not make a request on this connection. A failure to write, or a reply not read within
-        the time limit once it is awaited, reaches `on_reply` as the error request() raises
-        (never retried: the request may have reached the server)."""
+    def send(
+        self, request: Request[R], on_reply: Callable[[R | Failed | CheckpointError], None]
+    ) -> None:
+        """Write `request` on the shared connection and return without waiting for its reply,
+        which `on_reply` gets later (see the module's docstring), in the thread that reads it;
+        it must not make a request on this connection. A failure to write, or a reply not read
+        within the time limit once it is awaited, reaches `on_reply` as the error request()
+        raises (never retried: the request may have reached the server)."""
+
+        def receive(answer: dict[str, Any] | CheckpointError) -> None:
+            if isinstance(answer, CheckpointError):
+                return on_reply(answer)
+            try:
+                reply = _read(request, answer)
+            except CheckpointError as e:
+                return on_reply(e)
+            on_reply(reply)
+
+        msg = request.to_msg()
         limit = self.timeout_s
         deadline = time.monotonic() + limit
         if not self._lock.acquire(timeout=limit):
-            on_reply(
+            receive(
                 RequestTimeout(
                     f"{msg.get('op')!r} not sent within {limit:g} s (an earlier "
                     "request is still waiting)"
@@ -113,13 +134,13 @@ class ServerConnection:
                     self._sock = self._connect(deadline)
                 send_msg(self._sock, msg, deadline)
             except CheckpointError as e:
-                on_reply(e)
+                receive(e)
                 return
             except (ProtocolError, OSError) as e:
                 self._drop()
-                on_reply(_failure(e, f"{msg.get('op')!r} not sent within {limit:g} s"))
+                receive(_failure(e, f"{msg.get('op')!r} not sent within {limit:g} s"))
                 return
-            self._unanswered = (on_reply, str(msg.get("op")))
+            self._unanswered = (receive, request.op)
         finally:
             self._lock.release()
 
@@ -147,7 +168,7 @@ class ServerConnection:
                 return
         on_reply, op = self._unanswered
         self._unanswered = None
-        answer: dict | CheckpointError
+        answer: dict[str, Any] | CheckpointError
         try:
             answer = recv_msg(self._sock, time.monotonic() + self.timeout_s)
         except (ProtocolError, OSError) as e:
@@ -167,6 +188,14 @@ class ServerConnection:
         with self._lock:
             self._settle()
             self._drop()
+
+
+def _read(request: Request[R], msg: dict[str, Any]) -> R | Failed:
+    """The reply to `request` in the server's message; CheckpointError when it is malformed."""
+    try:
+        return request.read_reply(msg)
+    except ValueError as e:
+        raise CheckpointError(f"bad reply to {request.op!r} from the checkpoint server: {e}") from e
 
 
 def _failure(error: ProtocolError | OSError, late: str) -> CheckpointError:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from transom.checkpoint import agreement, layout, replication, reshard, shard_format, tiers
+from transom.checkpoint import worker_protocol as wire
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -114,7 +115,7 @@ class Engine:
         self._pinned = PinnedRegions()
         self._copy = CopyInFlight()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
-        self._next = NextRegion(self._request, self._maps, self.rank)
+        self._next = NextRegion(self.connection, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
         self.last_load: dict = {}
         self.last_shard: dict = {}  # the world size and resharding record of the shard read
@@ -147,25 +148,21 @@ class Engine:
         """The timeline this engine's shards are saved under (shard_format.timeline)."""
         return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
 
-    # -- talking to the server -------------------------------------------------------------------
-    def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict:
-        return self.connection.request(msg, fresh, timeout)
-
     # -- save ------------------------------------------------------------------------------------
     def prepare(self, state: Any) -> bool:
         """Have the server populate a region for a save of `state`'s size ahead of time, so even the
         first save is a plain memory copy. False when the budget has no room for a spare region."""
         plan = reshard.plan_state(state, 0, self.rank, self.world_size)
         try:
-            reply = self._request({"op": "prepare", "nbytes": plan.data_len, "rank": self.rank})
+            reply = self.connection.request(wire.Prepare(plan.data_len, self.rank))
         except RequestTimeout as e:
             log.warning("%s: no region prepared", e)
             return False
-        if reply.get("ok") and reply.get("path") and plan.data_len:
-            data = self._maps.get(reply["path"], plan.data_len)  # map it now, not during the save
+        if isinstance(reply, wire.Region) and reply.path and plan.data_len:
+            data = self._maps.get(reply.path, plan.data_len)  # map it now, not during the save
             if _cuda_devices(plan):
                 self._pinned.pin(data)  # and register it now, not during the save
-        return bool(reply.get("ok"))
+        return isinstance(reply, wire.Region)
 
     def save(
         self,
@@ -195,21 +192,20 @@ class Engine:
             state, step, self.rank, self.world_size, replicated, self.timeline()
         )
         try:
-            msg = {"op": "reserve", "step": step, "rank": self.rank, "nbytes": plan.data_len}
-            msg |= {"world_size": self.world_size}
-            if self.generation is not None:
-                msg["generation"] = self.generation
-            reply = self._request(msg)
+            size, generation = self.world_size, self.generation
+            reply = self.connection.request(
+                wire.Reserve(step, self.rank, plan.data_len, size, generation)
+            )
         except RequestTimeout as e:
             return self._refused(step, str(e), report=True)
         except CheckpointError as e:  # the server is gone: a restart would cost more than a save
             return self._refused(step, str(e))
-        if not reply.get("ok"):
-            if not reply.get("refused"):
-                raise CheckpointError(f"save of step {step} failed: {reply.get('error')}")
-            return self._refused(step, str(reply.get("error")))
+        if isinstance(reply, wire.Failed):
+            if not reply.refused:
+                raise CheckpointError(f"save of step {step} failed: {reply.error}")
+            return self._refused(step, reply.error)
         self._forget_unlinked()
-        data = self._maps.get(reply["path"], reply["nbytes"])
+        data = self._maps.get(reply.path, reply.nbytes)
         handle = SaveHandle(self, step, self.rank)
         devices = _cuda_devices(plan)
         if overlap and not devices:
@@ -257,29 +253,31 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(self, handle: SaveHandle, header: dict, persist: bool, wait: bool = True) -> None:
+    def _commit(
+        self, handle: SaveHandle, header: dict[str, Any], persist: bool, wait: bool = True
+    ) -> None:
         """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
         is written: its reply comes with the connection's next request (or `handle.wait`)."""
-        msg = {"op": "commit", "step": handle.step, "rank": self.rank, "header": header}
-        if not persist:
-            msg["persist"] = False
+        request = wire.Commit(handle.step, self.rank, header, persist)
         if not wait:
-            self.connection.send(msg, functools.partial(self._commit_answered, handle))
+            self.connection.send(request, functools.partial(self._commit_answered, handle))
             return
         try:
-            reply: dict | CheckpointError = self._request(msg)
+            reply: wire.Done | wire.Failed | CheckpointError = self.connection.request(request)
         except CheckpointError as e:
             reply = e
         self._commit_answered(handle, reply)
 
-    def _commit_answered(self, handle: SaveHandle, reply: dict | CheckpointError) -> None:
+    def _commit_answered(
+        self, handle: SaveHandle, reply: wire.Done | wire.Failed | CheckpointError
+    ) -> None:
         try:
             if isinstance(reply, CheckpointError):
                 handle.error = str(reply)
                 if isinstance(reply, RequestTimeout):
                     self._refused(handle.step, handle.error, report=True)
-            elif not reply.get("ok"):
-                handle.error = reply.get("error")
+            elif isinstance(reply, wire.Failed):
+                handle.error = reply.error
         finally:
             handle._committed.set()
 
@@ -307,7 +305,7 @@ class Engine:
     def _abort(self, step: int) -> None:
         """Give back the region reserved for `step`, whose copy did not finish."""
         try:
-            self._request({"op": "abort", "step": step, "rank": self.rank})
+            self.connection.request(wire.Abort(step, self.rank))
         except CheckpointError:
             pass  # the connection is closed: the server gives the region back itself
 
@@ -324,21 +322,20 @@ class Engine:
         """Steps of this rank's shard saved by this world in [floor, TRANSOM_RESTORE_BEFORE) that
         its node's server or a peer holds in memory, newest first, then `floor` (alone when the
         server does not answer): the catalog lists a save up to a second late."""
-        msg = {"op": "held", "rank": self.rank, "world_size": self.world_size, "floor": floor}
-        msg["before"] = _env_step(env.RESTORE_BEFORE)
+        request = wire.Held(self.rank, self.world_size, floor, _env_step(env.RESTORE_BEFORE))
         try:
-            reply = self._request(msg, timeout=self.locate_timeout_s)
+            reply = self.connection.request(request, timeout=self.locate_timeout_s)
         except CheckpointError as e:
             log.warning("%s; restoring step %d", e, floor)
             return [floor]
-        held: list[Any] = reply["steps"] if isinstance(reply.get("steps"), list) else []
-        return [*sorted({s for s in held if type(s) is int and s > floor}, reverse=True), floor]
+        held = reply.steps if isinstance(reply, wire.StepList) else []
+        return [*sorted({s for s in held if s > floor}, reverse=True), floor]
 
     def steps(self) -> list[int]:
         """Steps restorable for every rank of this world, newest first."""
         try:
-            reply = self._request({"op": "steps", "world_size": self.world_size})
-            return list(reply.get("steps", []))
+            reply = self.connection.request(wire.Steps(self.world_size))
+            return reply.steps if isinstance(reply, wire.StepList) else []
         except CheckpointError as e:
             log.warning("%s; looking in the tiers the loader reads itself", e)
             ctx = LoaderContext(self.storage_dir, self.secret)
@@ -387,13 +384,12 @@ class Engine:
         self._next.after(reshard.plan_state(state, 0, self.rank, self.world_size).data_len)
         return to_device(state, map_location) if map_location is not None else state
 
-    def locate(self, step: int, rank: int, timeout: float | None = None) -> list:
+    def locate(self, step: int, rank: int, timeout: float | None = None) -> list[wire.Source]:
         """The copies of rank `rank`'s shard of `step` that the node's server knows of (its
         memory, peers' memory, storage: what the tiers read); CheckpointError when it does not
         answer within `timeout` (default: the connection's)."""
-        reply = self._request({"op": "locate", "step": step, "rank": rank}, timeout=timeout)
-        sources = reply.get("sources", [])
-        return sources if isinstance(sources, list) else []
+        reply = self.connection.request(wire.Locate(step, rank), timeout=timeout)
+        return reply.sources if isinstance(reply, wire.Located) else []
 
     def read_shard(self, step: int, tier: str | None, rank: int) -> Any:
         """Rank `rank`'s shard of `step` as it was saved (no resharding): walk the registered
@@ -424,7 +420,7 @@ class Engine:
                         rank=rank,
                         tier=name,
                         error=str(e),
-                        holder_node=source.get("node"),
+                        holder_node=source.node,
                         corrupt=isinstance(e, shard_format.ShardError),  # not just unreachable
                     )
                     continue
@@ -459,8 +455,7 @@ class Engine:
 
     def _send_event(self, action: str, message: str, fields: dict, fresh: bool = False) -> None:
         try:
-            msg = {"op": "event", "action": action, "message": message, "fields": fields}
-            self._request(msg, fresh=fresh)
+            self.connection.request(wire.Event(action, message, fields), fresh=fresh)
         except CheckpointError:
             pass
 

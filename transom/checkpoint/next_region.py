@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from transom.checkpoint.client import CheckpointError
+from transom.checkpoint.client import CheckpointError, ServerConnection
 from transom.checkpoint.shm import MappingCache
+from transom.checkpoint.worker_protocol import Prepare, Region, Wait
+from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt")
 
-# (message, fresh, timeout) -> reply: the engine's request to its node's server.
-Request = Callable[..., dict]
 # How long the mapping waits for the server to finish taking in the save before it.
 SAVED_WAIT_S = 30.0
 # Saves of one size after which every region the server rotates through is mapped (memory keeps
@@ -39,8 +38,8 @@ WARM_SAVES = 4
 
 
 class NextRegion:
-    def __init__(self, request: Request, maps: MappingCache[Any], rank: int):
-        self.request = request
+    def __init__(self, connection: ServerConnection, maps: MappingCache[Any], rank: int):
+        self.connection = connection
         self.maps = maps
         self.rank = rank
         self._busy = threading.Lock()
@@ -63,11 +62,11 @@ class NextRegion:
     def _map_next(self, nbytes: int, saved: int | None) -> None:
         try:
             if saved is not None:
-                msg = {"op": "wait", "step": saved, "rank": self.rank, "tier": "memory"}
-                self.request(msg | {"timeout": SAVED_WAIT_S}, True, SAVED_WAIT_S + 5.0)
-            reply = self.request({"op": "prepare", "nbytes": nbytes, "rank": self.rank}, True)
-            if reply.get("ok") and isinstance(reply.get("path"), str):
-                self.maps.get(reply["path"], nbytes)
+                taken = Wait(saved, self.rank, Tier.MEMORY, SAVED_WAIT_S)
+                self.connection.request(taken, True, SAVED_WAIT_S + 5.0)
+            reply = self.connection.request(Prepare(nbytes, self.rank), True)
+            if isinstance(reply, Region):
+                self.maps.get(reply.path, nbytes)
         except (CheckpointError, OSError, ValueError) as e:
             log.debug("no region mapped ahead of the next save: %s", e)
         finally:

@@ -29,6 +29,7 @@ from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard,
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shm import Region
+from transom.checkpoint.worker_protocol import Failed, Reached
 from transom.common.states import Tier
 from transom.store import StoreError
 
@@ -123,29 +124,24 @@ class SavePipeline:
                 log.warning("cannot remove discarded steps from storage: %s", e)
         return sorted(touched)
 
-    def wait(self, step: int, rank: int, tier: Tier, timeout: float | None) -> dict:
+    def wait(self, step: int, rank: int, tier: Tier, timeout: float | None) -> Reached | Failed:
         """The reply to a worker's `wait`: once shard (step, rank) reached or failed `tier`."""
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         with self.lock:
             while True:
                 shard = self.memory.shards.get((step, rank))
                 if shard is None:
-                    return {
-                        "ok": False,
-                        "error": f"step {step} rank {rank} is not held by this server "
-                        "(never saved here, evicted, or discarded)",
-                    }
+                    return Failed(
+                        f"step {step} rank {rank} is not held by this server "
+                        "(never saved here, evicted, or discarded)"
+                    )
                 if tier in shard.tiers:
-                    return {"ok": True, "tiers": sorted(shard.tiers)}
+                    return Reached(sorted(shard.tiers))
                 if tier in shard.failed:
-                    return {"ok": False, "error": shard.failed[tier]}
+                    return Failed(shard.failed[tier])
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return {
-                        "ok": False,
-                        "timeout": True,
-                        "error": f"{tier} not reached within {timeout} s",
-                    }
+                    return Failed(f"{tier} not reached within {timeout} s", timeout=True)
                 self.lock.wait(left if left is not None else 1.0)
 
     def drain(self, timeout_s: float | None = None) -> bool:

@@ -42,6 +42,8 @@ import torch
 from transom.checkpoint import layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.reshard_steps import HEADER_KEY
+from transom.checkpoint.worker_protocol import Source
+from transom.common.states import Tier
 
 # A rank whose own shard is missing (a grown world) asks its server where this many saved ranks'
 # shards are, to read the replicated state from one in its node's memory.
@@ -176,7 +178,7 @@ class ShardReader(Protocol):
 
     def read_shard(self, step: int, tier: str | None, rank: int) -> Any: ...
 
-    def locate(self, step: int, rank: int, timeout: float | None = None) -> list: ...
+    def locate(self, step: int, rank: int, timeout: float | None = None) -> list[Source]: ...
 
     def report_event(self, action: str, message: str, **fields: Any) -> None: ...
 
@@ -341,7 +343,7 @@ def _memory_ranks(engine: ShardReader, step: int, limit: int) -> list[int]:
             sources = engine.locate(step, rank)
         except CheckpointError:
             return found
-        if any(isinstance(s, dict) and s.get("tier") == "memory" for s in sources):
+        if any(s.tier == Tier.MEMORY for s in sources):
             found.append(rank)
     return found
 

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from transom.checkpoint.client import CheckpointError, ServerConnection
 from transom.checkpoint.protocol import deadline_in
+from transom.checkpoint.worker_protocol import Failed, Wait
 from transom.common.states import Tier
 
 # The tier names of earlier releases, accepted by `SaveHandle.wait` with a DeprecationWarning.
@@ -32,8 +33,6 @@ class Saver(Protocol):
 
     connection: ServerConnection
     request_timeout_s: float
-
-    def _request(self, msg: dict, fresh: bool = False, timeout: float | None = None) -> dict: ...
 
 
 class SaveRefused(CheckpointError):
@@ -72,19 +71,20 @@ class SaveHandle:
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")
         if self.error is not None:
             raise SaveRefused(self.error)
-        msg = {"op": "wait", "step": self.step, "rank": self.rank, "tier": tier.value}
         while True:  # without a timeout: in rounds of WAIT_POLL_S, each answered in time
             left = WAIT_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self.engine._request(
-                msg | {"timeout": left}, fresh=True, timeout=left + self.engine.request_timeout_s
+            reply = self.engine.connection.request(
+                Wait(self.step, self.rank, tier, left),
+                fresh=True,
+                timeout=left + self.engine.request_timeout_s,
             )
-            if not (reply.get("timeout") and deadline is None):
+            if not (isinstance(reply, Failed) and reply.timeout and deadline is None):
                 break
-        if reply.get("timeout"):
-            raise TimeoutError(reply["error"])
-        if not reply.get("ok"):
+        if isinstance(reply, Failed) and reply.timeout:
+            raise TimeoutError(reply.error)
+        if isinstance(reply, Failed):
             raise CheckpointError(
-                f"step {self.step} rank {self.rank} did not reach {tier}: {reply.get('error')}"
+                f"step {self.step} rank {self.rank} did not reach {tier}: {reply.error}"
             )
 
 

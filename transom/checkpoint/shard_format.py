@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -38,6 +39,14 @@ VERIFY_THREADS = 4
 MAX_HEADER_BYTES = 256 << 20
 
 
+# A shard header as its JSON object. Decoding checks the prefix it came with; each field is
+# checked where it is read (`check_identity`, `verify_data`, layout.py's tables), as a shard
+# may be crafted.
+Header = dict[str, Any]
+# The timeline a shard was saved under: {"job", "generation", "world_size"} (`timeline`).
+Timeline = dict[str, Any]
+
+
 class ShardError(ValueError):
     """A shard that is truncated, corrupt, of another format, or not the one asked for."""
 
@@ -46,7 +55,7 @@ def align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def timeline(job: str, generation: int, world_size: int) -> dict:
+def timeline(job: str, generation: int, world_size: int) -> Timeline:
     """The timeline a shard belongs to: its job, the generation that saved it, its world size.
     Shards of one step are one checkpoint only when their timelines are equal."""
     return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
@@ -74,7 +83,7 @@ def checksum_data(data: memoryview) -> list[str]:
         return list(pool.map(digest, chunks))
 
 
-def verify_data(header: dict, data: memoryview) -> None:
+def verify_data(header: Header, data: memoryview) -> None:
     expected = header.get("chunks")
     if not isinstance(expected, list) or len(expected) != len(_chunks(len(data))):
         raise ShardError("shard header has no valid chunk checksums")
@@ -90,7 +99,7 @@ def verify_data(header: dict, data: memoryview) -> None:
 # -- header bytes -----------------------------------------------------------------------------
 
 
-def encode_header(header: dict) -> bytes:
+def encode_header(header: Header) -> bytes:
     """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
     body = json.dumps(header, separators=(",", ":")).encode()
     prefix = PREFIX.pack(
@@ -116,7 +125,7 @@ def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
     return header_len, header_sum, data_len
 
 
-def decode_header(prefix_and_body: bytes) -> tuple[dict, int]:
+def decode_header(prefix_and_body: bytes) -> tuple[Header, int]:
     """The header dict and the data offset, from bytes starting at the prefix."""
     header_len, header_sum, data_len = decode_prefix(prefix_and_body[: PREFIX.size])
     body = prefix_and_body[PREFIX.size : PREFIX.size + header_len]
@@ -149,14 +158,14 @@ def received_header_bytes(prefix_and_body: bytes) -> bytes:
 # -- identity ---------------------------------------------------------------------------------
 
 
-def check_identity(header: dict, step: int | None, rank: int | None) -> None:
+def check_identity(header: Header, step: int | None, rank: int | None) -> None:
     if step is not None and header.get("step") != step:
         raise ShardError(f"shard holds step {header.get('step')}, not step {step}")
     if rank is not None and header.get("rank") != rank:
         raise ShardError(f"shard holds rank {header.get('rank')}, not rank {rank}")
 
 
-def check_timeline(header: dict, expected: dict) -> None:
+def check_timeline(header: Header, expected: Timeline) -> None:
     """ShardError unless the shard was saved under the timeline `expected` (see `timeline`)."""
     found = header.get("timeline")
     if found != expected:

@@ -25,9 +25,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from transom.checkpoint import replication, shard_format, storage
 from transom.checkpoint.shm import anonymous_buffer, populated_map
+from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
 
 
@@ -38,7 +40,7 @@ class LoaderContext:
 
     storage_dir: Path
     secret: bytes
-    located: list[dict] = field(default_factory=list)
+    located: list[Source] = field(default_factory=list)
 
 
 class LoadTier(ABC):
@@ -47,14 +49,14 @@ class LoadTier(ABC):
     name: str
 
     @abstractmethod
-    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
-        """This tier's copies of shard (step, rank), fastest first, as JSON-able sources whose
-        "tier" is `name` (the rest is the tier's own: a path, an address, a header)."""
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
+        """This tier's copies of shard (step, rank), fastest first, as sources whose `tier` is
+        `name` (the rest is the tier's own: a path, an address, a header)."""
 
     @abstractmethod
     def read(
-        self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, memoryview]:
+        self, ctx: LoaderContext, source: Source, step: int, rank: int
+    ) -> tuple[dict[str, Any], memoryview]:
         """(header, data) of a copy `locate` returned, checksums verified: the data a view of
         exactly the shard's data bytes, which `layout.rebuild` turns into tensors, no copy."""
 
@@ -63,9 +65,9 @@ class LoadTier(ABC):
         without the node's server (asked only when the server cannot answer); [] by default."""
         return []
 
-    def from_server(self, ctx: LoaderContext) -> list[dict]:
+    def from_server(self, ctx: LoaderContext) -> list[Source]:
         """The copies the server located in this tier."""
-        return [s for s in ctx.located if s.get("tier") == self.name]
+        return [s for s in ctx.located if s.tier == self.name]
 
 
 class MemoryTier(LoadTier):
@@ -73,20 +75,22 @@ class MemoryTier(LoadTier):
 
     name = Tier.MEMORY
 
-    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
         return self.from_server(ctx)
 
     def read(
-        self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, memoryview]:
-        header = source["header"]
+        self, ctx: LoaderContext, source: Source, step: int, rank: int
+    ) -> tuple[dict[str, Any], memoryview]:
+        header, path = source.header, source.path
+        if header is None or path is None:
+            raise shard_format.ShardError("the server located a memory copy without its header")
         shard_format.check_identity(header, step, rank)
         n = int(header["data_len"])
         if n == 0:
             empty = memoryview(anonymous_buffer(0))[:0]
             shard_format.verify_data(header, empty)
             return header, empty
-        view = memoryview(populated_map(Path(source["path"]), n, private=True))
+        view = memoryview(populated_map(Path(path), n, private=True))
         shard_format.verify_data(header, view)
         return header, view
 
@@ -96,13 +100,15 @@ class PeerTier(LoadTier):
 
     name = Tier.PEER
 
-    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
         return self.from_server(ctx)
 
     def read(
-        self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, memoryview]:
-        return replication.fetch(source["addr"], ctx.secret, step, rank)
+        self, ctx: LoaderContext, source: Source, step: int, rank: int
+    ) -> tuple[dict[str, Any], memoryview]:
+        if source.addr is None:
+            raise replication.ReplicationError("the server located a peer copy without its address")
+        return replication.fetch(source.addr, ctx.secret, step, rank)
 
 
 class StorageTier(LoadTier):
@@ -110,17 +116,19 @@ class StorageTier(LoadTier):
 
     name = Tier.STORAGE
 
-    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[dict]:
+    def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
         sources = self.from_server(ctx)
         path = storage.shard_path(ctx.storage_dir, step, rank)
         if not sources and path.exists():
-            sources.append({"tier": self.name, "path": str(path)})
+            sources.append(Source(self.name, path=str(path)))
         return sources
 
     def read(
-        self, ctx: LoaderContext, source: dict, step: int, rank: int
-    ) -> tuple[dict, memoryview]:
-        return storage.read_shard(Path(source["path"]), step, rank)
+        self, ctx: LoaderContext, source: Source, step: int, rank: int
+    ) -> tuple[dict[str, Any], memoryview]:
+        if source.path is None:
+            raise shard_format.ShardError("the server located a stored copy without its path")
+        return storage.read_shard(Path(source.path), step, rank)
 
     def steps(self, ctx: LoaderContext, world_size: int) -> list[int]:
         return storage.restorable_steps(ctx.storage_dir, world_size)

@@ -1,33 +1,29 @@
-"""The requests of this node's workers, on the server's Unix socket.
+"""The requests of this node's workers, on the server's Unix socket: served here.
 
-Each message (protocol.py framing) is one request with one reply:
-    reserve {step, rank, nbytes, world_size[, generation]} -> {path, nbytes} a region to copy the
-                                       shard into (refused for a generation older than the plan's)
-    commit  {step, rank, header, persist?}   the copy is done (the save pipeline takes over);
-                                             persist false: memory and peer only
-    abort   {step, rank}                     the copy failed: give the region back
-    wait    {step, rank, tier, timeout}      once the shard reached (or failed) a `Tier`
-    locate  {step, rank}      -> {sources}   where the shard can be read, fastest first (after
-                                       a prefetch of it under way, prefetch.py, at most
-                                       PREFETCH_WAIT_S)
-    prepare {nbytes, rank}    -> {path}      populate a spare region for the rank's next save
-    steps   {world_size}      -> {steps}     steps restorable for every rank, newest first
-    held    {rank, world_size, floor[, before]} -> {steps}  steps of the rank's shard saved by a
-                                       world of world_size, floor <= step < before, held in
-                                       this server's memory or (when it holds none) in the
-                                       memory of the peers that may hold them (`peers_to_ask`,
-                                       asked directly: the catalog lags the newest saves);
-                                       `locate` then names those peers too
-    event   {action, message, fields}        a `checkpoint` event on the worker's behalf (a
-                                       corrupt `bad-copy` also withdraws that copy)
-    status                    -> what the server holds, and what became of its prefetches
-A refused save answers {"ok": false, "refused": true, "error"}; a bad request (a field of the
-wrong type or out of bounds, a shard over MAX_SHARD_BYTES) {"ok": false, "error"}. A connection
-may idle between requests, but a request must arrive within FRAME_TIMEOUT_S of its first byte and
-its reply be taken within REPLY_TIMEOUT_S, or the connection is closed. Regions a connection
-reserved and never committed are given back when it closes. The worker gives up on a reply after
-its own limit (engine.py); this module only parses requests and routes them, and never holds
-shard bytes.
+Each message (protocol.py framing) is one request with one reply; worker_protocol.py defines
+each request and reply as a record and is the one parser of a request, so every field has been
+checked (types, bounds, a shard at most MAX_SHARD_BYTES) before anything here sees it:
+    Reserve  a region to copy the shard into (refused for a generation older than the plan's)
+    Commit   the copy is done (the save pipeline takes over); persist false: memory and peer only
+    Abort    the copy failed: give the region back
+    Wait     once the shard reached (or failed) a `Tier`
+    Locate   where the shard can be read, fastest first (after a prefetch of it under way,
+             prefetch.py, at most PREFETCH_WAIT_S)
+    Prepare  populate a spare region for the rank's next save
+    Steps    steps restorable for every rank, newest first
+    Held     steps of the rank's shard saved by a world of world_size, floor <= step < before,
+             held in this server's memory or (when it holds none) in the memory of the peers
+             that may hold them (`peers_to_ask`, asked directly: the catalog lags the newest
+             saves); `locate` then names those peers too
+    Event    a `checkpoint` event on the worker's behalf (a corrupt `bad-copy` also withdraws
+             that copy)
+    Status   what the server holds, and what became of its prefetches
+A refused save is a `Failed` with `refused`; a bad request (a field of the wrong type or out of
+bounds) a `Failed`. A connection may idle between requests, but a request must arrive within
+FRAME_TIMEOUT_S of its first byte and its reply be taken within REPLY_TIMEOUT_S, or the
+connection is closed. Regions a connection reserved and never committed are given back when it
+closes. The worker gives up on a reply after its own limit (engine.py); this module only routes
+requests, and never holds shard bytes.
 """
 
 from __future__ import annotations
@@ -36,25 +32,39 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from transom.checkpoint import catalog, replication, storage
 from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
-from transom.checkpoint.protocol import (
-    MAX_SHARD_BYTES,
-    ProtocolError,
-    deadline_in,
-    field_int,
-    recv_msg,
-    send_msg,
-)
+from transom.checkpoint.protocol import ProtocolError, deadline_in, field_int, recv_msg, send_msg
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.reshard_steps import reshardable, restorable
 from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shard_format import ShardError
 from transom.checkpoint.shm import Region
+from transom.checkpoint.worker_protocol import (
+    Abort,
+    Commit,
+    Done,
+    Event,
+    Failed,
+    Held,
+    Locate,
+    Located,
+    Prepare,
+    Reply,
+    Reserve,
+    Source,
+    Status,
+    StatusRequest,
+    StepList,
+    Steps,
+    Wait,
+    parse_request,
+)
+from transom.checkpoint.worker_protocol import Region as RegionReply
 from transom.common.names import valid_id
 from transom.common.states import Tier
 
@@ -100,84 +110,74 @@ class WorkerService:
                 try:
                     reply = self.handle(msg, reserved)
                 except (BudgetExceeded, ShardError, KeyError, ValueError, TypeError) as e:
-                    reply = {"ok": False, "error": str(e), "refused": isinstance(e, BudgetExceeded)}
+                    reply = Failed(str(e), refused=isinstance(e, BudgetExceeded))
                 try:
-                    send_msg(sock, reply, deadline_in(REPLY_TIMEOUT_S))
+                    send_msg(sock, reply.to_msg(), deadline_in(REPLY_TIMEOUT_S))
                 except (ProtocolError, OSError):
                     return
         finally:
             for (step, rank), region in reserved.items():
                 self.memory.abort(step, rank, region)
 
-    def handle(self, msg: dict, reserved: dict[tuple[int, int], Region]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "reserve":
-            step, rank = field_int(msg, "step"), field_int(msg, "rank")
-            nbytes = field_int(msg, "nbytes", 0, MAX_SHARD_BYTES)
-            world_size = field_int(msg, "world_size", 1)
-            if "generation" in msg:  # a worker of a replaced generation: refused
-                stale = self.publisher.stale_generation(field_int(msg, "generation"))
-                if stale is not None:
-                    raise BudgetExceeded(f"save of step {step} rank {rank} refused: {stale}")
-            region = self.memory.reserve(step, rank, nbytes, world_size)
-            reserved[(step, rank)] = region
-            return {"ok": True, "path": str(region.path), "nbytes": region.nbytes}
-        if op == "commit":
-            step, rank = field_int(msg, "step"), field_int(msg, "rank")
-            header = msg.get("header")
-            if not isinstance(header, dict):
-                raise ValueError("commit needs the shard's header (an object)")
-            persist = msg.get("persist", True)
-            if not isinstance(persist, bool):
-                raise ValueError(f"persist must be true or false, not {str(persist)[:40]!r}")
-            region = reserved.pop((step, rank))
-            self.pipeline.commit(step, rank, region, header, persist)
-            return {"ok": True}
-        if op == "abort":
-            step, rank = field_int(msg, "step"), field_int(msg, "rank")
-            aborted = reserved.pop((step, rank), None)
-            if aborted is not None:
-                self.memory.abort(step, rank, aborted)
-            return {"ok": True}
-        if op == "wait":
-            tier = Tier.parse(msg.get("tier"))
-            step, rank = field_int(msg, "step"), field_int(msg, "rank")
-            return self.pipeline.wait(step, rank, tier, parse_timeout(msg.get("timeout")))
-        if op == "locate":
-            step, rank = field_int(msg, "step"), field_int(msg, "rank")
-            return {"ok": True, "sources": self.locate(step, rank)}
-        if op == "prepare":
-            nbytes = field_int(msg, "nbytes", 0, MAX_SHARD_BYTES)
-            rank = field_int(msg, "rank") if "rank" in msg else 0
-            spare = self.memory.prepare_spare(nbytes, rank)
-            return {"ok": spare is not None, "path": spare and str(spare.path), "nbytes": nbytes}
-        if op == "held":
-            rank, world_size = field_int(msg, "rank"), field_int(msg, "world_size", 1)
-            floor = field_int(msg, "floor")
-            before = field_int(msg, "before") if msg.get("before") is not None else None
-            return {"ok": True, "steps": self.held(rank, world_size, floor, before)}
-        if op == "steps":
-            return {"ok": True, "steps": self.steps(field_int(msg, "world_size", 1))}
-        if op == "event":
-            action, message = msg.get("action", "restored"), msg.get("message", "")
-            fields = msg.get("fields", {})
-            if not (isinstance(action, str) and isinstance(message, str)):
-                raise ValueError("an event's action and message are strings")
-            if not isinstance(fields, dict) or {"action", "message"} & set(fields):
-                raise ValueError("an event's fields are an object without action or message")
-            self.publisher.event(action, message, **fields)
-            if action == "bad-copy" and fields.get("corrupt") is True:
-                self.withdraw_corrupt(fields)
-            return {"ok": True}
-        if op == "status":
-            return {
-                "ok": True,
-                "node": self.node,
-                "addr": self.publisher.addr,
-                **self.memory.status(),
-                "prefetch": self.prefetcher.status() if self.prefetcher is not None else [],
-            }
-        raise ValueError(f"unknown request {str(op)[:40]!r}")
+    def handle(
+        self, msg: dict[str, Any], reserved: dict[tuple[int, int], Region]
+    ) -> Reply | Failed:
+        """The reply to one message (ValueError for a bad request, BudgetExceeded for a save
+        refused)."""
+        request = parse_request(msg)
+        match request:
+            case Reserve():
+                return self.reserve(request, reserved)
+            case Commit():
+                region = reserved.pop((request.step, request.rank))
+                self.pipeline.commit(
+                    request.step, request.rank, region, request.header, request.persist
+                )
+                return Done()
+            case Abort():
+                aborted = reserved.pop((request.step, request.rank), None)
+                if aborted is not None:
+                    self.memory.abort(request.step, request.rank, aborted)
+                return Done()
+            case Wait():
+                return self.pipeline.wait(request.step, request.rank, request.tier, request.timeout)
+            case Locate():
+                return Located(self.locate(request.step, request.rank))
+            case Prepare():
+                spare = self.memory.prepare_spare(request.nbytes, request.rank)
+                if spare is None:
+                    return Failed("no room in the memory budget for a spare region")
+                return RegionReply(str(spare.path), request.nbytes)
+            case Held():
+                held = self.held(request.rank, request.world_size, request.floor, request.before)
+                return StepList(held)
+            case Steps():
+                return StepList(self.steps(request.world_size))
+            case Event():
+                self.publisher.event(request.action, request.message, **request.fields)
+                if request.action == "bad-copy" and request.fields.get("corrupt") is True:
+                    self.withdraw_corrupt(request.fields)
+                return Done()
+            case StatusRequest():
+                return Status(
+                    {
+                        "node": self.node,
+                        "addr": self.publisher.addr,
+                        **self.memory.status(),
+                        "prefetch": self.prefetcher.status() if self.prefetcher is not None else [],
+                    }
+                )
+        unserved(request)
+
+    def reserve(self, request: Reserve, reserved: dict[tuple[int, int], Region]) -> RegionReply:
+        step, rank = request.step, request.rank
+        if request.generation is not None:  # a worker of a replaced generation: refused
+            stale = self.publisher.stale_generation(request.generation)
+            if stale is not None:
+                raise BudgetExceeded(f"save of step {step} rank {rank} refused: {stale}")
+        region = self.memory.reserve(step, rank, request.nbytes, request.world_size)
+        reserved[(step, rank)] = region
+        return RegionReply(str(region.path), region.nbytes)
 
     def withdraw_corrupt(self, fields: dict) -> None:
         """A worker found a copy corrupt (its checksums failed): no restore may be planned from it
@@ -202,11 +202,11 @@ class WorkerService:
         self.publisher.withdraw(step, rank, holder)
         log.warning("step %d rank %d: corrupt copy in %s withdrawn (%s)", step, rank, tier, holder)
 
-    def locate(self, step: int, rank: int) -> list[dict]:
+    def locate(self, step: int, rank: int) -> list[Source]:
         """Where shard (step, rank) can be read from, fastest first."""
         if self.prefetcher is not None:  # a prefetch of it under way: wait for it (bounded)
             self.prefetcher.join(step, rank)
-        sources: list[dict] = []
+        sources: list[Source] = []
         with self.lock:
             shard = self.memory.shards.get((step, rank))
             if shard is not None and shard.state == STAGED:  # saved a moment ago: checksums soon
@@ -216,33 +216,25 @@ class WorkerService:
                 )
             if shard is not None and Tier.MEMORY in shard.tiers:
                 shard.region.loaned = True  # the worker maps it: never write into it again
-                sources.append(
-                    {
-                        "tier": Tier.MEMORY,
-                        "node": self.node,
-                        "path": str(shard.region.path),
-                        "header": shard.header,
-                    }
-                )
+                path = str(shard.region.path)
+                sources.append(Source(Tier.MEMORY, self.node, path, header=shard.header))
             if shard is not None and Tier.PEER in shard.tiers and self.cfg.peer:
-                sources.append({"tier": Tier.PEER, "node": self.cfg.peer, "addr": self.cfg.peer})
+                sources.append(Source(Tier.PEER, addr=self.cfg.peer))  # its node: unknown here
         for _, info in sorted(self.publisher.holders(step, rank).items()):
-            if (
-                info.get("tier") == Tier.MEMORY
-                and info.get("node") != self.node
-                and info.get("addr")
-            ):
-                sources.append({"tier": Tier.PEER, "node": info["node"], "addr": info["addr"]})
-        listed = {s.get("addr") for s in sources}
+            node, addr = info.get("node"), info.get("addr")  # read from etcd: checked
+            if info.get("tier") == Tier.MEMORY and valid_id(node) and node != self.node:
+                if isinstance(node, str) and isinstance(addr, str) and addr:
+                    sources.append(Source(Tier.PEER, node, addr=addr))
+        listed = {s.addr for s in sources}
         with self._holders_lock:
             said = list(self.peer_holders.get((step, rank), []))
         for node, addr in said:
             if addr not in listed:  # a peer that said it holds it, not (yet) in the catalog
-                sources.append({"tier": Tier.PEER, "node": node, "addr": addr})
+                sources.append(Source(Tier.PEER, node, addr=addr))
         if self.cfg.storage_dir is not None:
-            path = storage.shard_path(self.cfg.storage_dir, step, rank)
-            if path.exists():
-                sources.append({"tier": Tier.STORAGE, "path": str(path)})
+            path = str(storage.shard_path(self.cfg.storage_dir, step, rank))
+            if Path(path).exists():
+                sources.append(Source(Tier.STORAGE, path=path))
         return sources
 
     def held(self, rank: int, world_size: int, floor: int, before: int | None) -> list[int]:
@@ -314,10 +306,6 @@ class WorkerService:
         return sorted(steps, reverse=True)
 
 
-def parse_timeout(value: Any) -> float | None:
-    """A `wait` request's timeout: None (no limit) or seconds >= 0; ValueError else."""
-    if value is None:
-        return None
-    if type(value) not in (int, float) or not 0 <= value < float("inf"):
-        raise ValueError(f"timeout must be null or seconds >= 0, not {str(value)[:40]!r}")
-    return float(value)
+def unserved(request: NoReturn) -> NoReturn:
+    """A request kind `handle` does not serve (mypy rejects any call that can be reached)."""
+    raise AssertionError(f"unserved request {request!r}")
