@@ -13,7 +13,7 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import layout, shard_format, storage
+from transom.checkpoint import catalog, layout, shard_format, storage
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig
@@ -193,7 +193,7 @@ def test_discarded_steps_leave_memory_and_storage(tmp_path: Path) -> None:
         engine = checkpoint.Engine(socket_path=str(server.cfg.socket_path), rank=0, world_size=1)
         for step in (1, 2, 3):
             engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
-        marks = [{"first_bad_step": 2, "generation": 1}]  # saved by generation 0
+        marks = [catalog.Discard(first_bad_step=2, generation=1)]  # saved by generation 0
         server.publisher.discards = marks  # as the publisher does when etcd pushes them
         server._discard(marks)
         assert {s.step for s in server.memory.shards.values()} == {1}
@@ -212,7 +212,7 @@ def test_a_shard_discarded_while_in_use_goes_when_the_use_ends(tmp_path: Path) -
             engine.save(step, {"w": torch.full((4,), float(step))}).wait("storage", timeout=30)
         read = server.memory.shards[(2, 0)]
         assert server.memory.pin(read)  # a peer or a restore reading step 2 right now
-        marks = [{"first_bad_step": 2, "generation": 1}]  # saved by generation 0
+        marks = [catalog.Discard(first_bad_step=2, generation=1)]  # saved by generation 0
         server.publisher.discards = marks
         server._discard(marks)
         assert (2, 0) in server.memory.shards  # never pulled from under its reader

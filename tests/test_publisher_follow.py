@@ -61,7 +61,8 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
         marks = [{"first_bad_step": 9, "generation": 2}]
         store.put(keys.CKPT_DISCARDED, marks)
         wait_for(lambda: discards, 5, "the discarded steps")
-        assert discards == [marks] and publisher.discards == marks
+        expected = [catalog.Discard(first_bad_step=9, generation=2)]
+        assert discards == [expected] and publisher.discards == expected
     finally:
         stopping.set()
         control.join(10)

@@ -29,6 +29,7 @@ and the server's process without it.
 """
 
 import importlib
+from typing import Any
 
 _EXPORTS = {
     "Engine": "engine",
@@ -43,7 +44,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'transom.checkpoint' has no attribute {name!r}")
     return getattr(importlib.import_module(f"transom.checkpoint.{_EXPORTS[name]}"), name)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from transom.checkpoint import shard_format
 from transom.checkpoint.saved_by import saved_by
 from transom.checkpoint.shm import Region, RegionDir
 from transom.common.states import Tier
@@ -49,7 +51,7 @@ class Shard:
     region: Region
     origin: str  # LOCAL, or the node a replica came from
     state: str = RESERVED
-    header: dict | None = None
+    header: shard_format.Header | None = None
     header_bytes: bytes = b""
     tiers: set[Tier] = field(default_factory=set)
     failed: dict[Tier, str] = field(default_factory=dict)
@@ -325,7 +327,7 @@ class ShardMemory:
         with self.lock:
             return [s for s in self.shards.values() if tier in s.tiers]
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """What the `status` request shows: use, free regions, every shard's state and tiers."""
         with self.lock:
             return {

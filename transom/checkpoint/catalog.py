@@ -20,7 +20,8 @@ this module talks to a server.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Collection
+from typing import Any, NamedTuple
 
 from transom.checkpoint import reshard_steps
 from transom.checkpoint.saved_by import saved_by
@@ -35,17 +36,34 @@ shard_key = keys.ckpt_shard
 DISCARDS_KEPT = 16
 
 
+# A catalog entry's value, as read from etcd: every field is checked where it is read.
+Listing = dict[str, Any]
+
+
+class Discard(NamedTuple):
+    """Steps discarded as poisoned: every shard of a step at or after `first_bad_step` saved by
+    a generation before `generation` (an abandoned history)."""
+
+    first_bad_step: int
+    generation: int
+
+    def to_json(self) -> dict[str, int]:
+        return self._asdict()
+
+
 def memory_holder(node: str) -> str:
     """The holder name of a shard in `node`'s server memory."""
     return f"mem-{node}"
 
 
-def entry(step: int, rank: int, holder: str, info: dict) -> tuple[str, dict]:
+def entry(step: int, rank: int, holder: str, info: Listing) -> tuple[str, Listing]:
     """The key and value that list shard (step, rank) as held by `holder`."""
     return shard_key(step, rank, holder), {"step": step, "rank": rank, "time": time.time(), **info}
 
 
-def publish(store: Store, step: int, rank: int, holder: str, info: dict, lease=None) -> None:
+def publish(
+    store: Store, step: int, rank: int, holder: str, info: Listing, lease: Any = None
+) -> None:
     store.put(*entry(step, rank, holder, info), lease=lease)
 
 
@@ -56,17 +74,18 @@ def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list
     is recorded (`discards`): every server removes those shards from its memory and from
     storage, and never lists them again. Generations, not clocks: the servers' clocks and the
     controller's may differ, generation numbers only grow."""
-    mark = {"first_bad_step": first_bad_step, "generation": generation}
-    store.put(keys.CKPT_DISCARDED, [*discards(store), mark][-DISCARDS_KEPT:])
+    mark = Discard(first_bad_step, generation)
+    kept = [*discards(store), mark][-DISCARDS_KEPT:]
+    store.put(keys.CKPT_DISCARDED, [d.to_json() for d in kept])
     return forget(store, [mark])
 
 
-def forget(store: Store, marks: list[dict], steps: list[int] | None = None) -> list[int]:
+def forget(store: Store, marks: list[Discard], steps: list[int] | None = None) -> list[int]:
     """Delete every catalog entry (of `steps` only, if given) that falls under one of the
     discards `marks`; the steps. The controller does it for all steps when it records a
     discard; a server for the steps it removed from storage when it learns of one (an entry
     listed after the controller's sweep, before the server knew, goes too)."""
-    found: dict[int, dict[int, dict[str, dict]]] = {}
+    found: dict[int, dict[int, dict[str, Listing]]] = {}
     for one in [None] if steps is None else steps:
         found.update(shards(store, one))
     dropped = set()
@@ -79,17 +98,17 @@ def forget(store: Store, marks: list[dict], steps: list[int] | None = None) -> l
     return sorted(dropped)
 
 
-def discards(store: Store) -> list[dict]:
-    """The recorded discards ({first_bad_step, generation}); malformed entries left out."""
+def discards(store: Store) -> list[Discard]:
+    """The recorded discards; malformed entries left out."""
     return parse_discards(store.get(keys.CKPT_DISCARDED))
 
 
-def parse_discards(value: Any) -> list[dict]:
-    """The discards in a stored value (malformed entries left out; not a list: none)."""
+def parse_discards(value: Any) -> list[Discard]:
+    """The discards in a value read from etcd (malformed entries left out; not a list: none)."""
     if not isinstance(value, list):
         return []
     return [
-        d
+        Discard(d["first_bad_step"], d["generation"])
         for d in value
         if isinstance(d, dict)
         and type(d.get("first_bad_step")) is int
@@ -97,30 +116,31 @@ def parse_discards(value: Any) -> list[dict]:
     ]
 
 
-def is_discarded(marks: list[dict], step: int, generation: int) -> bool:
+def is_discarded(marks: list[Discard], step: int, generation: int) -> bool:
     """Whether a shard of `step` saved by `generation` falls under one of the discards `marks`."""
-    return any(step >= d["first_bad_step"] and generation < d["generation"] for d in marks)
+    return any(step >= d.first_bad_step and generation < d.generation for d in marks)
 
 
-def shards(store: Store, step: int | None = None) -> dict[int, dict[int, dict[str, dict]]]:
+def shards(store: Store, step: int | None = None) -> dict[int, dict[int, dict[str, Listing]]]:
     """step -> rank -> holder -> info, for every shard some tier holds (of `step` only, if
     given); a key that does not parse is left out."""
-    out: dict[int, dict[int, dict[str, dict]]] = {}
+    out: dict[int, dict[int, dict[str, Listing]]] = {}
     prefix = SHARDS if step is None else f"{SHARDS}{step:012d}/"
     for key, info in store.get_prefix(prefix).items():
         parts = (prefix[len(SHARDS) :] + key).split("/")
         if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
             continue
-        out.setdefault(int(parts[0]), {}).setdefault(int(parts[1]), {})[parts[2]] = info
+        if isinstance(info, dict):  # read from etcd: an entry that is not an object is skipped
+            out.setdefault(int(parts[0]), {}).setdefault(int(parts[1]), {})[parts[2]] = info
     return out
 
 
-def holders(store: Store, step: int, rank: int) -> dict[str, dict]:
+def holders(store: Store, step: int, rank: int) -> dict[str, Listing]:
     prefix = f"{SHARDS}{step:012d}/{rank:06d}/"
-    return store.get_prefix(prefix)
+    return {k: v for k, v in store.get_prefix(prefix).items() if isinstance(v, dict)}
 
 
-def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
+def restorable_steps(store: Store, world_size: int, lost: Collection[str] = ()) -> list[int]:
     """Steps whose every rank 0..world_size-1 is held by a live tier, saved with this world size,
     or saved by another world whose every rank's shard is held and reshardable (reshard.py),
     newest first. Memory on a node in `lost` does not count (its lease may not have expired yet),
@@ -128,7 +148,7 @@ def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
     after the sweeps of a discard that came meanwhile)."""
     marks = discards(store)
 
-    def live(info: dict) -> bool:
+    def live(info: Listing) -> bool:
         step = info.get("step")
         if marks and type(step) is int and is_discarded(marks, step, saved_by(info)):
             return False
@@ -139,7 +159,7 @@ def restorable_steps(store: Store, world_size: int, lost=()) -> list[int]:
 
 
 def newest_restorable(
-    store: Store, world_size: int, before: int | None = None, lost=()
+    store: Store, world_size: int, before: int | None = None, lost: Collection[str] = ()
 ) -> int | None:
     """The newest restorable step (see `restorable_steps`), strictly below `before` if given."""
     for step in restorable_steps(store, world_size, lost):
@@ -164,10 +184,10 @@ def withdraw_memory(store: Store, node: str) -> int:
 
 
 def servers(store: Store) -> dict[str, dict[str, Any]]:
-    return store.get_prefix(SERVERS)
+    return {k: v for k, v in store.get_prefix(SERVERS).items() if isinstance(v, dict)}
 
 
-def register_server(store: Store, node: str, addr: str, lease) -> None:
+def register_server(store: Store, node: str, addr: str, lease: Any) -> None:
     """List `node`'s checkpoint server at `addr` for its peers, for as long as `lease` lives."""
     store.put(keys.ckpt_server(node), {"node": node, "addr": addr}, lease=lease)
 

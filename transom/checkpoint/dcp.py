@@ -42,8 +42,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from transom.checkpoint.engine import CheckpointError, Engine, SaveHandle
+from transom.checkpoint.client import CheckpointError
+from transom.checkpoint.engine import Engine
 from transom.checkpoint.reshard import DcpShard
+from transom.checkpoint.save_handle import SaveHandle
 
 
 def _index_key(index: MetadataIndex) -> str:
@@ -54,7 +56,7 @@ def _index_key(index: MetadataIndex) -> str:
 # -- DCP metadata as a tree of plain values --------------------------------------------------
 
 
-def _encode_metadata(md: Metadata) -> dict:
+def _encode_metadata(md: Metadata) -> dict[str, Any]:
     entries: dict[str, dict[str, Any]] = {}
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, BytesStorageMetadata):
@@ -71,7 +73,7 @@ def _encode_metadata(md: Metadata) -> dict:
     return {"entries": entries, "storage": storage, "version": md.version}
 
 
-def _decode_metadata(tree: dict) -> Metadata:
+def _decode_metadata(tree: dict[str, Any]) -> Metadata:
     entries: dict[str, Any] = {}
     for fqn, e in tree["entries"].items():
         if e.get("bytes"):
@@ -110,13 +112,13 @@ class TransomWriter(StorageWriter):
         self.items: dict[str, Any] = {}
         self.handle: SaveHandle | None = None
 
-    def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         if checkpoint_id is not None:
             self.step = int(str(checkpoint_id))
         self.items = {}
         self.handle = None
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -148,7 +150,7 @@ class TransomWriter(StorageWriter):
             )
         if not self.is_coordinator:  # the coordinator saves in finish(), with the global metadata
             self._save(None)
-        future: Future = Future()
+        future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
@@ -159,7 +161,7 @@ class TransomWriter(StorageWriter):
         if self.is_coordinator:
             self._save(_encode_metadata(metadata))
 
-    def _save(self, metadata: dict | None) -> None:
+    def _save(self, metadata: dict[str, Any] | None) -> None:
         assert self.step is not None  # write_data checked it
         state = DcpShard(dcp_items=self.items, dcp_metadata=metadata)  # the planner reshards it
         handle = self.engine.save(self.step, state, persist=self.persist)
@@ -169,7 +171,7 @@ class TransomWriter(StorageWriter):
         self.items = {}
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str] | int) -> bool:
         return isinstance(checkpoint_id, int) or str(checkpoint_id).isdigit()
 
     def storage_meta(self) -> StorageMeta | None:
@@ -182,15 +184,15 @@ class TransomReader(StorageReader):
     def __init__(self, engine: Engine, step: int | None = None):
         self.engine = engine
         self.step = step
-        self.shards: dict[int, dict] = {}
-        self.storage_data: dict = {}
+        self.shards: dict[int, dict[str, Any]] = {}
+        self.storage_data: dict[MetadataIndex, Any] = {}
 
-    def reset(self, checkpoint_id: str | os.PathLike | int | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         if checkpoint_id is not None:
             self.step = int(str(checkpoint_id))
         self.shards = {}
 
-    def _shard(self, rank: int) -> dict:
+    def _shard(self, rank: int) -> dict[str, Any]:
         if rank not in self.shards:
             state = self.engine.load(self.step, rank=rank)
             if state is None or "dcp_items" not in state:
@@ -198,7 +200,7 @@ class TransomReader(StorageReader):
             self.shards[rank] = state
         return self.shards[rank]
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.step is None:
             raise CheckpointError("TransomReader needs a step: pass checkpoint_id=STEP to dcp.load")
         tree = self._shard(0)["dcp_metadata"]
@@ -207,7 +209,7 @@ class TransomReader(StorageReader):
         return _decode_metadata(tree)
 
     def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args, **kwargs
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.storage_data = metadata.storage_data
 
@@ -234,10 +236,10 @@ class TransomReader(StorageReader):
             target.copy_(source)
             planner.commit_tensor(item, target)
         self.shards = {}
-        future: Future = Future()
+        future: Future[None] = Future()
         future.set_result(None)
         return future
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str] | int) -> bool:
         return isinstance(checkpoint_id, int) or str(checkpoint_id).isdigit()

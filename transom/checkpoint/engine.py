@@ -38,13 +38,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
 import threading
 import time
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,17 +60,18 @@ from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
 from transom.checkpoint.shm import MappingCache
-from transom.checkpoint.shm_dirs import SHM_ROOT, sweep_stale_shm
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
 from transom.common import env, files
+
+if TYPE_CHECKING:
+    from transom.checkpoint.server import CheckpointServer
 
 log = logging.getLogger("transom.ckpt")
 
 DEFAULT_STORAGE = files.CHECKPOINTS
 # `locate` may wait for checksums being computed (worker_service.STAGED_WAIT_S): a longer limit.
 LOCATE_TIMEOUT_S = 60.0
-EMBEDDED_PREFIX = "transom-local-"
 LOCAL_JOB = "local"  # the job id of shards saved without a launcher
 
 
@@ -79,7 +79,7 @@ class Engine:
     def __init__(
         self,
         socket_path: str | None = None,
-        storage_dir: str | os.PathLike | None = None,
+        storage_dir: str | os.PathLike[str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         memory_bytes: int | None = None,
@@ -105,46 +105,31 @@ class Engine:
         self.generation: int | None = int(launched) if launched else None
         self._finalizer: Any = None  # frees an embedded server's regions at exit
         given_socket = socket_path or os.environ.get(env.CKPT_SOCKET)
-        self.server: Any = None  # the embedded CheckpointServer, without a launcher
+        self.server: CheckpointServer | None = None  # the embedded one, without a launcher
         if given_socket:
             self.socket_path = given_socket
         else:
-            self.server = self._embedded_server(memory_bytes, keep)
-            self.socket_path = str(self.server.cfg.socket_path)
+            self.server = server = self._embedded_server(memory_bytes, keep)
+            self.socket_path = str(server.cfg.socket_path)
         self.connection = ServerConnection(self.socket_path, self.request_timeout_s)
         self._pinned = PinnedRegions()
         self._copy = CopyInFlight()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._next = NextRegion(self.connection, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
-        self.last_load: dict = {}
-        self.last_shard: dict = {}  # the world size and resharding record of the shard read
+        self.last_load: dict[str, Any] = {}
+        self.last_shard: dict[str, Any] = {}  # the world size and resharding record read
 
-    def _embedded_server(self, memory_bytes: int | None, keep: int | None):
-        from transom.checkpoint.server import CheckpointServer
-        from transom.checkpoint.server_options import SOCKET_NAME, ServerConfig, default_budget
+    def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
+        from transom.checkpoint import in_process  # imports the server: only when one starts
 
-        for stale in sweep_stale_shm():
-            log.info("removed the shared memory of a dead checkpoint process: %s", stale)
-        name = f"{EMBEDDED_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        shm_dir = SHM_ROOT / name
-        cfg = ServerConfig(
-            node_id=f"local-{os.getpid()}",
-            socket_path=shm_dir / SOCKET_NAME,
-            shm_dir=shm_dir,
-            budget_bytes=memory_bytes or default_budget(),
-            storage_dir=self.storage_dir,
-            replicas=0,
-            storage_keep=keep or ServerConfig.storage_keep,
-            job_id=self.job_id,
-        )
-        server = CheckpointServer(cfg).start()
+        server = in_process.start_server(self.storage_dir, self.job_id, memory_bytes, keep)
         # Freed when this process exits normally even if `close` is never called (a SIGKILLed
         # process's folder is swept by the next engine or node agent on this machine).
         self._finalizer = weakref.finalize(self, server.stop)
         return server
 
-    def timeline(self) -> dict:
+    def timeline(self) -> dict[str, Any]:
         """The timeline this engine's shards are saved under (shard_format.timeline)."""
         return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
 
@@ -281,7 +266,13 @@ class Engine:
         finally:
             handle._committed.set()
 
-    def _commit_after(self, handle: SaveHandle, header: dict, persist: bool, done: list) -> None:
+    def _commit_after(
+        self,
+        handle: SaveHandle,
+        header: dict[str, Any],
+        persist: bool,
+        done: list[torch.cuda.Event],
+    ) -> None:
         try:
             for event in done:
                 event.synchronize()
@@ -293,7 +284,7 @@ class Engine:
         self._commit(handle, header, persist)
 
     def _copied(
-        self, handle: SaveHandle, header: dict, persist: bool, error: BaseException | None
+        self, handle: SaveHandle, header: dict[str, Any], persist: bool, error: BaseException | None
     ) -> None:
         """An overlapped copy ended (overlap.py): commit it, or give its region back."""
         if error is not None:
@@ -447,13 +438,15 @@ class Engine:
         log.info("%s", message)
         self._send_event(action, message, fields)
 
-    def _report_later(self, action: str, message: str, **fields) -> None:
+    def _report_later(self, action: str, message: str, **fields: Any) -> None:
         """`report_event` without waiting, on a connection of its own: for a server that may not be
         answering (the event is lost if it does not take it within request_timeout_s)."""
         args = (action, message, fields, True)
         threading.Thread(target=self._send_event, args=args, daemon=True).start()
 
-    def _send_event(self, action: str, message: str, fields: dict, fresh: bool = False) -> None:
+    def _send_event(
+        self, action: str, message: str, fields: dict[str, Any], fresh: bool = False
+    ) -> None:
         try:
             self.connection.request(wire.Event(action, message, fields), fresh=fresh)
         except CheckpointError:
@@ -480,7 +473,7 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

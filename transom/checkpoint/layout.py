@@ -77,7 +77,7 @@ class StorageRange:
 class Plan:
     """A state flattened: the header without checksums and the byte ranges to copy."""
 
-    header: dict
+    header: dict[str, Any]
     ranges: list[StorageRange] = field(default_factory=list)
     data_len: int = 0
 
@@ -120,10 +120,13 @@ def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
 # What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
 # describes the same tensors every step. id -> (the tensor's weak reference, what the
 # description depends on, the description).
-_DESCRIBED: dict[int, tuple[weakref.ref, tuple, tuple[tuple, int, int, dict]]] = {}
+# (device, storage pointer, storage bytes): which storage a tensor views.
+StorageKey = tuple[str, int, int]
+Described = tuple[StorageKey, int, int, dict[str, Any]]
+_DESCRIBED: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Described]] = {}
 
 
-def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
+def _described(t: torch.Tensor) -> Described:
     """(storage key, first and last byte of the storage it spans, table entry) of tensor `t`,
     checked (`_check_tensor`); the one from before while `t` views the same memory the same
     way (data pointer, dtype, shape, strides, requires_grad)."""
@@ -133,7 +136,7 @@ def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
         return known[2]
     lo, hi = _check_tensor(t)  # UnsupportedValue for what a checkpoint cannot hold
     storage = t.untyped_storage()
-    entry = {
+    entry: dict[str, Any] = {
         "dtype": str(t.dtype).removeprefix("torch."),
         "shape": list(t.shape),
         "stride": list(t.stride()),
@@ -146,25 +149,25 @@ def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
         entry["param"] = True
     described = ((str(t.device), storage.data_ptr(), storage.nbytes()), lo, hi, entry)
 
-    def forget(_: weakref.ref) -> None:
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
         _DESCRIBED.pop(key, None)
 
     _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described)
     return described
 
 
-def _depends(t: torch.Tensor) -> tuple:
+def _depends(t: torch.Tensor) -> tuple[Any, ...]:
     """What `_described` of a checked tensor depends on."""
     return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.requires_grad)
 
 
 def plan_state(
-    state: Any, step: int, rank: int, world_size: int, timeline: dict | None = None
+    state: Any, step: int, rank: int, world_size: int, timeline: dict[str, Any] | None = None
 ) -> Plan:
     """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
     byte ranges."""
-    tensors: list[dict] = []
-    storages: dict[tuple, dict] = {}  # (device, storage pointer) -> {"tensors": [...], "lo", "hi"}
+    tensors: list[dict[str, Any]] = []
+    storages: dict[StorageKey, dict[str, Any]] = {}  # -> {"tensors": [...], "lo", "hi"}
 
     def encode(v: Any) -> Any:
         # The types of nearly every value of a model's and an optimizer's state first, by
@@ -282,7 +285,9 @@ def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
 
 
 def rebuild(
-    header: dict, data: torch.Tensor | memoryview, expected_timeline: dict | None = None
+    header: dict[str, Any],
+    data: torch.Tensor | memoryview,
+    expected_timeline: dict[str, Any] | None = None,
 ) -> Any:
     """The state saved in a shard, its tensors viewing `data` (the data region: a uint8 CPU
     tensor, or a writable buffer such as a tier's `read` returns, viewed without a copy).
@@ -318,7 +323,7 @@ def rebuild(
         raise ShardError(f"shard header is malformed ({reason})") from None
 
 
-def _rebuild(header: dict, data: torch.Tensor) -> Any:
+def _rebuild(header: dict[str, Any], data: torch.Tensor) -> Any:
     if header.get("format") != FORMAT_VERSION:
         raise ShardError(f"shard format {header.get('format')} is not supported")
     data_len = data.numel()
@@ -393,7 +398,9 @@ def _rebuild(header: dict, data: torch.Tensor) -> Any:
     return decode(tree)
 
 
-def _make_tensor(entry: dict, storages: list[tuple[int, int]], data: torch.Tensor) -> torch.Tensor:
+def _make_tensor(
+    entry: dict[str, Any], storages: list[tuple[int, int]], data: torch.Tensor
+) -> torch.Tensor:
     try:
         dtype = DTYPES[entry["dtype"]]
         shape = [int(x) for x in entry["shape"]]

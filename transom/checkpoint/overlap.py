@@ -24,6 +24,9 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+# A copy, and what follows it (given the exception the copy raised, or None).
+Work = tuple[Callable[[], None], Callable[[BaseException | None], None]]
+
 
 class CopyInFlight:
     """The one overlapped copy of an engine in flight, and the optimizer hook that waits for it.
@@ -36,7 +39,7 @@ class CopyInFlight:
         self._copied.set()
         self._finished.set()
         self._hook: Any = None
-        self._work: queue.SimpleQueue[tuple[Callable, Callable] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         weakref.finalize(self, self._work.put, None)  # never closed: its thread ends with it
 
@@ -77,7 +80,7 @@ class CopyInFlight:
 
 
 def _run(
-    work: queue.SimpleQueue[tuple[Callable, Callable] | None],
+    work: queue.SimpleQueue[Work | None],
     copied: threading.Event,
     finished: threading.Event,
 ) -> None:

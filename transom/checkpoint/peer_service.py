@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from typing import Any
 
 from transom.checkpoint import replication, shard_format
 from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMemory
@@ -121,7 +122,7 @@ class PeerService:
                         self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
-        def commit(region: Region, header: dict | None, header_bytes: bytes) -> None:
+        def commit(region: Region, header: dict[str, Any] | None, header_bytes: bytes) -> None:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return

@@ -12,6 +12,7 @@ This module never raises into a save or a load: a failed registration costs spee
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class PinnedRegions:
         address = data.data_ptr()
         if address in self._registered or data.numel() == 0:
             return
-        err = torch.cuda.cudart().cudaHostRegister(address, data.numel(), REGISTER_PORTABLE)
+        err = _cudart().cudaHostRegister(address, data.numel(), REGISTER_PORTABLE)
         if int(err) != 0:
             log.warning("cudaHostRegister failed (%s): device-to-host copies will be slower", err)
         self._registered[address] = int(err) == 0
@@ -57,9 +58,14 @@ class PinnedRegions:
         try:
             for event in done:
                 event.synchronize()
-            err = torch.cuda.cudart().cudaHostUnregister(address)
+            err = _cudart().cudaHostUnregister(address)
         except RuntimeError as e:  # the device failed: the process's pins end with it
             log.warning("could not unregister a pinned checkpoint region: %s", e)
             return
         if int(err) != 0:
             log.warning("cudaHostUnregister failed (%s)", err)
+
+
+def _cudart() -> Any:
+    """torch's bindings of the CUDA runtime (torch declares no types for them)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]

@@ -22,9 +22,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from transom.checkpoint import replication, shard_format, storage
+from transom.checkpoint import catalog, replication, shard_format, storage
 from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.server_options import ServerConfig
@@ -63,7 +64,7 @@ class SavePipeline:
         self.replicate_q: queue.Queue[Shard | None] = queue.Queue()
         self.persist_q: queue.Queue[Shard | None] = queue.Queue()
 
-    def threads(self) -> list[tuple]:
+    def threads(self) -> list[tuple[Callable[[], None], str]]:
         """(target, name) of the pipeline's threads."""
         return [
             (self._finalizer, "ckpt-finalize"),
@@ -75,7 +76,9 @@ class SavePipeline:
         for q in (self.finalize_q, self.replicate_q, self.persist_q):
             q.put(None)
 
-    def commit(self, step: int, rank: int, region: Region, header: dict, persist: bool) -> None:
+    def commit(
+        self, step: int, rank: int, region: Region, header: shard_format.Header, persist: bool
+    ) -> None:
         """The worker finished copying: checksums and the rest happen in the background; not
         `persist`: memory and peer only, storage at a drain if it is still its rank's newest."""
         with self.lock:
@@ -104,7 +107,7 @@ class SavePipeline:
         self.publisher.list_memory(shard)
         return True
 
-    def discard_stored(self, marks: list[dict]) -> list[int]:
+    def discard_stored(self, marks: list[catalog.Discard]) -> list[int]:
         """Remove what the discards `marks` cover from the storage directory (if any); the
         steps touched."""
         if self.cfg.storage_dir is None:
@@ -115,8 +118,8 @@ class SavePipeline:
                 touched.update(
                     storage.discard_steps(
                         Path(self.cfg.storage_dir),
-                        mark["first_bad_step"],
-                        mark["generation"],
+                        mark.first_bad_step,
+                        mark.generation,
                         self.cfg.job_id,
                     )
                 )

@@ -30,8 +30,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
-from transom.checkpoint import replication, shard_format
+from transom.checkpoint import catalog, replication, shard_format
 from transom.checkpoint.budget import BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
@@ -72,8 +73,8 @@ class Prefetcher:
         self.in_flight: set[tuple[int, int]] = set()  # guarded by `lock`
         self.attempted: set[tuple[int, int]] = set()  # this plan's, guarded by `lock`
         # (step, rank) -> what became of its prefetch: {"outcome", "detail", "seconds"}.
-        self.outcomes: dict[tuple[int, int], dict] = {}
-        self._plan_key: tuple | None = None
+        self.outcomes: dict[tuple[int, int], dict[str, Any]] = {}
+        self._plan_key: tuple[int | None, int | None, tuple[str, ...]] | None = None
 
     def ranks(self, plan: PlanView) -> list[int]:
         """This node's ranks in the world of `plan` ([] when it is not a member)."""
@@ -123,7 +124,7 @@ class Prefetcher:
         except RuntimeError as e:  # no thread to be had: the workers take the usual path
             self._finish(key, {"outcome": FAILED, "detail": f"no thread: {e}", "seconds": 0.0})
 
-    def _finish(self, key: tuple[int, int], outcome: dict) -> None:
+    def _finish(self, key: tuple[int, int], outcome: dict[str, Any]) -> None:
         with self.lock:
             self.outcomes[key] = outcome
             self.in_flight.discard(key)
@@ -160,7 +161,7 @@ class Prefetcher:
                 reason=detail,
             )
 
-    def _sources(self, step: int, rank: int) -> list[dict]:
+    def _sources(self, step: int, rank: int) -> list[catalog.Listing]:
         """The catalog's entries of other nodes' memory holding (step, rank), with an address."""
         return [
             info
@@ -186,7 +187,9 @@ class Prefetcher:
                 continue
             taken: list[Region] = []
 
-            def into_region(header: dict, origin: str = origin, taken: list = taken) -> memoryview:
+            def into_region(
+                header: dict[str, Any], origin: str = origin, taken: list[Region] = taken
+            ) -> memoryview:
                 region = self.memory.reserve(
                     step, rank, header["data_len"], header["world_size"], origin=origin
                 )
@@ -212,7 +215,13 @@ class Prefetcher:
         return FAILED, "; ".join(errors)
 
     def _keep(
-        self, step: int, rank: int, region: Region, header: dict, header_bytes: bytes, origin: str
+        self,
+        step: int,
+        rank: int,
+        region: Region,
+        header: dict[str, Any],
+        header_bytes: bytes,
+        origin: str,
     ) -> tuple[str, str]:
         """Make a fetched shard a complete one of this server's memory (listed in the catalog),
         unless it falls under a discard."""
@@ -227,7 +236,7 @@ class Prefetcher:
             return SKIPPED, "the step was discarded as poisoned"
         return FETCHED, origin
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[dict[str, Any]]:
         """What became of every prefetch (the `status` request shows it)."""
         with self.lock:
             done = [{"step": s, "rank": r, **outcome} for (s, r), outcome in self.outcomes.items()]

@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import time
+from typing import Any
 
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 64 << 20  # a worker's commit carries its shard's header: tensor tables can be large
@@ -78,7 +79,7 @@ def send_all(sock: socket.socket, data: bytes, deadline: float | None = None) ->
         raise ProtocolTimeout(f"timed out sending {len(data)} bytes") from e
 
 
-def send_msg(sock: socket.socket, msg: dict, deadline: float | None = None) -> None:
+def send_msg(sock: socket.socket, msg: dict[str, Any], deadline: float | None = None) -> None:
     body = json.dumps(msg, separators=(",", ":")).encode()
     send_all(sock, LENGTH.pack(len(body)) + body, deadline)
 
@@ -109,7 +110,7 @@ def recv_msg(
     deadline: float | None = None,
     max_bytes: int = MAX_MESSAGE,
     frame_timeout_s: float | None = FRAME_TIMEOUT_S,
-) -> dict:
+) -> dict[str, Any]:
     """One message. Its first byte is awaited until `deadline`; once it has come, the rest must
     arrive within `frame_timeout_s` too. ProtocolError for a length over `max_bytes` (nothing
     of it is read) or a body that is not a JSON object; ProtocolTimeout when time runs out."""
@@ -192,7 +193,7 @@ class ServerHandshake:
         return b""
 
 
-def field_int(msg: dict, name: str, low: int = 0, high: int = (1 << 63) - 1) -> int:
+def field_int(msg: dict[str, Any], name: str, low: int = 0, high: int = (1 << 63) - 1) -> int:
     """`msg[name]` if it is an integer (not a bool) within [low, high]; ValueError else."""
     value = msg.get(name)
     if type(value) is not int or not low <= value <= high:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transom.checkpoint import catalog
+from transom.checkpoint.budget import Shard
 from transom.checkpoint.reshard_steps import CATALOG_FLAG, reshardable
 from transom.common import keys
 from transom.common.records import Plan, RecordError
@@ -83,11 +84,13 @@ class Publisher:
         # withdrawn before the first listing (it lives under the same lease).
         self.withdraw_stale = False
         self.plan = PlanView()
-        self.held: Callable[[], list] = list  # the shards in memory, to re-list on a new lease
+        self.held: Callable[[], list[Shard]] = (
+            list  # the shards in memory, to re-list on a new lease
+        )
         self.on_plan: Callable[[PlanView], None] = lambda plan: None
         # Poisoned steps (catalog.discards): applied by `on_discard`, never listed again.
-        self.discards: list[dict] = []
-        self.on_discard: Callable[[list[dict]], None] = lambda marks: None
+        self.discards: list[catalog.Discard] = []
+        self.on_discard: Callable[[list[catalog.Discard]], None] = lambda marks: None
         # The plan and the discards as etcd pushes them (followed by `follow`).
         self.plans = KeyFollower(store, keys.PLAN) if store is not None else None
         self.marks = KeyFollower(store, keys.CKPT_DISCARDED) if store is not None else None
@@ -229,11 +232,11 @@ class Publisher:
         return self._peer_addrs[peer]
 
     # -- the catalog ---------------------------------------------------------------------------
-    def discarded(self, shard) -> bool:
+    def discarded(self, shard: Shard) -> bool:
         """Whether `shard` falls under a discard this server knows of (catalog.discards)."""
         return catalog.is_discarded(self.discards, shard.step, shard.generation)
 
-    def list_memory(self, shard) -> None:
+    def list_memory(self, shard: Shard) -> None:
         """List a shard this server's memory holds (under the lease); never a discarded one, nor
         any before the agent handed its lease over (all are listed then)."""
         if self.lease is None:
@@ -245,7 +248,7 @@ class Publisher:
             lease=self.lease,
         )
 
-    def _list(self, shard, holder: str, tier: dict, lease: Any = None) -> None:
+    def _list(self, shard: Shard, holder: str, tier: dict[str, Any], lease: Any = None) -> None:
         """Queue `shard`'s catalog entry as held by `holder` (`tier`: what its tier adds), unless
         it is discarded (and withdraw it if a discard came meanwhile)."""
         if self.writes is None or self.discarded(shard):
@@ -266,7 +269,7 @@ class Publisher:
         self.writes.put(name, value, lease=lease)
         self._unless_discarded(shard, name)
 
-    def _unless_discarded(self, shard, name: str) -> None:
+    def _unless_discarded(self, shard: Shard, name: str) -> None:
         """Withdraw an entry just listed if a discard came meanwhile: the sweeps of that discard
         (the controller's, this server's on learning of it) may have run before the entry was
         there. (A discard learnt after this look sweeps the entry itself; one that comes while
@@ -274,7 +277,7 @@ class Publisher:
         if self.writes is not None and self.discarded(shard):
             self.writes.delete(name)
 
-    def unlist_memory(self, shard) -> None:
+    def unlist_memory(self, shard: Shard) -> None:
         """Withdraw an evicted shard, in the background (called with the memory lock held)."""
         if self.writes is not None:
             key = catalog.shard_key(shard.step, shard.rank, catalog.memory_holder(self.node))
@@ -290,7 +293,7 @@ class Publisher:
         except StoreError as e:
             log.warning("cannot withdraw step %d rank %d of %s: %s", step, rank, holder, e)
 
-    def list_storage(self, shard, path: str, removed: dict[int, list[int]]) -> None:
+    def list_storage(self, shard: Shard, path: str, removed: dict[int, list[int]]) -> None:
         """List a persisted shard (no lease: it outlives the node), never a discarded one; forget
         the shards of the steps retention removed (step -> ranks), in the same batch."""
         if self.writes is None:
@@ -300,7 +303,7 @@ class Publisher:
             for rank in ranks:
                 self.writes.delete(catalog.shard_key(step, rank, catalog.STORAGE_HOLDER))
 
-    def holders(self, step: int, rank: int) -> dict[str, dict]:
+    def holders(self, step: int, rank: int) -> dict[str, catalog.Listing]:
         """Who holds shard (step, rank), per the catalog ({} without a store or on error)."""
         if self.store is None:
             return {}

@@ -26,6 +26,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transom.checkpoint import shard_format
 from transom.checkpoint.protocol import (
@@ -90,7 +91,7 @@ class ListRequest:
 MAX_LISTED = 256
 
 
-def parse_request(msg: dict) -> PutRequest | GetRequest | ListRequest:
+def parse_request(msg: dict[str, Any]) -> PutRequest | GetRequest | ListRequest:
     """The request in a peer's message; ValueError naming what is wrong with it."""
     op = msg.get("op")
     if op == "put":
@@ -147,7 +148,9 @@ def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
         sock.sendfile(f, 0, nbytes)
 
 
-def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tuple[dict, bytes]:
+def recv_shard_header(
+    sock: socket.socket, header_len: int, data_len: int
+) -> tuple[dict[str, Any], bytes]:
     """The shard header that follows a message naming `header_len` and `data_len`, and its
     bytes (`shard_format.received_header_bytes`): its prefix is read and checked against them
     before the rest is read. ShardError when they differ."""
@@ -166,7 +169,12 @@ def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tu
 
 
 def push(
-    addr: str, secret: bytes, header: dict, header_bytes: bytes, region_path: Path, origin: str
+    addr: str,
+    secret: bytes,
+    header: dict[str, Any],
+    header_bytes: bytes,
+    region_path: Path,
+    origin: str,
 ) -> None:
     """Send one shard to the peer at `addr`; returns when the peer holds it verified."""
     sock = connect(addr, secret)
@@ -199,12 +207,12 @@ def push(
         )
 
 
-def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, memoryview]:
+def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict[str, Any], memoryview]:
     """(header, data) of a shard held by the server at `addr`, checksums verified; the data is
     a view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     landed: list[memoryview] = []
 
-    def into_anonymous(header: dict) -> memoryview:
+    def into_anonymous(header: dict[str, Any]) -> memoryview:
         landed.append(memoryview(anonymous_buffer(header["data_len"]))[: header["data_len"]])
         return landed[0]
 
@@ -213,8 +221,12 @@ def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict, memoryv
 
 
 def fetch_into(
-    addr: str, secret: bytes, step: int, rank: int, destination: Callable[[dict], memoryview]
-) -> tuple[dict, bytes]:
+    addr: str,
+    secret: bytes,
+    step: int,
+    rank: int,
+    destination: Callable[[dict[str, Any]], memoryview],
+) -> tuple[dict[str, Any], bytes]:
     """The header of a shard held by the server at `addr` and its bytes (as `recv_shard_header`
     gives them), its data received straight into
     `destination(header)` (asked for only once the header has been checked: its step, rank and
@@ -261,7 +273,7 @@ def list_held(addr: str, secret: bytes, rank: int) -> list[tuple[int, int]]:
     return parse_listing(reply, addr)
 
 
-def parse_listing(reply: dict, addr: str) -> list[tuple[int, int]]:
+def parse_listing(reply: dict[str, Any], addr: str) -> list[tuple[int, int]]:
     """The (step, world size) pairs of a "list" reply from `addr`; ReplicationError for a
     reply that is not a well-formed listing (at most MAX_LISTED pairs of integers)."""
     held = reply.get("held") if reply.get("ok") is True else None
@@ -287,7 +299,7 @@ def serve_list(sock: socket.socket, held: list[tuple[int, int]]) -> None:
     send_msg(sock, {"ok": True, "held": [list(h) for h in newest]}, deadline_in(FRAME_TIMEOUT_S))
 
 
-def check_shard_header(header: dict, step: int, rank: int) -> None:
+def check_shard_header(header: dict[str, Any], step: int, rank: int) -> None:
     """ShardError unless the shard header is that of (step, rank), with a world size."""
     shard_format.check_identity(header, step, rank)
     world_size = header.get("world_size")
@@ -299,7 +311,7 @@ def receive_put(
     sock: socket.socket,
     request: PutRequest,
     reserve: Callable[[int, int, int], Region],
-    commit: Callable[[Region, dict | None, bytes], None],
+    commit: Callable[[Region, dict[str, Any] | None, bytes], None],
 ) -> None:
     """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header,
     header_bytes)` keeps it (`commit(region, None, b"")` gives it back). ShardError for a shard

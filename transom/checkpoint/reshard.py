@@ -52,7 +52,7 @@ PROBE_RANKS = 16
 Path_ = tuple[Any, ...]
 
 
-class DcpShard(dict):
+class DcpShard(dict[str, Any]):
     """The state of one rank's torch.distributed.checkpoint shard (dcp.py declares it so)."""
 
 
@@ -88,14 +88,16 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def describe(state: Any, replicated: Iterable[str | Path_] = ()) -> tuple[Any, dict | None]:
+def describe(
+    state: Any, replicated: Iterable[str | Path_] = ()
+) -> tuple[Any, dict[str, Any] | None]:
     """(the state to save, its resharding record or None). DTensors become their local chunk;
     `replicated` names the paths the same on every rank."""
     if isinstance(state, DcpShard):
         return dict(state), {"dcp": True}
     declared = _declared(replicated)
-    sharded: list[list] = []
-    rep: list[list] = [list(p) for p in declared]
+    sharded: list[list[Any]] = []
+    rep: list[list[Any]] = [list(p) for p in declared]
     dtensor = _dtensor_type()
 
     def walk(value: Any, path: Path_) -> Any:
@@ -127,11 +129,13 @@ def describe(state: Any, replicated: Iterable[str | Path_] = ()) -> tuple[Any, d
     return out, {"replicated": rep, "sharded": sharded}
 
 
-def _local_chunk(t: Any, path: Path_, rep: list[list], sharded: list[list]) -> torch.Tensor:
+def _local_chunk(
+    t: Any, path: Path_, rep: list[list[Any]], sharded: list[list[Any]]
+) -> torch.Tensor:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = t.to_local()
+    local: torch.Tensor = t.to_local()
     placements = tuple(t.placements)
     if all(isinstance(p, Replicate) for p in placements):
         rep.append(list(path))
@@ -149,7 +153,7 @@ def plan_state(
     rank: int,
     world_size: int,
     replicated: Iterable[str | Path_] = (),
-    timeline: dict | None = None,
+    timeline: dict[str, Any] | None = None,
 ) -> layout.Plan:
     """`layout.plan_state` of the state `describe` makes, its header carrying the record."""
     state, record = describe(state, replicated)
@@ -159,7 +163,7 @@ def plan_state(
     return plan
 
 
-def load_info(header: dict) -> dict:
+def load_info(header: dict[str, Any]) -> dict[str, Any]:
     """What `Engine.last_shard` says of the shard a load read: its world size and record."""
     return {"world_size": header.get("world_size"), HEADER_KEY: header.get(HEADER_KEY)}
 
@@ -173,8 +177,8 @@ class ShardReader(Protocol):
 
     rank: int
     world_size: int
-    last_load: dict  # what the last load read; a resharding load adds "resharded"
-    last_shard: dict  # `load_info` of the shard `read_shard` read last
+    last_load: dict[str, Any]  # what the last load read; a resharding load adds "resharded"
+    last_shard: dict[str, Any]  # `load_info` of the shard `read_shard` read last
 
     def read_shard(self, step: int, tier: str | None, rank: int) -> Any: ...
 
@@ -230,10 +234,10 @@ class _Resharder:
 
     def __init__(self, engine: ShardReader, step: int, tier: str | None):
         self.engine, self.step, self.tier = engine, step, tier
-        self.shards: dict[int, tuple[Any, dict]] = {}  # saved rank -> (state, record)
+        self.shards: dict[int, tuple[Any, dict[str, Any]]] = {}  # saved rank -> (state, record)
         self.saved_world = 0
 
-    def shard(self, rank: int) -> tuple[Any, dict]:
+    def shard(self, rank: int) -> tuple[Any, dict[str, Any]]:
         if rank not in self.shards:
             state = self.engine.read_shard(self.step, self.tier, rank)
             info = self.engine.last_shard
@@ -247,7 +251,7 @@ class _Resharder:
             self.shards[rank] = (state, info[HEADER_KEY])
         return self.shards[rank]
 
-    def build(self, base_rank: int, base: Any, record: dict) -> Any:
+    def build(self, base_rank: int, base: Any, record: dict[str, Any]) -> Any:
         self.shards[base_rank] = (base, record)
         try:
             replicated = [tuple(p) for p in record.get("replicated", [])]
@@ -285,7 +289,7 @@ class _Resharder:
         }
         return state
 
-    def reslice(self, path: Path_, info: dict, example: Any) -> torch.Tensor:
+    def reslice(self, path: Path_, info: dict[str, Any], example: Any) -> torch.Tensor:
         """This rank's slice of a sharded tensor, from the saved chunks that overlap it."""
         rank, world = self.engine.rank, self.engine.world_size
         try:

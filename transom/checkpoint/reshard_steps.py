@@ -16,7 +16,7 @@ HEADER_KEY = "reshard"  # the shard header's field (reshard.py)
 CATALOG_FLAG = "reshardable"  # the catalog entry's field (publisher.py sets it from the header)
 
 
-def reshardable(header: dict | None) -> bool:
+def reshardable(header: dict[str, Any] | None) -> bool:
     """Whether a shard's header carries a resharding record."""
     return isinstance(header, dict) and isinstance(header.get(HEADER_KEY), dict)
 
@@ -38,7 +38,8 @@ def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -
 
 
 def catalog_entries(
-    catalog: dict[int, dict[int, dict[str, dict]]], usable: Callable[[dict], bool]
+    catalog: dict[int, dict[int, dict[str, dict[str, Any]]]],
+    usable: Callable[[dict[str, Any]], bool],
 ) -> list[tuple[int, int, Any, bool]]:
     """`restorable`'s entries from the catalog (step -> rank -> holder -> info) and which
     holders count."""

@@ -23,6 +23,7 @@ import signal
 import socketserver
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from transom.checkpoint import agent_lease, capacity, catalog, server_options
@@ -86,7 +87,7 @@ class CheckpointServer:
         self.memory.protected_step = plan.restore_step
         self.prefetcher.follow(plan)
 
-    def _discard(self, marks: list[dict]) -> None:
+    def _discard(self, marks: list[catalog.Discard]) -> None:
         """Drop discarded steps (catalog.discards, already the publisher's) from this server's
         memory (a shard being read or checksummed goes when that ends; evicted ones leave the
         catalog), from storage, and the storage entries of the steps removed from the catalog
@@ -103,7 +104,7 @@ class CheckpointServer:
         workers = self.workers
 
         class UnixHandler(socketserver.BaseRequestHandler):
-            def handle(self):
+            def handle(self) -> None:
                 workers.serve(self.request)
 
         path = Path(self.cfg.socket_path)
@@ -122,7 +123,7 @@ class CheckpointServer:
             )
             self.addr = f"{self.cfg.host}:{self._tcp.port}"
         self.publisher.start(self.addr)
-        threads = [
+        threads: list[tuple[Callable[[], None], str]] = [
             (functools.partial(self._unix.serve_forever, STOP_POLL_S), "ckpt-unix"),
             *self.pipeline.threads(),
         ]

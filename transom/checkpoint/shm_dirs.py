@@ -24,6 +24,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -57,7 +58,7 @@ def default_shm_dir(job_id: str, node_id: str) -> Path:
 
 def _start_time(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
 
@@ -71,7 +72,7 @@ def write_owner(directory: Path, job_id: str = "", node_id: str = "") -> None:
     os.replace(tmp, directory / OWNER_FILE)
 
 
-def read_owner(directory: Path) -> dict | None:
+def read_owner(directory: Path) -> dict[str, Any] | None:
     """The owner record of `directory`; None when it has none or it does not parse."""
     try:
         owner = json.loads((Path(directory) / OWNER_FILE).read_text())
@@ -80,7 +81,7 @@ def read_owner(directory: Path) -> dict | None:
     return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
 
 
-def owner_alive(owner: dict) -> bool:
+def owner_alive(owner: dict[str, Any]) -> bool:
     """Whether the process an owner record names still runs (the same process, not a reused pid)."""
     started = _start_time(owner["pid"])
     if started is None:

@@ -17,7 +17,7 @@ from transom.checkpoint import layout, shard_format, storage
 from transom.checkpoint.shm import anonymous_buffer
 
 
-def to_device(value: Any, device) -> Any:
+def to_device(value: Any, device: str | torch.device) -> Any:
     """`value` with every tensor in it moved to `device` (containers keep their types)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -31,7 +31,7 @@ def to_device(value: Any, device) -> Any:
     return value
 
 
-def save(obj: Any, path: str | os.PathLike) -> None:
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
     plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
     buf = anonymous_buffer(plan.data_len)
@@ -45,7 +45,7 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     storage.atomic_write(path, [shard_format.encode_header(plan.header), view])
 
 
-def load(path: str | os.PathLike, map_location: str | torch.device | None = None) -> Any:
+def load(path: str | os.PathLike[str], map_location: str | torch.device | None = None) -> Any:
     """Like torch.load(weights_only=True) for files written by `save`; ShardError when corrupt."""
     header, data = storage.read_shard(Path(path))
     state = layout.rebuild(header, data)

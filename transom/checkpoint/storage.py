@@ -29,8 +29,10 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from transom.checkpoint import shard_format
 from transom.checkpoint.reshard_steps import reshardable
@@ -60,7 +62,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, parts) -> None:
+def atomic_write(path: Path, parts: Iterable[bytes | memoryview]) -> None:
     """Write `parts` (bytes-like, in order) to `path` durably: a temporary file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -78,7 +80,7 @@ def atomic_write(path: Path, parts) -> None:
 
 
 @contextmanager
-def locked(root: Path):
+def locked(root: Path) -> Iterator[None]:
     with open(root / ".lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -91,7 +93,7 @@ class StaleTimeline(OSError):
     """A shard of an older generation than the complete step it would be written into."""
 
 
-def _older(a: dict | None, b: dict | None) -> bool:
+def _older(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """Whether timeline `a` is of an older generation of the same job than `b`."""
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("job") != b.get("job"):
         return False
@@ -105,7 +107,7 @@ def write_shard(
     rank: int,
     header_bytes: bytes,
     data: memoryview,
-    timeline: dict | None = None,
+    timeline: dict[str, Any] | None = None,
 ) -> Path:
     """Write one shard durably; OSError when the disk is full or not writable, StaleTimeline when
     `step` is complete under a newer generation, or its file of `rank` is of one. A complete step
@@ -138,7 +140,7 @@ def write_shard(
 
 def read_shard(
     path: Path, step: int | None = None, rank: int | None = None
-) -> tuple[dict, memoryview]:
+) -> tuple[dict[str, Any], memoryview]:
     """(header, data) of a shard file, checksums verified; ShardError when bad. The data is a
     view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     try:
@@ -170,7 +172,7 @@ def read_shard(
     return header, view
 
 
-def _check_manifest(path: Path, header: dict) -> None:
+def _check_manifest(path: Path, header: dict[str, Any]) -> None:
     """ShardError when `path`'s step has a manifest of another timeline than the shard's."""
     try:
         manifest = json.loads((path.parent / MANIFEST).read_text())
@@ -180,7 +182,7 @@ def _check_manifest(path: Path, header: dict) -> None:
         shard_format.check_timeline(header, manifest["timeline"])
 
 
-def read_header(path: Path) -> dict:
+def read_header(path: Path) -> dict[str, Any]:
     """The header of a shard file (no data read, no checksum of the data); ShardError when bad."""
     with open(path, "rb") as f:
         head = f.read(shard_format.PREFIX.size)
@@ -208,14 +210,15 @@ def shard_ranks(root: Path, step: int) -> set[int]:
     return {int(m.group(1)) for e in directory.iterdir() if (m := SHARD_RE.match(e.name))}
 
 
-def read_manifest(root: Path, step: int) -> dict | None:
+def read_manifest(root: Path, step: int) -> dict[str, Any] | None:
     try:
-        return json.loads((step_dir(root, step) / MANIFEST).read_text())
+        manifest = json.loads((step_dir(root, step) / MANIFEST).read_text())
+        return manifest if isinstance(manifest, dict) else None
     except (OSError, ValueError):
         return None
 
 
-def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict | None) -> bool:
+def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict[str, Any] | None) -> bool:
     for rank in ranks:
         try:
             if read_header(shard_path(root, step, rank)).get("timeline") != timeline:
@@ -226,7 +229,7 @@ def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict | None
 
 
 def complete_step(
-    root: Path, step: int, world_size: int, keep: int, timeline: dict | None = None
+    root: Path, step: int, world_size: int, keep: int, timeline: dict[str, Any] | None = None
 ) -> dict[int, list[int]]:
     """If every rank's shard of `step` is on disk, all of `timeline`, write its manifest and
     `latest`; apply retention (to `timeline`'s job: `_retain`). A file of a rank beyond the
@@ -300,7 +303,7 @@ def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) ->
     return sorted(touched)
 
 
-def _timeline_of(path: Path) -> dict | None:
+def _timeline_of(path: Path) -> dict[str, Any] | None:
     """The timeline a shard file's header or a manifest names (None when unreadable)."""
     try:
         if path.name == MANIFEST:
@@ -355,7 +358,7 @@ def restorable_steps(root: Path, world_size: int) -> list[int]:
     return out
 
 
-def _header_or_none(path: Path) -> dict | None:
+def _header_or_none(path: Path) -> dict[str, Any] | None:
     """A shard file's header; None when it is missing or unreadable."""
     try:
         return read_header(path)

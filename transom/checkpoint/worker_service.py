@@ -179,7 +179,7 @@ class WorkerService:
         reserved[(step, rank)] = region
         return RegionReply(str(region.path), region.nbytes)
 
-    def withdraw_corrupt(self, fields: dict) -> None:
+    def withdraw_corrupt(self, fields: dict[str, Any]) -> None:
         """A worker found a copy corrupt (its checksums failed): no restore may be planned from it
         again. A copy in this server's memory is evicted; the listing of a peer's or storage's
         copy leaves the catalog (the file stays, for inspection). When a rank's every copy of
