@@ -51,6 +51,27 @@ class Discard(NamedTuple):
         return self._asdict()
 
 
+class MemoryCopy(NamedTuple):
+    """A node whose server's memory the catalog lists as holding a shard, and that server's peer
+    address (the node is whatever the entry says: a reader that needs an id checks it)."""
+
+    node: str
+    addr: str
+
+
+def memory_copies(entries: dict[str, Listing]) -> list[MemoryCopy]:
+    """The copies in server memory among one shard's catalog entries (holder -> entry), in
+    holder order; an entry without a node or an address is left out (etcd's contents are
+    checked here, not trusted)."""
+    copies = []
+    for _, info in sorted(entries.items()):
+        node, addr = info.get("node"), info.get("addr")
+        if info.get("tier") == Tier.MEMORY and isinstance(node, str) and isinstance(addr, str):
+            if node and addr:
+                copies.append(MemoryCopy(node, addr))
+    return copies
+
+
 def memory_holder(node: str) -> str:
     """The holder name of a shard in `node`'s server memory."""
     return f"mem-{node}"

@@ -161,17 +161,9 @@ class Prefetcher:
                 reason=detail,
             )
 
-    def _sources(self, step: int, rank: int) -> list[catalog.Listing]:
-        """The catalog's entries of other nodes' memory holding (step, rank), with an address."""
-        return [
-            info
-            for _, info in sorted(self.publisher.holders(step, rank).items())
-            if info.get("tier") == Tier.MEMORY
-            and info.get("node") != self.node
-            and isinstance(info.get("node"), str)
-            and isinstance(info.get("addr"), str)
-            and info["addr"]
-        ]
+    def _sources(self, step: int, rank: int) -> list[catalog.MemoryCopy]:
+        """Other nodes' memory holding (step, rank), per the catalog."""
+        return [c for c in self.publisher.memory_copies(step, rank) if c.node != self.node]
 
     def _fetch(self, step: int, rank: int) -> tuple[str, str]:
         """(outcome, the peer it came from or why not) of one prefetch."""
@@ -179,9 +171,9 @@ class Prefetcher:
         if not sources:
             return SKIPPED, NOWHERE
         errors = []
-        for info in sources:
+        for copy in sources:
             try:
-                origin = check_id("origin", info["node"])
+                origin = check_id("origin", copy.node)
             except ValueError as e:
                 errors.append(str(e))
                 continue
@@ -198,7 +190,7 @@ class Prefetcher:
 
             try:
                 header, header_bytes = replication.fetch_into(
-                    info["addr"], self.secret, step, rank, into_region
+                    copy.addr, self.secret, step, rank, into_region
                 )
             except BudgetExceeded as e:  # does not fit (or a worker saves it now): skip
                 return SKIPPED, str(e)

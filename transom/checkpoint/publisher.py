@@ -303,15 +303,16 @@ class Publisher:
             for rank in ranks:
                 self.writes.delete(catalog.shard_key(step, rank, catalog.STORAGE_HOLDER))
 
-    def holders(self, step: int, rank: int) -> dict[str, catalog.Listing]:
-        """Who holds shard (step, rank), per the catalog ({} without a store or on error)."""
+    def memory_copies(self, step: int, rank: int) -> list[catalog.MemoryCopy]:
+        """The servers whose memory holds shard (step, rank), per the catalog ([] without a
+        store or on error)."""
         if self.store is None:
-            return {}
+            return []
         try:
-            return catalog.holders(self.store, step, rank)
+            return catalog.memory_copies(catalog.holders(self.store, step, rank))
         except StoreError as e:
             log.warning("cannot read the catalog: %s", e)
-            return {}
+            return []
 
     def restorable_steps(self, world_size: int) -> list[int] | None:
         """Restorable steps per the catalog; None without a store or when etcd cannot answer."""

@@ -220,11 +220,9 @@ class WorkerService:
                 sources.append(Source(Tier.MEMORY, self.node, path, header=shard.header))
             if shard is not None and Tier.PEER in shard.tiers and self.cfg.peer:
                 sources.append(Source(Tier.PEER, addr=self.cfg.peer))  # its node: unknown here
-        for _, info in sorted(self.publisher.holders(step, rank).items()):
-            node, addr = info.get("node"), info.get("addr")  # read from etcd: checked
-            if info.get("tier") == Tier.MEMORY and valid_id(node) and node != self.node:
-                if isinstance(node, str) and isinstance(addr, str) and addr:
-                    sources.append(Source(Tier.PEER, node, addr=addr))
+        for copy in self.publisher.memory_copies(step, rank):
+            if copy.node != self.node and valid_id(copy.node):
+                sources.append(Source(Tier.PEER, copy.node, addr=copy.addr))
         listed = {s.addr for s in sources}
         with self._holders_lock:
             said = list(self.peer_holders.get((step, rank), []))
@@ -272,14 +270,7 @@ class WorkerService:
         those the catalog lists as holding `floor`, and the node that ran the rank in the
         generation before and that node's ring peer (its replicas' holder; the catalog lists
         their newest shards up to a second late)."""
-        peers = {
-            str(info["node"]): info["addr"]
-            for info in self.publisher.holders(floor, rank).values()
-            if info.get("tier") == Tier.MEMORY
-            and isinstance(info.get("node"), str)
-            and isinstance(info.get("addr"), str)
-            and info["addr"]
-        }
+        peers = dict(self.publisher.memory_copies(floor, rank))
         before, per_node = self.publisher.plan.previous_members, self.cfg.ranks_per_node
         if per_node >= 1 and rank // per_node < len(before):
             ran = before[rank // per_node]
