@@ -59,6 +59,7 @@ from transom.checkpoint.next_region import NextRegion
 from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
+from transom.checkpoint.shard_format import Header, Timeline
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
@@ -129,7 +130,7 @@ class Engine:
         self._finalizer = weakref.finalize(self, server.stop)
         return server
 
-    def timeline(self) -> dict[str, Any]:
+    def timeline(self) -> Timeline:
         """The timeline this engine's shards are saved under (shard_format.timeline)."""
         return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
 
@@ -238,9 +239,7 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(
-        self, handle: SaveHandle, header: dict[str, Any], persist: bool, wait: bool = True
-    ) -> None:
+    def _commit(self, handle: SaveHandle, header: Header, persist: bool, wait: bool = True) -> None:
         """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
         is written: its reply comes with the connection's next request (or `handle.wait`)."""
         request = wire.Commit(handle.step, self.rank, header, persist)
@@ -269,7 +268,7 @@ class Engine:
     def _commit_after(
         self,
         handle: SaveHandle,
-        header: dict[str, Any],
+        header: Header,
         persist: bool,
         done: list[torch.cuda.Event],
     ) -> None:
@@ -284,7 +283,7 @@ class Engine:
         self._commit(handle, header, persist)
 
     def _copied(
-        self, handle: SaveHandle, header: dict[str, Any], persist: bool, error: BaseException | None
+        self, handle: SaveHandle, header: Header, persist: bool, error: BaseException | None
     ) -> None:
         """An overlapped copy ended (overlap.py): commit it, or give its region back."""
         if error is not None:

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from transom.checkpoint.shard_format import FORMAT_VERSION, ShardError, align, check_timeline
+from transom.checkpoint.shard_format import (
+    FORMAT_VERSION,
+    Header,
+    ShardError,
+    Timeline,
+    align,
+    check_timeline,
+)
 
 STORAGE_ALIGN = 64
 # Limits a header must respect (anything beyond is a crafted or corrupt shard, `ShardError`):
@@ -77,7 +84,7 @@ class StorageRange:
 class Plan:
     """A state flattened: the header without checksums and the byte ranges to copy."""
 
-    header: dict[str, Any]
+    header: Header
     ranges: list[StorageRange] = field(default_factory=list)
     data_len: int = 0
 
@@ -162,7 +169,7 @@ def _depends(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def plan_state(
-    state: Any, step: int, rank: int, world_size: int, timeline: dict[str, Any] | None = None
+    state: Any, step: int, rank: int, world_size: int, timeline: Timeline | None = None
 ) -> Plan:
     """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
     byte ranges."""
@@ -285,9 +292,9 @@ def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
 
 
 def rebuild(
-    header: dict[str, Any],
+    header: Header,
     data: torch.Tensor | memoryview,
-    expected_timeline: dict[str, Any] | None = None,
+    expected_timeline: Timeline | None = None,
 ) -> Any:
     """The state saved in a shard, its tensors viewing `data` (the data region: a uint8 CPU
     tensor, or a writable buffer such as a tier's `read` returns, viewed without a copy).
@@ -323,7 +330,7 @@ def rebuild(
         raise ShardError(f"shard header is malformed ({reason})") from None
 
 
-def _rebuild(header: dict[str, Any], data: torch.Tensor) -> Any:
+def _rebuild(header: Header, data: torch.Tensor) -> Any:
     if header.get("format") != FORMAT_VERSION:
         raise ShardError(f"shard format {header.get('format')} is not supported")
     data_len = data.numel()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
 
 from transom.checkpoint import replication, shard_format
 from transom.checkpoint.budget import COMMITTED, LOCAL, BudgetExceeded, ShardMemory
@@ -37,6 +36,7 @@ from transom.checkpoint.protocol import (
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
+from transom.checkpoint.shard_format import Header
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 
@@ -122,7 +122,7 @@ class PeerService:
                         self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
-        def commit(region: Region, header: dict[str, Any] | None, header_bytes: bytes) -> None:
+        def commit(region: Region, header: Header | None, header_bytes: bytes) -> None:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return

@@ -36,6 +36,7 @@ from transom.checkpoint import catalog, replication, shard_format
 from transom.checkpoint.budget import BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
+from transom.checkpoint.shard_format import Header
 from transom.checkpoint.shm import Region
 from transom.common.names import check_id
 from transom.common.states import Tier
@@ -180,7 +181,7 @@ class Prefetcher:
             taken: list[Region] = []
 
             def into_region(
-                header: dict[str, Any], origin: str = origin, taken: list[Region] = taken
+                header: Header, origin: str = origin, taken: list[Region] = taken
             ) -> memoryview:
                 region = self.memory.reserve(
                     step, rank, header["data_len"], header["world_size"], origin=origin
@@ -211,7 +212,7 @@ class Prefetcher:
         step: int,
         rank: int,
         region: Region,
-        header: dict[str, Any],
+        header: Header,
         header_bytes: bytes,
         origin: str,
     ) -> tuple[str, str]:

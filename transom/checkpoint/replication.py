@@ -44,6 +44,7 @@ from transom.checkpoint.protocol import (
     send_at_once,
     send_msg,
 )
+from transom.checkpoint.shard_format import Header
 from transom.checkpoint.shm import Region, anonymous_buffer
 from transom.common.names import check_id
 
@@ -148,9 +149,7 @@ def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
         sock.sendfile(f, 0, nbytes)
 
 
-def recv_shard_header(
-    sock: socket.socket, header_len: int, data_len: int
-) -> tuple[dict[str, Any], bytes]:
+def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tuple[Header, bytes]:
     """The shard header that follows a message naming `header_len` and `data_len`, and its
     bytes (`shard_format.received_header_bytes`): its prefix is read and checked against them
     before the rest is read. ShardError when they differ."""
@@ -171,7 +170,7 @@ def recv_shard_header(
 def push(
     addr: str,
     secret: bytes,
-    header: dict[str, Any],
+    header: Header,
     header_bytes: bytes,
     region_path: Path,
     origin: str,
@@ -207,12 +206,12 @@ def push(
         )
 
 
-def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[dict[str, Any], memoryview]:
+def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[Header, memoryview]:
     """(header, data) of a shard held by the server at `addr`, checksums verified; the data is
     a view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     landed: list[memoryview] = []
 
-    def into_anonymous(header: dict[str, Any]) -> memoryview:
+    def into_anonymous(header: Header) -> memoryview:
         landed.append(memoryview(anonymous_buffer(header["data_len"]))[: header["data_len"]])
         return landed[0]
 
@@ -225,8 +224,8 @@ def fetch_into(
     secret: bytes,
     step: int,
     rank: int,
-    destination: Callable[[dict[str, Any]], memoryview],
-) -> tuple[dict[str, Any], bytes]:
+    destination: Callable[[Header], memoryview],
+) -> tuple[Header, bytes]:
     """The header of a shard held by the server at `addr` and its bytes (as `recv_shard_header`
     gives them), its data received straight into
     `destination(header)` (asked for only once the header has been checked: its step, rank and
@@ -299,7 +298,7 @@ def serve_list(sock: socket.socket, held: list[tuple[int, int]]) -> None:
     send_msg(sock, {"ok": True, "held": [list(h) for h in newest]}, deadline_in(FRAME_TIMEOUT_S))
 
 
-def check_shard_header(header: dict[str, Any], step: int, rank: int) -> None:
+def check_shard_header(header: Header, step: int, rank: int) -> None:
     """ShardError unless the shard header is that of (step, rank), with a world size."""
     shard_format.check_identity(header, step, rank)
     world_size = header.get("world_size")
@@ -311,7 +310,7 @@ def receive_put(
     sock: socket.socket,
     request: PutRequest,
     reserve: Callable[[int, int, int], Region],
-    commit: Callable[[Region, dict[str, Any] | None, bytes], None],
+    commit: Callable[[Region, Header | None, bytes], None],
 ) -> None:
     """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header,
     header_bytes)` keeps it (`commit(region, None, b"")` gives it back). ShardError for a shard

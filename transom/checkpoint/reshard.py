@@ -42,6 +42,7 @@ import torch
 from transom.checkpoint import layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.reshard_steps import HEADER_KEY
+from transom.checkpoint.shard_format import Header, Timeline
 from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
 
@@ -153,7 +154,7 @@ def plan_state(
     rank: int,
     world_size: int,
     replicated: Iterable[str | Path_] = (),
-    timeline: dict[str, Any] | None = None,
+    timeline: Timeline | None = None,
 ) -> layout.Plan:
     """`layout.plan_state` of the state `describe` makes, its header carrying the record."""
     state, record = describe(state, replicated)
@@ -163,7 +164,7 @@ def plan_state(
     return plan
 
 
-def load_info(header: dict[str, Any]) -> dict[str, Any]:
+def load_info(header: Header) -> dict[str, Any]:
     """What `Engine.last_shard` says of the shard a load read: its world size and record."""
     return {"world_size": header.get("world_size"), HEADER_KEY: header.get(HEADER_KEY)}
 

@@ -37,6 +37,7 @@ from typing import Any
 from transom.checkpoint import shard_format
 from transom.checkpoint.reshard_steps import reshardable
 from transom.checkpoint.saved_by import UNKNOWN, saved_by
+from transom.checkpoint.shard_format import Header, Timeline
 from transom.checkpoint.shm import anonymous_buffer
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
@@ -107,7 +108,7 @@ def write_shard(
     rank: int,
     header_bytes: bytes,
     data: memoryview,
-    timeline: dict[str, Any] | None = None,
+    timeline: Timeline | None = None,
 ) -> Path:
     """Write one shard durably; OSError when the disk is full or not writable, StaleTimeline when
     `step` is complete under a newer generation, or its file of `rank` is of one. A complete step
@@ -140,7 +141,7 @@ def write_shard(
 
 def read_shard(
     path: Path, step: int | None = None, rank: int | None = None
-) -> tuple[dict[str, Any], memoryview]:
+) -> tuple[Header, memoryview]:
     """(header, data) of a shard file, checksums verified; ShardError when bad. The data is a
     view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     try:
@@ -172,7 +173,7 @@ def read_shard(
     return header, view
 
 
-def _check_manifest(path: Path, header: dict[str, Any]) -> None:
+def _check_manifest(path: Path, header: Header) -> None:
     """ShardError when `path`'s step has a manifest of another timeline than the shard's."""
     try:
         manifest = json.loads((path.parent / MANIFEST).read_text())
@@ -218,7 +219,7 @@ def read_manifest(root: Path, step: int) -> dict[str, Any] | None:
         return None
 
 
-def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict[str, Any] | None) -> bool:
+def _same_timeline(root: Path, step: int, ranks: set[int], timeline: Timeline | None) -> bool:
     for rank in ranks:
         try:
             if read_header(shard_path(root, step, rank)).get("timeline") != timeline:
@@ -229,7 +230,7 @@ def _same_timeline(root: Path, step: int, ranks: set[int], timeline: dict[str, A
 
 
 def complete_step(
-    root: Path, step: int, world_size: int, keep: int, timeline: dict[str, Any] | None = None
+    root: Path, step: int, world_size: int, keep: int, timeline: Timeline | None = None
 ) -> dict[int, list[int]]:
     """If every rank's shard of `step` is on disk, all of `timeline`, write its manifest and
     `latest`; apply retention (to `timeline`'s job: `_retain`). A file of a rank beyond the
@@ -303,7 +304,7 @@ def discard_steps(root: Path, first_bad_step: int, generation: int, job: str) ->
     return sorted(touched)
 
 
-def _timeline_of(path: Path) -> dict[str, Any] | None:
+def _timeline_of(path: Path) -> Timeline | None:
     """The timeline a shard file's header or a manifest names (None when unreadable)."""
     try:
         if path.name == MANIFEST:

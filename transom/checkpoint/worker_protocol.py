@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from transom.checkpoint.protocol import MAX_SHARD_BYTES, field_int
+from transom.checkpoint.shard_format import Header
 from transom.common.names import valid_id
 from transom.common.states import Tier
 
@@ -76,12 +77,13 @@ def _steps(msg: dict[str, Any], name: str) -> list[int]:
     return value
 
 
+@dataclass(frozen=True)
 class Message:
     """A record that crosses the worker socket: its fields, None ones left out."""
 
     def wire_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # subclasses are dataclasses
+        for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:
                 out[f.name] = value
@@ -89,6 +91,7 @@ class Message:
 
 
 # -- replies --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class Reply(Message):
     """A successful reply: {"ok": true, **fields}."""
 
@@ -166,7 +169,7 @@ class Source(Message):
     node: str | None = None
     path: str | None = None
     addr: str | None = None
-    header: dict[str, Any] | None = None
+    header: Header | None = None
 
     def to_msg(self) -> dict[str, Any]:
         return self.wire_fields()
@@ -236,6 +239,7 @@ class Status(Reply):
 R = TypeVar("R", bound=Reply)
 
 
+@dataclass(frozen=True)
 class Request(Message, Generic[R]):
     """A request whose successful reply is an R."""
 
@@ -280,7 +284,7 @@ class Commit(Request[Done]):
     reply = Done
     step: int
     rank: int
-    header: dict[str, Any]  # the shard's header; the pipeline checks it (shard_format)
+    header: Header  # the shard's header; the pipeline checks it (shard_format)
     persist: bool = True  # False: memory and peer only
 
     @classmethod
