@@ -119,7 +119,7 @@ class Engine:
         self._next = NextRegion(self.connection, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
         self.last_load: dict[str, Any] = {}
-        self.last_shard: dict[str, Any] = {}  # the world size and resharding record read
+        self.last_shard = reshard.ShardRead()  # the world size and resharding record read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
         from transom.checkpoint import in_process  # imports the server: only when one starts

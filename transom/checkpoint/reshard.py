@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -164,9 +165,22 @@ def plan_state(
     return plan
 
 
-def load_info(header: Header) -> dict[str, Any]:
-    """What `Engine.last_shard` says of the shard a load read: its world size and record."""
-    return {"world_size": header.get("world_size"), HEADER_KEY: header.get(HEADER_KEY)}
+@dataclass(frozen=True)
+class ShardRead:
+    """What `Engine.last_shard` says of the shard a load read last: the size of the world that
+    saved it and its resharding record (None where the header has none of the right type)."""
+
+    world_size: int | None = None
+    record: dict[str, Any] | None = None
+
+
+def load_info(header: Header) -> ShardRead:
+    """The `ShardRead` of a shard's header (read from a file or a peer: checked here)."""
+    world_size, record = header.get("world_size"), header.get(HEADER_KEY)
+    return ShardRead(
+        world_size if type(world_size) is int and world_size >= 1 else None,
+        record if isinstance(record, dict) else None,
+    )
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -179,7 +193,7 @@ class ShardReader(Protocol):
     rank: int
     world_size: int
     last_load: dict[str, Any]  # what the last load read; a resharding load adds "resharded"
-    last_shard: dict[str, Any]  # `load_info` of the shard `read_shard` read last
+    last_shard: ShardRead  # of the shard `read_shard` read last
 
     def read_shard(self, step: int, tier: str | None, rank: int) -> Any: ...
 
@@ -242,14 +256,12 @@ class _Resharder:
         if rank not in self.shards:
             state = self.engine.read_shard(self.step, self.tier, rank)
             info = self.engine.last_shard
-            if info.get("world_size") != self.saved_world or not isinstance(
-                info.get(HEADER_KEY), dict
-            ):
+            if info.world_size != self.saved_world or info.record is None:
                 raise CheckpointError(
                     f"step {self.step} rank {rank} was saved by a world of "
-                    f"{info.get('world_size')} ranks, not {self.saved_world}: mixed checkpoints"
+                    f"{info.world_size} ranks, not {self.saved_world}: mixed checkpoints"
                 )
-            self.shards[rank] = (state, info[HEADER_KEY])
+            self.shards[rank] = (state, info.record)
         return self.shards[rank]
 
     def build(self, base_rank: int, base: Any, record: dict[str, Any]) -> Any:
@@ -369,12 +381,12 @@ def load(engine: ShardReader, step: int, tier: str | None) -> Any:
             state = engine.read_shard(step, tier, base_rank)
         except CheckpointError:
             raise own_error from None
-        if engine.last_shard.get("world_size") == engine.world_size:
+        if engine.last_shard.world_size == engine.world_size:
             raise own_error from None  # saved by this world: this rank's shard is missing
-    saved_world, record = engine.last_shard.get("world_size"), engine.last_shard.get(HEADER_KEY)
+    saved_world, record = engine.last_shard.world_size, engine.last_shard.record
     if saved_world == engine.world_size:
         return state
-    if not isinstance(record, dict) or type(saved_world) is not int or saved_world < 1:
+    if record is None or saved_world is None:
         raise CheckpointError(
             f"step {step} was saved by a world of {saved_world} ranks without a resharding "
             f"record; it cannot be loaded by a world of {engine.world_size} (declare the state "
