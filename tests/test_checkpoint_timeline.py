@@ -45,7 +45,7 @@ def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> No
     assert storage.latest_step(tmp_path) is None
     _write(tmp_path, 7, 0, two)
     manifest = storage.read_manifest(tmp_path, 7)
-    assert manifest is not None and manifest["timeline"] == two
+    assert manifest is not None and manifest.timeline == two
     header, _ = storage.read_shard(storage.shard_path(tmp_path, 7, 1), 7, 1)
     assert header["timeline"] == two
 
@@ -60,7 +60,7 @@ def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refuse
     _write(tmp_path, 5, 0, new, 2.0)  # a rollback re-saves step 5: not complete until rank 1
     assert storage.complete_steps(tmp_path) == []
     _write(tmp_path, 5, 1, new, 2.0)
-    assert storage.read_manifest(tmp_path, 5)["timeline"] == new  # type: ignore[index]
+    assert storage.read_manifest(tmp_path, 5) == storage.Manifest(world_size=2, timeline=new)
     with pytest.raises(storage.StaleTimeline):  # a zombie of generation 1 persisting late
         _write(tmp_path, 5, 1, old, 1.0)
     for rank in (0, 1):
@@ -150,7 +150,7 @@ def test_a_step_completes_beside_a_higher_ranks_file_another_world_left(tmp_path
     b = shard_format.timeline("job-b", 1, 1)
     _write(tmp_path, 30, 0, b)
     manifest = storage.read_manifest(tmp_path, 30)
-    assert manifest is not None and manifest["timeline"] == b and manifest["world_size"] == 1
+    assert manifest == storage.Manifest(world_size=1, timeline=b)
     assert storage.restorable_steps(tmp_path, 1) == [30]
 
 

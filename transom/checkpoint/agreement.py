@@ -181,8 +181,8 @@ def _unverified(root: Path, step: int, world_size: int) -> str | None:
     """Why some rank's shard of `step` in storage is not good (None: all verify): every rank of
     the world that saved it (its manifest's; a resharded load reads them all)."""
     manifest = storage.read_manifest(root, step)
-    saved_by = manifest.get("world_size") if isinstance(manifest, dict) else None
-    for rank in range(saved_by if type(saved_by) is int and saved_by > 0 else world_size):
+    saved_by = manifest.world_size if manifest is not None else None
+    for rank in range(saved_by or world_size):
         try:
             storage.read_shard(storage.shard_path(root, step, rank), step, rank)
         except (shard_format.ShardError, OSError) as e:

@@ -31,6 +31,7 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ class StaleTimeline(OSError):
     """A shard of an older generation than the complete step it would be written into."""
 
 
-def _older(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+def _older(a: Timeline | None, b: Timeline | None) -> bool:
     """Whether timeline `a` is of an older generation of the same job than `b`."""
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("job") != b.get("job"):
         return False
@@ -117,13 +118,13 @@ def write_shard(
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(root, step)
-    if manifest is not None and manifest.get("timeline") != timeline:
+    if manifest is not None and manifest.timeline != timeline:
         with locked(Path(root)):
             manifest = read_manifest(root, step)
-            if manifest is not None and manifest.get("timeline") != timeline:
-                if _older(timeline, manifest.get("timeline")):
+            if manifest is not None and manifest.timeline != timeline:
+                if _older(timeline, manifest.timeline):
                     raise StaleTimeline(
-                        f"step {step} is complete under {manifest.get('timeline')}; a shard of "
+                        f"step {step} is complete under {manifest.timeline}; a shard of "
                         f"the older {timeline} is not written over it"
                     )
                 (directory / MANIFEST).unlink(missing_ok=True)
@@ -211,12 +212,28 @@ def shard_ranks(root: Path, step: int) -> set[int]:
     return {int(m.group(1)) for e in directory.iterdir() if (m := SHARD_RE.match(e.name))}
 
 
-def read_manifest(root: Path, step: int) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete step's manifest says to its readers: the size of the world that saved
+    it and its timeline (None where the file has none of the right type: it may be corrupt)."""
+
+    world_size: int | None
+    timeline: Timeline | None
+
+
+def read_manifest(root: Path, step: int) -> Manifest | None:
+    """`step`'s manifest; None when it has none (or one that is not a JSON object)."""
     try:
-        manifest = json.loads((step_dir(root, step) / MANIFEST).read_text())
-        return manifest if isinstance(manifest, dict) else None
-    except (OSError, ValueError):
+        value = json.loads((step_dir(root, step) / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    if not isinstance(value, dict):
+        return None
+    world_size, timeline = value.get("world_size"), value.get("timeline")
+    return Manifest(
+        world_size if type(world_size) is int and world_size >= 1 else None,
+        timeline if isinstance(timeline, dict) else None,
+    )
 
 
 def _same_timeline(root: Path, step: int, ranks: set[int], timeline: Timeline | None) -> bool:
@@ -325,7 +342,7 @@ def job_of(timeline: object) -> str | None:
 def manifest_job(root: Path, step: int) -> str | None:
     """The job whose timeline `step`'s manifest names (None: none, or no readable manifest)."""
     manifest = read_manifest(root, step)
-    return job_of(manifest.get("timeline")) if isinstance(manifest, dict) else None
+    return job_of(manifest.timeline) if manifest is not None else None
 
 
 def _retain(root: Path, complete: list[int], keep: int, job: str | None) -> dict[int, list[int]]:
@@ -351,9 +368,10 @@ def restorable_steps(root: Path, world_size: int) -> list[int]:
     or by another whose rank 0 shard carries a resharding record), newest first."""
     out = []
     for step in complete_steps(root):
-        saved = (read_manifest(root, step) or {}).get("world_size")
+        manifest = read_manifest(root, step)
+        saved = manifest.world_size if manifest is not None else None
         if saved == world_size or (
-            type(saved) is int and reshardable(_header_or_none(shard_path(root, step, 0)))
+            saved is not None and reshardable(_header_or_none(shard_path(root, step, 0)))
         ):
             out.append(step)
     return out

@@ -170,10 +170,8 @@ def adopt(store: Store, root: Path, steps: list[int]) -> list[int]:
     adopted = []
     for step in steps:
         manifest = storage.read_manifest(root, step)
-        if not isinstance(manifest, dict):
-            continue
-        world_size = manifest.get("world_size")
-        if type(world_size) is not int or world_size < 1:
+        world_size = manifest.world_size if manifest is not None else None
+        if world_size is None:
             continue
         paths = [storage.shard_path(root, step, rank) for rank in range(world_size)]
         if not all(p.is_file() for p in paths):
