@@ -598,3 +598,22 @@ def test_a_tensor_described_before_is_described_anew_once_it_views_other_memory(
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     layout.copy_into(plan, data)
     assert torch.equal(layout.rebuild(plan.header, data)["t"], t.detach())
+
+
+def test_the_bytes_a_repeated_save_copies_are_the_tensor_s_bytes_now() -> None:
+    # A save every step reuses the byte view of each tensor's span it made before; the copy must
+    # still be of the tensor's current bytes, of its new memory once it has other data, and of
+    # the span of every tensor the state holds of one storage.
+    t = torch.arange(4.0)
+    for step, state in enumerate(({"t": t}, {"t": t}, {"t": t, "half": t[2:]}), start=1):
+        t.add_(1.0)  # changed in place between saves
+        plan = layout.plan_state(state, step, 0, 1)
+        data = torch.zeros(plan.data_len, dtype=torch.uint8)
+        layout.copy_into(plan, data)
+        rebuilt = layout.rebuild(plan.header, data)
+        assert all(torch.equal(rebuilt[k], v) for k, v in state.items())
+    t.data = torch.arange(8.0) * 2
+    plan = layout.plan_state({"t": t}, 4, 0, 1)
+    data = torch.zeros(plan.data_len, dtype=torch.uint8)
+    layout.copy_into(plan, data)
+    assert torch.equal(layout.rebuild(plan.header, data)["t"], torch.arange(8.0) * 2)

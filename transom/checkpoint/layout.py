@@ -119,8 +119,12 @@ def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
 
 # What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
 # describes the same tensors every step. id -> (the tensor's weak reference, what the
-# description depends on, the description).
-_DESCRIBED: dict[int, tuple[weakref.ref, tuple, tuple[tuple, int, int, dict]]] = {}
+# description depends on, the description, and `_source`'s byte view of its span once made).
+_DESCRIBED: dict[int, tuple[weakref.ref, tuple, tuple[tuple, int, int, dict], list]] = {}
+
+
+class Diverted(Exception):
+    """`plan_state` met a value of its `divert` type: the caller plans such a state itself."""
 
 
 def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
@@ -149,8 +153,23 @@ def _described(t: torch.Tensor) -> tuple[tuple, int, int, dict]:
     def forget(_: weakref.ref) -> None:
         _DESCRIBED.pop(key, None)
 
-    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described)
+    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described, [])
     return described
+
+
+def _source(example: torch.Tensor, lo: int, nbytes: int) -> torch.Tensor:
+    """A uint8 view of bytes [lo, lo + nbytes) of `example`'s storage; the one made before for
+    the same span while `example` is described the same (a save every step copies the same
+    spans every step, and making a view costs more than the copy of a small tensor)."""
+    known = _DESCRIBED.get(id(example))
+    made = known[3] if known is not None and known[0]() is example else None
+    if made and made[0] == (lo, nbytes):
+        return made[1]
+    source = torch.empty(0, dtype=torch.uint8, device=example.device)
+    source.set_(example.untyped_storage(), lo, (nbytes,), (1,))
+    if made is not None:
+        made[:] = [(lo, nbytes), source]
+    return source
 
 
 def _depends(t: torch.Tensor) -> tuple:
@@ -159,10 +178,16 @@ def _depends(t: torch.Tensor) -> tuple:
 
 
 def plan_state(
-    state: Any, step: int, rank: int, world_size: int, timeline: dict | None = None
+    state: Any,
+    step: int,
+    rank: int,
+    world_size: int,
+    timeline: dict | None = None,
+    divert: type | None = None,
 ) -> Plan:
     """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
-    byte ranges."""
+    byte ranges. `divert`: a tensor type this module does not plan (DTensor, reshard.py):
+    meeting one raises `Diverted`."""
     tensors: list[dict] = []
     storages: dict[tuple, dict] = {}  # (device, storage pointer) -> {"tensors": [...], "lo", "hi"}
 
@@ -183,6 +208,8 @@ def plan_state(
         if kind is list or kind is tuple:
             return {"l" if kind is list else "t": [encode(x) for x in v]}
         if isinstance(v, torch.Tensor):
+            if divert is not None and isinstance(v, divert):
+                raise Diverted(type(v).__name__)
             return {"T": add_tensor(v)}
         if isinstance(v, np.ndarray):
             if v.dtype == object:
@@ -237,10 +264,7 @@ def plan_state(
     for group in storages.values():
         lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
         nbytes = group["hi"] - lo
-        example = group["example"]
-        source = torch.empty(0, dtype=torch.uint8, device=example.device)
-        source.set_(example.untyped_storage(), lo, (nbytes,), (1,))
-        plan.ranges.append(StorageRange(source, offset, nbytes))
+        plan.ranges.append(StorageRange(_source(group["example"], lo, nbytes), offset, nbytes))
         index = len(storage_table)
         storage_table.append({"offset": offset, "nbytes": nbytes})
         for i in group["tensors"]:
