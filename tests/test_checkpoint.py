@@ -365,6 +365,25 @@ def test_memory_keeps_the_newest_steps_and_one_region_per_rank_and_storage_keeps
         server.stop()
 
 
+def test_memory_keeps_a_new_generation_s_steps_over_the_higher_ones_it_abandoned(
+    tmp_path: Path,
+) -> None:
+    # A generation that starts again from an earlier step (a fresh start, a rollback) saves
+    # lower step numbers than the history it abandoned: its saves are the newest, and memory
+    # must keep them (it kept the highest step numbers, and evicted each new save at once).
+    server = _server(tmp_path, budget=1 << 30, memory_keep=2)
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
+        for generation, steps in ((3, (25, 26)), (4, (1, 2, 3))):
+            engine.generation = generation
+            for step in steps:
+                engine.save(step, {"w": torch.full((1000,), float(step))}).wait("memory", 30)
+        assert sorted(s.step for s in server.memory.shards.values()) == [2, 3]
+        engine.close()
+    finally:
+        server.stop()
+
+
 def test_unwritable_storage_is_retried_and_reported(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the storage directory should be")

@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 
 from transom.checkpoint import replication, shard_format, storage
-from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
+from transom.checkpoint.budget import (
+    COMMITTED,
+    LOCAL,
+    RESERVED,
+    STAGED,
+    Shard,
+    ShardMemory,
+    shard_age,
+)
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shm import Region
@@ -343,7 +351,7 @@ class SavePipeline:
         with self.lock:
             return any(
                 s.rank == shard.rank
-                and s.step > shard.step
+                and shard_age(s) > shard_age(shard)
                 and s.origin == LOCAL
                 and s.state != RESERVED
                 for s in self.memory.shards.values()
