@@ -11,10 +11,9 @@ then the script as `__main__`, exactly as `python -u SCRIPT ARGS` would). Each w
 serves one worker and is then gone; the agent starts replacements once the new workers are under
 way, so their imports do not compete with the restart they are meant to speed up.
 
-The imports of a replacement run under the SCHED_IDLE scheduling policy, in an autogroup at
-nice 19 (where the kernel groups processes by session), where this process may return to the
-normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only CPU time the
-workers leave idle, instead of slowing training down while they import (about 3 s
+The imports of a replacement run under the SCHED_IDLE scheduling policy where this process may
+return to the normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only
+CPU time the workers leave idle, instead of slowing training down while they import (about 3 s
 of CPU each; on a node whose cores are all busy that is training time). The interpreter returns
 to the normal policy as soon as its job arrives; an interpreter handed a job before its imports
 are done is returned to it by the pool at once.
@@ -52,8 +51,6 @@ DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._
 REFILL_DELAY_S = 30.0
 READY = b"R"
 NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
-IDLE_GROUP_NICE = 19  # a waiting interpreter's autogroup (set_group_nice)
-GROUP_NICE_TRIES = 5
 
 
 def can_leave_idle_policy() -> bool:
@@ -63,42 +60,11 @@ def can_leave_idle_policy() -> bool:
     )
 
 
-def set_idle_policy() -> bool:
-    """This process at idle priority: SCHED_IDLE, and its autogroup at nice IDLE_GROUP_NICE;
-    False when it cannot be (it then imports at the normal priority)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return False
-    set_group_nice(0, IDLE_GROUP_NICE)
-    return True
-
-
 def set_normal_policy(pid: int = 0) -> None:
     try:
         os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
     except OSError:
         pass  # gone, or not allowed: it keeps its policy
-    set_group_nice(pid, 0)
-
-
-def set_group_nice(pid: int, nice: int) -> None:
-    """The nice value of the autogroup of process `pid` (0: this one). With autogroups on (most
-    desktop and many server kernels), CPU time is shared between sessions first, and a warm
-    interpreter has a session of its own: SCHED_IDLE alone then only ranks it within its
-    session, and it still took a worker's share (measured: the first 100 steps of a 4-node job on
-    2 cores 45 ms slower each). Nothing happens without autogroups; a write the kernel turns down
-    for now (EAGAIN: one a 0.1 s for the unprivileged) is tried again a few times."""
-    path = f"/proc/{pid or 'self'}/autogroup"
-    for _ in range(GROUP_NICE_TRIES):
-        try:
-            with open(path, "w") as f:
-                f.write(str(nice))
-            return
-        except BlockingIOError:
-            time.sleep(0.1)
-        except OSError:
-            return  # no autogroups, gone, or not allowed
 
 
 class WarmPool:
@@ -201,7 +167,12 @@ def _serve() -> int:
 
     if len(sys.argv) > 1:
         setproctitle.setproctitle(sys.argv[1])
-    idle = os.environ.pop(env_names.WARM_IDLE_IMPORTS, "") == "1" and set_idle_policy()
+    idle = os.environ.pop(env_names.WARM_IDLE_IMPORTS, "") == "1"
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            idle = False
     for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
