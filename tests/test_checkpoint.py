@@ -366,6 +366,25 @@ def test_memory_keeps_the_newest_steps_and_one_region_per_rank_and_storage_keeps
         server.stop()
 
 
+def test_memory_keeps_a_new_generation_s_steps_over_the_higher_ones_it_abandoned(
+    tmp_path: Path,
+) -> None:
+    # A generation that starts again from an earlier step (a fresh start, a rollback) saves
+    # lower step numbers than the history it abandoned: its saves are the newest, and memory
+    # must keep them (it kept the highest step numbers, and evicted each new save at once).
+    server = _server(tmp_path, budget=1 << 30, memory_keep=2)
+    try:
+        engine = checkpoint.Engine(socket_path=str(tmp_path / "s.sock"), rank=0, world_size=1)
+        for generation, steps in ((3, (25, 26)), (4, (1, 2, 3))):
+            engine.generation = generation
+            for step in steps:
+                engine.save(step, {"w": torch.full((1000,), float(step))}).wait("memory", 30)
+        assert sorted(s.step for s in server.memory.shards.values()) == [2, 3]
+        engine.close()
+    finally:
+        server.stop()
+
+
 def test_unwritable_storage_is_retried_and_reported(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the storage directory should be")
@@ -597,3 +616,22 @@ def test_a_tensor_described_before_is_described_anew_once_it_views_other_memory(
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     layout.copy_into(plan, data)
     assert torch.equal(layout.rebuild(plan.header, data)["t"], t.detach())
+
+
+def test_the_bytes_a_repeated_save_copies_are_the_tensor_s_bytes_now() -> None:
+    # A save every step reuses the byte view of each tensor's span it made before; the copy must
+    # still be of the tensor's current bytes, of its new memory once it has other data, and of
+    # the span of every tensor the state holds of one storage.
+    t = torch.arange(4.0)
+    for step, state in enumerate(({"t": t}, {"t": t}, {"t": t, "half": t[2:]}), start=1):
+        t.add_(1.0)  # changed in place between saves
+        plan = layout.plan_state(state, step, 0, 1)
+        data = torch.zeros(plan.data_len, dtype=torch.uint8)
+        layout.copy_into(plan, data)
+        rebuilt = layout.rebuild(plan.header, data)
+        assert all(torch.equal(rebuilt[k], v) for k, v in state.items())
+    t.data = torch.arange(8.0) * 2
+    plan = layout.plan_state({"t": t}, 4, 0, 1)
+    data = torch.zeros(plan.data_len, dtype=torch.uint8)
+    layout.copy_into(plan, data)
+    assert torch.equal(layout.rebuild(plan.header, data)["t"], torch.arange(8.0) * 2)

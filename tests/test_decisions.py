@@ -434,8 +434,9 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     assert d.job.rollback_before == 30 and d.discard_poisoned is None
     up2 = statuses(2, NodeState.RUNNING, "node0", "node1")
     d = run(d.job, Snapshot(live, up2), s, T0 + 9)
-    # Running, but no rank has finished a step: its ranks may still be loading step 29.
-    assert d.job.state is JobState.RUNNING and d.discard_poisoned is None
+    # Running, but no rank has finished a step: its ranks may still be loading step 29. (What
+    # generation 1 left pending, a fresh start's "anything saved before it", is applied now.)
+    assert d.job.state is JobState.RUNNING and d.discard_poisoned == (0, 1)
     assert d.job.rollback_before == 30  # a restart meanwhile still restores below 30
     trained = {"node0": MonitorSummary("node0", 2, T0 + 9.5, ranks={"0": RankSummary(step=30)})}
     d = run(d.job, Snapshot(live, up2, trained), s, T0 + 10)
@@ -460,6 +461,32 @@ def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_bef
     fresh = run(started(["node0", "node1"], s, T0), Snapshot(nodes("node0", "node1"), both), s, T0)
     fresh = run(fresh.job, Snapshot(nodes("node0", "node1"), both), s, T0 + DISCARD_AFTER_S)
     assert fresh.discard_poisoned == (0, fresh.job.generation)  # a fresh start: all of it
+
+
+def test_a_discard_a_generation_left_pending_is_applied_when_the_next_one_runs():
+    # Generation 1 starts fresh (everything saved before it is an abandoned history) and fails
+    # before the controller sees it train; generation 2 restores its step 4. The discard of the
+    # abandoned history must not be lost (a restore could take it up again): it is applied as
+    # generation 1 set it when generation 2 runs, and generation 2's own waits for its training.
+    s = spec(evict_window_s=0.0)
+    job = running(["node0", "node1"], s)
+    assert (job.discard_from, job.discard_generation) == (0, 1)
+    snap = Snapshot(
+        nodes("node0", "node1"),
+        {
+            "node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)]),
+            "node1": status("node1", 1, NodeState.FAILED, failures=[crash(1, True)]),
+        },
+        restore_step=4,
+    )
+    job = run(job, snap, s, T0 + 10).job
+    job = run(job, snap, s, T0 + 10.1).job
+    job = run(job, snap, s, T0 + 10.2).job
+    assert job.generation == 2 and job.restore_step == 4
+    up = Snapshot(nodes("node0", "node1"), statuses(2, NodeState.RUNNING, "node0", "node1"))
+    d = run(job, up, s, T0 + 11)
+    assert d.job.state is JobState.RUNNING and d.discard_poisoned == (0, 1)
+    assert (d.job.discard_from, d.job.discard_generation) == (5, 2)
 
 
 def test_warnings_are_given_once_per_generation_and_kept_in_memory():

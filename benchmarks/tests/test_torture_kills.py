@@ -1,12 +1,15 @@
-"""The kill-during-save scenarios' measurements (benchmarks/torture/kills.py), on made-up run
-directories and events: the loss-continuity check that catches wrong bytes, the timeline counts
-(fresh starts, rollbacks, shrinks, grows), and the phase of each kill per victim kind."""
+"""The kill-during-save scenarios' measurements (benchmarks/torture/kills.py, measure.py), on
+made-up run directories and events: the loss-continuity check that catches wrong bytes, the
+wrong-load count, the timeline counts (fresh starts, rollbacks, shrinks, grows), and the phase
+of each kill per victim kind."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from benchmarks.torture.kills import loss_mismatches, phases, timeline
+from benchmarks.torture.measure import loads
+from transom.common import files
 
 
 class FakeJob:
@@ -99,3 +102,31 @@ def test_phases_count_kills_per_victim_kind_and_phase(tmp_path):
         "server": {"replication": 1, "persistence": 1},
         "agent": {"training": 2},
     }
+
+
+def test_a_load_is_wrong_when_its_ranks_disagree_or_it_is_below_the_plan_or_after_a_nan(tmp_path):
+    def resumed(generation: int, *steps: int) -> None:
+        for rank, step in enumerate(steps):
+            log = files.rank_log(tmp_path, generation, rank)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"[train_gpt] resumed step={step} rank={rank} t=1.0\n")
+
+    events = [
+        {"time": 1.0, "kind": "generation", "generation": 1},
+        {"time": 2.0, "kind": "generation", "generation": 2, "restore_step": 5},
+        {"time": 3.0, "kind": "rollback", "rollback_before": 40},
+        {"time": 4.0, "kind": "generation", "generation": 3, "restore_step": 30},
+    ]
+    resumed(1, 0, 0)
+    resumed(2, 7, 7)  # newer than the plan's step, every rank the same: right
+    resumed(3, 39, 39)  # the newest before the NaN's step: right
+    assert loads(tmp_path, events)[:2] == (0, 0)
+    resumed(2, 7, 6)  # one rank elsewhere
+    assert loads(tmp_path, events)[0] == 1
+    resumed(2, 4, 4)  # below the plan's step
+    assert loads(tmp_path, events)[0] == 2
+    resumed(2, 7, 7)
+    resumed(3, 40, 40)  # the poisoned step itself
+    assert loads(tmp_path, events)[0] == 2
+    resumed(4, 1)  # no event records generation 4's plan
+    assert loads(tmp_path, events)[1] == 1

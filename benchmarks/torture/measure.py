@@ -5,8 +5,10 @@
   evictions          nodes the controller evicted
   steps_lost         steps trained twice: for each generation after the first, the last step
                      the previous generation's rank 0 completed minus the step this one resumed at
-  wrong_loads        ranks that resumed at another step than the one their generation's plan
-                     chose (TRANSOM_RESTORE_STEP; 0 for the first generation)
+  wrong_loads        ranks that resumed at a step their generation may not resume at: another
+                     step than most of its ranks, one below the plan's step (TRANSOM_RESTORE_STEP,
+                     0 for a fresh start; ranks restore the newest step every one of them holds,
+                     which may be newer), or, after a NaN, one at or after the poisoned step
   unverified_loads   ranks of generations whose plan no event recorded (the launcher died first)
   restored_tiers     where the ranks of later generations restored from (memory, peer, storage)
   identical          final weights bit for bit those of the fault-free reference
@@ -21,6 +23,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -56,23 +59,34 @@ def steps_lost(run_dir: Path) -> int:
 
 def loads(run_dir: Path, events: list[dict]) -> tuple[int, int, dict[str, int]]:
     """(wrong loads, unverified loads, restored tiers counted) over every generation that started
-    ranks; a load is unverified when no event of the run records its generation's plan."""
-    chosen = {
-        e["generation"]: e.get("restore_step") or 0
-        for e in events
-        if e.get("kind") == "generation" and e.get("generation") is not None
-    }
+    ranks (see the module's text); a load is unverified when no event of the run records its
+    generation's plan."""
+    floor: dict[int, int] = {}
+    before: dict[int, int] = {}  # generation -> the step it must resume before (a rollback)
+    rollback = None
+    for e in sorted(events, key=lambda e: e.get("time") or 0):
+        if e.get("kind") == "rollback" and isinstance(e.get("rollback_before"), int):
+            rollback = e["rollback_before"]
+        elif e.get("kind") == "generation" and isinstance(e.get("generation"), int):
+            floor[e["generation"]] = e.get("restore_step") or 0
+            if rollback is not None:
+                before[e["generation"]], rollback = rollback, None
     wrong, unverified, tiers = 0, 0, {}
     for g in generations(run_dir):
+        resumed = []
         for log in files.generation_logs(run_dir, g).glob("rank*.log"):
             text = log.read_text(errors="replace")
-            for m in RESUMED.finditer(text):
-                if g not in chosen:
-                    unverified += 1
-                elif int(m.group(1)) != chosen[g]:
-                    wrong += 1
+            resumed += [int(m.group(1)) for m in RESUMED.finditer(text)]
             for m in RESTORED.finditer(text):
                 tiers[m.group(3)] = tiers.get(m.group(3), 0) + 1
+        if g not in floor:
+            unverified += len(resumed)
+            continue
+        if not resumed:
+            continue
+        common = Counter(resumed).most_common(1)[0][0]
+        allowed = common >= floor[g] and common < before.get(g, common + 1)
+        wrong += sum(1 for s in resumed if s != common or not allowed)
     return wrong, unverified, tiers
 
 

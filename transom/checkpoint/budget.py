@@ -69,6 +69,13 @@ class Shard:
         return saved_by(self.header.get("timeline") if self.header else None)
 
 
+def shard_age(shard: Shard) -> tuple[int, int]:
+    """How new a shard is: by the generation that saved it, then by step. A generation that
+    restarted from an earlier step (a rollback, a fresh start, a shrink) saves lower step numbers
+    than the history it abandoned, and its saves are the newer ones: memory must keep those."""
+    return shard.generation, shard.step
+
+
 class ShardMemory:
     """The shards of one server and the regions behind them, within `budget_bytes`.
 
@@ -167,19 +174,19 @@ class ShardMemory:
     def _victims(self) -> list[Shard]:
         """Shards that may go, oldest first: complete, idle, not their rank's newest, not the
         restore step."""
-        newest: dict[int, int] = {}
+        newest: dict[int, tuple[int, int]] = {}
         for s in self.shards.values():
             if s.state == COMMITTED:
-                newest[s.rank] = max(newest.get(s.rank, -1), s.step)
+                newest[s.rank] = max(newest.get(s.rank, (-2, -1)), shard_age(s))
         candidates = [
             s
             for s in self.shards.values()
             if s.state == COMMITTED
             and not s.pins
-            and s.step != newest[s.rank]
+            and shard_age(s) != newest[s.rank]
             and s.step != self.protected_step
         ]
-        return sorted(candidates, key=lambda s: s.step)
+        return sorted(candidates, key=shard_age)
 
     def evict(self, shard: Shard) -> None:
         """Drop a shard (lock held); its region goes to the free pool unless a worker loaded
@@ -221,7 +228,7 @@ class ShardMemory:
         """This node's complete shards of `rank`, newest first (lock held)."""
         return sorted(
             (s for s in self.shards.values() if s.rank == rank and s.state == COMMITTED),
-            key=lambda s: s.step,
+            key=shard_age,
             reverse=True,
         )
 

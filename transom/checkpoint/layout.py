@@ -124,13 +124,18 @@ def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
-# What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
-# describes the same tensors every step. id -> (the tensor's weak reference, what the
-# description depends on, the description).
 # (device, storage pointer, storage bytes): which storage a tensor views.
 StorageKey = tuple[str, int, int]
+# What `_described` says of a tensor: its storage, the first and last byte it spans, its entry.
 Described = tuple[StorageKey, int, int, dict[str, Any]]
-_DESCRIBED: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Described]] = {}
+# What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
+# describes the same tensors every step. id -> (the tensor's weak reference, what the
+# description depends on, the description, and `_source`'s byte view of its span once made).
+_DESCRIBED: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Described, list[Any]]] = {}
+
+
+class Diverted(Exception):
+    """`plan_state` met a value of its `divert` type: the caller plans such a state itself."""
 
 
 def _described(t: torch.Tensor) -> Described:
@@ -159,8 +164,24 @@ def _described(t: torch.Tensor) -> Described:
     def forget(_: weakref.ref[torch.Tensor]) -> None:
         _DESCRIBED.pop(key, None)
 
-    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described)
+    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described, [])
     return described
+
+
+def _source(example: torch.Tensor, lo: int, nbytes: int) -> torch.Tensor:
+    """A uint8 view of bytes [lo, lo + nbytes) of `example`'s storage; the one made before for
+    the same span while `example` is described the same (a save every step copies the same
+    spans every step, and making a view costs more than the copy of a small tensor)."""
+    known = _DESCRIBED.get(id(example))
+    made = known[3] if known is not None and known[0]() is example else None
+    if made and made[0] == (lo, nbytes):
+        view: torch.Tensor = made[1]  # made: [(lo, nbytes), the view]
+        return view
+    source = torch.empty(0, dtype=torch.uint8, device=example.device)
+    source.set_(example.untyped_storage(), lo, (nbytes,), (1,))
+    if made is not None:
+        made[:] = [(lo, nbytes), source]
+    return source
 
 
 def _depends(t: torch.Tensor) -> tuple[Any, ...]:
@@ -169,10 +190,16 @@ def _depends(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def plan_state(
-    state: Any, step: int, rank: int, world_size: int, timeline: Timeline | None = None
+    state: Any,
+    step: int,
+    rank: int,
+    world_size: int,
+    timeline: Timeline | None = None,
+    divert: type[Any] | None = None,
 ) -> Plan:
     """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
-    byte ranges."""
+    byte ranges. `divert`: a tensor type this module does not plan (DTensor, reshard.py):
+    meeting one raises `Diverted`."""
     tensors: list[dict[str, Any]] = []
     storages: dict[StorageKey, dict[str, Any]] = {}  # -> {"tensors": [...], "lo", "hi"}
 
@@ -193,6 +220,8 @@ def plan_state(
         if kind is list or kind is tuple:
             return {"l" if kind is list else "t": [encode(x) for x in v]}
         if isinstance(v, torch.Tensor):
+            if divert is not None and isinstance(v, divert):
+                raise Diverted(type(v).__name__)
             return {"T": add_tensor(v)}
         if isinstance(v, np.ndarray):
             if v.dtype == object:
@@ -247,10 +276,7 @@ def plan_state(
     for group in storages.values():
         lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
         nbytes = group["hi"] - lo
-        example = group["example"]
-        source = torch.empty(0, dtype=torch.uint8, device=example.device)
-        source.set_(example.untyped_storage(), lo, (nbytes,), (1,))
-        plan.ranges.append(StorageRange(source, offset, nbytes))
+        plan.ranges.append(StorageRange(_source(group["example"], lo, nbytes), offset, nbytes))
         index = len(storage_table)
         storage_table.append({"offset": offset, "nbytes": nbytes})
         for i in group["tensors"]:

@@ -26,7 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from transom.checkpoint import catalog, replication, shard_format, storage
-from transom.checkpoint.budget import COMMITTED, LOCAL, RESERVED, STAGED, Shard, ShardMemory
+from transom.checkpoint.budget import (
+    COMMITTED,
+    LOCAL,
+    RESERVED,
+    STAGED,
+    Shard,
+    ShardMemory,
+    shard_age,
+)
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.server_options import ServerConfig
 from transom.checkpoint.shm import Region
@@ -342,7 +350,7 @@ class SavePipeline:
         with self.lock:
             return any(
                 s.rank == shard.rank
-                and s.step > shard.step
+                and shard_age(s) > shard_age(shard)
                 and s.origin == LOCAL
                 and s.state != RESERVED
                 for s in self.memory.shards.values()

@@ -157,7 +157,18 @@ def plan_state(
     replicated: Iterable[str | Path_] = (),
     timeline: Timeline | None = None,
 ) -> layout.Plan:
-    """`layout.plan_state` of the state `describe` makes, its header carrying the record."""
+    """`layout.plan_state` of the state `describe` makes, its header carrying the record.
+    A state without DTensors is planned as it is, without `describe`'s walk."""
+    if not isinstance(state, DcpShard):
+        try:
+            plan = layout.plan_state(state, step, rank, world_size, timeline, _dtensor_type())
+        except layout.Diverted:
+            pass  # a DTensor in it: its local chunk is saved, and where it lies
+        else:
+            declared = _declared(replicated)
+            if declared:
+                plan.header[HEADER_KEY] = {"replicated": [list(p) for p in declared], "sharded": []}
+            return plan
     state, record = describe(state, replicated)
     plan = layout.plan_state(state, step, rank, world_size, timeline)
     if record is not None:

@@ -84,6 +84,7 @@ class JobRecord(Record):
     # Steps from here, saved by earlier generations, are forgotten once this generation trained
     # (its ranks have loaded by then: they may restore newer steps than restore_step).
     discard_from: int | None = None
+    discard_generation: int | None = None  # the generation that set discard_from
     generation_started: float | None = None
     next_generation: NextGeneration | None = None
 

@@ -188,8 +188,13 @@ class _Rules(Tick):
                 # before a rollback): they are forgotten on every tier once this generation has
                 # trained (`discard_stale`), so they never mix with the same steps it saves
                 # again: not before, as its ranks may be loading one of them (the newest step
-                # they all hold: checkpoint/agreement.py).
+                # they all hold: checkpoint/agreement.py). A discard an earlier generation left
+                # pending (it failed before it trained) is applied now, as it stood: that
+                # history is abandoned too, and a restore must never take it up again.
+                if j.discard_from is not None and j.discard_generation is not None:
+                    self.decision.discard_poisoned = (j.discard_from, j.discard_generation)
                 j.discard_from = 0 if j.restore_step is None else j.restore_step + 1
+                j.discard_generation = j.generation
                 self.set_state(JobState.RUNNING, f"generation {j.generation} running")
                 self.event(
                     EventKind.RUNNING,
@@ -214,8 +219,8 @@ class _Rules(Tick):
         started = j.generation_started if j.generation_started is not None else self.now
         if not trained and self.now - started < DISCARD_AFTER_S:
             return
-        self.decision.discard_poisoned = (j.discard_from, j.generation)
-        j.discard_from = j.rollback_before = None
+        self.decision.discard_poisoned = (j.discard_from, j.discard_generation or j.generation)
+        j.discard_from = j.discard_generation = j.rollback_before = None
 
     def take_late_failures(self) -> None:
         """Take in the failures of the newest diagnosed generation's members reported after its
