@@ -5,6 +5,7 @@
     python -m benchmarks.detection         detection latency, attribution, false positives
     python -m benchmarks.etcd_requests     etcd's requests a node a second in a steady job
     python -m benchmarks.etcd_size         the embedded etcd's size under rewrites
+    python -m benchmarks.fingerprint_cost  what replica fingerprints cost the demo model's step
     python -m benchmarks.goodput           one job through five faults, Transom against torchrun
     python -m benchmarks.job_overhead      a fault-free job's overhead against torchrun
     python -m benchmarks.monitor.blocks    the monitor's overhead inside one process

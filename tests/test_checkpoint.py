@@ -380,6 +380,13 @@ def test_memory_keeps_a_new_generation_s_steps_over_the_higher_ones_it_abandoned
             for step in steps:
                 engine.save(step, {"w": torch.full((1000,), float(step))}).wait("memory", 30)
         assert sorted(s.step for s in server.memory.shards.values()) == [2, 3]
+        # A save older than what memory keeps (a late worker of generation 3) is evicted as it
+        # completes, and never reported as held.
+        engine.generation = 3
+        late = engine.save(27, {"w": torch.full((1000,), 27.0)})
+        with pytest.raises(checkpoint.CheckpointError, match="did not reach memory"):
+            late.wait("memory", 30)
+        assert sorted(s.step for s in server.memory.shards.values()) == [2, 3]
         engine.close()
     finally:
         server.stop()

@@ -14,7 +14,7 @@ from transom.faults import parse_schedule
 from transom.faults.worker_side import flip_bits
 from transom.job_spec import ConfigError
 from transom.monitor import fingerprint
-from transom.monitor.replicas import ReplicaDetector
+from transom.monitor.replicas import ReplicaDetector, Split
 
 
 def views(*fingerprints: dict) -> SimpleNamespace:
@@ -115,3 +115,111 @@ def test_the_corrupt_fault_takes_its_bits():
     for bad in ("corrupt@step=3:bits=0", "slow@step=3:bits=2", "corrupt@step=3:bits=2:factor=2"):
         with pytest.raises(ConfigError):
             parse_schedule(bad, 2)
+
+
+# -- 2 replicas: the replay of the split step tells them apart ----------------------------------
+
+
+def _split(detector: ReplicaDetector):
+    """Two replicas that agreed at step 10 and split at step 20 (node0: a, node1: b)."""
+    assert detector.update(views({10: "s"}, {10: "s"})) is None
+    found = detector.update(views({20: "a"}, {20: "b"}))
+    assert found is not None and found.nodes == [] and found.severity is Severity.CRITICAL
+    split = Split.of(found)
+    assert split == Split(20, {"node0": "a", "node1": "b"})
+    return split
+
+
+def test_a_replay_that_agrees_names_the_replica_that_was_wrong_and_asks_for_nothing():
+    """node0's digest was the replay's: the flip had not reached it yet (it struck at the
+    fingerprinted step itself)."""
+    split = _split(ReplicaDetector())
+    replay = ReplicaDetector(split)
+    assert replay.update(views({11: "s2"}, {11: "s2"})) is None  # the replay's first step
+    found = replay.update(views({20: "a"}, {20: "a"}))  # node1 computes node0's numbers now
+    assert found is not None and found.severity is Severity.INFO and found.type == "sdc"
+    assert found.nodes == ["node1"] and found.ranks == [1] and found.step == 20
+    assert "transient" in found.message
+    assert on_anomaly(found, ["node0", "node1"], 1, 2, [11], []).kind == "none"
+    assert replay.update(views({30: "c"}, {30: "c"})) is None and replay.agreed == 30
+
+
+def test_a_replay_that_agrees_with_neither_digest_is_transient_and_names_nobody():
+    """A step after the flip the all-reduce had carried it into node0's update too."""
+    replay = ReplicaDetector(_split(ReplicaDetector()))
+    replay.update(views({10: "s"}, {10: "s"}))
+    found = replay.update(views({20: "c"}, {20: "c"}))
+    assert found is not None and found.severity is Severity.INFO
+    assert found.nodes == [] and found.ranks == [] and "no node to name" in found.message
+    assert found.evidence["split"] == {"node0": "a", "node1": "b"}
+    assert found.evidence["replay"] == {"node0": "c", "node1": "c"}
+
+
+def test_a_replica_wrong_again_in_the_replay_is_named_and_evicted():
+    replay = ReplicaDetector(_split(ReplicaDetector()))
+    replay.update(views({10: "s"}, {10: "s"}))  # restored 10 (before 11): its first step agrees
+    found = replay.update(views({20: "a"}, {20: "c"}))  # node0 reproduces a; node1: b, then c
+    assert found is not None and found.severity is Severity.CRITICAL
+    assert found.nodes == ["node1"] and found.ranks == [1] and "persistent" in found.message
+    action = on_anomaly(found, ["node0", "node1"], 1, 2, [11], [])
+    assert action.kind == "rollback" and list(action.evict) == ["node1"]
+    # no spare: rolling back to the same point again with the node kept would not help
+    assert on_anomaly(found, ["node0", "node1"], 0, 2, [11], []).kind == "fail"
+
+
+def test_a_replay_that_reproduces_both_digests_cannot_tell_and_raises_as_before():
+    replay = ReplicaDetector(_split(ReplicaDetector()))
+    replay.update(views({11: "s"}, {11: "s"}))
+    found = replay.update(views({20: "a"}, {20: "b"}))  # each computes its own numbers again
+    assert found is not None and found.nodes == [] and found.severity is Severity.CRITICAL
+    assert Split.of(found) is not None  # and a further rollback would replay it again
+
+
+def test_only_a_split_without_a_majority_is_kept_for_a_replay():
+    detector = ReplicaDetector()
+    detector.update(views({0: "a"}, {0: "a"}, {0: "a"}))
+    named = detector.update(views({5: "a"}, {5: "a"}, {5: "x"}))
+    assert named is not None and named.nodes == ["node2"] and Split.of(named) is None
+
+
+def test_the_controller_hands_a_split_to_the_next_generations_detector():
+    from test_decisions import T0, kinds, nodes, run, running, spec, statuses
+
+    from transom.common.records import MonitorSummary, RankSummary
+    from transom.common.states import NodeState
+    from transom.control.tick import Snapshot
+
+    def summaries(generation: int, t: float, fps: dict[str, dict[int, str]]) -> dict:
+        return {
+            node: MonitorSummary(
+                node,
+                generation,
+                t,
+                ranks={str(rank): RankSummary(step=max(fps[node]), fingerprints=_keys(fps[node]))},
+            )
+            for rank, node in enumerate(fps)
+        }
+
+    s = spec()
+    members = ["node0", "node1"]
+    job = running(members, s)
+    live, up = nodes(*members), statuses(1, NodeState.RUNNING, *members)
+    agreed = summaries(1, T0 + 1, {"node0": {10: "s"}, "node1": {10: "s"}})
+    d = run(job, Snapshot(live, up, agreed), s, T0 + 1)
+    split = summaries(1, T0 + 2, {"node0": {20: "a"}, "node1": {20: "b"}})
+    d = run(d.job, Snapshot(live, up, split), s, T0 + 2, d.memory)
+    assert kinds(d) == ["anomaly", "decision", "rollback", "incident"]
+    assert d.memory.sdc_split == Split(20, {"node0": "a", "node1": "b"})
+    d = run(d.job, Snapshot(live, up, split, restore_step=10), s, T0 + 2.1, d.memory)
+    assert d.job.generation == 2
+    up2 = statuses(2, NodeState.RUNNING, *members)
+    replay = summaries(2, T0 + 5, {"node0": {11: "s", 20: "a"}, "node1": {11: "s", 20: "a"}})
+    d = run(d.job, Snapshot(live, up2, replay), s, T0 + 5, d.memory)
+    (anomaly,) = d.anomalies
+    assert anomaly.severity is Severity.INFO and anomaly.nodes == ["node1"]
+    assert "decision" not in kinds(d) and d.job.generation == 2  # reported, nothing to act on
+    assert d.memory.sdc_split is None  # generation 2's detector had it
+
+
+def _keys(fps: dict[int, str]) -> dict[str, str]:
+    return {str(step): digest for step, digest in fps.items()}

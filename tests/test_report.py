@@ -388,11 +388,11 @@ def test_write_report_writes_png_markdown_and_json(tmp_path):
         "SUCCEEDED after 18.5 s; the fault-free run took 9.2 s (2.00x)",
         "60 steps, 17 lost to faults; effective training 3.5 s = 19% of wall time",
         "faults: 2 of 4 detected and recovered",
-        "  fault  step node    detected by         recovered  lost  status",
-        "  crash    31 n1        0.25 s crash         3.25 s    11  detected+recovered",
-        "  kill     46 n0        2.80 s node lost     2.00 s     6  detected+recovered",
-        "  slow     55 n2        0.30 s straggler          -     -  detected, not recovered",
-        "  log      56 n1             - -                  -     -  not detected",
+        "  fault    step node    detected by         recovered  lost  status",
+        "  crash      31 n1        0.25 s crash         3.25 s    11  detected+recovered",
+        "  kill       46 n0        2.80 s node lost     2.00 s     6  detected+recovered",
+        "  slow       55 n2        0.30 s straggler          -     -  detected, not recovered",
+        "  log        56 n1             - -                  -     -  not detected",
         "weights: bit-identical to the fault-free run (3 tensors)",
     ]
     markdown = (tmp_path / "out" / "report.md").read_text()

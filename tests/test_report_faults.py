@@ -49,3 +49,53 @@ def test_a_slow_preflight_fault_is_credited_to_the_exclusion_before_training(tmp
     (fault,) = build_summary(read_run(run_dir))["faults"]
     assert fault["detected_by"] == "pre-flight exclusion" and fault["detection_s"] == 1.0
     assert fault["status"] == RECOVERED and fault["recovered_in_generation"] == 1
+
+
+def _corrupt_run(tmp_path, sdc_nodes: list[str], sdc_ranks: list[int]) -> dict:
+    """A corrupt fault on n1 (rank 1) at step 42, then an sdc anomaly at step 48 naming
+    `sdc_nodes`, a rollback to step 40."""
+    events = [
+        ev(0.0, "generation", generation=1, members=["n0", "n1", "n2"], spares=["n3"]),
+        ev(1.0, "running", generation=1),
+        ev(5.0, "fault", fault="corrupt", generation=1, id="f0", node="n1", rank=1, step=42),
+        ev(
+            5.5,
+            "anomaly",
+            observed=T0 + 5.4,
+            id="s",
+            type="sdc",
+            generation=1,
+            step=48,  # the fingerprinted step: every rank had finished it
+            nodes=sdc_nodes,
+            ranks=sdc_ranks,
+        ),
+        ev(5.6, "decision", "rollback", action="rollback", anomaly="s", anomaly_type="sdc"),
+        ev(6.0, "generation", generation=2, members=["n0", "n2", "n3"], spares=[], restore_step=40),
+        ev(7.0, "running", generation=2),
+        ev(9.0, "succeeded"),
+    ]
+    progress = [
+        {"time": T0 + t, "generation": g, "step": step}
+        for t, g, step in [(2.0, 1, 10), (5.5, 1, 46), (8.0, 2, 41), (8.5, 2, 50)]
+    ]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_lines(run_dir / "events.jsonl", events)
+    write_lines(run_dir / "progress.jsonl", progress)
+    (fault,) = build_summary(read_run(run_dir))["faults"]
+    return fault
+
+
+@pytest.mark.parametrize("nodes, ranks", [(["n1"], [1]), ([], [])])
+def test_a_corrupt_fault_is_credited_to_the_sdc_that_names_its_rank_or_none(tmp_path, nodes, ranks):
+    """Named with 3 replicas or more; with 2 that split the sdc names nobody and still counts."""
+    fault = _corrupt_run(tmp_path, nodes, ranks)
+    assert fault["detected_by"] == "sdc anomaly" and fault["detection_s"] == pytest.approx(0.4)
+    assert fault["detected_step"] == 48
+    # lost: from the step every rank had finished (the sdc's, beyond the last sample's 46)
+    assert fault["status"] == RECOVERED and fault["lost_steps"] == 48 - 40
+
+
+def test_an_sdc_that_names_another_rank_does_not_detect_the_corrupt_fault(tmp_path):
+    fault = _corrupt_run(tmp_path, ["n2"], [2])
+    assert fault["detected_by"] is None and fault["status"] == "not detected"

@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the example GPT through a campaign of real faults, then report",
         description="Train the example GPT (transom/workloads/train_gpt.py) on 4 simulated "
         "nodes + 1 hot spare while a "
-        "seeded campaign injects a worker crash, a node death, a hang, a NaN and "
-        "a slow node; then train it again without faults (torchrun) and write "
+        "seeded campaign injects a worker crash, a node death, a hang, a silent "
+        "bit flip in one rank's parameters, a NaN and a slow node; then train it "
+        "again without faults (torchrun) and write "
         "the report (timeline PNG, goodput, detection and recovery times, and "
         "whether the final weights are bit-identical) to the run directory.",
     )

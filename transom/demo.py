@@ -3,8 +3,10 @@
 What a new user runs first. It trains the packaged example GPT (transom/workloads/train_gpt.py,
 which examples/train_gpt.py runs) on DEMO_NODES simulated nodes plus
 DEMO_SPARES hot spare under `transom run` (live view), while a fault campaign hits it: a worker
-SIGKILLed, a node's agent SIGKILLed (a node death), a worker SIGSTOPped (a hang), a NaN loss and
-a node made several times slower, one after another, spread over the run. The launcher plays the
+SIGKILLed, a node's agent SIGKILLed (a node death), a worker SIGSTOPped (a hang), a silent bit
+flip in one rank's parameters (found by the replicas' fingerprints, taken every
+DEMO_FINGERPRINT_EVERY steps), a NaN loss and a node made several times slower, one after
+another, spread over the run. The launcher plays the
 cluster's scheduler (`refill_spares`): each evicted node is replaced by a new one, so a spare is
 ready for the next fault. Then it trains the same model, seed and world size once more without
 faults, under plain torchrun (the reference), and writes the report (`transom.report`): the
@@ -31,6 +33,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from transom.common import env
 from transom.faults import DETECTORS, FAULT_TYPES, parse_schedule
 from transom.job_spec import ConfigError, JobSpec, new_job_id, prepare_run_dir
 from transom.launcher import Launch, Launcher
@@ -45,14 +48,29 @@ DEMO_STEPS = 480
 MIN_STEPS = 80
 DEMO_MAX_RESTARTS = 10
 SLOW_FACTOR = 3
+CORRUPT_BITS = 4
+# Replica fingerprints every few steps (transom.monitor.fingerprint): a corruption is found
+# within this many steps. A fingerprint of the demo's model costs about 0.2 ms against a step of
+# 15 ms or more (python -m benchmarks.fingerprint_cost); an operator's own
+# TRANSOM_FINGERPRINT_EVERY wins.
+DEMO_FINGERPRINT_EVERY = 5
+# A corruption rolls back to the last step whose fingerprints agreed, a fingerprint interval and
+# the detection's second or so back: further than memory's two newest steps. Storage gets every
+# DEMO_FINGERPRINT_EVERY-th step (train_gpt's --persist-every) and keeps DEMO_CKPT_KEEP of them,
+# so that step is there (without it the rollback would go back to train_gpt's 20-step default).
+DEMO_CKPT_KEEP = 6
 # (fault, where in the run as a fraction of the steps, its target): one of each, spread out so
-# that the node which replaces an evicted one is ready before the next fault needs it.
+# that the node which replaces an evicted one (a new node takes about 5 s to join as a spare
+# here) is ready before the next fault needs it: the faults that evict (kill, hang, corrupt,
+# slow) are at least 0.12 of the run apart, and a corruption found before the spare is back is
+# rolled back without an eviction. The nan and the crash need no spare.
 CAMPAIGN = (
     ("crash", 0.125, "rank=1"),
     ("kill", 0.29, "rank=3"),
     ("hang", 0.46, "rank=2"),
-    ("nan", 0.625, "rank=0"),
-    ("slow", 0.79, f"rank=1:factor={SLOW_FACTOR}"),
+    ("corrupt", 0.58, f"rank=1:bits={CORRUPT_BITS}"),
+    ("nan", 0.68, "rank=0"),
+    ("slow", 0.81, f"rank=1:factor={SLOW_FACTOR}"),
 )
 REFERENCE_RESULTS = "results"  # under run_dir/reference: the reference ranks' result files
 
@@ -160,9 +178,9 @@ def run_reference(
     return {"wall_s": round(time.time() - start, 3), "steps": steps, "command": command}
 
 
-def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
+def intro(spec: JobSpec, steps: int, run_dir: Path, fingerprint_every: str) -> Panel:
     faults = "\n".join(
-        f"  step {f.step:>4}: {f.type:<5} "
+        f"  step {f.step:>4}: {f.type:<7} "
         + FAULT_TYPES[f.type].describe(f)
         + f"  (rank {f.rank}; found by: {', '.join(DETECTORS[f.type])})"
         for f in spec.faults
@@ -170,7 +188,8 @@ def intro(spec: JobSpec, steps: int, run_dir: Path) -> Panel:
     return Panel(
         f"Training a small GPT for {steps} steps on {spec.nnodes_max} simulated nodes + "
         f"{spec.spares} hot spare ({spec.world_size} ranks, gloo on CPU), with these faults:\n"
-        f"{faults}\nNobody intervenes: Transom detects each fault, names the node to blame, evicts "
+        f"{faults}\nReplica fingerprints every {fingerprint_every} steps. "
+        "Nobody intervenes: Transom detects each fault, names the node to blame, evicts "
         f"it (a new node refills the spare pool), and resumes from the newest checkpoint in "
         f"memory.\nThen the same training without faults (torchrun), and the report.\n"
         f"Run directory: {run_dir}",
@@ -199,15 +218,21 @@ def run_demo(
     run_path = prepare_run_dir(run_dir or Path("transom-runs") / job_id)
     spec = JobSpec(
         script=str(script),
-        script_args=train_args(steps, seed, run_path / FINAL_WEIGHTS_FILE),
+        script_args=[
+            *train_args(steps, seed, run_path / FINAL_WEIGHTS_FILE),
+            *("--persist-every", str(DEMO_FINGERPRINT_EVERY)),
+        ],
         job_id=job_id,
         nnodes_min=DEMO_NODES,
         nnodes_max=DEMO_NODES,
         spares=DEMO_SPARES,
         max_restarts=DEMO_MAX_RESTARTS,
         faults=parse_schedule(campaign(steps), DEMO_NODES, seed),
+        ckpt_keep=DEMO_CKPT_KEEP,
     ).validate()
-    console.print(intro(spec, steps, run_path))
+    # The agents this launcher starts, and so the workers, inherit it.
+    every = os.environ.setdefault(env.FINGERPRINT_EVERY, str(DEMO_FINGERPRINT_EVERY))
+    console.print(intro(spec, steps, run_path, every))
     code = Launcher(
         Launch(spec=spec, run_dir=run_path, refill_spares=True, total_steps=steps), console=console
     ).run()

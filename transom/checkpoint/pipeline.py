@@ -104,7 +104,8 @@ class SavePipeline:
 
     def committed(self, shard: Shard) -> bool:
         """`shard` is complete (checksummed here, or verified on arrival from a peer); False
-        when it fell under a discard meanwhile (then it is evicted, never listed)."""
+        when it fell under a discard meanwhile, or is older than the steps memory keeps of its
+        rank (then it is evicted, never listed)."""
         with self.lock:
             shard.state = COMMITTED
             if self.memory.drop_if_discarded(shard):
@@ -112,6 +113,8 @@ class SavePipeline:
             shard.tiers.add(Tier.MEMORY)
             self.memory.retain(shard.rank)
             self.lock.notify_all()
+            if self.memory.shards.get(shard.key) is not shard:
+                return False  # evicted at once (older than the steps kept): never listed
         self.publisher.list_memory(shard)
         return True
 
@@ -249,7 +252,7 @@ class SavePipeline:
                         self.memory.evict(shard)
                 continue
             if not self.committed(shard):
-                self._fail(shard, Tier.MEMORY, "discarded while it was checksummed")
+                self._fail(shard, Tier.MEMORY, "discarded, or older than the steps kept")
                 continue
             self._routine(
                 shard,

@@ -225,8 +225,8 @@ class Prefetcher:
             shard.header, shard.world_size = header, header["world_size"]
             shard.header_bytes = header_bytes
             shard.staged_at = time.time()
-        if not self.pipeline.committed(shard):  # evicted there if it falls under a discard
-            return SKIPPED, "the step was discarded as poisoned"
+        if not self.pipeline.committed(shard):  # evicted there: discarded, or superseded
+            return SKIPPED, "the step was discarded, or is older than the steps memory keeps"
         return FETCHED, origin
 
     def status(self) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from transom.common.states import JobState, NodeState
 from transom.control.policy import on_anomaly
 from transom.control.tick import Tick
 from transom.monitor import cluster, detectors
+from transom.monitor.replicas import Split
 
 # A member whose monitor summary has not changed for this long (as the controller saw it, while
 # its agent lives) has a telemetry gap.
@@ -28,7 +29,8 @@ def watch_monitor(tick: Tick) -> None:
     j, memory, now = tick.job, tick.decision.memory, tick.now
     if memory.generation != j.generation:
         memory.generation = j.generation
-        memory.detectors = cluster.fresh()
+        memory.detectors = cluster.fresh(memory.sdc_split)
+        memory.sdc_split = None  # the new detectors have it
         memory.warned.clear()
     summaries = tick.snap.summaries
     handled = set(j.handled_anomalies)
@@ -144,6 +146,8 @@ def act(tick: Tick, anomaly: Anomaly) -> bool:
         return True
     if anomaly.type == "hang" and anomaly.step is not None:
         j.hang_steps.append(anomaly.step)
+    if action.kind == "rollback":
+        tick.decision.memory.sdc_split = Split.of(anomaly)  # None unless 2 replicas split
     if action.rollback_before is not None:
         j.numerics_steps.append(action.rollback_before)
         previous = j.rollback_before

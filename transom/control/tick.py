@@ -32,6 +32,7 @@ from transom.common.states import JobState, NodeState
 from transom.control.policy import SameError, slow_outliers
 from transom.job_spec import JobSpec
 from transom.monitor import cluster
+from transom.monitor.replicas import Split
 
 # How a FAILED job that ran out of nodes says so (a scheduler may give it new ones: requeue).
 REASON_NOT_ENOUGH_NODES = "not enough nodes"
@@ -77,6 +78,9 @@ class Memory:
     # every rank".
     same_error: SameError | None = None
     diagnosed: tuple[int, list[str], dict[str, NodeStatus], SameError | None] | None = None
+    # 2 replicas split without a majority and the job rolled back: the next generation's replica
+    # detector compares the replay of that step with it (transom.monitor.replicas).
+    sdc_split: Split | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from transom.common.records import Anomaly
 from transom.monitor import detectors, waiting
-from transom.monitor.replicas import ReplicaDetector
+from transom.monitor.replicas import ReplicaDetector, Split
 
 log = logging.getLogger("transom.monitor.cluster")
 
@@ -80,6 +80,7 @@ REGISTERED: list[Callable[[], ClusterDetector]] = [
 ]
 
 
-def fresh() -> list[ClusterDetector]:
-    """New instances of every registered detector (one set per generation)."""
-    return [make() for make in REGISTERED]
+def fresh(split: Split | None = None) -> list[ClusterDetector]:
+    """New instances of every registered detector (one set per generation); the replica detector
+    gets the previous generation's unresolved split of 2 replicas, to compare with its replay."""
+    return [ReplicaDetector(split) if make is ReplicaDetector else make() for make in REGISTERED]

@@ -10,7 +10,21 @@ reported the same step, the detector compares them:
 - no strict majority: with 2 ranks, or ranks that never agreed in this generation (they are not
   replicas: tensor or pipeline parallel shards, FSDP), nothing is raised. A job whose ranks
   agreed once and then split without a majority (2 replicas) raises an `sdc` that names no node:
-  the job rolls back, and a repeat shows whether it was transient.
+  the job rolls back, and the next generation replays that step.
+
+The replay classifies the split (`Split`: the controller hands it to the next generation's
+detector). Training is deterministic, so the replay of the step from the agreeing snapshot is
+the step as it should have been:
+- every node agrees in the replay: the split was transient, an `sdc` of severity INFO says so
+  (for the record, nothing to act on). It names the nodes whose digest differed from the
+  replay's only when another node's equalled it: in data-parallel training the gradients'
+  all-reduce carries one replica's corruption into the others' next updates, so a fingerprint
+  taken a step or more after the flip finds every replica off the replay and names nobody;
+- the replay splits again, some nodes reproducing their digests and the others not: those
+  others computed something else twice, a persistent corruption, a critical `sdc` naming them
+  (evicted where they can be replaced). The same spread makes this rare past the flip's own
+  step; a split the replay cannot tell apart (every node, or none, reproduced its digest) is
+  raised as before, without a node.
 
 The first comparison of a generation decides whether its ranks are replicas at all: equal, or
 a strict majority equal. Ranks that are not replicas are never compared again in it.
@@ -22,6 +36,7 @@ short string or a step that is not a number is ignored. This module must never a
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol
 
 from transom.common import anomaly_types
@@ -36,13 +51,35 @@ class RankViews(Protocol):
     def ranks(self) -> list[dict]: ...
 
 
+@dataclass(frozen=True)
+class Split:
+    """Replicas that split with no majority: the step and each node's digest of it, for the
+    next generation's replay of that step."""
+
+    step: int
+    digests: dict[str, str]  # node -> digest
+
+    @classmethod
+    def of(cls, anomaly: Anomaly) -> Split | None:
+        """The split an `sdc` naming no node saw (None for any other anomaly)."""
+        fingerprints = anomaly.evidence.get("fingerprints")
+        nodes = anomaly.evidence.get("nodes")
+        if anomaly.type != anomaly_types.SDC or anomaly.nodes or anomaly.step is None:
+            return None
+        if not isinstance(fingerprints, dict) or not isinstance(nodes, dict):
+            return None
+        digests = {nodes[r]: d for r, d in fingerprints.items() if r in nodes}
+        return cls(anomaly.step, digests) if len(set(digests.values())) > 1 else None
+
+
 class ReplicaDetector:
     """Compares the ranks' fingerprints of each step once all are in (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: Split | None = None) -> None:
         self.checked: int | None = None  # the newest step compared
         self.agreed: int | None = None  # the newest step on which every rank agreed
         self.replicas: bool | None = None  # None until the first comparison says
+        self.split = split  # the previous generation's split, to compare with its replay
 
     def update(self, view: RankViews) -> Anomaly | None:
         if self.replicas is False or len(view.ranks) < 2:
@@ -64,6 +101,11 @@ class ReplicaDetector:
         return None
 
     def _compare(self, step: int, seen: dict[int, tuple[str, str]]) -> Anomaly | None:
+        if self.split is not None and step >= self.split.step:
+            split, self.split = self.split, None
+            replayed = self._replayed(split, step, seen) if step == split.step else None
+            if replayed is not None:
+                return replayed
         counts = Counter(digest for digest, _ in seen.values())
         digest, most = counts.most_common(1)[0]
         if most == len(seen):
@@ -97,7 +139,54 @@ class ReplicaDetector:
             {
                 "last_agreeing_step": self.agreed,
                 "fingerprints": {str(r): d for r, (d, _) in sorted(seen.items())},
+                "nodes": {str(r): n for r, (_, n) in sorted(seen.items())},
             },
+            step=step,
+        )
+
+    def _replayed(
+        self, split: Split, step: int, seen: dict[int, tuple[str, str]]
+    ) -> Anomaly | None:
+        """The replay of the split step: transient (INFO, naming who was wrong), persistent
+        (CRITICAL, naming who is wrong again), or None when it cannot tell."""
+        now = {node: digest for digest, node in seen.values()}
+        ranks = {node: r for r, (_, node) in seen.items()}
+        evidence = {"split": split.digests, "replay": now, "last_agreeing_step": self.agreed}
+        if len(set(now.values())) == 1:
+            self.replicas, self.agreed = True, step
+            good = next(iter(now.values()))
+            right = [n for n, d in split.digests.items() if d == good]
+            wrong = sorted(n for n, d in split.digests.items() if d != good) if right else []
+            return Anomaly(
+                anomaly_types.SDC,
+                Severity.INFO,
+                f"the replay of step {step} agrees on every replica: the split was transient; "
+                + (
+                    f"{', '.join(wrong)} had computed other numbers"
+                    if wrong
+                    else "no replica's digest of it was the replay's (the gradients' all-reduce "
+                    "carries one replica's corruption to the others): no node to name"
+                ),
+                wrong,
+                sorted(ranks[n] for n in wrong if n in ranks),
+                evidence,
+                step=step,
+            )
+        changed = sorted(n for n, d in now.items() if n in split.digests and split.digests[n] != d)
+        same = [n for n, d in now.items() if split.digests.get(n) == d]
+        if not changed or not same:
+            return None  # every node, or none, reproduced its digest: no way to tell
+        self.replicas = True
+        return Anomaly(
+            anomaly_types.SDC,
+            Severity.CRITICAL,
+            f"replica fingerprints differ at step {step} again after the rollback: "
+            f"{', '.join(changed)} computed other numbers than before, "
+            f"{', '.join(sorted(same))} the same: a persistent corruption on "
+            f"{', '.join(changed)}",
+            changed,
+            sorted(ranks[n] for n in changed),
+            evidence,
             step=step,
         )
 

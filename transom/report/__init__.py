@@ -14,9 +14,10 @@ top-level keys (times are unix seconds, durations `*_s`, ratios `*_x`; None wher
                  downtime_s, lost_compute_s, shutdown_s, lost_steps, reference_wall_s, slowdown_x,
                  progress_available}
   faults        one dict per injected fault: {id, type, node, rank, step, generation, injected_at,
-                 detected_by, detected_at, detection_s, recovered_in_generation, running_at,
-                 recovered_at, recovery_s, lost_steps, status}; status is "detected+recovered",
-                 "detected, not recovered" or "not detected"
+                 detected_by, detected_at, detection_s, detected_step, recovered_in_generation,
+                 running_at, recovered_at, recovery_s, lost_steps, status}; status is
+                 "detected+recovered", "detected, not recovered" or "not detected"; detected_step
+                 is the step the detecting event names (None if it names none)
   fault_counts  {total, recovered, not_recovered, not_detected}
   generations   one dict per generation: {generation, started_at, running_at, trained_at, members,
                  spares, restore_step, reached_step}

@@ -9,8 +9,10 @@ Definitions (the markdown report repeats them):
   progress sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a
   progress sample of g shows (r_g when it shows none). A progress sample's step is the newest step
   every rank of the generation has finished; a fault injected in g counts as a sample too (the
-  step its target rank had reached), since progress is sampled every half second or so and a
-  fault often strikes after the last sample. The time g reached a step between two samples is
+  step its target rank had reached), and so does an sdc anomaly (the fingerprinted step every
+  rank had finished: numbered by the optimizer from 0, a step at most one below the script's),
+  since progress is sampled every half second or so and a fault often strikes after the last
+  sample. The time g reached a step between two samples is
   interpolated linearly between them.
 * Incident: the end of generation g followed by generation g+1. Its lost steps are m_g - r_{g+1}
   (steps computed but not kept, to be computed again); lost steps in total sum over incidents.
@@ -30,8 +32,10 @@ Definitions (the markdown report repeats them):
   (crash -> a crash anomaly on its rank, or else the incident naming its node failed; kill -> the
   controller finding the node lost; DETECTORS for the others: hang -> a hang anomaly, slow -> a
   straggler anomaly on its node, nan -> the nan anomaly of the earliest step, log -> a hardware
-  anomaly (xid, ecc, ...) on its node; the table is transom.faults.DETECTORS); detection time =
-  detected at - injected at. Recovered when the
+  anomaly (xid, ecc, ...) on its node, corrupt -> an sdc anomaly naming its rank, or naming none
+  (2 replicas); the table is transom.faults.DETECTORS); detection time = detected at - injected
+  at; the detected step is the step the detecting anomaly names (an sdc's is the fingerprint's,
+  numbered by the optimizer from 0: one below a script's step counted from 1). Recovered when the
   controller acted on the detection (restart, evict or rollback; a crash or a lost node always
   opens an incident) and the next generation trains again beyond its restore step (without
   progress samples: its `running` event); recovery time = detected at -> trains again. A detection
@@ -157,7 +161,9 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
     points = [p for p in progress or [] if p.get("step") is not None]
     if points:
         points += [
-            e for e in events if e.get("kind") == EventKind.FAULT and e.get("step") is not None
+            e
+            for e in events
+            if (e.get("kind") == EventKind.FAULT or _fingerprinted(e)) and e.get("step") is not None
         ]
     for p in sorted(points, key=lambda p: p["time"]):
         g = gens.get(int(p.get("generation") or 0))  # generations count from 1
@@ -166,6 +172,11 @@ def generations(events: list[dict], progress: list[dict] | None) -> list[Generat
         ):  # the first sample of each new step
             g.samples.append((p["time"], p["step"]))
     return [gens[n] for n in sorted(gens)]
+
+
+def _fingerprinted(event: dict) -> bool:
+    """An sdc anomaly: every rank had finished its step (the fingerprints of all were in)."""
+    return event.get("kind") == EventKind.ANOMALY and event.get("type") == "sdc"
 
 
 def restored_steps(events: list[dict], gens: dict[int, Generation]) -> None:
@@ -327,6 +338,8 @@ def find_detection(fault: dict, events: list[dict]) -> dict | None:
         ]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
+    elif kind == "corrupt":  # the sdc that names its rank, or one with 2 replicas that names none
+        anomalies = [e for e in anomalies if not e.get("nodes") or _names(e, node, rank)]
     elif kind == "nan" and anomalies:
 
         def step(e: dict) -> float:
@@ -390,6 +403,7 @@ def fault_rows(
             "detected_by": None,
             "detected_at": None,
             "detection_s": None,
+            "detected_step": None,
             "recovered_in_generation": None,
             "running_at": None,
             "recovered_at": None,
@@ -406,6 +420,7 @@ def fault_rows(
             detected_by=_detected_by(detection),
             detected_at=detected,
             detection_s=detected - f["time"],
+            detected_step=detection.get("step") if type(detection.get("step")) is int else None,
             status=NOT_RECOVERED,
         )
         nxt = next(

@@ -20,7 +20,8 @@ start-up (until the first generation trains), lost compute (steps that were comp
 downtime (from a generation's last step to the next generation training again: detection, restart,
 restore, first step) and shutdown (after the last step). *Lost steps* sum, over incidents, the step
 reached when training was interrupted minus the step the next generation restored. Per fault,
-*detection* runs from the injection to the first event that detected it, *recovery* from the
+*detection* runs from the injection to the first event that detected it (with the step that event
+names, if any: a fingerprint's step counts the optimizer's steps from 0), *recovery* from the
 detection to the next generation training again."""
 
 
@@ -99,7 +100,8 @@ def _faults(rows: list[dict], origin: float) -> list[str]:
             where,
             _cell(r["step"]),
             _at(r["injected_at"], origin),
-            _cell(r["detected_by"]),
+            _cell(r["detected_by"])
+            + (f" (step {r['detected_step']})" if r.get("detected_step") is not None else ""),
             _s(r["detection_s"], 2),
             recovered,
             _s(r["recovery_s"], 2),
@@ -246,7 +248,7 @@ def render_text(summary: dict) -> str:
     lines.append(f"faults: {counts['recovered']} of {counts['total']} detected and recovered")
     if summary["faults"]:
         lines.append(
-            f"  {'fault':<5} {'step':>5} {'node':<7} {'detected':>8} {'by':<10} {'recovered':>9} "
+            f"  {'fault':<7} {'step':>5} {'node':<7} {'detected':>8} {'by':<10} {'recovered':>9} "
             f"{'lost':>5}  status"
         )
     for r in summary["faults"]:
@@ -259,7 +261,7 @@ def render_text(summary: dict) -> str:
         recovered = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.2f} s"
         lost = "-" if r["lost_steps"] is None else str(r["lost_steps"])
         lines.append(
-            f"  {r['type']:<5} {_cell(r['step']):>5} {r['node'] or '?':<7} {detected:>8} {by:<10} "
+            f"  {r['type']:<7} {_cell(r['step']):>5} {r['node'] or '?':<7} {detected:>8} {by:<10} "
             f"{recovered:>9} {lost:>5}  {r['status']}"
         )
     lines.append(f"weights: {summary['weights']['summary']}")
