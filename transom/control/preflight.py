@@ -135,9 +135,12 @@ def joining_checks(
 ) -> tuple[bool, dict[str, Any]]:
     """Everything a joining node measures: its own checks and compute score (slowed only by an
     injected `slow_preflight` fault), then its links to live peers; its own link-test port is
-    published first, so that peers joining later can test it too."""
+    published first, so that peers joining later can test it too (slowed, with a `slow_link`
+    fault, before anyone can: a bad link is slow both ways)."""
+    slowdown = faults.on_preflight()
+    link_server.delay_s = faults.link_delay_s
     links.publish(store, node_id, link_server, lease)
-    passed, found = preflight(run_dir, spec.script, faults.on_preflight())
+    passed, found = preflight(run_dir, spec.script, slowdown)
     peers = spec.nnodes_max + spec.spares - 1
     found.update(links.link_test(store, node_id, peers, faults.link_delay_s))
     return passed, found
