@@ -38,36 +38,12 @@ import time
 import torch
 
 from benchmarks import stats
+from benchmarks.demo_model import make_trainer
 from transom.monitor import fingerprint
 
 WARMUP = 10
 TARGET_RATE_X = 0.995
 FINGERPRINT_CALLS = 200  # for the median time of one fingerprint
-
-
-def make_trainer(device: str, seed: int = 0):
-    """The demo's model, optimizer and a step function (train_gpt's defaults, one rank)."""
-    from transom.workloads.gpt_model import GPT, get_batch, make_corpus, make_optimizer
-
-    text = make_corpus()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    torch.manual_seed(seed)
-    model = GPT(len(chars), 64, 2, 4, 64).to(device)
-    optimizer = make_optimizer(model, 3e-3, 0.1)
-
-    def step(n: int) -> None:
-        x, y = get_batch(data, n, 0, seed, 12, 64)
-        _, loss = model(x.to(device), y.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if device != "cpu":
-            torch.cuda.synchronize()  # a step's time is the device's, as a rank's all-reduce waits
-
-    return optimizer, step
 
 
 def parameters(optimizer) -> list:
@@ -130,7 +106,7 @@ def fingerprint_time(optimizer, calls: int = FINGERPRINT_CALLS) -> float:
 
 def run(rounds: int, steps: int, intervals: list[int], device: str) -> dict:
     torch.set_num_threads(1)
-    optimizer, train = make_trainer(device)
+    _, optimizer, train = make_trainer(device)
     listener = Listener()
     arms = [0, *intervals]
     rows = []

@@ -43,34 +43,12 @@ import torch
 
 from benchmarks import stats
 from benchmarks.checkpoint import SECRET, start_server
+from benchmarks.demo_model import make_trainer
 
 PERSIST_EVERY = 20
 WARMUP = 10
 TARGET_RATE_X = 0.98
 TARGET_BLOCKING = 0.05
-
-
-def make_trainer(seed: int = 0):
-    """The demo's model, optimizer and a step function (train_gpt's defaults, one rank)."""
-    from transom.workloads.gpt_model import GPT, get_batch, make_corpus, make_optimizer
-
-    text = make_corpus()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    torch.manual_seed(seed)
-    model = GPT(len(chars), 64, 2, 4, 64)
-    optimizer = make_optimizer(model, 3e-3, 0.1)
-
-    def step(n: int) -> None:
-        x, y = get_batch(data, n, 0, seed, 12, 64)
-        _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-
-    return model, optimizer, step
 
 
 def segment(steps: int, first: int, train, engine=None, model=None, optimizer=None) -> dict:

@@ -9,7 +9,7 @@ from benchmarks import fingerprint_cost as fc
 
 
 def test_a_segment_sends_one_fingerprint_a_due_step():
-    optimizer, train = fc.make_trainer("cpu")
+    _, optimizer, train = fc.make_trainer("cpu")
     listener = fc.Listener()
     try:
         train(0)
