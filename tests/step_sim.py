@@ -1,12 +1,16 @@
 """A simulated synchronous job on a clock, fed through the real monitor: agents' `RankTrack`s,
-summaries published every SUMMARY_PERIOD_S, the controller's cross-node detectors every tick.
+summaries written as the agents write them, the controller's cross-node detectors every tick.
 
 No processes and no sockets: each rank's step is computed (its compute, the all-reduce every rank
 waits in, its work after the all-reduce, a sleep between steps, a checkpoint with a barrier every
 `ckpt_every` steps), its step datagram's values go to the real
 `rank_timing.RankTrack.add_timing`, each
-node's summary (`RankTrack.view`) is published at the agent's ticks when due (as
-`NodeMonitor.due`: every SUMMARY_PERIOD_S, or after SUMMARY_STEPS new steps or shifted timings),
+node's summary (`RankTrack.view`) is published at the agent's ticks when written (as
+`NodeMonitor.steps_due` and the agent's keep-alive: when its timings shifted, after
+SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S; at most every ATTENTIVE_MIN_PERIOD_S) within
+ATTENTIVE_S of a shift or of the
+generation's start, else every
+`node_reports.SUMMARY_HEARTBEAT_S`),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
 (stopped for part of every period, `DutyCycle`) or as a CPU quota would (`CpuQuota`).
@@ -22,6 +26,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from transom.control import node_reports
 from transom.monitor import cluster, node, rank_timing
 
 CONTROLLER_TICK_S = 0.2  # transom.control.controller.TICK_S
@@ -188,6 +193,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
     published: dict[int, list[dict]] = {}
     last_summary: dict[int, tuple[float, int | None]] = {}  # node -> (when, newest step)
     last_view: dict[int, node.RankSummary] = {}  # node -> its rank's view in that summary
+    attentive_until = dict.fromkeys(range(job.nodes), node.ATTENTIVE_S)  # a new generation
     straggler_detector, drop_detector = cluster.StragglerDetector(), cluster.ThroughputDetector()
     straggler = drop = None
     while events:
@@ -202,13 +208,28 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
         elif kind == 1:
             track, (at, step) = tracks[index], last_summary.get(index, (-math.inf, None))
             newest, before = track.step, last_view.get(index)
-            due = now - at >= node.SUMMARY_PERIOD_S or (
+            advanced = (
                 now - at >= node.SUMMARY_MIN_PERIOD_S
                 and newest is not None
                 and newest > (step or 0)
-                and (newest >= (step or 0) + node.SUMMARY_STEPS or track.shifted(before))
             )
-            if due:  # as NodeMonitor.due
+            shifted = advanced and track.shifted(before)
+            if shifted:
+                attentive_until[index] = now + node.ATTENTIVE_S
+            due = (
+                now - at >= node_reports.SUMMARY_HEARTBEAT_S
+                or shifted
+                or (
+                    now < attentive_until[index]
+                    and now - at >= node.ATTENTIVE_MIN_PERIOD_S
+                    and newest is not None
+                    and (
+                        (advanced and newest >= (step or 0) + node.SUMMARY_STEPS)
+                        or now - at >= node.ATTENTIVE_PERIOD_S
+                    )
+                )
+            )
+            if due:  # as NodeMonitor.steps_due and NodeReports.summary
                 last_summary[index] = (now, newest)
                 last_view[index] = track.view(now)
                 published[index] = [

@@ -1,5 +1,6 @@
 """`BatchWriter` (transom/store/batch_writer.py) against a real embedded etcd: a burst of writes
-costs etcd one request, writes that trickle in cost one request a SPACING_S at most, the last
+costs etcd one request, writes that trickle in cost one request a SPACING_S at most, an urgent
+write (or `hurry`) does not wait for the spacing, the last
 write of a name wins, writes queued through an etcd stall arrive after it, a put under a lease
 etcd no longer has is dropped and the rest still sent, `close` sends what is queued."""
 
@@ -38,13 +39,32 @@ def test_writes_that_trickle_in_are_sent_once_a_spacing_at_most(store):
     paced = threading.Event()
     try:
         began = time.monotonic()
-        for i in range(20):  # one write every SPACING_S / 10, over 2 SPACING_S
+        for i in range(10):  # one write every SPACING_S / 5, over 2 SPACING_S
             writer.put(f"events/{i:02d}", i)
-            paced.wait(SPACING_S / 10)
+            paced.wait(SPACING_S / 5)
         took = time.monotonic() - began
-        wait_for(lambda: not writer.pending, 10, "every write sent")
+        wait_for(lambda: not writer.pending, SPACING_S + 5, "every write sent")
         assert writer.sends <= took / SPACING_S + 1  # not one a LINGER_S (10 with 0.2 s)
-        assert store.get_prefix("events/") == {f"{i:02d}": i for i in range(20)}
+        assert store.get_prefix("events/") == {f"{i:02d}": i for i in range(10)}
+    finally:
+        writer.close()
+
+
+def test_an_urgent_write_does_not_wait_for_the_spacing(store):
+    writer = BatchWriter(store)
+    try:
+        writer.put("events/first", 1)
+        wait_for(lambda: writer.sends == 1, 5, "the first write sent")
+        writer.put("events/paced", 2)  # waits for SPACING_S after the first send
+        writer.put("ckpt/listing", 3, urgent=True)  # takes the paced one along
+        began = time.monotonic()
+        wait_for(lambda: store.get("ckpt/listing") == 3, SPACING_S, "the urgent write sent")
+        assert time.monotonic() - began < SPACING_S / 2, "it waited for the spacing"
+        assert store.get("events/paced") == 2 and writer.sends == 2
+        writer.put("events/later", 4)
+        writer.hurry()
+        wait_for(lambda: writer.sends == 3, SPACING_S / 2, "a hurried send")
+        assert store.get("events/later") == 4
     finally:
         writer.close()
 

@@ -201,10 +201,10 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
             return MonitorSummary("a", 1, t, ranks={"0": rank}).to_dict()
 
         store.put(keys.monitor("a"), summary(7.0, 0.15))
-        store.put(keys.monitor("a"), summary(8.0, 0.16))  # moved by less than a step's 1/8
+        store.put(keys.monitor("a"), summary(8.0, 0.16))  # moved by less than a step's 1/4
         poll(lambda: view.published().summaries["a"].t == 8.0, 10, "the next summaries")
         assert not view.changed.is_set()
-        store.put(keys.monitor("a"), summary(9.0, 0.21))
+        store.put(keys.monitor("a"), summary(9.0, 0.22))  # by more (waiting.TIMING_SHIFT_FRACTION)
         assert view.changed.wait(10)
         view.changed.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
@@ -276,7 +276,7 @@ def test_an_etcd_stall_that_expires_a_lease_is_an_incident_not_an_eviction(etcd,
         time.sleep(1.0)
         assert etcd.process is not None
         os.kill(etcd.process.pid, signal.SIGSTOP)
-        time.sleep(4.0)  # longer than node0's TTL and the leader's (LEADER_TTL_S)
+        time.sleep(LEADER_TTL_S + 1.0)  # longer than node0's TTL and the leader's
         os.kill(etcd.process.pid, signal.SIGCONT)
         poll(lambda: agents["node0"].registrations >= 2, 20, "node0 registered again")
         poll(lambda: "control-plane incident over" in str(store.get_prefix(keys.EVENTS)), 10,

@@ -169,7 +169,12 @@ def test_rank_views_add_the_publication_lag_to_ages():
     }
     summaries = {n: MonitorSummary.from_dict(s) for n, s in summaries.items()}
     views = detectors.rank_views(summaries, 2, now=102.0)
-    assert len(views) == 1 and views[0]["step_age"] == 3.0 and views[0]["beat_age"] == 2.5
+    # A beat the agent said was beating ages only past the agents' keep-alive (it would have
+    # written at once had it stopped); a step ages by the whole lag.
+    assert len(views) == 1 and views[0]["step_age"] == 3.0 and views[0]["beat_age"] == 0.5
+    later = 100.0 + detectors.SUMMARY_KEEPALIVE_S + 2.0
+    [view] = detectors.rank_views(summaries, 2, now=later)
+    assert view["step_age"] == later - 99.0 and view["beat_age"] == 2.5
 
 
 # -- logs and GPUs --------------------------------------------------------------------------------

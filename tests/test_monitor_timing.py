@@ -63,24 +63,27 @@ def test_a_phase_or_warm_up_step_is_not_timed():
     assert track.add_timing(9, {"dur": 0.1}, 8, 1.0, 2.0)
 
 
-def test_a_summary_goes_out_every_few_steps_as_well_as_every_period():
+def test_a_summary_goes_out_every_few_steps_while_attentive_as_well_as_every_period():
     monitor = NodeMonitor("nodeT", nvml=MockNvml())
     try:
+        monitor.new_generation(1)  # attentive for ATTENTIVE_S: the baseline's first steps
         monitor.collect()
         t = time.monotonic()
         rank = monitor.ranks.setdefault(0, RankTrack())
         rank.step = node.SUMMARY_STEPS - 1
-        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)  # too few new steps
+        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)  # too few new steps
         assert monitor.due(t + node.SUMMARY_PERIOD_S + 0.01)  # but every period
         rank.step = node.SUMMARY_STEPS
-        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S / 2)  # not more often than this
-        assert monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S - 0.01)  # not more often
+        assert monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
         monitor.collect()
         t = time.monotonic()
         rank.step = 2 * node.SUMMARY_STEPS - 1
-        assert not monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
         rank.step = 2 * node.SUMMARY_STEPS
-        assert monitor.due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        assert monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
+        # Once nothing shifted for ATTENTIVE_S, steps alone are no news: the keep-alive goes.
+        assert not monitor.steps_due(t + node.ATTENTIVE_S + 0.01)
     finally:
         monitor.close()
 

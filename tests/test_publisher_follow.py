@@ -71,7 +71,9 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
 
 
 def test_the_steps_retention_removed_are_withdrawn_in_the_listing_batch_without_a_read(store):
-    publisher = Publisher(store, "node0", lease_ttl_s=4)
+    # A lease that outlives the test: nothing renews it here (no `follow`), and the second
+    # batch waits for the writer's spacing (batch_writer.SPACING_S).
+    publisher = Publisher(store, "node0", lease_ttl_s=60)
     publisher.start("")
     try:
         for rank in (0, 1):

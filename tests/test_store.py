@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import etcd_requests
+from conftest import etcd_requests, running_etcd
 
 from transom.common import keys
 from transom.common.records import Plan
@@ -25,7 +25,7 @@ from transom.common.states import JobState
 from transom.control.controller import Controller
 from transom.job_spec import ConfigError, JobSpec
 from transom.store import Store, StoreAccess, StoreError
-from transom.store.etcd_client import MAX_TXN_OPS
+from transom.store.etcd_client import LARGE_TXN_OPS, MAX_TXN_OPS
 from transom.store.spec import read_spec
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,7 +69,7 @@ def test_jobs_are_isolated(etcd, store):
 
 
 def test_write_all_takes_one_request_per_transaction_limit(store):
-    names = [f"many/{i:04d}" for i in range(MAX_TXN_OPS + 5)]
+    names = [f"many/{i:04d}" for i in range(LARGE_TXN_OPS + 5)]
     before = etcd_requests(store)
     store.write_all({name: (i, None) for i, name in enumerate(names)})
     assert etcd_requests(store) - before == 2  # a full transaction and the rest
@@ -79,6 +79,22 @@ def test_write_all_takes_one_request_per_transaction_limit(store):
     store.write_all(dict.fromkeys(names))
     assert etcd_requests(store) - before == 2
     assert store.get_prefix("many/") == {} and store.get("many_other") == 1
+
+
+@pytest.mark.integration
+def test_an_etcd_that_allows_fewer_writes_a_transaction_gets_them_in_smaller_ones(tmp_path):
+    with running_etcd(tmp_path / "etcd", max_txn_ops=MAX_TXN_OPS) as server:
+        store = Store(server.access, "small-txns")
+        writes = {f"many/{i:04d}": (i, None) for i in range(2 * MAX_TXN_OPS + 5)}
+        before = etcd_requests(store)
+        store.write_all(writes)
+        # The large transaction refused whole, then three of etcd's size; never again large.
+        assert etcd_requests(store) - before == 1 + 3 and store.txn_ops == MAX_TXN_OPS
+        assert store.get_prefix("many/") == {name[5:]: v for name, (v, _) in writes.items()}
+        assert store.create("leader", "ctl-a")
+        events = {f"events/{i:04d}": i for i in range(MAX_TXN_OPS + 3)}
+        assert store.put_if_leader("ctl-a", {**events, "job": {"g": 1}}) is True
+        assert len(store.get_prefix("events/")) == len(events) and store.get("job") == {"g": 1}
 
 
 def test_create_only_once(store):
@@ -100,7 +116,7 @@ def test_put_if_leader(store):
 
 
 def test_put_if_leader_past_the_transaction_limit_writes_all_or_stops_fenced(store):
-    events = {f"events/{i:04d}": i for i in range(2 * MAX_TXN_OPS + 3)}
+    events = {f"events/{i:04d}": i for i in range(2 * LARGE_TXN_OPS + 3)}
     assert store.create("leader", "ctl-a")
     assert store.put_if_leader("ctl-b", {**events, "job": {"g": 1}}) is False
     assert store.get_prefix("events/") == {} and store.get("job") is None

@@ -33,6 +33,10 @@ from transom.common.record_base import Record, RecordError
 
 # Simulated nodes are real processes on one machine; more than this would swamp it.
 MAX_SIMULATED_NODES = 64
+# --node-ttl's default: how long a dead node goes unnoticed at most. 8 s, not 4 (issue 44): its
+# lease is renewed twice a TTL (store.etcd_client.REFRESHES_PER_TTL), so every node costs etcd
+# one renewal every 4 s; its fence pauses workers 6 s into an etcd stall (control.fence).
+NODE_TTL_S = 8
 
 
 class ConfigError(ValueError):
@@ -152,7 +156,7 @@ class JobSpec(Record):
         ),
     )
     node_ttl_s: int = field(
-        default=4,
+        default=NODE_TTL_S,
         metadata=option(
             "--node-ttl",
             "node lease time-to-live: how long a dead node goes unnoticed at most",

@@ -103,6 +103,7 @@ class Publisher:
             else None
         )
         self._peer_addrs: dict[str, str] = {}  # peer node -> the address it registered
+        self._listed_generation = -1  # the newest generation whose shard was listed
 
     def start(self, addr: str) -> None:
         """Take a lease and register `addr`; no-op without a store."""
@@ -171,13 +172,15 @@ class Publisher:
         self.lease = lease
         for shard in self.held():
             self.list_memory(shard)
+        if self.writes is not None:
+            self.writes.hurry()  # what the lost lease took with it
 
     def follow(self, stopping: threading.Event) -> None:
         """Keep the lease (or take the agent's newest) and follow the plan and the discards until
         `stopping` is set (a thread's body). Both keys are pushed by etcd watches (they change a
         few times a job); a lease of its own is the one steady request, renewed
-        `REFRESHES_PER_TTL` times a TTL (as the node agent's: once a second for a small job's 4 s
-        lease, every 5 s for a large one's); under the agent's there is none."""
+        `REFRESHES_PER_TTL` times a TTL (as the node agent's: every 4 s for the default 8 s
+        lease, every 10 s for a large job's 20 s); under the agent's there is none."""
         plans, marks = self.plans, self.marks
         if self.store is None or plans is None or marks is None:
             return
@@ -201,7 +204,12 @@ class Publisher:
                         if discards != self.discards:
                             self.discards = discards
                             self.on_discard(discards)
-                        self.plan = plan_view(plans.value)
+                        plan = plan_view(plans.value)
+                        if plan.generation != self.plan.generation and self.writes is not None:
+                            # A new generation's workers look up the catalog as they start:
+                            # the listings that wait for the spacing go now.
+                            self.writes.hurry()
+                        self.plan = plan
                         self.on_plan(self.plan)
                     if ttl_s is None:
                         self._take_offered()
@@ -266,7 +274,11 @@ class Publisher:
                 **tier,
             },
         )
-        self.writes.put(name, value, lease=lease)
+        # A generation's first listing goes at once (the batch writer's spacing would hold it up
+        # to SPACING_S): a restart soon after it looks for it.
+        urgent = shard.generation > self._listed_generation
+        self._listed_generation = max(self._listed_generation, shard.generation)
+        self.writes.put(name, value, lease=lease, urgent=urgent)
         self._unless_discarded(shard, name)
 
     def _unless_discarded(self, shard: Shard, name: str) -> None:

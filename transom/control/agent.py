@@ -41,7 +41,14 @@ from transom.common.records import MasterAddress, NodeRegistration, Plan, Prefli
 from transom.common.states import JobState, NodeState
 from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
-from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, fenced, until_reached
+from transom.control.fence import (
+    PAUSE_TTL_SHARE,
+    RIDING_OUT,
+    PauseGuard,
+    fence_reason,
+    fenced,
+    until_reached,
+)
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
 from transom.control.node_reports import STARTING_QUIET_S, NodeReports
@@ -54,7 +61,7 @@ from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
-from transom.store.etcd_client import Lease
+from transom.store.etcd_client import REFRESHES_PER_TTL, Lease
 from transom.store.reachability import StoreOutage
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address
@@ -62,8 +69,9 @@ from transom.utils.net import bind_address
 log = logging.getLogger("transom.agent")
 
 TICK_S = 0.2  # the local loop (workers, monitor, warm pool); it costs etcd nothing by itself
-# No answer from etcd for this share of the node TTL (two lease renewals) is an outage.
-OVERDUE_TTL_SHARE = 0.5
+# No answer from etcd for this share of the node TTL is an outage: a renewal period (TTL /
+# REFRESHES_PER_TTL) and half the time its renewal has before the fence's pause.
+OVERDUE_TTL_SHARE = (1 / REFRESHES_PER_TTL + PAUSE_TTL_SHARE) / 2
 EXIT_EVICTED = 3
 
 

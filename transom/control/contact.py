@@ -29,15 +29,25 @@ from collections.abc import Callable
 
 from transom.control.observed import MIN_GAP_S, Observed
 from transom.store import StoreError
+from transom.store.etcd_client import REFRESHES_PER_TTL
 
 log = logging.getLogger("transom.controller")
 
-# One call this often: the leader's lease (TTL 3 s) is refreshed four times a TTL, as every lease
-# is (store.etcd_client.REFRESHES_PER_TTL), and a call answered within STALE_S is at hand for
-# `confirm` while etcd answers, so a tick needs no extra call.
-PROBE_S = 0.75
-STANDBY_PROBE_S = 5.0  # a standby's call: its watch on the leader key is what wakes it
-STALE_S = MIN_GAP_S  # without an answer this long, what the watches show may be old
+# The leadership lease: a standby takes over at most this long after the leader died (SIGKILL;
+# one that stops hands over at once). 6 s, not 3 (issue 44: its renewal every 0.75 s was a
+# third of a 2-node job's etcd requests).
+LEADER_TTL_S = 6
+# One call this often: the leader's lease is refreshed REFRESHES_PER_TTL times a TTL, as every
+# lease is (store.etcd_client), every 3 s. `confirm` (before acting on a lease's expiry, rare)
+# makes a call of its own when the last is older than STALE_S.
+PROBE_S = LEADER_TTL_S / REFRESHES_PER_TTL
+# A standby's call: its watch on the leader key is what wakes it; this read is a safety net
+# under the watch (15 s, not 5: issue 44).
+STANDBY_PROBE_S = 15.0
+# Without an answer this long, what the watches show may be old: a probe period and the shortest
+# gap, so that the steady probe keeps every tick's view confirmed without a call of its own (a
+# tick a second made one a second with 1 s, issue 44).
+STALE_S = PROBE_S + MIN_GAP_S
 
 
 class StoreContact:

@@ -40,7 +40,13 @@ from transom.common import keys
 from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
 from transom.control.cluster_view import WatchedCluster, read_direct
-from transom.control.contact import PROBE_S, STALE_S, STANDBY_PROBE_S, StoreContact
+from transom.control.contact import (
+    LEADER_TTL_S,
+    PROBE_S,
+    STALE_S,
+    STANDBY_PROBE_S,
+    StoreContact,
+)
 from transom.control.decisions import decide
 from transom.control.leader_watch import LeaderWatch
 from transom.control.observed import Observed
@@ -65,7 +71,6 @@ STEPS_PER_TICK = 4
 # job revokes its lease on exit, and the leader key's delete wakes the standby at once.
 STANDBY_RETRY_S = 30.0
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
-LEADER_TTL_S = 3
 # The leader deletes from etcd the events older than EVENTS_KEPT_S, every EVENTS_PRUNE_S (one
 # request): a job writes three a node a save for weeks, which would fill etcd's quota (and every
 # reader of all events); the mirroring launcher's events.jsonl keeps them all.

@@ -8,7 +8,7 @@ last renewal by the TTL, counted by etcd from when the renewal reached it, which
 agent sent it; the agent counts "cut off" from the sending of the newest renewal etcd answered
 (its own monotonic clock, never compared with another machine's). So, with `cut_off_s` that:
 
-- below PAUSE_TTL_SHARE x the node TTL (3 s of the default 4 s): nothing changes, the workers
+- below PAUSE_TTL_SHARE x the node TTL (6 s of the default 8 s): nothing changes, the workers
   train on (a short stall costs nothing at all);
 - from there, or at once when etcd said the lease expired: `pause_reason` says to freeze the
   workers (SIGSTOP): from then on no instruction of the old generation runs on this node, before
@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("transom.agent")
 
 # Workers are paused once the agent has been cut off for this share of the node TTL: the
-# rest of the TTL (1 s of the default 4 s) covers the agent's turn (0.2 s) and the signal.
+# rest of the TTL (2 s of the default 8 s) covers the agent's turn (0.2 s) and the signal. With
+# renewals every half TTL (store.etcd_client.REFRESHES_PER_TTL), a renewal has a quarter of the
+# TTL to be answered before a pause.
 PAUSE_TTL_SHARE = 0.75
 GUARD_TICK_S = 0.1  # the guard's period while a pause is due (and its least sleep)
 # How long start-up (spec, checkpoint secret, registration) waits for etcd before giving up.

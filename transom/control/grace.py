@@ -12,11 +12,11 @@ A control-plane incident is either of:
   own clock by transom.control.observed) for long enough to have expired a lease
   (`lease_stall_s`), and that gap ended less than the grace period ago;
 - at least two members, and at least half of them, vanished in the same tick.
-The grace period is the node TTL + REREGISTER_MARGIN_S: an agent checks its lease every TTL/4
-and registers again on its next tick, so TTL covers it with margin to spare. A member still
-missing when it ends is lost (evicted as usual). A single node cut off while etcd answers the
-controller is never excused: no gap, and one lease alone is not "many at once". (That node's
-own agent fences itself: transom.control.fence.)
+The grace period is the node TTL + REREGISTER_MARGIN_S: an agent checks its lease every
+TTL/REFRESHES_PER_TTL and registers again on its next tick, so TTL covers it with margin to
+spare. A member still missing when it ends is lost (evicted as usual). A single node cut off
+while etcd answers the controller is never excused: no gap, and one lease alone is not "many
+at once". (That node's own agent fences itself: transom.control.fence.)
 
 `lift_evictions`: an evicted node whose agent started again (a new incarnation: a Kubernetes pod
 restarted under the same name) rejoins as a spare.
@@ -30,6 +30,7 @@ from transom.control.contact import PROBE_S
 from transom.control.observed import MIN_GAP_S
 from transom.control.tick import Tick
 from transom.job_spec import JobSpec
+from transom.store.etcd_client import REFRESHES_PER_TTL
 
 REREGISTER_MARGIN_S = 2.0
 
@@ -41,13 +42,14 @@ def grace_s(spec: JobSpec) -> float:
 
 def lease_stall_s(spec: JobSpec) -> float:
     """The shortest gap the controller saw that may have expired a node's lease. A lease,
-    renewed every TTL/4, expires only in a stall of more than 3/4 of its TTL, which the
-    controller's probe (every PROBE_S) sees shortened by at most PROBE_S; half the TTL less
-    PROBE_S leaves a quarter of it as margin. Shorter gaps (a busy etcd or controller answering
-    late: a 1.4 s one was seen at 512 nodes on 2 cores, with 20 s leases) are no incident: a
-    lease lost then is a node's own, not etcd's. Never below MIN_GAP_S, the shortest gap
-    observed at all (the 2 s TTLs of small jobs keep the 1 s rule)."""
-    return max(MIN_GAP_S, spec.node_ttl_s / 2 - PROBE_S)
+    renewed every TTL/REFRESHES_PER_TTL, expires only in a stall longer than the TTL less one
+    renewal period (half of it), which the controller's probe (every PROBE_S) sees shortened by
+    at most PROBE_S; a quarter of the TTL less is margin. Shorter gaps (a busy etcd or
+    controller answering late: a 1.4 s one was seen at 512 nodes on 2 cores, with 20 s leases)
+    are no incident: a lease lost then is a node's own, not etcd's. Never below MIN_GAP_S, the
+    shortest gap observed at all (the default 8 s TTL and shorter keep the 1 s rule)."""
+    stall_s = spec.node_ttl_s * (1 - 1 / REFRESHES_PER_TTL)
+    return max(MIN_GAP_S, stall_s - spec.node_ttl_s / 4 - PROBE_S)
 
 
 def excused_lost(tick: Tick, lost: list[str]) -> list[str]:

@@ -17,8 +17,8 @@ from transom.monitor import cluster, detectors
 from transom.monitor.replicas import Split
 
 # A member whose monitor summary has not changed for this long (as the controller saw it, while
-# its agent lives) has a telemetry gap.
-SUMMARY_GAP_S = 5.0
+# its agent lives) has a telemetry gap: the agents' keep-alive and 3 s for a late one.
+SUMMARY_GAP_S = detectors.SUMMARY_KEEPALIVE_S + 3.0
 # After the first NaN report, wait this long for the other nodes' (the first bad step may be
 # elsewhere).
 NUMERICS_SETTLE_S = 0.5

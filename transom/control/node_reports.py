@@ -21,10 +21,12 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   controller ages a summary on its own clock from when it saw it change
   (transom.control.observed) and adds that age to the summary's step and heartbeat ages
   (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
-  as if it stopped when the last was written. The allowance keeps that view true enough: never
-  a false hang (the hang floor, 1 s at least), never a stopped heartbeat of a rank that beats
-  (detectors.HEARTBEAT_GAP_S), never a telemetry gap (monitor_rules.SUMMARY_GAP_S, 5 s); and it
-  is never shorter than SUMMARY_FLOOR_S, the period every summary was written at before.
+  as if it stopped when the last was written, except its heartbeat while the agent said it beats,
+  which ages only once SUMMARY_HEARTBEAT_S ran out (the agent writes at once when a beat stops).
+  The allowance keeps that view true enough: never a false hang (half the hang floor, 1 s at
+  least), never a stopped heartbeat of a rank that beats (detectors.HEARTBEAT_GAP_S), never a
+  telemetry gap (monitor_rules.SUMMARY_GAP_S, 7 s); and it is never shorter than
+  SUMMARY_FLOOR_S, the period every summary was written at before issue 44.
 - events (the anomalies'): with the summary that announces them.
 What an agent's turn queues (`batch`: its status, summary and events) is written together at the
 turn's end, in one request.
@@ -47,22 +49,16 @@ from typing import Any
 from transom.common import keys
 from transom.common.records import Event, MonitorSummary, NodeStatus
 from transom.common.states import NodeState
-from transom.monitor.detectors import HEARTBEAT_GAP_S
+from transom.monitor.detectors import BEAT_STOPPED_S, SUMMARY_KEEPALIVE_S
 from transom.monitor.node import SUMMARY_PERIOD_S
 from transom.store import Store, StoreError
 
-# A summary that says nothing new is written at most this often (half the writes of the 1 s
-# period before): with BEAT_MARGIN_S it keeps a beating rank's heartbeat, as the controller
-# extrapolates it, under HEARTBEAT_GAP_S (3 s), and the summary's age far under the
-# controller's telemetry-gap bound (5 s). Longer would need the controller to stop
-# extrapolating heartbeat ages (transom.monitor.detectors).
-SUMMARY_HEARTBEAT_S = 2.0
+# A summary that says nothing new is written at most this often (every 4 s, not 2: issue 44).
+# The controller ages a beating rank's heartbeat only from when this keep-alive runs out
+# (detectors.rank_views), and the telemetry-gap bound is this and 3 s
+# (monitor_rules.SUMMARY_GAP_S).
+SUMMARY_HEARTBEAT_S = SUMMARY_KEEPALIVE_S
 SUMMARY_FLOOR_S = SUMMARY_PERIOD_S
-# Room left under HEARTBEAT_GAP_S for a late agent tick (TICK_S is 0.2 s; more on a busy
-# machine), the controller's observation delay and a late heartbeat.
-BEAT_MARGIN_S = 1.0
-# A rank's heartbeat this old has stopped (as far as this node's summary goes).
-BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
 # A changed warm interpreter count (for people only) is written at most this often.
 STATUS_PROGRESS_S = 5.0
 # A member waiting for its generation's master address is reported STARTING only this long
@@ -90,11 +86,7 @@ def signature(summary: MonitorSummary) -> tuple[Any, ...]:
 
 def allowance(summary: MonitorSummary, hang_floor_s: float) -> float:
     """How long `summary` may stand before the next must be written (see the module doc)."""
-    limit = min(SUMMARY_HEARTBEAT_S, hang_floor_s / 2)
-    for r in summary.ranks.values():
-        if r.beat_age is not None and r.beat_age < BEAT_STOPPED_S:
-            limit = min(limit, HEARTBEAT_GAP_S - BEAT_MARGIN_S - r.beat_age)
-    return max(SUMMARY_FLOOR_S, limit)
+    return max(SUMMARY_FLOOR_S, min(SUMMARY_HEARTBEAT_S, hang_floor_s / 2))
 
 
 class NodeReports:

@@ -17,8 +17,9 @@ from __future__ import annotations
 from transom.common.records import MonitorSummary
 
 # A stretch without a successful store call at least this long is a gap. Shorter than any
-# lease's renewal slack matters: a node's lease (TTL >= 2 s, renewed every TTL/4) can only
-# expire in a stall longer than 3/4 of its TTL, so half the shortest TTL catches every such stall.
+# lease's renewal slack matters: a node's lease (TTL >= 2 s, renewed twice a TTL,
+# store.etcd_client.REFRESHES_PER_TTL) can only expire in a stall longer than half its TTL, so
+# half the shortest TTL catches every such stall.
 MIN_GAP_S = 1.0
 
 

@@ -25,6 +25,18 @@ HANG_STEP_FACTOR = 4.0
 PHASE_HANG_S = 300.0
 # A rank whose heartbeat is older than this is stopped or dead (the heartbeat beats every 0.5 s).
 HEARTBEAT_GAP_S = 3.0
+# Room left under HEARTBEAT_GAP_S for a late agent tick (0.2 s; more on a busy machine), the
+# observer's delay and a late heartbeat.
+BEAT_MARGIN_S = 1.0
+# A rank's heartbeat this old has stopped, as far as its node's agent goes: the agent writes its
+# summary at once when a rank's beat passes this age (or comes back), so until it does, the
+# summary it last wrote stands for "beating".
+BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
+# An agent writes its summary at least this often while it says nothing new (the keep-alive,
+# transom.control.node_reports; issue 44: every write is an etcd request on every node). An
+# observer ages a summary from when it saw it change, but a beating rank's heartbeat only from
+# when this keep-alive ran out (`rank_views`): the agent would have said so had it stopped.
+SUMMARY_KEEPALIVE_S = 4.0
 # A live, not stopped, rank without heartbeat for this long is a telemetry gap (a process can hold
 # Python's lock for seconds, e.g. while tearing down its process group at exit).
 TELEMETRY_GAP_S = 10.0
@@ -158,20 +170,27 @@ def rank_views(
     """Flatten agents' summaries of `generation` into one dict per rank, ages taken at `now`.
 
     `ages`: each summary's age on the observer's clock (since it saw it change); without it
-    (or a node in it), `now - s.t`, which is right only when both clocks agree."""
+    (or a node in it), `now - s.t`, which is right only when both clocks agree. A step's age
+    grows by the summary's; a heartbeat's too if the agent said it had stopped, else only by
+    what is past SUMMARY_KEEPALIVE_S (the agent writes at once when a beat stops, so a beating
+    rank's heartbeat is known to within its margin until the keep-alive is due)."""
     views = []
     for node, s in summaries.items():
         if s.generation != generation:
             continue
         lag = ages[node] if ages is not None and node in ages else max(0.0, now - s.t)
+        beating_lag = max(0.0, lag - SUMMARY_KEEPALIVE_S)
         for rank, r in s.ranks.items():
+            beating = r.beat_age is not None and r.beat_age < BEAT_STOPPED_S
             views.append(
                 {
                     **vars(r),  # a RankSummary holds scalars only: its fields are its dict
                     "node": node,
                     "rank": int(rank),
                     "step_age": (r.step_age + lag) if r.step_age is not None else None,
-                    "beat_age": (r.beat_age + lag) if r.beat_age is not None else None,
+                    "beat_age": None
+                    if r.beat_age is None
+                    else r.beat_age + (beating_lag if beating else lag),
                 }
             )
     return views

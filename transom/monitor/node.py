@@ -47,6 +47,19 @@ HARDWARE_PERIOD_S = 5.0
 # (waiting.CONFIRM_MIN_S), and the simulated 1.5x slowdown is found as soon at 0.5 s as at 0.25 s.
 SUMMARY_STEPS = 4
 SUMMARY_MIN_PERIOD_S = 0.5
+# ... but the SUMMARY_STEPS rule only for this long after a rank's timings shifted (a straggler
+# being confirmed, or cleared, over the next steps): in a steady job whose timings do not move,
+# steps alone are no news to the straggler detector, and the summaries go at the agent's
+# keep-alive (issue 44: every 0.5 s was two etcd requests a node a second on a fast job).
+# While attentive, the SUMMARY_STEPS rule goes at most every ATTENTIVE_MIN_PERIOD_S (a shift
+# itself still after SUMMARY_MIN_PERIOD_S), and a rank that advanced at all is also news every
+# ATTENTIVE_PERIOD_S (the keep-alive's period before issue 44: a job of slow steps is confirmed
+# as fast as then). On a loaded 2-core machine a fault-free job of 50 ms steps shifts by noise
+# every few seconds, so these bound what noise costs etcd; the simulated slowdowns are found as
+# soon (tests/test_waiting_timeline.py).
+ATTENTIVE_S = 5.0
+ATTENTIVE_MIN_PERIOD_S = 1.0
+ATTENTIVE_PERIOD_S = 2.0
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
@@ -104,6 +117,7 @@ class NodeMonitor:
         self._published_at = 0.0
         self._published_step: int | None = None  # the newest step in the last summary
         self._published_views: dict[str, RankSummary] = {}  # rank -> its view in the last summary
+        self._attentive_until = -math.inf  # the SUMMARY_STEPS rule holds until then (monotonic)
         self._hardware_at = 0.0
         self._gpus: list[dict] = []
         self._host: dict = {}
@@ -222,6 +236,8 @@ class NodeMonitor:
             self.ranks.clear()
             self._published_step = None
             self._published_views = {}
+            # The straggler detector learns the generation's baseline from its first steps.
+            self._attentive_until = time.monotonic() + ATTENTIVE_S
             self.anomalies = []
             self._pending.clear()
             self._stuck_key = None
@@ -345,19 +361,28 @@ class NodeMonitor:
         return self.steps_due(now)
 
     def steps_due(self, now: float) -> bool:
-        """Whether a rank advanced SUMMARY_STEPS steps since the last summary, or advanced at all
-        and its timings shifted (RankTrack.shifted), at most every SUMMARY_MIN_PERIOD_S: such a
-        summary is written even if nothing else in it changed."""
+        """Whether a rank advanced at all and its timings shifted (RankTrack.shifted), or, within
+        ATTENTIVE_S of such a shift, advanced SUMMARY_STEPS steps since the last summary (or
+        ATTENTIVE_PERIOD_S passed since it; at most every ATTENTIVE_MIN_PERIOD_S); at most
+        every SUMMARY_MIN_PERIOD_S: such a summary is written even if nothing else in it
+        changed."""
         if now - self._published_at < SUMMARY_MIN_PERIOD_S:
             return False
         with self._lock:
             newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
-            if newest is None or newest <= (self._published_step or 0):
+            if newest is None:
                 return False
-            return newest >= (self._published_step or 0) + SUMMARY_STEPS or any(
+            advanced = newest > (self._published_step or 0)
+            if advanced and any(
                 track.shifted(self._published_views.get(str(rank)))
                 for rank, track in self.ranks.items()
-            )
+            ):
+                self._attentive_until = now + ATTENTIVE_S
+                return True
+            if now >= self._attentive_until or now - self._published_at < ATTENTIVE_MIN_PERIOD_S:
+                return False
+            steps = advanced and newest >= (self._published_step or 0) + SUMMARY_STEPS
+            return steps or now - self._published_at >= ATTENTIVE_PERIOD_S
 
     def collect(self) -> tuple[MonitorSummary, list[Event]]:
         """(the summary to publish, the new anomalies' events)."""

@@ -7,10 +7,14 @@ persisted) and lists and withdraws each shard in the catalog, each once as its o
 SPACING_S after its previous send), and sends all that came in one transaction
 (`Store.write_all`) from its own thread: the caller never waits for etcd, a burst of N writes
 costs etcd one request, not N, and a writer costs etcd at most one request every SPACING_S
-however often its owner writes (a server saving twice a second lists its saves once a second).
-Not longer: a restarted worker loads from the fastest tier the catalog lists, so a listing 2 s
-late had workers restarted right after a save load from the peer or storage instead of their
-node's memory (tests/test_checkpoint_e2e.py, test_checkpoint_prefetch.py).
+however often its owner writes (a server saving every step lists its saves every 5 s: issue 44,
+one request a node a second for the whole job). A write that comes after a quiet SPACING_S
+goes after LINGER_S alone. What must not wait for the spacing is sent after LINGER_S by
+`hurry()` (or a `put(..., urgent=True)`): the owner's first listing of a generation, the
+listings a restart will look for (a restarted worker loads from the fastest tier the catalog
+lists: a listing 2 s late had workers restarted right after a save load from the peer or
+storage instead of their node's memory, tests/test_checkpoint_e2e.py,
+test_checkpoint_prefetch.py), and everything at `close()`.
 Writes of one name keep their order (the last one queued is the one sent); writes of different
 names may land in any order, and later than requests made directly, so it must not carry a write
 whose order against another name's matters. Nothing is lost to an etcd outage: writes that could
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 
 LEASE_NOT_FOUND = "lease not found"  # etcd's answer to a put under a lease it does not have
 LINGER_S = 0.2  # how long a first write waits for others to go with it
-SPACING_S = 1.0  # the shortest time from one send to the next
+SPACING_S = 5.0  # the shortest time from one send to the next, unless hurried
 RETRY_S = 1.0  # after a failed send
 MAX_QUEUED = 10_000  # writes kept through an outage; beyond, the oldest are dropped
 CLOSE_DEADLINE_S = 2.0
@@ -61,15 +65,26 @@ class BatchWriter:
         self._queued: dict[str, tuple[Any, Lease | None] | None] = {}
         self._dropped = 0
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # something is queued
+        self._nudge = threading.Event()  # hurried or closing: cut the wait short
+        self._hurried = threading.Event()  # send after LINGER_S, whatever the spacing
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, name: str, value: Any, lease: Lease | None = None) -> None:
+    def put(self, name: str, value: Any, lease: Lease | None = None, urgent: bool = False) -> None:
         """Queue a write of `name` (under `lease`); it reaches etcd within about LINGER_S (or
-        SPACING_S after the previous send)."""
+        SPACING_S after the previous send, unless `urgent`: then `hurry()`)."""
         self._queue(name, (value, lease))
+        if urgent:
+            self.hurry()
+
+    def hurry(self) -> None:
+        """Send what is queued (and what comes within LINGER_S) without waiting for SPACING_S
+        since the previous send; it never waits for the send."""
+        self._hurried.set()
+        self._nudge.set()
+        self._wake.set()
 
     def delete(self, name: str) -> None:
         """Queue the deletion of `name`; it reaches etcd as a put would."""
@@ -93,16 +108,31 @@ class BatchWriter:
     def close(self, deadline_s: float = CLOSE_DEADLINE_S) -> None:
         """Send what is queued (giving up after `deadline_s`) and stop the thread."""
         self._closing.set()
+        self._nudge.set()
         self._wake.set()
         self._thread.join(deadline_s + 1.0)
+
+    def _linger(self, sent_at: float) -> None:
+        """Wait LINGER_S for the rest of a burst, and until SPACING_S after the previous send
+        (`sent_at`) unless hurried; not at all when closing."""
+        linger_until = time.monotonic() + LINGER_S
+        while not self._closing.is_set():
+            until = linger_until
+            if not self._hurried.is_set():
+                until = max(until, sent_at + SPACING_S)
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            self._nudge.wait(left)
+            self._nudge.clear()
 
     def _run(self) -> None:
         sent_at = -math.inf  # when the newest successful send began
         while True:
             self._wake.wait()
-            if not self._closing.is_set():  # let the rest of a burst come
-                self._closing.wait(max(LINGER_S, sent_at + SPACING_S - time.monotonic()))
+            self._linger(sent_at)  # let the rest of a burst come
             self._wake.clear()
+            self._hurried.clear()  # what is queued now goes in this send
             with self._lock:
                 batch, dropped = dict(self._queued), self._dropped
                 self._dropped = 0

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from transom.store.access import StoreAccess, StoreError
-from transom.store.etcd_client import Store
+from transom.store.etcd_client import LARGE_TXN_OPS, Store
 from transom.utils.net import free_port
 from transom.utils.procs import die_with_parent, stop_process
 
@@ -64,6 +64,7 @@ class EmbeddedEtcd:
         host: str = "127.0.0.1",
         quota_bytes: int = QUOTA_BYTES,
         go_threads: int | None = None,
+        max_txn_ops: int = LARGE_TXN_OPS,
     ):
         self.data_dir = Path(data_dir)
         self.log_path = log_path or self.data_dir.with_suffix(".log")
@@ -73,6 +74,7 @@ class EmbeddedEtcd:
         self.host = host
         self.quota_bytes = quota_bytes
         self.go_threads = go_threads  # GOMAXPROCS for etcd (None: Go's default or the caller's)
+        self.max_txn_ops = max_txn_ops
         self.client_port = free_port()
         self.peer_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -158,6 +160,9 @@ class EmbeddedEtcd:
             "periodic",
             "--auto-compaction-retention",
             COMPACTION_RETENTION,
+            # The writes one transaction may hold: what a Store tries first (issue 44).
+            "--max-txn-ops",
+            str(self.max_txn_ops),
         ]
         self._command = cmd
         return self._launch()

@@ -35,10 +35,21 @@ from transom.store.retry import (
 )
 
 REQUEST_TIMEOUT_S = 5.0
-# Renewals of a lease per TTL (every holder: a node's agent, a checkpoint server): three may fail
-# or stall before the lease can expire, and a long lease costs etcd as little as it may.
-REFRESHES_PER_TTL = 4
+# Renewals of a lease per TTL (every holder: a node's agent, a checkpoint server, the leading
+# controller): one may fail or stall before the lease can expire. Two, not four (issue 44: a
+# renewal is an etcd request every holder makes for ever, and the job's whole budget is one a
+# node a second): the node agent's fence (transom.control.fence) pauses its workers at 3/4 of
+# the TTL without an answered renewal, which leaves a renewal a quarter of the TTL to be
+# answered (2 s at the default --node-ttl 8) before a pause that etcd answering late would cost.
+REFRESHES_PER_TTL = 2
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: the most writes one transaction may hold
+# What an etcd Transom starts allows (embedded.py passes --max-txn-ops), and what a Store tries
+# first: a checkpoint server saving every step queues several hundred writes (its listings, its
+# withdrawals, its events) in the batch writer's few seconds, which at 128 a transaction were a
+# request a second per node (issue 44). An etcd that allows fewer refuses the transaction whole
+# (TOO_MANY_OPS); the Store then writes in transactions of MAX_TXN_OPS from there on.
+LARGE_TXN_OPS = 1024
+TOO_MANY_OPS = "too many operations in txn request"
 
 T = TypeVar("T")
 
@@ -80,6 +91,7 @@ class Store:
         self.url = self.access.url
         self.job_id = job_id
         self.policy = RetryPolicy(deadline_s=deadline_s, request_timeout_s=timeout)
+        self.txn_ops = LARGE_TXN_OPS  # the most writes a transaction holds (see `_transact`)
         self.client = GatewayClient(
             host=self.access.host,
             port=self.access.port,
@@ -204,19 +216,29 @@ class Store:
 
     def write_all(self, writes: dict[str, tuple[Any, Lease | None] | None]) -> None:
         """Puts (name -> (value, lease or None)) and deletes (name -> None) in as few requests
-        as etcd allows (one transaction per MAX_TXN_OPS: many small writes cost etcd one request
+        as etcd allows (one transaction per `txn_ops`: many small writes cost etcd one request
         each otherwise); each name once, in no particular order."""
         self._transact(_ops(self, writes))
 
     def _transact(
         self, ops: list[dict[str, Any]], compare: tuple[dict[str, Any], ...] = ()
     ) -> bool:
-        """`ops` in transactions of at most MAX_TXN_OPS (the last one full: what must land
-        together goes last), each under `compare`; False at the first one refused."""
-        ends = range(len(ops), 0, -MAX_TXN_OPS)
-        for chunk in reversed([ops[max(0, end - MAX_TXN_OPS) : end] for end in ends]):
+        """`ops` in transactions of at most `txn_ops` (LARGE_TXN_OPS, or MAX_TXN_OPS once etcd
+        refused more; the last one full: what must land together goes last), each under
+        `compare`; False at the first one refused."""
+        size = self.txn_ops
+        ends = range(len(ops), 0, -size)
+        chunks = list(reversed([ops[max(0, end - size) : end] for end in ends]))
+        for i, chunk in enumerate(chunks):
             txn = {"compare": list(compare), "success": chunk, "failure": []}
-            if not self._call(self.client.transaction, txn).get("succeeded", False):
+            try:
+                answer = self._call(self.client.transaction, txn)
+            except StoreError as e:
+                if TOO_MANY_OPS not in str(e) or size <= MAX_TXN_OPS:
+                    raise
+                self.txn_ops = MAX_TXN_OPS  # refused whole: nothing of it landed
+                return self._transact([op for c in chunks[i:] for op in c], compare)
+            if not answer.get("succeeded", False):
                 return False
         return True
 
@@ -275,9 +297,10 @@ class Store:
     # -- fenced writes ----------------------------------------------------------------------
     def put_if_leader(self, leader_id: str, values: dict[str, Any]) -> bool:
         """Write all `values` only while `leader` still holds `leader_id`: in one transaction,
-        or, past etcd's MAX_TXN_OPS (a decision about a thousand nodes has an event for each),
-        in fenced transactions of at most that many, in the order given, stopping at the first
-        refused (so a caller puts what must land together last: the job record and the plan)."""
+        or, past what etcd allows (`txn_ops`: a decision about a thousand nodes has an event for
+        each), in fenced transactions of at most that many, in the order given, stopping at the
+        first refused (so a caller puts what must land together last: the job record and the
+        plan)."""
         fence = {
             "key": _encode(self.key(keys.LEADER)),
             "result": "EQUAL",
