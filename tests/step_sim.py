@@ -8,8 +8,7 @@ waits in, its work after the all-reduce, a sleep between steps, a checkpoint wit
 node's summary (`RankTrack.view`) is published at the agent's ticks when written (as
 `NodeMonitor.steps_due` and the agent's keep-alive: when its timings shifted, after
 SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S; at most every ATTENTIVE_MIN_PERIOD_S) within
-ATTENTIVE_S of a shift or of the
-generation's start, else every
+ATTENTIVE_S of a shift that slowed it or of the generation's start, else every
 `node_reports.SUMMARY_HEARTBEAT_S`),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
@@ -214,7 +213,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
                 and newest > (step or 0)
             )
             shifted = advanced and track.shifted(before)
-            if shifted:
+            if shifted and track.shifted(before, slower_only=True):
                 attentive_until[index] = now + node.ATTENTIVE_S
             due = (
                 now - at >= node_reports.SUMMARY_HEARTBEAT_S

@@ -25,7 +25,7 @@ transom.control.agent like the stand-ins; transom/control is unchanged):
     per RECONNECT_MIN_S for the process. The agent's direct reads (the first, fallbacks,
     resyncs) are its own, one range request each, on its own connection, as a real agent's;
   - lease renewals: each node's own lease, renewed by its own LeaseKeeper (`renew`: one
-    keep-alive request per node every TTL/4, after the previous one ended, on the node's own
+    keep-alive request per node every TTL/2, after the previous one ended, on the node's own
     connection; the same evidence of contact and lease loss for its agent), but scheduled by one
     thread per process (`RenewalScheduler`) and sent by RENEWERS threads instead of a thread
     per node. What differs: when many are due at once a renewal waits for a free sender

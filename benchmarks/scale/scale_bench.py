@@ -2,9 +2,9 @@
 
 For each size N (`--nodes 64,256,1024`) it starts an embedded etcd, writes a job spec (N nodes,
 1 spare, 1 rank a node, the node lease TTL of `--node-ttl`: default NODE_TTL_S, 20 s, a lease
-for a 1,024-node job rather than the 4 s default meant for small jobs (Kubernetes gives a node
+for a 1,024-node job rather than the 8 s default meant for small jobs (Kubernetes gives a node
 40 s; a dead node's workers are found by their exit and the monitor long before its lease
-expires); agents renew it every TTL/4), two real `transom controller` candidates (processes,
+expires); agents renew it every TTL/2), two real `transom controller` candidates (processes,
 as `transom run` starts them), and N + 1 simulated node agents spread over a few processes
 (benchmarks/scale/agents.py: each a real NodeAgent whose workers, monitor, checkpoint server and
 pre-flight are stand-ins, and whose plan watch stream, renewal thread and pause-guard thread
@@ -21,7 +21,7 @@ It measures (and reports node_ttl_s with each size):
                          nothing from etcd, the plan comes by watch; less means the simulator
                          could not keep up, so its fence checks and reports came late)
   renewal_late_max_s     the most a simulated lease renewal was sent after its time in the
-                         steady state (_startup_: before it); more than a fraction of TTL/4
+                         steady state (_startup_: before it); more than a fraction of TTL/2
                          means the simulator could not keep up (an agent counts an outage
                          after TTL/2 without an answer)
   fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
@@ -374,7 +374,7 @@ def main() -> int:
         "--node-ttl",
         type=int,
         default=NODE_TTL_S,
-        help=f"the job's node lease TTL, seconds (default {NODE_TTL_S}; renewed every TTL/4)",
+        help=f"the job's node lease TTL, seconds (default {NODE_TTL_S}; renewed every TTL/2)",
     )
     parser.add_argument(
         "--keep", type=Path, help="run in this directory and keep it (logs, simulator output)"

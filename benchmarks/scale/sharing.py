@@ -6,7 +6,7 @@ so per process there is one of each, while etcd and the controller still see eve
 requests:
   - `SharedPlanStream`: one watch stream on the plan (and the masters' addresses under its name),
     fanned out to each agent's real PlanFollower (`PlanFeed`, `SharedPlanFollower`);
-  - `RenewalScheduler`: each node's own lease, renewed by its own LeaseKeeper every TTL/4 on its
+  - `RenewalScheduler`: each node's own lease, renewed by its own LeaseKeeper every TTL/2 on its
     own connection, scheduled by one thread and sent by RENEWERS threads (`SharedLeaseKeeper`);
   - `GuardSweep`: each agent's real PauseGuard rule, applied every GUARD_TICK_S by one thread
     (`SharedPauseGuard`);

@@ -362,10 +362,10 @@ class NodeMonitor:
 
     def steps_due(self, now: float) -> bool:
         """Whether a rank advanced at all and its timings shifted (RankTrack.shifted), or, within
-        ATTENTIVE_S of such a shift, advanced SUMMARY_STEPS steps since the last summary (or
-        ATTENTIVE_PERIOD_S passed since it; at most every ATTENTIVE_MIN_PERIOD_S); at most
-        every SUMMARY_MIN_PERIOD_S: such a summary is written even if nothing else in it
-        changed."""
+        ATTENTIVE_S of a shift that slowed a rank (or of the generation's start), advanced
+        SUMMARY_STEPS steps since the last summary (or ATTENTIVE_PERIOD_S passed since it; at
+        most every ATTENTIVE_MIN_PERIOD_S); at most every SUMMARY_MIN_PERIOD_S: such a summary
+        is written even if nothing else in it changed."""
         if now - self._published_at < SUMMARY_MIN_PERIOD_S:
             return False
         with self._lock:
@@ -373,11 +373,12 @@ class NodeMonitor:
             if newest is None:
                 return False
             advanced = newest > (self._published_step or 0)
-            if advanced and any(
-                track.shifted(self._published_views.get(str(rank)))
-                for rank, track in self.ranks.items()
-            ):
-                self._attentive_until = now + ATTENTIVE_S
+            views = [(t, self._published_views.get(str(r))) for r, t in self.ranks.items()]
+            if advanced and any(track.shifted(view) for track, view in views):
+                # Attentive only when a rank got slower: one that got faster again (noise, or a
+                # straggler recovering) is news once, and lags nobody.
+                if any(track.shifted(view, slower_only=True) for track, view in views):
+                    self._attentive_until = now + ATTENTIVE_S
                 return True
             if now >= self._attentive_until or now - self._published_at < ATTENTIVE_MIN_PERIOD_S:
                 return False

@@ -89,10 +89,11 @@ class RankTrack:
                 self.busies.append(max(0.0, cycle - wait))
         return True
 
-    def shifted(self, published: RankSummary | None) -> bool:
-        """Whether its timings shifted since `published`, its view in the node's last summary."""
+    def shifted(self, published: RankSummary | None, slower_only: bool = False) -> bool:
+        """Whether its timings shifted since `published`, its view in the node's last summary
+        (with `slower_only`: grew, waiting.timings_shifted)."""
         return waiting.timings_shifted(
-            published, self.busy_s(), _trimmed_mean(self.computes), self.stall_s()
+            published, self.busy_s(), _trimmed_mean(self.computes), self.stall_s(), slower_only
         )
 
     def busy_s(self) -> float | None:

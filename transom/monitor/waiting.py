@@ -92,14 +92,18 @@ def timings_shifted(
     busy_s: float | None,
     compute_s: float | None,
     stall_s: float | None = None,
+    slower_only: bool = False,
 ) -> bool:
     """Whether a rank's busy, compute or stall time (now `busy_s`, `compute_s`, `stall_s`) moved
-    by TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with)."""
+    by TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with);
+    with `slower_only`, grew by that much (a rank beginning to lag)."""
     if before is None or not before.step_s:
         return False
     bar = TIMING_SHIFT_FRACTION * before.step_s
     return any(
-        now is not None and then is not None and abs(now - then) >= bar
+        now is not None
+        and then is not None
+        and (now - then if slower_only else abs(now - then)) >= bar
         for now, then in (
             (busy_s, before.busy_s),
             (compute_s, before.compute_s),
