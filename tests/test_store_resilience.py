@@ -15,7 +15,7 @@ from etcd3gw import exceptions as etcd_errors
 
 from transom.store import EmbeddedEtcd, Store, StoreError
 from transom.store.reachability import StoreOutage
-from transom.store.upkeep import EtcdUpkeep
+from transom.store.upkeep import ROOMY_FACTOR, EtcdUpkeep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,8 +147,9 @@ def test_a_full_database_is_compacted_defragmented_and_disarmed(etcd):
 
 
 def test_a_check_of_an_etcd_with_room_is_one_request(etcd):
-    """The upkeep runs every 5 s for the job's life: etcd's status (which lists raised alarms)
-    is all a pass asks while the database has room."""
+    """The upkeep runs for the job's life: etcd's status (which lists raised alarms) is all a
+    pass asks while the database has room, and the next pass is ROOMY_FACTOR times later while
+    the database is under half its quota."""
     store = Store(etcd.access, f"j-{uuid.uuid4().hex[:8]}")
     asked: list[str] = []
     request = store.request
@@ -161,6 +162,7 @@ def test_a_check_of_an_etcd_with_room_is_one_request(etcd):
     upkeep = EtcdUpkeep(store, etcd.quota_bytes)
     assert upkeep.check() == [] and asked == ["maintenance/status"]
     assert upkeep.status().full is False
+    assert upkeep.wait_s == upkeep.check_every_s * ROOMY_FACTOR
 
 
 def test_a_killed_etcd_restarts_from_its_data_with_its_certificates(etcd):
