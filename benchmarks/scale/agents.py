@@ -81,7 +81,12 @@ from benchmarks.scale.sharing import (  # noqa: E402
 from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
-from transom.monitor.node import SUMMARY_PERIOD_S, SUMMARY_STEPS  # noqa: E402
+from transom.monitor.node import (  # noqa: E402
+    ATTENTIVE_MIN_PERIOD_S,
+    ATTENTIVE_S,
+    SUMMARY_PERIOD_S,
+    SUMMARY_STEPS,
+)
 from transom.store import Store, StoreAccess  # noqa: E402
 
 STEP_S = 0.5  # one stand-in training step
@@ -156,9 +161,11 @@ class StandInMonitor:
         self.group: StandInGroup | None = None
         self._published_at = 0.0
         self._published_step: int | None = None
+        self._attentive_until = -float("inf")
 
     def new_generation(self, generation: int) -> None:
         self.generation, self.expected = generation, []
+        self._attentive_until = time.monotonic() + ATTENTIVE_S
 
     def expect_ranks(self, ranks: list[int], stacks_dir: Path | None = None) -> None:
         self.expected = list(ranks)
@@ -186,7 +193,10 @@ class StandInMonitor:
         return now - self._published_at >= SUMMARY_PERIOD_S or self.steps_due(now)
 
     def steps_due(self, now: float) -> bool:
-        """As the real monitor: SUMMARY_STEPS new steps since the last summary."""
+        """As the real monitor: SUMMARY_STEPS new steps since the last summary, while attentive
+        (its steps' timings never shift: for ATTENTIVE_S after a generation's start)."""
+        if now >= self._attentive_until or now - self._published_at < ATTENTIVE_MIN_PERIOD_S:
+            return False
         newest = self.newest_step()
         return newest is not None and newest >= (self._published_step or 0) + SUMMARY_STEPS
 

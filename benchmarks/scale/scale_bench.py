@@ -23,7 +23,7 @@ It measures (and reports node_ttl_s with each size):
   renewal_late_max_s     the most a simulated lease renewal was sent after its time in the
                          steady state (_startup_: before it); more than a fraction of TTL/2
                          means the simulator could not keep up (an agent counts an outage
-                         after TTL/2 without an answer)
+                         after 5/8 of the TTL without an answer)
   fault_to_plan_s        a member node dies (its agent stops, then its lease is revoked: the
                          moment its lease expires) -> the plan of the next generation arrives
   fault_to_all_acting_s  the same moment -> every member of the new plan has followed it
