@@ -48,12 +48,13 @@ def main() -> int:
         warm_workers=True,
         requests_every=args.requests_every,
     )
-    runs = []
+    runs, step_rates = [], []
     with tempfile.TemporaryDirectory(prefix="transom-etcd-requests-") as tmp:
         for i in range(args.runs):
             result = job_overhead.transom(Path(tmp), job_args)
             per_node = {k: v / result["nodes"] for k, v in result["requests"].items()}
             runs.append(per_node)
+            step_rates.append(result["step_rate"])
             print(
                 f"run {i + 1}/{args.runs}: {per_node.get('total', 0.0):.2f} requests a node a "
                 f"second at {result['step_rate']:.1f} steps/s",
@@ -71,6 +72,7 @@ def main() -> int:
         print(json.dumps({
             "per_node_s": mean, "runs": runs, "nodes": job_overhead.NODES, "steps": args.steps,
             "ckpt_every": args.ckpt_every, "target_per_node_s": TARGET_PER_NODE_S,
+            "step_rates": step_rates,
         }))  # fmt: skip
     return 0
 

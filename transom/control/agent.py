@@ -39,16 +39,9 @@ from typing import Any
 from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
-from transom.control import bootstrap, links
+from transom.control import bootstrap, fence, links
 from transom.control.ckpt_node import NodeCheckpointServer
-from transom.control.fence import (
-    PAUSE_TTL_SHARE,
-    RIDING_OUT,
-    PauseGuard,
-    fence_reason,
-    fenced,
-    until_reached,
-)
+from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, fenced, until_reached
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
 from transom.control.node_reports import STARTING_QUIET_S, NodeReports
@@ -71,7 +64,7 @@ log = logging.getLogger("transom.agent")
 TICK_S = 0.2  # the local loop (workers, monitor, warm pool); it costs etcd nothing by itself
 # No answer from etcd for this share of the node TTL is an outage: a renewal period (TTL /
 # REFRESHES_PER_TTL) and half the time its renewal has before the fence's pause.
-OVERDUE_TTL_SHARE = (1 / REFRESHES_PER_TTL + PAUSE_TTL_SHARE) / 2
+OVERDUE_TTL_SHARE = (1 / REFRESHES_PER_TTL + fence.PAUSE_TTL_SHARE) / 2
 EXIT_EVICTED = 3
 
 
