@@ -97,7 +97,10 @@ def test_killed_worker_resumes_from_node_memory(start_job, persist_every):
 
 
 def test_spare_restores_the_dead_nodes_ranks_from_the_peer_replica_prefetched(start_job):
-    job = start_job("--nnodes", "2", "--spares", "1", "--nproc-per-node", "1", SCRIPT, *SMALL)
+    # A 4 s lease (the default is 8): the dead node is evicted well before the job could end.
+    job = start_job(
+        "--nnodes", "2", "--spares", "1", "--nproc-per-node", "1", "--node-ttl", "4", SCRIPT, *SMALL
+    )  # fmt: skip
     wait_for(lambda: saved_step(job) >= 6, 90, "two checkpoints in memory")
     agent = wait_for(
         lambda: next(
