@@ -30,6 +30,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says why."""
 
 
+# What every rank of a world raises when no step is good for all of them (agreement.py); the
+# controller reads it in the workers' logs (control/failures.py, control/policy.py).
+LOAD_FAILED = "no step could be loaded by every rank"
+# What a rank whose own copies were good says then: its agent counts it as a peer's failure.
+PEER_COPIES_BAD = "another rank's copies were bad"
+
+
 class RequestTimeout(CheckpointError):
     """The node's checkpoint server did not answer a request in time."""
 
