@@ -52,6 +52,8 @@ class ServerConnection:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # How many connections it closed or lost: what one of them reserved is no longer held.
+        self.dropped = 0
         # The `send` request whose reply is still to be read: (its receiver, its op).
         self._unanswered: tuple[_Receiver, str] | None = None
 
@@ -189,6 +191,7 @@ class ServerConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self.dropped += 1
 
     def close(self) -> None:
         """Read the unanswered `send` request's reply, then disconnect."""

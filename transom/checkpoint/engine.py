@@ -61,11 +61,12 @@ from transom.checkpoint.client import (
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.header_tables import WorkerTables
 from transom.checkpoint.next_region import NextRegion, ReservedAhead
 from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
-from transom.checkpoint.shard_format import Header, Timeline
+from transom.checkpoint.shard_format import Timeline
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
@@ -124,6 +125,7 @@ class Engine:
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._next = NextRegion(self.connection, self._maps, self.rank)
         self._ahead = ReservedAhead(self.connection, self.rank)
+        self._tables = WorkerTables()
         self._pending: list[threading.Thread] = []
         self.last_load: dict[str, Any] = {}
         self.last_shard = reshard.ShardRead()  # the world size and resharding record read
@@ -153,7 +155,7 @@ class Engine:
             return False
         if isinstance(reply, wire.Region) and reply.path and plan.data_len:
             data = self._maps.get(reply.path, plan.data_len)  # map it now, not during the save
-            if _cuda_devices(plan):
+            if plan.cuda_devices():
                 self._pinned.pin(data)  # and register it now, not during the save
         return isinstance(reply, wire.Region)
 
@@ -198,11 +200,11 @@ class Engine:
         self._forget_unlinked()
         data = self._maps.get(reply.path, reply.nbytes)
         handle = SaveHandle(self, step, self.rank)
-        devices = _cuda_devices(plan)
+        devices = plan.cuda_devices()
         if overlap and not devices:
             self._copy.start(
                 functools.partial(flatten.copy_into, plan, data),
-                functools.partial(self._copied, handle, plan.header, persist, reserve),
+                functools.partial(self._copied, handle, plan, persist, reserve),
             )
             handle.blocking_s = time.perf_counter() - t0
             self._next.after(plan.data_len, step)
@@ -220,12 +222,12 @@ class Engine:
             # those streams are ordered after it, so training may go on.
             done = [torch.cuda.current_stream(d).record_event() for d in devices]
             self._pinned.copying(data, done)
-            args = (handle, plan.header, persist, done)
+            args = (handle, plan, persist, done)
             thread = threading.Thread(target=self._commit_after, args=args, daemon=True)
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
             thread.start()
         else:
-            self._commit(handle, plan.header, persist, wait=False)
+            self._commit(handle, plan, persist, wait=False)
         handle.blocking_s = time.perf_counter() - t0
         if handle.ok:
             self._next.after(plan.data_len, step)
@@ -244,15 +246,20 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(self, handle: SaveHandle, header: Header, persist: bool, wait: bool = True) -> None:
-        """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
-        is written: its reply comes with the connection's next request (or `handle.wait`)."""
-        request = wire.Commit(handle.step, self.rank, header, persist)
+    def _commit(
+        self, handle: SaveHandle, plan: flatten.Plan, persist: bool, wait: bool = True
+    ) -> None:
+        """Tell the server the copy of `handle`'s shard is done (its header's tables once per
+        connection: header_tables.py). Without `wait` only the request is written, in full:
+        its reply comes with the connection's next request (or `handle.wait`)."""
+        request = wire.Commit(handle.step, self.rank, plan.header, persist, plan.tables)
         if not wait:
             self.connection.send(request, functools.partial(self._commit_answered, handle))
             return
         try:
-            reply: wire.Done | wire.Failed | CheckpointError = self.connection.request(request)
+            reply: wire.Done | wire.Failed | CheckpointError = self._tables.commit(
+                self.connection, request
+            )
         except CheckpointError as e:
             reply = e
         self._commit_answered(handle, reply)
@@ -271,11 +278,7 @@ class Engine:
             handle._committed.set()
 
     def _commit_after(
-        self,
-        handle: SaveHandle,
-        header: Header,
-        persist: bool,
-        done: list[torch.cuda.Event],
+        self, handle: SaveHandle, plan: flatten.Plan, persist: bool, done: list[torch.cuda.Event]
     ) -> None:
         try:
             for event in done:
@@ -285,12 +288,12 @@ class Engine:
             error = CheckpointError(f"step {handle.step}: the copy from the GPU failed: {e}")
             self._commit_answered(handle, error)  # `wait` raises it, never waits for ever
             return
-        self._commit(handle, header, persist)
+        self._commit(handle, plan, persist)
 
     def _copied(
         self,
         handle: SaveHandle,
-        header: Header,
+        plan: flatten.Plan,
         persist: bool,
         reserved: wire.Reserve,
         error: BaseException | None,
@@ -301,7 +304,7 @@ class Engine:
             self._abort(handle.step)
             failed = CheckpointError(f"step {handle.step}: the copy failed: {error!r}")
             return self._commit_answered(handle, failed)  # `wait` raises it
-        self._commit(handle, header, persist)
+        self._commit(handle, plan, persist)
         if handle.ok:
             self._ahead.after(handle.step, reserved.nbytes, reserved.world_size, self.generation)
 
@@ -493,8 +496,3 @@ class Engine:
 def _env_step(name: str) -> int | None:
     """A step the launcher passed in the environment variable `name`; None when absent."""
     return int(os.environ[name]) if os.environ.get(name) else None
-
-
-def _cuda_devices(plan: flatten.Plan) -> set[torch.device]:
-    """The GPUs `plan` copies from (none: a CPU save)."""
-    return {r.source.device for r in plan.ranges if r.source.is_cuda}

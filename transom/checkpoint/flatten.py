@@ -15,6 +15,7 @@ writes to them.
 from __future__ import annotations
 
 import base64
+import itertools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -46,6 +47,13 @@ class Plan:
     header: Header
     ranges: list[StorageRange] = field(default_factory=list)
     data_len: int = 0
+    # The number of its tensor and storage tables while they are kept for the next plans (the
+    # server is sent them once: header_tables.py); None when they are not.
+    tables: int | None = None
+
+    def cuda_devices(self) -> set[torch.device]:
+        """The GPUs it copies from (none: a CPU save)."""
+        return {r.source.device for r in self.ranges if r.source.is_cuda}
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -161,8 +169,10 @@ class _Tables:
     storages: list[dict[str, int]]
     ranges: list[tuple[int, int, int, int]]
     data_len: int
+    number: int | None = None  # kept for the next plans: `Plan.tables`
 
 
+_NUMBERS = itertools.count(1)
 # The tables planned lately, newest first (a process may save a few different states in turn).
 _TABLES: list[_Tables] = []
 KEPT_TABLES = 4
@@ -244,7 +254,7 @@ def plan_state(
 
     tree = encode(state)
     tables = _tables(leaves)
-    plan = Plan(header={}, data_len=tables.data_len)
+    plan = Plan(header={}, data_len=tables.data_len, tables=tables.number)
     plan.ranges = [
         StorageRange(_source(leaves[i], lo, nbytes), offset, nbytes)
         for i, lo, nbytes, offset in tables.ranges
@@ -304,7 +314,8 @@ def _plan_tables(leaves: list[torch.Tensor], keys: list[tuple[Any, ...]] | None)
             tensors[i]["storage"] = index
             tensors[i]["byte"] -= lo
         offset = align(offset + nbytes, STORAGE_ALIGN)
-    tables = _Tables(keys or [], tensors, storage_table, ranges, offset)
+    number = next(_NUMBERS) if keys is not None else None
+    tables = _Tables(keys or [], tensors, storage_table, ranges, offset, number)
     if keys is not None:
         _TABLES.insert(0, tables)
         del _TABLES[KEPT_TABLES:]

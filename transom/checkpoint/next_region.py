@@ -96,7 +96,8 @@ class ReservedAhead:
         self.connection = connection
         self.rank = rank
         self._last: int | None = None  # the step saved last
-        self._held: tuple[Reserve, Region] | None = None
+        # The reservation, and `ServerConnection.dropped` when it was made.
+        self._held: tuple[Reserve, Region, int] | None = None
 
     def after(self, step: int, nbytes: int, world_size: int, generation: int | None) -> None:
         """Step `step` of `nbytes` is saved: reserve the region of step + 1 if the save before
@@ -112,13 +113,14 @@ class ReservedAhead:
             log.debug("no region reserved ahead of step %d: %s", step + 1, e)
             return
         if isinstance(reply, Region):
-            self._held = (request, reply)
+            self._held = (request, reply, self.connection.dropped)
 
     def take(self, request: Reserve) -> Region | None:
-        """The region reserved ahead for `request`'s save, if one was; a reservation made for
-        another save is given back (None: reserve as ever)."""
+        """The region reserved ahead for `request`'s save, if one was and its connection still
+        holds it (the server gives back what a closed connection reserved); a reservation made
+        for another save is given back (None: reserve as ever)."""
         held, self._held = self._held, None
-        if held is None:
+        if held is None or held[2] != self.connection.dropped:
             return None
         if held[0] == request:
             return held[1]
@@ -129,7 +131,7 @@ class ReservedAhead:
         """Give back a reservation not taken (a load, or the engine closing)."""
         held, self._held = self._held, None
         self._last = None
-        if held is not None:
+        if held is not None and held[2] == self.connection.dropped:
             self.give_back(held[0])
 
     def give_back(self, reserved: Reserve) -> None:
