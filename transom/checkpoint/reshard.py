@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from transom.checkpoint import layout
+from transom.checkpoint import flatten, layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.reshard_steps import HEADER_KEY
 from transom.checkpoint.shard_format import Header, Timeline
@@ -156,13 +156,13 @@ def plan_state(
     world_size: int,
     replicated: Iterable[str | Path_] = (),
     timeline: Timeline | None = None,
-) -> layout.Plan:
-    """`layout.plan_state` of the state `describe` makes, its header carrying the record.
+) -> flatten.Plan:
+    """`flatten.plan_state` of the state `describe` makes, its header carrying the record.
     A state without DTensors is planned as it is, without `describe`'s walk."""
     if not isinstance(state, DcpShard):
         try:
-            plan = layout.plan_state(state, step, rank, world_size, timeline, _dtensor_type())
-        except layout.Diverted:
+            plan = flatten.plan_state(state, step, rank, world_size, timeline, _dtensor_type())
+        except flatten.Diverted:
             pass  # a DTensor in it: its local chunk is saved, and where it lies
         else:
             declared = _declared(replicated)
@@ -170,7 +170,7 @@ def plan_state(
                 plan.header[HEADER_KEY] = {"replicated": [list(p) for p in declared], "sharded": []}
             return plan
     state, record = describe(state, replicated)
-    plan = layout.plan_state(state, step, rank, world_size, timeline)
+    plan = flatten.plan_state(state, step, rank, world_size, timeline)
     if record is not None:
         plan.header[HEADER_KEY] = record
     return plan

@@ -286,6 +286,9 @@ class Commit(Request[Done]):
     rank: int
     header: Header  # the shard's header; the pipeline checks it (shard_format)
     persist: bool = True  # False: memory and peer only
+    # The number of the header's tensor and storage tables: a header without them names the
+    # ones its connection sent with this number before (header_tables.py).
+    tables: int | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Commit:
@@ -294,7 +297,12 @@ class Commit(Request[Done]):
         persist = msg.get("persist", True)
         if not isinstance(persist, bool):
             raise ValueError(f"persist must be true or false, not {_short(persist)}")
-        return cls(field_int(msg, "step"), field_int(msg, "rank"), msg["header"], persist)
+        step, rank, tables = (
+            field_int(msg, "step"),
+            field_int(msg, "rank"),
+            _optional_int(msg, "tables"),
+        )
+        return cls(step, rank, msg["header"], persist, tables)
 
 
 @dataclass(frozen=True)
