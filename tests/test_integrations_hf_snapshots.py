@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 STEPS, STOP = 8, 5
 
 
-def _trainer(out: Path, callbacks: list, nan_step: int = -1):
+def _trainer(out: Path, callbacks: list, nan_step: int = -1, save_steps: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -47,7 +47,8 @@ def _trainer(out: Path, callbacks: list, nan_step: int = -1):
         per_device_train_batch_size=4,
         learning_rate=1e-3,
         logging_steps=1000,
-        save_strategy="no",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
@@ -121,3 +122,31 @@ def test_a_step_whose_loss_is_not_finite_is_not_snapshotted(tmp_path, monkeypatc
     trainer.train()
     # Step 3's loss is NaN and so is every later one (the weights are poisoned from step 3 on).
     assert saved == [1, 2]
+
+
+def test_a_state_that_cannot_be_snapshotted_falls_back_to_the_trainer_s_folders(
+    tmp_path, monkeypatch
+):
+    """A Trainer state the engine cannot hold (here: an object in it) is not a failure: a
+    warning, and the checkpoint folders the Trainer saves go through the engine instead."""
+    from transom.common import env
+    from transom.integrations import hf, hf_state
+
+    monkeypatch.setenv(env.CHECKPOINT_DIR, str(tmp_path / "ckpt"))
+    real_snapshot = hf_state.snapshot
+    monkeypatch.setattr(hf_state, "snapshot", lambda *a: {**real_snapshot(*a), "custom": object()})
+    reference = _trainer(tmp_path / "ref", [])
+    reference.train()
+    expected = _weights(reference)
+
+    callbacks = [hf.TransomCallback(), hf.TransomCheckpoints(), _stop_at(STOP)]
+    first = _trainer(tmp_path / "out", callbacks, save_steps=STOP)
+    first.train()
+    assert callbacks[1].every_step is False
+    monkeypatch.setenv(env.RESTORE_STEP, str(STOP))
+    folder = hf.resume_checkpoint(tmp_path / "out")
+    assert folder is not None and (Path(folder) / "model.safetensors").is_file()  # the Trainer's
+    second = _trainer(tmp_path / "out", [])
+    second.train(resume_from_checkpoint=folder)
+    got = _weights(second)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -132,17 +132,27 @@ class TransomCheckpoints(TrainerCallback):
         step = int(state.global_step)
         if not steps.finite(step):
             return  # a NaN's step: the rollback restores the one before it
-        part = hf_state.snapshot(
-            state,
-            kwargs.get("model"),
-            kwargs.get("optimizer"),
-            kwargs.get("lr_scheduler"),
-            _rank(),
-            int(args.world_size),
-        )
-        handle = engine().save(
-            step, {**part, STEP: step}, persist=control.should_save, overlap=self.overlap
-        )
+        try:
+            part = hf_state.snapshot(
+                state,
+                kwargs.get("model"),
+                kwargs.get("optimizer"),
+                kwargs.get("lr_scheduler"),
+                _rank(),
+                int(args.world_size),
+            )
+            handle = engine().save(
+                step, {**part, STEP: step}, persist=control.should_save, overlap=self.overlap
+            )
+        except (TypeError, ValueError, AttributeError) as e:  # UnsupportedValue is a TypeError
+            # A state the engine cannot hold: the Trainer's own checkpoint folders go instead.
+            log.warning(
+                "transom cannot snapshot this Trainer's state (%s): sending its "
+                "checkpoint folders instead",
+                e,
+            )
+            self.every_step = False
+            return
         if not handle.ok:
             log.warning("transom snapshot of step %d refused: %s", step, handle.error)
 
@@ -186,14 +196,18 @@ def resume_checkpoint(output_dir: str | os.PathLike) -> str | None:
     folder = Path(output_dir) / "transom-restore" / f"rank{rank}" / f"checkpoint-{step}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    if isinstance(own, dict) and isinstance(zero, dict) and "rng" in own and "model" in zero:
-        hf_state.write_folder(folder, own, zero, rank)
-        return str(folder)
-    shards = [own] if rank == 0 else [zero, own]
-    if any(not isinstance(shard, dict) or FILES not in shard for shard in shards):
-        raise FileNotFoundError(f"no transom checkpoint of step {step} for rank {rank}")
-    for shard in shards:
-        for name, data in shard[FILES].items():
-            if not _RNG.fullmatch(name) or _own_file(name, rank):
-                (folder / os.path.basename(name)).write_bytes(data.numpy().tobytes())
+    # Each part a snapshot (hf_state.py) or a folder's files (`every_step=False`, or a rank whose
+    # state could not be snapshotted): rank 0's holds the state, this rank's its RNG.
+    for shard, part in ((zero, "model"), (own, "rng")):
+        if not isinstance(shard, dict) or (part not in shard and FILES not in shard):
+            raise FileNotFoundError(f"no transom checkpoint of step {step} for rank {rank}")
+        if part == "model" and part in shard:
+            hf_state.write_state(folder, shard)
+        elif part == "rng" and part in shard:
+            hf_state.write_rng(folder, shard, rank)
+        else:
+            for name, data in shard[FILES].items():
+                rng = _RNG.fullmatch(name) is not None
+                if (not rng) if part == "model" else (rng and _own_file(name, rank)):
+                    (folder / os.path.basename(name)).write_bytes(data.numpy().tobytes())
     return str(folder)

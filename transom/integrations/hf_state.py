@@ -3,8 +3,8 @@
 `snapshot` takes what the Trainer's own checkpoint holds, as tensors and plain values for
 transom.checkpoint (no pickling, no files): on global rank 0 the model's and optimizer's state
 dicts, the scheduler's and the trainer state (as its JSON), on every rank its RNG states (the
-Python generator's 625 numbers as one tensor). `write_folder` turns a snapshot back into the
-folder the Trainer resumes from, in the Trainer's own formats: `pytorch_model.bin`,
+Python generator's 625 numbers as one tensor). `write_state` and `write_rng` turn snapshots back
+into the folder the Trainer resumes from, in the Trainer's own formats: `pytorch_model.bin`,
 `optimizer.pt`, `scheduler.pt`, `trainer_state.json` and `rng_state[_R].pth`, each as the
 Trainer's `_save_checkpoint` would have written it (the model's weights saved with torch.save,
 so tied weights stay tied, which safetensors refuses).
@@ -68,14 +68,17 @@ def trainer_state_json(state: Any) -> str:
     return json.dumps(fields, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def write_folder(folder: Path, own: dict[str, Any], zero: dict[str, Any], rank: int) -> None:
-    """Write the checkpoint folder rank `rank` resumes from: the model, optimizer, scheduler and
-    trainer state of rank 0's part `zero`, the RNG states of its own part `own`."""
+def write_state(folder: Path, zero: dict[str, Any]) -> None:
+    """Write the model, optimizer, scheduler and trainer state of rank 0's part `zero`."""
     _save(zero["model"], folder / "pytorch_model.bin")
     _save(zero["optimizer"], folder / "optimizer.pt")
     if "scheduler" in zero:
         _save(zero["scheduler"], folder / "scheduler.pt")
     (folder / "trainer_state.json").write_text(zero["trainer_state"])
+
+
+def write_rng(folder: Path, own: dict[str, Any], rank: int) -> None:
+    """Write rank `rank`'s RNG states from its own part `own`, named as the Trainer names them."""
     rng = dict(own["rng"])
     python = rng["python"]
     rng["python"] = (
