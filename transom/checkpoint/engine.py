@@ -55,11 +55,12 @@ from transom.checkpoint.client import (
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.load_record import LoadRecord
 from transom.checkpoint.next_region import NextRegion
 from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
-from transom.checkpoint.shard_format import Header, Timeline
+from transom.checkpoint.shard_format import ShardHeader, Timeline
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
@@ -99,7 +100,7 @@ class Engine:
         storage_env = os.environ.get(env.CHECKPOINT_DIR)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
-        # The timeline every shard is saved under (job, generation, world size: shard_format.py).
+        # The timeline every shard is saved under (job, generation, world size: `Timeline`).
         self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
         # Under a launcher: this worker's generation (the plan decides what `load` restores).
         launched = os.environ.get(env.GENERATION)
@@ -118,7 +119,7 @@ class Engine:
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._next = NextRegion(self.connection, self._maps, self.rank)
         self._pending: list[threading.Thread] = []
-        self.last_load: dict[str, Any] = {}
+        self.last_load: LoadRecord | None = None  # what the last successful load read
         self.last_shard = reshard.ShardRead()  # the world size and resharding record read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
@@ -131,8 +132,8 @@ class Engine:
         return server
 
     def timeline(self) -> Timeline:
-        """The timeline this engine's shards are saved under (shard_format.timeline)."""
-        return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
+        """The timeline this engine's shards are saved under."""
+        return Timeline(str(self.job_id), self.generation or 0, self.world_size)
 
     # -- save ------------------------------------------------------------------------------------
     def prepare(self, state: Any) -> bool:
@@ -239,7 +240,9 @@ class Engine:
             )
         return SaveHandle(self, step, self.rank, error=error)
 
-    def _commit(self, handle: SaveHandle, header: Header, persist: bool, wait: bool = True) -> None:
+    def _commit(
+        self, handle: SaveHandle, header: ShardHeader, persist: bool, wait: bool = True
+    ) -> None:
         """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
         is written: its reply comes with the connection's next request (or `handle.wait`)."""
         request = wire.Commit(handle.step, self.rank, header, persist)
@@ -268,7 +271,7 @@ class Engine:
     def _commit_after(
         self,
         handle: SaveHandle,
-        header: Header,
+        header: ShardHeader,
         persist: bool,
         done: list[torch.cuda.Event],
     ) -> None:
@@ -283,7 +286,7 @@ class Engine:
         self._commit(handle, header, persist)
 
     def _copied(
-        self, handle: SaveHandle, header: Header, persist: bool, error: BaseException | None
+        self, handle: SaveHandle, header: ShardHeader, persist: bool, error: BaseException | None
     ) -> None:
         """An overlapped copy ended (overlap.py): commit it, or give its region back."""
         if error is not None:
@@ -347,7 +350,7 @@ class Engine:
         None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
         "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
-        world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
+        world of another size is resharded for this rank (reshard.py; `last_load.resharded`
         says what was left out)."""
         self._copy.wait_finished()  # a save being copied: its step may be the one loaded
         floor = self.restore_step() if step is None else None
@@ -415,7 +418,7 @@ class Engine:
                     )
                     continue
                 took = time.perf_counter() - t0
-                self.last_load = {"step": step, "tier": name, "seconds": took}
+                self.last_load = LoadRecord(step, name, took)
                 self.last_shard = reshard.load_info(header)
                 self.report_event(
                     "restored",

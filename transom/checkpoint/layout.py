@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from transom.checkpoint.shard_format import (
-    FORMAT_VERSION,
-    Header,
     ShardError,
+    ShardHeader,
     Timeline,
     align,
     check_timeline,
@@ -84,7 +83,7 @@ class StorageRange:
 class Plan:
     """A state flattened: the header without checksums and the byte ranges to copy."""
 
-    header: Header
+    header: ShardHeader
     ranges: list[StorageRange] = field(default_factory=list)
     data_len: int = 0
 
@@ -270,33 +269,30 @@ def plan_state(
         return len(tensors) - 1
 
     tree = encode(state)
-    plan = Plan(header={})
-    storage_table: list[dict[str, int]] = []
+    ranges: list[StorageRange] = []
+    storage_table: list[tuple[int, int]] = []
     offset = 0
     for group in storages.values():
         lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
         nbytes = group["hi"] - lo
-        plan.ranges.append(StorageRange(_source(group["example"], lo, nbytes), offset, nbytes))
+        ranges.append(StorageRange(_source(group["example"], lo, nbytes), offset, nbytes))
         index = len(storage_table)
-        storage_table.append({"offset": offset, "nbytes": nbytes})
+        storage_table.append((offset, nbytes))
         for i in group["tensors"]:
             tensors[i]["storage"] = index
             tensors[i]["byte"] -= lo
         offset = align(offset + nbytes, STORAGE_ALIGN)
-    plan.data_len = offset
-    plan.header = {
-        "format": FORMAT_VERSION,
-        "step": int(step),
-        "rank": int(rank),
-        "world_size": int(world_size),
-        "tree": tree,
-        "tensors": tensors,
-        "storages": storage_table,
-        "data_len": offset,
-    }
-    if timeline is not None:
-        plan.header["timeline"] = timeline
-    return plan
+    header = ShardHeader(
+        step=int(step),
+        rank=int(rank),
+        world_size=int(world_size),
+        data_len=offset,
+        tree=tree,
+        tensors=tuple(tensors),
+        storages=tuple(storage_table),
+        timeline=timeline,
+    )
+    return Plan(header, ranges, offset)
 
 
 def copy_into(plan: Plan, data: torch.Tensor, non_blocking: bool = False) -> None:
@@ -318,21 +314,19 @@ def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
 
 
 def rebuild(
-    header: Header,
+    header: ShardHeader,
     data: torch.Tensor | memoryview,
     expected_timeline: Timeline | None = None,
 ) -> Any:
     """The state saved in a shard, its tensors viewing `data` (the data region: a uint8 CPU
     tensor, or a writable buffer such as a tier's `read` returns, viewed without a copy).
 
-    The header's tables are validated against the data length first, so a crafted header
-    cannot make a tensor reach outside the data. Every malformed header raises `ShardError`
-    (never RecursionError, RuntimeError, OverflowError, ...), so a loader falls back to the next
-    copy. `expected_timeline`: also refuse a shard of another timeline
-    (see shard_format.timeline).
+    The header's fields were checked when it was read (`ShardHeader.from_json`); its tables are
+    validated against the data length here, so a crafted header cannot make a tensor reach
+    outside the data. Every malformed header raises `ShardError` (never RecursionError,
+    RuntimeError, OverflowError, ...), so a loader falls back to the next copy.
+    `expected_timeline`: also refuse a shard of another timeline (`Timeline`).
     """
-    if not isinstance(header, dict):
-        raise ShardError("shard header is not an object")
     if expected_timeline is not None:
         check_timeline(header, expected_timeline)
     if not isinstance(data, torch.Tensor):
@@ -356,18 +350,9 @@ def rebuild(
         raise ShardError(f"shard header is malformed ({reason})") from None
 
 
-def _rebuild(header: Header, data: torch.Tensor) -> Any:
-    if header.get("format") != FORMAT_VERSION:
-        raise ShardError(f"shard format {header.get('format')} is not supported")
+def _rebuild(header: ShardHeader, data: torch.Tensor) -> Any:
     data_len = data.numel()
-    try:
-        storages = [(int(s["offset"]), int(s["nbytes"])) for s in header["storages"]]
-        table = header["tensors"]
-        tree = header["tree"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ShardError(f"shard header lacks its tables: {e}") from e
-    if not isinstance(table, list):
-        raise ShardError("shard tensor table is not a list")
+    storages, table, tree = list(header.storages), header.tensors, header.tree
     for off, n in storages:
         if off < 0 or n < 0 or off + n > data_len:
             raise ShardError(

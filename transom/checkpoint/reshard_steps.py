@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-HEADER_KEY = "reshard"  # the shard header's field (reshard.py)
+from transom.checkpoint.shard_header import ShardHeader
+
 CATALOG_FLAG = "reshardable"  # the catalog entry's field (publisher.py sets it from the header)
 
 
-def reshardable(header: dict[str, Any] | None) -> bool:
+def reshardable(header: ShardHeader | None) -> bool:
     """Whether a shard's header carries a resharding record."""
-    return isinstance(header, dict) and isinstance(header.get(HEADER_KEY), dict)
+    return header is not None and header.reshard is not None
 
 
 def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -> set[int]:
