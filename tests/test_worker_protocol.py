@@ -229,7 +229,15 @@ def test_the_catalogs_memory_copies_skip_entries_that_are_not_well_formed() -> N
         "mem-e": {"tier": "memory", "node": "e", "addr": ["10.0.0.5", 7000]},
         "mem-f": {"tier": "memory", "node": "f", "addr": ""},
     }
-    assert catalog.memory_copies(entries) == [
+    from test_links import DictStore
+
+    store = DictStore()
+    for holder, value in entries.items():
+        store.put(catalog.shard_key(1, 0, holder), {"step": 1, "rank": 0, **value})
+    store.put(catalog.shard_key(1, 0, "mem-g"), {"step": 2, "rank": 0, "tier": "memory"})
+    listed = catalog.holders(store, 1, 0)  # the entries that are listings of shard (1, 0)
+    assert sorted(listed) == ["mem-a", "mem-b", "mem-c", "mem-f", "storage"]
+    assert catalog.memory_copies(listed) == [
         catalog.MemoryCopy("a", "10.0.0.1:7000"),
         catalog.MemoryCopy("b", "10.0.0.2:7000"),
     ]

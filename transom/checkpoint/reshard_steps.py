@@ -9,12 +9,10 @@ import torch or touch shard bytes: node agents and the controller import it thro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from transom.checkpoint.shard_header import ShardHeader
-
-CATALOG_FLAG = "reshardable"  # the catalog entry's field (publisher.py sets it from the header)
 
 
 def reshardable(header: ShardHeader | None) -> bool:
@@ -36,18 +34,3 @@ def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -
     steps = {s for s, ranks in same.items() if ranks >= set(range(world_size))}
     steps |= {s for (s, w), ranks in other.items() if ranks >= set(range(w))}
     return steps
-
-
-def catalog_entries(
-    catalog: dict[int, dict[int, dict[str, dict[str, Any]]]],
-    usable: Callable[[dict[str, Any]], bool],
-) -> list[tuple[int, int, Any, bool]]:
-    """`restorable`'s entries from the catalog (step -> rank -> holder -> info) and which
-    holders count."""
-    return [
-        (step, rank, info.get("world_size"), bool(info.get(CATALOG_FLAG)))
-        for step, ranks in catalog.items()
-        for rank, held in ranks.items()
-        for info in held.values()
-        if usable(info)
-    ]
