@@ -16,6 +16,7 @@ from conftest import raw_shard_header, shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import (
+    flatten,
     layout,
     replication,
     server_options,
@@ -455,9 +456,9 @@ def test_manifest_written_last(tmp_path: Path) -> None:
     all."""
     root = tmp_path / "store"
     for rank in (0, 1):
-        plan = layout.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
+        plan = flatten.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
         data = bytearray(plan.data_len)
-        layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
+        flatten.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
         plan.header = plan.header.with_chunks(shard_format.checksum_data(memoryview(data)))
         header_bytes = shard_format.encode_header(plan.header)
         storage.write_shard(root, 4, rank, header_bytes, memoryview(data))
@@ -508,9 +509,9 @@ class ObjectStoreTier(LoadTier):
         self.reads = 0
 
     def put(self, step: int, rank: int, world_size: int, state: dict) -> None:
-        plan = layout.plan_state(state, step, rank, world_size)
+        plan = flatten.plan_state(state, step, rank, world_size)
         data = bytearray(plan.data_len)
-        layout.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
+        flatten.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
         plan.header = plan.header.with_chunks(shard_format.checksum_data(memoryview(data)))
         self.objects[(step, rank)] = (shard_format.encode_header(plan.header), bytes(data))
 
@@ -608,17 +609,17 @@ def test_a_tensor_described_before_is_described_anew_once_it_views_other_memory(
     # plan_state remembers each tensor's description (a save every step sees the same tensors);
     # a tensor given new data, a new shape or requires_grad must not keep the old one.
     t = torch.nn.Parameter(torch.arange(4.0))
-    first = layout.plan_state({"t": t}, 1, 0, 1)
+    first = flatten.plan_state({"t": t}, 1, 0, 1)
     assert first.header.tensors[0]["shape"] == [4] and first.header.tensors[0]["param"]
-    assert layout.plan_state({"t": t}, 2, 0, 1).header.tensors == first.header.tensors
+    assert flatten.plan_state({"t": t}, 2, 0, 1).header.tensors == first.header.tensors
     t.data = torch.arange(12.0).view(3, 4).t()  # other memory, shape and strides
-    plan = layout.plan_state({"t": t}, 3, 0, 1)
+    plan = flatten.plan_state({"t": t}, 3, 0, 1)
     entry = plan.header.tensors[0]
     assert entry["shape"] == [4, 3] and entry["stride"] == [1, 4] and plan.data_len >= 48
     t.requires_grad_(False)
-    assert "grad" not in layout.plan_state({"t": t}, 4, 0, 1).header.tensors[0]
+    assert "grad" not in flatten.plan_state({"t": t}, 4, 0, 1).header.tensors[0]
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
-    layout.copy_into(plan, data)
+    flatten.copy_into(plan, data)
     assert torch.equal(layout.rebuild(plan.header, data)["t"], t.detach())
 
 
@@ -629,13 +630,53 @@ def test_the_bytes_a_repeated_save_copies_are_the_tensor_s_bytes_now() -> None:
     t = torch.arange(4.0)
     for step, state in enumerate(({"t": t}, {"t": t}, {"t": t, "half": t[2:]}), start=1):
         t.add_(1.0)  # changed in place between saves
-        plan = layout.plan_state(state, step, 0, 1)
+        plan = flatten.plan_state(state, step, 0, 1)
         data = torch.zeros(plan.data_len, dtype=torch.uint8)
-        layout.copy_into(plan, data)
+        flatten.copy_into(plan, data)
         rebuilt = layout.rebuild(plan.header, data)
         assert all(torch.equal(rebuilt[k], v) for k, v in state.items())
     t.data = torch.arange(8.0) * 2
-    plan = layout.plan_state({"t": t}, 4, 0, 1)
+    plan = flatten.plan_state({"t": t}, 4, 0, 1)
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
-    layout.copy_into(plan, data)
+    flatten.copy_into(plan, data)
     assert torch.equal(layout.rebuild(plan.header, data)["t"], torch.arange(8.0) * 2)
+
+
+def test_a_model_s_state_dict_saved_again_reuses_its_tables_and_copies_its_bytes_now() -> None:
+    # A model's state_dict() gives new tensor objects each time, views of the same parameters:
+    # the second plan reuses the first's tables (no tensor is described again), and its copy
+    # holds the parameters as they are now.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    first = flatten.plan_state({"model": model.state_dict(), "step": 1}, 1, 0, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    again = flatten.plan_state({"model": model.state_dict(), "step": 2}, 2, 0, 1)
+    assert again.header.tensors is first.header.tensors
+    assert again.header.tree != first.header.tree  # the step differs: the tree is new
+    data = torch.zeros(again.data_len, dtype=torch.uint8)
+    flatten.copy_into(again, data)
+    rebuilt = layout.rebuild(again.header, data)
+    assert all(torch.equal(rebuilt["model"][k], v) for k, v in model.state_dict().items())
+    # Another tensor in its place (new memory): new tables, its bytes.
+    model[0].weight = torch.nn.Parameter(torch.full((3, 4), 7.0))
+    other = flatten.plan_state({"model": model.state_dict()}, 3, 0, 1)
+    assert other.header.tensors is not first.header.tensors
+    data = torch.zeros(other.data_len, dtype=torch.uint8)
+    flatten.copy_into(other, data)
+    assert torch.equal(layout.rebuild(other.header, data)["model"]["0.weight"], model[0].weight)
+
+
+def test_planning_keeps_no_tensor_of_a_state_alive() -> None:
+    import gc
+    import weakref
+
+    t = torch.arange(6.0)
+    ref = weakref.ref(t)
+    for step in (1, 2):  # planned, then planned again from the kept tables
+        flatten.copy_into(
+            flatten.plan_state({"t": t}, step, 0, 1), torch.zeros(64, dtype=torch.uint8)
+        )
+    del t
+    gc.collect()
+    assert ref() is None

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from transom import checkpoint
-from transom.checkpoint import layout, shard_format
+from transom.checkpoint import flatten, layout, shard_format
 
 NASTY = [
     -1,
@@ -66,9 +66,9 @@ def _state():
 
 def _valid() -> tuple[dict, torch.Tensor]:
     """A shard's header as JSON (what a forger can change) and its data."""
-    plan = layout.plan_state(_state(), 1, 0, 1, shard_format.Timeline("j", 0, 1))
+    plan = flatten.plan_state(_state(), 1, 0, 1, shard_format.Timeline("j", 0, 1))
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
-    layout.copy_into(plan, data)
+    flatten.copy_into(plan, data)
     return plan.header.to_json(), data
 
 

@@ -12,7 +12,7 @@ import torch
 
 from transom import checkpoint
 from transom.checkpoint import engine as engine_module
-from transom.checkpoint import layout
+from transom.checkpoint import flatten
 
 
 def _engine(tmp_path: Path) -> checkpoint.Engine:
@@ -29,14 +29,14 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_step_saved_is_unchan
     optimizer.step()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     release, copying = threading.Event(), threading.Event()
-    real_copy = layout.copy_into
+    real_copy = flatten.copy_into
 
     def held_copy(plan, data, non_blocking=False):
         copying.set()
         assert release.wait(30), "the test never released the copy"
         real_copy(plan, data, non_blocking)
 
-    monkeypatch.setattr(engine_module.layout, "copy_into", held_copy)
+    monkeypatch.setattr(engine_module.flatten, "copy_into", held_copy)
     engine = _engine(tmp_path)
     try:
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -63,21 +63,63 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_step_saved_is_unchan
 def test_a_failed_overlapped_copy_is_a_failed_save_and_the_next_one_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = layout.copy_into
+    real_copy = flatten.copy_into
 
     def broken_copy(plan, data, non_blocking=False):
         raise RuntimeError("the copy broke")
 
     engine = _engine(tmp_path)
     try:
-        monkeypatch.setattr(engine_module.layout, "copy_into", broken_copy)
+        monkeypatch.setattr(engine_module.flatten, "copy_into", broken_copy)
         failed = engine.save(1, {"w": torch.ones(100)}, overlap=True)
         with pytest.raises(checkpoint.CheckpointError, match="the copy broke"):
             failed.wait("memory", timeout=30)
-        monkeypatch.setattr(engine_module.layout, "copy_into", real_copy)
+        monkeypatch.setattr(engine_module.flatten, "copy_into", real_copy)
         engine.save(2, {"w": torch.full((100,), 2.0)}, overlap=True).wait("memory", timeout=30)
         assert torch.equal(engine.load(step=2)["w"], torch.full((100,), 2.0))
         with pytest.raises(checkpoint.CheckpointError):
             engine.load(step=1)  # nothing of the failed save is kept
+    finally:
+        engine.close()
+
+
+def test_saves_every_step_take_a_region_reserved_ahead_and_a_jump_gives_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once two saves came one step apart, the copy thread reserves the next step's region
+    (next_region.ReservedAhead): the training thread sends no reserve, the saves hold the state
+    as it was, and a save of another step gives the reservation back (nothing stays reserved)."""
+    from transom.checkpoint import worker_protocol as wire
+
+    reserves_from_training: list[int] = []
+    engine = _engine(tmp_path)
+    real_request = engine.connection.request
+
+    def request(req, *args, **kwargs):
+        if isinstance(req, wire.Reserve) and threading.current_thread().name != "ckpt-copy":
+            reserves_from_training.append(req.step)
+        return real_request(req, *args, **kwargs)
+
+    monkeypatch.setattr(engine.connection, "request", request)
+    t = torch.zeros(256)
+    try:
+        for step in range(1, 6):
+            t.fill_(float(step))
+            assert engine.save(step, {"t": t}, overlap=True).ok
+        engine._copy.wait_finished()
+        assert reserves_from_training == [1, 2]  # from the third save on: reserved ahead
+        held = engine.connection.request(wire.StatusRequest())
+        assert isinstance(held, wire.Status)
+        states = {(s.step, s.state) for s in held.shards}
+        assert (6, "reserved") in states  # the next step's region, ahead of its save
+        t.fill_(10.0)
+        assert engine.save(10, {"t": t}, overlap=True).ok  # not step 6: reserved as ever
+        engine._copy.wait_finished()
+        assert reserves_from_training == [1, 2, 10]
+        held = engine.connection.request(wire.StatusRequest())
+        assert isinstance(held, wire.Status)
+        assert all(s.state != "reserved" for s in held.shards)
+        assert torch.equal(engine.load(step=5)["t"], torch.full((256,), 5.0))
+        assert torch.equal(engine.load(step=10)["t"], torch.full((256,), 10.0))
     finally:
         engine.close()

@@ -13,7 +13,7 @@ import torch
 from conftest import wait_for
 
 from transom import checkpoint
-from transom.checkpoint import catalog, layout, shard_format, storage
+from transom.checkpoint import catalog, flatten, layout, shard_format, storage
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig
@@ -22,9 +22,9 @@ from transom.checkpoint.server_options import ServerConfig
 def _shard(
     step: int, rank: int, tl: shard_format.Timeline, value: float = 0.0
 ) -> tuple[bytes, memoryview]:
-    plan = layout.plan_state({"w": torch.full((16,), value)}, step, rank, tl.world_size, tl)
+    plan = flatten.plan_state({"w": torch.full((16,), value)}, step, rank, tl.world_size, tl)
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
-    layout.copy_into(plan, data)
+    flatten.copy_into(plan, data)
     view = memoryview(data.numpy())
     plan.header = plan.header.with_chunks(shard_format.checksum_data(view))
     return shard_format.encode_header(plan.header), view

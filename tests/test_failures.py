@@ -117,7 +117,7 @@ def test_a_worker_that_aborts_on_a_broken_collective_is_a_peer_error(tmp_path):
 
 
 def test_a_rank_whose_copies_were_good_when_another_ranks_were_not_is_a_peer_error(tmp_path):
-    from transom.checkpoint.agreement import PEER_COPIES_BAD
+    from transom.checkpoint.client import PEER_COPIES_BAD
 
     raised = (
         'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'

@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, job_processes, wait_for
 from test_checkpoint_peer import _frames, _send_frame
 
-from transom.checkpoint import layout, shard_format
+from transom.checkpoint import flatten, shard_format
 from transom.common import env
 from transom.faults import MockNvml
 from transom.monitor import datagram
@@ -215,7 +215,7 @@ def _peer_ports(job_id: str) -> list[tuple[tuple[str, int], bytes, int]] | None:
 
 def _fuzz_peer_ports(ports: list[tuple[tuple[str, int], bytes, int]], count: int) -> None:
     """`count` random and crafted frames (as an outsider, and after a valid handshake)."""
-    plan = layout.plan_state({"w": torch.zeros(16)}, 9, 0, 2)
+    plan = flatten.plan_state({"w": torch.zeros(16)}, 9, 0, 2)
     checksums = shard_format.checksum_data(memoryview(bytes(plan.data_len)))
     header = plan.header.with_chunks(checksums)
     frames = _frames(

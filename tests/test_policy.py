@@ -341,3 +341,56 @@ def test_the_evidence_is_not_carried_over_a_generation_that_trained_or_another_e
     )
     assert other.signature is None
     assert other.same_error == SameError("KeyError: 'x'", frozenset({"node0"}))
+
+
+# -- a checkpoint no rank can load ----------------------------------------------------------------
+
+
+def _load_failed(rank: int, own: str | None) -> FailureReport:
+    """Rank `rank` raising agreement.py's error: `own` its bad copies, None when its own were
+    good (then it says another rank's were bad, and its agent counts it as a peer's failure)."""
+    from transom.checkpoint.client import LOAD_FAILED, PEER_COPIES_BAD
+
+    detail = f": {own}" if own else f" ({PEER_COPIES_BAD})"
+    signature = f"transom.checkpoint.client.CheckpointError: {LOAD_FAILED}{detail}"
+    return failure(rank, signature=signature, peer_error=own is None)
+
+
+def test_a_checkpoint_no_rank_can_load_evicts_nobody_and_fails_when_it_comes_back():
+    """The kill torture's trial that restarted 40 times: every rank raised the load failure,
+    one naming its bad copies, the other that another rank's were bad."""
+    members, history = ["node0", "node1"], {}
+    failed = {
+        "node0": report(_load_failed(0, "step 4 rank 0: memory: no such region")),
+        "node1": report(_load_failed(1, None)),
+    }
+    g1 = _decide(members, failed=failed, history=history, now=1000.0)
+    assert g1.signature is not None and g1.fail is None  # one retry
+    assert g1.evict == {}
+    other = {
+        "node0": report(_load_failed(0, None)),
+        "node1": report(_load_failed(1, "step 3 rank 1: peer: refused")),
+    }
+    g2 = _decide(
+        members,
+        failed=other,
+        history=history,
+        last_signature=g1.signature,
+        now=1001.0,
+        before=g1.same_error,
+    )
+    assert g2.evict == {}
+    assert g2.fail is not None and "no checkpoint step could be loaded by every rank" in g2.fail
+
+
+def test_a_load_failure_then_another_error_does_not_fail():
+    members = ["node0", "node1"]
+    failed = {"node0": report(_load_failed(0, "bad")), "node1": report(_load_failed(1, None))}
+    g1 = _decide(members, failed=failed)
+    g2 = _decide(
+        members,
+        failed=_same_error_everywhere(),
+        last_signature=g1.signature,
+        before=g1.same_error,
+    )
+    assert g2.fail is None

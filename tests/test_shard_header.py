@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from transom.checkpoint import shard_format, shard_header
+from transom.checkpoint.header_tables import ConnectionTables
 from transom.checkpoint.shard_header import DATA_CHUNK, ShardError, ShardHeader, Timeline
 from transom.checkpoint.worker_protocol import Commit, Source
 
@@ -126,12 +127,14 @@ def test_timeline_parse_is_none_for_anything_but_a_timeline() -> None:
 
 def test_worker_messages_carry_a_checked_header() -> None:
     header = ShardHeader.from_json(_fields(chunks=...))
-    commit = Commit(7, 1, header)
+    commit = Commit(7, 1, header.to_json())
     assert Commit.parse(json.loads(json.dumps(commit.to_msg()))) == commit
+    # The server reads a commit's header (its tables put back) before it takes the commit.
+    assert ConnectionTables().header(commit) == header
     with pytest.raises(ShardError, match="carries the header of step 7 rank 1"):
-        Commit.parse({**commit.to_msg(), "step": 8})
+        ConnectionTables().header(Commit.parse({**commit.to_msg(), "step": 8}))
     with pytest.raises(ShardError, match="world_size must be"):
-        Commit.parse({**commit.to_msg(), "header": _fields(world_size="2")})
+        ConnectionTables().header(Commit(7, 1, _fields(world_size="2")))
     with pytest.raises(ValueError, match="needs the shard's header"):
         Commit.parse({"op": "commit", "step": 7, "rank": 1})
     source = Source("memory", "n0", "/dev/shm/x", header=header)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from transom.checkpoint import shard_format, storage
-from transom.checkpoint.client import CheckpointError
+from transom.checkpoint.client import LOAD_FAILED, PEER_COPIES_BAD, CheckpointError
 
 log = logging.getLogger("transom.ckpt")
 
@@ -45,9 +45,6 @@ LARGE_WORLD = 8
 # The newest candidate steps of each rank that the ranks compare (a rank keeps a few in memory,
 # the storage a few more).
 MAX_CANDIDATES = 64
-# What a rank whose own copies were good says when another rank's were not: its agent counts it
-# as a peer's failure (control/failures.py matches it), not the node's.
-PEER_COPIES_BAD = "another rank's copies were bad"
 
 # Loads rank's shard of a step (verified) and returns its state; CheckpointError when no tier
 # holds a good copy.
@@ -88,7 +85,7 @@ def _alone(candidates: list[int], load: LoadStep) -> tuple[int, Any] | None:
             errors.append(str(e))
             log.warning("%s; trying an older step", e)
     if errors:
-        raise CheckpointError(f"no restorable checkpoint could be loaded: {'; '.join(errors)}")
+        raise CheckpointError(f"{LOAD_FAILED} of 1: {'; '.join(errors)}")
     return None
 
 
@@ -149,8 +146,7 @@ def _collectively(candidates: list[int], load: LoadStep) -> tuple[int, Any] | No
         log.warning("step %d is not good on every rank; every rank tries an older one", step)
     if _reduce(1 if errors else 0, "max"):
         raise CheckpointError(
-            "no step could be loaded by every rank"
-            + (f": {'; '.join(errors)}" if errors else f" ({PEER_COPIES_BAD})")
+            LOAD_FAILED + (f": {'; '.join(errors)}" if errors else f" ({PEER_COPIES_BAD})")
         )
     return None
 
@@ -171,9 +167,7 @@ def _by_storage(
             errors.append(str(e))
             log.warning("%s; trying an older step", e)
     if errors:
-        raise CheckpointError(
-            f"no step could be loaded by every rank of {world_size}: {'; '.join(errors)}"
-        )
+        raise CheckpointError(f"{LOAD_FAILED} of {world_size}: {'; '.join(errors)}")
     return None
 
 

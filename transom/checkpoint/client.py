@@ -30,6 +30,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says why."""
 
 
+# What every rank of a world raises when no step is good for all of them (agreement.py); the
+# controller reads it in the workers' logs (control/failures.py, control/policy.py).
+LOAD_FAILED = "no step could be loaded by every rank"
+# What a rank whose own copies were good says then: its agent counts it as a peer's failure.
+PEER_COPIES_BAD = "another rank's copies were bad"
+
+
 class RequestTimeout(CheckpointError):
     """The node's checkpoint server did not answer a request in time."""
 
@@ -45,6 +52,8 @@ class ServerConnection:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # How many connections it closed or lost: what one of them reserved is no longer held.
+        self.dropped = 0
         # The `send` request whose reply is still to be read: (its receiver, its op).
         self._unanswered: tuple[_Receiver, str] | None = None
 
@@ -182,6 +191,7 @@ class ServerConnection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+            self.dropped += 1
 
     def close(self) -> None:
         """Read the unanswered `send` request's reply, then disconnect."""

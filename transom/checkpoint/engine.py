@@ -17,14 +17,12 @@ inside this process (its threads persist to `storage_dir` in the background): me
 tiers, no peer replica, and `close()` waits for pending writes so the next process finds them.
 
 Tiers are named by `Tier` (memory, peer, storage); the load path walks `tiers.REGISTERED`.
-A save copies every tensor straight into a shared-memory region the server hands out (CUDA
-tensors: asynchronously into that region registered as pinned memory, then committed from a
-background thread once the copy has finished; CPU tensors: committed by a request whose reply
-is read with the next one, client.py's `send`, or with `overlap` copied on a thread while
-training goes on, overlap.py). A load from
-local memory maps the server's region copy-on-write: no copy, and the server never writes into
-that region again (shm.py). Every load path verifies the shard's checksums; a bad copy is
-reported as an event and the next tier tried.
+A save (planned by flatten.py) copies every tensor straight into a shared-memory region the
+server hands out (CUDA: asynchronously into that region registered as pinned memory, committed
+from a thread once the copy has finished; CPU: committed by a request whose reply is read with
+the next one, client.py's `send`, or with `overlap` copied on a thread while training goes on,
+overlap.py). A load from local memory maps the server's region copy-on-write (shm.py). Every
+load path verifies the shard's checksums; a bad copy is reported and the next tier tried.
 
 Every request to the server has a time limit (client.py; `locate` LOCATE_TIMEOUT_S), so a
 stuck or silent server never stops training: a save whose request times out is a refused save
@@ -47,7 +45,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transom.checkpoint import agreement, layout, replication, reshard, shard_format, tiers
+from transom.checkpoint import (
+    agreement,
+    flatten,
+    layout,
+    replication,
+    reshard,
+    shard_format,
+    tiers,
+)
 from transom.checkpoint import worker_protocol as wire
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
@@ -55,12 +61,13 @@ from transom.checkpoint.client import (
     RequestTimeout,
     ServerConnection,
 )
+from transom.checkpoint.header_tables import WorkerTables
 from transom.checkpoint.load_record import LoadRecord
-from transom.checkpoint.next_region import NextRegion
+from transom.checkpoint.next_region import NextRegion, ReservedAhead
 from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
 from transom.checkpoint.save_handle import SaveHandle
-from transom.checkpoint.shard_format import ShardHeader, Timeline
+from transom.checkpoint.shard_format import Timeline
 from transom.checkpoint.shm import MappingCache
 from transom.checkpoint.single_file import to_device
 from transom.checkpoint.tiers import LoaderContext
@@ -118,6 +125,8 @@ class Engine:
         self._copy = CopyInFlight()
         self._maps = MappingCache(layout.as_bytes, release=self._pinned.release)
         self._next = NextRegion(self.connection, self._maps, self.rank)
+        self._ahead = ReservedAhead(self.connection, self.rank)
+        self._tables = WorkerTables()
         self._pending: list[threading.Thread] = []
         self.last_load: LoadRecord | None = None  # what the last successful load read
         self.last_shard = reshard.ShardRead()  # the world size and resharding record read
@@ -147,7 +156,7 @@ class Engine:
             return False
         if isinstance(reply, wire.Region) and reply.path and plan.data_len:
             data = self._maps.get(reply.path, plan.data_len)  # map it now, not during the save
-            if _cuda_devices(plan):
+            if plan.cuda_devices():
                 self._pinned.pin(data)  # and register it now, not during the save
         return isinstance(reply, wire.Region)
 
@@ -178,11 +187,9 @@ class Engine:
         plan = reshard.plan_state(
             state, step, self.rank, self.world_size, replicated, self.timeline()
         )
+        reserve = wire.Reserve(step, self.rank, plan.data_len, self.world_size, self.generation)
         try:
-            size, generation = self.world_size, self.generation
-            reply = self.connection.request(
-                wire.Reserve(step, self.rank, plan.data_len, size, generation)
-            )
+            reply = self._ahead.take(reserve) or self.connection.request(reserve)
         except RequestTimeout as e:
             return self._refused(step, str(e), report=True)
         except CheckpointError as e:  # the server is gone: a restart would cost more than a save
@@ -194,11 +201,11 @@ class Engine:
         self._forget_unlinked()
         data = self._maps.get(reply.path, reply.nbytes)
         handle = SaveHandle(self, step, self.rank)
-        devices = _cuda_devices(plan)
+        devices = plan.cuda_devices()
         if overlap and not devices:
             self._copy.start(
-                functools.partial(layout.copy_into, plan, data),
-                functools.partial(self._copied, handle, plan.header, persist),
+                functools.partial(flatten.copy_into, plan, data),
+                functools.partial(self._copied, handle, plan, persist, reserve),
             )
             handle.blocking_s = time.perf_counter() - t0
             self._next.after(plan.data_len, step)
@@ -206,7 +213,7 @@ class Engine:
         try:
             if devices:
                 self._pinned.pin(data)
-            layout.copy_into(plan, data, non_blocking=bool(devices))
+            flatten.copy_into(plan, data, non_blocking=bool(devices))
         except BaseException:
             self._abort(step)
             raise
@@ -216,12 +223,12 @@ class Engine:
             # those streams are ordered after it, so training may go on.
             done = [torch.cuda.current_stream(d).record_event() for d in devices]
             self._pinned.copying(data, done)
-            args = (handle, plan.header, persist, done)
+            args = (handle, plan, persist, done)
             thread = threading.Thread(target=self._commit_after, args=args, daemon=True)
             self._pending = [t for t in self._pending if t.is_alive()] + [thread]
             thread.start()
         else:
-            self._commit(handle, plan.header, persist, wait=False)
+            self._commit(handle, plan, persist, wait=False)
         handle.blocking_s = time.perf_counter() - t0
         if handle.ok:
             self._next.after(plan.data_len, step)
@@ -241,16 +248,19 @@ class Engine:
         return SaveHandle(self, step, self.rank, error=error)
 
     def _commit(
-        self, handle: SaveHandle, header: ShardHeader, persist: bool, wait: bool = True
+        self, handle: SaveHandle, plan: flatten.Plan, persist: bool, wait: bool = True
     ) -> None:
-        """Tell the server the copy of `handle`'s shard is done. Without `wait` only the request
-        is written: its reply comes with the connection's next request (or `handle.wait`)."""
-        request = wire.Commit(handle.step, self.rank, header, persist)
+        """Tell the server the copy of `handle`'s shard is done (its header's tables once per
+        connection: header_tables.py). Without `wait` only the request is written, in full:
+        its reply comes with the connection's next request (or `handle.wait`)."""
+        request = wire.Commit(handle.step, self.rank, plan.header.to_json(), persist, plan.tables)
         if not wait:
             self.connection.send(request, functools.partial(self._commit_answered, handle))
             return
         try:
-            reply: wire.Done | wire.Failed | CheckpointError = self.connection.request(request)
+            reply: wire.Done | wire.Failed | CheckpointError = self._tables.commit(
+                self.connection, request
+            )
         except CheckpointError as e:
             reply = e
         self._commit_answered(handle, reply)
@@ -269,11 +279,7 @@ class Engine:
             handle._committed.set()
 
     def _commit_after(
-        self,
-        handle: SaveHandle,
-        header: ShardHeader,
-        persist: bool,
-        done: list[torch.cuda.Event],
+        self, handle: SaveHandle, plan: flatten.Plan, persist: bool, done: list[torch.cuda.Event]
     ) -> None:
         try:
             for event in done:
@@ -283,17 +289,25 @@ class Engine:
             error = CheckpointError(f"step {handle.step}: the copy from the GPU failed: {e}")
             self._commit_answered(handle, error)  # `wait` raises it, never waits for ever
             return
-        self._commit(handle, header, persist)
+        self._commit(handle, plan, persist)
 
     def _copied(
-        self, handle: SaveHandle, header: ShardHeader, persist: bool, error: BaseException | None
+        self,
+        handle: SaveHandle,
+        plan: flatten.Plan,
+        persist: bool,
+        reserved: wire.Reserve,
+        error: BaseException | None,
     ) -> None:
-        """An overlapped copy ended (overlap.py): commit it, or give its region back."""
+        """An overlapped copy ended (overlap.py): commit it, or give its region back; then
+        reserve the next step's region if saves come every step (next_region.py)."""
         if error is not None:
             self._abort(handle.step)
             failed = CheckpointError(f"step {handle.step}: the copy failed: {error!r}")
             return self._commit_answered(handle, failed)  # `wait` raises it
-        self._commit(handle, header, persist)
+        self._commit(handle, plan, persist)
+        if handle.ok:
+            self._ahead.after(handle.step, reserved.nbytes, reserved.world_size, self.generation)
 
     def _abort(self, step: int) -> None:
         """Give back the region reserved for `step`, whose copy did not finish."""
@@ -353,6 +367,7 @@ class Engine:
         world of another size is resharded for this rank (reshard.py; `last_load.resharded`
         says what was left out)."""
         self._copy.wait_finished()  # a save being copied: its step may be the one loaded
+        self._ahead.forget()
         floor = self.restore_step() if step is None else None
         if step is None and floor is None and self.generation is not None:
             log.info("the plan names no restore step: starting fresh")
@@ -456,9 +471,9 @@ class Engine:
 
     # -- end -------------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> None:
-        """Wait for pending commits (and, for an embedded server, pending writes), then
-        disconnect."""
+        """Wait for pending commits (an embedded server's writes too), then disconnect."""
         self._copy.close()
+        self._ahead.forget()  # before a drain: a region reserved is no save to wait for
         for thread in self._pending:
             thread.join()
         self._next.wait()
@@ -482,8 +497,3 @@ class Engine:
 def _env_step(name: str) -> int | None:
     """A step the launcher passed in the environment variable `name`; None when absent."""
     return int(os.environ[name]) if os.environ.get(name) else None
-
-
-def _cuda_devices(plan: layout.Plan) -> set[torch.device]:
-    """The GPUs `plan` copies from (none: a CPU save)."""
-    return {r.source.device for r in plan.ranges if r.source.is_cuda}

@@ -1,9 +1,9 @@
-"""A rank's state as a shard: the tensor table, the data ranges to copy, and the state rebuilt.
+"""A shard back into a rank's state: the header's tables checked, its tensors viewing the data.
 
 The worker's side of the shard format (shard_format.py has its bytes: prefix, JSON header,
-checksums). `plan_state` flattens a state into a header and the byte ranges of its tensor
-storages; `copy_into` copies them into the data region (each range aligned to STORAGE_ALIGN);
-`rebuild` turns a header and a data region back into the state, its tensors viewing the data.
+checksums; flatten.py makes a header and the byte ranges of a state). `rebuild` turns a header
+and a data region back into the state, its tensors viewing the data; the limits and dtypes a
+header may name are here, for both sides.
 
 Tensors are saved by the byte range of their storage that they span, so non-contiguous tensors
 keep their strides and tensors that are views of one storage come back as views of one storage.
@@ -18,23 +18,18 @@ from __future__ import annotations
 import base64
 import math
 import mmap
-import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from transom.checkpoint.shard_format import (
     ShardError,
     ShardHeader,
     Timeline,
-    align,
     check_timeline,
 )
 
-STORAGE_ALIGN = 64
 # Limits a header must respect (anything beyond is a crafted or corrupt shard, `ShardError`):
 # nesting of the value tree, dimensions of a tensor, any size or offset, and how many times a
 # tensor's elements may outnumber the bytes it views (stride 0: `expand`) - a crafted shape of
@@ -61,245 +56,9 @@ class UnsupportedValue(TypeError):
     """A value in the state that a checkpoint cannot hold (it would need pickle)."""
 
 
-def _expansion_ok(logical_bytes: int, span_bytes: int) -> bool:
+def expansion_ok(logical_bytes: int, span_bytes: int) -> bool:
     """Whether a tensor of `logical_bytes` (elements x size) may view `span_bytes` of storage."""
     return logical_bytes <= max(span_bytes, 1) * MAX_EXPANSION
-
-
-# -- flattening -------------------------------------------------------------------------------
-
-
-@dataclass
-class StorageRange:
-    """The span of one tensor storage that the saved tensors cover, and where it goes in the
-    data."""
-
-    source: torch.Tensor  # uint8 view of the span, on the tensor's device
-    offset: int  # in the data region
-    nbytes: int
-
-
-@dataclass
-class Plan:
-    """A state flattened: the header without checksums and the byte ranges to copy."""
-
-    header: ShardHeader
-    ranges: list[StorageRange] = field(default_factory=list)
-    data_len: int = 0
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte of t's storage that t touches."""
-    size = t.element_size()
-    if t.numel() == 0:
-        start = int(t.storage_offset()) * size
-        return start, start
-    last = int(t.storage_offset()) + sum(
-        (int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True)
-    )
-    return int(t.storage_offset()) * size, (last + 1) * size
-
-
-def _check_tensor(t: torch.Tensor) -> tuple[int, int]:
-    """t's `_span`, or UnsupportedValue when a checkpoint cannot hold t."""
-    if t.layout != torch.strided:
-        raise UnsupportedValue(
-            f"cannot checkpoint a {t.layout} tensor: convert it to a dense tensor first"
-        )
-    if t.is_quantized or t.device.type == "meta":
-        raise UnsupportedValue(
-            f"cannot checkpoint a {'quantized' if t.is_quantized else 'meta'} tensor"
-        )
-    if str(t.dtype).removeprefix("torch.") not in DTYPES:
-        raise UnsupportedValue(f"cannot checkpoint tensors of dtype {t.dtype}")
-    if any(s < 0 for s in t.stride()):
-        raise UnsupportedValue("cannot checkpoint a tensor with negative strides")
-    lo, hi = _span(t)
-    if not _expansion_ok(t.numel() * t.element_size(), hi - lo):
-        raise UnsupportedValue(
-            f"cannot checkpoint a tensor expanded {MAX_EXPANSION}x beyond its storage: "
-            "call .contiguous() on it first"
-        )
-    return lo, hi
-
-
-# (device, storage pointer, storage bytes): which storage a tensor views.
-StorageKey = tuple[str, int, int]
-# What `_described` says of a tensor: its storage, the first and last byte it spans, its entry.
-Described = tuple[StorageKey, int, int, dict[str, Any]]
-# What `_described` said of each tensor it saw, by id, while the tensor lives: a save every step
-# describes the same tensors every step. id -> (the tensor's weak reference, what the
-# description depends on, the description, and `_source`'s byte view of its span once made).
-_DESCRIBED: dict[int, tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Described, list[Any]]] = {}
-
-
-class Diverted(Exception):
-    """`plan_state` met a value of its `divert` type: the caller plans such a state itself."""
-
-
-def _described(t: torch.Tensor) -> Described:
-    """(storage key, first and last byte of the storage it spans, table entry) of tensor `t`,
-    checked (`_check_tensor`); the one from before while `t` views the same memory the same
-    way (data pointer, dtype, shape, strides, requires_grad)."""
-    key = id(t)
-    known = _DESCRIBED.get(key)
-    if known is not None and known[0]() is t and known[1] == _depends(t):
-        return known[2]
-    lo, hi = _check_tensor(t)  # UnsupportedValue for what a checkpoint cannot hold
-    storage = t.untyped_storage()
-    entry: dict[str, Any] = {
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "shape": list(t.shape),
-        "stride": list(t.stride()),
-        "byte": t.storage_offset() * t.element_size(),
-        "device": str(t.device),
-    }
-    if t.requires_grad:
-        entry["grad"] = True
-    if isinstance(t, torch.nn.Parameter):
-        entry["param"] = True
-    described = ((str(t.device), storage.data_ptr(), storage.nbytes()), lo, hi, entry)
-
-    def forget(_: weakref.ref[torch.Tensor]) -> None:
-        _DESCRIBED.pop(key, None)
-
-    _DESCRIBED[key] = (weakref.ref(t, forget), _depends(t), described, [])
-    return described
-
-
-def _source(example: torch.Tensor, lo: int, nbytes: int) -> torch.Tensor:
-    """A uint8 view of bytes [lo, lo + nbytes) of `example`'s storage; the one made before for
-    the same span while `example` is described the same (a save every step copies the same
-    spans every step, and making a view costs more than the copy of a small tensor)."""
-    known = _DESCRIBED.get(id(example))
-    made = known[3] if known is not None and known[0]() is example else None
-    if made and made[0] == (lo, nbytes):
-        view: torch.Tensor = made[1]  # made: [(lo, nbytes), the view]
-        return view
-    source = torch.empty(0, dtype=torch.uint8, device=example.device)
-    source.set_(example.untyped_storage(), lo, (nbytes,), (1,))
-    if made is not None:
-        made[:] = [(lo, nbytes), source]
-    return source
-
-
-def _depends(t: torch.Tensor) -> tuple[Any, ...]:
-    """What `_described` of a checked tensor depends on."""
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.requires_grad)
-
-
-def plan_state(
-    state: Any,
-    step: int,
-    rank: int,
-    world_size: int,
-    timeline: Timeline | None = None,
-    divert: type[Any] | None = None,
-) -> Plan:
-    """Flatten `state` into a header (tensor table, storage table, value tree, timeline) and
-    byte ranges. `divert`: a tensor type this module does not plan (DTensor, reshard.py):
-    meeting one raises `Diverted`."""
-    tensors: list[dict[str, Any]] = []
-    storages: dict[StorageKey, dict[str, Any]] = {}  # -> {"tensors": [...], "lo", "hi"}
-
-    def encode(v: Any) -> Any:
-        # The types of nearly every value of a model's and an optimizer's state first, by
-        # identity (a save every step walks the state every step); the rest below.
-        kind = type(v)
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            return {"T": add_tensor(v)}
-        if kind is dict:
-            return {"d": [[encode(k), encode(x)] for k, x in v.items()]}
-        if kind is str or kind is bool or v is None:
-            return v
-        if kind is int:
-            return {"i": str(v)}
-        if kind is float:
-            return {"f": v.hex()}
-        if kind is list or kind is tuple:
-            return {"l" if kind is list else "t": [encode(x) for x in v]}
-        if isinstance(v, torch.Tensor):
-            if divert is not None and isinstance(v, divert):
-                raise Diverted(type(v).__name__)
-            return {"T": add_tensor(v)}
-        if isinstance(v, np.ndarray):
-            if v.dtype == object:
-                raise UnsupportedValue("cannot checkpoint a numpy array of Python objects")
-            return {"N": add_tensor(torch.from_numpy(np.ascontiguousarray(v)))}
-        if v is None or isinstance(v, (bool, str)):
-            return v
-        if isinstance(v, (int, np.integer)):
-            return {"i": str(int(v))}
-        if isinstance(v, (float, np.floating)):
-            return {"f": float(v).hex()}
-        if isinstance(v, complex):
-            return {"c": [v.real.hex(), v.imag.hex()]}
-        if isinstance(v, (bytes, bytearray)):
-            return {"y": base64.b64encode(bytes(v)).decode()}
-        if isinstance(v, torch.dtype):
-            return {"dt": str(v).removeprefix("torch.")}
-        if isinstance(v, torch.device):
-            return {"dev": str(v)}
-        if isinstance(v, torch.Size):
-            return {"sz": list(v)}
-        if isinstance(v, dict):
-            items = [[encode(k), encode(x)] for k, x in v.items()]
-            if isinstance(v, OrderedDict):
-                node = {"od": items}
-                meta = getattr(v, "_metadata", None)  # nn.Module.state_dict() versions
-                if meta is not None:
-                    node["meta"] = encode(meta)
-                return node
-            if type(v) is not dict:
-                raise UnsupportedValue(f"cannot checkpoint a {type(v).__name__}: use a dict")
-            return {"d": items}
-        if type(v) in (list, tuple):
-            return {"l" if type(v) is list else "t": [encode(x) for x in v]}
-        raise UnsupportedValue(
-            f"cannot checkpoint a value of type {type(v).__module__}.{type(v).__qualname__}: "
-            f"only tensors, numpy arrays, dicts, lists, tuples and plain values"
-        )
-
-    def add_tensor(t: torch.Tensor) -> int:
-        key, lo, hi, entry = _described(t)
-        group = storages.setdefault(key, {"tensors": [], "lo": lo, "hi": hi, "example": t})
-        group["lo"], group["hi"] = min(group["lo"], lo), max(group["hi"], hi)
-        group["tensors"].append(len(tensors))
-        tensors.append(dict(entry))  # its own: "storage" and "byte" are set below
-        return len(tensors) - 1
-
-    tree = encode(state)
-    ranges: list[StorageRange] = []
-    storage_table: list[tuple[int, int]] = []
-    offset = 0
-    for group in storages.values():
-        lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
-        nbytes = group["hi"] - lo
-        ranges.append(StorageRange(_source(group["example"], lo, nbytes), offset, nbytes))
-        index = len(storage_table)
-        storage_table.append((offset, nbytes))
-        for i in group["tensors"]:
-            tensors[i]["storage"] = index
-            tensors[i]["byte"] -= lo
-        offset = align(offset + nbytes, STORAGE_ALIGN)
-    header = ShardHeader(
-        step=int(step),
-        rank=int(rank),
-        world_size=int(world_size),
-        data_len=offset,
-        tree=tree,
-        tensors=tuple(tensors),
-        storages=tuple(storage_table),
-        timeline=timeline,
-    )
-    return Plan(header, ranges, offset)
-
-
-def copy_into(plan: Plan, data: torch.Tensor, non_blocking: bool = False) -> None:
-    """Copy every storage range of `plan` into `data` (a uint8 tensor of at least plan.data_len)."""
-    for r in plan.ranges:
-        if r.nbytes:
-            data[r.offset : r.offset + r.nbytes].copy_(r.source, non_blocking=non_blocking)
 
 
 def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
@@ -442,7 +201,7 @@ def _make_tensor(
     )
     if end > nbytes or (off + byte) % size:
         raise ShardError("shard tensor reaches outside its storage: corrupt or mismatched shard")
-    if numel * size >= MAX_INT or not _expansion_ok(numel * size, end - byte):
+    if numel * size >= MAX_INT or not expansion_ok(numel * size, end - byte):
         raise ShardError(
             f"shard tensor of shape {shape[:8]} views only {end - byte} bytes (a zero stride "
             f"expanding it over {MAX_EXPANSION}x): corrupt or crafted shard"

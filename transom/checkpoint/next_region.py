@@ -1,4 +1,4 @@
-"""The next save's region, mapped before that save: a save should be a plain memory copy.
+"""The next save's region, mapped and reserved before that save: a save should be a plain copy.
 
 The server keeps a populated spare region ready for each rank's next save (budget.py,
 `prepare_spare`), but a worker maps a region it has not seen yet during the save that first
@@ -12,9 +12,17 @@ finds it mapped already. Once WARM_SAVES saves of one size have gone by, every r
 server rotates through for them is mapped: it stops asking (a save every step would otherwise
 pay two requests and a thread a step), until the size changes or a load comes.
 
-This module never blocks a save or a load: its request runs on a connection of its own, one at
-a time (a request under way makes the next one wait for the save after), and a failure costs
-only the head start.
+A job that saves every step pays the reserve request's round trip to the server on every step,
+on the training thread. `ReservedAhead` takes it off: once two saves came one step apart, an
+overlapped save's copy thread reserves the region of the step after it, once its commit is
+answered (so during the next step's forward and backward), and that save takes the region
+without asking. A save of another step or size gives the reservation back and reserves as ever.
+Only a save every step reserves ahead: a region reserved steps before its save would hold memory
+the node's peers' replicas may need.
+
+This module never blocks a save or a load: `NextRegion`'s request runs on a connection of its
+own, one at a time (a request under way makes the next one wait for the save after),
+`ReservedAhead`'s on the copy thread; a failure costs only the head start.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 
 from transom.checkpoint.client import CheckpointError, ServerConnection
 from transom.checkpoint.shm import MappingCache
-from transom.checkpoint.worker_protocol import Prepare, Region, Wait
+from transom.checkpoint.worker_protocol import Abort, Failed, Prepare, Region, Reserve, Wait
 from transom.common.states import Tier
 
 log = logging.getLogger("transom.ckpt")
@@ -76,3 +84,60 @@ class NextRegion:
         """Until no mapping is under way (an engine closing)."""
         if self._busy.acquire(timeout=-1 if timeout is None else timeout):
             self._busy.release()
+
+
+class ReservedAhead:
+    """The region of the save one step after the last, reserved before that save is made (see
+    the module's docstring). `after` runs on the copy thread once a save's commit is answered,
+    `take` in the save; the copy thread's work is finished before a save begins, so they never
+    overlap."""
+
+    def __init__(self, connection: ServerConnection, rank: int):
+        self.connection = connection
+        self.rank = rank
+        self._last: int | None = None  # the step saved last
+        # The reservation, and `ServerConnection.dropped` when it was made.
+        self._held: tuple[Reserve, Region, int] | None = None
+
+    def after(self, step: int, nbytes: int, world_size: int, generation: int | None) -> None:
+        """Step `step` of `nbytes` is saved: reserve the region of step + 1 if the save before
+        it was of step - 1."""
+        regular = self._last == step - 1
+        self._last = step
+        if not regular or nbytes <= 0:
+            return
+        request = Reserve(step + 1, self.rank, nbytes, world_size, generation)
+        try:
+            reply = self.connection.request(request)
+        except CheckpointError as e:
+            log.debug("no region reserved ahead of step %d: %s", step + 1, e)
+            return
+        if isinstance(reply, Region):
+            self._held = (request, reply, self.connection.dropped)
+
+    def take(self, request: Reserve) -> Region | None:
+        """The region reserved ahead for `request`'s save, if one was and its connection still
+        holds it (the server gives back what a closed connection reserved); a reservation made
+        for another save is given back (None: reserve as ever)."""
+        held, self._held = self._held, None
+        if held is None or held[2] != self.connection.dropped:
+            return None
+        if held[0] == request:
+            return held[1]
+        self.give_back(held[0])
+        return None
+
+    def forget(self) -> None:
+        """Give back a reservation not taken (a load, or the engine closing)."""
+        held, self._held = self._held, None
+        self._last = None
+        if held is not None and held[2] == self.connection.dropped:
+            self.give_back(held[0])
+
+    def give_back(self, reserved: Reserve) -> None:
+        try:
+            reply = self.connection.request(Abort(reserved.step, self.rank))
+        except CheckpointError:
+            return  # the connection is closed: the server gives the region back itself
+        if isinstance(reply, Failed):
+            log.debug("the region reserved for step %d: %s", reserved.step, reply.error)

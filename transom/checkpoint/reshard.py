@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from transom.checkpoint import layout
+from transom.checkpoint import flatten, layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.load_record import LoadRecord, Resharded
 from transom.checkpoint.shard_format import ShardHeader, Timeline
@@ -157,13 +157,13 @@ def plan_state(
     world_size: int,
     replicated: Iterable[str | Path_] = (),
     timeline: Timeline | None = None,
-) -> layout.Plan:
-    """`layout.plan_state` of the state `describe` makes, its header carrying the record.
+) -> flatten.Plan:
+    """`flatten.plan_state` of the state `describe` makes, its header carrying the record.
     A state without DTensors is planned as it is, without `describe`'s walk."""
     if not isinstance(state, DcpShard):
         try:
-            plan = layout.plan_state(state, step, rank, world_size, timeline, _dtensor_type())
-        except layout.Diverted:
+            plan = flatten.plan_state(state, step, rank, world_size, timeline, _dtensor_type())
+        except flatten.Diverted:
             pass  # a DTensor in it: its local chunk is saved, and where it lies
         else:
             declared = _declared(replicated)
@@ -172,7 +172,7 @@ def plan_state(
                 plan.header = dataclasses.replace(plan.header, reshard=marked)
             return plan
     state, record = describe(state, replicated)
-    plan = layout.plan_state(state, step, rank, world_size, timeline)
+    plan = flatten.plan_state(state, step, rank, world_size, timeline)
     if record is not None:
         plan.header = dataclasses.replace(plan.header, reshard=record)
     return plan

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from transom.checkpoint import layout, shard_format, storage
+from transom.checkpoint import flatten, layout, shard_format, storage
 from transom.checkpoint.shm import anonymous_buffer
 
 
@@ -33,10 +33,10 @@ def to_device(value: Any, device: str | torch.device) -> Any:
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Like torch.save, in the shard format: atomic, checksummed, loadable without pickle."""
-    plan = layout.plan_state(obj, step=0, rank=0, world_size=1)
+    plan = flatten.plan_state(obj, step=0, rank=0, world_size=1)
     buf = anonymous_buffer(plan.data_len)
     data = layout.as_bytes(buf)[: plan.data_len]
-    layout.copy_into(plan, data)
+    flatten.copy_into(plan, data)
     if any(r.source.is_cuda for r in plan.ranges):
         torch.cuda.synchronize()
     view = memoryview(buf)[: plan.data_len]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from transom.checkpoint.protocol import MAX_SHARD_BYTES, field_int
-from transom.checkpoint.shard_header import ShardError, ShardHeader
+from transom.checkpoint.shard_header import ShardHeader
 from transom.common.names import valid_id
 from transom.common.record_base import Record, RecordError
 from transom.common.states import Tier
@@ -317,24 +317,27 @@ class Commit(Request[Done]):
     reply = Done
     step: int
     rank: int
-    header: ShardHeader  # the shard's header (its checksums are the server's to add)
+    # The shard's header as JSON (`ShardHeader.to_json`; its checksums are the server's to
+    # add): the server reads it with `ShardHeader.from_json` once its tables are back in it.
+    header: dict[str, Any]
     persist: bool = True  # False: memory and peer only
+    # The number of the header's tensor and storage tables: a header without them names the
+    # ones its connection sent with this number before (header_tables.py).
+    tables: int | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Commit:
-        if "header" not in msg:
-            raise ValueError("commit needs the shard's header")
-        header = ShardHeader.from_json(msg["header"])
+        if not isinstance(msg.get("header"), dict):
+            raise ValueError("commit needs the shard's header (an object)")
         persist = msg.get("persist", True)
         if not isinstance(persist, bool):
             raise ValueError(f"persist must be true or false, not {_short(persist)}")
-        step, rank = field_int(msg, "step"), field_int(msg, "rank")
-        if (header.step, header.rank) != (step, rank):
-            raise ShardError(
-                f"commit of step {step} rank {rank} carries the header of step {header.step} "
-                f"rank {header.rank}"
-            )
-        return cls(step, rank, header, persist)
+        step, rank, tables = (
+            field_int(msg, "step"),
+            field_int(msg, "rank"),
+            _optional_int(msg, "tables"),
+        )
+        return cls(step, rank, msg["header"], persist, tables)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Each message (protocol.py framing) is one request with one reply; worker_protoco
 each request and reply as a record and is the one parser of a request, so every field has been
 checked (types, bounds, a shard at most MAX_SHARD_BYTES) before anything here sees it:
     Reserve  a region to copy the shard into (refused for a generation older than the plan's)
-    Commit   the copy is done (the save pipeline takes over); persist false: memory and peer only
+    Commit   the copy is done (the save pipeline takes over); persist false: memory and peer only;
+             its header's tables may be the ones sent before on the connection (header_tables.py)
     Abort    the copy failed: give the region back
     Wait     once the shard reached (or failed) a `Tier`
     Locate   where the shard can be read, fastest first (after a prefetch of it under way,
@@ -36,6 +37,7 @@ from typing import Any, NoReturn
 
 from transom.checkpoint import catalog, replication, storage
 from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
+from transom.checkpoint.header_tables import ConnectionTables
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
 from transom.checkpoint.protocol import ProtocolError, deadline_in, field_int, recv_msg, send_msg
@@ -100,6 +102,7 @@ class WorkerService:
     def serve(self, sock: socket.socket) -> None:
         """Answer one worker connection's requests until it closes."""
         reserved: dict[tuple[int, int], Region] = {}
+        tables = ConnectionTables()
         try:
             while True:
                 try:
@@ -107,7 +110,7 @@ class WorkerService:
                 except (ProtocolError, OSError):
                     return
                 try:
-                    reply = self.handle(msg, reserved)
+                    reply = self.handle(msg, reserved, tables)
                 except (BudgetExceeded, ShardError, KeyError, ValueError, TypeError) as e:
                     reply = Failed(str(e), refused=isinstance(e, BudgetExceeded))
                 try:
@@ -119,19 +122,21 @@ class WorkerService:
                 self.memory.abort(step, rank, region)
 
     def handle(
-        self, msg: dict[str, Any], reserved: dict[tuple[int, int], Region]
+        self,
+        msg: dict[str, Any],
+        reserved: dict[tuple[int, int], Region],
+        tables: ConnectionTables,
     ) -> Reply | Failed:
-        """The reply to one message (ValueError for a bad request, BudgetExceeded for a save
-        refused)."""
+        """The reply to one message of a connection that reserved `reserved` and sent `tables`
+        (ValueError for a bad request, BudgetExceeded for a save refused)."""
         request = parse_request(msg)
         match request:
             case Reserve():
                 return self.reserve(request, reserved)
             case Commit():
+                header = tables.header(request)  # before the region is taken: it may be resent
                 region = reserved.pop((request.step, request.rank))
-                self.pipeline.commit(
-                    request.step, request.rank, region, request.header, request.persist
-                )
+                self.pipeline.commit(request.step, request.rank, region, header, request.persist)
                 return Done()
             case Abort():
                 aborted = reserved.pop((request.step, request.rank), None)

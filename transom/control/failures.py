@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+from transom.checkpoint.client import PEER_COPIES_BAD
 from transom.common.records import FailureKind, FailureReport
 
 LOG_TAIL_BYTES = 16384
@@ -30,8 +31,8 @@ PEER_ERROR_PATTERNS = [
     r"DistBackendError",
     r"Read error",
     r"Sending data failed",
-    # checkpoint/agreement.py PEER_COPIES_BAD: this rank's copies were good, another's were not
-    r"another rank's copies were bad",
+    # this rank's copies were good, another's were not (checkpoint/agreement.py)
+    re.escape(PEER_COPIES_BAD),
 ]
 _PEER_ERROR = re.compile("|".join(PEER_ERROR_PATTERNS))
 # The last "SomethingError: message" line of a Python traceback; once a process group exists,

@@ -15,13 +15,19 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   enough that the nodes that reported raised it, and a rank the first failure ended before it
   raised may raise it the second time (one retry however the ranks' start-up times fall). A
   node is not evicted for failing again with an exception every member raised: it follows the
-  script, not the node.
+  script, not the node;
+- a checkpoint that no step of could be loaded by every rank (checkpoint/agreement.py) is one
+  error of the job's, however each rank's copies went: a rank whose own copies were good says
+  so and counts as raising it too; no node is evicted for it, and when it comes back after a
+  restart the job fails with that reason rather than restarting until its budget is spent (a
+  restart cannot make missing copies appear; its checkpoints are left as they are).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transom.checkpoint.client import LOAD_FAILED
 from transom.common.records import (
     Anomaly,
     FailureKind,
@@ -31,6 +37,9 @@ from transom.common.records import (
     Severity,
 )
 from transom.control.links import link_outliers
+
+# The signature of every rank's load failure, whatever each rank's copies were.
+LOAD_FAILURE = f"CheckpointError: {LOAD_FAILED}"
 
 
 @dataclass
@@ -80,11 +89,14 @@ def same_error(failed: dict[str, NodeStatus], before: SameError | None) -> SameE
     signatures, nodes = set(), set()
     for node, report in failed.items():
         for f in _worker_failures(report):
-            if f.peer_error:
+            signature = f.signature
+            if signature and LOAD_FAILED in signature:
+                signature = LOAD_FAILURE  # one failure, whichever rank's copies were bad
+            elif f.peer_error:
                 continue
-            if f.signal or not f.signature:
+            if f.signal or not signature:
                 return None
-            signatures.add(f.signature)
+            signatures.add(signature)
             nodes.add(node)
     if len(signatures) != 1:
         return None
@@ -145,7 +157,10 @@ def diagnose(
     came_back_on_every = d.signature is not None and d.same_error is not None and d.same_error.again
     if repeated is not None and (repeated == last_signature or came_back_on_every):
         d.fail = (
-            "the same error twice in a row, raised by every rank (a bug in the script?): "
+            "no checkpoint step could be loaded by every rank, again after a restart (each "
+            "rank's log names the copies it tried; the checkpoints are left as they are)"
+            if repeated == LOAD_FAILURE
+            else "the same error twice in a row, raised by every rank (a bug in the script?): "
             f"{repeated}"
         )
     d.summary = "; ".join(parts) or "generation stopped"
