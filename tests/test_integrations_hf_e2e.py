@@ -1,8 +1,9 @@
 """End to end: a Hugging Face `Trainer` DDP script with Transom's lines (tests/scripts/hf_job.py:
 `TransomCallback`, `TransomCheckpoints`, `resume_from_checkpoint=resume_checkpoint(...)`) under
-`transom run` on 2 nodes. A NaN loss on rank 1 is rolled back to the checkpoint before it; a
-node's death is recovered from the in-memory tiers (the restore events say memory or peer, never
-storage); both jobs end with the model of a fault-free run, bit for bit."""
+`transom run` on 2 nodes, snapshotted every step. A NaN loss on rank 1 is rolled back to the
+step before it; a node's death is recovered from the in-memory tiers (the restore events say
+memory or peer, never storage) at the step in flight at most; both jobs end with the model of a
+fault-free run, bit for bit."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def test_a_nan_is_rolled_back_and_a_node_death_resumes_from_memory_bit_identical
     assert earliest and earliest["step"] == 23 and earliest["ranks"] == [1], found
     assert [e["rollback_before"] for e in events(nan, "rollback")] == [23]
     restarted = [e for e in events(nan, "generation") if e["generation"] == 2]
-    assert restarted and restarted[0]["restore_step"] == 20, restarted
+    # The plan names a step the catalog listed below 23; the ranks agree on the newest they
+    # hold from there: 22, the step before the NaN (rank 1 snapshotted no poisoned step).
+    assert restarted and 20 <= restarted[0]["restore_step"] <= 22, restarted
     restored = [e for e in events(nan, "checkpoint") if e.get("action") == "restored"]
-    assert restored and {e["step"] for e in restored} == {20}, restored
+    assert restored and {e["step"] for e in restored} == {22}, restored
     assert same(final_model(nan), expected)
 
     death = start_job(
@@ -61,6 +64,8 @@ def test_a_nan_is_rolled_back_and_a_node_death_resumes_from_memory_bit_identical
     )
     assert death.wait(timeout=300) == 0, death.output
     restored = [e for e in events(death, "checkpoint") if e.get("action") == "restored"]
-    assert restored and {e["step"] for e in restored} == {20}, restored
+    # A snapshot every step: the step in flight at most is lost (node1 died at its step 23).
+    steps = {e["step"] for e in restored}
+    assert restored and len(steps) == 1 and steps <= {22, 23}, restored
     assert {e["tier"] for e in restored} <= {"memory", "peer"}, restored  # never storage
     assert same(final_model(death), expected)

@@ -10,14 +10,18 @@ step and its wait in collectives. The loss is taken from the model's own output 
 `outputs.loss` in training mode, averaged over gradient-accumulation micro-batches), so no
 `logging_steps=1` is needed; reading it costs one `.item()` a micro-batch.
 
-`TransomCheckpoints` sends each rank's files of every checkpoint the Trainer saved
-(`checkpoint-N/`: rank 0 the model, optimizer, scheduler and trainer state, every rank its RNG
-state) through transom.checkpoint, as uint8 tensors: node memory at once, a peer's memory and
-storage in the background. `resume_checkpoint(output_dir)` writes the step the controller chose
-to restore (TRANSOM_RESTORE_STEP: before a NaN after a rollback; the newest complete one after a
-crash) back as a checkpoint folder of this rank's own, from the fastest tier that holds it, and
-returns its path for the Trainer's own resume (weights, optimizer, RNG, data position); None
-for a fresh start.
+`TransomCheckpoints` snapshots the Trainer's state after every optimizer step through
+transom.checkpoint (hf_state.py: on rank 0 the model, optimizer, scheduler and trainer state,
+on every rank its RNG state; copied to node memory while the next step runs, a peer's memory
+behind it, storage at the Trainer's own save steps), so a restart loses at most the step in
+flight; a step whose loss was not finite on this rank (as `TransomCallback`, listed before it,
+reported) is not snapshotted, so a rollback finds the step before a NaN. With
+`every_step=False` it sends each rank's files of every checkpoint folder the Trainer saves
+instead. `resume_checkpoint(output_dir)` writes the newest step every rank holds at or after
+the one the controller chose (TRANSOM_RESTORE_STEP; before a NaN's step after a rollback) back
+as a checkpoint folder of this rank's own, in the Trainer's formats, from the fastest tier that
+holds it, and returns its path for the Trainer's own resume (weights, optimizer, RNG, data
+position); None for a fresh start.
 
 What it must never do: change the Trainer's control flow or raise into training from a report
 (every hook swallows its errors; without Transom it does nothing but its bookkeeping).
@@ -25,6 +29,7 @@ What it must never do: change the Trainer's control flow or raise into training 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -36,9 +41,12 @@ import torch
 from transformers import TrainerCallback
 
 from transom.common import env
-from transom.integrations import steps
+from transom.integrations import hf_state, steps
+
+log = logging.getLogger("transom.hf")
 
 FILES = "files"
+STEP = "step"  # the Trainer's global step, in every shard (the step `resume_checkpoint` wrote)
 _RNG = re.compile(r"rng_state(_\d+)?\.pth$")
 _engine: Any = None
 
@@ -111,9 +119,46 @@ class TransomCallback(TrainerCallback):
 
 
 class TransomCheckpoints(TrainerCallback):
-    """Sends every checkpoint folder the Trainer saves through transom.checkpoint."""
+    """Snapshots the Trainer's state every step through transom.checkpoint (`every_step`, the
+    default), or sends every checkpoint folder the Trainer saves through it."""
+
+    def __init__(self, every_step: bool = True, overlap: bool = True) -> None:
+        self.every_step = every_step
+        self.overlap = overlap  # False for a model whose forward changes its buffers
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.every_step:
+            return
+        step = int(state.global_step)
+        if not steps.finite(step):
+            return  # a NaN's step: the rollback restores the one before it
+        try:
+            part = hf_state.snapshot(
+                state,
+                kwargs.get("model"),
+                kwargs.get("optimizer"),
+                kwargs.get("lr_scheduler"),
+                _rank(),
+                int(args.world_size),
+            )
+            handle = engine().save(
+                step, {**part, STEP: step}, persist=control.should_save, overlap=self.overlap
+            )
+        except (TypeError, ValueError, AttributeError) as e:  # UnsupportedValue is a TypeError
+            # A state the engine cannot hold: the Trainer's own checkpoint folders go instead.
+            log.warning(
+                "transom cannot snapshot this Trainer's state (%s): sending its "
+                "checkpoint folders instead",
+                e,
+            )
+            self.every_step = False
+            return
+        if not handle.ok:
+            log.warning("transom snapshot of step %d refused: %s", step, handle.error)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.every_step:
+            return  # its step's snapshot went at on_step_end, to storage too
         step = int(state.global_step)
         folder = Path(args.output_dir) / f"checkpoint-{step}"
         rank = _rank()
@@ -122,7 +167,7 @@ class TransomCheckpoints(TrainerCallback):
             for f in sorted(folder.iterdir())
             if f.is_file() and _own_file(f.name, rank)
         }
-        handle = engine().save(step, {FILES: files})
+        handle = engine().save(step, {FILES: files, STEP: step})
         if not handle.ok:
             raise OSError(f"transom checkpoint of step {step} refused: {handle.error}")
 
@@ -134,22 +179,35 @@ class TransomCheckpoints(TrainerCallback):
 
 
 def resume_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The checkpoint folder to resume from: the controller's restore step, written back from
-    transom.checkpoint into OUTPUT_DIR/transom-restore/rankR/checkpoint-N; None when the plan
-    names no step (a fresh start)."""
+    """The checkpoint folder to resume from: the newest step every rank holds at or after the
+    controller's restore step, written back from transom.checkpoint into
+    OUTPUT_DIR/transom-restore/rankR/checkpoint-N; None when the plan names no step (a fresh
+    start)."""
     text = os.environ.get(env.RESTORE_STEP)
     if not text or not text.isdigit():
         return None
-    step, rank = int(text), _rank()
-    own = engine().load(step=step)
-    shards = [own] if rank == 0 else [engine().load(step=step, rank=0), own]
-    if any(shard is None or FILES not in shard for shard in shards):
-        raise FileNotFoundError(f"no transom checkpoint of step {step} for rank {rank}")
+    rank = _rank()
+    own = engine().load()  # the same step on every rank (checkpoint/agreement.py)
+    step = own.get(STEP) if isinstance(own, dict) else None
+    if not isinstance(step, int):  # saved without its step: the plan's
+        step = int(text)
+        own = engine().load(step=step)
+    zero = own if rank == 0 else engine().load(step=step, rank=0)
     folder = Path(output_dir) / "transom-restore" / f"rank{rank}" / f"checkpoint-{step}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    for shard in shards:
-        for name, data in shard[FILES].items():
-            if not _RNG.fullmatch(name) or _own_file(name, rank):
-                (folder / os.path.basename(name)).write_bytes(data.numpy().tobytes())
+    # Each part a snapshot (hf_state.py) or a folder's files (`every_step=False`, or a rank whose
+    # state could not be snapshotted): rank 0's holds the state, this rank's its RNG.
+    for shard, part in ((zero, "model"), (own, "rng")):
+        if not isinstance(shard, dict) or (part not in shard and FILES not in shard):
+            raise FileNotFoundError(f"no transom checkpoint of step {step} for rank {rank}")
+        if part == "model" and part in shard:
+            hf_state.write_state(folder, shard)
+        elif part == "rng" and part in shard:
+            hf_state.write_rng(folder, shard, rank)
+        else:
+            for name, data in shard[FILES].items():
+                rng = _RNG.fullmatch(name) is not None
+                if (not rng) if part == "model" else (rng and _own_file(name, rank)):
+                    (folder / os.path.basename(name)).write_bytes(data.numpy().tobytes())
     return str(folder)

@@ -39,8 +39,20 @@ def mean_loss(losses: list[Any]) -> float | None:
     return sum(values) / len(values)
 
 
+# The steps reported with a loss that was not finite, lately (`finite`).
+_NOT_FINITE: list[int] = []
+
+
+def finite(step: int) -> bool:
+    """False when `step` was reported with a loss that was not finite (NaN/Inf) on this rank:
+    a snapshot of it would hold the poisoned weights."""
+    return step not in _NOT_FINITE
+
+
 def report_step(step: int, loss: float | None, duration_s: float | None = None) -> None:
     """Report `step` (the framework's number) with its loss and timing."""
+    if loss is not None and not math.isfinite(loss):
+        _NOT_FINITE[:] = [*_NOT_FINITE[-7:], int(step)]
     try:
         steps = auto.counter()
         timing = steps.take_timing() if steps is not None and steps.framework else {}
