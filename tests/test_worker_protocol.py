@@ -39,6 +39,7 @@ from transom.checkpoint.worker_protocol import (
     Wait,
     parse_request,
 )
+from transom.common import keys
 from transom.common.states import Tier
 
 HEADER = ShardHeader(3, 1, 2, 0, tree={"l": []}, timeline=Timeline("j", 1, 2))
@@ -253,3 +254,19 @@ def test_discards_read_from_etcd_become_records_and_malformed_ones_are_left_out(
     assert catalog.parse_discards({"first_bad_step": 9}) == []
     assert catalog.is_discarded(catalog.parse_discards(value), 10, 1)
     assert not catalog.is_discarded(catalog.parse_discards(value), 3, 1)
+
+
+def test_a_servers_registration_is_read_as_a_record_and_a_bad_one_is_none() -> None:
+    from test_links import DictStore
+
+    class Store(DictStore):
+        def get(self, key: str) -> object:
+            return self.data.get(key)
+
+    store = Store()
+    catalog.register_server(store, "n0", "10.0.0.1:7000", None)
+    assert catalog.server_addr(store, "n0") == "10.0.0.1:7000"
+    for bad in ({"node": "n1"}, {"node": "n1", "addr": 7}, {"node": "n1", "addr": ""}, "x", None):
+        store.put(keys.ckpt_server("n1"), bad)
+        assert catalog.server_addr(store, "n1") is None
+    assert catalog.servers(store) == {"n0": catalog.ServerRecord("n0", "10.0.0.1:7000")}

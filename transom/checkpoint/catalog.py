@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from transom.checkpoint import reshard_steps
 from transom.checkpoint.saved_by import UNKNOWN
 from transom.common import keys
-from transom.common.record_base import Record, RecordError
+from transom.common.record_base import Record, RecordError, parse_all
 from transom.common.states import Tier
 from transom.store import Store
 
@@ -242,17 +242,28 @@ def withdraw_memory(store: Store, node: str) -> int:
     return len(names)
 
 
-def servers(store: Store) -> dict[str, dict[str, Any]]:
-    return {k: v for k, v in store.get_prefix(SERVERS).items() if isinstance(v, dict)}
+@dataclass
+class ServerRecord(Record):
+    """A checkpoint server's registration (`ckpt/servers/<node>`): where its peers reach it."""
+
+    node: str
+    addr: str
+
+
+def servers(store: Store) -> dict[str, ServerRecord]:
+    """node -> its server's registration; values that are not valid registrations left out."""
+    return parse_all(ServerRecord, store.get_prefix(SERVERS))
 
 
 def register_server(store: Store, node: str, addr: str, lease: Any) -> None:
     """List `node`'s checkpoint server at `addr` for its peers, for as long as `lease` lives."""
-    store.put(keys.ckpt_server(node), {"node": node, "addr": addr}, lease=lease)
+    store.put(keys.ckpt_server(node), ServerRecord(node, addr).to_dict(), lease=lease)
 
 
 def server_addr(store: Store, node: str) -> str | None:
     """The peer address `node`'s checkpoint server registered, None when none (or a bad one)."""
-    info = store.get(keys.ckpt_server(node))
-    addr = info.get("addr") if isinstance(info, dict) else None
-    return addr if isinstance(addr, str) and addr else None
+    try:
+        addr = ServerRecord.from_dict(store.get(keys.ckpt_server(node))).addr
+    except RecordError:
+        return None
+    return addr or None
