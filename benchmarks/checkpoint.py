@@ -223,7 +223,7 @@ def transom_phase(state, rank: int, world: int, work: Path, args, r: dict) -> No
     for tier in ("memory", "peer", "storage"):
         dist.barrier()
         dt, out = timed(lambda tier=tier: engine.load(last, tier=tier))
-        assert engine.last_load["tier"] == tier, engine.last_load
+        assert engine.last_load.tier == tier, engine.last_load
         r[f"transom_load_{tier}_s"] = dt
         del out
     engine.close()

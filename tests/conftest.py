@@ -64,11 +64,31 @@ def held_shard(step: int, rank: int) -> SimpleNamespace:
         step=step,
         rank=rank,
         world_size=2,
-        header={},
+        header=None,
         region=SimpleNamespace(nbytes=8),
         generation=1,
         origin="",
     )
+
+
+def raw_shard_header(fields: dict) -> bytes:
+    """The bytes in front of a shard's data for a header of any JSON `fields`, valid or not
+    (`shard_format.encode_header` writes only a `ShardHeader`): to forge shards with."""
+    import xxhash
+
+    from transom.checkpoint import shard_format
+
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    data_len = fields.get("data_len")
+    prefix = shard_format.PREFIX.pack(
+        shard_format.MAGIC,
+        shard_format.FORMAT_VERSION,
+        len(body),
+        xxhash.xxh3_64_intdigest(body),
+        data_len if type(data_len) is int and 0 <= data_len < 1 << 64 else 0,
+    )
+    out = prefix + body
+    return out + bytes(shard_format.header_span(len(body)) - len(out))
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from conftest import etcd_requests, held_shard, wait_for
 from transom.checkpoint import agent_lease, catalog
 from transom.checkpoint.publisher import Publisher
 from transom.common import keys
+from transom.common.states import Tier
 from transom.store import Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,9 +107,11 @@ def test_a_server_lists_under_each_lease_the_agent_hands_over_and_renews_none(st
 def test_a_server_replacing_a_dead_one_withdraws_its_memory_listings_first(store):
     lease = store.lease(30)
     for rank in (0, 1):  # the dead server's, under the agent's lease that lives on
-        catalog.publish(store, 3, rank, MEMORY, {"tier": "memory", "node": "node0"}, lease)
-    catalog.publish(store, 3, 0, catalog.memory_holder("node1"), {"tier": "memory"}, lease)
-    catalog.publish(store, 3, 0, catalog.STORAGE_HOLDER, {"tier": "storage"})
+        catalog.publish(store, MEMORY, catalog.Listing(3, rank, Tier.MEMORY, node="node0"), lease)
+    catalog.publish(
+        store, catalog.memory_holder("node1"), catalog.Listing(3, 0, Tier.MEMORY), lease
+    )
+    catalog.publish(store, catalog.STORAGE_HOLDER, catalog.Listing(3, 0, Tier.STORAGE))
     held = [held_shard(5, 0)]  # what the new server took in before the lease came
     publisher = Publisher(store, "node0", lease_ttl_s=None)
     publisher.held = lambda: held

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import shm_dir_for, wait_for
+from conftest import raw_shard_header, shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import (
@@ -24,6 +24,7 @@ from transom.checkpoint import (
     storage,
     tiers,
 )
+from transom.checkpoint.load_record import LoadRecord
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig, parse_size
 from transom.checkpoint.tiers import LoaderContext, LoadTier
@@ -178,7 +179,7 @@ def _craft(header: dict, data: bytes) -> bytes:
         "data_len": len(data),
         "chunks": [xxhash.xxh3_64_hexdigest(data)] if data else [],
     }
-    return shard_format.encode_header(header) + data
+    return raw_shard_header(header) + data
 
 
 @pytest.mark.parametrize(
@@ -251,7 +252,7 @@ def test_engine_saves_to_memory_and_loads_back_bit_exactly(tmp_path: Path) -> No
         assert handle.ok
         handle.wait("memory", timeout=30)
         back = engine.load()
-        assert engine.last_load["tier"] == "memory" and engine.last_load["step"] == 10
+        assert engine.last_load.tier == "memory" and engine.last_load.step == 10
         assert same(state, back)
         back["base"].add_(1)  # a loaded tensor is the caller's: changing it changes no checkpoint
         assert same(state, engine.load(10))
@@ -261,7 +262,7 @@ def test_engine_saves_to_memory_and_loads_back_bit_exactly(tmp_path: Path) -> No
     # A new process (here: a new engine) finds it in storage.
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
         assert same(state, engine.load())
-        assert engine.last_load["tier"] == "storage"
+        assert engine.last_load.tier == "storage"
 
 
 def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
@@ -271,7 +272,7 @@ def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
         shard = engine.server.memory.shards[(3, 0)]
         shard.region.map[100] ^= 0xFF  # a bit flip in the server's memory
         back = engine.load()
-        assert engine.last_load["tier"] == "storage"
+        assert engine.last_load.tier == "storage"
         assert same(state, back)
 
 
@@ -288,11 +289,7 @@ def test_corrupt_storage_copy_is_detected_and_an_older_step_used(
     path.write_bytes(bytes(raw))
     with checkpoint.Engine(storage_dir=root) as engine:
         back = engine.load()  # no restore step given: the newest step that loads
-        assert engine.last_load == {
-            "step": 1,
-            "tier": "storage",
-            "seconds": engine.last_load["seconds"],
-        }
+        assert engine.last_load == LoadRecord(1, "storage", engine.last_load.seconds)
         assert torch.equal(back["w"], torch.full((1000,), 1.0))
         with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
             engine.load(step=2)  # the step the caller names, or an error: no fallback
@@ -300,7 +297,7 @@ def test_corrupt_storage_copy_is_detected_and_an_older_step_used(
         # to the newest older step they all hold, after reporting the bad copy.
         monkeypatch.setenv("TRANSOM_RESTORE_STEP", "2")
         assert torch.equal(engine.load()["w"], torch.full((1000,), 1.0))
-        assert engine.last_load["step"] == 1
+        assert engine.last_load.step == 1
 
 
 def _server(tmp_path: Path, budget: int, **kw) -> CheckpointServer:
@@ -462,7 +459,7 @@ def test_manifest_written_last(tmp_path: Path) -> None:
         plan = flatten.plan_state({"r": torch.tensor([rank])}, 4, rank, 2)
         data = bytearray(plan.data_len)
         flatten.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
-        plan.header["chunks"] = shard_format.checksum_data(memoryview(data))
+        plan.header = plan.header.with_chunks(shard_format.checksum_data(memoryview(data)))
         header_bytes = shard_format.encode_header(plan.header)
         storage.write_shard(root, 4, rank, header_bytes, memoryview(data))
         storage.complete_step(root, 4, 2, keep=3)
@@ -515,7 +512,7 @@ class ObjectStoreTier(LoadTier):
         plan = flatten.plan_state(state, step, rank, world_size)
         data = bytearray(plan.data_len)
         flatten.copy_into(plan, torch.frombuffer(data, dtype=torch.uint8))
-        plan.header["chunks"] = shard_format.checksum_data(memoryview(data))
+        plan.header = plan.header.with_chunks(shard_format.checksum_data(memoryview(data)))
         self.objects[(step, rank)] = (shard_format.encode_header(plan.header), bytes(data))
 
     def locate(self, ctx: LoaderContext, step: int, rank: int) -> list[Source]:
@@ -543,12 +540,12 @@ def test_a_registered_tier_is_consulted_after_the_built_in_ones(
     extra.put(7, 0, 1, only_there)
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
         assert same(only_there, engine.load(7))
-        assert engine.last_load["tier"] == "object-store" and extra.reads == 1
+        assert engine.last_load.tier == "object-store" and extra.reads == 1
         in_memory = {"w": torch.ones(10)}
         engine.save(3, in_memory).wait("memory", timeout=30)
         extra.put(3, 0, 1, {"w": torch.zeros(10)})
         assert same(in_memory, engine.load(3))  # a faster tier holds it: the new one is not read
-        assert engine.last_load["tier"] == "memory" and extra.reads == 1
+        assert engine.last_load.tier == "memory" and extra.reads == 1
         assert same({"w": torch.zeros(10)}, engine.load(3, tier="object-store"))
         extra.objects[(7, 0)] = (extra.objects[(7, 0)][0], bytes(40))  # a corrupt copy
         with pytest.raises(checkpoint.CheckpointError, match="object-store: .*checksum"):
@@ -613,14 +610,14 @@ def test_a_tensor_described_before_is_described_anew_once_it_views_other_memory(
     # a tensor given new data, a new shape or requires_grad must not keep the old one.
     t = torch.nn.Parameter(torch.arange(4.0))
     first = flatten.plan_state({"t": t}, 1, 0, 1)
-    assert first.header["tensors"][0]["shape"] == [4] and first.header["tensors"][0]["param"]
-    assert flatten.plan_state({"t": t}, 2, 0, 1).header["tensors"] == first.header["tensors"]
+    assert first.header.tensors[0]["shape"] == [4] and first.header.tensors[0]["param"]
+    assert flatten.plan_state({"t": t}, 2, 0, 1).header.tensors == first.header.tensors
     t.data = torch.arange(12.0).view(3, 4).t()  # other memory, shape and strides
     plan = flatten.plan_state({"t": t}, 3, 0, 1)
-    entry = plan.header["tensors"][0]
+    entry = plan.header.tensors[0]
     assert entry["shape"] == [4, 3] and entry["stride"] == [1, 4] and plan.data_len >= 48
     t.requires_grad_(False)
-    assert "grad" not in flatten.plan_state({"t": t}, 4, 0, 1).header["tensors"][0]
+    assert "grad" not in flatten.plan_state({"t": t}, 4, 0, 1).header.tensors[0]
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     flatten.copy_into(plan, data)
     assert torch.equal(layout.rebuild(plan.header, data)["t"], t.detach())
@@ -655,8 +652,8 @@ def test_a_model_s_state_dict_saved_again_reuses_its_tables_and_copies_its_bytes
         for p in model.parameters():
             p.add_(1.0)
     again = flatten.plan_state({"model": model.state_dict(), "step": 2}, 2, 0, 1)
-    assert again.header["tensors"] is first.header["tensors"]
-    assert again.header["tree"] != first.header["tree"]  # the step differs: the tree is new
+    assert again.header.tensors is first.header.tensors
+    assert again.header.tree != first.header.tree  # the step differs: the tree is new
     data = torch.zeros(again.data_len, dtype=torch.uint8)
     flatten.copy_into(again, data)
     rebuilt = layout.rebuild(again.header, data)
@@ -664,7 +661,7 @@ def test_a_model_s_state_dict_saved_again_reuses_its_tables_and_copies_its_bytes
     # Another tensor in its place (new memory): new tables, its bytes.
     model[0].weight = torch.nn.Parameter(torch.full((3, 4), 7.0))
     other = flatten.plan_state({"model": model.state_dict()}, 3, 0, 1)
-    assert other.header["tensors"] is not first.header["tensors"]
+    assert other.header.tensors is not first.header.tensors
     data = torch.zeros(other.data_len, dtype=torch.uint8)
     flatten.copy_into(other, data)
     assert torch.equal(layout.rebuild(other.header, data)["model"]["0.weight"], model[0].weight)

@@ -49,7 +49,7 @@ def test_without_a_process_group_every_rank_falls_back_together(tmp_path: Path) 
     for rank in (0, 1):
         with checkpoint.Engine(storage_dir=tmp_path, rank=rank, world_size=2) as engine:
             state = engine.load()
-            loaded[rank] = (engine.last_load["step"], float(state["w"][0]))
+            loaded[rank] = (engine.last_load.step, float(state["w"][0]))
     assert loaded == {0: (8420, 8420.0), 1: (8420, 8421.0)}
 
 
@@ -72,7 +72,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 with checkpoint.Engine(storage_dir=root, rank=rank, world_size=2) as engine:
     try:
         state = engine.load()
-        out = {"step": engine.last_load["step"], "w": float(state["w"][0])}
+        out = {"step": engine.last_load.step, "w": float(state["w"][0])}
     except checkpoint.CheckpointError as e:
         out = {"error": str(e)}
 print(json.dumps(out), flush=True)

@@ -42,13 +42,13 @@ def test_dcp_save_and_load_go_through_memory_and_storage(tmp_path: Path) -> None
         dcp.save(state, storage_writer=TransomWriter(engine), checkpoint_id=5)
         back = template()
         dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=5)
-        assert engine.last_load["tier"] == "memory"
+        assert engine.last_load.tier == "memory"
         assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
         assert back["lr"] == 0.5 and torch.equal(back["nested"]["x"], state["nested"]["x"])
     with checkpoint.Engine(storage_dir=tmp_path) as engine:  # a new process: from storage
         back = template()
         dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=5)
-        assert engine.last_load["tier"] == "storage" and torch.equal(back["w"], state["w"])
+        assert engine.last_load.tier == "storage" and torch.equal(back["w"], state["w"])
 
 
 def test_a_dcp_save_can_be_memory_only(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_a_dcp_save_can_be_memory_only(tmp_path: Path) -> None:
             writer.handle.wait("storage", timeout=30)
         back = {"w": torch.zeros(4, 5)}
         dcp.load(back, storage_reader=TransomReader(engine), checkpoint_id=6)
-        assert engine.last_load["tier"] == "memory" and torch.equal(back["w"], state["w"])
+        assert engine.last_load.tier == "memory" and torch.equal(back["w"], state["w"])
 
 
 def test_dcp_round_trips_an_optimizer_state_with_0_dim_tensors(tmp_path: Path) -> None:

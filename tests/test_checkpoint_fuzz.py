@@ -65,10 +65,11 @@ def _state():
 
 
 def _valid() -> tuple[dict, torch.Tensor]:
-    plan = flatten.plan_state(_state(), 1, 0, 1, shard_format.timeline("j", 0, 1))
+    """A shard's header as JSON (what a forger can change) and its data."""
+    plan = flatten.plan_state(_state(), 1, 0, 1, shard_format.Timeline("j", 0, 1))
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     flatten.copy_into(plan, data)
-    return plan.header, data
+    return plan.header.to_json(), data
 
 
 def _paths(node, path=()):
@@ -90,7 +91,7 @@ def _set(tree, path, value):
 
 def _rebuild_or_shard_error(header: dict, data: torch.Tensor) -> None:
     try:
-        state = layout.rebuild(header, data)
+        state = layout.rebuild(shard_format.ShardHeader.from_json(header), data)
     except shard_format.ShardError:
         return
     # What rebuilds must be usable: every tensor can be read without a crash or huge memory.
@@ -171,7 +172,9 @@ def test_crafted_headers_raise_the_formats_error(tree, tensors, message) -> None
         "data_len": 64,
     }
     with pytest.raises(shard_format.ShardError, match=message):
-        layout.rebuild(header, torch.zeros(64, dtype=torch.uint8))
+        layout.rebuild(
+            shard_format.ShardHeader.from_json(header), torch.zeros(64, dtype=torch.uint8)
+        )
 
 
 def test_a_deeply_nested_json_header_is_a_shard_error(tmp_path: Path) -> None:
@@ -207,16 +210,17 @@ def test_random_bytes_and_bit_flips_of_a_shard_file_are_shard_errors(tmp_path: P
 
 
 def test_a_shard_of_another_timeline_is_refused_by_rebuild() -> None:
-    header, data = _valid()
-    layout.rebuild(header, data, shard_format.timeline("j", 0, 1))
+    fields, data = _valid()
+    header = shard_format.ShardHeader.from_json(fields)
+    layout.rebuild(header, data, shard_format.Timeline("j", 0, 1))
     for other in (
-        shard_format.timeline("j", 0, 2),
-        shard_format.timeline("j", 1, 1),
-        shard_format.timeline("k", 0, 1),
+        shard_format.Timeline("j", 0, 2),
+        shard_format.Timeline("j", 1, 1),
+        shard_format.Timeline("k", 0, 1),
     ):
         with pytest.raises(shard_format.ShardError, match="timeline"):
             layout.rebuild(header, data, other)
-    assert json.loads(json.dumps(header))["timeline"] == {
+    assert json.loads(json.dumps(header.to_json()))["timeline"] == {
         "job": "j",
         "generation": 0,
         "world_size": 1,
@@ -233,4 +237,5 @@ def test_chunk_checksums_are_the_same_with_one_chunk_or_many(monkeypatch, size) 
         flipped = bytearray(data)
         flipped[-1] ^= 1
         with pytest.raises(shard_format.ShardError, match=rf"chunk\(s\) \[{len(expected) - 1}\]"):
-            shard_format.verify_data({"chunks": expected}, memoryview(bytes(flipped)))
+            header = shard_format.ShardHeader(1, 0, 1, size, chunks=tuple(expected))
+            shard_format.verify_data(header, memoryview(bytes(flipped)))

@@ -12,23 +12,34 @@ import torch
 from transom import checkpoint
 from transom.checkpoint import worker_protocol as wire
 from transom.checkpoint.header_tables import KEPT, UNKNOWN_TABLES, ConnectionTables
+from transom.checkpoint.shard_header import ShardError, ShardHeader
 
 
 def _commit(number: int | None, tables: bool, step: int = 1) -> wire.Commit:
-    header = {"format": 1, "step": step, "tree": {"T": 0}, "data_len": 64}
+    header = {"format": 1, "step": step, "rank": 0, "world_size": 1, "tree": {"T": 0}}
+    header["data_len"] = 64
     if tables:
-        header |= {"tensors": [{"dtype": "float32", "n": number}], "storages": [{"offset": 0}]}
+        header |= {
+            "tensors": [{"dtype": "float32", "n": number}],
+            "storages": [{"offset": 0, "nbytes": 64}],
+        }
     return wire.Commit(step, 0, header, True, number)
 
 
 def test_the_server_puts_back_the_tables_a_connection_sent_and_refuses_unknown_ones() -> None:
     kept = ConnectionTables()
-    assert kept.header(_commit(None, False)) == _commit(None, False).header  # nothing to add
+    assert kept.header(_commit(None, True)) == ShardHeader.from_json(_commit(None, True).header)
+    with pytest.raises(ShardError, match="tensors must be a list"):  # none sent, none named
+        kept.header(_commit(None, False))
     with pytest.raises(ValueError, match=UNKNOWN_TABLES):
         kept.header(_commit(7, False))
     full = _commit(7, True)
-    assert kept.header(full) == full.header
-    assert kept.header(_commit(7, False, step=2)) == {**full.header, "step": 2}
+    assert kept.header(full) == ShardHeader.from_json(full.header)
+    again = kept.header(_commit(7, False, step=2))
+    assert again == ShardHeader.from_json({**full.header, "step": 2})
+    # The header put back together is checked like any other: of the commit's step and rank.
+    with pytest.raises(ShardError, match="commit of step 3 rank 0 carries the header of step 2"):
+        kept.header(wire.Commit(3, 0, _commit(7, False, step=2).header, True, 7))
     for number in range(8, 8 + KEPT):  # KEPT newer sets: the oldest is forgotten
         kept.header(_commit(number, True))
     with pytest.raises(ValueError, match=UNKNOWN_TABLES):
@@ -36,7 +47,7 @@ def test_the_server_puts_back_the_tables_a_connection_sent_and_refuses_unknown_o
     # A forged commit with only one of the tables gets the kept ones, whole.
     mixed = _commit(8, False)
     mixed.header["tensors"] = [{"forged": True}]
-    assert kept.header(mixed)["tensors"] == [{"dtype": "float32", "n": 8}]
+    assert kept.header(mixed).tensors == ({"dtype": "float32", "n": 8},)
 
 
 def test_commits_send_the_tables_once_and_again_after_the_connection_is_made_anew(

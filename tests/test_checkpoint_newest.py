@@ -125,7 +125,7 @@ def test_ranks_restore_the_newest_step_held_at_or_after_the_plans(
             assert newcomer.newer_held(1) == [4, 1]
             state = newcomer.load()
             assert state["step"] == 4 and torch.equal(state["w"], _state(4)["w"])
-            assert newcomer.last_load["tier"] == "peer"
+            assert newcomer.last_load.tier == "peer"
             newcomer.close()
         finally:
             for server in servers:

@@ -115,7 +115,7 @@ WORKER = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)  # killed right after save() returned
     back = engine.load()
     ok = all(torch.equal(back["model"][k], model[k]) for k in model) and back["step"] == 3
-    print("loaded", engine.last_load["tier"], "exact" if ok else "DIFFERENT", flush=True)
+    print("loaded", engine.last_load.tier, "exact" if ok else "DIFFERENT", flush=True)
 """)
 
 

@@ -110,7 +110,7 @@ def test_saves_every_step_take_a_region_reserved_ahead_and_a_jump_gives_it_back(
         assert reserves_from_training == [1, 2]  # from the third save on: reserved ahead
         held = engine.connection.request(wire.StatusRequest())
         assert isinstance(held, wire.Status)
-        states = {(s["step"], s["state"]) for s in held.report["shards"]}
+        states = {(s.step, s.state) for s in held.shards}
         assert (6, "reserved") in states  # the next step's region, ahead of its save
         t.fill_(10.0)
         assert engine.save(10, {"t": t}, overlap=True).ok  # not step 6: reserved as ever
@@ -118,7 +118,7 @@ def test_saves_every_step_take_a_region_reserved_ahead_and_a_jump_gives_it_back(
         assert reserves_from_training == [1, 2, 10]
         held = engine.connection.request(wire.StatusRequest())
         assert isinstance(held, wire.Status)
-        assert all(s["state"] != "reserved" for s in held.report["shards"])
+        assert all(s.state != "reserved" for s in held.shards)
         assert torch.equal(engine.load(step=5)["t"], torch.full((256,), 5.0))
         assert torch.equal(engine.load(step=10)["t"], torch.full((256,), 10.0))
     finally:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import shm_dir_for, wait_for
+from conftest import raw_shard_header, shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, peer_port, peer_service, replication, shard_format
@@ -70,8 +70,8 @@ def _fingerprint(server: CheckpointServer) -> dict:
                 s.state,
                 sorted(s.tiers),
                 s.origin,
-                json.dumps(s.header, sort_keys=True),
-                hashlib.sha256(s.region.view()[: s.header["data_len"]]).hexdigest()
+                json.dumps(s.header.to_json() if s.header else None, sort_keys=True),
+                hashlib.sha256(s.region.view()[: s.header.data_len]).hexdigest()
                 if s.header
                 else None,
             )
@@ -466,7 +466,7 @@ def _frames(rng: random.Random, count: int, shard: tuple[dict, bytes]) -> list[t
         }
 
     def other_shard(step: int, data_len: int = 4096) -> bytes:
-        return shard_format.encode_header({**header, "step": step, "data_len": data_len})
+        return raw_shard_header({**header, "step": step, "data_len": data_len})
 
     junk_values = [None, True, -1, 1.5, "1", [], {}, 1 << 64, "../../etc", "x" * 300]
     kinds = [
@@ -533,7 +533,7 @@ def _fuzz(tmp_path: Path, count: int) -> None:
         before = _fingerprint(a)
         assert set(before) == {(1, 0), (1, 1)}
         own = a.memory.shards[(1, 0)]
-        frames = _frames(random.Random(12), count, (own.header, own.header_bytes))
+        frames = _frames(random.Random(12), count, (own.header.to_json(), own.header_bytes))
         with ThreadPoolExecutor(8) as pool:
             for future in [pool.submit(_send_frame, _addr(a), *f) for f in frames]:
                 future.result()

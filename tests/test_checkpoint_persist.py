@@ -15,6 +15,7 @@ import torch
 from transom import checkpoint
 from transom.checkpoint import storage
 from transom.checkpoint.protocol import deadline_in, recv_msg, send_msg
+from transom.checkpoint.shard_header import ShardHeader
 from transom.workloads import train_gpt
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
@@ -35,11 +36,11 @@ def test_a_memory_only_save_skips_storage_and_memory_keeps_the_step_before(tmp_p
         engine.save(3, _state(3), persist=False).wait("memory", timeout=30)
         assert storage.complete_steps(root) == [1]
         assert engine.load()["step"] == 3
-        assert engine.last_load["tier"] == "memory"
+        assert engine.last_load.tier == "memory"
         # Memory keeps one step more while the newest is memory-only: a rank that died before
         # saving step 3 makes step 2 the restore step, and only memory has it.
         assert engine.load(2)["step"] == 2
-        assert engine.last_load["tier"] == "memory"
+        assert engine.last_load.tier == "memory"
         engine.save(4, _state(4)).wait("storage", timeout=30)
         with pytest.raises(checkpoint.CheckpointError):
             engine.load(2)  # a persisted newest step: one step a rank again
@@ -57,7 +58,7 @@ def test_closing_persists_the_newest_memory_only_step(tmp_path: Path) -> None:
     assert storage.complete_steps(root) == [3, 1]
     with checkpoint.Engine(storage_dir=root) as engine:
         assert torch.equal(engine.load()["w"], _state(3)["w"])
-        assert (engine.last_load["tier"], engine.last_load["step"]) == ("storage", 3)
+        assert (engine.last_load.tier, engine.last_load.step) == ("storage", 3)
 
 
 def test_a_commit_whose_persist_is_not_a_boolean_is_refused(tmp_path: Path) -> None:
@@ -67,7 +68,8 @@ def test_a_commit_whose_persist_is_not_a_boolean_is_refused(tmp_path: Path) -> N
             reserve = {"op": "reserve", "step": 7, "rank": 0, "nbytes": 64, "world_size": 1}
             send_msg(sock, reserve, deadline_in(10))
             assert recv_msg(sock, deadline_in(10))["ok"]
-            commit = {"op": "commit", "step": 7, "rank": 0, "header": {}, "persist": "no"}
+            header = ShardHeader(7, 0, 1, 64).to_json()
+            commit = {"op": "commit", "step": 7, "rank": 0, "header": header, "persist": "no"}
             send_msg(sock, commit, deadline_in(10))
             reply = recv_msg(sock, deadline_in(10))
         assert not reply["ok"] and "persist must be true or false" in reply["error"], reply

@@ -24,7 +24,7 @@ from transom.checkpoint.client import ServerConnection
 from transom.checkpoint.publisher import PlanView
 from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig
-from transom.checkpoint.worker_protocol import Status, StatusRequest
+from transom.checkpoint.worker_protocol import PrefetchStatus, ShardStatus, Status, StatusRequest
 from transom.common import env, keys
 from transom.common.records import Plan
 from transom.common.states import JobState
@@ -49,7 +49,7 @@ WORKER = textwrap.dedent("""
     engine = checkpoint.Engine(socket_path=socket_path, rank=rank, world_size=world)
     back = engine.load(STEP)
     ok = torch.equal(back["model"]["w"], expected) and back["rank"] == rank
-    print("loaded", engine.last_load["tier"], "exact" if ok else "DIFFERENT", flush=True)
+    print("loaded", engine.last_load.tier, "exact" if ok else "DIFFERENT", flush=True)
 """).replace("STEP", str(STEP))
 
 
@@ -78,25 +78,25 @@ class Server:
         )
         assert self.process.poll() is None, self.log_path.read_text()
 
-    def status(self) -> dict:
+    def status(self) -> Status:
         connection = ServerConnection(self.socket)
         try:
             reply = connection.request(StatusRequest())
         finally:
             connection.close()
         assert isinstance(reply, Status), reply
-        return reply.report
+        return reply
 
-    def holds_in_memory(self, step: int, rank: int) -> dict | None:
-        for shard in self.status()["shards"]:
-            if (shard["step"], shard["rank"]) == (step, rank) and "memory" in shard["tiers"]:
+    def holds_in_memory(self, step: int, rank: int) -> ShardStatus | None:
+        for shard in self.status().shards:
+            if (shard.step, shard.rank) == (step, rank) and "memory" in shard.tiers:
                 return shard
         return None
 
     def prefetch_outcome(self, step: int, rank: int) -> str | None:
-        for entry in self.status()["prefetch"]:
-            if (entry["step"], entry["rank"]) == (step, rank) and entry["outcome"] != "running":
-                return entry["outcome"]
+        for entry in self.status().prefetch:
+            if (entry.step, entry.rank) == (step, rank) and entry.outcome != "running":
+                return entry.outcome
         return None
 
     def kill(self) -> None:
@@ -181,7 +181,7 @@ def test_a_replacement_server_prefetches_its_ranks_shards_before_its_workers_loa
             held = wait_for(
                 lambda: spare.holds_in_memory(STEP, 0), 20, "node3 to prefetch rank 0's shard"
             )
-            assert held["origin"] == "node1", held
+            assert held.origin == "node1", held
             assert node1.prefetch_outcome(STEP, 1) is None  # node1 holds its own rank already
             assert "loaded memory exact" in _load(tmp_path, spare, 0, 2)
 
@@ -235,7 +235,7 @@ def test_a_worker_waits_for_a_prefetch_under_way_at_most_the_bound(tmp_path, mon
         assert server.workers.locate(STEP, 0) == []  # nothing holds it: after the bound
         assert 0.5 <= time.monotonic() - t0 < 5
         ended = threading.Timer(
-            0.1, lambda: server.prefetcher._finish((STEP, 0), {"outcome": prefetch.FAILED})
+            0.1, lambda: server.prefetcher._finish(PrefetchStatus(STEP, 0, prefetch.FAILED))
         )
         with server.memory.lock:
             server.prefetcher.in_flight.add((STEP, 0))

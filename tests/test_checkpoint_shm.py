@@ -81,7 +81,7 @@ def test_sweep_removes_dead_owners_folders_and_keeps_foreign_ones(tmp_path: Path
     dead = tmp_path / "transom-dead-n-0123"
     RegionDir(dead, "job", "n")
     owner = shm_dirs.read_owner(dead)
-    assert owner is not None and owner["pid"] == os.getpid()
+    assert owner is not None and owner.pid == os.getpid()
     mine = tmp_path / "transom-mine-n-4567"
     RegionDir(mine, "job", "n")
     (dead / shm_dirs.OWNER_FILE).write_text(
@@ -96,6 +96,23 @@ def test_sweep_removes_dead_owners_folders_and_keeps_foreign_ones(tmp_path: Path
     foreign.mkdir()
     assert shm_dirs.sweep_stale_shm(tmp_path) == [dead, reused]
     assert mine.exists() and foreign.exists()
+
+
+def test_an_owner_file_that_is_not_a_valid_record_names_no_owner(tmp_path: Path) -> None:
+    directory = tmp_path / "transom-bad-n-0"
+    directory.mkdir()
+    for bad in (
+        '{"pid": "1"}',
+        '{"start": 1.0}',
+        '{"pid": 1, "start": "x"}',
+        "[1]",
+        "{",
+        "[" * 99999,
+    ):
+        (directory / shm_dirs.OWNER_FILE).write_text(bad)
+        assert shm_dirs.read_owner(directory) is None
+    (directory / shm_dirs.OWNER_FILE).write_text('{"pid": 1, "job": "j", "future": true}')
+    assert shm_dirs.read_owner(directory) == shm_dirs.Owner(1, None, "j")
 
 
 def test_capacity_is_the_smallest_real_limit(tmp_path: Path) -> None:
@@ -260,7 +277,7 @@ def test_server_sigterm_frees_shared_memory_and_exits_0(tmp_path: Path) -> None:
     try:
         assert p.stdout is not None
         assert p.stdout.readline().startswith("ready")
-        assert shm_dirs.read_owner(shm_dir)["pid"] == p.pid  # type: ignore[index]
+        assert shm_dirs.read_owner(shm_dir).pid == p.pid
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
         assert not shm_dir.exists()

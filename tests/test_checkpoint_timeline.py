@@ -19,25 +19,27 @@ from transom.checkpoint.server import CheckpointServer
 from transom.checkpoint.server_options import ServerConfig
 
 
-def _shard(step: int, rank: int, tl: dict, value: float = 0.0) -> tuple[bytes, memoryview]:
-    plan = flatten.plan_state({"w": torch.full((16,), value)}, step, rank, tl["world_size"], tl)
+def _shard(
+    step: int, rank: int, tl: shard_format.Timeline, value: float = 0.0
+) -> tuple[bytes, memoryview]:
+    plan = flatten.plan_state({"w": torch.full((16,), value)}, step, rank, tl.world_size, tl)
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
     flatten.copy_into(plan, data)
     view = memoryview(data.numpy())
-    plan.header["chunks"] = shard_format.checksum_data(view)
+    plan.header = plan.header.with_chunks(shard_format.checksum_data(view))
     return shard_format.encode_header(plan.header), view
 
 
 def _write(
-    root: Path, step: int, rank: int, tl: dict, value: float = 0.0, keep: int = 3
+    root: Path, step: int, rank: int, tl: shard_format.Timeline, value: float = 0.0, keep: int = 3
 ) -> list[int]:
     head, data = _shard(step, rank, tl, value)
     storage.write_shard(root, step, rank, head, data, tl)
-    return storage.complete_step(root, step, tl["world_size"], keep=keep, timeline=tl)
+    return storage.complete_step(root, step, tl.world_size, keep=keep, timeline=tl)
 
 
 def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> None:
-    one, two = shard_format.timeline("j", 0, 1), shard_format.timeline("j", 1, 2)
+    one, two = shard_format.Timeline("j", 0, 1), shard_format.Timeline("j", 1, 2)
     _write(tmp_path, 7, 0, one)
     assert storage.complete_steps(tmp_path) == [7]
     _write(tmp_path, 7, 1, two)  # rank 1 of a world of 2: rank 0 on disk is a world of 1's
@@ -47,13 +49,13 @@ def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> No
     manifest = storage.read_manifest(tmp_path, 7)
     assert manifest is not None and manifest.timeline == two
     header, _ = storage.read_shard(storage.shard_path(tmp_path, 7, 1), 7, 1)
-    assert header["timeline"] == two
+    assert header.timeline == two
 
 
 def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refused(
     tmp_path: Path,
 ) -> None:
-    old, new = shard_format.timeline("j", 1, 2), shard_format.timeline("j", 2, 2)
+    old, new = shard_format.Timeline("j", 1, 2), shard_format.Timeline("j", 2, 2)
     for rank in (0, 1):
         _write(tmp_path, 5, rank, old, 1.0)
     assert storage.complete_steps(tmp_path) == [5]
@@ -71,32 +73,32 @@ def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refuse
 def test_an_older_generation_never_writes_over_a_newer_ones_shard_of_an_unfinished_step(
     tmp_path: Path,
 ) -> None:
-    old, new = shard_format.timeline("j", 1, 2), shard_format.timeline("j", 2, 2)
+    old, new = shard_format.Timeline("j", 1, 2), shard_format.Timeline("j", 2, 2)
     _write(tmp_path, 5, 0, new, 2.0)  # rank 1 not there yet: no manifest to compare with
     with pytest.raises(storage.StaleTimeline):
         _write(tmp_path, 5, 0, old, 1.0)
     header, _ = storage.read_shard(storage.shard_path(tmp_path, 5, 0), 5, 0)
-    assert header["timeline"] == new
+    assert header.timeline == new
     _write(tmp_path, 6, 0, old, 1.0)
     _write(tmp_path, 6, 0, new, 2.0)  # the newer generation replaces the older one's file
-    assert storage.read_header(storage.shard_path(tmp_path, 6, 0))["timeline"] == new
+    assert storage.read_header(storage.shard_path(tmp_path, 6, 0)).timeline == new
 
 
 def test_a_shard_that_does_not_match_its_manifest_is_a_shard_error(tmp_path: Path) -> None:
-    tl = shard_format.timeline("j", 0, 1)
+    tl = shard_format.Timeline("j", 0, 1)
     _write(tmp_path, 3, 0, tl)
-    other_head, other_data = _shard(3, 0, shard_format.timeline("other-job", 0, 1))
+    other_head, other_data = _shard(3, 0, shard_format.Timeline("other-job", 0, 1))
     storage.atomic_write(storage.shard_path(tmp_path, 3, 0), [other_head, other_data])
     with pytest.raises(shard_format.ShardError, match="timeline"):
         storage.read_shard(storage.shard_path(tmp_path, 3, 0), 3, 0)
 
 
 def test_discarded_steps_leave_storage_by_the_generation_that_wrote_them(tmp_path: Path) -> None:
-    old, new = shard_format.timeline("j", 1, 1), shard_format.timeline("j", 2, 1)
+    old, new = shard_format.Timeline("j", 1, 1), shard_format.Timeline("j", 2, 1)
     for step in (1, 2, 3):
         _write(tmp_path, step, 0, old, keep=9)
     _write(tmp_path, 4, 0, new, keep=9)  # the generation that discards: its own steps stay
-    _write(tmp_path, 5, 0, shard_format.timeline("other-job", 9, 1), keep=9)  # not j's at all
+    _write(tmp_path, 5, 0, shard_format.Timeline("other-job", 9, 1), keep=9)  # not j's at all
     future = time.time() + 3600  # a file's clock says nothing: only its timeline does
     for step in (3, 4):
         for f in storage.step_dir(tmp_path, step).iterdir():
@@ -113,7 +115,7 @@ def test_a_discard_never_removes_another_jobs_steps_or_a_file_it_cannot_read(
     """A rerun that resumes job A's step 10 starts fresh from there (its discard covers steps
     >= 11 of its own earlier generations): A's later steps, and a file naming no timeline,
     stay."""
-    a = shard_format.timeline("job-a", 3, 2)
+    a = shard_format.Timeline("job-a", 3, 2)
     for step in (10, 20):
         for rank in (0, 1):
             _write(tmp_path, step, rank, a, keep=9)
@@ -128,7 +130,7 @@ def test_a_discard_never_removes_another_jobs_steps_or_a_file_it_cannot_read(
 def test_retention_keeps_another_jobs_steps_until_this_job_has_k_newer_ones(
     tmp_path: Path,
 ) -> None:
-    a, b = shard_format.timeline("job-a", 1, 1), shard_format.timeline("job-b", 1, 1)
+    a, b = shard_format.Timeline("job-a", 1, 1), shard_format.Timeline("job-b", 1, 1)
     for step in (100, 110, 120):
         _write(tmp_path, step, 0, a, keep=2)
     assert storage.complete_steps(tmp_path) == [120, 110]
@@ -146,8 +148,8 @@ def test_retention_keeps_another_jobs_steps_until_this_job_has_k_newer_ones(
 def test_a_step_completes_beside_a_higher_ranks_file_another_world_left(tmp_path: Path) -> None:
     """Job A (2 ranks) left rank 1's shard of step 30, never completed; job B (1 rank) saves
     step 30: complete for B's world, A's file is not part of it."""
-    _write(tmp_path, 30, 1, shard_format.timeline("job-a", 1, 2))
-    b = shard_format.timeline("job-b", 1, 1)
+    _write(tmp_path, 30, 1, shard_format.Timeline("job-a", 1, 2))
+    b = shard_format.Timeline("job-b", 1, 1)
     _write(tmp_path, 30, 0, b)
     manifest = storage.read_manifest(tmp_path, 30)
     assert manifest == storage.Manifest(world_size=1, timeline=b)
@@ -181,7 +183,7 @@ def test_a_server_refuses_saves_of_a_replaced_generation(tmp_path: Path, monkeyp
         h = current.save(10, {"w": torch.ones(4)})
         h.wait("storage", timeout=30)
         header, _ = storage.read_shard(storage.shard_path(tmp_path / "ckpt", 10, 0))
-        assert header["timeline"] == {"job": "local", "generation": 3, "world_size": 1}
+        assert header.timeline == shard_format.Timeline("local", 3, 1)
         current.close()
     finally:
         server.stop()

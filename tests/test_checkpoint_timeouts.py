@@ -103,7 +103,7 @@ def test_a_save_to_a_server_that_never_answers_is_refused_in_time(
         # A load falls back to the tier it reaches itself: storage.
         t0 = time.monotonic()
         assert _same(state, engine.load())
-        assert engine.last_load["tier"] == "storage" and engine.last_load["step"] == 4
+        assert engine.last_load.tier == "storage" and engine.last_load.step == 4
         assert time.monotonic() - t0 < 10
     finally:
         engine.close()

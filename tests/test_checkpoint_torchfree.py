@@ -45,7 +45,7 @@ def test_a_server_saves_persists_and_locates_a_shard_without_loading_torch(tmp_p
         engine.save(4, state).wait("storage", timeout=60)
         assert storage.complete_steps(storage_dir) == [4]
         back = engine.load(4)
-        assert engine.last_load["tier"] == "memory"
+        assert engine.last_load.tier == "memory"
         assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
         assert torch_mapped(p.pid) == []
         p.send_signal(signal.SIGTERM)

@@ -15,6 +15,7 @@ from conftest import wait_for
 
 from transom.checkpoint import catalog
 from transom.common import keys
+from transom.common.states import Tier
 from transom.control.ckpt_node import RESTART_INTERVAL_S, NodeCheckpointServer
 from transom.job_spec import JobSpec
 
@@ -69,7 +70,7 @@ def test_the_server_lists_under_the_agents_lease_and_its_successor_withdraws_its
     try:
         first = wait_for(registered_under_the_lease, 30, "the server registered")
         # A listing of the first server's memory (as a save would make), under the same lease.
-        catalog.publish(store, 4, 0, memory, {"tier": "memory", "node": "node0"}, lease)
+        catalog.publish(store, memory, catalog.Listing(4, 0, Tier.MEMORY, node="node0"), lease)
         assert node.process is not None
         node.process.send_signal(signal.SIGKILL)
         node.process.wait()

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from transom.common import keys
-from transom.common.records import PreflightResult
+from transom.common.records import LinkMeasure, PreflightResult, parse_all
 from transom.control import links
 from transom.control.policy import slow_outliers
 
@@ -43,8 +43,8 @@ def test_a_link_is_measured_and_a_slow_one_shows(servers):
     fast = links.measure(servers().address)
     slow = links.measure(servers(DELAY_S).address)
     assert fast is not None and slow is not None
-    assert slow["latency_ms"] >= DELAY_S * 1000 > fast["latency_ms"]
-    assert fast["mbps"] > 5 * slow["mbps"]
+    assert slow.latency_ms >= DELAY_S * 1000 > fast.latency_ms
+    assert fast.mbps > 5 * slow.mbps
 
 
 def test_a_node_with_a_slow_link_is_excluded_and_no_other(servers):
@@ -54,27 +54,34 @@ def test_a_node_with_a_slow_link_is_excluded_and_no_other(servers):
         store.put(keys.node(node), {})
         links.publish(store, node, servers(delay))
     results = {
-        node: PreflightResult(
-            passed=True, compute_gflops=10.0, extra=links.link_test(store, node, 3, delay)
+        node: links.with_links(
+            PreflightResult(passed=True, compute_gflops=10.0),
+            links.link_test(store, node, 3, delay),
         )
         for node, delay in delays.items()
     }
-    assert set(results["node0"].extra["links"]) == {"node1", "node2", "node3"}
+    assert set(results["node0"].links) == {"node1", "node2", "node3"}
+    # What etcd holds reads back the same.
+    assert {n: PreflightResult.from_dict(r.to_dict()) for n, r in results.items()} == results
     excluded = slow_outliers(results)
     assert list(excluded) == ["node2"] and "pre-flight link test" in excluded["node2"]
 
 
+def _results(scores: dict[str, dict]) -> dict[str, PreflightResult]:
+    """Pre-flight results as the controller reads them from etcd (`parse_all`: a value that is
+    not a valid record is left out)."""
+    return parse_all(PreflightResult, {n: {"passed": True, **s} for n, s in scores.items()})
+
+
 def test_two_nodes_cannot_tell_whose_link_is_slow():
     scores = {"a": {"link_mbps": 1000.0}, "b": {"link_mbps": 10.0}}
-    assert links.link_outliers(scores) == {}
+    assert links.link_outliers(_results(scores)) == {}
     scores["c"] = {"link_mbps": 900.0, "link_latency_ms": 0.1}
-    assert list(links.link_outliers(scores)) == ["b"]
+    assert list(links.link_outliers(_results(scores))) == ["b"]
     latency = {n: {"link_latency_ms": ms} for n, ms in {"a": 0.1, "b": 0.2, "c": 25.0}.items()}
-    assert list(links.link_outliers(latency)) == ["c"]
-    assert (
-        links.link_outliers({n: {"link_latency_ms": 0.1 * (i + 1)} for i, n in enumerate("abc")})
-        == {}
-    )
+    assert list(links.link_outliers(_results(latency))) == ["c"]
+    even = {n: {"link_latency_ms": 0.1 * (i + 1)} for i, n in enumerate("abc")}
+    assert links.link_outliers(_results(even)) == {}
 
 
 def test_a_node_whose_peers_measured_a_good_link_to_it_is_not_blamed_for_its_own_busy_test():
@@ -86,12 +93,22 @@ def test_a_node_whose_peers_measured_a_good_link_to_it_is_not_blamed_for_its_own
         "c": {"link_mbps": 2200.0, "link_latency_ms": 0.1},
         "d": {"link_mbps": 2100.0, "link_latency_ms": 0.1},
     }
-    assert links.link_outliers(scores) == {}
-    # What a peer saw of a bad link corroborates it; forged entries are not evidence.
+    assert links.link_outliers(_results(scores)) == {}
+    # What a peer saw of a bad link corroborates it; forged entries are not evidence: a bad
+    # entry is left out (c's other entries count), a bad table costs its whole record (d's).
     scores["a"]["links"]["b"] = {"mbps": 20.0, "latency_ms": 40.0}
-    scores["c"]["links"] = {"b": {"mbps": "fast", "latency_ms": -1}, "a": None}
+    scores["c"]["links"] = {
+        "b": {"mbps": "fast", "latency_ms": -1},
+        "a": None,
+        "d": {"mbps": 2000.0, "latency_ms": 0.2},
+    }
     scores["d"]["links"] = ["b"]
-    assert list(links.link_outliers(scores)) == ["b"]
+    results = _results(scores)
+    assert set(results) == {"a", "b", "c"} and list(results["c"].links) == ["d"]
+    assert list(links.link_outliers(results)) == ["b"]
+    # A peer's negative or zero measurement is no evidence either.
+    results["c"].links["b"] = LinkMeasure(latency_ms=-1.0, mbps=0.0)
+    assert list(links.link_outliers(results)) == ["b"]
 
 
 def test_no_peer_no_test_and_gone_or_bogus_peers_are_left_out(servers):
@@ -105,7 +122,7 @@ def test_no_peer_no_test_and_gone_or_bogus_peers_are_left_out(servers):
     gone.close()
     store.put(keys.link("node2"), {"host": HOST, "port": "not a port"})
     store.put(keys.link("node9"), {"host": HOST, "port": 1})  # not a live node
-    assert links.link_test(store, "node0", 1) == {"links": {}}
+    assert links.link_test(store, "node0", 1) == {}
 
 
 def test_the_server_drops_bad_requests_and_serves_on(servers):

@@ -217,8 +217,10 @@ def _fuzz_peer_ports(ports: list[tuple[tuple[str, int], bytes, int]], count: int
     """`count` random and crafted frames (as an outsider, and after a valid handshake)."""
     plan = flatten.plan_state({"w": torch.zeros(16)}, 9, 0, 2)
     checksums = shard_format.checksum_data(memoryview(bytes(plan.data_len)))
-    header = {**plan.header, "checksums": checksums}
-    frames = _frames(random.Random(5), count, (header, shard_format.encode_header(header)))
+    header = plan.header.with_chunks(checksums)
+    frames = _frames(
+        random.Random(5), count, (header.to_json(), shard_format.encode_header(header))
+    )
     with ThreadPoolExecutor(8) as pool:
         futures = [
             pool.submit(_send_frame, ports[i % len(ports)][0], *frame, ports[i % len(ports)][1])

@@ -12,6 +12,7 @@ from transom.common.records import (
     FailureKind,
     FailureReport,
     JobRecord,
+    LinkMeasure,
     MonitorSummary,
     NodeStatus,
     Plan,
@@ -95,3 +96,35 @@ def test_a_status_keeps_its_valid_failure_reports_and_leaves_out_the_others():
     with pytest.raises(RecordError, match="NodeStatus.failures: expected a list"):
         NodeStatus.from_dict(not_a_list)
     assert parse_all(NodeStatus, {"n": not_a_list, "m": stored}) == {"m": status}
+
+
+def test_a_preflight_result_keeps_its_valid_links_and_round_trips_through_a_status():
+    """What a node measured of each peer's link comes from etcd: an entry that is not valid
+    costs only itself; a failed node's status and an exclusion's event carry the typed result."""
+    result = PreflightResult(
+        True,
+        2.0,
+        compute_gflops=40.0,
+        free_disk_bytes=1 << 30,
+        link_mbps=900.0,
+        link_latency_ms=0.2,
+        links={"b": LinkMeasure(0.2, 900.0)},
+    )
+    stored = json.loads(json.dumps(result.to_dict()))
+    assert PreflightResult.from_dict(stored) == result
+    junk = {"c": {"mbps": "fast", "latency_ms": 1}, "d": None, "e": [1], "f": {"mbps": 1.0}}
+    assert PreflightResult.from_dict(stored | {"links": {**junk, **stored["links"]}}) == result
+    for bad, why in [
+        ({"links": ["b"]}, "PreflightResult.links: expected an object"),
+        ({"link_mbps": "fast"}, "PreflightResult.link_mbps: expected float"),
+        ({"free_disk_bytes": 1.5}, "PreflightResult.free_disk_bytes: expected int"),
+        ({"problems": "disk"}, "PreflightResult.problems: expected a list"),
+    ]:
+        with pytest.raises(RecordError, match=why):
+            PreflightResult.from_dict(stored | bad)
+    failed = NodeStatus("n", 1, NodeState.FAILED, 5.0, preflight=result, pids={"0": 42})
+    assert NodeStatus.from_dict(json.loads(json.dumps(failed.to_dict()))) == failed
+    with pytest.raises(RecordError, match="NodeStatus.pids"):
+        NodeStatus.from_dict(failed.to_dict() | {"pids": {"0": "42"}})
+    evict = Event(3.0, EventKind.EVICT, "m", node="n", preflight=result)
+    assert Event.from_dict(json.loads(json.dumps(evict.to_dict()))) == evict

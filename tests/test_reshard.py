@@ -14,6 +14,7 @@ import torch
 
 from transom import checkpoint
 from transom.checkpoint import storage
+from transom.checkpoint.load_record import LoadRecord, Resharded
 from transom.checkpoint.reshard import chunk_range, copy_overlap
 from transom.checkpoint.reshard_steps import restorable
 from transom.utils.net import free_port
@@ -89,12 +90,12 @@ def _save_world(root: Path, step: int, world: int, replicated=("model", "step"))
             engine.close()
 
 
-def _load_world(root: Path, world: int) -> list[tuple[dict, dict]]:
+def _load_world(root: Path, world: int) -> list[tuple[dict, LoadRecord]]:
     out = []
     for r in range(world):
         with checkpoint.Engine(storage_dir=root, rank=r, world_size=world) as engine:
             state = engine.load()
-            out.append((state, dict(engine.last_load)))
+            out.append((state, engine.last_load))
     return out
 
 
@@ -105,16 +106,14 @@ def test_shrink_then_grow_resumes_from_the_newest_step(tmp_path: Path) -> None:
     for r, (state, info) in enumerate(_load_world(root, 2)):  # shrink: 3 -> 2
         assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.arange(6.0) * 10)
         assert "data_position" not in state, "per-rank state of another world is left out"
-        assert info["resharded"]["from_world_size"] == 3 and info["tier"] == "storage"
-        assert info["resharded"]["dropped"] == ["data_position"]
-        assert info["resharded"]["source_rank"] == r
+        assert info.resharded == Resharded(3, r, ("data_position",)) and info.tier == "storage"
     _save_world(root, 20, 2)
     loaded = _load_world(root, 3)  # grow: 2 -> 3; rank 2 has no shard of its own
     assert [s["step"] for s, _ in loaded] == [20, 20, 20]
     assert all(torch.equal(s["model"]["w"], torch.arange(6.0) * 20) for s, _ in loaded)
-    assert loaded[2][1]["resharded"]["source_rank"] == 0
+    assert loaded[2][1].resharded.source_rank == 0
     same = _load_world(root, 2)  # the same world: its own shard, bit for bit, nothing left out
-    assert all("resharded" not in info for _, info in same)
+    assert all(info.resharded is None for _, info in same)
     assert [int(s["data_position"]) for s, _ in same] == [0, 1]
 
 
@@ -161,7 +160,7 @@ RANK_SCRIPT = textwrap.dedent("""
             local = expected["w"].to_local()
             out["engine_w"] = torch.equal(back["w"], local)
             out["engine_r"] = torch.equal(back["r"], expected["r"].to_local())
-            out["dropped"] = engine.last_load["resharded"]["dropped"]
+            out["dropped"] = engine.last_load.resharded.dropped
             template = state(0)
             dcp.load(template, storage_reader=TransomReader(engine), checkpoint_id=load_step + 1)
             out["dcp_w"] = torch.equal(template["w"].full_tensor(), expected["w"].full_tensor())

@@ -22,7 +22,7 @@ from transom.checkpoint.storage_claim import (
 
 
 def _steps(root: Path, job: str, steps: tuple[int, ...], world: int = 1) -> None:
-    tl = shard_format.timeline(job, 1, world)
+    tl = shard_format.Timeline(job, 1, world)
     for step in steps:
         for rank in range(world):
             _write(root, step, rank, tl, keep=9)

@@ -248,17 +248,23 @@ def test_rollback_forgets_only_the_checkpoints_the_bad_generation_wrote(store):
 
     for step, generation in ((20, 1), (40, 1), (60, 1), (60, 2), (80, 2)):
         for rank in (0, 1):
-            holder = "storage" if generation == 1 else "mem-node1"
+            holder, tier = ("storage", "storage") if generation == 1 else ("mem-node1", "memory")
             store.put(
                 catalog.shard_key(step, rank, holder),
-                {"step": step, "rank": rank, "world_size": 2, "generation": generation},
+                {
+                    "step": step,
+                    "rank": rank,
+                    "tier": tier,
+                    "world_size": 2,
+                    "generation": generation,
+                },
             )
     dropped = catalog.discard_poisoned(store, first_bad_step=50, generation=2)
     assert dropped == [60]
     assert catalog.restorable_steps(store, world_size=2) == [80, 60, 40, 20]
     assert set(catalog.holders(store, 60, 0)) == {"mem-node1"}  # saved after the rollback: kept
     # Listed late (after the sweep) by generation 1: a server's own sweep of the steps it removed.
-    late = {"world_size": 2, "generation": 1}
+    late = {"tier": "storage", "world_size": 2, "generation": 1}
     for step in (60, 80):
         store.put(catalog.shard_key(step, 0, "storage"), {"step": step, "rank": 0, **late})
     store.put(catalog.SHARDS + "junk/0/storage", late)  # a key that does not parse: left alone
@@ -276,7 +282,13 @@ def test_a_listing_that_lands_after_a_discard_never_makes_its_step_restorable(st
         for rank in (0, 1):
             store.put(
                 catalog.shard_key(step, rank, "storage"),
-                {"step": step, "rank": rank, "world_size": 2, "generation": generation},
+                {
+                    "step": step,
+                    "rank": rank,
+                    "tier": "storage",
+                    "world_size": 2,
+                    "generation": generation,
+                },
             )
 
     listed(20, 1)
@@ -285,6 +297,12 @@ def test_a_listing_that_lands_after_a_discard_never_makes_its_step_restorable(st
     listed(60, 2)  # the next generation's
     assert sorted(catalog.shards(store)) == [20, 40, 60]
     assert catalog.restorable_steps(store, world_size=2) == [60, 20]
+    # A value that is not a valid listing, or names another shard than its key, is not one.
+    for bad in ({"step": 80, "rank": 0}, {"step": 81, "rank": 0, "tier": "storage"}, [1]):
+        store.put(catalog.shard_key(80, 0, "storage"), bad)
+        store.put(catalog.shard_key(80, 1, "storage"), {**bad, "rank": 1} if "step" in bad else bad)
+        assert catalog.restorable_steps(store, world_size=2) == [60, 20]
+        assert catalog.holders(store, 80, 0) == {}
 
 
 # -- mutual TLS: nothing without the run's client certificate --------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from transom.checkpoint import catalog
 from transom.checkpoint.client import CheckpointError, ServerConnection
 from transom.checkpoint.protocol import MAX_SHARD_BYTES, recv_msg, send_msg
+from transom.checkpoint.shard_header import ShardHeader, Timeline
 from transom.checkpoint.worker_protocol import (
     PARSERS,
     Abort,
@@ -24,10 +25,12 @@ from transom.checkpoint.worker_protocol import (
     Held,
     Locate,
     Located,
+    PrefetchStatus,
     Prepare,
     Reached,
     Region,
     Reserve,
+    ShardStatus,
     Source,
     Status,
     StatusRequest,
@@ -36,13 +39,16 @@ from transom.checkpoint.worker_protocol import (
     Wait,
     parse_request,
 )
+from transom.common import keys
 from transom.common.states import Tier
+
+HEADER = ShardHeader(3, 1, 2, 0, tree={"l": []}, timeline=Timeline("j", 1, 2))
 
 EVERY_REQUEST = [
     Reserve(3, 1, 4096, 2),
     Reserve(3, 1, 4096, 2, generation=5),
-    Commit(3, 1, {"step": 3, "rank": 1}),
-    Commit(3, 1, {}, persist=False),
+    Commit(3, 1, HEADER.to_json()),
+    Commit(3, 1, HEADER.to_json(), persist=False, tables=2),
     Abort(3, 1),
     Wait(3, 1, Tier.PEER),
     Wait(3, 1, Tier.STORAGE, 2.5),
@@ -89,7 +95,10 @@ def test_every_request_kind_has_a_parser_and_round_trips_through_json() -> None:
             "generation must",
         ),
         ({"op": "commit", "step": 1, "rank": 0, "header": []}, "header"),
-        ({"op": "commit", "step": 1, "rank": 0, "header": {}, "persist": 1}, "persist must"),
+        (
+            {"op": "commit", "step": 3, "rank": 1, "header": HEADER.to_json(), "persist": 1},
+            "persist must",
+        ),
         ({"op": "wait", "step": 1, "rank": 0, "tier": "disk"}, "unknown tier"),
         ({"op": "wait", "step": 1, "rank": 0, "tier": "memory", "timeout": -1}, "timeout must"),
         ({"op": "wait", "step": 1, "rank": 0, "tier": "memory", "timeout": "1"}, "timeout must"),
@@ -115,14 +124,24 @@ def test_replies_are_read_as_the_record_their_request_expects() -> None:
     )
     assert Steps(2).read_reply({"ok": True, "steps": [5, 3]}) == StepList([5, 3])
     sources = [
-        {"tier": "memory", "node": "node0", "path": "/r", "header": {"step": 1}},
+        {"tier": "memory", "node": "node0", "path": "/r", "header": HEADER.to_json()},
         {"tier": "peer", "addr": "10.0.0.2:7000"},
     ]
     assert Locate(1, 0).read_reply({"ok": True, "sources": sources}) == Located(
-        [Source("memory", "node0", "/r", header={"step": 1}), Source("peer", addr="10.0.0.2:7000")]
+        [Source("memory", "node0", "/r", header=HEADER), Source("peer", addr="10.0.0.2:7000")]
     )
     status = StatusRequest().read_reply({"ok": True, "node": "n", "shards": []})
-    assert status == Status({"node": "n", "shards": []})
+    assert status == Status("n")
+    full = Status(
+        "n",
+        "10.0.0.1:7000",
+        used=64,
+        budget=128,
+        free=[32],
+        shards=[ShardStatus(3, 1, "committed", ["memory"], "local", {"storage": "disk full"})],
+        prefetch=[PrefetchStatus(3, 0, "fetched", "n2", 0.5), PrefetchStatus(4, 0, "running")],
+    )
+    assert StatusRequest().read_reply(json.loads(json.dumps(full.to_msg()))) == full
     # A failure is a Failed whatever else it carries, and never raises.
     assert Reserve(1, 0, 8, 1).read_reply({"ok": False, "error": "full", "refused": True}) == (
         Failed("full", refused=True)
@@ -142,6 +161,26 @@ def test_replies_are_read_as_the_record_their_request_expects() -> None:
         (Locate(1, 0), {"ok": True, "sources": [{"node": "n"}]}, "tier must"),
         (Locate(1, 0), {"ok": True, "sources": [{"tier": "peer", "node": "../x"}]}, "node id"),
         (Locate(1, 0), {"ok": True, "sources": [{"tier": "memory", "header": 1}]}, "header"),
+        (
+            Locate(1, 0),
+            {
+                "ok": True,
+                "sources": [{"tier": "memory", "header": {**HEADER.to_json(), "rank": 9}}],
+            },
+            "rank must be",
+        ),
+        (StatusRequest(), {"ok": True}, "missing field 'node'"),
+        (StatusRequest(), {"ok": True, "node": "n", "used": "1"}, "Status.used: expected int"),
+        (
+            StatusRequest(),
+            {"ok": True, "node": "n", "shards": [{"step": 1, "rank": 0}]},
+            "missing field 'state'",
+        ),
+        (
+            StatusRequest(),
+            {"ok": True, "node": "n", "prefetch": [{"step": 1, "rank": 0, "outcome": 3}]},
+            "outcome: expected str",
+        ),
         (Wait(1, 0, Tier.PEER), {"ok": True, "tiers": "memory"}, "tiers must"),
     ],
 )
@@ -189,7 +228,15 @@ def test_the_catalogs_memory_copies_skip_entries_that_are_not_well_formed() -> N
         "mem-e": {"tier": "memory", "node": "e", "addr": ["10.0.0.5", 7000]},
         "mem-f": {"tier": "memory", "node": "f", "addr": ""},
     }
-    assert catalog.memory_copies(entries) == [
+    from test_links import DictStore
+
+    store = DictStore()
+    for holder, value in entries.items():
+        store.put(catalog.shard_key(1, 0, holder), {"step": 1, "rank": 0, **value})
+    store.put(catalog.shard_key(1, 0, "mem-g"), {"step": 2, "rank": 0, "tier": "memory"})
+    listed = catalog.holders(store, 1, 0)  # the entries that are listings of shard (1, 0)
+    assert sorted(listed) == ["mem-a", "mem-b", "mem-c", "mem-f", "storage"]
+    assert catalog.memory_copies(listed) == [
         catalog.MemoryCopy("a", "10.0.0.1:7000"),
         catalog.MemoryCopy("b", "10.0.0.2:7000"),
     ]
@@ -207,3 +254,19 @@ def test_discards_read_from_etcd_become_records_and_malformed_ones_are_left_out(
     assert catalog.parse_discards({"first_bad_step": 9}) == []
     assert catalog.is_discarded(catalog.parse_discards(value), 10, 1)
     assert not catalog.is_discarded(catalog.parse_discards(value), 3, 1)
+
+
+def test_a_servers_registration_is_read_as_a_record_and_a_bad_one_is_none() -> None:
+    from test_links import DictStore
+
+    class Store(DictStore):
+        def get(self, key: str) -> object:
+            return self.data.get(key)
+
+    store = Store()
+    catalog.register_server(store, "n0", "10.0.0.1:7000", None)
+    assert catalog.server_addr(store, "n0") == "10.0.0.1:7000"
+    for bad in ({"node": "n1"}, {"node": "n1", "addr": 7}, {"node": "n1", "addr": ""}, "x", None):
+        store.put(keys.ckpt_server("n1"), bad)
+        assert catalog.server_addr(store, "n1") is None
+    assert catalog.servers(store) == {"n0": catalog.ServerRecord("n0", "10.0.0.1:7000")}

@@ -22,6 +22,7 @@ good copy. Tiers are named by `transom.common.states.Tier` (memory, peer, storag
   storage.py, shm.py, shm_dirs.py   files, shared memory
   storage_claim.py   a job's hold on its storage directory; what a rerun resumes from
   shard_format.py    the shard format's bytes: header, checksums (all the server needs of it)
+  shard_header.py    the shard header's typed record (`ShardHeader`, `Timeline`), read validated
   layout.py          a state as a shard's tensor table and data, and back (workers: torch)
 The names below are imported on first use, so that the parts that need no torch (the checkpoint
 server, the catalog, the shared-memory directories) can be imported by node agents, the launcher

@@ -21,11 +21,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from transom.checkpoint import shard_format
 from transom.checkpoint.saved_by import saved_by
 from transom.checkpoint.shm import Region, RegionDir
+from transom.checkpoint.worker_protocol import PrefetchStatus, ShardStatus, Status
 from transom.common.states import Tier
 
 # A reservation waits this long at most for a spare region being populated right now.
@@ -51,7 +51,7 @@ class Shard:
     region: Region
     origin: str  # LOCAL, or the node a replica came from
     state: str = RESERVED
-    header: shard_format.Header | None = None
+    header: shard_format.ShardHeader | None = None
     header_bytes: bytes = b""
     tiers: set[Tier] = field(default_factory=set)
     failed: dict[Tier, str] = field(default_factory=dict)
@@ -66,7 +66,7 @@ class Shard:
     @property
     def generation(self) -> int:
         """The generation that saved this shard (UNKNOWN until its header is known: saved_by)."""
-        return saved_by(self.header.get("timeline") if self.header else None)
+        return saved_by(self.header.timeline if self.header else None)
 
 
 def shard_age(shard: Shard) -> tuple[int, int]:
@@ -334,25 +334,23 @@ class ShardMemory:
         with self.lock:
             return [s for s in self.shards.values() if tier in s.tiers]
 
-    def status(self) -> dict[str, Any]:
-        """What the `status` request shows: use, free regions, every shard's state and tiers."""
+    def status(self, node: str, addr: str, prefetch: list[PrefetchStatus]) -> Status:
+        """What the `status` request shows: use, free regions, every shard's state and tiers
+        (and, as given, the server's node and address and its prefetches)."""
         with self.lock:
-            return {
-                "used": self.used,
-                "budget": self.budget_bytes,
-                "free": [r.nbytes for r in self.free],
-                "shards": [
-                    {
-                        "step": s.step,
-                        "rank": s.rank,
-                        "state": s.state,
-                        "tiers": sorted(s.tiers),
-                        "origin": s.origin,
-                        "failed": s.failed,
-                    }
-                    for s in self.shards.values()
-                ],
-            }
+            shards = [
+                ShardStatus(
+                    s.step,
+                    s.rank,
+                    s.state,
+                    sorted(t.value for t in s.tiers),
+                    s.origin,
+                    {t.value: why for t, why in s.failed.items()},
+                )
+                for s in self.shards.values()
+            ]
+            free = [r.nbytes for r in self.free]
+            return Status(node, addr, self.used, self.budget_bytes, free, shards, prefetch)
 
     def release_all(self) -> None:
         """Destroy every region (the server stops), after any spare being populated: one made

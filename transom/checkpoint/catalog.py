@@ -10,22 +10,26 @@ Keys under the job's prefix (values JSON):
                              the node dies; a server that replaces a dead one under the same
                              agent withdraws them first, `withdraw_memory`)
         holder "storage":    the shard is in the storage directory (survives everything)
-        value: step, rank, world_size, node, tier (a `Tier`: memory or storage), nbytes, time,
-               generation (the one that saved the shard: what a discard compares)
+        value: a `Listing`: step, rank, tier (a `Tier`: memory or storage), world_size, node,
+               nbytes, time, generation (the one that saved the shard: what a discard
+               compares), reshardable, and the tier's own: addr and origin, or path
 
-Key names come from transom.common.keys. Only metadata goes here, never shard bytes. Nothing in
-this module talks to a server.
+Key names come from transom.common.keys. Only metadata goes here, never shard bytes. Every value
+read back goes through `Listing.from_dict`: an entry that is not a valid listing is left out.
+Nothing in this module talks to a server.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from transom.checkpoint import reshard_steps
-from transom.checkpoint.saved_by import saved_by
+from transom.checkpoint.saved_by import UNKNOWN
 from transom.common import keys
+from transom.common.record_base import Record, RecordError, parse_all
 from transom.common.states import Tier
 from transom.store import Store
 
@@ -36,8 +40,28 @@ shard_key = keys.ckpt_shard
 DISCARDS_KEPT = 16
 
 
-# A catalog entry's value, as read from etcd: every field is checked where it is read.
-Listing = dict[str, Any]
+@dataclass
+class Listing(Record):
+    """A catalog entry: shard (step, rank) held by one tier (its holder is in the key)."""
+
+    step: int
+    rank: int
+    tier: Tier
+    world_size: int | None = None  # of the world that saved it (None: unknown)
+    node: str = ""  # the node that listed it
+    nbytes: int = 0
+    time: float = field(default_factory=time.time)
+    generation: int | None = None  # the one that saved the shard (None: unknown)
+    reshardable: bool = False  # its header carries a resharding record (reshard_steps)
+    addr: str = ""  # memory: the server's peer address
+    origin: str = ""  # memory: where the copy came from (budget.Shard.origin)
+    path: str = ""  # storage: the file
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def saved_by(self) -> int:
+        """The generation that saved the shard, UNKNOWN when the entry does not say."""
+        return UNKNOWN if self.generation is None else self.generation
 
 
 class Discard(NamedTuple):
@@ -61,15 +85,12 @@ class MemoryCopy(NamedTuple):
 
 def memory_copies(entries: dict[str, Listing]) -> list[MemoryCopy]:
     """The copies in server memory among one shard's catalog entries (holder -> entry), in
-    holder order; an entry without a node or an address is left out (etcd's contents are
-    checked here, not trusted)."""
-    copies = []
-    for _, info in sorted(entries.items()):
-        node, addr = info.get("node"), info.get("addr")
-        if info.get("tier") == Tier.MEMORY and isinstance(node, str) and isinstance(addr, str):
-            if node and addr:
-                copies.append(MemoryCopy(node, addr))
-    return copies
+    holder order; an entry without a node or an address is left out."""
+    return [
+        MemoryCopy(e.node, e.addr)
+        for _, e in sorted(entries.items())
+        if e.tier is Tier.MEMORY and e.node and e.addr
+    ]
 
 
 def memory_holder(node: str) -> str:
@@ -77,15 +98,13 @@ def memory_holder(node: str) -> str:
     return f"mem-{node}"
 
 
-def entry(step: int, rank: int, holder: str, info: Listing) -> tuple[str, Listing]:
-    """The key and value that list shard (step, rank) as held by `holder`."""
-    return shard_key(step, rank, holder), {"step": step, "rank": rank, "time": time.time(), **info}
+def entry(holder: str, listing: Listing) -> tuple[str, dict[str, Any]]:
+    """The key and value that list `listing`'s shard as held by `holder`."""
+    return shard_key(listing.step, listing.rank, holder), listing.to_dict()
 
 
-def publish(
-    store: Store, step: int, rank: int, holder: str, info: Listing, lease: Any = None
-) -> None:
-    store.put(*entry(step, rank, holder, info), lease=lease)
+def publish(store: Store, holder: str, listing: Listing, lease: Any = None) -> None:
+    store.put(*entry(holder, listing), lease=lease)
 
 
 def discard_poisoned(store: Store, first_bad_step: int, generation: int) -> list[int]:
@@ -113,7 +132,7 @@ def forget(store: Store, marks: list[Discard], steps: list[int] | None = None) -
     for step, ranks in found.items():
         for rank, held in ranks.items():
             for holder, info in held.items():
-                if is_discarded(marks, step, saved_by(info)):  # the entry names it too
+                if is_discarded(marks, step, info.saved_by):  # the entry names it too
                     store.delete(shard_key(step, rank, holder))
                     dropped.add(step)
     return sorted(dropped)
@@ -142,23 +161,42 @@ def is_discarded(marks: list[Discard], step: int, generation: int) -> bool:
     return any(step >= d.first_bad_step and generation < d.generation for d in marks)
 
 
-def shards(store: Store, step: int | None = None) -> dict[int, dict[int, dict[str, Listing]]]:
-    """step -> rank -> holder -> info, for every shard some tier holds (of `step` only, if
-    given); a key that does not parse is left out."""
-    out: dict[int, dict[int, dict[str, Listing]]] = {}
+def _keyed(store: Store, step: int | None) -> Iterator[tuple[int, int, str, Any]]:
+    """(step, rank, holder, value as read) of every catalog key (of `step` only, if given)
+    that parses."""
     prefix = SHARDS if step is None else f"{SHARDS}{step:012d}/"
-    for key, info in store.get_prefix(prefix).items():
+    for key, value in store.get_prefix(prefix).items():
         parts = (prefix[len(SHARDS) :] + key).split("/")
-        if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
-            continue
-        if isinstance(info, dict):  # read from etcd: an entry that is not an object is skipped
-            out.setdefault(int(parts[0]), {}).setdefault(int(parts[1]), {})[parts[2]] = info
+        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+            yield int(parts[0]), int(parts[1]), parts[2], value
+
+
+def _listing(step: int, rank: int, value: Any) -> Listing | None:
+    """The listing in a value read from etcd; None when it is not one, or not of the shard its
+    key names."""
+    try:
+        listing = Listing.from_dict(value)
+    except RecordError:
+        return None
+    return listing if (listing.step, listing.rank) == (step, rank) else None
+
+
+def shards(store: Store, step: int | None = None) -> dict[int, dict[int, dict[str, Listing]]]:
+    """step -> rank -> holder -> listing, for every shard some tier holds (of `step` only, if
+    given); a key that does not parse, or a value that is not a valid listing, is left out."""
+    out: dict[int, dict[int, dict[str, Listing]]] = {}
+    for s, rank, holder, value in _keyed(store, step):
+        listing = _listing(s, rank, value)
+        if listing is not None:
+            out.setdefault(s, {}).setdefault(rank, {})[holder] = listing
     return out
 
 
 def holders(store: Store, step: int, rank: int) -> dict[str, Listing]:
+    """holder -> listing of shard (step, rank); values that are not valid listings left out."""
     prefix = f"{SHARDS}{step:012d}/{rank:06d}/"
-    return {k: v for k, v in store.get_prefix(prefix).items() if isinstance(v, dict)}
+    found = ((h, _listing(step, rank, v)) for h, v in store.get_prefix(prefix).items())
+    return {h: listing for h, listing in found if listing is not None}
 
 
 def restorable_steps(store: Store, world_size: int, lost: Collection[str] = ()) -> list[int]:
@@ -170,12 +208,17 @@ def restorable_steps(store: Store, world_size: int, lost: Collection[str] = ()) 
     marks = discards(store)
 
     def live(info: Listing) -> bool:
-        step = info.get("step")
-        if marks and type(step) is int and is_discarded(marks, step, saved_by(info)):
+        if marks and is_discarded(marks, info.step, info.saved_by):
             return False
-        return not (info.get("tier") == Tier.MEMORY and info.get("node") in lost)
+        return not (info.tier is Tier.MEMORY and info.node in lost)
 
-    entries = reshard_steps.catalog_entries(shards(store), live)
+    entries = [
+        (step, rank, info.world_size, info.reshardable)
+        for step, ranks in shards(store).items()
+        for rank, held in ranks.items()
+        for info in held.values()
+        if live(info)
+    ]
     return sorted(reshard_steps.restorable(entries, world_size), reverse=True)
 
 
@@ -194,27 +237,33 @@ def withdraw_memory(store: Store, node: str) -> int:
     successor starts empty, and the agent's lease they live under goes on); how many. It reads
     the whole catalog: for a server's restart, never for every start."""
     holder = memory_holder(node)
-    names = [
-        shard_key(step, rank, holder)
-        for step, ranks in shards(store).items()
-        for rank, held in ranks.items()
-        if holder in held
-    ]
+    names = [shard_key(s, r, h) for s, r, h, _ in _keyed(store, None) if h == holder]
     store.write_all(dict.fromkeys(names))
     return len(names)
 
 
-def servers(store: Store) -> dict[str, dict[str, Any]]:
-    return {k: v for k, v in store.get_prefix(SERVERS).items() if isinstance(v, dict)}
+@dataclass
+class ServerRecord(Record):
+    """A checkpoint server's registration (`ckpt/servers/<node>`): where its peers reach it."""
+
+    node: str
+    addr: str
+
+
+def servers(store: Store) -> dict[str, ServerRecord]:
+    """node -> its server's registration; values that are not valid registrations left out."""
+    return parse_all(ServerRecord, store.get_prefix(SERVERS))
 
 
 def register_server(store: Store, node: str, addr: str, lease: Any) -> None:
     """List `node`'s checkpoint server at `addr` for its peers, for as long as `lease` lives."""
-    store.put(keys.ckpt_server(node), {"node": node, "addr": addr}, lease=lease)
+    store.put(keys.ckpt_server(node), ServerRecord(node, addr).to_dict(), lease=lease)
 
 
 def server_addr(store: Store, node: str) -> str | None:
     """The peer address `node`'s checkpoint server registered, None when none (or a bad one)."""
-    info = store.get(keys.ckpt_server(node))
-    addr = info.get("addr") if isinstance(info, dict) else None
-    return addr if isinstance(addr, str) and addr else None
+    try:
+        addr = ServerRecord.from_dict(store.get(keys.ckpt_server(node))).addr
+    except RecordError:
+        return None
+    return addr or None

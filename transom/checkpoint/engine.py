@@ -62,6 +62,7 @@ from transom.checkpoint.client import (
     ServerConnection,
 )
 from transom.checkpoint.header_tables import WorkerTables
+from transom.checkpoint.load_record import LoadRecord
 from transom.checkpoint.next_region import NextRegion, ReservedAhead
 from transom.checkpoint.overlap import CopyInFlight
 from transom.checkpoint.pinning import PinnedRegions
@@ -106,7 +107,7 @@ class Engine:
         storage_env = os.environ.get(env.CHECKPOINT_DIR)
         self.storage_dir = Path(storage_dir or storage_env or DEFAULT_STORAGE).absolute()
         self.secret = secret if secret is not None else os.environ.get(env.CKPT_SECRET, "").encode()
-        # The timeline every shard is saved under (job, generation, world size: shard_format.py).
+        # The timeline every shard is saved under (job, generation, world size: `Timeline`).
         self.job_id = os.environ.get(env.JOB_ID) or LOCAL_JOB
         # Under a launcher: this worker's generation (the plan decides what `load` restores).
         launched = os.environ.get(env.GENERATION)
@@ -127,7 +128,7 @@ class Engine:
         self._ahead = ReservedAhead(self.connection, self.rank)
         self._tables = WorkerTables()
         self._pending: list[threading.Thread] = []
-        self.last_load: dict[str, Any] = {}
+        self.last_load: LoadRecord | None = None  # what the last successful load read
         self.last_shard = reshard.ShardRead()  # the world size and resharding record read
 
     def _embedded_server(self, memory_bytes: int | None, keep: int | None) -> CheckpointServer:
@@ -140,8 +141,8 @@ class Engine:
         return server
 
     def timeline(self) -> Timeline:
-        """The timeline this engine's shards are saved under (shard_format.timeline)."""
-        return shard_format.timeline(self.job_id, self.generation or 0, self.world_size)
+        """The timeline this engine's shards are saved under."""
+        return Timeline(str(self.job_id), self.generation or 0, self.world_size)
 
     # -- save ------------------------------------------------------------------------------------
     def prepare(self, state: Any) -> bool:
@@ -252,7 +253,7 @@ class Engine:
         """Tell the server the copy of `handle`'s shard is done (its header's tables once per
         connection: header_tables.py). Without `wait` only the request is written, in full:
         its reply comes with the connection's next request (or `handle.wait`)."""
-        request = wire.Commit(handle.step, self.rank, plan.header, persist, plan.tables)
+        request = wire.Commit(handle.step, self.rank, plan.header.to_json(), persist, plan.tables)
         if not wait:
             self.connection.send(request, functools.partial(self._commit_answered, handle))
             return
@@ -363,7 +364,7 @@ class Engine:
         None when there is nothing to restore. Tensors
         are on the CPU unless `map_location` says otherwise; `tier` ("memory", "peer",
         "storage") reads only there; `rank` reads that rank's shard as saved. A step saved by a
-        world of another size is resharded for this rank (reshard.py; `last_load["resharded"]`
+        world of another size is resharded for this rank (reshard.py; `last_load.resharded`
         says what was left out)."""
         self._copy.wait_finished()  # a save being copied: its step may be the one loaded
         self._ahead.forget()
@@ -432,7 +433,7 @@ class Engine:
                     )
                     continue
                 took = time.perf_counter() - t0
-                self.last_load = {"step": step, "tier": name, "seconds": took}
+                self.last_load = LoadRecord(step, name, took)
                 self.last_shard = reshard.load_info(header)
                 self.report_event(
                     "restored",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from transom.checkpoint.layout import DTYPES, MAX_EXPANSION, UnsupportedValue, expansion_ok
-from transom.checkpoint.shard_format import FORMAT_VERSION, Header, Timeline, align
+from transom.checkpoint.shard_format import ShardHeader, Timeline, align
 
 STORAGE_ALIGN = 64
 
@@ -44,7 +44,7 @@ class StorageRange:
 class Plan:
     """A state flattened: the header without checksums and the byte ranges to copy."""
 
-    header: Header
+    header: ShardHeader
     ranges: list[StorageRange] = field(default_factory=list)
     data_len: int = 0
     # The number of its tensor and storage tables while they are kept for the next plans (the
@@ -165,8 +165,8 @@ class _Tables:
     tensors every step; a model's `state_dict()` gives new tensor objects each time)."""
 
     keys: list[tuple[Any, ...]]
-    tensors: list[dict[str, Any]]
-    storages: list[dict[str, int]]
+    tensors: tuple[dict[str, Any], ...]
+    storages: tuple[tuple[int, int], ...]  # (offset, nbytes) in the data
     ranges: list[tuple[int, int, int, int]]
     data_len: int
     number: int | None = None  # kept for the next plans: `Plan.tables`
@@ -254,24 +254,21 @@ def plan_state(
 
     tree = encode(state)
     tables = _tables(leaves)
-    plan = Plan(header={}, data_len=tables.data_len, tables=tables.number)
-    plan.ranges = [
+    header = ShardHeader(
+        step=int(step),
+        rank=int(rank),
+        world_size=int(world_size),
+        data_len=tables.data_len,
+        tree=tree,
+        tensors=tables.tensors,  # shared with the plans of the same tables: never changed
+        storages=tables.storages,
+        timeline=timeline,
+    )
+    ranges = [
         StorageRange(_source(leaves[i], lo, nbytes), offset, nbytes)
         for i, lo, nbytes, offset in tables.ranges
     ]
-    plan.header = {
-        "format": FORMAT_VERSION,
-        "step": int(step),
-        "rank": int(rank),
-        "world_size": int(world_size),
-        "tree": tree,
-        "tensors": tables.tensors,  # shared with the plans of the same tables: never changed
-        "storages": tables.storages,
-        "data_len": tables.data_len,
-    }
-    if timeline is not None:
-        plan.header["timeline"] = timeline
-    return plan
+    return Plan(header, ranges, tables.data_len, tables.number)
 
 
 def _tables(leaves: list[torch.Tensor]) -> _Tables:
@@ -301,7 +298,7 @@ def _plan_tables(leaves: list[torch.Tensor], keys: list[tuple[Any, ...]] | None)
         group["lo"], group["hi"] = min(group["lo"], lo), max(group["hi"], hi)
         group["tensors"].append(index)
         tensors.append(dict(entry))  # its own: "storage" and "byte" are set below
-    storage_table: list[dict[str, int]] = []
+    storage_table: list[tuple[int, int]] = []
     ranges: list[tuple[int, int, int, int]] = []
     offset = 0
     for group in storages.values():
@@ -309,13 +306,13 @@ def _plan_tables(leaves: list[torch.Tensor], keys: list[tuple[Any, ...]] | None)
         nbytes = group["hi"] - lo
         ranges.append((group["first"], lo, nbytes, offset))
         index = len(storage_table)
-        storage_table.append({"offset": offset, "nbytes": nbytes})
+        storage_table.append((offset, nbytes))
         for i in group["tensors"]:
             tensors[i]["storage"] = index
             tensors[i]["byte"] -= lo
         offset = align(offset + nbytes, STORAGE_ALIGN)
     number = next(_NUMBERS) if keys is not None else None
-    tables = _Tables(keys or [], tensors, storage_table, ranges, offset, number)
+    tables = _Tables(keys or [], tuple(tensors), tuple(storage_table), ranges, offset, number)
     if keys is not None:
         _TABLES.insert(0, tables)
         del _TABLES[KEPT_TABLES:]

@@ -10,8 +10,9 @@ and puts them back into the header before anything reads it. A commit that names
 connection was never sent (the worker's connection was made anew, or the server forgot them) is
 refused with UNKNOWN_TABLES, before its region is touched, and the worker sends it in full.
 
-This module never reads or checks what a header's tables say: the save pipeline does
-(shard_format.py), on the header put back together as the worker planned it.
+This module never reads or checks what a header's tables say: `ShardHeader.from_json` does
+(shard_header.py), on the header put back together as the worker planned it, before the server
+takes the commit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import OrderedDict
 from typing import Any
 
 from transom.checkpoint.client import ServerConnection
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_header import ShardError, ShardHeader
 from transom.checkpoint.worker_protocol import Commit, Done, Failed
 
 TABLE_KEYS = ("tensors", "storages")
@@ -60,9 +61,14 @@ class ConnectionTables:
     def __init__(self) -> None:
         self._kept: OrderedDict[int, dict[str, Any]] = OrderedDict()
 
-    def header(self, request: Commit) -> Header:
-        """`request`'s header with its tables (kept now when it carries them); ValueError
-        (UNKNOWN_TABLES) when it names tables this connection never sent."""
+    def header(self, request: Commit) -> ShardHeader:
+        """`request`'s header with its tables (kept now when it carries them), read and checked
+        (`ShardHeader.from_json`: ShardError for a malformed one, or one of another step or rank
+        than the commit's); ValueError (UNKNOWN_TABLES) when it names tables this connection
+        never sent."""
+        return _checked(request, self._complete(request))
+
+    def _complete(self, request: Commit) -> dict[str, Any]:
         number, header = request.tables, request.header
         if number is None:
             return header
@@ -76,3 +82,13 @@ class ConnectionTables:
         if tables is None:
             raise ValueError(f"{UNKNOWN_TABLES} ({number})")
         return {**header, **tables}
+
+
+def _checked(request: Commit, fields: dict[str, Any]) -> ShardHeader:
+    header = ShardHeader.from_json(fields)
+    if (header.step, header.rank) != (request.step, request.rank):
+        raise ShardError(
+            f"commit of step {request.step} rank {request.rank} carries the header of step "
+            f"{header.step} rank {header.rank}"
+        )
+    return header

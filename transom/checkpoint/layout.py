@@ -24,9 +24,8 @@ from typing import Any
 import torch
 
 from transom.checkpoint.shard_format import (
-    FORMAT_VERSION,
-    Header,
     ShardError,
+    ShardHeader,
     Timeline,
     check_timeline,
 )
@@ -74,21 +73,19 @@ def as_bytes(buffer: mmap.mmap | memoryview | bytearray) -> torch.Tensor:
 
 
 def rebuild(
-    header: Header,
+    header: ShardHeader,
     data: torch.Tensor | memoryview,
     expected_timeline: Timeline | None = None,
 ) -> Any:
     """The state saved in a shard, its tensors viewing `data` (the data region: a uint8 CPU
     tensor, or a writable buffer such as a tier's `read` returns, viewed without a copy).
 
-    The header's tables are validated against the data length first, so a crafted header
-    cannot make a tensor reach outside the data. Every malformed header raises `ShardError`
-    (never RecursionError, RuntimeError, OverflowError, ...), so a loader falls back to the next
-    copy. `expected_timeline`: also refuse a shard of another timeline
-    (see shard_format.timeline).
+    The header's fields were checked when it was read (`ShardHeader.from_json`); its tables are
+    validated against the data length here, so a crafted header cannot make a tensor reach
+    outside the data. Every malformed header raises `ShardError` (never RecursionError,
+    RuntimeError, OverflowError, ...), so a loader falls back to the next copy.
+    `expected_timeline`: also refuse a shard of another timeline (`Timeline`).
     """
-    if not isinstance(header, dict):
-        raise ShardError("shard header is not an object")
     if expected_timeline is not None:
         check_timeline(header, expected_timeline)
     if not isinstance(data, torch.Tensor):
@@ -112,18 +109,9 @@ def rebuild(
         raise ShardError(f"shard header is malformed ({reason})") from None
 
 
-def _rebuild(header: Header, data: torch.Tensor) -> Any:
-    if header.get("format") != FORMAT_VERSION:
-        raise ShardError(f"shard format {header.get('format')} is not supported")
+def _rebuild(header: ShardHeader, data: torch.Tensor) -> Any:
     data_len = data.numel()
-    try:
-        storages = [(int(s["offset"]), int(s["nbytes"])) for s in header["storages"]]
-        table = header["tensors"]
-        tree = header["tree"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ShardError(f"shard header lacks its tables: {e}") from e
-    if not isinstance(table, list):
-        raise ShardError("shard tensor table is not a list")
+    storages, table, tree = list(header.storages), header.tensors, header.tree
     for off, n in storages:
         if off < 0 or n < 0 or off + n > data_len:
             raise ShardError(

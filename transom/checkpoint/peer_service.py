@@ -36,7 +36,7 @@ from transom.checkpoint.protocol import (
     send_msg,
 )
 from transom.checkpoint.publisher import Publisher
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_format import ShardHeader
 from transom.checkpoint.shm import Region
 from transom.common.states import Tier
 
@@ -122,15 +122,14 @@ class PeerService:
                         self.memory.evict(old)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
-        def commit(region: Region, header: Header | None, header_bytes: bytes) -> None:
+        def commit(region: Region, header: ShardHeader | None, header_bytes: bytes) -> None:
             if header is None:
                 self.memory.abort(step, rank, region)
                 return
-            timeline = header.get("timeline")
-            generation = timeline.get("generation") if isinstance(timeline, dict) else None
+            generation = header.timeline.generation if header.timeline is not None else 0
             stale = (
                 self.publisher.stale_generation(generation)
-                if isinstance(generation, int) and generation > 0  # 0: saved outside a launcher
+                if generation > 0  # 0: saved outside a launcher
                 else None
             )
             if stale is not None:
@@ -140,7 +139,7 @@ class PeerService:
                 )
             with self.memory.lock:
                 shard = self.memory.shards[(step, rank)]
-                shard.header, shard.world_size = header, header["world_size"]
+                shard.header, shard.world_size = header, header.world_size
                 shard.header_bytes = header_bytes
                 shard.staged_at = time.time()
             self.pipeline.committed(shard)
@@ -162,7 +161,7 @@ class PeerService:
         try:
             assert shard.header is not None
             replication.serve_get(
-                sock, shard.header_bytes, shard.region.path, shard.header["data_len"]
+                sock, shard.header_bytes, shard.region.path, shard.header.data_len
             )
         finally:
             self.memory.unpin(shard)

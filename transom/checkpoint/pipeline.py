@@ -85,7 +85,7 @@ class SavePipeline:
             q.put(None)
 
     def commit(
-        self, step: int, rank: int, region: Region, header: shard_format.Header, persist: bool
+        self, step: int, rank: int, region: Region, header: shard_format.ShardHeader, persist: bool
     ) -> None:
         """The worker finished copying: checksums and the rest happen in the background; not
         `persist`: memory and peer only, storage at a drain if it is still its rank's newest."""
@@ -241,8 +241,8 @@ class SavePipeline:
                 header = shard.header
                 if header is None:
                     raise shard_format.ShardError("committed without a header")
-                data = shard.region.view()[: header["data_len"]]
-                header["chunks"] = shard_format.checksum_data(data)
+                data = shard.region.view()[: header.data_len]
+                header = shard.header = header.with_chunks(shard_format.checksum_data(data))
                 del data
                 shard.header_bytes = shard_format.encode_header(header)
             except Exception as e:  # noqa: BLE001 - a broken header: the shard is not usable
@@ -388,8 +388,8 @@ class SavePipeline:
             try:
                 t0 = time.time()
                 root.mkdir(parents=True, exist_ok=True)
-                data = shard.region.view()[: shard.header["data_len"]]
-                timeline = shard.header.get("timeline")
+                data = shard.region.view()[: shard.header.data_len]
+                timeline = shard.header.timeline
                 path = storage.write_shard(
                     root, shard.step, shard.rank, shard.header_bytes, data, timeline
                 )

@@ -30,14 +30,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 from transom.checkpoint import catalog, replication, shard_format
 from transom.checkpoint.budget import BudgetExceeded, ShardMemory
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.publisher import PlanView, Publisher
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_format import ShardHeader
 from transom.checkpoint.shm import Region
+from transom.checkpoint.worker_protocol import PrefetchStatus
 from transom.common.names import check_id
 from transom.common.states import Tier
 
@@ -74,7 +74,7 @@ class Prefetcher:
         self.in_flight: set[tuple[int, int]] = set()  # guarded by `lock`
         self.attempted: set[tuple[int, int]] = set()  # this plan's, guarded by `lock`
         # (step, rank) -> what became of its prefetch: {"outcome", "detail", "seconds"}.
-        self.outcomes: dict[tuple[int, int], dict[str, Any]] = {}
+        self.outcomes: dict[tuple[int, int], PrefetchStatus] = {}
         self._plan_key: tuple[int | None, int | None, tuple[str, ...]] | None = None
 
     def ranks(self, plan: PlanView) -> list[int]:
@@ -123,9 +123,10 @@ class Prefetcher:
                 target=self._run, args=(step, rank), name="ckpt-prefetch", daemon=True
             ).start()
         except RuntimeError as e:  # no thread to be had: the workers take the usual path
-            self._finish(key, {"outcome": FAILED, "detail": f"no thread: {e}", "seconds": 0.0})
+            self._finish(PrefetchStatus(step, rank, FAILED, f"no thread: {e}"))
 
-    def _finish(self, key: tuple[int, int], outcome: dict[str, Any]) -> None:
+    def _finish(self, outcome: PrefetchStatus) -> None:
+        key = (outcome.step, outcome.rank)
         with self.lock:
             self.outcomes[key] = outcome
             self.in_flight.discard(key)
@@ -138,7 +139,7 @@ class Prefetcher:
         except Exception as e:  # noqa: BLE001 - a prefetch must never take the server down
             outcome, detail = FAILED, f"{type(e).__name__}: {e}"
         took = time.monotonic() - t0
-        self._finish((step, rank), {"outcome": outcome, "detail": detail, "seconds": took})
+        self._finish(PrefetchStatus(step, rank, outcome, detail, took))
         if outcome == FETCHED:
             self.publisher.event(
                 "prefetched",
@@ -181,13 +182,13 @@ class Prefetcher:
             taken: list[Region] = []
 
             def into_region(
-                header: Header, origin: str = origin, taken: list[Region] = taken
+                header: ShardHeader, origin: str = origin, taken: list[Region] = taken
             ) -> memoryview:
                 region = self.memory.reserve(
-                    step, rank, header["data_len"], header["world_size"], origin=origin
+                    step, rank, header.data_len, header.world_size, origin=origin
                 )
                 taken.append(region)
-                return region.view()[: header["data_len"]]
+                return region.view()[: header.data_len]
 
             try:
                 header, header_bytes = replication.fetch_into(
@@ -212,7 +213,7 @@ class Prefetcher:
         step: int,
         rank: int,
         region: Region,
-        header: Header,
+        header: ShardHeader,
         header_bytes: bytes,
         origin: str,
     ) -> tuple[str, str]:
@@ -222,16 +223,16 @@ class Prefetcher:
             shard = self.memory.shards.get((step, rank))
             if shard is None or shard.region is not region:
                 return FAILED, "its region was taken back during the transfer"
-            shard.header, shard.world_size = header, header["world_size"]
+            shard.header, shard.world_size = header, header.world_size
             shard.header_bytes = header_bytes
             shard.staged_at = time.time()
         if not self.pipeline.committed(shard):  # evicted there: discarded, or superseded
             return SKIPPED, "the step was discarded, or is older than the steps memory keeps"
         return FETCHED, origin
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[PrefetchStatus]:
         """What became of every prefetch (the `status` request shows it)."""
         with self.lock:
-            done = [{"step": s, "rank": r, **outcome} for (s, r), outcome in self.outcomes.items()]
-            running = [{"step": s, "rank": r, "outcome": "running"} for s, r in self.in_flight]
+            done = list(self.outcomes.values())
+            running = [PrefetchStatus(s, r, "running") for s, r in self.in_flight]
         return done + running

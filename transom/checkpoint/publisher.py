@@ -27,7 +27,7 @@ from typing import Any
 
 from transom.checkpoint import catalog
 from transom.checkpoint.budget import Shard
-from transom.checkpoint.reshard_steps import CATALOG_FLAG, reshardable
+from transom.checkpoint.reshard_steps import reshardable
 from transom.common import keys
 from transom.common.records import Plan, RecordError
 from transom.common.states import Tier
@@ -252,28 +252,41 @@ class Publisher:
         self._list(
             shard,
             catalog.memory_holder(self.node),
-            {"tier": Tier.MEMORY, "addr": self.addr, "origin": shard.origin},
-            lease=self.lease,
+            Tier.MEMORY,
+            self.lease,
+            addr=self.addr,
+            origin=shard.origin,
         )
 
-    def _list(self, shard: Shard, holder: str, tier: dict[str, Any], lease: Any = None) -> None:
-        """Queue `shard`'s catalog entry as held by `holder` (`tier`: what its tier adds), unless
-        it is discarded (and withdraw it if a discard came meanwhile)."""
+    def _list(
+        self,
+        shard: Shard,
+        holder: str,
+        tier: Tier,
+        lease: Any = None,
+        addr: str = "",
+        origin: str = "",
+        path: str = "",
+    ) -> None:
+        """Queue `shard`'s catalog entry as held by `holder` in `tier` (`addr`, `origin`, `path`:
+        the tier's own fields of a `catalog.Listing`), unless it is discarded (and withdraw it
+        if a discard came meanwhile)."""
         if self.writes is None or self.discarded(shard):
             return
-        name, value = catalog.entry(
+        listing = catalog.Listing(
             shard.step,
             shard.rank,
-            holder,
-            {
-                "world_size": shard.world_size,
-                CATALOG_FLAG: reshardable(shard.header),
-                "node": self.node,
-                "nbytes": shard.region.nbytes,
-                "generation": shard.generation,
-                **tier,
-            },
+            tier,
+            world_size=shard.world_size,
+            node=self.node,
+            nbytes=shard.region.nbytes,
+            generation=shard.generation,
+            reshardable=reshardable(shard.header),
+            addr=addr,
+            origin=origin,
+            path=path,
         )
+        name, value = catalog.entry(holder, listing)
         # A generation's first listing goes at once (the batch writer's spacing would hold it up
         # to SPACING_S): a restart soon after it looks for it.
         urgent = shard.generation > self._listed_generation
@@ -310,7 +323,7 @@ class Publisher:
         the shards of the steps retention removed (step -> ranks), in the same batch."""
         if self.writes is None:
             return
-        self._list(shard, catalog.STORAGE_HOLDER, {"tier": Tier.STORAGE, "path": path})
+        self._list(shard, catalog.STORAGE_HOLDER, Tier.STORAGE, path=path)
         for step, ranks in removed.items():
             for rank in ranks:
                 self.writes.delete(catalog.shard_key(step, rank, catalog.STORAGE_HOLDER))

@@ -44,7 +44,7 @@ from transom.checkpoint.protocol import (
     send_at_once,
     send_msg,
 )
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_format import ShardHeader
 from transom.checkpoint.shm import Region, anonymous_buffer
 from transom.common.names import check_id
 
@@ -149,7 +149,9 @@ def send_region(sock: socket.socket, region_path: Path, nbytes: int) -> None:
         sock.sendfile(f, 0, nbytes)
 
 
-def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tuple[Header, bytes]:
+def recv_shard_header(
+    sock: socket.socket, header_len: int, data_len: int
+) -> tuple[ShardHeader, bytes]:
     """The shard header that follows a message naming `header_len` and `data_len`, and its
     bytes (`shard_format.received_header_bytes`): its prefix is read and checked against them
     before the rest is read. ShardError when they differ."""
@@ -170,7 +172,7 @@ def recv_shard_header(sock: socket.socket, header_len: int, data_len: int) -> tu
 def push(
     addr: str,
     secret: bytes,
-    header: Header,
+    header: ShardHeader,
     header_bytes: bytes,
     region_path: Path,
     origin: str,
@@ -182,37 +184,37 @@ def push(
             sock,
             {
                 "op": "put",
-                "step": header["step"],
-                "rank": header["rank"],
+                "step": header.step,
+                "rank": header.rank,
                 "origin": origin,
                 "header_len": len(header_bytes),
-                "data_len": header["data_len"],
+                "data_len": header.data_len,
             },
             deadline_in(FRAME_TIMEOUT_S),
         )
         send_all(sock, header_bytes, transfer_deadline(len(header_bytes)))
-        send_region(sock, region_path, header["data_len"])
+        send_region(sock, region_path, header.data_len)
         reply = recv_msg(sock, deadline_in(TRANSFER_TIMEOUT_S), MAX_PEER_MESSAGE)
     except (OSError, ProtocolError) as e:
         raise ReplicationError(
-            f"sending step {header['step']} rank {header['rank']} to {addr}: {e}"
+            f"sending step {header.step} rank {header.rank} to {addr}: {e}"
         ) from e
     finally:
         sock.close()
     if reply.get("ok") is not True:
         raise ReplicationError(
-            f"peer at {addr} refused step {header['step']} rank {header['rank']}: "
+            f"peer at {addr} refused step {header.step} rank {header.rank}: "
             f"{str(reply.get('error'))[:500]}"
         )
 
 
-def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[Header, memoryview]:
+def fetch(addr: str, secret: bytes, step: int, rank: int) -> tuple[ShardHeader, memoryview]:
     """(header, data) of a shard held by the server at `addr`, checksums verified; the data is
     a view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     landed: list[memoryview] = []
 
-    def into_anonymous(header: Header) -> memoryview:
-        landed.append(memoryview(anonymous_buffer(header["data_len"]))[: header["data_len"]])
+    def into_anonymous(header: ShardHeader) -> memoryview:
+        landed.append(memoryview(anonymous_buffer(header.data_len))[: header.data_len])
         return landed[0]
 
     header, _ = fetch_into(addr, secret, step, rank, into_anonymous)
@@ -224,8 +226,8 @@ def fetch_into(
     secret: bytes,
     step: int,
     rank: int,
-    destination: Callable[[Header], memoryview],
-) -> tuple[Header, bytes]:
+    destination: Callable[[ShardHeader], memoryview],
+) -> tuple[ShardHeader, bytes]:
     """The header of a shard held by the server at `addr` and its bytes (as `recv_shard_header`
     gives them), its data received straight into
     `destination(header)` (asked for only once the header has been checked: its step, rank and
@@ -246,7 +248,7 @@ def fetch_into(
         except ValueError as e:
             raise ReplicationError(f"server at {addr} sent a bad reply: {e}") from e
         header, header_bytes = recv_shard_header(sock, header_len, data_len)
-        check_shard_header(header, step, rank)
+        shard_format.check_identity(header, step, rank)
         view = destination(header)
         recv_into(sock, view, transfer_deadline(data_len))
     except (OSError, ProtocolError) as e:
@@ -298,26 +300,18 @@ def serve_list(sock: socket.socket, held: list[tuple[int, int]]) -> None:
     send_msg(sock, {"ok": True, "held": [list(h) for h in newest]}, deadline_in(FRAME_TIMEOUT_S))
 
 
-def check_shard_header(header: Header, step: int, rank: int) -> None:
-    """ShardError unless the shard header is that of (step, rank), with a world size."""
-    shard_format.check_identity(header, step, rank)
-    world_size = header.get("world_size")
-    if type(world_size) is not int or world_size < 1:
-        raise shard_format.ShardError(f"shard header has a bad world size {str(world_size)[:40]!r}")
-
-
 def receive_put(
     sock: socket.socket,
     request: PutRequest,
     reserve: Callable[[int, int, int], Region],
-    commit: Callable[[Region, Header | None, bytes], None],
+    commit: Callable[[Region, ShardHeader | None, bytes], None],
 ) -> None:
     """Serve a "put": `reserve(step, rank, nbytes)` gives a region, `commit(region, header,
     header_bytes)` keeps it (`commit(region, None, b"")` gives it back). ShardError for a shard
     that is not the one announced or does not verify; nothing is reserved before its header has
     been checked."""
     header, header_bytes = recv_shard_header(sock, request.header_len, request.data_len)
-    check_shard_header(header, request.step, request.rank)
+    shard_format.check_identity(header, request.step, request.rank)
     region = reserve(request.step, request.rank, request.data_len)
     try:
         view = region.view()[: request.data_len]

@@ -22,7 +22,7 @@ shard that has a resharding record. `load` then builds rank r's state:
     DTensor `Shard(d)` rule: chunks of ceil(n / W)), copied from the saved chunks that overlap it
     (only those shards are read); the whole global tensor when the mesh was not 1-D;
   * per-rank values are left out (the caller re-derives them: a data position and RNG state are
-    functions of the global step, as in workloads/train_gpt.py); `Engine.last_load["resharded"]`
+    functions of the global step, as in workloads/train_gpt.py); `Engine.last_load.resharded`
     lists them.
 It reads shards through the engine's public `ShardReader` calls, never its private members.
 This module never pickles, never talks to etcd, and never guesses: a step saved by another world
@@ -32,6 +32,7 @@ shards hold raises CheckpointError (the loader tries an older step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Collection, Iterable
@@ -42,8 +43,8 @@ import torch
 
 from transom.checkpoint import flatten, layout
 from transom.checkpoint.client import CheckpointError
-from transom.checkpoint.reshard_steps import HEADER_KEY
-from transom.checkpoint.shard_format import Header, Timeline
+from transom.checkpoint.load_record import LoadRecord, Resharded
+from transom.checkpoint.shard_format import ShardHeader, Timeline
 from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
 
@@ -167,12 +168,13 @@ def plan_state(
         else:
             declared = _declared(replicated)
             if declared:
-                plan.header[HEADER_KEY] = {"replicated": [list(p) for p in declared], "sharded": []}
+                marked = {"replicated": [list(p) for p in declared], "sharded": []}
+                plan.header = dataclasses.replace(plan.header, reshard=marked)
             return plan
     state, record = describe(state, replicated)
     plan = flatten.plan_state(state, step, rank, world_size, timeline)
     if record is not None:
-        plan.header[HEADER_KEY] = record
+        plan.header = dataclasses.replace(plan.header, reshard=record)
     return plan
 
 
@@ -185,13 +187,9 @@ class ShardRead:
     record: dict[str, Any] | None = None
 
 
-def load_info(header: Header) -> ShardRead:
-    """The `ShardRead` of a shard's header (read from a file or a peer: checked here)."""
-    world_size, record = header.get("world_size"), header.get(HEADER_KEY)
-    return ShardRead(
-        world_size if type(world_size) is int and world_size >= 1 else None,
-        record if isinstance(record, dict) else None,
-    )
+def load_info(header: ShardHeader) -> ShardRead:
+    """The `ShardRead` of a shard's header (read from a file or a peer: checked when read)."""
+    return ShardRead(header.world_size, header.reshard)
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -203,7 +201,7 @@ class ShardReader(Protocol):
 
     rank: int
     world_size: int
-    last_load: dict[str, Any]  # what the last load read; a resharding load adds "resharded"
+    last_load: LoadRecord | None  # what the last load read; a resharding load adds `resharded`
     last_shard: ShardRead  # of the shard `read_shard` read last
 
     def read_shard(self, step: int, tier: str | None, rank: int) -> Any: ...
@@ -306,11 +304,10 @@ class _Resharder:
             raise CheckpointError(f"step {self.step}: sharded path {path} is not in the state")
 
         state, _ = rebuild(base, ())
-        self.engine.last_load["resharded"] = {
-            "from_world_size": self.saved_world,
-            "source_rank": base_rank,
-            "dropped": dropped,
-        }
+        loaded = self.engine.last_load
+        if loaded is not None:  # set by the read of the base rank's shard
+            done = Resharded(self.saved_world, base_rank, tuple(dropped))
+            self.engine.last_load = dataclasses.replace(loaded, resharded=done)
         return state
 
     def reslice(self, path: Path_, info: dict[str, Any], example: Any) -> torch.Tensor:
@@ -411,12 +408,13 @@ def load(engine: ShardReader, step: int, tier: str | None) -> Any:
     resharder = _Resharder(engine, step, tier)
     resharder.saved_world = saved_world
     out = resharder.build(base_rank, state, record)
-    resharded = engine.last_load["resharded"]
+    loaded = engine.last_load
+    dropped = loaded.resharded.dropped if loaded is not None and loaded.resharded else ()
     engine.report_event(
         "resharded",
         f"rank {engine.rank} restored step {step} saved by {saved_world} ranks (now "
         f"{engine.world_size}) from rank {base_rank}'s copy; per-rank values left out: "
-        f"{', '.join(resharded['dropped']) or 'none'}",
+        f"{', '.join(dropped) or 'none'}",
         step=step,
         rank=engine.rank,
         from_world_size=saved_world,

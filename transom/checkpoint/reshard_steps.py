@@ -9,16 +9,15 @@ import torch or touch shard bytes: node agents and the controller import it thro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-HEADER_KEY = "reshard"  # the shard header's field (reshard.py)
-CATALOG_FLAG = "reshardable"  # the catalog entry's field (publisher.py sets it from the header)
+from transom.checkpoint.shard_header import ShardHeader
 
 
-def reshardable(header: dict[str, Any] | None) -> bool:
+def reshardable(header: ShardHeader | None) -> bool:
     """Whether a shard's header carries a resharding record."""
-    return isinstance(header, dict) and isinstance(header.get(HEADER_KEY), dict)
+    return header is not None and header.reshard is not None
 
 
 def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -> set[int]:
@@ -35,18 +34,3 @@ def restorable(entries: Iterable[tuple[int, int, Any, bool]], world_size: int) -
     steps = {s for s, ranks in same.items() if ranks >= set(range(world_size))}
     steps |= {s for (s, w), ranks in other.items() if ranks >= set(range(w))}
     return steps
-
-
-def catalog_entries(
-    catalog: dict[int, dict[int, dict[str, dict[str, Any]]]],
-    usable: Callable[[dict[str, Any]], bool],
-) -> list[tuple[int, int, Any, bool]]:
-    """`restorable`'s entries from the catalog (step -> rank -> holder -> info) and which
-    holders count."""
-    return [
-        (step, rank, info.get("world_size"), bool(info.get(CATALOG_FLAG)))
-        for step, ranks in catalog.items()
-        for rank, held in ranks.items()
-        for info in held.values()
-        if usable(info)
-    ]

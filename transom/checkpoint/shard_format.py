@@ -12,8 +12,9 @@ A shard is what one rank saved at one step. Its bytes are
 In shared memory the data region is held alone and the header next to it (the server keeps it);
 on disk and on the wire the three parts follow each other.
 
-This module encodes and decodes the prefix and header, checksums and verifies the data, and
-checks that a header is the shard asked for (step, rank, timeline). The checkpoint server moves
+This module encodes and decodes the prefix and header (the header's record, and its checks of
+every field, are shard_header.py's `ShardHeader`), checksums and verifies the data, and checks
+that a header is the shard asked for (step, rank, timeline). The checkpoint server moves
 shards with it alone; what the header's tables mean (tensors) is layout.py's, on the worker's
 side. This module must never import torch or numpy (the server starts without them), and never
 unpickle, eval or import anything named by a shard: a crafted one can at worst be rejected with
@@ -25,40 +26,25 @@ from __future__ import annotations
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import xxhash
 
+# The header's record is shard_header's; readers import it (and ShardError) from here too.
+from transom.checkpoint.shard_header import DATA_CHUNK as DATA_CHUNK
+from transom.checkpoint.shard_header import FORMAT_VERSION as FORMAT_VERSION
+from transom.checkpoint.shard_header import ShardError as ShardError
+from transom.checkpoint.shard_header import ShardHeader as ShardHeader
+from transom.checkpoint.shard_header import Timeline as Timeline
+
 MAGIC = b"TRNSHRD\x00"
-FORMAT_VERSION = 1
 PREFIX = struct.Struct("<8sIIQQ")  # magic, version, header length, header xxh3-64, data length
 DATA_ALIGN = 4096
-# Checksums are per chunk of data, so verification runs on several threads and names the bad chunk.
-DATA_CHUNK = 64 << 20
 VERIFY_THREADS = 4
 MAX_HEADER_BYTES = 256 << 20
 
 
-# A shard header as its JSON object. Decoding checks the prefix it came with; each field is
-# checked where it is read (`check_identity`, `verify_data`, layout.py's tables), as a shard
-# may be crafted.
-Header = dict[str, Any]
-# The timeline a shard was saved under: {"job", "generation", "world_size"} (`timeline`).
-Timeline = dict[str, Any]
-
-
-class ShardError(ValueError):
-    """A shard that is truncated, corrupt, of another format, or not the one asked for."""
-
-
 def align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
-
-
-def timeline(job: str, generation: int, world_size: int) -> Timeline:
-    """The timeline a shard belongs to: its job, the generation that saved it, its world size.
-    Shards of one step are one checkpoint only when their timelines are equal."""
-    return {"job": str(job), "generation": int(generation), "world_size": int(world_size)}
 
 
 # -- checksums --------------------------------------------------------------------------------
@@ -83,27 +69,27 @@ def checksum_data(data: memoryview) -> list[str]:
         return list(pool.map(digest, chunks))
 
 
-def verify_data(header: Header, data: memoryview) -> None:
-    expected = header.get("chunks")
-    if not isinstance(expected, list) or len(expected) != len(_chunks(len(data))):
-        raise ShardError("shard header has no valid chunk checksums")
+def verify_data(header: ShardHeader, data: memoryview) -> None:
+    expected = header.chunks
+    if len(data) != header.data_len or len(expected) != len(_chunks(len(data))):
+        raise ShardError("shard header has no valid chunk checksums for its data")
     actual = checksum_data(data)
     bad = [i for i, (a, b) in enumerate(zip(actual, expected, strict=True)) if a != b]
     if bad:
         raise ShardError(
-            f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.get('step')} "
-            f"rank {header.get('rank')}: the copy is corrupt"
+            f"checksum mismatch in data chunk(s) {bad[:5]} of step {header.step} "
+            f"rank {header.rank}: the copy is corrupt"
         )
 
 
 # -- header bytes -----------------------------------------------------------------------------
 
 
-def encode_header(header: Header) -> bytes:
+def encode_header(header: ShardHeader) -> bytes:
     """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
-    body = json.dumps(header, separators=(",", ":")).encode()
+    body = json.dumps(header.to_json(), separators=(",", ":")).encode()
     prefix = PREFIX.pack(
-        MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header["data_len"]
+        MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header.data_len
     )
     out = prefix + body
     return out + b"\0" * (align(len(out), DATA_ALIGN) - len(out))
@@ -125,8 +111,9 @@ def decode_prefix(prefix: bytes) -> tuple[int, int, int]:
     return header_len, header_sum, data_len
 
 
-def decode_header(prefix_and_body: bytes) -> tuple[Header, int]:
-    """The header dict and the data offset, from bytes starting at the prefix."""
+def decode_header(prefix_and_body: bytes) -> tuple[ShardHeader, int]:
+    """The header and the data offset, from bytes starting at the prefix; ShardError for
+    anything malformed (`ShardHeader.from_json` checks the header's every field)."""
     header_len, header_sum, data_len = decode_prefix(prefix_and_body[: PREFIX.size])
     body = prefix_and_body[PREFIX.size : PREFIX.size + header_len]
     if len(body) != header_len:
@@ -137,9 +124,10 @@ def decode_header(prefix_and_body: bytes) -> tuple[Header, int]:
         header = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise ShardError(f"shard header is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(header, dict) or header.get("data_len") != data_len:
+    decoded = ShardHeader.from_json(header)
+    if decoded.data_len != data_len:
         raise ShardError("shard header does not match its prefix")
-    return header, align(PREFIX.size + header_len, DATA_ALIGN)
+    return decoded, align(PREFIX.size + header_len, DATA_ALIGN)
 
 
 def header_span(header_len: int) -> int:
@@ -158,18 +146,17 @@ def received_header_bytes(prefix_and_body: bytes) -> bytes:
 # -- identity ---------------------------------------------------------------------------------
 
 
-def check_identity(header: Header, step: int | None, rank: int | None) -> None:
-    if step is not None and header.get("step") != step:
-        raise ShardError(f"shard holds step {header.get('step')}, not step {step}")
-    if rank is not None and header.get("rank") != rank:
-        raise ShardError(f"shard holds rank {header.get('rank')}, not rank {rank}")
+def check_identity(header: ShardHeader, step: int | None, rank: int | None) -> None:
+    if step is not None and header.step != step:
+        raise ShardError(f"shard holds step {header.step}, not step {step}")
+    if rank is not None and header.rank != rank:
+        raise ShardError(f"shard holds rank {header.rank}, not rank {rank}")
 
 
-def check_timeline(header: Header, expected: Timeline) -> None:
-    """ShardError unless the shard was saved under the timeline `expected` (see `timeline`)."""
-    found = header.get("timeline")
-    if found != expected:
+def check_timeline(header: ShardHeader, expected: Timeline | None) -> None:
+    """ShardError unless the shard was saved under the timeline `expected` (`Timeline`)."""
+    if header.timeline != expected:
         raise ShardError(
-            f"shard of step {header.get('step')} rank {header.get('rank')} belongs to timeline "
-            f"{found}, not {expected}: it is not part of this checkpoint"
+            f"shard of step {header.step} rank {header.rank} belongs to timeline "
+            f"{header.timeline}, not {expected}: it is not part of this checkpoint"
         )

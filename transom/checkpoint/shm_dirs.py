@@ -23,10 +23,12 @@ import re
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
+
+from transom.common.record_base import Record
 
 SHM_ROOT = Path("/dev/shm")
 PREFIX = "transom-"
@@ -63,31 +65,40 @@ def _start_time(pid: int) -> float | None:
         return None
 
 
+@dataclass(frozen=True)
+class Owner(Record):
+    """The process that owns a folder (its OWNER_FILE): pid and start time, its job and node."""
+
+    pid: int
+    start: float | None = None  # the process's start time (None: unknown)
+    job: str = ""
+    node: str = ""
+
+
 def write_owner(directory: Path, job_id: str = "", node_id: str = "") -> None:
     """Record this process as the owner of `directory` (atomically: a temporary file renamed)."""
     pid = os.getpid()
-    owner = {"pid": pid, "start": _start_time(pid), "job": job_id, "node": node_id}
+    owner = Owner(pid, _start_time(pid), job_id, node_id)
     tmp = directory / f".{OWNER_FILE}.tmp"
-    tmp.write_text(json.dumps(owner))
+    tmp.write_text(json.dumps(owner.to_dict()))
     os.replace(tmp, directory / OWNER_FILE)
 
 
-def read_owner(directory: Path) -> dict[str, Any] | None:
-    """The owner record of `directory`; None when it has none or it does not parse."""
+def read_owner(directory: Path) -> Owner | None:
+    """The owner record of `directory`; None when it has none or it is not a valid one (another
+    process's file: it is checked, not trusted)."""
     try:
-        owner = json.loads((Path(directory) / OWNER_FILE).read_text())
-    except (OSError, ValueError):
+        return Owner.from_dict(json.loads((Path(directory) / OWNER_FILE).read_text()))
+    except (OSError, ValueError, RecursionError):  # RecordError is a ValueError
         return None
-    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
 
 
-def owner_alive(owner: dict[str, Any]) -> bool:
+def owner_alive(owner: Owner) -> bool:
     """Whether the process an owner record names still runs (the same process, not a reused pid)."""
-    started = _start_time(owner["pid"])
+    started = _start_time(owner.pid)
     if started is None:
         return False
-    recorded = owner.get("start")
-    return not isinstance(recorded, (int, float)) or abs(started - recorded) < 1.0
+    return owner.start is None or abs(started - owner.start) < 1.0
 
 
 def _socket_answers(sock_path: Path) -> bool:
@@ -143,15 +154,15 @@ def claim(directory: Path, job_id: str = "", node_id: str = "") -> None:
         deadline = time.monotonic() + CLAIM_WAIT_S  # a previous owner may be exiting right now
         while (
             owner is not None
-            and owner["pid"] != os.getpid()
+            and owner.pid != os.getpid()
             and owner_alive(owner)
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
-        if owner is not None and owner["pid"] != os.getpid() and owner_alive(owner):
+        if owner is not None and owner.pid != os.getpid() and owner_alive(owner):
             raise OwnedBySomeoneElse(
-                f"{directory} belongs to a running process (pid {owner['pid']}, job "
-                f"{owner.get('job')!r}, node {owner.get('node')!r}); not taking it over"
+                f"{directory} belongs to a running process (pid {owner.pid}, job "
+                f"{owner.job!r}, node {owner.node!r}); not taking it over"
             )
         shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, mode=0o700)

@@ -40,7 +40,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     if any(r.source.is_cuda for r in plan.ranges):
         torch.cuda.synchronize()
     view = memoryview(buf)[: plan.data_len]
-    plan.header["chunks"] = shard_format.checksum_data(view)
+    plan.header = plan.header.with_chunks(shard_format.checksum_data(view))
     path = Path(path)
     storage.atomic_write(path, [shard_format.encode_header(plan.header), view])
 

@@ -33,12 +33,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from transom.checkpoint import shard_format
 from transom.checkpoint.reshard_steps import reshardable
 from transom.checkpoint.saved_by import UNKNOWN, saved_by
-from transom.checkpoint.shard_format import Header, Timeline
+from transom.checkpoint.shard_format import ShardHeader, Timeline
 from transom.checkpoint.shm import anonymous_buffer
 
 STEP_RE = re.compile(r"^step_(\d{12})$")
@@ -97,10 +96,7 @@ class StaleTimeline(OSError):
 
 def _older(a: Timeline | None, b: Timeline | None) -> bool:
     """Whether timeline `a` is of an older generation of the same job than `b`."""
-    if not isinstance(a, dict) or not isinstance(b, dict) or a.get("job") != b.get("job"):
-        return False
-    ga, gb = a.get("generation"), b.get("generation")
-    return isinstance(ga, int) and isinstance(gb, int) and ga < gb
+    return a is not None and b is not None and a.job == b.job and a.generation < b.generation
 
 
 def write_shard(
@@ -142,7 +138,7 @@ def write_shard(
 
 def read_shard(
     path: Path, step: int | None = None, rank: int | None = None
-) -> tuple[Header, memoryview]:
+) -> tuple[ShardHeader, memoryview]:
     """(header, data) of a shard file, checksums verified; ShardError when bad. The data is a
     view of private memory holding exactly the shard's data (layout.rebuild takes it as is)."""
     try:
@@ -174,17 +170,21 @@ def read_shard(
     return header, view
 
 
-def _check_manifest(path: Path, header: Header) -> None:
-    """ShardError when `path`'s step has a manifest of another timeline than the shard's."""
+def _check_manifest(path: Path, header: ShardHeader) -> None:
+    """ShardError when `path`'s step has a manifest of another timeline than the shard's (a
+    manifest that names none, or none this code can read, checks nothing)."""
     try:
         manifest = json.loads((path.parent / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
-    if isinstance(manifest, dict) and "timeline" in manifest:
-        shard_format.check_timeline(header, manifest["timeline"])
+    if isinstance(manifest, dict) and manifest.get("timeline") is not None:
+        timeline = Timeline.parse(manifest["timeline"])
+        if timeline is None:
+            raise shard_format.ShardError(f"the manifest of {path.parent} names no valid timeline")
+        shard_format.check_timeline(header, timeline)
 
 
-def read_header(path: Path) -> dict[str, Any]:
+def read_header(path: Path) -> ShardHeader:
     """The header of a shard file (no data read, no checksum of the data); ShardError when bad."""
     with open(path, "rb") as f:
         head = f.read(shard_format.PREFIX.size)
@@ -232,14 +232,14 @@ def read_manifest(root: Path, step: int) -> Manifest | None:
     world_size, timeline = value.get("world_size"), value.get("timeline")
     return Manifest(
         world_size if type(world_size) is int and world_size >= 1 else None,
-        timeline if isinstance(timeline, dict) else None,
+        Timeline.parse(timeline),
     )
 
 
 def _same_timeline(root: Path, step: int, ranks: set[int], timeline: Timeline | None) -> bool:
     for rank in ranks:
         try:
-            if read_header(shard_path(root, step, rank)).get("timeline") != timeline:
+            if read_header(shard_path(root, step, rank)).timeline != timeline:
                 return False
         except (OSError, shard_format.ShardError):
             return False
@@ -265,7 +265,7 @@ def complete_step(
         manifest = {
             "step": step,
             "world_size": world_size,
-            "timeline": timeline,
+            "timeline": None if timeline is None else timeline.to_json(),
             "time": time.time(),
             "shards": {str(r): shard_path(root, step, r).stat().st_size for r in sorted(ranks)},
         }
@@ -325,18 +325,16 @@ def _timeline_of(path: Path) -> Timeline | None:
     """The timeline a shard file's header or a manifest names (None when unreadable)."""
     try:
         if path.name == MANIFEST:
-            found = json.loads(path.read_text()).get("timeline")
-        else:
-            found = read_header(path).get("timeline")
-    except (OSError, ValueError, AttributeError):  # ShardError is a ValueError
+            found = json.loads(path.read_text())
+            return Timeline.parse(found.get("timeline") if isinstance(found, dict) else None)
+        return read_header(path).timeline
+    except (OSError, ValueError, RecursionError):  # ShardError is a ValueError
         return None
-    return found if isinstance(found, dict) else None
 
 
-def job_of(timeline: object) -> str | None:
-    """The job a timeline names (None: none, or not a timeline)."""
-    job = timeline.get("job") if isinstance(timeline, dict) else None
-    return job if isinstance(job, str) else None
+def job_of(timeline: Timeline | None) -> str | None:
+    """The job a timeline names (None: none)."""
+    return None if timeline is None else timeline.job
 
 
 def manifest_job(root: Path, step: int) -> str | None:
@@ -377,7 +375,7 @@ def restorable_steps(root: Path, world_size: int) -> list[int]:
     return out
 
 
-def _header_or_none(path: Path) -> dict[str, Any] | None:
+def _header_or_none(path: Path) -> ShardHeader | None:
     """A shard file's header; None when it is missing or unreadable."""
     try:
         return read_header(path)

@@ -177,13 +177,15 @@ def adopt(store: Store, root: Path, steps: list[int]) -> list[int]:
         if not all(p.is_file() for p in paths):
             continue
         for rank, path in enumerate(paths):
-            info = {
-                "world_size": world_size,
-                "node": ADOPTED_NODE,
-                "tier": Tier.STORAGE,
-                "path": str(path),
-                "nbytes": path.stat().st_size,
-            }
-            catalog.publish(store, step, rank, catalog.STORAGE_HOLDER, info)
+            listing = catalog.Listing(
+                step,
+                rank,
+                Tier.STORAGE,
+                world_size=world_size,
+                node=ADOPTED_NODE,
+                nbytes=path.stat().st_size,
+                path=str(path),
+            )
+            catalog.publish(store, catalog.STORAGE_HOLDER, listing)
         adopted.append(step)
     return adopted

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom.checkpoint import replication, shard_format, storage
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_format import ShardHeader
 from transom.checkpoint.shm import anonymous_buffer, populated_map
 from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
@@ -56,7 +56,7 @@ class LoadTier(ABC):
     @abstractmethod
     def read(
         self, ctx: LoaderContext, source: Source, step: int, rank: int
-    ) -> tuple[Header, memoryview]:
+    ) -> tuple[ShardHeader, memoryview]:
         """(header, data) of a copy `locate` returned, checksums verified: the data a view of
         exactly the shard's data bytes, which `layout.rebuild` turns into tensors, no copy."""
 
@@ -80,12 +80,12 @@ class MemoryTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: Source, step: int, rank: int
-    ) -> tuple[Header, memoryview]:
+    ) -> tuple[ShardHeader, memoryview]:
         header, path = source.header, source.path
         if header is None or path is None:
             raise shard_format.ShardError("the server located a memory copy without its header")
         shard_format.check_identity(header, step, rank)
-        n = int(header["data_len"])
+        n = header.data_len
         if n == 0:
             empty = memoryview(anonymous_buffer(0))[:0]
             shard_format.verify_data(header, empty)
@@ -105,7 +105,7 @@ class PeerTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: Source, step: int, rank: int
-    ) -> tuple[Header, memoryview]:
+    ) -> tuple[ShardHeader, memoryview]:
         if source.addr is None:
             raise replication.ReplicationError("the server located a peer copy without its address")
         return replication.fetch(source.addr, ctx.secret, step, rank)
@@ -125,7 +125,7 @@ class StorageTier(LoadTier):
 
     def read(
         self, ctx: LoaderContext, source: Source, step: int, rank: int
-    ) -> tuple[Header, memoryview]:
+    ) -> tuple[ShardHeader, memoryview]:
         if source.path is None:
             raise shard_format.ShardError("the server located a stored copy without its path")
         return storage.read_shard(Path(source.path), step, rank)

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from transom.checkpoint.protocol import MAX_SHARD_BYTES, field_int
-from transom.checkpoint.shard_format import Header
+from transom.checkpoint.shard_header import ShardHeader
 from transom.common.names import valid_id
+from transom.common.record_base import Record, RecordError
 from transom.common.states import Tier
 
 # The most sources a `locate` reply may name, and steps a `held` or `steps` reply.
@@ -85,7 +86,9 @@ class Message:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if isinstance(value, ShardHeader):
+                out[f.name] = value.to_json()
+            elif value is not None:
                 out[f.name] = value
         return out
 
@@ -169,7 +172,7 @@ class Source(Message):
     node: str | None = None
     path: str | None = None
     addr: str | None = None
-    header: Header | None = None
+    header: ShardHeader | None = None
 
     def to_msg(self) -> dict[str, Any]:
         return self.wire_fields()
@@ -182,14 +185,12 @@ class Source(Message):
         if node is not None and not valid_id(node):
             raise ValueError(f"a source's node is not a node id: {_short(node)}")
         header = msg.get("header")
-        if header is not None and not isinstance(header, dict):
-            raise ValueError(f"a source's header must be an object, not {_short(header)}")
         return cls(
             tier=_field_str(msg, "tier"),
             node=node,
             path=_optional_str(msg, "path"),
             addr=_optional_str(msg, "addr"),
-            header=header,
+            header=None if header is None else ShardHeader.from_json(header),
         )
 
 
@@ -220,19 +221,51 @@ class StepList(Reply):
 
 
 @dataclass(frozen=True)
-class Status(Reply):
-    """What the server holds: its node and address, budget use, every shard's state and tiers,
-    and what became of its prefetches (budget.ShardMemory.status, prefetch.Prefetcher.status).
-    A report for people and tests to read, not for the worker to act on."""
+class ShardStatus(Record):
+    """One shard a server holds, in a `Status` (budget.ShardMemory.status)."""
 
-    report: dict[str, Any]
+    step: int
+    rank: int
+    state: str  # budget's RESERVED, STAGED or COMMITTED
+    tiers: list[str] = field(default_factory=list)
+    origin: str = ""
+    failed: dict[str, str] = field(default_factory=dict)  # tier -> why it failed there
+
+
+@dataclass(frozen=True)
+class PrefetchStatus(Record):
+    """What became of one prefetch, in a `Status` (prefetch.Prefetcher.status)."""
+
+    step: int
+    rank: int
+    outcome: str  # prefetch's FETCHED, SKIPPED, FAILED, or "running"
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Status(Reply, Record):
+    """What the server holds: its node and address, budget use, every shard's state and tiers,
+    and what became of its prefetches. A report for people and tests to read, not for the
+    worker to act on; `parse` validates it (`Record.from_dict`) all the same."""
+
+    node: str
+    addr: str | None = None
+    used: int = 0
+    budget: int = 0
+    free: list[int] = field(default_factory=list)  # the sizes of the free regions
+    shards: list[ShardStatus] = field(default_factory=list)
+    prefetch: list[PrefetchStatus] = field(default_factory=list)
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Status:
-        return cls({k: v for k, v in msg.items() if k != "ok"})
+        try:
+            return cls.from_dict(msg)
+        except RecordError as e:
+            raise ValueError(f"a status reply is malformed: {e}") from None
 
     def to_msg(self) -> dict[str, Any]:
-        return {"ok": True, **self.report}
+        return {"ok": True, **self.to_dict()}
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -284,7 +317,9 @@ class Commit(Request[Done]):
     reply = Done
     step: int
     rank: int
-    header: Header  # the shard's header; the pipeline checks it (shard_format)
+    # The shard's header as JSON (`ShardHeader.to_json`; its checksums are the server's to
+    # add): the server reads it with `ShardHeader.from_json` once its tables are back in it.
+    header: dict[str, Any]
     persist: bool = True  # False: memory and peer only
     # The number of the header's tensor and storage tables: a header without them names the
     # ones its connection sent with this number before (header_tables.py).

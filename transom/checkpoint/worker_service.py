@@ -59,7 +59,6 @@ from transom.checkpoint.worker_protocol import (
     Reply,
     Reserve,
     Source,
-    Status,
     StatusRequest,
     StepList,
     Steps,
@@ -164,14 +163,8 @@ class WorkerService:
                     self.withdraw_corrupt(request.fields)
                 return Done()
             case StatusRequest():
-                return Status(
-                    {
-                        "node": self.node,
-                        "addr": self.publisher.addr,
-                        **self.memory.status(),
-                        "prefetch": self.prefetcher.status() if self.prefetcher is not None else [],
-                    }
-                )
+                prefetch = self.prefetcher.status() if self.prefetcher is not None else []
+                return self.memory.status(self.node, self.publisher.addr, prefetch)
         unserved(request)
 
     def reserve(self, request: Reserve, reserved: dict[tuple[int, int], Region]) -> RegionReply:

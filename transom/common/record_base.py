@@ -3,8 +3,8 @@
 `from_dict` validates a value that crossed a process boundary against the dataclass's type
 hints (str, int, float, bool, lists, dicts, unions with None, str enums, nested records),
 ignores keys it does not know and raises `RecordError` on a missing field or a wrong type. A
-list field declared with `metadata=DROP_INVALID` keeps its valid items and leaves out the others
-(what one process reported about many things: one bad entry must not cost the rest). The
+list or dict field declared with `metadata=DROP_INVALID` keeps its valid items and leaves out the
+others (what one process reported about many things: one bad entry must not cost the rest). The
 records themselves are in transom.common.records. This module must never do I/O.
 """
 
@@ -192,10 +192,26 @@ def _parser(hint: Any) -> Parser:
 
 
 def _valid_items(hint: Any) -> Parser:
-    """The parser of a list field declared DROP_INVALID: the value must be a list; its items
-    that are not valid are left out."""
-    if typing.get_origin(hint) is not list:
-        raise TypeError(f"DROP_INVALID is for list fields, not {hint}")
+    """The parser of a list or dict field declared DROP_INVALID: the value must be a list (an
+    object); its items (entries) that are not valid are left out."""
+    origin = typing.get_origin(hint)
+    if origin is dict:
+        item = _parser(typing.get_args(hint)[1])
+
+        def parse_valid_entries(value: Any, where: str) -> dict[str, Any]:
+            if not isinstance(value, dict):
+                raise RecordError(f"{where}: expected an object, got {type(value).__name__}")
+            valid = {}
+            for k, v in value.items():
+                try:
+                    valid[k] = item(v, where)
+                except RecordError:
+                    continue
+            return valid
+
+        return parse_valid_entries
+    if origin is not list:
+        raise TypeError(f"DROP_INVALID is for list and dict fields, not {hint}")
     (item_hint,) = typing.get_args(hint)
     item = _parser(item_hint)
 

@@ -4,7 +4,8 @@ One dataclass per value stored under a key of `common.keys`: `JobRecord` (job), 
 `NodeRegistration` (nodes/<node>), `NodeStatus` (status/<node>, with its `FailureReport`s),
 `MonitorSummary`
 (monitor/<node>), `Anomaly` (in summaries and anomaly events), `PreflightResult`
-(preflight/<node>), `MasterAddress` (plan/master/<gen>), `Event` (events/<seq>).
+(preflight/<node>, with its `LinkMeasure`s), `LinkAddress` (links/<node>), `MasterAddress`
+(plan/master/<gen>), `Event` (events/<seq>).
 
 Every value crosses a process boundary, so `from_dict` validates (see `record_base`): it ignores
 keys it does not know (an older or newer writer), and raises `RecordError` on a missing required
@@ -173,8 +174,8 @@ class NodeStatus(Record):
     step: int | None = None
     warm: int = 0
     failures: list[FailureReport] = field(default_factory=list, metadata=DROP_INVALID)
-    preflight: dict[str, Any] | None = None
-    pids: dict[str, Any] | None = None
+    preflight: PreflightResult | None = None  # a FAILED node's failed checks
+    pids: dict[str, int] | None = None  # local rank -> worker pid
     incarnation: str = ""  # the agent process that wrote it (`NodeRegistration.incarnation`)
 
     def own_fault(self) -> bool:
@@ -183,14 +184,40 @@ class NodeStatus(Record):
 
 
 @dataclass
+class LinkMeasure(Record):
+    """What a node's pre-flight link test measured of its link to one peer (control.links)."""
+
+    latency_ms: float  # median round trip of a one-byte ping
+    mbps: float  # the best of a few timed transfers, MB/s
+
+
+@dataclass
 class PreflightResult(Record):
-    """A node's pre-flight checks (`preflight/<node>`); `extra` holds the measurements."""
+    """A node's pre-flight checks and measurements (`preflight/<node>`; control.preflight).
+
+    `link_mbps` and `link_latency_ms` are its best link's (None: no peer measured); `links` what
+    it measured of each peer, an entry that is not valid left out (the controller reads the
+    rest). `extra` keeps what a newer agent adds."""
 
     passed: bool
     time: float = 0.0
     problems: list[str] = field(default_factory=list)
     compute_gflops: float | None = None
+    disk_write_s: float | None = None
+    free_disk_bytes: int | None = None
+    free_memory_bytes: int | None = None
+    link_mbps: float | None = None
+    link_latency_ms: float | None = None
+    links: dict[str, LinkMeasure] = field(default_factory=dict, metadata=DROP_INVALID)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LinkAddress(Record):
+    """Where a node's link-test server listens (`links/<node>`, under the node's lease)."""
+
+    host: str
+    port: int
 
 
 @dataclass
@@ -320,7 +347,7 @@ class Event(Record):
     action: str | None = None
     anomaly: str | None = None  # the id of the anomaly decided on
     anomaly_type: str | None = None
-    preflight: dict[str, Any] | None = None
+    preflight: PreflightResult | None = None  # an exclusion's evidence
     # an anomaly event's copy of the anomaly
     id: str | None = None
     type: str | None = None

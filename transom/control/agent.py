@@ -91,7 +91,7 @@ class NodeAgent:
         self.waiting_for_master: Plan | None = None  # the plan whose master address we await
         self.unpublished_master: MasterAddress | None = None  # ours, not yet in etcd
         self.published_master: MasterAddress | None = None  # ours, in etcd
-        self.preflight_result: tuple[bool, dict[str, Any]] | None = None
+        self.preflight_result: PreflightResult | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
         self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
@@ -361,12 +361,12 @@ class NodeAgent:
             self._report(NodeState.SPARE)
             return
         assert self.preflight_result is not None
-        passed, evidence = self.preflight_result
-        if not passed:
+        checked = self.preflight_result
+        if not checked.passed:
             self._report(
                 NodeState.FAILED,
-                preflight=evidence,
-                failures=[failed_checks(evidence)],
+                preflight=checked,
+                failures=[failed_checks(checked)],
             )
             return
         if plan.members[0] == self.node_id:
@@ -394,9 +394,8 @@ class NodeAgent:
                 self.run_dir,
                 self.faults,
             )
-        passed, evidence = self.preflight_result
-        result = PreflightResult.from_dict({"passed": passed, "time": time.time(), **evidence})
-        self.store.put(keys.preflight(self.node_id), result.to_dict())
+        self.preflight_result.time = time.time()
+        self.store.put(keys.preflight(self.node_id), self.preflight_result.to_dict())
 
     def _start_group(self, plan: Plan) -> None:
         """Start this node's workers once the master address is known (the master node's

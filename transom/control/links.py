@@ -32,10 +32,11 @@ import statistics
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transom.common import keys
 from transom.common.names import natural_key
+from transom.common.records import LinkAddress, LinkMeasure, PreflightResult, parse_all
 
 if TYPE_CHECKING:
     from transom.store import Store
@@ -140,8 +141,8 @@ class LinkServer:
         self.sock.close()
 
 
-def measure(address: tuple[str, int], delay_s: float = 0.0) -> dict[str, float] | None:
-    """{latency_ms, mbps} of the link to one peer's LinkServer; None if it cannot be reached."""
+def measure(address: tuple[str, int], delay_s: float = 0.0) -> LinkMeasure | None:
+    """The link to one peer's LinkServer; None if it cannot be reached."""
     try:
         with socket.create_connection(address, timeout=LINK_IO_TIMEOUT_S) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -164,25 +165,22 @@ def measure(address: tuple[str, int], delay_s: float = 0.0) -> dict[str, float] 
                 best = max(best, LINK_BYTES / (time.perf_counter() - t0) / 1e6)
     except (OSError, ConnectionError):
         return None
-    return {"latency_ms": round(statistics.median(rtts) * 1000, 3), "mbps": round(best, 1)}
+    return LinkMeasure(round(statistics.median(rtts) * 1000, 3), round(best, 1))
 
 
 def publish(store: Store, node_id: str, server: LinkServer, lease: Lease | None = None) -> None:
     host, port = server.address
-    store.put(keys.link(node_id), {"host": host, "port": port}, lease=lease)
+    store.put(keys.link(node_id), LinkAddress(host, port).to_dict(), lease=lease)
 
 
 def peers(store: Store, node_id: str) -> dict[str, tuple[str, int]]:
     """Live peers (registered nodes) that publish a link server, by name; bad entries left out."""
     live = set(store.get_prefix(keys.NODES))
-    found = {}
-    for node, value in store.get_prefix(keys.LINKS).items():
-        if node == node_id or node not in live or not isinstance(value, dict):
-            continue
-        host, port = value.get("host"), value.get("port")
-        if isinstance(host, str) and type(port) is int and 0 < port < 65536:
-            found[node] = (host, port)
-    return found
+    return {
+        node: (a.host, a.port)
+        for node, a in parse_all(LinkAddress, store.get_prefix(keys.LINKS)).items()
+        if node != node_id and node in live and 0 < a.port < 65536
+    }
 
 
 def neighbours(node_id: str, peers: list[str]) -> list[str]:
@@ -195,8 +193,9 @@ def neighbours(node_id: str, peers: list[str]) -> list[str]:
 
 def link_test(
     store: Store, node_id: str, expected_peers: int, delay_s: float = 0.0
-) -> dict[str, Any]:
-    """This node's link evidence for its pre-flight result: {} when there is no peer to test."""
+) -> dict[str, LinkMeasure]:
+    """This node's links to the peers it tested, by peer (`with_links` makes them its pre-flight
+    evidence): none when there is no peer to test, or none could be reached."""
     if expected_peers <= 0:
         return {}
     deadline = time.monotonic() + LINK_WAIT_S
@@ -205,43 +204,49 @@ def link_test(
         time.sleep(0.2)
         found = peers(store, node_id)
     chosen = neighbours(node_id, list(found))
-    links = {n: m for n in chosen if (m := measure(found[n], delay_s)) is not None}
-    if not links:
-        return {"links": {}}
-    return {
-        "link_mbps": max(m["mbps"] for m in links.values()),
-        "link_latency_ms": min(m["latency_ms"] for m in links.values()),
-        "links": links,
-    }
+    return {n: m for n in chosen if (m := measure(found[n], delay_s)) is not None}
 
 
-def _measured_by_peers(scores: dict[str, dict[str, Any]], node: str, field: str) -> list[float]:
-    """What the other nodes measured of their link to `node` (`field`: mbps or latency_ms); an
-    entry that is not a positive number is left out (the evidence comes from etcd)."""
+def with_links(result: PreflightResult, links: dict[str, LinkMeasure]) -> PreflightResult:
+    """`result` with the links a node measured, and its score: its best link's bandwidth and
+    latency."""
+    result.links = dict(links)
+    if links:
+        result.link_mbps = max(m.mbps for m in links.values())
+        result.link_latency_ms = min(m.latency_ms for m in links.values())
+    return result
+
+
+def _measured_by_peers(results: dict[str, PreflightResult], node: str, field: str) -> list[float]:
+    """What the other nodes measured of their link to `node` (`field`: mbps or latency_ms); a
+    value that is not a positive number is left out (the evidence comes from etcd)."""
     found = []
-    for other, evidence in scores.items():
-        tested = evidence.get("links") if other != node else None
-        link = tested.get(node) if isinstance(tested, dict) else None
-        value = link.get(field) if isinstance(link, dict) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            found.append(float(value))
+    for other, result in results.items():
+        link = result.links.get(node) if other != node else None
+        value = getattr(link, field) if link is not None else 0.0
+        if value > 0:
+            found.append(value)
     return found
 
 
-def link_outliers(scores: dict[str, dict[str, Any]]) -> dict[str, str]:
+def link_outliers(results: dict[str, PreflightResult]) -> dict[str, str]:
     """Nodes whose best link is far worse than the nodes' median -> why to exclude them.
 
-    `scores`: node -> its pre-flight evidence (link_mbps, link_latency_ms where measured, and
+    `results`: node -> its pre-flight result (link_mbps, link_latency_ms where measured, and
     `links`, what it measured of each peer). A node's own score can be low for a moment that is
     not its link's fault (its test ran while its machine was busy): when a peer measured a good
     link to it (not slow by the same rule), the node is not blamed."""
-    bandwidth = {n: s["link_mbps"] for n, s in scores.items() if s.get("link_mbps")}
-    latency = {n: s["link_latency_ms"] for n, s in scores.items() if s.get("link_latency_ms")}
+    bandwidth = {n: r.link_mbps for n, r in results.items() if r.link_mbps and r.link_mbps > 0}
+    latency = {
+        n: r.link_latency_ms
+        for n, r in results.items()
+        if r.link_latency_ms and r.link_latency_ms > 0
+    }
     out: dict[str, str] = {}
     if len(bandwidth) >= LINK_MIN_NODES:
         median = statistics.median(bandwidth.values())
         for n, mbps in bandwidth.items():
-            seen = _measured_by_peers(scores, n, "mbps")
+            seen = _measured_by_peers(results, n, "mbps")
             if mbps < LINK_SLOW_RATIO * median and not any(
                 m >= LINK_SLOW_RATIO * median for m in seen
             ):
@@ -253,7 +258,7 @@ def link_outliers(scores: dict[str, dict[str, Any]]) -> dict[str, str]:
         median = statistics.median(latency.values())
         limit = LINK_LATENCY_RATIO * median + LINK_LATENCY_FLOOR_MS
         for n, ms in latency.items():
-            seen = _measured_by_peers(scores, n, "latency_ms")
+            seen = _measured_by_peers(results, n, "latency_ms")
             if n not in out and ms > limit and not any(m <= limit for m in seen):
                 out[n] = (
                     f"pre-flight link test: best latency {ms:.2f} ms against its peers' median "

@@ -282,7 +282,7 @@ PREFLIGHT_MIN_NODES = 3
 def slow_outliers(results: dict[str, PreflightResult]) -> dict[str, str]:
     """Nodes far below their peers in the pre-flight compute benchmark or link test (links.py)
     -> why to exclude them."""
-    slow_links = link_outliers({n: r.extra for n, r in results.items()})
+    slow_links = link_outliers(results)
     scores = {n: r.compute_gflops for n, r in results.items() if r.compute_gflops}
     if len(scores) < PREFLIGHT_MIN_NODES:
         return slow_links

@@ -16,11 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
-from transom.common.records import FailureKind, FailureReport
+from transom.common.records import FailureKind, FailureReport, PreflightResult
 from transom.control import links
 
 if TYPE_CHECKING:
@@ -92,10 +92,11 @@ print(best)
 """
 
 
-def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, dict[str, Any]]:
-    """(passed, evidence) for this node (`slowdown`: see compute_benchmark)."""
-    evidence: dict[str, Any] = {"compute_gflops": compute_benchmark(slowdown)}
-    problems: list[str] = []
+def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> PreflightResult:
+    """This node's checks and measurements (`slowdown`: see compute_benchmark); its `time` is
+    set when it is published."""
+    result = PreflightResult(passed=False, compute_gflops=compute_benchmark(slowdown))
+    problems = result.problems
     start = time.perf_counter()
     try:
         probe = Path(run_dir) / f".preflight-{os.getpid()}"
@@ -104,24 +105,24 @@ def preflight(run_dir: Path, script: str, slowdown: float = 1.0) -> tuple[bool, 
             f.flush()
             os.fsync(f.fileno())
         probe.unlink()
-        evidence["disk_write_s"] = round(time.perf_counter() - start, 4)
+        result.disk_write_s = round(time.perf_counter() - start, 4)
     except OSError as e:
         problems.append(f"run directory not writable: {e.strerror or e}")
     try:
         free_disk = psutil.disk_usage(str(run_dir)).free
-        evidence["free_disk_bytes"] = free_disk
+        result.free_disk_bytes = free_disk
         if free_disk < MIN_FREE_DISK_BYTES:
             problems.append(f"only {free_disk >> 20} MiB of disk free")
     except OSError as e:
         problems.append(f"cannot read disk usage: {e}")
     free_memory = psutil.virtual_memory().available
-    evidence["free_memory_bytes"] = free_memory
+    result.free_memory_bytes = free_memory
     if free_memory < MIN_FREE_MEMORY_BYTES:
         problems.append(f"only {free_memory >> 20} MiB of memory free")
     if not os.access(script, os.R_OK):
         problems.append(f"script {script} is not readable on this node")
-    evidence["problems"] = problems
-    return not problems, evidence
+    result.passed = not problems
+    return result
 
 
 def joining_checks(
@@ -132,7 +133,7 @@ def joining_checks(
     spec: JobSpec,
     run_dir: Path,
     faults: FaultInjector,
-) -> tuple[bool, dict[str, Any]]:
+) -> PreflightResult:
     """Everything a joining node measures: its own checks and compute score (slowed only by an
     injected `slow_preflight` fault), then its links to live peers; its own link-test port is
     published first, so that peers joining later can test it too (slowed, with a `slow_link`
@@ -140,12 +141,11 @@ def joining_checks(
     slowdown = faults.on_preflight()
     link_server.delay_s = faults.link_delay_s
     links.publish(store, node_id, link_server, lease)
-    passed, found = preflight(run_dir, spec.script, slowdown)
+    result = preflight(run_dir, spec.script, slowdown)
     peers = spec.nnodes_max + spec.spares - 1
-    found.update(links.link_test(store, node_id, peers, faults.link_delay_s))
-    return passed, found
+    return links.with_links(result, links.link_test(store, node_id, peers, faults.link_delay_s))
 
 
-def failed_checks(evidence: dict[str, Any]) -> FailureReport:
-    """The failure a node reports when its pre-flight `evidence` (from `preflight`) failed."""
-    return FailureReport(FailureKind.PREFLIGHT, "; ".join(evidence["problems"]))
+def failed_checks(result: PreflightResult) -> FailureReport:
+    """The failure a node reports when its pre-flight checks (from `preflight`) failed."""
+    return FailureReport(FailureKind.PREFLIGHT, "; ".join(result.problems))

@@ -183,7 +183,7 @@ class Tick:
                     node,
                     reason,
                     f"{node} excluded before training: {reason}",
-                    preflight=results[node].to_dict(),
+                    preflight=results[node],
                 )
 
     def restart(self, evict: dict[str, str], summary: str) -> None:

@@ -166,11 +166,11 @@ def engine_load(engine):
         return None
     if state is not None:
         info = engine.last_load
-        resharded = info.get("resharded")
-        how = f" resharded_from={resharded['from_world_size']}" if resharded else ""
+        assert info is not None  # a load that returned a state set it
+        how = f" resharded_from={info.resharded.from_world_size}" if info.resharded else ""
         log(
-            f"[train_gpt] restored step={info['step']} rank={RANK} tier={info['tier']} "
-            f"seconds={info['seconds']:.3f}{how}"
+            f"[train_gpt] restored step={info.step} rank={RANK} tier={info.tier} "
+            f"seconds={info.seconds:.3f}{how}"
         )
     return state
 
