@@ -562,3 +562,40 @@ def test_fuzzed_peer_port_keeps_its_shards_and_serves_on(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_ten_thousand_fuzzed_frames_change_nothing(tmp_path: Path) -> None:
     _fuzz(tmp_path, 10_000)
+
+
+def test_the_previous_replica_stays_until_the_next_one_is_complete(tmp_path: Path) -> None:
+    """A peer that dies while its next replica arrives leaves the one before (the budget has
+    room for both); once the next one is complete, the one before goes."""
+    from transom.checkpoint.protocol import deadline_in, send_all, send_msg
+
+    origin, peer = _server(tmp_path, "n0"), _server(tmp_path, "n1")
+    engine = checkpoint.Engine(socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1)
+    try:
+        for step in (1, 2):
+            engine.save(step, {"w": torch.full((4096,), float(step))}).wait("memory", timeout=30)
+        one, two = origin.memory.shards[(1, 0)], origin.memory.shards[(2, 0)]
+        assert one.header is not None and two.header is not None
+        replication.push(peer.addr, SECRET, one.header, one.header_bytes, one.region.path, "n0")
+        # Step 2's replica: its header and half its data, then the origin is gone.
+        sock = replication.connect(peer.addr, SECRET)
+        put = {
+            "op": "put",
+            "step": 2,
+            "rank": 0,
+            "origin": "n0",
+            "header_len": len(two.header_bytes),
+            "data_len": two.header.data_len,
+        }
+        send_msg(sock, put, deadline_in(5))
+        send_all(sock, two.header_bytes, deadline_in(5))
+        send_all(sock, b"\0" * (two.header.data_len // 2), deadline_in(5))
+        sock.close()
+        wait_for(lambda: (2, 0) not in peer.memory.shards, 10, "the broken put given back")
+        assert (1, 0) in peer.memory.shards  # the previous replica is still there
+        replication.push(peer.addr, SECRET, two.header, two.header_bytes, two.region.path, "n0")
+        assert set(peer.memory.shards) == {(2, 0)}  # complete: the one before made way
+    finally:
+        engine.close()
+        origin.stop()
+        peer.stop()

@@ -52,6 +52,25 @@ def test_a_resume_must_continue_the_newest_timeline_that_trained_the_next_step(t
     ]
 
 
+def test_a_resume_from_a_fresh_start_s_step_is_not_compared_with_the_timeline_it_left(tmp_path):
+    # The kill torture's trial: generation 3 resumed at 4 from generation 2's timeline; then a
+    # fresh start (4) trained steps 1-4 again, and generation 5 resumed from its step 4.
+    write_logs(
+        tmp_path,
+        {
+            2: steps(0, {1: "3.6", 2: "3.55", 3: "3.5", 4: "3.45"}),
+            3: steps(4, {5: "3.4376", 6: "3.41"}),
+            4: steps(0, {1: "3.54", 2: "3.52", 3: "3.51", 4: "3.48"}),
+            5: steps(4, {5: "3.4402"}),
+        },
+    )
+    assert loss_mismatches(FakeJob(tmp_path)) == []
+    write_logs(tmp_path, {6: steps(4, {5: "3.44"})})  # resumed at 4 again: must match 5's
+    assert loss_mismatches(FakeJob(tmp_path)) == [
+        "generation 6 resumed at 4: loss 3.44 at step 5, generation 5 had 3.4402"
+    ]
+
+
 def test_a_resume_after_a_nan_is_not_compared_with_the_poisoned_loss(tmp_path):
     write_logs(
         tmp_path,

@@ -289,10 +289,13 @@ def timeline(events: list[dict]) -> dict[str, int]:
 
 def loss_mismatches(job: Job) -> list[str]:
     """Resumes whose first loss disagrees with the timeline they should continue: a generation
-    resumed at step s > 0 must print at s+1 the loss the newest earlier generation that trained
-    s+1 printed (rank 0's loss at s+1 is a function of the weights after step s and of rank 0's
-    batch alone, so it holds across a change of world size too). Non-finite losses (a NaN
-    fault) are not compared. One line per mismatch."""
+    resumed at step s > 0 must print at s+1 the loss that the generation whose step s it
+    restored printed at s+1, if that one got there (rank 0's loss at s+1 is a function of the
+    weights after step s and of rank 0's batch alone, so it holds across a change of world size
+    too). The step s restored is the newest earlier generation's that trained s or resumed at
+    it: a generation that started afresh and trained s begins a new timeline, and older ones
+    are not compared. Non-finite losses (a NaN fault) are not compared. One line per
+    mismatch."""
     printed: list[tuple[int, int, dict[int, str]]] = []  # (generation, resumed, step -> loss)
     for log in sorted((job.run_dir / "logs").glob("g[0-9]*/rank0.log")):
         text = log.read_text(errors="replace")
@@ -306,13 +309,14 @@ def loss_mismatches(job: Job) -> list[str]:
         if s == 0 or s + 1 not in losses:
             continue
         for g0, s0, before in reversed(printed[:i]):
-            if s0 < s + 1 and s + 1 in before and _finite(before[s + 1]):
-                if before[s + 1] != losses[s + 1]:
-                    out.append(
-                        f"generation {g} resumed at {s}: loss {losses[s + 1]} at step {s + 1}, "
-                        f"generation {g0} had {before[s + 1]}"
-                    )
-                break
+            if not (s in before or s0 == s):
+                continue  # did not reach step s: not the timeline step s was restored from
+            if s + 1 in before and _finite(before[s + 1]) and before[s + 1] != losses[s + 1]:
+                out.append(
+                    f"generation {g} resumed at {s}: loss {losses[s + 1]} at step {s + 1}, "
+                    f"generation {g0} had {before[s + 1]}"
+                )
+            break
     return out
 
 

@@ -96,6 +96,19 @@ class PeerService:
             count=count,
         )
 
+    def _drop_older_replicas(self, step: int, rank: int) -> None:
+        """Evict the replicas of `rank` older than `step` that nothing uses (lock held)."""
+        for old in list(self.memory.shards.values()):
+            if (
+                old.rank == rank
+                and old.origin != LOCAL
+                and old.step < step
+                and old.state == COMMITTED
+                and not old.pins
+                and old.step != self.memory.protected_step
+            ):
+                self.memory.evict(old)
+
     def _put(self, sock: socket.socket, request: replication.PutRequest) -> None:
         step, rank, origin = request.step, request.rank, request.origin
 
@@ -108,18 +121,16 @@ class PeerService:
                     raise BudgetExceeded(
                         f"step {step} rank {rank} is a shard of this node's own workers here"
                     )
-                # One replica per rank: the older one makes way (its region takes the new one),
-                # so replicas cost this node 1x its peer's share, not 2x.
-                for old in list(self.memory.shards.values()):
-                    if (
-                        old.rank == rank
-                        and old.origin != LOCAL
-                        and old.step < step
-                        and old.state == COMMITTED
-                        and not old.pins
-                        and old.step != self.memory.protected_step
-                    ):
-                        self.memory.evict(old)
+                # One replica per rank, and the previous one kept until the next is complete
+                # (`commit`) where the budget has room for both: a peer that dies while its
+                # next replica arrives leaves the one before, not nothing. Without room the
+                # older one makes way now (its region takes the new one): replicas cost this
+                # node 1x its peer's share.
+                memory = self.memory
+                if not any(r.nbytes == nbytes for r in memory.free) and (
+                    memory.used + nbytes > memory.budget_bytes
+                ):
+                    self._drop_older_replicas(step, rank)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
         def commit(region: Region, header: ShardHeader | None, header_bytes: bytes) -> None:
@@ -142,7 +153,9 @@ class PeerService:
                 shard.header, shard.world_size = header, header.world_size
                 shard.header_bytes = header_bytes
                 shard.staged_at = time.time()
-            self.pipeline.committed(shard)
+            if self.pipeline.committed(shard):
+                with self.memory.lock:
+                    self._drop_older_replicas(step, rank)
 
         try:
             replication.receive_put(sock, request, reserve, commit)
