@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for
 
 from transom import checkpoint
 from transom.checkpoint import worker_protocol as wire
@@ -75,6 +76,13 @@ def test_commits_send_the_tables_once_and_again_after_the_connection_is_made_ane
         engine._copy.wait_finished()
         assert commits == [(1, True), (2, False), (3, False), (4, False)]
         engine.connection.close()  # the server gives back what that connection reserved ahead
+        server = engine.server
+        assert server is not None
+        wait_for(
+            lambda: all(s.state != "reserved" for s in list(server.memory.shards.values())),
+            10,
+            "the closed connection's reservation given back",
+        )
         with torch.no_grad():
             model.weight.fill_(5.0)
         handle = engine.save(5, {"model": model.state_dict()}, overlap=True)
