@@ -252,3 +252,29 @@ def test_server_killed_during_persistence_never_leaves_a_checkpoint_that_loads_w
     with checkpoint.Engine(storage_dir=root) as engine:
         state = engine.load()
         assert torch.equal(state["w"], expected[state["step"]])
+
+
+def test_a_server_that_dies_while_holding_a_region_reserved_ahead_costs_one_save(tmp_path, servers):
+    """Saves every step have the next step's region reserved ahead (next_region.py); the server
+    is SIGKILLed and its regions removed, as its successor does: the next save is refused (never
+    an exception into training) and the one after reaches the new server."""
+    old = servers("node0", "jra")
+    engine = checkpoint.Engine(socket_path=old.socket, rank=0, world_size=1, secret=SECRET.encode())
+    try:
+        t = torch.zeros(4096)
+        for step in (1, 2, 3):
+            t.fill_(float(step))
+            assert engine.save(step, {"t": t}, overlap=True).ok
+        engine._copy.wait_finished()  # step 4's region is reserved ahead now
+        old.kill()
+        shutil.rmtree(old.shm_dir, ignore_errors=True)
+        servers("node0", "jra")  # the agent's new server, on the same socket
+        t.fill_(4.0)
+        refused = engine.save(4, {"t": t}, overlap=True)
+        engine._copy.wait_finished()
+        assert not refused.ok
+        t.fill_(5.0)
+        engine.save(5, {"t": t}, overlap=True).wait("memory", timeout=30)
+        assert torch.equal(engine.load(step=5)["t"], torch.full((4096,), 5.0))
+    finally:
+        engine.close(wait=False)

@@ -178,10 +178,9 @@ class Engine:
         else may change the state's tensors meanwhile).
 
         A save the server refuses (memory budget), does not answer in time or cannot take (it
-        died; the node agent starts a new one) does not raise: the handle says why, `wait`
-        raises SaveRefused, and a warning is logged (a timeout is also reported as a `refused`
-        event, in the background). Training goes on; the next save reaches the new server.
-        """
+        died; the agent starts a new one) does not raise: the handle says why, `wait` raises
+        SaveRefused, a warning is logged (a timeout or a lost region is also reported as a
+        `refused` event). Training goes on; the next save reaches the new server."""
         t0 = time.perf_counter()
         self._copy.wait_finished()  # an overlapped save before it: one in flight, in step order
         plan = reshard.plan_state(
@@ -198,8 +197,12 @@ class Engine:
             if not reply.refused:
                 raise CheckpointError(f"save of step {step} failed: {reply.error}")
             return self._refused(step, reply.error)
-        self._forget_unlinked()
-        data = self._maps.get(reply.path, reply.nbytes)
+        self._maps.drop_missing()  # unmap what the server deleted: its memory goes back
+        try:
+            data = self._maps.get(reply.path, reply.nbytes)
+        except OSError as e:  # reserved ahead from a server that died since
+            self._abort(step)
+            return self._refused(step, f"the region for step {step} is gone ({e})", report=True)
         handle = SaveHandle(self, step, self.rank)
         devices = plan.cuda_devices()
         if overlap and not devices:
@@ -315,10 +318,6 @@ class Engine:
             self.connection.request(wire.Abort(step, self.rank))
         except CheckpointError:
             pass  # the connection is closed: the server gives the region back itself
-
-    def _forget_unlinked(self) -> None:
-        """Unmap regions the server has deleted, so their memory can go back to the system."""
-        self._maps.drop_missing()
 
     # -- load ------------------------------------------------------------------------------------
     def restore_step(self) -> int | None:
