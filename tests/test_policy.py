@@ -356,9 +356,10 @@ def _load_failed(rank: int, own: str | None) -> FailureReport:
     return failure(rank, signature=signature, peer_error=own is None)
 
 
-def test_a_checkpoint_no_rank_can_load_evicts_nobody_and_fails_when_it_comes_back():
-    """The kill torture's trial that restarted 40 times: every rank raised the load failure,
-    one naming its bad copies, the other that another rank's were bad."""
+def test_a_checkpoint_no_rank_can_load_evicts_nobody_and_is_retried():
+    """Every rank raised the load failure, one naming its bad copies, the other that another
+    rank's were bad: one error of the job's, no node to blame, and no bug of the script (a
+    plan may name a step evicted since: the next one may load)."""
     members, history = ["node0", "node1"], {}
     failed = {
         "node0": report(_load_failed(0, "step 4 rank 0: memory: no such region")),
@@ -380,7 +381,7 @@ def test_a_checkpoint_no_rank_can_load_evicts_nobody_and_fails_when_it_comes_bac
         before=g1.same_error,
     )
     assert g2.evict == {}
-    assert g2.fail is not None and "no checkpoint step could be loaded by every rank" in g2.fail
+    assert g2.fail is None
 
 
 def test_a_load_failure_then_another_error_does_not_fail():

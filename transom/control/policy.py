@@ -18,9 +18,9 @@ Pure functions of the reports and the job's history, so each rule is tested on i
   script, not the node;
 - a checkpoint that no step of could be loaded by every rank (checkpoint/agreement.py) is one
   error of the job's, however each rank's copies went: a rank whose own copies were good says
-  so and counts as raising it too; no node is evicted for it, and when it comes back after a
-  restart the job fails with that reason rather than restarting until its budget is spent (a
-  restart cannot make missing copies appear; its checkpoints are left as they are).
+  so and counts as raising it too; no node is evicted for it, and it is retried (the catalog
+  lags memory by up to a second, so a plan may name a step already evicted: the next plan
+  names another); the restart budget bounds it.
 """
 
 from __future__ import annotations
@@ -156,13 +156,13 @@ def diagnose(
     repeated = d.same_error.signature if d.same_error else None
     came_back_on_every = d.signature is not None and d.same_error is not None and d.same_error.again
     if repeated is not None and (repeated == last_signature or came_back_on_every):
-        d.fail = (
-            "no checkpoint step could be loaded by every rank, again after a restart (each "
-            "rank's log names the copies it tried; the checkpoints are left as they are)"
-            if repeated == LOAD_FAILURE
-            else "the same error twice in a row, raised by every rank (a bug in the script?): "
-            f"{repeated}"
-        )
+        # A load failure again is no bug of the script: the catalog may have listed copies
+        # that were gone (it lags memory by up to a second), and the next plan may be right.
+        if repeated != LOAD_FAILURE:
+            d.fail = (
+                "the same error twice in a row, raised by every rank (a bug in the script?): "
+                f"{repeated}"
+            )
     d.summary = "; ".join(parts) or "generation stopped"
     return d
 
