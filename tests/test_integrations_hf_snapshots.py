@@ -21,19 +21,10 @@ STEPS, STOP = 8, 5
 
 
 def _trainer(out: Path, callbacks: list, nan_step: int = -1, save_steps: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from scripts.hf_parts import Tokens, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
 
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    model = GPT2LMHeadModel(config)
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 256
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
+    model = tiny_gpt2()
 
     def blow_up(module, inputs, output):
         if module.training and trainer.state.global_step + 1 == nan_step:

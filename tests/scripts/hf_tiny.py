@@ -8,8 +8,8 @@ as a numerical blow-up would.
 import argparse
 import math
 
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from hf_parts import Tokens, tiny_gpt2
+from transformers import Trainer, TrainingArguments
 
 from transom.integrations.hf import TransomCallback
 
@@ -19,18 +19,7 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--nan-step", type=int, default=-1)
 args = parser.parse_args()
 
-torch.manual_seed(0)
-config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-model = GPT2LMHeadModel(config)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 256
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
+model = tiny_gpt2()
 
 
 forwards = 0
