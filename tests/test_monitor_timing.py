@@ -102,3 +102,20 @@ def test_a_summary_goes_out_at_once_when_a_rank_begins_to_lag():
         assert not monitor.due(before + node.SUMMARY_MIN_PERIOD_S / 2)  # not sooner than this
     finally:
         monitor.close()
+
+
+def test_a_new_replica_fingerprint_goes_out_in_the_next_summary():
+    """The controller compares the ranks' fingerprints of a step (monitor/replicas.py); a rank
+    keeps its newest few, so one that waited for the keep-alive could be gone before it went."""
+    monitor = NodeMonitor("nodeT", nvml=MockNvml())
+    try:
+        monitor.ranks[0] = track_of([0.05] * 8)
+        monitor.collect()
+        t = time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01
+        assert not monitor.steps_due(t)  # steady: nothing new
+        monitor.ranks[0].add_fingerprint(10, "00" * 8)
+        assert monitor.steps_due(t)
+        monitor.collect()
+        assert not monitor.steps_due(time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01)
+    finally:
+        monitor.close()

@@ -361,7 +361,8 @@ class NodeMonitor:
         return self.steps_due(now)
 
     def steps_due(self, now: float) -> bool:
-        """Whether a rank advanced at all and its timings shifted (RankTrack.shifted), or, within
+        """Whether a rank has a replica fingerprint the last summary did not carry, or advanced at
+        all and its timings shifted (RankTrack.shifted), or, within
         ATTENTIVE_S of a shift that slowed a rank (or of the generation's start), advanced
         SUMMARY_STEPS steps since the last summary (or ATTENTIVE_PERIOD_S passed since it; at
         most every ATTENTIVE_MIN_PERIOD_S); at most every SUMMARY_MIN_PERIOD_S: such a summary
@@ -374,6 +375,12 @@ class NodeMonitor:
                 return False
             advanced = newest > (self._published_step or 0)
             views = [(t, self._published_views.get(str(r))) for r, t in self.ranks.items()]
+            if any(  # a new replica fingerprint: the controller compares them as they come
+                view is None or not track.fingerprints.keys() <= view.fingerprints.keys()
+                for track, view in views
+                if track.fingerprints
+            ):
+                return True
             if advanced and any(track.shifted(view) for track, view in views):
                 # Attentive only when a rank got slower: one that got faster again (noise, or a
                 # straggler recovering) is news once, and lags nobody.
