@@ -78,7 +78,7 @@ from benchmarks.scale.sharing import (  # noqa: E402
     SharedPauseGuard,
     SharedPlanFollower,
 )
-from transom.common.records import MonitorSummary, RankSummary  # noqa: E402
+from transom.common.records import MonitorSummary, PreflightResult, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
 from transom.monitor.node import (  # noqa: E402
@@ -260,7 +260,7 @@ class StandInLinkServer:
 
 
 def no_preflight(store, node_id, lease, link_server, spec, run_dir, faults):
-    return True, {"compute_gflops": 1.0, "problems": []}
+    return PreflightResult(passed=True, compute_gflops=1.0)
 
 
 agent_module.WorkerGroup = StandInGroup  # type: ignore[misc,assignment]
