@@ -160,6 +160,13 @@ class ShardMemory:
             self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
         return region
 
+    def fits_without_evicting(self, nbytes: int) -> bool:
+        """Whether `reserve` of `nbytes` would evict nothing: a free region of that size, or room
+        in the budget for a new one (lock held)."""
+        return any(r.nbytes == nbytes for r in self.free) or (
+            self.used + nbytes <= self.budget_bytes
+        )
+
     def _take_free(self, nbytes: int, rank: int) -> Region | None:
         """A free region of exactly `nbytes`, the one prepared for `rank` first (its worker
         mapped it)."""

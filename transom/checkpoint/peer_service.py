@@ -126,10 +126,7 @@ class PeerService:
                 # next replica arrives leaves the one before, not nothing. Without room the
                 # older one makes way now (its region takes the new one): replicas cost this
                 # node 1x its peer's share.
-                memory = self.memory
-                if not any(r.nbytes == nbytes for r in memory.free) and (
-                    memory.used + nbytes > memory.budget_bytes
-                ):
+                if not self.memory.fits_without_evicting(nbytes):
                     self._drop_older_replicas(step, rank)
             return self.memory.reserve(step, rank, nbytes, world_size=-1, origin=origin)
 
