@@ -18,11 +18,14 @@ import pytest
 from conftest import TOY, wait_for
 
 from transom.checkpoint.shm_dirs import default_shm_dir
+from transom.control.contact import LEADER_TTL_S
 
 pytestmark = pytest.mark.slow
 
 TTL_S = 2  # --node-ttl: a short lease, so a pause a few seconds long outlives it
-PAUSE_S = TTL_S + 2.5  # longer than the TTL (and than the leader's 3 s lease)
+# Longer than the TTL and than the leader's lease: the standby, which saw no gap of its own,
+# takes the lead and must still excuse the leases etcd revoked on resuming.
+PAUSE_S = LEADER_TTL_S + 1.5
 
 
 def etcd_of(job) -> psutil.Process:

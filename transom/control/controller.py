@@ -112,6 +112,8 @@ class Controller:
         # When (time.monotonic) the newest tick asked for the next (Decision.due), or None.
         self._due: float | None = None
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
+        # When (time.monotonic) this controller took the lead of a job another had led.
+        self.took_over: float | None = None
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
         self.contact = StoreContact(
@@ -137,6 +139,7 @@ class Controller:
         self.contact.kick()  # at the leader's pace from now (it may be in a standby's wait)
         stored = self.store.get(keys.JOB)
         self.job = JobRecord.from_dict(stored) if stored else JobRecord.new(time.time())
+        self.took_over = time.monotonic() if stored else None
         if self.exporter.port is None and self.spec.metrics_port >= 0:
             host = bind_address(self.store.url, host_address())
             port = self.exporter.serve(self.spec.metrics_port, host)
@@ -327,6 +330,8 @@ class Controller:
             )
             snap.store_gap_s = self.observed.gap_s
             snap.since_store_gap_s = self.observed.since_gap(now)
+        if self.took_over is not None:
+            snap.since_takeover_s = now - self.took_over
         nxt = job.next_generation
         if nxt is not None and not job.state.terminal:
             snap.restore_step = newest_restorable(
