@@ -190,8 +190,12 @@ class Tick:
                     preflight=results[node],
                 )
 
-    def restart(self, evict: dict[str, str], summary: str) -> None:
-        """Spend a restart (once per incident), evict, take spares, decide the next generation."""
+    def restart(
+        self, evict: dict[str, str], summary: str, set_aside: list[str] | None = None
+    ) -> None:
+        """Spend a restart (once per incident), evict, take spares, decide the next generation.
+        `set_aside`: members left out of it, not evicted, as if lost (their memory tier too);
+        spares take their places, and one whose agent lives on is a spare from then on."""
         j, spec = self.job, self.spec
         members = j.members
         # One incident, one restart: a generation that fails again before it ever ran (all
@@ -208,9 +212,18 @@ class Tick:
         for node, reason in evict.items():
             gone = {"lost": [node]} if node not in self.snap.nodes else {}
             self.evict(node, reason, f"{node} evicted: {reason}", **gone)
-        survivors = [m for m in members if m not in evict]
+        aside = set_aside or []
+        for node in aside:
+            j.set_aside[node] = self.now
+            self.event(
+                EventKind.WARNING,
+                f"{node} set aside: its agent did not report while its peers lost their "
+                f"workers to it; a spare takes its place (a spare again if its lease holds)",
+                node=node,
+            )
+        survivors = [m for m in members if m not in evict and m not in aside]
         self.exclude_outliers(keep=survivors)
-        spares = self.spares(survivors)
+        spares = [n for n in self.spares(survivors) if n not in aside]
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)
             survivors.append(spare)
@@ -224,7 +237,8 @@ class Tick:
             return
         j.incident_open = True
         j.incident = None
-        lost = [m for m in members if m not in self.snap.nodes]  # their memory tier is gone
+        # their memory tier is gone (or, set aside, not to be relied on)
+        lost = [m for m in members if m not in self.snap.nodes or m in aside]
         j.next_generation = NextGeneration(
             survivors, f"restart {j.restarts_used} of {spec.max_restarts}", lost
         )
