@@ -148,8 +148,9 @@ class Tick:
         return sorted((n for n in self.snap.nodes if n not in self.job.evicted), key=natural_key)
 
     def spares(self, members: list[str]) -> list[str]:
-        """The healthy nodes outside `members` (a set: a thousand nodes are looked up)."""
-        taken = set(members)
+        """The healthy nodes outside `members` (a set: a thousand nodes are looked up), less
+        those set aside (their lease may be a dead node's: transom.control.set_aside)."""
+        taken = set(members) | set(self.job.set_aside)
         return [n for n in self.healthy_nodes() if n not in taken]
 
     def reports(self, state: NodeState) -> dict[str, NodeStatus]:
@@ -223,7 +224,7 @@ class Tick:
             )
         survivors = [m for m in members if m not in evict and m not in aside]
         self.exclude_outliers(keep=survivors)
-        spares = [n for n in self.spares(survivors) if n not in aside]
+        spares = self.spares(survivors)
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)
             survivors.append(spare)
