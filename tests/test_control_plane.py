@@ -113,8 +113,9 @@ def test_a_lease_gone_when_a_standby_takes_the_lead_is_excused_until_the_node_re
     gone = live_snapshot("node0", "node1", "node3", since_takeover_s=late)
     d = run(d.job, gone, s, T0 + 1 - 0.5 + late, d.memory)
     assert d.job.state is JobState.RECOVERING and "node2 lost" in d.job.reason
-    # a lease lost a node TTL or more after the takeover is the node's own death, acted on at once
-    d = run(job, live_snapshot("node0", "node1", "node3", since_takeover_s=s.node_ttl_s), s, T0)
+    # a lease lost after the takeover's first snapshot is the node's own death, acted on at once
+    d = run(job, live_snapshot(*MEMBERS, "node3", since_takeover_s=0.2), s, T0)
+    d = run(d.job, live_snapshot("node0", "node1", "node3"), s, T0 + 2, d.memory)
     assert d.job.state is JobState.RECOVERING and "node2 lost" in d.job.reason
 
 

@@ -112,7 +112,8 @@ class Controller:
         # When (time.monotonic) the newest tick asked for the next (Decision.due), or None.
         self._due: float | None = None
         self.observed = Observed()  # summary ages and store gaps, on this process's clock
-        # When (time.monotonic) this controller took the lead of a job another had led.
+        # When (time.monotonic) this controller took the lead of a job another had led, until
+        # its first snapshot after that (see snapshot).
         self.took_over: float | None = None
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
@@ -330,8 +331,8 @@ class Controller:
             )
             snap.store_gap_s = self.observed.gap_s
             snap.since_store_gap_s = self.observed.since_gap(now)
-        if self.took_over is not None:
-            snap.since_takeover_s = now - self.took_over
+        if self.took_over is not None:  # the first snapshot as leader
+            snap.since_takeover_s, self.took_over = now - self.took_over, None
         nxt = job.next_generation
         if nxt is not None and not job.state.terminal:
             snap.restore_step = newest_restorable(

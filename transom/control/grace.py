@@ -12,11 +12,11 @@ A control-plane incident is either of:
   own clock by transom.control.observed) for long enough to have expired a lease
   (`lease_stall_s`), and that gap ended less than the grace period ago;
 - at least two members, and at least half of them, vanished in the same tick;
-- members missing less than a node TTL after this controller took the lead from another
-  (`Snapshot.since_takeover_s`): a standby probes etcd rarely (it waits on a watch) so it did
-  not see the stall that expired the previous leader's lease, and the members' leases with it.
-  A node that really died as the leader did is found a grace period later: a delay, never a
-  restart for nothing.
+- members already missing when this controller took the lead from another (its first
+  snapshot as leader, `Snapshot.since_takeover_s`): a standby probes etcd rarely (it waits on a
+  watch) so it did not see the stall that expired the previous leader's lease, and etcd revoked
+  the members' expired leases with it, before the standby could take over. A node that really
+  died as the leader did is found a grace period later: a delay, never a restart for nothing.
 The grace period is the node TTL + REREGISTER_MARGIN_S: an agent checks its lease every
 TTL/REFRESHES_PER_TTL and registers again on its next tick, so TTL covers it with margin to
 spare. A member still missing when it ends is lost (evicted as usual). A single node cut off
@@ -72,7 +72,7 @@ def excused_lost(tick: Tick, lost: list[str]) -> list[str]:
         until = max(until or now, now + grace)
         reason = f"{len(newly)} of {len(members)} members' leases vanished at once"
     taken = snap.since_takeover_s
-    if taken is not None and taken < tick.spec.node_ttl_s and newly:
+    if taken is not None and newly:
         until = max(until or now, now - taken + grace)
         reason = reason or f"this controller took the lead {taken:.1f} s ago"
     in_grace = memory.grace_until is not None and now < memory.grace_until

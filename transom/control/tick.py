@@ -56,9 +56,10 @@ class Snapshot:
     summary_ages: dict[str, float] = field(default_factory=dict)
     store_gap_s: float = 0.0
     since_store_gap_s: float | None = None
-    # Seconds since this controller took the lead (None: it has led since the job began, or the
-    # caller does not say): leases it never saw live may have vanished in the etcd stall that
-    # cost the previous leader its own lease (transom.control.grace).
+    # Seconds since this controller took the lead of a job another had led, in its first
+    # snapshot as leader, else None: leases missing
+    # then may have vanished in the etcd stall that cost the previous leader its own lease
+    # (transom.control.grace).
     since_takeover_s: float | None = None
 
 
