@@ -27,7 +27,10 @@ from transom.common.records import (
 )
 from transom.common.states import JobState, NodeState
 from transom.control.decisions import DISCARD_AFTER_S, PREFLIGHT_WAIT_S, decide
-from transom.control.tick import Decision, Memory, Snapshot
+from transom.control.grace import REREGISTER_MARGIN_S
+from transom.control.policy import LEASE_EXPIRED
+from transom.control.set_aside import SILENT_AGENT_S
+from transom.control.tick import Decision, Memory, Snapshot, Tick
 from transom.job_spec import JobSpec
 
 T0 = 1000.0
@@ -251,6 +254,63 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     # every member reported: no wait at all
     both = own | {"node1": status("node1", 1, NodeState.FAILED, failures=[crash(1, True)])}
     assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None
+
+
+def test_a_silent_member_whose_peers_lost_their_workers_is_set_aside_for_a_spare():
+    # node1's machine died: node0's and node2's workers failed on their peer; node1's agent
+    # says nothing, and its lease holds for seconds yet. A spare (node3) takes its place.
+    s = spec(nnodes_min=3, nnodes_max=3, spares=1, node_ttl_s=8.0)
+    live = nodes("node0", "node1", "node2", "node3")
+    peers = {
+        n: status(n, 1, NodeState.FAILED, failures=[crash(i, peer_error=True)])
+        for i, n in ((0, "node0"), (2, "node2"))
+    } | {"node1": status("node1", 1, NodeState.RUNNING)}
+    job = run(running(["node0", "node1", "node2"], s), Snapshot(live, peers), s, T0 + 2).job
+    waiting = run(job, Snapshot(live, peers), s, T0 + 3)
+    assert waiting.job.next_generation is None
+    assert waiting.due == T0 + 2 + SILENT_AGENT_S  # not the lease's expiry (T0 + 11)
+    d = run(job, Snapshot(live, peers), s, T0 + 2 + SILENT_AGENT_S)
+    nxt = d.job.next_generation
+    assert nxt is not None and nxt.members == ["node0", "node2", "node3"]
+    assert nxt.lost == ["node1"]  # its memory tier is not relied on for the restore
+    assert "node1" not in d.job.evicted  # set aside, not evicted
+    assert any("node1 set aside" in e.message for e in d.events)
+    # its agent was alive after all: it is a spare of the next generation
+    d = run(d.job, Snapshot(live, peers), s, T0 + 2.1 + SILENT_AGENT_S, d.memory)
+    started_gen = d.job
+    assert started_gen.members == ["node0", "node2", "node3"]
+    # no spare while its lease may be a dead node's (another incident would wait for it)
+    assert Tick(started_gen, Snapshot(live, {}), s, T0 + 5, Memory()).spares([]) == [
+        "node0",
+        "node2",
+        "node3",
+    ]
+    running_now = statuses(2, NodeState.RUNNING, "node0", "node2", "node3")
+    # it lives on past a node TTL and the grace to register again: forgotten, a spare
+    later = T0 + 2 + SILENT_AGENT_S + s.node_ttl_s + REREGISTER_MARGIN_S + 0.5
+    kept = run(started_gen, Snapshot(live, running_now), s, later)
+    assert not kept.job.set_aside and not kept.job.evicted
+    tick = Tick(kept.job, Snapshot(live, {}), s, later, Memory())
+    assert tick.spares(kept.job.members) == ["node1"]
+    # or its lease expires: evicted as a lost node (a scheduler drains it, a refill replaces it)
+    dead = Snapshot(nodes("node0", "node2", "node3"), running_now)
+    d = run(started_gen, dead, s, T0 + 9)
+    assert d.job.evicted["node1"].reason == LEASE_EXPIRED and not d.job.set_aside
+    assert d.plan is not None and "node1" in d.plan.evicted
+    assert d.job.state is JobState.RUNNING and d.job.restarts_used == started_gen.restarts_used
+
+
+def test_a_silent_member_is_waited_for_when_no_spare_can_take_its_place():
+    # the same, without a spare: setting node1 aside would shrink the job, so its lease decides
+    s = spec(nnodes_min=3, nnodes_max=3, spares=0, node_ttl_s=8.0)
+    live = nodes("node0", "node1", "node2")
+    peers = {
+        n: status(n, 1, NodeState.FAILED, failures=[crash(i, peer_error=True)])
+        for i, n in ((0, "node0"), (2, "node2"))
+    } | {"node1": status("node1", 1, NodeState.RUNNING)}
+    job = run(running(["node0", "node1", "node2"], s), Snapshot(live, peers), s, T0 + 2).job
+    d = run(job, Snapshot(live, peers), s, T0 + 2 + SILENT_AGENT_S)
+    assert d.job.next_generation is None and d.due == T0 + 2 + s.node_ttl_s + 1.0
 
 
 def _raised(rank: int) -> FailureReport:

@@ -88,6 +88,9 @@ class JobRecord(Record):
     discard_generation: int | None = None  # the generation that set discard_from
     generation_started: float | None = None
     next_generation: NextGeneration | None = None
+    # Members taken for dead before their lease expired (transom.control.set_aside): node ->
+    # when; evicted if the lease does expire, forgotten (a spare) once it outlived a node TTL.
+    set_aside: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def new(cls, now: float) -> JobRecord:

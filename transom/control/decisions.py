@@ -35,6 +35,7 @@ from transom.common.states import JobState, NodeState
 from transom.control.grace import excused_lost, lift_evictions
 from transom.control.monitor_rules import watch_monitor
 from transom.control.policy import diagnose, same_error
+from transom.control.set_aside import SILENT_AGENT_S, follow_up, replaceable, take_for_dead
 from transom.control.tick import Decision, Memory, Snapshot, Tick
 from transom.job_spec import JobSpec
 
@@ -55,6 +56,7 @@ def decide(
     state = tick.job.state
     if not state.terminal:
         lift_evictions(tick)
+        follow_up(tick)
         tick.take_late_failures()
     if state.terminal:
         pass
@@ -263,13 +265,21 @@ class _Rules(Tick):
         # node was lost or never started), and in any case once a silent node's lease would
         # have expired (a silent node is then alive but stuck).
         cause_known = bool(own_fault or lost or incident.stuck)
+        # Every member but the silent ones lost its workers to a peer: the silent ones are
+        # taken for dead before their leases expire, where spares can take their places
+        # (transom.control.set_aside).
+        replace = not cause_known and bool(failed) and replaceable(self, silent)
+        set_aside = take_for_dead(self, silent, elapsed) if replace else []
         ready = (
             not silent
             or (elapsed >= spec.settle_s and cause_known)
+            or bool(set_aside)
             or elapsed >= spec.node_ttl_s + 1.0
         )
         if not ready:
             wait_s = spec.settle_s if cause_known else spec.node_ttl_s + 1.0
+            if replace:
+                wait_s = min(wait_s, SILENT_AGENT_S)
             self.decision.due = incident.since + wait_s
             return
         memory = self.decision.memory
@@ -286,13 +296,19 @@ class _Rules(Tick):
         )
         for node in incident.stuck:
             d.evict.setdefault(node, f"did not start workers within {spec.warmup_timeout_s:.0f} s")
+        if set_aside:
+            d.blamed = list(set_aside)
+            d.summary = (
+                f"{listing(set_aside)} taken for dead: no report in {elapsed:.1f} s while "
+                f"the other members lost their workers to a peer"
+            )
         cause = f"{d.summary}; blamed: {listing(d.blamed) or 'nobody'}"
         self.event(
             EventKind.DIAGNOSIS,
             f"generation {j.generation}: {cause}",
             blamed=d.blamed,
             cause=cause,
-            lost=lost,
+            lost=[*lost, *set_aside],
             detection=incident.since,
         )
         j.last_signature = d.signature
@@ -303,4 +319,4 @@ class _Rules(Tick):
         if d.fail:
             self.finish(JobState.FAILED, d.fail)
             return
-        self.restart(d.evict, d.summary)
+        self.restart(d.evict, d.summary, set_aside)

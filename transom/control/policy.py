@@ -41,6 +41,9 @@ from transom.control.links import link_outliers
 # The signature of every rank's load failure, whatever each rank's copies were.
 LOAD_FAILURE = f"CheckpointError: {LOAD_FAILED}"
 
+# Why a member whose lease expired is evicted.
+LEASE_EXPIRED = "node lost: its lease expired (agent dead or cut off)"
+
 
 @dataclass
 class Diagnosis:
@@ -125,7 +128,7 @@ def diagnose(
         d.signature = d.same_error.signature
     parts = []
     for node in lost:
-        d.evict[node] = "node lost: its lease expired (agent dead or cut off)"
+        d.evict[node] = LEASE_EXPIRED
         parts.append(f"{node} lost")
     for node, report in failed.items():
         preflight = [f.describe for f in report.failures if f.kind is FailureKind.PREFLIGHT]

@@ -148,8 +148,9 @@ class Tick:
         return sorted((n for n in self.snap.nodes if n not in self.job.evicted), key=natural_key)
 
     def spares(self, members: list[str]) -> list[str]:
-        """The healthy nodes outside `members` (a set: a thousand nodes are looked up)."""
-        taken = set(members)
+        """The healthy nodes outside `members` (a set: a thousand nodes are looked up), less
+        those set aside (their lease may be a dead node's: transom.control.set_aside)."""
+        taken = set(members) | set(self.job.set_aside)
         return [n for n in self.healthy_nodes() if n not in taken]
 
     def reports(self, state: NodeState) -> dict[str, NodeStatus]:
@@ -190,8 +191,12 @@ class Tick:
                     preflight=results[node],
                 )
 
-    def restart(self, evict: dict[str, str], summary: str) -> None:
-        """Spend a restart (once per incident), evict, take spares, decide the next generation."""
+    def restart(
+        self, evict: dict[str, str], summary: str, set_aside: list[str] | None = None
+    ) -> None:
+        """Spend a restart (once per incident), evict, take spares, decide the next generation.
+        `set_aside`: members left out of it, not evicted, as if lost (their memory tier too);
+        spares take their places, and one whose agent lives on is a spare from then on."""
         j, spec = self.job, self.spec
         members = j.members
         # One incident, one restart: a generation that fails again before it ever ran (all
@@ -208,7 +213,16 @@ class Tick:
         for node, reason in evict.items():
             gone = {"lost": [node]} if node not in self.snap.nodes else {}
             self.evict(node, reason, f"{node} evicted: {reason}", **gone)
-        survivors = [m for m in members if m not in evict]
+        aside = set_aside or []
+        for node in aside:
+            j.set_aside[node] = self.now
+            self.event(
+                EventKind.WARNING,
+                f"{node} set aside: its agent did not report while its peers lost their "
+                f"workers to it; a spare takes its place (a spare again if its lease holds)",
+                node=node,
+            )
+        survivors = [m for m in members if m not in evict and m not in aside]
         self.exclude_outliers(keep=survivors)
         spares = self.spares(survivors)
         while len(survivors) < spec.nnodes_max and spares:
@@ -224,7 +238,8 @@ class Tick:
             return
         j.incident_open = True
         j.incident = None
-        lost = [m for m in members if m not in self.snap.nodes]  # their memory tier is gone
+        # their memory tier is gone (or, set aside, not to be relied on)
+        lost = [m for m in members if m not in self.snap.nodes or m in aside]
         j.next_generation = NextGeneration(
             survivors, f"restart {j.restarts_used} of {spec.max_restarts}", lost
         )

@@ -1,0 +1,58 @@
+"""Members taken for dead before their lease expired: who, and what becomes of them.
+
+Part of one `decisions.decide` tick (pure: no etcd, no clock). A node's death is its lease's
+expiry, up to a node TTL (8 s by default) after the fact. Its peers know sooner: their workers
+fail on it within a second. So when every other member has reported its workers' failure on a
+peer and a member's agent, which reports its own workers' exit within its poll, has said
+nothing for SILENT_AGENT_S, that member is taken for dead (`take_for_dead`) and a spare takes its
+place at once (decisions.recover, tick.restart). Only where a spare can: a job is never shrunk
+on that guess.
+
+The guess can be wrong (an agent slow to report, a member whose workers have not reached a
+collective yet), so a member is set aside, not evicted: its memory tier is not relied on for
+the restore, and `follow_up` evicts it once its lease does expire (so a scheduler drains it and
+the launcher refills it, as for any lost node) or forgets it once it outlived a node TTL and
+the grace to register again: it is alive, and a spare like any other.
+
+It never evicts during a control-plane incident (transom.control.grace): leases vanish then
+through etcd's fault, not the nodes'.
+"""
+
+from __future__ import annotations
+
+from transom.control.grace import REREGISTER_MARGIN_S
+from transom.control.policy import LEASE_EXPIRED
+from transom.control.tick import Tick
+
+# A member that has not reported this long after its peers lost their workers to one of them is
+# taken for dead with its workers (a live agent reports its workers' exit within its 0.1 s poll
+# and one etcd write).
+SILENT_AGENT_S = 2.0
+
+
+def take_for_dead(tick: Tick, silent: list[str], elapsed_s: float) -> list[str]:
+    """The members to set aside now: `silent` ones, once SILENT_AGENT_S passed since the
+    incident began, if spares can take all their places (else none: their leases decide)."""
+    if not silent or elapsed_s < SILENT_AGENT_S or not replaceable(tick, silent):
+        return []
+    return list(silent)
+
+
+def replaceable(tick: Tick, silent: list[str]) -> bool:
+    """Whether spares can take the places of every one of `silent`."""
+    return bool(silent) and len(tick.spares(tick.job.members)) >= len(silent)
+
+
+def follow_up(tick: Tick) -> None:
+    """Evict set-aside nodes whose lease expired; forget those that outlived it (spares)."""
+    j, memory = tick.job, tick.decision.memory
+    if memory.grace_until is not None and tick.now < memory.grace_until:
+        return
+    for node, since in sorted(j.set_aside.items()):
+        if node not in tick.snap.nodes:
+            del j.set_aside[node]
+            if node not in j.members and node not in j.evicted:
+                tick.evict(node, LEASE_EXPIRED, f"{node} evicted: {LEASE_EXPIRED}", lost=[node])
+                tick.write_plan()
+        elif tick.now - since > tick.spec.node_ttl_s + REREGISTER_MARGIN_S:
+            del j.set_aside[node]
