@@ -274,6 +274,8 @@ def test_corrupt_memory_copy_is_skipped_for_storage(tmp_path: Path) -> None:
         back = engine.load()
         assert engine.last_load.tier == "storage"
         assert same(state, back)
+        # The engine's bad-copy report (a BadCopy, corrupt) made the server evict that copy.
+        assert (3, 0) not in engine.server.memory.shards
 
 
 def test_corrupt_storage_copy_is_detected_and_an_older_step_used(

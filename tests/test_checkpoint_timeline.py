@@ -52,6 +52,51 @@ def test_a_manifest_never_covers_shards_of_two_world_sizes(tmp_path: Path) -> No
     assert header.timeline == two
 
 
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ([], None),
+        ("manifest", None),
+        ({}, storage.Manifest(None, None)),
+        ({"world_size": "2", "timeline": None}, storage.Manifest(None, None)),
+        ({"world_size": 0}, storage.Manifest(None, None)),
+        ({"world_size": True}, storage.Manifest(None, None)),
+        ({"world_size": 2, "timeline": "j"}, storage.Manifest(2, None, bad_timeline=True)),
+        (
+            {"timeline": {"job": "j", "generation": -1, "world_size": 1}},
+            storage.Manifest(None, None, True),
+        ),
+        (
+            {"world_size": 1, "timeline": {"job": "j", "generation": 0, "world_size": 1}},
+            storage.Manifest(1, shard_format.Timeline("j", 0, 1)),
+        ),
+    ],
+)
+def test_a_manifest_is_parsed_once_every_field_checked(value, expected) -> None:
+    assert storage.Manifest.parse(value) == expected
+
+
+def test_a_shard_under_a_manifest_with_a_malformed_timeline_is_refused(tmp_path: Path) -> None:
+    tl = shard_format.Timeline("j", 0, 1)
+    _write(tmp_path, 3, 0, tl)
+    path, manifest = (
+        storage.shard_path(tmp_path, 3, 0),
+        storage.step_dir(tmp_path, 3) / "manifest.json",
+    )
+    manifest.write_text('{"world_size": 1, "timeline": {"job": "j"}}')
+    assert storage.read_manifest(tmp_path, 3) == storage.Manifest(1, None, bad_timeline=True)
+    with pytest.raises(shard_format.ShardError, match="names no valid timeline"):
+        storage.read_shard(path, 3, 0)
+    manifest.write_text("not json")  # a manifest this code cannot read checks nothing
+    assert storage.read_manifest(tmp_path, 3) is None
+    assert storage.read_shard(path, 3, 0)[0].timeline == tl
+    manifest.write_text(
+        '{"world_size": 1, "timeline": {"job": "k", "generation": 0, "world_size": 1}}'
+    )
+    with pytest.raises(shard_format.ShardError):  # another timeline's step
+        storage.read_shard(path, 3, 0)
+
+
 def test_a_re_saved_step_replaces_its_manifest_and_an_older_generation_is_refused(
     tmp_path: Path,
 ) -> None:

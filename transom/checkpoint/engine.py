@@ -55,6 +55,7 @@ from transom.checkpoint import (
     tiers,
 )
 from transom.checkpoint import worker_protocol as wire
+from transom.checkpoint.bad_copy import BAD_COPY, BadCopy
 from transom.checkpoint.client import (
     REQUEST_TIMEOUT_S,
     CheckpointError,
@@ -420,15 +421,12 @@ class Engine:
                     state = layout.rebuild(header, data)
                 except (shard_format.ShardError, replication.ReplicationError, OSError) as e:
                     problems.append(f"{name}: {e}")
+                    corrupt = isinstance(e, shard_format.ShardError)  # not just unreachable
+                    bad = BadCopy(step, rank, name, str(e), source.node, corrupt)
                     self.report_event(
-                        "bad-copy",
+                        BAD_COPY,
                         f"rank {rank} step {step}: bad copy in {name} ({e}); trying the next tier",
-                        step=step,
-                        rank=rank,
-                        tier=name,
-                        error=str(e),
-                        holder_node=source.node,
-                        corrupt=isinstance(e, shard_format.ShardError),  # not just unreachable
+                        **bad.to_dict(),
                     )
                     continue
                 took = time.perf_counter() - t0

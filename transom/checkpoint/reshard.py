@@ -1,17 +1,18 @@
 """Resharding restore: a world of W ranks loads a step saved by a world of W' ranks.
 
-What a shard says about itself (its header's "reshard" record, written at save time):
-    {"replicated": [path, ...],          values the same on every rank (declared by the saver,
-                                         `Engine.save(..., replicated=("model", "optim"))`, or
-                                         detected: a DTensor replicated over its mesh)
-     "sharded": [[path, {"global_shape": [...], "offsets": [...], "dim": d | null}], ...]}
-                                         DTensors, saved as their local chunk: the global shape,
-                                         where the chunk starts, and the dimension a 1-D mesh
-                                         splits it along (Shard(d); null for other meshes)
-    {"dcp": true}                        a torch.distributed.checkpoint shard (dcp.py): its
-                                         metadata describes every chunk and DCP's planner reshards
-A path is the list of dict keys (and list indices) from the state's root; a declared path covers
-everything below it. Everything neither replicated nor sharded is per-rank state.
+What a shard says about itself (its header's `ReshardRecord`, reshard_record.py, written at save
+time and checked when the header is read):
+    replicated      values the same on every rank (declared by the saver,
+                    `Engine.save(..., replicated=("model", "optim"))`, or detected: a DTensor
+                    replicated over its mesh)
+    sharded         DTensors, saved as their local chunk (`ShardedTensor`): the global shape,
+                    where the chunk starts, and the dimension a 1-D mesh splits it along
+                    (Shard(d); None for other meshes)
+    dcp             a torch.distributed.checkpoint shard (dcp.py): its metadata describes every
+                    chunk and DCP's planner reshards
+A path is the tuple of dict keys (and list indices) from the state's root; a declared path covers
+everything below it (keys compared as strings). Everything neither replicated nor sharded is
+per-rank state.
 
 A step is restorable for a world of W ranks (`restorable`) when every rank 0..W-1 holds a shard
 saved by a world of W (as before), or when every rank 0..W'-1 of the world that saved it holds a
@@ -26,8 +27,9 @@ shard that has a resharding record. `load` then builds rank r's state:
     lists them.
 It reads shards through the engine's public `ShardReader` calls, never its private members.
 This module never pickles, never talks to etcd, and never guesses: a step saved by another world
-without a record is not restorable for this one, and a record that does not match the chunks the
-shards hold raises CheckpointError (the loader tries an older step).
+without a record is not restorable for this one, a malformed record makes its header a
+ShardError (a bad copy), and a record that does not match the chunks the shards hold raises
+CheckpointError (the loader tries an older step).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from transom.checkpoint import flatten, layout
 from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.load_record import LoadRecord, Resharded
+from transom.checkpoint.reshard_record import Path, ReshardRecord, ShardedTensor
 from transom.checkpoint.shard_format import ShardHeader, Timeline
 from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
@@ -51,8 +54,6 @@ from transom.common.states import Tier
 # A rank whose own shard is missing (a grown world) asks its server where this many saved ranks'
 # shards are, to read the replicated state from one in its node's memory.
 PROBE_RANKS = 16
-
-Path_ = tuple[Any, ...]
 
 
 class DcpShard(dict[str, Any]):
@@ -62,14 +63,17 @@ class DcpShard(dict[str, Any]):
 # -- saving ------------------------------------------------------------------------------------
 
 
-def _declared(paths: Iterable[str | Path_]) -> list[Path_]:
+def _declared(paths: Iterable[str | tuple[Any, ...]]) -> list[Path]:
+    """The declared paths; a key neither a string nor an integer is recorded as its string (the
+    loader compares declared keys as strings)."""
     out = []
     for p in paths:
-        out.append(tuple(k for k in p.split("/") if k) if isinstance(p, str) else tuple(p))
+        keys = [k for k in p.split("/") if k] if isinstance(p, str) else p
+        out.append(tuple(k if type(k) in (str, int) else str(k) for k in keys))
     return out
 
 
-def _covered(path: Path_, declared: Collection[Path_]) -> bool:
+def _covered(path: Path, declared: Collection[Path]) -> bool:
     """`path` is at or below a declared path (keys compared as strings: "optim/state/0")."""
     return any(
         len(d) <= len(path) and all(str(a) == str(b) for a, b in zip(d, path, strict=False))
@@ -77,7 +81,7 @@ def _covered(path: Path_, declared: Collection[Path_]) -> bool:
     )
 
 
-def _above(path: Path_, declared: Collection[Path_]) -> bool:
+def _above(path: Path, declared: Collection[Path]) -> bool:
     """Some declared path lies strictly below `path`."""
     return any(
         len(d) > len(path) and all(str(a) == str(b) for a, b in zip(d, path, strict=False))
@@ -92,18 +96,17 @@ def _dtensor_type() -> type | None:
 
 
 def describe(
-    state: Any, replicated: Iterable[str | Path_] = ()
-) -> tuple[Any, dict[str, Any] | None]:
+    state: Any, replicated: Iterable[str | tuple[Any, ...]] = ()
+) -> tuple[Any, ReshardRecord | None]:
     """(the state to save, its resharding record or None). DTensors become their local chunk;
     `replicated` names the paths the same on every rank."""
     if isinstance(state, DcpShard):
-        return dict(state), {"dcp": True}
-    declared = _declared(replicated)
-    sharded: list[list[Any]] = []
-    rep: list[list[Any]] = [list(p) for p in declared]
+        return dict(state), ReshardRecord(dcp=True)
+    sharded: list[tuple[Path, ShardedTensor]] = []
+    rep = _declared(replicated)
     dtensor = _dtensor_type()
 
-    def walk(value: Any, path: Path_) -> Any:
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
         if dtensor is not None and isinstance(value, dtensor):
             if not all(type(k) in (str, int) for k in path):
                 raise layout.UnsupportedValue(
@@ -129,11 +132,11 @@ def describe(
     out = walk(state, ()) if dtensor is not None else state
     if not rep and not sharded:
         return out, None
-    return out, {"replicated": rep, "sharded": sharded}
+    return out, ReshardRecord(tuple(rep), tuple(sharded))
 
 
 def _local_chunk(
-    t: Any, path: Path_, rep: list[list[Any]], sharded: list[list[Any]]
+    t: Any, path: Path, rep: list[Path], sharded: list[tuple[Path, ShardedTensor]]
 ) -> torch.Tensor:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -141,12 +144,12 @@ def _local_chunk(
     local: torch.Tensor = t.to_local()
     placements = tuple(t.placements)
     if all(isinstance(p, Replicate) for p in placements):
-        rep.append(list(path))
+        rep.append(path)
         return local
     _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
     dim = placements[0].dim if len(placements) == 1 and isinstance(placements[0], Shard) else None
-    info = {"global_shape": list(t.shape), "offsets": [int(o) for o in offsets], "dim": dim}
-    sharded.append([list(path), info])
+    info = ShardedTensor(tuple(int(n) for n in t.shape), tuple(int(o) for o in offsets), dim)
+    sharded.append((path, info))
     return local
 
 
@@ -155,7 +158,7 @@ def plan_state(
     step: int,
     rank: int,
     world_size: int,
-    replicated: Iterable[str | Path_] = (),
+    replicated: Iterable[str | tuple[Any, ...]] = (),
     timeline: Timeline | None = None,
 ) -> flatten.Plan:
     """`flatten.plan_state` of the state `describe` makes, its header carrying the record.
@@ -168,7 +171,7 @@ def plan_state(
         else:
             declared = _declared(replicated)
             if declared:
-                marked = {"replicated": [list(p) for p in declared], "sharded": []}
+                marked = ReshardRecord(tuple(declared))
                 plan.header = dataclasses.replace(plan.header, reshard=marked)
             return plan
     state, record = describe(state, replicated)
@@ -181,10 +184,10 @@ def plan_state(
 @dataclass(frozen=True)
 class ShardRead:
     """What `Engine.last_shard` says of the shard a load read last: the size of the world that
-    saved it and its resharding record (None where the header has none of the right type)."""
+    saved it and its resharding record (None where the header has none)."""
 
     world_size: int | None = None
-    record: dict[str, Any] | None = None
+    record: ReshardRecord | None = None
 
 
 def load_info(header: ShardHeader) -> ShardRead:
@@ -247,7 +250,7 @@ def copy_overlap(
     return src.numel()
 
 
-def _at(state: Any, path: Path_) -> Any:
+def _at(state: Any, path: Path) -> Any:
     for key in path:
         state = state[key]
     return state
@@ -258,10 +261,10 @@ class _Resharder:
 
     def __init__(self, engine: ShardReader, step: int, tier: str | None):
         self.engine, self.step, self.tier = engine, step, tier
-        self.shards: dict[int, tuple[Any, dict[str, Any]]] = {}  # saved rank -> (state, record)
+        self.shards: dict[int, tuple[Any, ReshardRecord]] = {}  # saved rank -> (state, record)
         self.saved_world = 0
 
-    def shard(self, rank: int) -> tuple[Any, dict[str, Any]]:
+    def shard(self, rank: int) -> tuple[Any, ReshardRecord]:
         if rank not in self.shards:
             state = self.engine.read_shard(self.step, self.tier, rank)
             info = self.engine.last_shard
@@ -273,16 +276,13 @@ class _Resharder:
             self.shards[rank] = (state, info.record)
         return self.shards[rank]
 
-    def build(self, base_rank: int, base: Any, record: dict[str, Any]) -> Any:
+    def build(self, base_rank: int, base: Any, record: ReshardRecord) -> Any:
         self.shards[base_rank] = (base, record)
-        try:
-            replicated = [tuple(p) for p in record.get("replicated", [])]
-            sharded = {tuple(p): dict(info) for p, info in record.get("sharded", [])}
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"step {self.step}: malformed resharding record: {e}") from e
+        replicated = list(record.replicated)
+        sharded = record.chunks()
         dropped: list[str] = []
 
-        def rebuild(value: Any, path: Path_) -> tuple[Any, bool]:
+        def rebuild(value: Any, path: tuple[Any, ...]) -> tuple[Any, bool]:
             if path in sharded:
                 return self.reslice(path, sharded[path], value), True
             if _covered(path, replicated):
@@ -310,20 +310,11 @@ class _Resharder:
             self.engine.last_load = dataclasses.replace(loaded, resharded=done)
         return state
 
-    def reslice(self, path: Path_, info: dict[str, Any], example: Any) -> torch.Tensor:
+    def reslice(self, path: Path, info: ShardedTensor, example: Any) -> torch.Tensor:
         """This rank's slice of a sharded tensor, from the saved chunks that overlap it."""
         rank, world = self.engine.rank, self.engine.world_size
-        try:
-            shape = [int(n) for n in info["global_shape"]]
-            dim = info.get("dim")
-            dim = None if dim is None else int(dim)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"step {self.step}: malformed record of {path}: {e}") from e
-        if (
-            not isinstance(example, torch.Tensor)
-            or any(n < 0 for n in shape)
-            or (dim is not None and not 0 <= dim < len(shape))
-        ):
+        shape, dim = list(info.global_shape), info.dim  # checked when the header was read
+        if not isinstance(example, torch.Tensor):
             raise CheckpointError(f"step {self.step}: {path} does not match its record")
         offsets = [0] * len(shape)
         local = list(shape)
@@ -341,17 +332,19 @@ class _Resharder:
         filled = torch.zeros(local, dtype=torch.bool)
         for q in sources:
             state, record = self.shard(q)
+            entry = record.chunks().get(path)
             try:
-                entry = dict((tuple(p), i) for p, i in record.get("sharded", [])).get(path)
                 piece = _at(state, path)
-                entry = entry if isinstance(entry, dict) else {}
-                same = [int(n) for n in entry.get("global_shape", [-1])] == shape
-                chunk_offsets = [int(o) for o in entry.get("offsets", [])]
-            except (KeyError, IndexError, TypeError, ValueError) as e:
+            except (KeyError, IndexError, TypeError) as e:
                 raise CheckpointError(f"step {self.step} rank {q}: bad chunk of {path}: {e}") from e
-            if not same or not isinstance(piece, torch.Tensor) or piece.dtype != out.dtype:
+            if (
+                entry is None
+                or list(entry.global_shape) != shape
+                or not isinstance(piece, torch.Tensor)
+                or piece.dtype != out.dtype
+            ):
                 raise CheckpointError(f"step {self.step} rank {q} holds no chunk of {path} to fit")
-            copy_overlap(out, offsets, piece, chunk_offsets, filled)
+            copy_overlap(out, offsets, piece, list(entry.offsets), filled)
         if not bool(filled.all()):
             raise CheckpointError(
                 f"step {self.step}: the saved chunks of {path} cover {int(filled.sum())} of "
@@ -400,7 +393,7 @@ def load(engine: ShardReader, step: int, tier: str | None) -> Any:
             f"record; it cannot be loaded by a world of {engine.world_size} (declare the state "
             f"the ranks share: Engine.save(..., replicated=(...)))"
         )
-    if record.get("dcp"):
+    if record.dcp:
         raise CheckpointError(
             f"step {step} is a torch.distributed.checkpoint: load it with dcp.load and "
             f"transom.checkpoint.dcp.TransomReader, whose planner reshards it"

@@ -7,8 +7,9 @@ It checks every field's type and bounds (step, rank and sizes are integers in ra
 at least one rank, the storage table inside the data, one checksum per DATA_CHUNK of the data,
 tables of plausible length) and raises `ShardError` naming what is wrong - never KeyError or
 TypeError from deeper in. What the tensor table's entries and the value tree mean is layout.py's
-to check when it rebuilds a state (it knows dtypes and shapes; this module does not), and the
-resharding record is reshard.py's.
+to check when it rebuilds a state (it knows dtypes and shapes; this module does not). The
+resharding record is reshard_record.py's `ReshardRecord`, read with the header; what it means is
+reshard.py's.
 
 This module must never do I/O, never import torch or numpy (the checkpoint server starts without
 them), and never unpickle, eval or import anything a header names.
@@ -20,6 +21,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from transom.checkpoint.reshard_record import ReshardRecord
+from transom.common.record_base import RecordError
 
 FORMAT_VERSION = 1
 # Checksums are per chunk of data, so verification runs on several threads and names the bad chunk.
@@ -98,7 +102,8 @@ class ShardHeader:
     """What a shard says about itself. `tree` and `tensors` are layout.py's (the value tree and
     the tensor table, checked when a state is rebuilt); `storages` is the storage table as
     (offset, nbytes) ranges of the data; `chunks` the xxh3-64 checksums of the data, one per
-    DATA_CHUNK (empty until the checkpoint server computed them); `reshard` reshard.py's record."""
+    DATA_CHUNK (empty until the checkpoint server computed them); `reshard` the resharding record
+    reshard.py wrote (None when it wrote none)."""
 
     step: int
     rank: int
@@ -109,7 +114,7 @@ class ShardHeader:
     storages: tuple[tuple[int, int], ...] = ()
     timeline: Timeline | None = None
     chunks: tuple[str, ...] = ()
-    reshard: dict[str, Any] | None = None
+    reshard: ReshardRecord | None = None
     format: int = FORMAT_VERSION
 
     def with_chunks(self, chunks: list[str]) -> ShardHeader:
@@ -129,7 +134,7 @@ class ShardHeader:
         if self.timeline is not None:
             out["timeline"] = self.timeline.to_json()
         if self.reshard is not None:
-            out["reshard"] = self.reshard
+            out["reshard"] = self.reshard.to_json()
         if self.chunks:
             out["chunks"] = list(self.chunks)
         return out
@@ -154,6 +159,10 @@ class ShardHeader:
         reshard = data.get("reshard")
         if reshard is not None and not isinstance(reshard, dict):
             raise ShardError(f"shard header's reshard record is not an object: {_short(reshard)}")
+        try:
+            record = None if reshard is None else ReshardRecord.from_json(reshard)
+        except RecordError as e:
+            raise ShardError(f"shard header's reshard record is malformed: {e}") from None
         if "tree" not in data:
             raise ShardError("shard header has no value tree")
         world_size = _int(data, "world_size", 1, MAX_WORLD)
@@ -167,7 +176,7 @@ class ShardHeader:
             storages=_storages(_list(data, "storages"), data_len),
             timeline=None if timeline is None else Timeline.from_json(timeline),
             chunks=_chunks(_list(data, "chunks", []), data_len),
-            reshard=reshard,
+            reshard=record,
         )
 
 

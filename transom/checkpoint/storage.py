@@ -14,11 +14,12 @@ servers (one per node) write into one directory; the one that completes a step w
 manifest. A manifest names its timeline and covers only shards of that timeline: a shard of a
 newer timeline written into a complete step withdraws the old manifest first (the step is being
 re-saved after a fresh start or a rollback); one of an older generation is refused
-(`StaleTimeline`); a read checks the shard against its step's manifest. Steps discarded as
-poisoned are removed (`discard_steps`), and retention keeps the K newest complete steps of the
-job that writes; both act on that job's own timeline only. Another job's steps (a directory
-a rerun resumes from: storage_claim.py) are never discarded, and leave only once the writing
-job has K complete steps newer than them.
+(`StaleTimeline`); a read checks the shard against its step's manifest (read, as every
+manifest is, into a `Manifest` whose fields are checked: another server or a person wrote it).
+Steps discarded as poisoned are removed (`discard_steps`), and retention keeps the K newest
+complete steps of the job that writes; both act on that job's own timeline only. Another job's
+steps (a directory a rerun resumes from: storage_claim.py) are never discarded, and leave only
+once the writing job has K complete steps newer than them.
 """
 
 from __future__ import annotations
@@ -171,17 +172,14 @@ def read_shard(
 
 
 def _check_manifest(path: Path, header: ShardHeader) -> None:
-    """ShardError when `path`'s step has a manifest of another timeline than the shard's (a
-    manifest that names none, or none this code can read, checks nothing)."""
-    try:
-        manifest = json.loads((path.parent / MANIFEST).read_text())
-    except (OSError, ValueError, RecursionError):
-        return
-    if isinstance(manifest, dict) and manifest.get("timeline") is not None:
-        timeline = Timeline.parse(manifest["timeline"])
-        if timeline is None:
-            raise shard_format.ShardError(f"the manifest of {path.parent} names no valid timeline")
-        shard_format.check_timeline(header, timeline)
+    """ShardError when `path`'s step has a manifest of another timeline than the shard's, or one
+    whose timeline is not valid (a manifest that names none, or that this code cannot read,
+    checks nothing)."""
+    manifest = _manifest_at(path.parent / MANIFEST)
+    if manifest is not None and manifest.bad_timeline:
+        raise shard_format.ShardError(f"the manifest of {path.parent} names no valid timeline")
+    if manifest is not None and manifest.timeline is not None:
+        shard_format.check_timeline(header, manifest.timeline)
 
 
 def read_header(path: Path) -> ShardHeader:
@@ -215,25 +213,40 @@ def shard_ranks(root: Path, step: int) -> set[int]:
 @dataclass(frozen=True)
 class Manifest:
     """What a complete step's manifest says to its readers: the size of the world that saved
-    it and its timeline (None where the file has none of the right type: it may be corrupt)."""
+    it and its timeline (None where the file has none of the right type: it may be corrupt),
+    and whether it names a timeline that is not valid (`bad_timeline`: a shard read under it is
+    refused)."""
 
     world_size: int | None
     timeline: Timeline | None
+    bad_timeline: bool = False
+
+    @classmethod
+    def parse(cls, value: object) -> Manifest | None:
+        """The manifest in a decoded JSON value (a file another server, or a person, wrote:
+        every field checked); None when it is not a JSON object."""
+        if not isinstance(value, dict):
+            return None
+        world_size, named = value.get("world_size"), value.get("timeline")
+        timeline = Timeline.parse(named)
+        return cls(
+            world_size if type(world_size) is int and world_size >= 1 else None,
+            timeline,
+            named is not None and timeline is None,
+        )
+
+
+def _manifest_at(path: Path) -> Manifest | None:
+    """The manifest file at `path`; None when it is missing, unreadable or not a JSON object."""
+    try:
+        return Manifest.parse(json.loads(path.read_text()))
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 def read_manifest(root: Path, step: int) -> Manifest | None:
     """`step`'s manifest; None when it has none (or one that is not a JSON object)."""
-    try:
-        value = json.loads((step_dir(root, step) / MANIFEST).read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(value, dict):
-        return None
-    world_size, timeline = value.get("world_size"), value.get("timeline")
-    return Manifest(
-        world_size if type(world_size) is int and world_size >= 1 else None,
-        Timeline.parse(timeline),
-    )
+    return _manifest_at(step_dir(root, step) / MANIFEST)
 
 
 def _same_timeline(root: Path, step: int, ranks: set[int], timeline: Timeline | None) -> bool:
@@ -325,8 +338,8 @@ def _timeline_of(path: Path) -> Timeline | None:
     """The timeline a shard file's header or a manifest names (None when unreadable)."""
     try:
         if path.name == MANIFEST:
-            found = json.loads(path.read_text())
-            return Timeline.parse(found.get("timeline") if isinstance(found, dict) else None)
+            manifest = _manifest_at(path)
+            return manifest.timeline if manifest is not None else None
         return read_header(path).timeline
     except (OSError, ValueError, RecursionError):  # ShardError is a ValueError
         return None

@@ -16,8 +16,8 @@ checked (types, bounds, a shard at most MAX_SHARD_BYTES) before anything here se
              held in this server's memory or (when it holds none) in the memory of the peers
              that may hold them (`peers_to_ask`, asked directly: the catalog lags the newest
              saves); `locate` then names those peers too
-    Event    a `checkpoint` event on the worker's behalf (a corrupt `bad-copy` also withdraws
-             that copy)
+    Event    a `checkpoint` event on the worker's behalf (a corrupt `bad-copy`, whose fields
+             are read as bad_copy.py's `BadCopy`, also withdraws that copy)
     Status   what the server holds, and what became of its prefetches
 A refused save is a `Failed` with `refused`; a bad request (a field of the wrong type or out of
 bounds) a `Failed`. A connection may idle between requests, but a request must arrive within
@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from transom.checkpoint import catalog, replication, storage
+from transom.checkpoint.bad_copy import BAD_COPY, BadCopy
 from transom.checkpoint.budget import COMMITTED, STAGED, BudgetExceeded, ShardMemory
 from transom.checkpoint.header_tables import ConnectionTables
 from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.prefetch import Prefetcher
-from transom.checkpoint.protocol import ProtocolError, deadline_in, field_int, recv_msg, send_msg
+from transom.checkpoint.protocol import ProtocolError, deadline_in, recv_msg, send_msg
 from transom.checkpoint.publisher import Publisher
 from transom.checkpoint.reshard_steps import reshardable, restorable
 from transom.checkpoint.server_options import ServerConfig
@@ -159,8 +160,10 @@ class WorkerService:
                 return StepList(self.steps(request.world_size))
             case Event():
                 self.publisher.event(request.action, request.message, **request.fields)
-                if request.action == "bad-copy" and request.fields.get("corrupt") is True:
-                    self.withdraw_corrupt(request.fields)
+                if request.action == BAD_COPY:
+                    bad = BadCopy.from_dict(request.fields)  # RecordError: a bad request
+                    if bad.corrupt:
+                        self.withdraw_corrupt(bad)
                 return Done()
             case StatusRequest():
                 prefetch = self.prefetcher.status() if self.prefetcher is not None else []
@@ -177,21 +180,21 @@ class WorkerService:
         reserved[(step, rank)] = region
         return RegionReply(str(region.path), region.nbytes)
 
-    def withdraw_corrupt(self, fields: dict[str, Any]) -> None:
+    def withdraw_corrupt(self, bad: BadCopy) -> None:
         """A worker found a copy corrupt (its checksums failed): no restore may be planned from it
         again. A copy in this server's memory is evicted; the listing of a peer's or storage's
         copy leaves the catalog (the file stays, for inspection). When a rank's every copy of
         its restore step is corrupt, its load fails, and the next generation's restore step is
         an older one, the same for every rank (catalog.restorable_steps)."""
-        step, rank = field_int(fields, "step"), field_int(fields, "rank")
-        tier, node = Tier.parse(fields.get("tier")), fields.get("holder_node")
+        step, rank = bad.step, bad.rank
+        tier, node = Tier.parse(bad.tier), bad.holder_node
         if tier is Tier.MEMORY:
             with self.lock:
                 shard = self.memory.shards.get((step, rank))
                 if shard is not None and shard.state == COMMITTED and not shard.pins:
                     self.memory.evict(shard)
             holder = catalog.memory_holder(self.node)
-        elif tier is Tier.PEER and isinstance(node, str) and valid_id(node):
+        elif tier is Tier.PEER and node is not None and valid_id(node):
             holder = catalog.memory_holder(node)
         elif tier is Tier.STORAGE:
             holder = catalog.STORAGE_HOLDER
