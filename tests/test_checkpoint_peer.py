@@ -22,6 +22,7 @@ from conftest import raw_shard_header, shm_dir_for, wait_for
 
 from transom import checkpoint
 from transom.checkpoint import layout, peer_port, peer_service, replication, shard_format
+from transom.checkpoint.budget import LOCAL
 from transom.checkpoint.peer_port import MAX_PEER_CONNECTIONS, Throttle
 from transom.checkpoint.protocol import (
     LENGTH,
@@ -596,6 +597,53 @@ def test_the_previous_replica_stays_until_the_next_one_is_complete(tmp_path: Pat
         replication.push(peer.addr, SECRET, two.header, two.header_bytes, two.region.path, "n0")
         assert set(peer.memory.shards) == {(2, 0)}  # complete: the one before made way
     finally:
+        engine.close()
+        origin.stop()
+        peer.stop()
+
+
+def test_a_pusher_keeps_one_connection_for_a_peer_and_reconnects_when_it_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save every step pushes a replica every step: one connection (one challenge, one server
+    thread) serves them all. A connection the server ended (idle, or the server restarted its
+    port) costs the next push a new one, never the push itself; a refused put ends it."""
+    origin, peer = _server(tmp_path, "n0"), _server(tmp_path, "n1")
+    engine = checkpoint.Engine(socket_path=str(tmp_path / "n0.sock"), rank=0, world_size=1)
+    pusher = replication.Pusher(SECRET)
+    accepted = []
+    real_connect = replication.connect
+    monkeypatch.setattr(replication, "connect", lambda *a: accepted.append(a) or real_connect(*a))
+
+    def save_and_push(step: int) -> None:
+        engine.save(step, {"w": torch.full((4096,), float(step))}).wait("memory", timeout=30)
+        shard = origin.memory.shards[(step, 0)]
+        assert shard.header is not None
+        pusher.push(peer.addr, shard.header, shard.header_bytes, shard.region.path, "n0")
+
+    try:
+        save_and_push(1)
+        save_and_push(2)
+        assert len(accepted) == 1 and (2, 0) in peer.memory.shards
+        wait_for(lambda: peer._tcp.connections() == 1, 10, "one connection served")
+        # the server ends it (as at KEEP_ALIVE_S, or a restart of its port): the next push
+        # makes a new one and succeeds
+        for conn in list(peer._tcp.active):
+            conn.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: peer._tcp.connections() == 0, 10, "the connection ended")
+        save_and_push(3)
+        assert len(accepted) == 2 and (3, 0) in peer.memory.shards
+        # a refused put (a replica may not replace this node's own shard) ends the connection
+        with peer.memory.lock:
+            peer.memory.shards[(3, 0)].origin = LOCAL
+        with pytest.raises(replication.ReplicationError, match="refused"):
+            shard = origin.memory.shards[(3, 0)]
+            assert shard.header is not None
+            pusher.push(peer.addr, shard.header, shard.header_bytes, shard.region.path, "n0")
+        save_and_push(4)
+        assert len(accepted) == 3 and (4, 0) in peer.memory.shards
+    finally:
+        pusher.close()
         engine.close()
         origin.stop()
         peer.stop()

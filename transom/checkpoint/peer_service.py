@@ -4,7 +4,7 @@ A TCP connection must pass the mutual HMAC challenge (the job's checkpoint secre
 AUTH_TIMEOUT_S, or it is closed (peer_port.py runs the challenge); failed challenges are reported
 here as an `auth` event, at most once a minute with their count. Then one request, read within
 FRAME_TIMEOUT_S and validated by `replication.parse_request` (replication.py has the wire
-format):
+format), or a series of puts, each accepted one followed by the next within KEEP_ALIVE_S:
     put  a replica arrives: it is written straight into a region of this server's memory,
          verified, and kept like a shard of this node (its origin is the sending node). A
          replica may replace an earlier replica of the same step and rank (a step saved again
@@ -30,7 +30,9 @@ from transom.checkpoint.pipeline import SavePipeline
 from transom.checkpoint.protocol import (
     FRAME_TIMEOUT_S,
     AuthError,
+    ConnectionClosed,
     ProtocolError,
+    ProtocolTimeout,
     deadline_in,
     recv_msg,
     send_msg,
@@ -59,22 +61,37 @@ class PeerService:
         self._request_reports = Throttle()
 
     def serve(self, sock: socket.socket) -> None:
-        """Answer the request of one peer connection that peer_port.py saw authenticate."""
+        """Answer the requests of one peer connection that peer_port.py saw authenticate: one,
+        or puts for as long as the server accepts them and the next comes within KEEP_ALIVE_S
+        (replication.Pusher keeps its connection between the saves of every step)."""
+        wait_s = FRAME_TIMEOUT_S
         try:
-            msg = recv_msg(sock, deadline_in(FRAME_TIMEOUT_S), replication.MAX_PEER_MESSAGE)
-            try:
-                request = replication.parse_request(msg)
-            except ValueError as e:
-                send_msg(
-                    sock, {"ok": False, "error": f"bad request: {e}"}, deadline_in(FRAME_TIMEOUT_S)
-                )
-                raise
-            if isinstance(request, replication.PutRequest):
-                self._put(sock, request)
-            elif isinstance(request, replication.ListRequest):
-                replication.serve_list(sock, self.memory.held(request.rank))
-            else:
-                self._get(sock, request.step, request.rank)
+            while True:
+                try:
+                    msg = recv_msg(sock, deadline_in(wait_s), replication.MAX_PEER_MESSAGE)
+                except (ConnectionClosed, ProtocolTimeout):
+                    if wait_s == FRAME_TIMEOUT_S:
+                        raise
+                    return  # the pusher is done with it, or idle: a next put connects again
+                try:
+                    request = replication.parse_request(msg)
+                except ValueError as e:
+                    send_msg(
+                        sock,
+                        {"ok": False, "error": f"bad request: {e}"},
+                        deadline_in(FRAME_TIMEOUT_S),
+                    )
+                    raise
+                if isinstance(request, replication.PutRequest):
+                    if not self._put(sock, request):
+                        return
+                    wait_s = replication.KEEP_ALIVE_S
+                    continue
+                if isinstance(request, replication.ListRequest):
+                    replication.serve_list(sock, self.memory.held(request.rank))
+                else:
+                    self._get(sock, request.step, request.rank)
+                return
         except (ProtocolError, OSError, ValueError) as e:
             count = self._request_reports.hit()
             if count:
@@ -109,7 +126,8 @@ class PeerService:
             ):
                 self.memory.evict(old)
 
-    def _put(self, sock: socket.socket, request: replication.PutRequest) -> None:
+    def _put(self, sock: socket.socket, request: replication.PutRequest) -> bool:
+        """Receive a replica; False if it was refused (the connection is then over)."""
         step, rank, origin = request.step, request.rank, request.origin
 
         def reserve(step: int, rank: int, nbytes: int) -> Region:
@@ -158,6 +176,8 @@ class PeerService:
             replication.receive_put(sock, request, reserve, commit)
         except (BudgetExceeded, shard_format.ShardError) as e:
             replication.refuse_put(sock, request, str(e))
+            return False
+        return True
 
     def _get(self, sock: socket.socket, step: int, rank: int) -> None:
         with self.memory.lock:

@@ -71,6 +71,7 @@ class SavePipeline:
         self.finalize_q: queue.Queue[Shard | None] = queue.Queue()
         self.replicate_q: queue.Queue[Shard | None] = queue.Queue()
         self.persist_q: queue.Queue[Shard | None] = queue.Queue()
+        self.pusher = replication.Pusher(cfg.secret)  # the replicator thread's connections
 
     def threads(self) -> list[tuple[Callable[[], None], str]]:
         """(target, name) of the pipeline's threads."""
@@ -289,6 +290,12 @@ class SavePipeline:
         return addr, peer
 
     def _replicator(self) -> None:
+        try:
+            self._replicate_queued()
+        finally:
+            self.pusher.close()
+
+    def _replicate_queued(self) -> None:
         while (shard := self.replicate_q.get()) is not None:
             if self._superseded(shard) and not self.replicate_q.empty():
                 self._fail(shard, Tier.PEER, "skipped: replication is behind, a newer step is due")
@@ -312,9 +319,8 @@ class SavePipeline:
                     error = peer
                     break
                 t0 = time.time()
-                replication.push(
+                self.pusher.push(
                     addr,
-                    self.cfg.secret,
                     shard.header,
                     shard.header_bytes,
                     shard.region.path,

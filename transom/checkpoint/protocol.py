@@ -43,6 +43,10 @@ class ProtocolTimeout(ProtocolError):
     """The other side did not send (or take) the bytes in time."""
 
 
+class ConnectionClosed(ProtocolError):
+    """The other side closed the connection before the first byte of a message."""
+
+
 class AuthError(ProtocolError):
     """The other side does not hold the job's checkpoint secret."""
 
@@ -121,7 +125,7 @@ def recv_msg(
     except ProtocolTimeout:
         raise
     except ProtocolError as e:
-        raise ProtocolError("connection closed") from e
+        raise ConnectionClosed("connection closed") from e
     frame_deadline = deadline_in(frame_timeout_s)
     if deadline is not None:
         frame_deadline = deadline if frame_deadline is None else min(deadline, frame_deadline)

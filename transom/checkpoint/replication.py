@@ -1,7 +1,8 @@
 """Shard transfer between nodes over TCP: push a replica to a peer's server, fetch one back.
 
 A connection starts with the mutual HMAC challenge of protocol.py (the job's checkpoint secret,
-within AUTH_TIMEOUT_S), then carries one request:
+within AUTH_TIMEOUT_S), then carries one request, or, after puts the server accepted, the next
+put (`Pusher` keeps one connection per peer open between the saves of every step):
     {"op": "put", "step", "rank", "header_len", "data_len", "origin"} + header bytes + data bytes
         -> {"ok": true} once the receiver holds the shard in memory with its checksums verified
     {"op": "get", "step", "rank"} -> {"ok": true, "header_len", "data_len"} + header + data
@@ -23,6 +24,7 @@ what a server keeps.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,10 @@ from transom.checkpoint.shm import Region, anonymous_buffer
 from transom.common.names import check_id
 
 CONNECT_TIMEOUT_S = 5.0
+# A peer's server waits this long for the next request on a connection that served a put; a
+# pusher reuses a connection idle for less than REUSE_S, well inside that.
+KEEP_ALIVE_S = 30.0
+REUSE_S = KEEP_ALIVE_S / 2
 # Shard bytes may stall this long at most; a whole transfer may take this long plus its size at
 # MIN_TRANSFER_BYTES_PER_S.
 TRANSFER_TIMEOUT_S = 120.0
@@ -177,8 +183,79 @@ def push(
     region_path: Path,
     origin: str,
 ) -> None:
-    """Send one shard to the peer at `addr`; returns when the peer holds it verified."""
+    """Send one shard to the peer at `addr` over a connection of its own; returns when the peer
+    holds it verified. (`Pusher` keeps the connection for the next shard.)"""
     sock = connect(addr, secret)
+    try:
+        _send_put(sock, addr, header, header_bytes, region_path, origin)
+    finally:
+        sock.close()
+
+
+class Pusher:
+    """Pushes shards to peers over one connection per peer, kept open between pushes: a save
+    every step otherwise pays a TCP connection, the HMAC challenge and a server thread each time.
+    A connection idle for REUSE_S is not reused (the server closes it after KEEP_ALIVE_S); one
+    that fails is closed and the push made once more on a new connection (the server read
+    nothing of it, or holds the shard already). Used from one thread."""
+
+    def __init__(self, secret: bytes):
+        self.secret = secret
+        self._kept: dict[str, tuple[socket.socket, float]] = {}  # addr -> (socket, last used)
+
+    def push(
+        self,
+        addr: str,
+        header: ShardHeader,
+        header_bytes: bytes,
+        region_path: Path,
+        origin: str,
+    ) -> None:
+        """As `push`; ReplicationError when the peer cannot be reached or refuses the shard."""
+        kept = self._kept.pop(addr, None)
+        if kept is not None:
+            sock, used = kept
+            if time.monotonic() - used < REUSE_S:
+                try:
+                    _send_put(sock, addr, header, header_bytes, region_path, origin)
+                except _Broken:
+                    sock.close()  # the server closed it, or left: a new connection says which
+                except BaseException:
+                    sock.close()  # refused: the server ends the connection
+                    raise
+                else:
+                    self._kept[addr] = (sock, time.monotonic())
+                    return
+            else:
+                sock.close()
+        sock = connect(addr, self.secret)
+        try:
+            _send_put(sock, addr, header, header_bytes, region_path, origin)
+        except BaseException:
+            sock.close()
+            raise
+        self._kept[addr] = (sock, time.monotonic())
+
+    def close(self) -> None:
+        for sock, _ in self._kept.values():
+            sock.close()
+        self._kept.clear()
+
+
+class _Broken(ReplicationError):
+    """The connection failed during a push (as opposed to the peer refusing the shard)."""
+
+
+def _send_put(
+    sock: socket.socket,
+    addr: str,
+    header: ShardHeader,
+    header_bytes: bytes,
+    region_path: Path,
+    origin: str,
+) -> None:
+    """One "put" on `sock`: _Broken if the connection failed, ReplicationError (and the
+    connection no longer usable: the server ends it) if the peer refused the shard."""
     try:
         send_msg(
             sock,
@@ -196,11 +273,7 @@ def push(
         send_region(sock, region_path, header.data_len)
         reply = recv_msg(sock, deadline_in(TRANSFER_TIMEOUT_S), MAX_PEER_MESSAGE)
     except (OSError, ProtocolError) as e:
-        raise ReplicationError(
-            f"sending step {header.step} rank {header.rank} to {addr}: {e}"
-        ) from e
-    finally:
-        sock.close()
+        raise _Broken(f"sending step {header.step} rank {header.rank} to {addr}: {e}") from e
     if reply.get("ok") is not True:
         raise ReplicationError(
             f"peer at {addr} refused step {header.step} rank {header.rank}: "
