@@ -2,7 +2,8 @@
 
   succeeded          the job ended SUCCEEDED (launcher exit 0, or the job record's state)
   restarts           the job record's restarts_used
-  evictions          nodes the controller evicted
+  evictions          nodes the controller evicted, or set aside for a spare as dead (their lease
+                     not yet expired when the job ended: transom.control.set_aside)
   steps_lost         steps trained twice: for each generation after the first, the last step
                      the previous generation's rank 0 completed minus the step this one resumed at
   wrong_loads        ranks that resumed at a step their generation may not resume at: another
@@ -101,7 +102,7 @@ def measure(job, reference: Path, succeeded: bool, leftovers: dict) -> dict:
         "job_id": job.job_id,
         "succeeded": succeeded,
         "restarts": record.get("restarts_used"),
-        "evictions": len(record.get("evicted") or {}),
+        "evictions": len(set(record.get("evicted") or {}) | set(record.get("set_aside") or {})),
         "steps_lost": steps_lost(job.run_dir),
         "wrong_loads": wrong,
         "unverified_loads": unverified,
