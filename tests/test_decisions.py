@@ -300,6 +300,39 @@ def test_a_silent_member_whose_peers_lost_their_workers_is_set_aside_for_a_spare
     assert d.job.state is JobState.RUNNING and d.job.restarts_used == started_gen.restarts_used
 
 
+def test_a_peer_that_failed_before_is_not_evicted_when_a_silent_member_is_set_aside():
+    # node1's worker crashed 9 s ago (its failure is in the history); now node2's machine died
+    # and node1's workers failed on it: the blame is node2's alone, as if its lease had expired
+    s = spec(nnodes_min=3, nnodes_max=3, spares=1, node_ttl_s=8.0)
+    job = running(["node0", "node1", "node2"], s)
+    job.failures = {"node1": [T0 - 7]}
+    live = nodes("node0", "node1", "node2", "node3")
+    first = replace(crash(1, peer_error=True), time=T0 - 0.1)  # node1 reported first
+    peers = {
+        "node0": status("node0", 1, NodeState.FAILED, failures=[crash(0, peer_error=True)]),
+        "node1": status("node1", 1, NodeState.FAILED, failures=[first]),
+        "node2": status("node2", 1, NodeState.RUNNING),
+    }
+    job = run(job, Snapshot(live, peers), s, T0 + 2).job
+    d = run(job, Snapshot(live, peers), s, T0 + 2 + SILENT_AGENT_S)
+    assert d.job.state is JobState.RECOVERING and not d.job.evicted, d.events
+    nxt = d.job.next_generation
+    assert nxt is not None and nxt.members == ["node0", "node1", "node3"]
+
+
+def test_setting_aside_never_ends_the_job_for_want_of_nodes():
+    # another member is evicted in the same restart and the one spare cannot cover both: the
+    # silent member stays a member (its lease decides), the job does not fail
+    s = spec(nnodes_min=3, nnodes_max=3, spares=1, node_ttl_s=8.0)
+    job = running(["node0", "node1", "node2"], s)
+    live = nodes("node0", "node1", "node2", "node3")
+    tick = Tick(job, Snapshot(live, {}), s, T0 + 3, Memory())
+    tick.restart({"node0": "pre-flight check failed"}, "test", ["node2"])
+    assert tick.job.state is not JobState.FAILED and not tick.job.set_aside
+    assert tick.job.next_generation is not None
+    assert tick.job.next_generation.members == ["node1", "node2", "node3"]
+
+
 def test_a_silent_member_is_waited_for_when_no_spare_can_take_its_place():
     # the same, without a spare: setting node1 aside would shrink the job, so its lease decides
     s = spec(nnodes_min=3, nnodes_max=3, spares=0, node_ttl_s=8.0)

@@ -286,7 +286,7 @@ class _Rules(Tick):
         before = memory.same_error
         d = diagnose(
             j.members,
-            lost,
+            [*lost, *set_aside],  # as if lost: the peers' errors are theirs, nobody else's
             failed,
             j.failures,
             j.last_signature,
@@ -296,6 +296,8 @@ class _Rules(Tick):
         )
         for node in incident.stuck:
             d.evict.setdefault(node, f"did not start workers within {spec.warmup_timeout_s:.0f} s")
+        for node in set_aside:
+            d.evict.pop(node, None)  # set aside, not evicted (transom.control.set_aside)
         if set_aside:
             d.blamed = list(set_aside)
             d.summary = (

@@ -214,7 +214,13 @@ class Tick:
         for node, reason in evict.items():
             gone = {"lost": [node]} if node not in self.snap.nodes else {}
             self.evict(node, reason, f"{node} evicted: {reason}", **gone)
-        aside = set_aside or []
+        aside = list(set_aside or [])
+        survivors = [m for m in members if m not in evict and m not in aside]
+        self.exclude_outliers(keep=survivors)
+        spares = [n for n in self.spares(survivors) if n not in aside]
+        if aside and len(survivors) + len(spares) < spec.nnodes_min:
+            # Taking them for dead must never end the job: members still, their leases decide.
+            survivors, aside = [m for m in members if m not in evict], []
         for node in aside:
             j.set_aside[node] = self.now
             self.event(
@@ -223,9 +229,6 @@ class Tick:
                 f"workers to it; a spare takes its place (a spare again if its lease holds)",
                 node=node,
             )
-        survivors = [m for m in members if m not in evict and m not in aside]
-        self.exclude_outliers(keep=survivors)
-        spares = self.spares(survivors)
         while len(survivors) < spec.nnodes_max and spares:
             spare = spares.pop(0)
             survivors.append(spare)
