@@ -123,3 +123,31 @@ def test_saves_every_step_take_a_region_reserved_ahead_and_a_jump_gives_it_back(
         assert torch.equal(engine.load(step=10)["t"], torch.full((256,), 10.0))
     finally:
         engine.close()
+
+
+def test_a_region_reserved_ahead_does_not_hold_back_the_saves_checksums_or_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's background work waits while a worker copies a save (pipeline._quiet); a
+    region reserved ahead of the next save is no copy: the step saved reaches memory at once, not
+    when the next step commits (or, after the last step, QUIET_WAIT_S later), and its copy in
+    storage (or a peer's memory) follows at once."""
+    from transom.checkpoint import pipeline
+    from transom.checkpoint import worker_protocol as wire
+
+    monkeypatch.setattr(pipeline, "QUIET_WAIT_S", 120.0)
+    engine = _engine(tmp_path)
+    t = torch.zeros(256)
+    try:
+        handles = []
+        for step in range(1, 6):
+            t.fill_(float(step))
+            handles.append(engine.save(step, {"t": t}, overlap=True))
+        engine._copy.wait_finished()
+        held = engine.connection.request(wire.StatusRequest())
+        assert isinstance(held, wire.Status)
+        assert (6, "reserved") in {(s.step, s.state) for s in held.shards}
+        # with step 6 reserved, nothing more will come: step 5 is checksummed and persisted now
+        handles[-1].wait("storage", timeout=20)
+    finally:
+        engine.close()

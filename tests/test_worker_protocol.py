@@ -84,6 +84,10 @@ def test_every_request_kind_has_a_parser_and_round_trips_through_json() -> None:
         ),
         ({"op": "reserve", "step": 1, "rank": 0, "nbytes": 8, "world_size": 0}, "world_size"),
         (
+            {"op": "reserve", "step": 1, "rank": 0, "nbytes": 8, "world_size": 1, "ahead": 1},
+            "'ahead' must be true or false",
+        ),
+        (
             {
                 "op": "reserve",
                 "step": 1,

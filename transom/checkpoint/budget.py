@@ -58,6 +58,7 @@ class Shard:
     pins: int = 0  # transfers reading the region right now
     staged_at: float = 0.0
     persist: bool = True  # False: its writer asked for memory and peer only (until a drain)
+    ahead: bool = False  # reserved a step before its save: nobody copies into it yet
 
     @property
     def key(self) -> tuple[int, int]:
@@ -110,9 +111,16 @@ class ShardMemory:
         self.discarded: Callable[[Shard], bool] = lambda shard: False
 
     def reserve(
-        self, step: int, rank: int, nbytes: int, world_size: int, origin: str = LOCAL
+        self,
+        step: int,
+        rank: int,
+        nbytes: int,
+        world_size: int,
+        origin: str = LOCAL,
+        ahead: bool = False,
     ) -> Region:
-        """A region for shard (step, rank), recycled or new; BudgetExceeded when it cannot fit."""
+        """A region for shard (step, rank), recycled or new; BudgetExceeded when it cannot fit.
+        `ahead`: reserved a step before its save (Shard.ahead)."""
         with self.lock:
             old = self.shards.get((step, rank))
             if old is not None:
@@ -145,7 +153,9 @@ class ShardMemory:
                     else:
                         self._destroy(self.free.pop(0))
             if region is not None:
-                self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
+                self.shards[(step, rank)] = Shard(
+                    step, rank, world_size, region, origin, ahead=ahead
+                )
                 return region
             self.used += nbytes
         try:
@@ -157,7 +167,7 @@ class ShardMemory:
                 f"cannot create a shared-memory region of {nbytes} bytes: {e}"
             ) from e
         with self.lock:
-            self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin)
+            self.shards[(step, rank)] = Shard(step, rank, world_size, region, origin, ahead=ahead)
         return region
 
     def fits_without_evicting(self, nbytes: int) -> bool:

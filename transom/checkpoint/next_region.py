@@ -27,6 +27,7 @@ own, one at a time (a request under way makes the next one wait for the save aft
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -106,7 +107,7 @@ class ReservedAhead:
         self._last = step
         if not regular or nbytes <= 0:
             return
-        request = Reserve(step + 1, self.rank, nbytes, world_size, generation)
+        request = Reserve(step + 1, self.rank, nbytes, world_size, generation, ahead=True)
         try:
             reply = self.connection.request(request)
         except CheckpointError as e:
@@ -122,7 +123,7 @@ class ReservedAhead:
         held, self._held = self._held, None
         if held is None or held[2] != self.connection.dropped:
             return None
-        if held[0] == request:
+        if dataclasses.replace(held[0], ahead=False) == request:
             return held[1]
         self.give_back(held[0])
         return None

@@ -227,10 +227,17 @@ class SavePipeline:
             self.lock.notify_all()
 
     def _quiet(self) -> None:
-        """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S)."""
+        """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S). A region
+        reserved ahead of its save is no copy under way: with a save every step one always is,
+        and each step's checksums and replica waited for the next step's commit (the last
+        step's for QUIET_WAIT_S, twice, as the job ended)."""
         with self.lock:
             self.lock.wait_for(
-                lambda: not any(s.state == RESERVED for s in self.memory.shards.values()),
+                lambda: (
+                    not any(
+                        s.state == RESERVED and not s.ahead for s in self.memory.shards.values()
+                    )
+                ),
                 timeout=QUIET_WAIT_S,
             )
 

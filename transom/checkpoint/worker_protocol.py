@@ -299,15 +299,22 @@ class Reserve(Request[Region]):
     nbytes: int
     world_size: int
     generation: int | None = None  # under a launcher: the worker's generation
+    # Reserved a step ahead of its save (next_region.ReservedAhead): nobody copies into it yet,
+    # so the server's background work need not wait for it (pipeline._quiet).
+    ahead: bool = False
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Reserve:
+        ahead = msg.get("ahead", False)
+        if not isinstance(ahead, bool):
+            raise ValueError(f"'ahead' must be true or false, not {ahead!r:.40}")
         return cls(
             step=field_int(msg, "step"),
             rank=field_int(msg, "rank"),
             nbytes=field_int(msg, "nbytes", 0, MAX_SHARD_BYTES),
             world_size=field_int(msg, "world_size", 1),
             generation=_optional_int(msg, "generation"),
+            ahead=ahead,
         )
 
 

@@ -176,7 +176,9 @@ class WorkerService:
             stale = self.publisher.stale_generation(request.generation)
             if stale is not None:
                 raise BudgetExceeded(f"save of step {step} rank {rank} refused: {stale}")
-        region = self.memory.reserve(step, rank, request.nbytes, request.world_size)
+        region = self.memory.reserve(
+            step, rank, request.nbytes, request.world_size, ahead=request.ahead
+        )
         reserved[(step, rank)] = region
         return RegionReply(str(region.path), region.nbytes)
 
