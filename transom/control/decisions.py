@@ -269,7 +269,7 @@ class _Rules(Tick):
         # taken for dead before their leases expire, where spares can take their places
         # (transom.control.set_aside).
         replace = not cause_known and bool(failed) and replaceable(self, silent)
-        set_aside = take_for_dead(self, silent, elapsed) if replace else []
+        set_aside = take_for_dead(silent, elapsed) if replace else []
         ready = (
             not silent
             or (elapsed >= spec.settle_s and cause_known)

@@ -25,17 +25,15 @@ from transom.control.policy import LEASE_EXPIRED
 from transom.control.tick import Tick
 
 # A member that has not reported this long after its peers lost their workers to one of them is
-# taken for dead with its workers (a live agent reports its workers' exit within its 0.1 s poll
+# taken for dead with its workers (a live agent reports its workers' exit within its 0.2 s tick
 # and one etcd write).
 SILENT_AGENT_S = 2.0
 
 
-def take_for_dead(tick: Tick, silent: list[str], elapsed_s: float) -> list[str]:
+def take_for_dead(silent: list[str], elapsed_s: float) -> list[str]:
     """The members to set aside now: `silent` ones, once SILENT_AGENT_S passed since the
-    incident began, if spares can take all their places (else none: their leases decide)."""
-    if not silent or elapsed_s < SILENT_AGENT_S or not replaceable(tick, silent):
-        return []
-    return list(silent)
+    incident began (the caller has checked that spares can take their places: `replaceable`)."""
+    return list(silent) if elapsed_s >= SILENT_AGENT_S else []
 
 
 def replaceable(tick: Tick, silent: list[str]) -> bool:
