@@ -6,8 +6,8 @@ a real job):
   transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
   transom_node_death     a machine's death: SIGKILL of node1's agent and every process it started
                          (checkpoint server, workers, warm interpreters) at once; nothing of the
-                         node is left to say so, the controller learns it when the node's lease
-                         expires; a spare replaces it
+                         node is left to say so: once its peers' workers have failed on it and
+                         its agent stays silent (control/set_aside.py), a spare takes its place
   transom_agent_crash    SIGKILL of node1's agent alone (its workers and checkpoint server die
                          with it; the machine lives on); a spare replaces it
   torchrun_worker_crash  SIGKILL of rank 1's worker under
@@ -136,8 +136,11 @@ def rank_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
-def wait_until_warm(run_dir: Path, timeout: float = 180) -> None:
-    """Steady state, as hours into a real job: every agent has its warm interpreter ready."""
+def wait_until_warm(run_dir: Path, timeout: float = 90) -> bool:
+    """Steady state, as hours into a real job: whether every agent has its warm interpreter ready
+    within `timeout`. A replacement imports under SCHED_IDLE (transom.control.warm), so on this
+    machine, whose 2 cores the 3 ranks keep busy, it may never finish: the fault then comes
+    anyway, and the row says so (`warm_ready`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -145,9 +148,9 @@ def wait_until_warm(run_dir: Path, timeout: float = 180) -> None:
         except (OSError, ValueError):
             statuses = {}
         if len(statuses) >= 4 and all(s.get("warm", 0) >= 1 for s in statuses.values()):
-            return
+            return True
         time.sleep(0.2)
-    raise RuntimeError("the agents' warm interpreters were not ready in time")
+    return False
 
 
 def run_transom(fault: str, work: Path) -> dict:
@@ -168,7 +171,7 @@ def run_transom(fault: str, work: Path) -> dict:
 
     try:
         wait_for_step(logs, FAULT_AT_STEP, process)
-        wait_until_warm(run_dir)
+        warm_ready = wait_until_warm(run_dir)
         if fault == "worker_crash":
             victims = [find_process(lambda p: p.pid == rank_pid(run_dir, 1))]
         else:
@@ -193,7 +196,7 @@ def run_transom(fault: str, work: Path) -> dict:
         out.close()
     events = run_events(run_dir)
     detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
-    row = split(parse(logs()), fault_time, detected)
+    row = split(parse(logs()), fault_time, detected) | {"warm_ready": warm_ready}
     if fault != "worker_crash":
         row |= replacement_load(events, fault_time)
     return row
