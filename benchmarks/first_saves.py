@@ -4,10 +4,10 @@ A steady save is a copy into a region the worker has mapped before; a rank's fir
 through new regions (memory keeps its newest steps and a spare), and a region created or mapped
 inside a save costs far more than the copy (issue 42: "the 1st, 2nd and 3rd saves of a 1 GiB
 state each block <= 1.2x the copy floor"). This runs one rank with an in-process checkpoint
-server (`checkpoint.Engine()` outside a launcher), prepares the first save's region
-(`Engine.prepare`), saves the same state `--saves` times `--gap` seconds apart, and prints each
-save's blocking time against the copy floor of the same run (a copy of the state into a buffer
-already written once: the median of 7).
+server (`checkpoint.Engine()` outside a launcher), prepares its regions (`Engine.prepare`: one for
+each save of the rotation, the steps memory keeps and the save in progress), saves the same state
+`--saves` times `--gap` seconds apart, and prints each save's blocking time against the copy
+floor of the same run (a copy of the state into a buffer already written once: the median of 7).
 
     python -m benchmarks.first_saves                      # 1 GiB, 6 saves 2 s apart, 3 runs
     python -m benchmarks.first_saves --gib 0.25 --gap 0.5 --runs 5 --json
@@ -47,7 +47,7 @@ def one_run(gib: float, saves: int, gap_s: float, persist: bool) -> dict:
     with tempfile.TemporaryDirectory() as storage:
         engine = checkpoint.Engine(storage_dir=storage, rank=0, world_size=1)
         try:
-            engine.prepare(state)
+            engine.prepare(state, persist=persist)
             for step in range(1, saves + 1):
                 handle = engine.save(step, state, persist=persist)
                 blocked.append(handle.blocking_s)

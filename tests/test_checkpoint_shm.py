@@ -372,3 +372,34 @@ def test_the_next_saves_region_is_mapped_before_that_save(tmp_path: Path) -> Non
             engine.connection.request(Abort(100 + step, 0))
             assert isinstance(reply, Region) and reply.path in mapped, (step, reply, mapped)
             engine.save(step, state).wait("memory", timeout=30)
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_prepare_makes_every_region_the_first_saves_rotate_through(
+    tmp_path: Path, persist: bool
+) -> None:
+    """`Engine.prepare` populates a region for each save of the rotation (the steps memory keeps
+    of such saves, at least two of memory-only ones, and the save in progress), so no first save
+    waits for a region being made (the 3rd save of 1 GiB waited 2 s here)."""
+    import torch
+
+    from transom import checkpoint
+    from transom.checkpoint import reshard
+    from transom.checkpoint.worker_protocol import Status, StatusRequest
+
+    from transom.checkpoint.server_options import DEFAULT_MEMORY_KEEP
+
+    rotation = (DEFAULT_MEMORY_KEEP if persist else max(DEFAULT_MEMORY_KEEP, 2)) + 1
+    state = {"w": torch.randn(1 << 16)}
+    nbytes = reshard.plan_state(state, 0, 0, 1).data_len
+    with checkpoint.Engine(storage_dir=tmp_path, rank=0, world_size=1) as engine:
+        assert engine.prepare(state, persist=persist)
+        status = engine.connection.request(StatusRequest())
+        assert isinstance(status, Status)
+        assert status.free == [nbytes] * rotation and status.used == rotation * nbytes
+        for step in range(1, rotation + 3):
+            handle = engine.save(step, state, persist=persist)
+            handle.wait("storage" if persist else "memory", timeout=30)
+        status = engine.connection.request(StatusRequest())
+        assert isinstance(status, Status)
+        assert status.used == rotation * nbytes  # no region made beyond those prepared

@@ -55,6 +55,7 @@ EVERY_REQUEST = [
     Locate(3, 1),
     Prepare(4096),
     Prepare(4096, rank=7),
+    Prepare(4096, rank=7, persist=False),
     Held(1, 2, 10),
     Held(1, 2, 10, before=20),
     Steps(4),

@@ -6,8 +6,9 @@ plan's restore step are never evicted; beyond those, the oldest go first, and be
 `memory_keep` steps per rank shards are evicted after each save (their regions kept in the free
 pool for the next save of the same size). A spare region can be prepared (populated) ahead of a
 rank's next save, only within the budget and only while the rank holds at most `memory_keep`
-regions: with the default `memory_keep` of 1 a node holds its newest complete step and the region
-of the save in progress (2x its share), and each replica it holds counts against its budget.
+regions: with a `memory_keep` of 1 a node holds its newest complete step and the region of the
+save in progress (2x its share; the default keeps 2 steps: 3x), and each replica it holds counts
+against its budget. A worker's `prepare` has the whole rotation of its saves made at once.
 A reservation that cannot fit is refused with `BudgetExceeded`, before
 anything is evicted.
 
@@ -253,44 +254,53 @@ class ShardMemory:
         """How many of a rank's complete shards (`mine`, newest first) memory keeps."""
         return max(self.memory_keep, 2) if mine and not mine[0].persist else self.memory_keep
 
-    def prepare_spare(self, nbytes: int, rank: int) -> Region | None:
+    def prepare_spare(self, nbytes: int, rank: int, persist: bool | None = None) -> Region | None:
         """A populated region of `nbytes` ready for `rank`'s next save, if the budget has room.
-        A spare being populated by another thread (the finaliser's, a worker's `prepare`) is
-        waited for, so two callers never make two spares."""
-        with self.lock:
-            if self.preparing:
-                self.lock.wait_for(lambda: not self.preparing, timeout=PREPARING_WAIT_S)
-            spare = next(
-                (r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)),
-                None,
-            )
-            if spare is not None:
-                spare.prepared_for = rank
-                return spare
-            if self.released:
-                return None
-            kept = self._keep(self._complete_of(rank))
-            if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > kept:
-                return None  # beyond the budget, or beyond the steps memory keeps + one save
-            self.used += nbytes
-            self.preparing += 1
-        region = None
-        try:
-            region = self.regions.new(nbytes)
-        except OSError:
-            pass
-        with self.lock:
-            self.preparing -= 1
-            if region is not None and self.released:  # the server stopped meanwhile
-                region.destroy()
-                region = None
+        With `persist` given (a worker's `prepare` before its first save), regions for the saves
+        after it too: as many as a rotation of such saves uses (the steps memory keeps of them and
+        the save in progress), so that no first save waits for a region being made (the 3rd save
+        of 1 GiB did: its region, made after the 2nd, took 2 s here). A spare being populated by
+        another thread (the finaliser's, a worker's `prepare`) is waited for, so two callers
+        never make two spares."""
+        while True:
+            with self.lock:
+                if self.preparing:
+                    self.lock.wait_for(lambda: not self.preparing, timeout=PREPARING_WAIT_S)
+                held = self._complete_of(rank)
+                if persist is None:  # one spare, within the steps kept and one save
+                    kept, wanted = self._keep(held), 1
+                else:  # the rotation: the steps kept of such saves and one save, less those held
+                    kept = self.memory_keep if persist else max(self.memory_keep, 2)
+                    wanted = max(1, kept + 1 - len(held))
+                ready = [
+                    r for r in self.free if r.nbytes == nbytes and r.prepared_for in (rank, None)
+                ]
+                for spare in ready[:wanted]:
+                    spare.prepared_for = rank
+                if len(ready) >= wanted or self.released:
+                    return ready[0] if ready else None
+                if self.used + nbytes > self.budget_bytes or self._regions_of(rank) > kept:
+                    return ready[0] if ready else None  # beyond the budget, or the rotation
+                self.used += nbytes
+                self.preparing += 1
+            region = None
+            try:
+                region = self.regions.new(nbytes)
+            except OSError:
+                pass
+            with self.lock:
+                self.preparing -= 1
+                if region is not None and self.released:  # the server stopped meanwhile
+                    region.destroy()
+                    region = None
+                if region is None:
+                    self.used -= nbytes
+                else:
+                    region.prepared_for = rank
+                    self.free.append(region)
+                self.lock.notify_all()
             if region is None:
-                self.used -= nbytes
-            else:
-                region.prepared_for = rank
-                self.free.append(region)
-            self.lock.notify_all()
-        return region
+                return ready[0] if ready else None
 
     def _regions_of(self, rank: int) -> int:
         """Regions this node's workers of `rank` hold: their shards and spares (lock held)."""

@@ -146,12 +146,14 @@ class Engine:
         return Timeline(str(self.job_id), self.generation or 0, self.world_size)
 
     # -- save ------------------------------------------------------------------------------------
-    def prepare(self, state: Any) -> bool:
-        """Have the server populate a region for a save of `state`'s size ahead of time, so even the
-        first save is a plain memory copy. False when the budget has no room for a spare region."""
+    def prepare(self, state: Any, persist: bool = True) -> bool:
+        """Have the server populate regions for saves of `state`'s size ahead of time (one for
+        each save of a rotation of saves with this `persist`: the steps memory keeps and the save
+        in progress), so even the first saves are plain memory copies. False when the budget
+        has no room for a spare region."""
         plan = reshard.plan_state(state, 0, self.rank, self.world_size)
         try:
-            reply = self.connection.request(wire.Prepare(plan.data_len, self.rank))
+            reply = self.connection.request(wire.Prepare(plan.data_len, self.rank, persist))
         except RequestTimeout as e:
             log.warning("%s: no region prepared", e)
             return False

@@ -401,11 +401,17 @@ class Prepare(Request[Region]):
     reply = Region
     nbytes: int
     rank: int = 0
+    # Given (Engine.prepare, before a first save): the kind of the saves to come, so the server
+    # prepares a region for each save of their rotation, not one (budget.prepare_spare).
+    persist: bool | None = None
 
     @classmethod
     def parse(cls, msg: dict[str, Any]) -> Prepare:
         rank = field_int(msg, "rank") if "rank" in msg else 0
-        return cls(field_int(msg, "nbytes", 0, MAX_SHARD_BYTES), rank)
+        persist = msg.get("persist")
+        if persist is not None and not isinstance(persist, bool):
+            raise ValueError(f"'persist' must be true, false or absent, not {persist!r:.40}")
+        return cls(field_int(msg, "nbytes", 0, MAX_SHARD_BYTES), rank, persist)
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ class WorkerService:
             case Locate():
                 return Located(self.locate(request.step, request.rank))
             case Prepare():
-                spare = self.memory.prepare_spare(request.nbytes, request.rank)
+                spare = self.memory.prepare_spare(request.nbytes, request.rank, request.persist)
                 if spare is None:
                     return Failed("no room in the memory budget for a spare region")
                 return RegionReply(str(spare.path), request.nbytes)
