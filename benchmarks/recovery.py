@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -61,6 +62,15 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 300
 # A run that has not completed a step this long after the fault counts as not recovered.
 RECOVERY_TIMEOUT_S = 120
+# The row of a trial with no step after its fault within RECOVERY_TIMEOUT_S.
+NOT_RECOVERED = {
+    "detection_s": None,
+    "restart_s": None,
+    "reload_s": None,
+    "first_step_s": None,
+    "total_s": None,
+    "recovered": False,
+}
 FAULT_AT_STEP = 12
 # After recovering from a node death or an agent crash, wait this long at most for the spare's
 # `restored` event to reach the run's events.jsonl.
@@ -183,9 +193,10 @@ def run_transom(fault: str, work: Path) -> dict:
         for victim in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 victim.send_signal(signal.SIGKILL)
-        if not recovered(logs, fault_time, process):
-            raise RuntimeError(f"transom job {job_id} did not recover from the {fault}")
-        if fault != "worker_crash":  # the launcher copies etcd's events to events.jsonl each tick
+        succeeded = recovered(logs, fault_time, process)
+        if (
+            succeeded and fault != "worker_crash"
+        ):  # the launcher copies etcd's events to events.jsonl each tick
             deadline = time.monotonic() + EVENTS_WAIT_S
             while time.monotonic() < deadline:
                 if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:
@@ -194,6 +205,16 @@ def run_transom(fault: str, work: Path) -> dict:
     finally:
         finish(process, job_id, timeout=0)
         out.close()
+    if not succeeded:
+        kept = Path(tempfile.mkdtemp(prefix=f"transom-recovery-failed-{job_id}-"))
+        shutil.copytree(run_dir, kept / job_id, ignore=shutil.ignore_patterns("ckpt*", "*.shard"))
+        shutil.copy(work / f"{job_id}.out", kept)
+        print(
+            f"transom job {job_id} did not recover from the {fault} within "
+            f"{RECOVERY_TIMEOUT_S} s: its run directory and output are kept in {kept}",
+            file=sys.stderr,
+        )
+        return NOT_RECOVERED | {"warm_ready": warm_ready}
     events = run_events(run_dir)
     detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
     row = split(parse(logs()), fault_time, detected) | {"warm_ready": warm_ready}
@@ -282,14 +303,7 @@ def run_torchrun(work: Path) -> dict:
     try:
         return split(parse(text()), fault_time, None) | {"recovered": succeeded}
     except ValueError:  # no step after the fault: torchrun never recovered
-        return {
-            "detection_s": None,
-            "restart_s": None,
-            "reload_s": None,
-            "first_step_s": None,
-            "total_s": None,
-            "recovered": False,
-        }
+        return NOT_RECOVERED
 
 
 def mean(rows: list[dict]) -> dict:
