@@ -194,9 +194,8 @@ def run_transom(fault: str, work: Path) -> dict:
             with contextlib.suppress(psutil.NoSuchProcess):
                 victim.send_signal(signal.SIGKILL)
         succeeded = recovered(logs, fault_time, process)
-        if (
-            succeeded and fault != "worker_crash"
-        ):  # the launcher copies etcd's events to events.jsonl each tick
+        # The launcher copies etcd's events to events.jsonl each tick.
+        if succeeded and fault != "worker_crash":
             deadline = time.monotonic() + EVENTS_WAIT_S
             while time.monotonic() < deadline:
                 if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:

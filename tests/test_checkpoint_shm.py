@@ -385,9 +385,8 @@ def test_prepare_makes_every_region_the_first_saves_rotate_through(
 
     from transom import checkpoint
     from transom.checkpoint import reshard
-    from transom.checkpoint.worker_protocol import Status, StatusRequest
-
     from transom.checkpoint.server_options import DEFAULT_MEMORY_KEEP
+    from transom.checkpoint.worker_protocol import Status, StatusRequest
 
     rotation = (DEFAULT_MEMORY_KEEP if persist else max(DEFAULT_MEMORY_KEEP, 2)) + 1
     state = {"w": torch.randn(1 << 16)}
