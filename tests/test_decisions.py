@@ -266,7 +266,7 @@ def test_a_silent_member_whose_peers_lost_their_workers_is_set_aside_for_a_spare
         for i, n in ((0, "node0"), (2, "node2"))
     } | {"node1": status("node1", 1, NodeState.RUNNING)}
     job = run(running(["node0", "node1", "node2"], s), Snapshot(live, peers), s, T0 + 2).job
-    waiting = run(job, Snapshot(live, peers), s, T0 + 3)
+    waiting = run(job, Snapshot(live, peers), s, T0 + 2 + SILENT_AGENT_S / 2)
     assert waiting.job.next_generation is None
     assert waiting.due == T0 + 2 + SILENT_AGENT_S  # not the lease's expiry (T0 + 11)
     d = run(job, Snapshot(live, peers), s, T0 + 2 + SILENT_AGENT_S)

@@ -12,22 +12,33 @@ its job arrives) or cold, as `python -u -m transom.control.bootstrap SCRIPT ARGS
 3. installs the zero-code instrumentation (transom.monitor.auto) unless TRANSOM_AUTO_MONITOR is
    "0" (`--no-auto-monitor`): at once when torch is already imported (a warm interpreter), else
    the moment the script imports torch, so a script that never does pays nothing for it;
-4. runs the script as `__main__`, exactly as `python -u SCRIPT ARGS` would.
+4. runs the script as `__main__`, exactly as `python -u SCRIPT ARGS` would (and flushes the files
+   it left open, as Python's teardown of `__main__` would: runpy's namespace outlives it);
+5. when the script raises, ends the worker as soon as Python's own exit has done what a script
+   may rely on (`exit_after_failure`), without the interpreter's teardown: with a peer dead,
+   tearing down the process group took 1-2 s here, and the agent can report the failure, and
+   the job recover, only once the worker has exited.
 
-What it must never do: change what the script computes, or fail a worker because an
-instrumentation step failed (each step is skipped on error). It never signals anything itself.
+What it must never do: change what the script computes, fail a worker because an
+instrumentation step failed (each step is skipped on error), or cut short what a failing script
+still does (its `finally` blocks, threads that are not daemons, atexit functions). It never
+signals anything itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import importlib.abc
 import importlib.machinery
+import io
 import os
 import runpy
 import sys
+import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from transom.common import env, files
 from transom.monitor.stacks import READY, STACKS_SIGNAL
@@ -131,7 +142,45 @@ def run_script(argv: list[str]) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     register_stack_dump()
     install_monitor()
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise  # an exit the script chose, or an interrupt: Python's own way
+    except BaseException as e:  # noqa: BLE001 - every failure of the script
+        exit_after_failure(e)
+    finally:  # the script's namespace outlives the teardown that would flush its open files
+        flush_open_files()
+
+
+def flush_open_files() -> None:
+    """Flush every file object open for writing, stdout and stderr included (one that cannot
+    flush is left as it is)."""
+    for obj in [*gc.get_objects(), sys.stdout, sys.stderr]:
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a file that cannot flush: nothing to keep
+                pass
+
+
+def exit_after_failure(error: BaseException) -> NoReturn:
+    """End a worker whose script raised `error` with status 1, as Python would, less the
+    interpreter's teardown: the traceback through `sys.excepthook` (torch's prefixes each line
+    with the rank), then what Python's exit does before its teardown, in its order (wait for the
+    threads that are not daemons, run the atexit functions), then flush every open file (the
+    teardown would have: a script's own log file left open keeps its last lines); then the
+    process ends. The teardown destroys the process group, and with a peer dead that took 1-2 s
+    here: time the agent waits before it can report the failure."""
+    sys.excepthook(type(error), error, error.__traceback__)
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        flush_open_files()
+        os._exit(1)
 
 
 if __name__ == "__main__":

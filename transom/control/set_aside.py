@@ -2,11 +2,11 @@
 
 Part of one `decisions.decide` tick (pure: no etcd, no clock). A node's death is its lease's
 expiry, up to a node TTL (8 s by default) after the fact. Its peers know sooner: their workers
-fail on it within a second. So when every other member has reported its workers' failure on a
-peer and a member's agent, which reports its own workers' exit within its poll, has said
-nothing for SILENT_AGENT_S, that member is taken for dead (`take_for_dead`) and a spare takes its
-place at once (decisions.recover, tick.restart). Only where a spare can: a job is never shrunk
-on that guess.
+fail on it within a fraction of a second. So when every other member has reported its workers'
+failure on a peer and a member's agent, which reports its own workers' exit within its poll, has
+said nothing for SILENT_AGENT_S, that member is taken for dead (`take_for_dead`) and a spare
+takes its place at once (decisions.recover, tick.restart). Only where a spare can: a job is never
+shrunk on that guess.
 
 The guess can be wrong (an agent slow to report, a member whose workers have not reached a
 collective yet), so a member is set aside, not evicted: its memory tier is not relied on for
@@ -26,8 +26,9 @@ from transom.control.tick import Tick
 
 # A member that has not reported this long after its peers lost their workers to one of them is
 # taken for dead with its workers (a live agent reports its workers' exit within its 0.2 s tick
-# and one etcd write).
-SILENT_AGENT_S = 2.0
+# and one etcd write; workers that failed on a dead peer exit within 0.1 s of each other since
+# the bootstrap skips the interpreter's teardown, where they took 1-3 s each before).
+SILENT_AGENT_S = 1.0
 
 
 def take_for_dead(silent: list[str], elapsed_s: float) -> list[str]:

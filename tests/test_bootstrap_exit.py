@@ -1,0 +1,79 @@
+"""A worker whose script raises ends as Python would, less the interpreter's teardown.
+
+The bootstrap (`python -m transom.control.bootstrap SCRIPT`, the cold-start path; the warm path
+calls the same `run_script`) prints the traceback, waits for the threads that are not daemons,
+runs the atexit functions, flushes open files and exits with status 1, but skips the teardown,
+where destroying a process group with a dead peer took 1-2 s before the agent could report the
+failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import atexit, sys, threading, time
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+kept = Teardown()
+log = open(sys.argv[2], "w")  # left open, as scripts do: its buffered lines must reach the file
+log.write("logged before the failure\\n")
+atexit.register(lambda: print("atexit ran", flush=True))
+
+def late():
+    time.sleep(0.3)
+    print("thread finished", flush=True)
+
+threading.Thread(target=late).start()
+try:
+    if sys.argv[1] == "raise":
+        raise RuntimeError("peer died")
+    sys.exit(int(sys.argv[1]))
+finally:
+    print("finally ran", flush=True)
+"""
+
+
+def run(tmp_path, arg: str, bootstrap: bool = True) -> tuple[int, str]:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "own.log"
+    log.unlink(missing_ok=True)
+    prefix = ["-m", "transom.control.bootstrap"] if bootstrap else []
+    done = subprocess.run(
+        [sys.executable, "-u", *prefix, str(script), arg, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TRANSOM_AUTO_MONITOR": "0"},
+    )
+    assert log.read_text() == "logged before the failure\n"
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.integration
+def test_a_failing_script_runs_its_finally_threads_and_atexit_then_exits_1_without_teardown(
+    tmp_path,
+):
+    code, out = run(tmp_path, "raise", bootstrap=False)  # plain Python, for comparison
+    assert code == 1 and "teardown ran" in out
+    code, out = run(tmp_path, "raise")
+    assert code == 1
+    assert "Traceback" in out and "RuntimeError: peer died" in out
+    lines = out.splitlines()
+    assert lines.index("finally ran") < lines.index("thread finished") < lines.index("atexit ran")
+    assert "teardown ran" not in out
+
+
+@pytest.mark.integration
+def test_an_exit_the_script_chose_is_pythons_own(tmp_path):
+    code, out = run(tmp_path, "3")
+    assert code == 3
+    assert "teardown ran" in out and "atexit ran" in out and "Traceback" not in out
