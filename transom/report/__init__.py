@@ -27,10 +27,12 @@ top-level keys (times are unix seconds, durations `*_s`, ratios `*_x`; None wher
                  max_abs_diff, note}], missing, extra, summary}; max_abs_diff is "nan" when a NaN
                  differs; summary is the check in one line
   text          a few plain lines summing the report up, for a terminal
-  unavailable   what the run lacked (no progress.jsonl, no weights, no reference.json)
+  unavailable   what the run lacked (no progress.jsonl, no weights, no reference.json), and
+                 the lines of events.jsonl skipped as not valid events, if any
   files         {png, markdown, json}: the paths written
 
-The definitions of every number are in `transom.report.analysis`. This package must never change
+The definitions of every number are in `transom.report.analysis`; the events are read as
+`transom.common.records.Event` records (`transom.report.rundir`). This package must never change
 a run's records: it only adds the three report files.
 """
 
@@ -43,6 +45,7 @@ from transom.report.analysis import analyse, generations
 from transom.report.membership import membership
 from transom.report.render import render_markdown, render_text, weights_line
 from transom.report.rundir import (
+    EVENTS_FILE,
     FINAL_WEIGHTS_FILE,
     PROGRESS_FILE,
     REFERENCE_FILE,
@@ -105,6 +108,11 @@ def build_summary(records: RunRecords) -> dict:
                 not summary["weights"]["available"],
             ),
             (f"the fault-free reference time ({REFERENCE_FILE})", records.reference is None),
+            (
+                f"{records.skipped_events} line(s) of {EVENTS_FILE} that are not valid events "
+                "(skipped)",
+                records.skipped_events > 0,
+            ),
         )
         if missing
     ]

@@ -41,6 +41,10 @@ Definitions (the markdown report repeats them):
   progress samples: its `running` event); recovery time = detected at -> trains again. A detection
   answered with a warning only is "detected, not recovered".
 
+Events are `transom.common.records.Event` records (parsed and validated where the run directory
+is read); a fault event's type and rank are in its `extra` ("fault", "rank"). Progress samples,
+status and reference stay plain dicts.
+
 This module must never read files or draw: it maps records to numbers, so tests can check every
 number exactly on hand-made records.
 """
@@ -52,7 +56,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from transom.common.records import EventKind
+from transom.common.records import Event, EventKind
 from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
 
 RECOVERED = "detected+recovered"
@@ -110,18 +114,18 @@ class Generation:
         return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
 
-def outcome(events: list[dict], status: dict | None) -> dict:
+def outcome(events: list[Event], status: dict | None) -> dict:
     """The job's final state and its reason."""
-    final = next((e for e in reversed(events) if e.get("kind") in FINAL_KINDS), None)
+    final = next((e for e in reversed(events) if e.kind in FINAL_KINDS), None)
     job = (status or {}).get("job") or {}
     if final is not None:
-        state, reason = final["kind"].upper(), final.get("message")
+        state, reason = final.kind.value.upper(), final.message
     else:
         state, reason = (
             job.get("state", "UNKNOWN"),
             "the run has no succeeded/failed event: it did not finish",
         )
-    generations = [e for e in events if e.get("kind") == EventKind.GENERATION]
+    generations = [e for e in events if e.kind == EventKind.GENERATION]
     return {
         "state": state,
         "reason": reason,
@@ -131,55 +135,57 @@ def outcome(events: list[dict], status: dict | None) -> dict:
     }
 
 
-def time_span(events: list[dict], progress: list[dict] | None) -> tuple[float, float]:
+def time_span(events: list[Event], progress: list[dict] | None) -> tuple[float, float]:
     """(first event, final event) times; an unfinished run ends at its last record."""
-    start = events[0]["time"]
-    final = next((e["time"] for e in events if e.get("kind") in FINAL_KINDS), None)
+    start = events[0].time
+    final = next((e.time for e in events if e.kind in FINAL_KINDS), None)
     if final is None:
-        final = max([events[-1]["time"], *(p["time"] for p in progress or [])])
+        final = max([events[-1].time, *(p["time"] for p in progress or [])])
     return start, final
 
 
-def generations(events: list[dict], progress: list[dict] | None) -> list[Generation]:
+def generations(events: list[Event], progress: list[dict] | None) -> list[Generation]:
     """The job's generations in order, each with its progress samples."""
     gens: dict[int, Generation] = {}
     for e in events:
-        if e.get("kind") == EventKind.GENERATION:
-            gens[e["generation"]] = Generation(
-                e["generation"],
-                e["time"],
-                list(e.get("members", [])),
-                list(e.get("spares", [])),
-                e.get("restore_step") or 0,
+        if e.kind == EventKind.GENERATION and e.generation is not None:
+            gens[e.generation] = Generation(
+                e.generation,
+                e.time,
+                list(e.members or []),
+                list(e.spares or []),
+                e.restore_step or 0,
             )
-        elif e.get("kind") == EventKind.RUNNING and e.get("generation") in gens:
-            gens[e["generation"]].running_at = gens[e["generation"]].running_at or e["time"]
+        elif e.kind == EventKind.RUNNING and e.generation in gens:
+            gens[e.generation].running_at = gens[e.generation].running_at or e.time
     restored_steps(events, gens)
     # Progress samples, and with them each fault injection: the step its target rank had reached
     # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
-    # one).
-    points = [p for p in progress or [] if p.get("step") is not None]
+    # one). Each as (time, generation, step).
+    points = [
+        (p["time"], p.get("generation"), p["step"])
+        for p in progress or []
+        if p.get("step") is not None
+    ]
     if points:
         points += [
-            e
+            (e.time, e.generation, e.step)
             for e in events
-            if (e.get("kind") == EventKind.FAULT or _fingerprinted(e)) and e.get("step") is not None
+            if (e.kind == EventKind.FAULT or _fingerprinted(e)) and e.step is not None
         ]
-    for p in sorted(points, key=lambda p: p["time"]):
-        g = gens.get(int(p.get("generation") or 0))  # generations count from 1
-        if g is not None and (
-            not g.samples or p["step"] > g.samples[-1][1]
-        ):  # the first sample of each new step
-            g.samples.append((p["time"], p["step"]))
+    for t, generation, step in sorted(points, key=lambda p: p[0]):
+        g = gens.get(int(generation or 0))  # generations count from 1
+        if g is not None and (not g.samples or step > g.samples[-1][1]):  # a new step's first
+            g.samples.append((t, step))
     return [gens[n] for n in sorted(gens)]
 
 
-def _fingerprinted(event: dict) -> bool:
+def _fingerprinted(event: Event) -> bool:
     """An sdc anomaly: every rank had finished its step (the fingerprints of all were in)."""
-    return event.get("kind") == EventKind.ANOMALY and event.get("type") == "sdc"
+    return event.kind == EventKind.ANOMALY and event.type == "sdc"
 
 
-def restored_steps(events: list[dict], gens: dict[int, Generation]) -> None:
+def restored_steps(events: list[Event], gens: dict[int, Generation]) -> None:
     """Each generation's restore step as its ranks restored it: the plan names the oldest step
     to restore, the ranks may agree on a newer one they all hold (checkpoint/agreement.py). A
     `restored` checkpoint event belongs to the newest generation started before it; the lowest
@@ -187,10 +193,10 @@ def restored_steps(events: list[dict], gens: dict[int, Generation]) -> None:
     starts = sorted((g.started_at, n) for n, g in gens.items())
     restored: dict[int, int] = {}
     for e in events:
-        step = e.get("step")
-        if e.get("kind") != "checkpoint" or e.get("action") != "restored" or type(step) is not int:
+        step = e.step
+        if e.kind != EventKind.CHECKPOINT or e.action != "restored" or step is None:
             continue
-        i = bisect_left(starts, (e["time"], float("inf"))) - 1
+        i = bisect_left(starts, (e.time, float("inf"))) - 1
         if i >= 0:
             n = starts[i][1]
             restored[n] = min(step, restored.get(n, step))
@@ -208,19 +214,17 @@ def kept_steps(gens: list[Generation]) -> list[int]:
     return kept
 
 
-def incidents(events: list[dict], gens: list[Generation], have_progress: bool) -> list[dict]:
+def incidents(events: list[Event], gens: list[Generation], have_progress: bool) -> list[dict]:
     """One per generation that a next generation followed: what ended it and the steps lost."""
     out = []
     for g, nxt in pairwise(gens):
-        between = [e for e in events if g.started_at <= e["time"] <= nxt.started_at]
-        diagnosis = next(
-            (e for e in reversed(between) if e.get("kind") == EventKind.DIAGNOSIS), None
-        )
-        incident = next((e for e in reversed(between) if e.get("kind") == EventKind.INCIDENT), None)
+        between = [e for e in events if g.started_at <= e.time <= nxt.started_at]
+        diagnosis = next((e for e in reversed(between) if e.kind == EventKind.DIAGNOSIS), None)
+        incident = next((e for e in reversed(between) if e.kind == EventKind.INCIDENT), None)
         cause = (
-            diagnosis.get("cause")
+            diagnosis.cause
             if diagnosis is not None
-            else incident.get("message")
+            else incident.message
             if incident is not None
             else None
         )
@@ -298,72 +302,81 @@ def goodput(
     return result
 
 
-def _detected_at(event: dict) -> float:
+def _detected_at(event: Event) -> float:
     """When the problem was seen: the observer's time (anomalies) or the incident's start."""
-    return event.get("observed", event.get("detection", event["time"]))
+    if event.observed is not None:
+        return event.observed
+    return event.detection if event.detection is not None else event.time
 
 
-def _names(event: dict, node: str | None, rank: int | None) -> bool:
-    if rank is not None and event.get("ranks"):
-        return rank in event["ranks"]
-    return node in (event.get("nodes") or [])
+def _names(event: Event, node: str | None, rank: int | None) -> bool:
+    if rank is not None and event.ranks:
+        return rank in event.ranks
+    return node in (event.nodes or [])
 
 
-def find_detection(fault: dict, events: list[dict]) -> dict | None:
+def fault_type(fault: Event) -> str:
+    """A fault event's fault type (`extra["fault"]`, e.g. "crash"; "?" when it names none)."""
+    kind = fault.extra.get("fault")
+    return kind if isinstance(kind, str) else "?"
+
+
+def fault_rank(fault: Event) -> int | None:
+    """The rank a fault event's fault struck (`extra["rank"]`; None when it names none)."""
+    rank = fault.extra.get("rank")
+    return rank if type(rank) is int else None
+
+
+def find_detection(fault: Event, events: list[Event]) -> Event | None:
     """The first event after the injection that detected `fault` (see the module docstring)."""
-    kind, node, rank, at = fault["fault"], fault.get("node"), fault.get("rank"), fault["time"]
+    kind, node, rank, at = fault_type(fault), fault.node, fault_rank(fault), fault.time
     after = [e for e in events if _detected_at(e) >= at]
     if PREFLIGHT_EXCLUSION in DETECTORS.get(kind, ()):  # slow_preflight: excluded before training
-        excluded = [e for e in after if e.get("kind") == "evict" and e.get("preflight")]
-        return next((e for e in excluded if e.get("node") == node), None)
+        excluded = [e for e in after if e.kind == EventKind.EVICT and e.preflight is not None]
+        return next((e for e in excluded if e.node == node), None)
     if NODE_LOST in DETECTORS.get(kind, ()):  # kill: the controller finds the node lost
         for e in after:
-            k = e.get("kind")
             # the incident, diagnosis or eviction that names `node` among the lost members
-            if k in (EventKind.INCIDENT, EventKind.DIAGNOSIS, EventKind.EVICT) and node in (
-                e.get("lost") or []
+            if e.kind in (EventKind.INCIDENT, EventKind.DIAGNOSIS, EventKind.EVICT) and node in (
+                e.lost or []
             ):
                 return e
         return None
     anomalies = [
-        e
-        for e in after
-        if e.get("kind") == EventKind.ANOMALY and e.get("type") in DETECTORS.get(kind, ())
+        e for e in after if e.kind == EventKind.ANOMALY and e.type in DETECTORS.get(kind, ())
     ]
     if kind == "crash":  # the agent's crash anomaly, or else the incident its failure report opened
         anomalies = [e for e in anomalies if _names(e, node, rank)] + [
-            e
-            for e in after
-            if e.get("kind") == EventKind.INCIDENT and node in (e.get("failed") or [])
+            e for e in after if e.kind == EventKind.INCIDENT and node in (e.failed or [])
         ]
     elif kind in ("slow", "log"):
         anomalies = [e for e in anomalies if _names(e, node, None)]
     elif kind == "corrupt":  # the sdc that names its rank, or one with 2 replicas that names none
-        anomalies = [e for e in anomalies if not e.get("nodes") or _names(e, node, rank)]
+        anomalies = [e for e in anomalies if not e.nodes or _names(e, node, rank)]
     elif kind == "nan" and anomalies:
 
-        def step(e: dict) -> float:
-            return e["step"] if e.get("step") is not None else math.inf
+        def step(e: Event) -> float:
+            return e.step if e.step is not None else math.inf
 
         first_step = min(map(step, anomalies))
         anomalies = [e for e in anomalies if step(e) == first_step]
     return min(anomalies, key=_detected_at, default=None)
 
 
-def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
+def _acted_on(detection: Event, events: list[Event], until: float) -> bool:
     """Whether the controller answered the detection with a restart, an eviction or a rollback."""
-    if detection.get("kind") != EventKind.ANOMALY or detection.get("type") == "crash":
+    if detection.kind != EventKind.ANOMALY or detection.type == "crash":
         return True  # a crashed worker or a lost node always opens an incident
     for e in events:
         if (
-            e.get("kind") == EventKind.DECISION
-            and _detected_at(detection) <= e["time"] <= until
-            and e.get("action") in ACTING_DECISIONS
+            e.kind == EventKind.DECISION
+            and _detected_at(detection) <= e.time <= until
+            and e.action in ACTING_DECISIONS
             and (
-                e.get("anomaly") == detection.get("id")
+                e.anomaly == detection.id
                 or (
-                    e.get("anomaly_type") == detection.get("type")
-                    and set(e.get("nodes") or []) & set(detection.get("nodes") or [])
+                    e.anomaly_type == detection.type
+                    and set(e.nodes or []) & set(detection.nodes or [])
                 )
             )
         ):
@@ -371,35 +384,31 @@ def _acted_on(detection: dict, events: list[dict], until: float) -> bool:
     return False
 
 
-def _detected_by(detection: dict) -> str:
-    if detection.get("kind") == EventKind.EVICT and detection.get("preflight"):
+def _detected_by(detection: Event) -> str:
+    if detection.kind == EventKind.EVICT and detection.preflight is not None:
         return PREFLIGHT_EXCLUSION
-    if detection.get("kind") == EventKind.ANOMALY:
-        return f"{detection['type']} anomaly"
-    if (
-        detection.get("kind") == EventKind.INCIDENT
-        and detection.get("failed")
-        and not detection.get("lost")
-    ):
+    if detection.kind == EventKind.ANOMALY:
+        return f"{detection.type} anomaly"
+    if detection.kind == EventKind.INCIDENT and detection.failed and not detection.lost:
         return "worker failure (incident)"
     return NODE_LOST
 
 
 def fault_rows(
-    events: list[dict], gens: list[Generation], incident_rows: list[dict], have_progress: bool
+    events: list[Event], gens: list[Generation], incident_rows: list[dict], have_progress: bool
 ) -> list[dict]:
     """One row per `fault` event: detection, recovery, lost steps and status."""
     rows = []
     lost_by_next = {i["next_generation"]: i["lost_steps"] for i in incident_rows}
-    for f in (e for e in events if e.get("kind") == EventKind.FAULT):
+    for f in (e for e in events if e.kind == EventKind.FAULT):
         row = {
-            "id": f.get("id"),
-            "type": f["fault"],
-            "node": f.get("node"),
-            "rank": f.get("rank"),
-            "step": f.get("step"),
-            "generation": f.get("generation"),
-            "injected_at": f["time"],
+            "id": f.id,
+            "type": fault_type(f),
+            "node": f.node,
+            "rank": fault_rank(f),
+            "step": f.step,
+            "generation": f.generation,
+            "injected_at": f.time,
             "detected_by": None,
             "detected_at": None,
             "detection_s": None,
@@ -419,12 +428,12 @@ def fault_rows(
         row.update(
             detected_by=_detected_by(detection),
             detected_at=detected,
-            detection_s=detected - f["time"],
-            detected_step=detection.get("step") if type(detection.get("step")) is int else None,
+            detection_s=detected - f.time,
+            detected_step=detection.step,
             status=NOT_RECOVERED,
         )
         nxt = next(
-            (g for g in gens if g.started_at >= detected and g.number > (f.get("generation") or 0)),
+            (g for g in gens if g.started_at >= detected and g.number > (f.generation or 0)),
             None,
         )
         if nxt is None or not _acted_on(detection, events, nxt.started_at):
@@ -453,7 +462,7 @@ def fault_counts(rows: list[dict]) -> dict:
 
 
 def analyse(
-    events: list[dict], progress: list[dict] | None, status: dict | None, reference: dict | None
+    events: list[Event], progress: list[dict] | None, status: dict | None, reference: dict | None
 ) -> dict:
     """All the report's numbers (JSON-ready, times as unix seconds)."""
     have_progress = bool(progress)

@@ -7,32 +7,31 @@ samples (their member lists), for the report's timeline. Pure: it never reads fi
 from __future__ import annotations
 
 from transom.common.names import natural_key
-from transom.common.records import EventKind
+from transom.common.records import Event, EventKind
 
 
 def membership(
-    events: list[dict], progress: list[dict] | None, end: float
+    events: list[Event], progress: list[dict] | None, end: float
 ) -> dict[str, list[tuple[float, float, str]]]:
     """Per node, (from, to, role) spans with role member | spare | evicted, from the generation,
     evict and spare events and the progress samples' member lists."""
     changes: list[tuple[float, dict[str, str | None]]] = []
     for e in events:
-        kind = e.get("kind")
-        if kind == EventKind.GENERATION:
+        if e.kind == EventKind.GENERATION:
             changes.append(
                 (
-                    e["time"],
+                    e.time,
                     {
-                        **{n: "member" for n in e.get("members", [])},
-                        **{n: "spare" for n in e.get("spares", [])},
+                        **{n: "member" for n in e.members or []},
+                        **{n: "spare" for n in e.spares or []},
                         "*": None,
                     },
                 )
             )
-        elif kind == EventKind.EVICT and e.get("node"):
-            changes.append((e["time"], {e["node"]: "evicted"}))
-        elif kind == EventKind.SPARE and e.get("node"):
-            changes.append((e["time"], {e["node"]: "member"}))
+        elif e.kind == EventKind.EVICT and e.node:
+            changes.append((e.time, {e.node: "evicted"}))
+        elif e.kind == EventKind.SPARE and e.node:
+            changes.append((e.time, {e.node: "member"}))
     for p in progress or []:
         if p.get("members") is not None:
             evicted = p.get("evicted") or []
