@@ -442,7 +442,8 @@ class NodeAgent:
         self.group = WorkerGroup(assignment, spec.script, spec.script_args, log_dir, extra_env)
         self.group.start(self.warm)
         self.group_started_at = time.monotonic()
-        log.info("generation %d: started ranks %s", self.generation, local_ranks)
+        how = self.group.started_as  # warm, importing or cold: what the start-up cost
+        log.info("generation %d: started ranks %s %s", self.generation, local_ranks, how)
         self._report(NodeState.RUNNING, pids=self.group.pids)
 
     def _watch_group(self) -> None:

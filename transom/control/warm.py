@@ -84,6 +84,8 @@ class WarmPool:
         self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
         self.ready: list[subprocess.Popen[bytes]] = []
         self._imported: set[int] = set()  # pids whose imports are done
+        # How the newest `launch` found its interpreter: "warm" (imports done) or "importing".
+        self.last_launch = ""
         self._used_at = 0.0
         if can_leave_idle_policy():
             self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
@@ -124,6 +126,7 @@ class WarmPool:
         self._used_at = time.monotonic()
         while self.ready:
             proc = self.ready.pop(0)
+            self.last_launch = "warm" if proc.pid in self._imported else "importing"
             if proc.pid not in self._imported:
                 set_normal_policy(
                     proc.pid

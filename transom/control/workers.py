@@ -168,6 +168,9 @@ class WorkerGroup:
         self.log_paths: list[Path] = []
         self.paused_at: float | None = None  # monotonic time of pause(); None while running
         self._lock = threading.Lock()  # pause (the agent's guard thread) against start and stop
+        # Per local rank, how its worker started: in a "warm" interpreter, one still "importing",
+        # or "cold" (for the agent's log: a restart's start-up depends on it).
+        self.started_as: list[str] = []
 
     def start(self, pool: WarmPool | None = None) -> None:
         """Spawn the workers, in warm interpreters from `pool` where it has them.
@@ -184,6 +187,7 @@ class WorkerGroup:
             path = self.log_dir / f"rank{a.global_rank(local_rank)}.log"
             env = worker_env(a, local_rank, self.extra_env)
             proc = pool.launch(argv, env, path) if pool is not None else None
+            self.started_as.append(pool.last_launch if pool is not None and proc else "cold")
             if proc is None:
                 with open(path, "ab") as log:
                     proc = subprocess.Popen(
