@@ -3,7 +3,8 @@
 Runs examples/train_gpt.py on 3 nodes (1 worker each) and injects, once training is in a steady
 state (past step 12 and, under Transom, every agent's warm interpreter ready, as it is hours into
 a real job):
-  transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1`
+  transom_worker_crash   SIGKILL of rank 1's worker under `transom run --nnodes 3 --spares 1
+                         --refill-spares`
   transom_node_death     a machine's death: SIGKILL of node1's agent and every process it started
                          (checkpoint server, workers, warm interpreters) at once; nothing of the
                          node is left to say so: once its peers' workers have failed on it and
@@ -168,7 +169,11 @@ def run_transom(fault: str, work: Path) -> dict:
     run_dir = work / job_id
     out = open(work / f"{job_id}.out", "wb")
     process = subprocess.Popen(
-        transom_run(run_dir, job_id, "--nnodes", "3", "--spares", "1", *train_args()),
+        # --refill-spares: 3 ranks share 2 cores here, so one may be evicted as a straggler
+        # before the fault; a refilled spare keeps the fault's replacement possible.
+        transom_run(
+            run_dir, job_id, "--nnodes", "3", "--spares", "1", "--refill-spares", *train_args()
+        ),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
