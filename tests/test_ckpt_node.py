@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import wait_for
 
 from transom.checkpoint import catalog
-from transom.common import keys
+from transom.common import files, keys
 from transom.common.states import Tier
 from transom.control.ckpt_node import RESTART_INTERVAL_S, NodeCheckpointServer
 from transom.job_spec import JobSpec
@@ -86,3 +86,35 @@ def test_the_server_lists_under_the_agents_lease_and_its_successor_withdraws_its
         node.stop()
         store.revoke(lease)
     assert store.get(keys.ckpt_server("node0")) is None  # withdrawn by the server's stop
+
+
+def test_a_server_on_the_agents_lease_exits_cleanly_when_stopped(store, tmp_path: Path):
+    """A daemon thread blocked on the lease pipe held a buffered stdin's lock, and the server's
+    exit could abort ("Fatal Python error: ... could not acquire lock ... at interpreter
+    shutdown", in the server logs of demo and torture runs); the pipe is read unbuffered."""
+    spec = JobSpec(script="train.py", job_id=store.job_id)
+    lease = store.lease(60)  # the agent's
+    try:
+        for i in range(3):
+            node_id = f"node{i}"
+            node = NodeCheckpointServer(spec, store, node_id, tmp_path, "127.0.0.1")
+            node.launch()
+            node.use_lease(lease.id)
+            node.start()
+            process = node.process
+            assert process is not None
+            try:
+                wait_for(
+                    lambda n=node_id: store.get(keys.ckpt_server(n)) is not None,
+                    30,
+                    "the server registered under the agent's lease",
+                )
+            finally:
+                node.stop()
+            assert process.returncode == 0
+            assert (
+                "Fatal Python error"
+                not in files.log_file(tmp_path, f"ckpt-server-{node_id}").read_text()
+            )
+    finally:
+        store.revoke(lease)

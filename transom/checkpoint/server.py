@@ -132,7 +132,11 @@ class CheckpointServer:
         if self.publisher.store is not None:
             threads.append((lambda: self.publisher.follow(self.stopping), "ckpt-control"))
             if self.cfg.lease == "agent":
-                agent_lease.follow(sys.stdin.buffer, self.publisher.adopt)
+                # Unbuffered: a daemon thread blocked in a buffered stdin holds its lock, and the
+                # interpreter's exit then aborted ("could not acquire lock ... at interpreter
+                # shutdown", seen in demo and torture runs' server logs).
+                pipe = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)
+                agent_lease.follow(pipe, self.publisher.adopt)
         for target, name in threads:
             threading.Thread(target=target, name=name, daemon=True).start()
         log.info(
