@@ -28,17 +28,21 @@ def steps_logged(job) -> int:
     return int(found[-1]) if found else 0
 
 
-def assert_hang_found_with_stacks(job, stopped_at: float, script: str) -> None:
-    """The hang anomaly names rank 1 on node1 as stopped and rank 0 as waiting in backward()
-    (DDP's gradient all-reduce), within max(10 s, 5 x the median step) = 10 s of the stop for
-    steps of about 0.1 s, and generation 2 runs on node0 and the spare."""
+def assert_hang_found_with_stacks(
+    job, stopped_at: float, script: str, waits: tuple[str, ...] = ("backward",)
+) -> None:
+    """The hang anomaly names rank 1 on node1 as stopped and rank 0 as waiting in one of `waits`
+    (backward(): DDP's gradient all-reduce; the Hugging Face Trainer also makes an all_gather
+    each step, and the stop may land in either), within max(10 s, 5 x the median step) = 10 s of the
+    stop for steps of about 0.1 s, and generation 2 runs on node0 and the spare."""
     hang = next((e for e in job.events() if e.get("type") == "hang"), None)
     assert hang is not None, [(e["kind"], e["message"]) for e in job.events()]
     assert hang["ranks"] == [1] and hang["nodes"] == ["node1"]
     assert hang["evidence"]["why"] == "heartbeat stopped"
     assert hang["evidence"]["where"]["1"] == "stopped", hang
-    # In the backward pass (DDP's all-reduce), called from the script's line or its framework's.
-    waiting = rf"in backward(, from \w+)? at {re.escape(script)}:\d+"
+    # In the backward pass (DDP's all-reduce) or another collective of `waits`, called from the
+    # script's line or its framework's.
+    waiting = rf"in ({'|'.join(waits)})(, from \w+)? at {re.escape(script)}:\d+"
     assert re.fullmatch(waiting, hang["evidence"]["where"]["0"]), hang
     assert re.search(rf"rank 1: stopped; rank 0: {waiting}$", hang["message"]), hang
     detected_s = hang["time"] - stopped_at
@@ -93,7 +97,7 @@ def test_a_stopped_rank_of_an_unmodified_hf_trainer_script_is_found_and_replaced
     worker.suspend()
     stopped_at = time.time()
     assert job.wait(timeout=300) == 0, job.output
-    assert_hang_found_with_stacks(job, stopped_at, "hf_unmodified.py")
+    assert_hang_found_with_stacks(job, stopped_at, "hf_unmodified.py", ("backward", "all_gather"))
     assert "resuming from" in job.log_text("g002/rank0.log")
     reference = start_job("--nnodes", "2", HF, *HF_ARGS, env=env)
     assert reference.wait(timeout=300) == 0, reference.output
