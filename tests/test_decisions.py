@@ -298,6 +298,16 @@ def test_a_silent_member_whose_peers_lost_their_workers_is_set_aside_for_a_spare
     assert d.job.evicted["node1"].reason == LEASE_EXPIRED and not d.job.set_aside
     assert d.plan is not None and "node1" in d.plan.evicted
     assert d.job.state is JobState.RUNNING and d.job.restarts_used == started_gen.restarts_used
+    # the job's members all finish before its lease expires: the job waits for the eviction
+    # (else a dead machine would never be drained), at most until it would be forgotten
+    finished = statuses(2, NodeState.SUCCEEDED, "node0", "node2", "node3")
+    d = run(started_gen, Snapshot(live, finished), s, T0 + 6)
+    assert not d.job.state.terminal and d.job.set_aside
+    set_aside_at = started_gen.set_aside["node1"]
+    assert d.due == set_aside_at + s.node_ttl_s + REREGISTER_MARGIN_S
+    d = run(started_gen, Snapshot(nodes("node0", "node2", "node3"), finished), s, T0 + 9)
+    assert d.job.evicted["node1"].reason == LEASE_EXPIRED
+    assert d.job.state is JobState.SUCCEEDED
 
 
 def test_a_peer_that_failed_before_is_not_evicted_when_a_silent_member_is_set_aside():

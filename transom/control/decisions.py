@@ -35,7 +35,13 @@ from transom.common.states import JobState, NodeState
 from transom.control.grace import excused_lost, lift_evictions
 from transom.control.monitor_rules import watch_monitor
 from transom.control.policy import diagnose, same_error
-from transom.control.set_aside import SILENT_AGENT_S, follow_up, replaceable, take_for_dead
+from transom.control.set_aside import (
+    SILENT_AGENT_S,
+    follow_up,
+    replaceable,
+    resolved_by,
+    take_for_dead,
+)
 from transom.control.tick import Decision, Memory, Snapshot, Tick
 from transom.job_spec import JobSpec
 
@@ -175,6 +181,10 @@ class _Rules(Tick):
             self.write_plan()
             return
         if len(self.reports(NodeState.SUCCEEDED)) == len(j.members):
+            pending = resolved_by(self)
+            if pending is not None:  # a node taken for dead is evicted (and drained) first
+                self.decision.due = pending
+                return
             self.finish(
                 JobState.SUCCEEDED, f"all {len(j.members)} nodes finished generation {j.generation}"
             )

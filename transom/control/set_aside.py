@@ -55,3 +55,13 @@ def follow_up(tick: Tick) -> None:
                 tick.write_plan()
         elif tick.now - since > tick.spec.node_ttl_s + REREGISTER_MARGIN_S:
             del j.set_aside[node]
+
+
+def resolved_by(tick: Tick) -> float | None:
+    """When every set-aside node will have been evicted (its lease expired) or forgotten (it
+    outlived a TTL and the grace to register again) at the latest; None when none is set aside.
+    A job whose members all finished waits for this before it ends, so a dead node is evicted
+    (and a scheduler drains it) even when the job ended within its lease's TTL of the death."""
+    if not tick.job.set_aside:
+        return None
+    return max(tick.job.set_aside.values()) + tick.spec.node_ttl_s + REREGISTER_MARGIN_S
