@@ -119,6 +119,7 @@ class StandInGroup:
         self.log_paths = [Path(log_dir) / f"rank{i}.log" for i in range(len(self.processes))]
         self.pids: dict[int, int] = {}
         self.paused_at: float | None = None
+        self.started_as = ["stand-in"] * assignment.nproc_per_node  # the agent logs it
 
     def pause(self, now: float) -> bool:
         if self.paused_at is not None:
