@@ -300,8 +300,10 @@ def test_a_dead_node_is_replaced_by_the_spare_drained_and_the_weights_are_identi
         nodes = cluster.slurm("scontrol", "show", "hostnames", "n[1-4]").split()
         attempt = job.run_dir / job.job_id
         candidates = [n for n in nodes if list((attempt / n / files.LOGS).glob("controller-*"))]
-        # (the first to register; the next node is promoted when one of them dies)
-        assert len(candidates) == DEFAULT_CANDIDATES + (victim in candidates), candidates
+        # (the first to register; the next node is promoted when a dead one's lease expires,
+        # which the job, ending as soon as the dead node is evicted, may not outlive)
+        one_died = victim in candidates  # then one more may have been promoted
+        assert DEFAULT_CANDIDATES <= len(candidates) <= DEFAULT_CANDIDATES + one_died, candidates
         assert [n for n in nodes if (attempt / n / files.STATUS).exists()] == [first]
         assert _identical(job.final, reference), "final weights differ from the fault-free run"
         state, reason = (
