@@ -305,6 +305,10 @@ def test_a_silent_member_whose_peers_lost_their_workers_is_set_aside_for_a_spare
     assert not d.job.state.terminal and d.job.set_aside
     set_aside_at = started_gen.set_aside["node1"]
     assert d.due == set_aside_at + s.node_ttl_s + REREGISTER_MARGIN_S
+    # alive after all: at that moment it is forgotten (a spare) and the job ends
+    alive = run(started_gen, Snapshot(live, finished), s, d.due)
+    assert not alive.job.set_aside and "node1" not in alive.job.evicted
+    assert alive.job.state is JobState.SUCCEEDED
     d = run(started_gen, Snapshot(nodes("node0", "node2", "node3"), finished), s, T0 + 9)
     assert d.job.evicted["node1"].reason == LEASE_EXPIRED
     assert d.job.state is JobState.SUCCEEDED

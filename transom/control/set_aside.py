@@ -53,15 +53,22 @@ def follow_up(tick: Tick) -> None:
             if node not in j.members and node not in j.evicted:
                 tick.evict(node, LEASE_EXPIRED, f"{node} evicted: {LEASE_EXPIRED}", lost=[node])
                 tick.write_plan()
-        elif tick.now - since > tick.spec.node_ttl_s + REREGISTER_MARGIN_S:
+        elif tick.now >= forgotten_at(tick, since):
             del j.set_aside[node]
 
 
+def forgotten_at(tick: Tick, since: float) -> float:
+    """When a node set aside at `since` that still holds its lease is alive after all: it
+    outlived a node TTL and the grace to register again (then forgotten: a spare again)."""
+    return since + tick.spec.node_ttl_s + REREGISTER_MARGIN_S
+
+
 def resolved_by(tick: Tick) -> float | None:
-    """When every set-aside node will have been evicted (its lease expired) or forgotten (it
-    outlived a TTL and the grace to register again) at the latest; None when none is set aside.
-    A job whose members all finished waits for this before it ends, so a dead node is evicted
-    (and a scheduler drains it) even when the job ended within its lease's TTL of the death."""
+    """When every set-aside node will have been evicted (its lease expired) or forgotten
+    (`forgotten_at`) at the latest; None when none is set aside. A job whose members all
+    finished waits for this before it ends, so a dead node is evicted (and a scheduler drains
+    it) even when the job ended within its lease's TTL of the death; `follow_up` settles every
+    such node by that moment."""
     if not tick.job.set_aside:
         return None
-    return max(tick.job.set_aside.values()) + tick.spec.node_ttl_s + REREGISTER_MARGIN_S
+    return max(forgotten_at(tick, since) for since in tick.job.set_aside.values())
