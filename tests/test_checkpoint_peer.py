@@ -591,6 +591,9 @@ def test_the_previous_replica_stays_until_the_next_one_is_complete(tmp_path: Pat
         send_msg(sock, put, deadline_in(5))
         send_all(sock, two.header_bytes, deadline_in(5))
         send_all(sock, b"\0" * (two.header.data_len // 2), deadline_in(5))
+        # The server holds the reservation while it waits for the rest (checked before the
+        # close: a check after it could run before the server had even read the request).
+        wait_for(lambda: (2, 0) in peer.memory.shards, 10, "step 2 reserved on the peer")
         sock.close()
         wait_for(lambda: (2, 0) not in peer.memory.shards, 10, "the broken put given back")
         assert (1, 0) in peer.memory.shards  # the previous replica is still there
