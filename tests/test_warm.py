@@ -1,9 +1,10 @@
-"""Warm worker interpreters run a script exactly as `python -u SCRIPT ARGS` would."""
+"""A worker forked from the warm interpreter runs its script as `python -u SCRIPT ARGS` would."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -62,19 +63,60 @@ def test_runs_the_script_as_main_with_its_env_argv_and_output(pool, tmp_path):
 def test_exit_codes_and_tracebacks_are_those_of_a_plain_interpreter(pool, tmp_path):
     code, _ = run_warm(pool, tmp_path, "3")
     assert code == 3
-    pool.fill(workers_progressing=True)
     code, text = run_warm(pool, tmp_path, "raise")
     assert code == 1
     assert "Traceback" in text and "ValueError: boom" in text
 
 
 @pytest.mark.integration
-def test_pool_refills_only_when_workers_are_under_way(pool, tmp_path):
-    run_warm(pool, tmp_path, "0")
-    pool.fill()  # just used: the replacement waits so it does not slow the restart
-    assert pool.ready == []
-    pool.fill(workers_progressing=True)
-    assert len(pool.ready) == 1
+def test_one_interpreter_forks_every_worker_and_stays(pool, tmp_path):
+    """Two workers at once, then another: all forked by the same interpreter, none importing."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+    interpreter = pool.interpreter
+    assert interpreter is not None
+    procs = [
+        pool.launch([str(script), "0"], {**os.environ, "RANK": str(r)}, tmp_path / f"r{r}.log")
+        for r in (0, 1)
+    ]
+    assert all(p is not None for p in procs) and pool.last_launch == "warm"
+    assert len({p.pid for p in procs if p is not None} | {interpreter.pid}) == 3
+    assert [p.wait(timeout=30) for p in procs if p is not None] == [0, 0]
+    ranks = [
+        json.loads((tmp_path / f"r{r}.log").read_text().splitlines()[0])["rank"] for r in (0, 1)
+    ]
+    assert ranks == ["0", "1"]
+    pool.fill()
+    assert pool.interpreter is interpreter and interpreter.poll() is None
+    code, _ = run_warm(pool, tmp_path, "0")
+    assert code == 0 and pool.interpreter is interpreter and pool.last_launch == "warm"
+
+
+@pytest.mark.integration
+def test_a_killed_worker_reports_its_signal_and_the_workers_die_with_the_interpreter(
+    pool, tmp_path
+):
+    import psutil
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+    first = pool.launch([str(script)], dict(os.environ), tmp_path / "a.log")
+    second = pool.launch([str(script)], dict(os.environ), tmp_path / "b.log")
+    assert first is not None and second is not None
+    up = tmp_path / "a.log"
+    wait_for(lambda: up.exists() and "up" in up.read_text(), 30, "the first worker to start")
+    assert psutil.Process(first.pid).ppid() == pool.interpreter.pid
+    assert os.getsid(first.pid) == first.pid  # a session of its own, as a cold worker's
+    first.kill()
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    assert second.poll() is None
+    pool.interpreter.kill()  # the interpreter dies: its workers with it, never orphans
+    assert second.wait(timeout=30) == -signal.SIGKILL
+    assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
+    pool.fill()  # a new interpreter replaces the dead one
+    assert run_warm(pool, tmp_path, "0")[0] == 0
 
 
 def test_an_empty_pool_hands_out_nothing(tmp_path):
@@ -86,12 +128,36 @@ def test_an_empty_pool_hands_out_nothing(tmp_path):
 @pytest.mark.skipif(
     not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)"
 )
-def test_imports_wait_at_idle_priority_and_the_worker_runs_at_normal_priority(pool, tmp_path):
-    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
-    assert os.sched_getscheduler(pool.ready[0].pid) == os.SCHED_IDLE
-    code, text = run_warm(pool, tmp_path, "0")
-    first = json.loads(text.splitlines()[0])
-    assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
+def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal(tmp_path):
+    """The imports run at SCHED_IDLE; once they are done, the interpreter waits (and forks) at the
+    normal policy, and so do its workers."""
+    gate = tmp_path / "go"
+    (tmp_path / "gated_import.py").write_text(
+        f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
+    )
+    env = {
+        **os.environ,
+        "TRANSOM_WARM_IMPORTS": "json,gated_import",
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    pool = WarmPool(1, env, tmp_path / "warm.log")
+    pool.fill()
+    try:
+        interpreter = pool.interpreter
+        assert interpreter is not None
+        wait_for(
+            lambda: os.sched_getscheduler(interpreter.pid) == os.SCHED_IDLE,
+            30,
+            "the interpreter to import at idle priority",
+        )
+        gate.touch()
+        wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+        assert os.sched_getscheduler(interpreter.pid) == os.SCHED_OTHER
+        code, text = run_warm(pool, tmp_path, "0")
+        first = json.loads(text.splitlines()[0])
+        assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
+    finally:
+        pool.close()
 
 
 @pytest.mark.integration
@@ -127,7 +193,8 @@ def test_ps_shows_a_waiting_interpreter_then_the_workers_script_and_arguments(tm
     pool.fill()
     try:
         wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
-        waiting = " ".join(psutil.Process(pool.ready[0].pid).cmdline())
+        assert pool.interpreter is not None
+        waiting = " ".join(psutil.Process(pool.interpreter.pid).cmdline())
         assert "transom warm interpreter (job job-7, node node3)" in waiting
         script = tmp_path / "train.py"
         script.write_text(TITLE_SCRIPT)

@@ -344,10 +344,7 @@ class NodeAgent:
         self._monitor_tick()
         self.reports.progress(time.monotonic())
         if self.warm is not None and self.waiting_for_master is None:
-            assert self.monitor is not None
-            self.warm.fill(
-                workers_progressing=self.group is None or self.monitor.newest_step() is not None
-            )
+            self.warm.fill()
         return None
 
     # -- generations --------------------------------------------------------------------------

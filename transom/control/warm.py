@@ -1,38 +1,47 @@
-"""Warm worker interpreters: Python processes that have already imported torch, waiting for a job.
+"""Warm workers: one interpreter per node holds the imports, and forks each worker from them.
 
 Starting a worker costs seconds before the script runs its first line of its own (the
 interpreter, then `import torch`), and a restart pays it again, on the critical path. The agent
-therefore keeps one warm interpreter per local rank ready: a child started with the agent's
-environment that imports the heavy modules and then blocks reading one line on stdin. When a
-generation starts, the agent sends it the worker's environment, argv and log file; the child
-takes on that environment, sends its output to the log and runs the script through the worker
-bootstrap (transom.control.bootstrap: the stack dump handler and the zero-code instrumentation,
-then the script as `__main__`, exactly as `python -u SCRIPT ARGS` would). Each warm interpreter
-serves one worker and is then gone; the agent starts replacements once the new workers are under
-way, so their imports do not compete with the restart they are meant to speed up.
+therefore keeps a warm interpreter: a child started with the agent's environment that imports
+the heavy modules once and then waits for jobs on stdin. For each worker of a generation the
+agent sends it the worker's environment, argv and log file; it forks, and the child takes on that
+environment, sends its output to the log and runs the script through the worker bootstrap
+(transom.control.bootstrap: the stack dump handler and the zero-code instrumentation, then the
+script as `__main__`, exactly as `python -u SCRIPT ARGS` would). A fork takes about 10 ms and
+the interpreter stays, so every generation, the first and every restart on this node, starts
+its workers from imports already done, and nothing is imported again beside the new workers'
+first steps (a pool of single-use interpreters refilled after each generation imported torch
+again each time, about 3 s of CPU per worker, beside the training it was meant to speed up).
 
-The imports of a replacement run under the SCHED_IDLE scheduling policy where this process may
-return to the normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only
-CPU time the workers leave idle, instead of slowing training down while they import (about 3 s
-of CPU each; on a node whose cores are all busy that is training time). The interpreter returns
-to the normal policy as soon as its job arrives; an interpreter handed a job before its imports
-are done is returned to it by the pool at once.
+The workers are the interpreter's children, not the agent's: it reaps them and tells the agent
+each pid it forked ("P pid") and each exit ("X pid code", the code as `subprocess` gives it:
+negative for a signal). `ForkedWorker` is the agent's handle on one, with the `Popen` methods the
+agent uses. A worker lives in a session of its own and dies with the interpreter
+(PR_SET_PDEATHSIG), which dies with the agent: no worker outlives its agent.
 
-In `ps` and `top` a waiting interpreter is titled `transom warm interpreter (job J, node N)`;
-once it becomes a worker its title is the worker's command line, `python -u SCRIPT ARGS`, as a
-cold-started worker's is (setproctitle), so operators find ranks by script and arguments.
+The imports run under the SCHED_IDLE scheduling policy where this process may return to the
+normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only CPU time the
+workers leave idle. Once they are done, and as soon as a job arrives before then, the
+interpreter returns to the normal policy, and its workers with it.
 
-What it must never do: run anything before the job arrives except imports, or outlive the
-agent (they are started like workers, dying with their parent). Environment variables that a
-library reads at import time (e.g. OMP_NUM_THREADS) come from the agent's environment.
+In `ps` and `top` the interpreter is titled `transom warm interpreter (job J, node N)`; each
+worker's title is its command line, `python -u SCRIPT ARGS`, as a cold-started worker's is.
+
+What it must never do: run anything but imports and forks (it never touches a tensor, so no
+library thread or state of a computation is forked into a worker), or outlive the agent.
+Environment variables that a library reads at import time (e.g. OMP_NUM_THREADS) come from the
+agent's environment. A child gets a fresh random seed for `random` and numpy, as a new
+interpreter would.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -40,17 +49,19 @@ from pathlib import Path
 from typing import IO
 
 from transom.common import env as env_names
-from transom.utils.procs import new_session_dying_with_parent, stop_tree
+from transom.utils.procs import die_with_parent, new_session_dying_with_parent
 
-# Modules every warm interpreter imports before it waits (torch._inductor.config: what
-# torch.compile and torch.use_deterministic_algorithms import, 1.7 s here); env.WARM_IMPORTS
-# overrides.
+log = logging.getLogger("transom.warm")
+
+# Modules the interpreter imports before it waits (torch._inductor.config: what torch.compile
+# and torch.use_deterministic_algorithms import, 1.7 s here); env.WARM_IMPORTS overrides.
 DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._inductor.config"
-# Warm replacements once the new workers report progress, or at the latest this long after
-# they started (for scripts that never report).
-REFILL_DELAY_S = 30.0
 READY = b"R"
 NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
+# How long a launch waits for imports still under way: less than a cold start takes to import.
+IMPORTS_WAIT_S = 60.0
+FORK_REPLY_S = 10.0  # how long a launch waits for the pid of the worker it asked for
+MAX_MESSAGE = 64  # bytes of one line from the interpreter
 
 
 def can_leave_idle_policy() -> bool:
@@ -67,9 +78,53 @@ def set_normal_policy(pid: int = 0) -> None:
         pass  # gone, or not allowed: it keeps its policy
 
 
+class ForkedWorker:
+    """The agent's handle on a worker the warm interpreter forked: `pid`, `returncode`, `poll`,
+    `wait` and `kill`, as `subprocess.Popen` has them."""
+
+    def __init__(self, pid: int, pool: WarmPool, interpreter: subprocess.Popen[bytes]) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pool = pool
+        self._interpreter = interpreter
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._pool.read_messages(0.0)
+            self._settle()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.1 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+            self._pool.read_messages(min(left, 0.1))
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _settle(self) -> None:
+        """Take the exit the interpreter reported; with the interpreter gone (its workers die
+        with it, SIGKILL), a worker no longer running counts as killed."""
+        code = self._pool.exits.pop(self.pid, None)
+        if code is not None:
+            self.returncode = code
+        elif self._interpreter.poll() is not None and not _alive(self.pid):
+            self.returncode = -signal.SIGKILL
+
+
 class WarmPool:
-    """Up to `size` warm interpreters for one agent; call every method from the agent's main thread
-    (PR_SET_PDEATHSIG follows the thread that forks)."""
+    """The node's warm interpreter, started, used and replaced by the agent; call every method
+    from the agent's main thread (PR_SET_PDEATHSIG follows the thread that forks). `size`: the
+    workers a generation starts on this node (what `warm_count` reports once imports are done)."""
 
     def __init__(
         self, size: int, env: dict[str, str], log_path: Path, node_id: str | None = None
@@ -82,76 +137,114 @@ class WarmPool:
         where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
         where += [f"node {node}"] if node else []
         self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
-        self.ready: list[subprocess.Popen[bytes]] = []
-        self._imported: set[int] = set()  # pids whose imports are done
-        # How the newest `launch` found its interpreter: "warm" (imports done) or "importing".
+        self.interpreter: subprocess.Popen[bytes] | None = None
+        self.imported = False  # the interpreter's imports are done
+        self.exits: dict[int, int] = {}  # pid -> exit code, reported and not yet taken
+        self._forked: list[int] = []  # pids reported, not yet taken by `launch`
+        self._buffer = b""
+        # How the newest `launch` found the interpreter: "warm" (imports done) or "importing".
         self.last_launch = ""
-        self._used_at = 0.0
         if can_leave_idle_policy():
             self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
 
-    def fill(self, workers_progressing: bool = False) -> None:
-        """Start interpreters until `size` are waiting, unless workers have just been started
-        from the pool and are not yet under way."""
-        if not workers_progressing and time.monotonic() - self._used_at < REFILL_DELAY_S:
+    def fill(self) -> None:
+        """Start the interpreter if there is none (the first time, or after it died)."""
+        if self.interpreter is not None and self.interpreter.poll() is None:
             return
-        self.ready = [p for p in self.ready if p.poll() is None]
+        self.read_messages(0.0)  # the exits a dead interpreter reported last
+        self._forget()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        while len(self.ready) < self.size:
-            with open(self.log_path, "ab") as log:
-                self.ready.append(
-                    subprocess.Popen(
-                        [sys.executable, "-u", "-m", "transom.control.warm", self.title],
-                        env=self.env,
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        preexec_fn=new_session_dying_with_parent,
-                    )
-                )
+        with open(self.log_path, "ab") as log:
+            self.interpreter = subprocess.Popen(
+                [sys.executable, "-u", "-m", "transom.control.warm", self.title],
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                preexec_fn=new_session_dying_with_parent,
+            )
 
     def warm_count(self) -> int:
-        """How many interpreters have finished their imports and wait for a worker."""
-        for p in self.ready:
-            out = _pipe(p.stdout)
-            if p.pid not in self._imported and select.select([out], [], [], 0)[0]:
-                if out.read(1) == READY:
-                    self._imported.add(p.pid)
-        return sum(1 for p in self.ready if p.pid in self._imported and p.poll() is None)
+        """How many workers can start from finished imports now: `size`, or 0."""
+        self.read_messages(0.0)
+        alive = self.interpreter is not None and self.interpreter.poll() is None
+        return self.size if alive and self.imported else 0
 
-    def launch(
-        self, argv: list[str], env: dict[str, str], log_path: Path
-    ) -> subprocess.Popen[bytes] | None:
-        """Hand a worker to a waiting interpreter; None when none is alive (start it cold)."""
-        self._used_at = time.monotonic()
-        while self.ready:
-            proc = self.ready.pop(0)
-            self.last_launch = "warm" if proc.pid in self._imported else "importing"
-            if proc.pid not in self._imported:
-                set_normal_policy(
-                    proc.pid
-                )  # still importing, perhaps at idle priority: now it is urgent
-            self._imported.discard(proc.pid)
-            _pipe(proc.stdout).close()
-            if proc.poll() is not None:
-                continue
-            job = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+    def launch(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedWorker | None:
+        """Fork a worker from the interpreter, waiting for imports still under way; None when
+        there is no interpreter, or it failed (start that worker cold)."""
+        interpreter = self.interpreter
+        if interpreter is None or interpreter.poll() is not None:
+            return None
+        self.read_messages(0.0)
+        self.last_launch = "warm" if self.imported else "importing"
+        if not self.imported:
+            set_normal_policy(interpreter.pid)  # perhaps at idle priority: now it is urgent
+            deadline = time.monotonic() + IMPORTS_WAIT_S
+            while not self.imported and interpreter.poll() is None:
+                if time.monotonic() > deadline:
+                    return self._given_up("its imports took too long")
+                self.read_messages(0.1)
+        job = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+        try:
+            os.write(_pipe(interpreter.stdin).fileno(), json.dumps(job).encode() + b"\n")
+        except OSError:
+            return self._given_up("it is gone")
+        deadline = time.monotonic() + FORK_REPLY_S
+        while not self._forked:
+            if interpreter.poll() is not None or time.monotonic() > deadline:
+                return self._given_up("it did not fork the worker")
+            self.read_messages(0.1)
+        return ForkedWorker(self._forked.pop(0), self, interpreter)
+
+    def read_messages(self, timeout: float) -> None:
+        """Take what the interpreter said: ready, a pid forked, a pid's exit."""
+        if self.interpreter is None or self.interpreter.stdout is None:
+            return
+        out = self.interpreter.stdout.fileno()
+        try:
+            readable = select.select([out], [], [], timeout)[0]
+            data = os.read(out, 65536) if readable else b""
+        except (OSError, ValueError):
+            return
+        self._buffer += data
+        if not self.imported and self._buffer.startswith(READY):
+            self.imported = True
+            self._buffer = self._buffer[len(READY) :]
+        *lines, self._buffer = self._buffer.split(b"\n")
+        self._buffer = self._buffer[-MAX_MESSAGE:]
+        for line in lines:
+            parts = line.split()
             try:
-                stdin = _pipe(proc.stdin)
-                stdin.write(json.dumps(job).encode() + b"\n")
-                stdin.close()
-            except OSError:
-                continue  # it died between poll and write
-            return proc
-        return None
+                if len(parts) == 2 and parts[0] == b"P":
+                    self._forked.append(int(parts[1]))
+                elif len(parts) == 3 and parts[0] == b"X":
+                    self.exits[int(parts[1])] = int(parts[2])
+            except ValueError:
+                continue  # not a message of ours: nothing to take from it
 
     def close(self) -> None:
-        stop_tree([p.pid for p in self.ready if p.poll() is None], grace_s=1.0)
-        for p in self.ready:
-            p.wait()
-            _pipe(p.stdout).close()
-        self.ready = []
-        self._imported.clear()
+        """End the interpreter (its workers, if any are left, die with it)."""
+        if self.interpreter is not None:
+            if self.interpreter.poll() is None:
+                self.interpreter.kill()
+            self.interpreter.wait()
+            for stream in (self.interpreter.stdin, self.interpreter.stdout):
+                if stream is not None:
+                    stream.close()
+        self._forget()
+        self.interpreter = None
+
+    def _given_up(self, why: str) -> ForkedWorker | None:
+        """None, and the interpreter that failed a launch ended (the next `fill` starts another)."""
+        log.warning("warm interpreter not used (%s): starting the worker cold", why)
+        self.close()
+        return None
+
+    def _forget(self) -> None:
+        self.imported = False
+        self._forked.clear()
+        self._buffer = b""
 
 
 def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
@@ -160,13 +253,23 @@ def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
     return stream
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie no longer does)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+# -- the interpreter itself -----------------------------------------------------------------------
+
+
 def _serve() -> int:
-    """The warm interpreter itself: import, wait for one job, become that worker."""
+    """Import, then fork one worker per job line until stdin closes; report forks and exits."""
     import importlib
 
     import setproctitle
-
-    from transom.control import bootstrap
 
     if len(sys.argv) > 1:
         setproctitle.setproctitle(sys.argv[1])
@@ -179,28 +282,91 @@ def _serve() -> int:
     for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
-    try:  # tell the pool we are ready (it stops listening once it has handed us a job)
-        os.write(1, READY)
-    except OSError:
-        pass
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return 0  # the pool was closed before a job came
     if idle:
-        set_normal_policy()
-    job = json.loads(line)
-    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        set_normal_policy()  # waiting costs nothing; a fork must not wait for idle CPU
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    _say(READY)
+    pending = b""
+    while True:
+        readable = select.select([0, wake_r], [], [])[0]
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+            _reap()
+        if 0 not in readable:
+            continue
+        data = os.read(0, 65536)
+        if not data:
+            return 0  # the agent closed the pool; workers still running die with us
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            pid = os.fork()
+            if pid == 0:
+                os.close(wake_r)
+                os.close(wake_w)
+                return _become_worker(json.loads(line))
+            _say(b"P %d\n" % pid)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say(b"X %d %d\n" % (pid, os.waitstatus_to_exitcode(status)))
+
+
+def _say(message: bytes) -> None:
+    try:
+        os.write(1, message)
+    except OSError:
+        pass  # the agent is gone: we die with it
+
+
+def _become_worker(job: dict[str, object]) -> int:
+    """In the forked child: take on the job's environment and output, then run the script."""
+    from transom.control import bootstrap
+
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    parent = os.getppid()
+    os.setsid()
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)  # the interpreter died before we could follow it
+    log_fd = os.open(str(job["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    env = job["env"]
+    argv = job["argv"]
+    assert isinstance(env, dict) and isinstance(argv, list)
     os.environ.clear()
-    os.environ.update(job["env"])
-    os.chdir(job["cwd"])
-    bootstrap.run_script(job["argv"])  # the same start-up as a cold worker's
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    os.chdir(str(job["cwd"]))
+    _reseed()
+    bootstrap.run_script([str(a) for a in argv])  # the same start-up as a cold worker's
     return 0
+
+
+def _reseed() -> None:
+    """Fresh seeds for numpy's global generator (`random` reseeds itself after a fork), so no two
+    workers draw the same numbers unless their script seeds them."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()
+        except Exception:  # noqa: BLE001 - a library's own state: never fail a worker for it
+            pass
 
 
 if __name__ == "__main__":

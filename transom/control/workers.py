@@ -1,8 +1,9 @@
 """One node's workers for one generation: start them torchrun-style, watch them, stop them.
 
-Each worker is `python SCRIPT ARGS`, started through the worker bootstrap (a warm interpreter
-from the agent's pool, else `python -u -m transom.control.bootstrap SCRIPT ARGS`, titled `python
--u SCRIPT ARGS`: transom.control.bootstrap), in its own process group with the environment
+Each worker is `python SCRIPT ARGS`, started through the worker bootstrap (forked from the
+node's warm interpreter, transom.control.warm, else `python -u -m transom.control.bootstrap
+SCRIPT ARGS`; titled `python -u SCRIPT ARGS` either way: transom.control.bootstrap), in its own
+process group with the environment
 torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) plus TRANSOM_* variables, its
 stdout and stderr in one log file per rank and generation. Workers die with their agent
 (PR_SET_PDEATHSIG), and `stop()` ends each worker's whole process tree. `pause()` freezes the
@@ -31,7 +32,7 @@ from typing import Any
 
 from transom.common.records import FailureReport
 from transom.control.failures import classify_exit
-from transom.control.warm import WarmPool
+from transom.control.warm import ForkedWorker, WarmPool
 from transom.utils.net import interface_of, listening_socket
 from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
 
@@ -164,7 +165,7 @@ class WorkerGroup:
         self.script_args = list(script_args)
         self.log_dir = Path(log_dir)
         self.extra_env = extra_env
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[subprocess.Popen[bytes] | ForkedWorker] = []
         self.log_paths: list[Path] = []
         self.paused_at: float | None = None  # monotonic time of pause(); None while running
         self._lock = threading.Lock()  # pause (the agent's guard thread) against start and stop
@@ -186,7 +187,9 @@ class WorkerGroup:
         for local_rank in range(a.nproc_per_node):
             path = self.log_dir / f"rank{a.global_rank(local_rank)}.log"
             env = worker_env(a, local_rank, self.extra_env)
-            proc = pool.launch(argv, env, path) if pool is not None else None
+            proc: subprocess.Popen[bytes] | ForkedWorker | None = None
+            if pool is not None:
+                proc = pool.launch(argv, env, path)
             self.started_as.append(pool.last_launch if pool is not None and proc else "cold")
             if proc is None:
                 with open(path, "ab") as log:
