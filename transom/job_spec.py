@@ -215,8 +215,9 @@ class JobSpec(Record):
         default=True,
         metadata=option(
             "--no-warm-workers",
-            "start every worker in a fresh interpreter (default: each agent keeps one per "
-            "local rank ready with torch imported, which saves seconds on every restart)",
+            "start every worker in a fresh interpreter (default: each agent keeps one "
+            "interpreter with torch imported and forks every worker from it, which saves "
+            "seconds on the first start and on every restart)",
             action="store_false",
         ),
     )
