@@ -3,9 +3,10 @@
 - The plan reaches an agent through its watch: no read per tick (etcd's own request counter says
   so), and a plan the stream missed while the node was cut off is read on `resync`; a stream
   that stays down is replaced by direct reads.
-- The lease keeper is the agent's evidence that etcd answers: a node cut off from etcd (a
-  blackholed proxy in front of it) enters an outage and its time cut off grows towards the TTL
-  (the fence rule's input), and it leaves the outage when etcd answers again.
+- The lease keeper's renewals are the agent's evidence that etcd answers (its `NodeContact`):
+  a node cut off from etcd (a blackholed proxy in front of it) enters an outage and its time cut
+  off grows towards the TTL (the fence rule's input), and it leaves the outage when etcd answers
+  again.
 - Status and summaries are written when they change or at their heartbeat, and the heartbeat
   keeps the controller's extrapolated view of a rank true (no false stopped heartbeat, no
   false hang, no telemetry gap).
@@ -180,29 +181,28 @@ def test_a_node_cut_off_from_etcd_enters_an_outage_and_its_cut_off_time_reaches_
     cut_store, proxy = proxied
     ttl = 2
     agent = NodeAgent(cut_store, "node0", tmp_path)
-    agent.spec = JobSpec(script="train.py", job_id=cut_store.job_id, node_ttl_s=ttl)
+    contact = agent.contact
+    contact.ttl_s = ttl
     stopping = threading.Event()
-    keeper = agent.keeper = LeaseKeeper(cut_store, stopping)
+    keeper = agent.keeper = LeaseKeeper(cut_store, contact, stopping)
     keeper.hold(cut_store.lease(ttl))
     keeper.start(ttl)
     try:
         time.sleep(1.0)
-        agent._check_contact(time.monotonic())
-        assert not agent.link.in_outage
+        assert not contact.check(time.monotonic())
         proxy.set_blackhole()
         cut_at = time.monotonic()
 
         def in_outage() -> bool:
-            agent._check_contact(time.monotonic())
-            return agent.link.in_outage
+            return contact.check(time.monotonic())
 
         wait_for(in_outage, 10, "the agent to notice it is cut off")
         # Noticed from the renewals alone (no read of the plan needed), before the lease can
         # expire: a TTL after the last renewal etcd answered (at most a renewal before the cut).
-        assert time.monotonic() - agent.link.last_ok < ttl
-        assert agent.link.last_ok <= cut_at
+        assert contact.cut_off_s(time.monotonic()) < ttl
+        assert contact.reached_at <= cut_at
         # Cut off past the TTL, and past etcd's own check of expired leases (every 0.5 s).
-        wait_for(lambda: time.monotonic() - agent.link.last_ok >= ttl + 1.5, 10, "a TTL cut off")
+        wait_for(lambda: contact.cut_off_s(time.monotonic()) >= ttl + 1.5, 10, "a TTL cut off")
         assert in_outage()  # still cut off: the fence rule's input has reached the TTL
         proxy.set_pass()
         wait_for(lambda: not in_outage(), 20, "the agent to reach etcd again")

@@ -2,15 +2,19 @@
 
 Pure: `decide` with snapshots (control-plane incidents, a cut-off node, a skewed agent clock,
 a restarted agent rejoining), the controller's observations on its own clock
-(control/observed.py) and the agent's pause and fence rules (control/fence.py), the pause
-guard's thread on a lease keeper that renews nothing. No etcd, no processes.
+(control/observed.py), the agent's one clock of its contact with etcd and the thresholds that
+count from it (control/node_contact.py: outage, pause, fence), fed by a lease keeper's renewals,
+and the pause guard's thread (control/fence.py) on a lease keeper that renews nothing. No etcd,
+no processes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
+import pytest
 from test_decisions import T0, kinds, nodes, run, running, spec, statuses
 
 from transom.common.records import (
@@ -22,12 +26,20 @@ from transom.common.records import (
     Severity,
 )
 from transom.common.states import JobState, NodeState
-from transom.control.fence import PAUSE_TTL_SHARE, PauseGuard, fence_reason, pause_reason
+from transom.control.fence import PauseGuard
 from transom.control.grace import grace_s, lease_stall_s
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.monitor_rules import SUMMARY_GAP_S
+from transom.control.node_contact import (
+    OVERDUE_TTL_SHARE,
+    PAUSE_TTL_SHARE,
+    NodeContact,
+    fence_reason,
+    pause_reason,
+)
 from transom.control.observed import MIN_GAP_S, Observed
 from transom.control.tick import Snapshot
+from transom.store import StoreError
 
 MEMBERS = ["node0", "node1", "node2"]
 
@@ -261,26 +273,112 @@ def test_workers_are_given_up_only_after_the_outage_limit():
     assert "--store-outage 60" in fence_reason(60.0, 60.0)
 
 
+def contact_at(t: float, ttl_s: float = 8.0) -> NodeContact:
+    contact = NodeContact("agent node0", t)
+    contact.ttl_s = ttl_s
+    return contact
+
+
+def test_one_contact_clock_counts_the_outage_the_pause_and_the_fence():
+    """Every threshold counts from the newest lease request etcd answered, on one clock."""
+    contact = contact_at(100.0)  # the agent began: cut off from then until etcd answers
+    contact.granted(100.5)  # registered: the lease's grant was asked for at 100.5
+    contact.renewed(104.0)  # a renewal sent at 104.0 was answered
+    contact.renewed(103.0)  # an older answer (never moves the clock back)
+    assert contact.reached_at == 104.0 and contact.cut_off_s(105.0) == 1.0
+    overdue_at = 104.0 + OVERDUE_TTL_SHARE * 8.0  # 109.0
+    assert not contact.check(overdue_at)  # at the threshold, not past it
+    assert contact.pause_due(overdue_at, lease_lost=False) is None
+    assert contact.check(overdue_at + 0.01)  # no answer for 5/8 of the TTL: an outage...
+    assert contact.outage.since == 104.0  # ...that began when etcd last answered
+    assert contact.pause_in_s(overdue_at) == (PAUSE_TTL_SHARE - OVERDUE_TTL_SHARE) * 8.0
+    assert contact.pause_due(109.9, lease_lost=False) is None
+    assert "may expire" in contact.pause_due(110.0, lease_lost=False)  # 3/4 of the TTL
+    assert "expired" in contact.pause_due(104.1, lease_lost=True)  # etcd said so: at once
+    assert contact.fence_due(163.9, 60.0) is None
+    assert "--store-outage 60" in contact.fence_due(164.0, 60.0)
+    contact.renewed(170.0)  # etcd answers again: the outage ends at the next check
+    assert not contact.check(170.1) and contact.cut_off_s(170.1) == pytest.approx(0.1)
+    assert contact.pause_due(170.1, lease_lost=False) is None
+
+
+def test_a_failed_renewal_or_call_is_an_outage_until_a_later_lease_request_is_answered():
+    contact = contact_at(100.0)
+    contact.renewed(104.0)
+    contact.renewal_failed(StoreError("no answer"))
+    assert contact.check(104.5) and contact.outage.since == 104.0  # at once, not when overdue
+    contact.renewed(108.0)  # the next renewal answered: the error is over
+    assert not contact.check(108.2)
+    # A call of the agent's loop failed: an outage from the newest answer its turn's check
+    # read, which only a later lease request answered ends (the agent polls nothing else).
+    contact.failed(StoreError("put timed out"))
+    assert contact.check(108.3) and contact.outage.since == 108.0
+    contact.granted(108.0)  # not later: still out
+    assert contact.check(108.4)
+    contact.granted(108.4)  # a new lease granted: its request was answered
+    assert not contact.check(108.5)
+    contact.renewed(108.6)  # answered during the turn that began with that check...
+    contact.failed(StoreError("put timed out"))  # ...whose call then failed
+    assert contact.outage.since == 108.4  # the turn's reading: the next check ends it
+    assert not contact.check(108.7)
+    # A grant is no renewal: a renewal's failure still stands until a renewal is answered.
+    contact.renewal_failed(StoreError("no answer"))
+    contact.granted(109.0)
+    assert contact.check(109.1)
+    contact.renewed(109.2)
+    assert not contact.check(109.3)
+
+
+class FakeLeaseStore:
+    """`refresh` answers `alive`, or raises StoreError when `alive` is None."""
+
+    def __init__(self) -> None:
+        self.alive: bool | None = True
+
+    def refresh(self, lease) -> bool:
+        if self.alive is None:
+            raise StoreError("no answer")
+        return self.alive
+
+
+def test_the_lease_keeper_feeds_every_renewal_answer_to_the_contact_clock():
+    contact = contact_at(time.monotonic())
+    store = FakeLeaseStore()
+    keeper = LeaseKeeper(store, contact, threading.Event())  # type: ignore[arg-type]
+    lease = SimpleNamespace(renewed_at=contact.reached_at + 0.5)
+    keeper.hold(lease)  # type: ignore[arg-type]
+    assert contact.reached_at == lease.renewed_at  # the grant counts
+    store.alive = None
+    keeper.renew()
+    assert isinstance(contact.error, StoreError) and contact.reached_at == lease.renewed_at
+    store.alive = False  # "this lease has expired" is an answer too
+    before = time.monotonic()
+    keeper.renew()
+    assert contact.error is None and contact.reached_at >= before and keeper.lost.is_set()
+
+
 class GuardedNode:
-    """A pause guard on a lease keeper that renews nothing (the test moves `reached_at`); each
-    pause is recorded with its time and how often the guard had read the cut-off by then."""
+    """A pause guard on a lease keeper that renews nothing (the test moves the contact's
+    `reached_at`); each pause is recorded with its time and how often the guard had read the
+    cut-off by then."""
 
     def __init__(self, ttl_s: float):
         self.stopping = threading.Event()
-        self.keeper = LeaseKeeper(None, self.stopping)  # type: ignore[arg-type]  # never renews
+        self.contact = contact_at(time.monotonic(), ttl_s)
+        self.keeper = LeaseKeeper(None, self.contact, self.stopping)  # type: ignore[arg-type]
         self.reads = 0
         self.pauses: list[tuple[float, str, int]] = []
         self.paused = threading.Event()
-        cut_off_s = self.keeper.cut_off_s
+        cut_off_s = self.contact.cut_off_s
 
         def counted(now: float) -> float:
             self.reads += 1
             return cut_off_s(now)
 
-        self.keeper.cut_off_s = counted  # type: ignore[method-assign]
+        self.contact.cut_off_s = counted  # type: ignore[method-assign]
         self.guard = PauseGuard(self.keeper, self._pause, self.stopping)
-        self.keeper.reached_at = self.started = time.monotonic()
-        self.guard.start(ttl_s)
+        self.contact.reached_at = self.started = time.monotonic()
+        self.guard.start()
 
     def _pause(self, reason: str) -> None:
         self.pauses.append((time.monotonic(), reason, self.reads))
@@ -291,7 +389,7 @@ def test_the_pause_guard_sleeps_until_the_pause_is_due_instead_of_polling():
     node = GuardedNode(ttl_s=2.0)
     try:
         time.sleep(0.5)  # a renewal answered: the pause moves 0.5 s later
-        renewed = node.keeper.reached_at = time.monotonic()
+        renewed = node.contact.reached_at = time.monotonic()
         assert node.paused.wait(10.0)
         at, reason, reads = node.pauses[0]
         assert at - renewed >= PAUSE_TTL_SHARE * 2.0 and "may expire" in reason

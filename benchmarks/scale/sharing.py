@@ -250,8 +250,7 @@ GUARDS = GuardSweep()
 
 
 class SharedPauseGuard(PauseGuard):
-    def start(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
+    def start(self) -> None:
         GUARDS.add(self)
 
 

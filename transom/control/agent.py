@@ -14,9 +14,11 @@ A fault of the control plane never ends the agent: an etcd call that fails (`Sto
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
 workers train on through a short one (their collectives never need etcd) and are paused
 (SIGSTOP) before the node's lease can expire, so an old generation never runs beside a new one
-(the rule and its numbers: transom.control.fence); reports wait for etcd to come back, the plan
-is read again and its watch reconnected, a lease that expired meanwhile is taken again under the
-same node id, and paused workers resume if the plan still has the node in their generation.
+(the rule: transom.control.fence; the one clock it counts from, when this node last reached
+etcd, and its numbers: transom.control.node_contact); reports wait for etcd to come back, the
+plan is read again and its watch reconnected, a lease that expired meanwhile is taken again
+under the same node id, and paused workers resume if the plan still has the node in their
+generation.
 SIGTERM (a scheduler's stop) ends the agent cleanly: workers stopped, the checkpoint server
 told to free its shared memory, the node deregistered, exit 0. An evicted agent stops and
 exits; an agent restarted under an evicted node's id (a new incarnation) waits for the
@@ -39,11 +41,12 @@ from typing import Any
 from transom.common import env, files, keys
 from transom.common.records import MasterAddress, NodeRegistration, Plan, PreflightResult
 from transom.common.states import JobState, NodeState
-from transom.control import bootstrap, fence, links
+from transom.control import bootstrap, links
 from transom.control.ckpt_node import NodeCheckpointServer
-from transom.control.fence import RIDING_OUT, PauseGuard, fence_reason, fenced, until_reached
+from transom.control.fence import PauseGuard, fenced, until_reached
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.leaving import close_all, deregister
+from transom.control.node_contact import NodeContact
 from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import failed_checks, joining_checks
@@ -54,17 +57,13 @@ from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreError
-from transom.store.etcd_client import REFRESHES_PER_TTL, Lease
-from transom.store.reachability import StoreOutage
+from transom.store.etcd_client import Lease
 from transom.store.spec import SPEC_WAIT_S, read_spec
 from transom.utils.net import bind_address
 
 log = logging.getLogger("transom.agent")
 
 TICK_S = 0.2  # the local loop (workers, monitor, warm pool); it costs etcd nothing by itself
-# No answer from etcd for this share of the node TTL is an outage: a renewal period (TTL /
-# REFRESHES_PER_TTL) and half the time its renewal has before the fence's pause.
-OVERDUE_TTL_SHARE = (1 / REFRESHES_PER_TTL + fence.PAUSE_TTL_SHARE) / 2
 EXIT_EVICTED = 3
 
 
@@ -80,7 +79,9 @@ class NodeAgent:
         self.spec: JobSpec | None = None
         self.lease: Lease | None = None
         self.stopping = threading.Event()
-        self.keeper = LeaseKeeper(store, self.stopping)
+        # When this node last reached etcd: fed by the keeper's renewals and leases' grants.
+        self.contact = NodeContact(f"agent {node_id}", time.monotonic(), logger=log)
+        self.keeper = LeaseKeeper(store, self.contact, self.stopping)
         self.guard = PauseGuard(self.keeper, self._pause_group, self.stopping)  # control.fence
         self.plan = PlanFollower(store)
         self.terminated = False  # SIGTERM: leave the job cleanly, exit 0
@@ -94,7 +95,6 @@ class NodeAgent:
         self.preflight_result: PreflightResult | None = None
         self.monitor: NodeMonitor | None = None
         self.faults: FaultInjector | None = None
-        self.link = StoreOutage(f"agent {node_id}", logger=log, meanwhile=RIDING_OUT)
         self.reports = NodeReports(store, node_id, self.incarnation, self._facts)
         self._resync = False  # read the plan again and reconnect its watch (after an outage)
         self._lease_loss_seen = False
@@ -178,6 +178,7 @@ class NodeAgent:
             lambda: read_spec(self.store, SPEC_WAIT_S, check_script=True, reader=self.node_id),
             self.stopping,
         )
+        self.contact.ttl_s = spec.node_ttl_s
         self.monitor = NodeMonitor(self.node_id, str(self.run_dir), spec.hang_floor_s, spec.script)
         if spec.warm_workers:
             # The job id makes warm interpreters findable as the job's own processes.
@@ -192,7 +193,7 @@ class NodeAgent:
         until_reached("launch the checkpoint server", self.ckpt.launch, self.stopping)
         until_reached("register the node", self._register, self.stopping)
         self.keeper.start(spec.node_ttl_s)
-        self.guard.start(spec.node_ttl_s)
+        self.guard.start()
         until_reached("publish the pre-flight result", self._preflight, self.stopping)
         until_reached("start the checkpoint server", self.ckpt.start_patiently, self.stopping)
         until_reached("read the plan", lambda: self.plan.start(time.monotonic()), self.stopping)
@@ -218,7 +219,7 @@ class NodeAgent:
     def _deregister(self) -> None:
         """Not during an outage: each call would wait out the store's deadline, and the lease
         expires by itself within the TTL (a scheduler's grace period is 30 s)."""
-        if not self.link.in_outage:
+        if not self.contact.in_outage:
             deregister(self.store, self.node_id, self.lease, self.terminated)
             self.lease = None
             self.keeper.hold(None)
@@ -226,10 +227,9 @@ class NodeAgent:
     # -- main loop ----------------------------------------------------------------------------
     def _turn(self) -> int | None:
         """One turn of the loop: a tick while etcd answers, the fence rule while it does not."""
-        assert self.spec is not None
-        self._check_contact(time.monotonic())
-        self.reports.held, self.reports.failure = self.link.in_outage, None
-        if not self.link.in_outage:
+        in_outage = self.contact.check(time.monotonic())  # by the renewals' word: polls nothing
+        self.reports.held, self.reports.failure = in_outage, None
+        if not in_outage:
             try:
                 with self.reports.batch():  # the turn's writes: one request at its end
                     outcome = self._tick()
@@ -238,23 +238,11 @@ class NodeAgent:
             failure = self.reports.failure  # a call that failed, or a write the tick let pass
             if failure is None or outcome is not None:
                 return outcome
-            self.link.failed(failure)
+            self.contact.failed(failure)
             self.reports.held = True
         self._resync = True
         self._offline()
         return None
-
-    def _check_contact(self, now: float) -> None:
-        """Take the lease keeper's word for whether etcd answers (the agent polls nothing)."""
-        assert self.spec is not None
-        if self.keeper.reached_at > self.link.last_ok:
-            self.link.ok(self.keeper.reached_at)
-        silent_s = now - self.link.last_ok
-        error = self.keeper.error
-        if error is None and silent_s > OVERDUE_TTL_SHARE * self.spec.node_ttl_s:
-            error = StoreError(f"no answer to a lease renewal for {silent_s:.1f} s")
-        if error is not None:
-            self.link.failed(error)
 
     def _offline(self) -> None:
         """etcd cannot be reached: give the workers up after --store-outage (control.fence;
@@ -265,8 +253,7 @@ class NodeAgent:
         self._watch_group()  # a worker that failed meanwhile stops the group (reported later)
         if self.group is None or self.group_state is not NodeState.RUNNING:
             return
-        cut_off = self.keeper.cut_off_s(time.monotonic())  # as the pause guard counts it
-        reason = fence_reason(cut_off, self.spec.store_outage_s)
+        reason = self.contact.fence_due(time.monotonic(), self.spec.store_outage_s)
         if reason is not None:
             log.warning("fencing this node: %s: killing its workers", reason)
             self._stop_group()

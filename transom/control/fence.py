@@ -6,11 +6,13 @@ started the next generation without this node. The controller can do that only a
 node's lease expired (then `settle_s`, a tick, the survivors' start). The lease outlives its
 last renewal by the TTL, counted by etcd from when the renewal reached it, which is after the
 agent sent it; the agent counts "cut off" from the sending of the newest renewal etcd answered
-(its own monotonic clock, never compared with another machine's). So, with `cut_off_s` that:
+(its own monotonic clock, never compared with another machine's: `NodeContact.reached_at`,
+transom.control.node_contact, which owns that clock and the thresholds that count from it). So,
+with `cut_off_s` that:
 
 - below PAUSE_TTL_SHARE x the node TTL (6 s of the default 8 s): nothing changes, the workers
   train on (a short stall costs nothing at all);
-- from there, or at once when etcd said the lease expired: `pause_reason` says to freeze the
+- from there, or at once when etcd said the lease expired: `pause_due` says to freeze the
   workers (SIGSTOP): from then on no instruction of the old generation runs on this node, before
   its lease can expire, so an old and a new generation never overlap, whatever the network
   does. A paused worker keeps its memory, its sockets and its place in the collective;
@@ -18,7 +20,7 @@ agent sent it; the agent counts "cut off" from the sending of the newest renewal
   stalled for everyone: nobody could write a new plan), the agent resumes the workers: no
   restart, no eviction, the only cost is the pause. If the plan evicted this node or went on to
   another generation, the paused workers are killed without running again;
-- at `store_outage_s` (--store-outage) `fence_reason` says to give up: an outage that long is
+- at `store_outage_s` (--store-outage) `fence_due` says to give up: an outage that long is
   no longer ridden out; the workers are killed and reported as fenced once etcd is back, and the
   controller restarts the generation.
 
@@ -53,43 +55,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transom.agent")
 
-# Workers are paused once the agent has been cut off for this share of the node TTL: the
-# rest of the TTL (2 s of the default 8 s) covers the agent's turn (0.2 s) and the signal. With
-# renewals every half TTL (store.etcd_client.REFRESHES_PER_TTL), a renewal has a quarter of the
-# TTL to be answered before a pause.
-PAUSE_TTL_SHARE = 0.75
 GUARD_TICK_S = 0.1  # the guard's period while a pause is due (and its least sleep)
 # How long start-up (spec, checkpoint secret, registration) waits for etcd before giving up.
 STARTUP_WAIT_S = 300.0
 STARTUP_RETRY_S = 1.0
-# What an agent does while etcd is unreachable (the log line that opens an outage says it).
-RIDING_OUT = (
-    f"workers train on for {PAUSE_TTL_SHARE:.0%} of the node TTL, then pause until etcd "
-    "answers (resumed if the job still has this node), for up to --store-outage"
-)
 T = TypeVar("T")
-
-
-def pause_reason(cut_off_s: float, ttl_s: float, lease_lost: bool) -> str | None:
-    """Why this node's running workers must be paused now, or None to let them train on."""
-    if lease_lost:
-        return "etcd said this node's lease expired"
-    if cut_off_s >= PAUSE_TTL_SHARE * ttl_s:
-        return (
-            f"cut off from etcd for {cut_off_s:.1f} s: the node's lease ({ttl_s:g} s) may "
-            "expire before etcd answers again"
-        )
-    return None
-
-
-def fence_reason(cut_off_s: float, outage_limit_s: float) -> str | None:
-    """Why this node must give its workers up now, or None to keep them (paused)."""
-    if cut_off_s >= outage_limit_s:
-        return (
-            f"cut off from etcd for {cut_off_s:.0f} s, longer than the job rides out "
-            f"(--store-outage {outage_limit_s:.0f} s)"
-        )
-    return None
 
 
 def fenced(reason: str) -> FailureReport:
@@ -99,29 +69,27 @@ def fenced(reason: str) -> FailureReport:
 
 
 class PauseGuard:
-    """Calls `pause(reason)` whenever `pause_reason` holds for the lease keeper's evidence (the
-    callback must be cheap and idempotent: it pauses running workers, or does nothing)."""
+    """Calls `pause(reason)` whenever the lease keeper's contact says a pause is due
+    (`NodeContact.pause_due`, with the keeper's `lost`); the callback must be cheap and
+    idempotent: it pauses running workers, or does nothing."""
 
     def __init__(
         self, keeper: LeaseKeeper, pause: Callable[[str], None], stopping: threading.Event
     ) -> None:
         self.keeper, self.pause, self.stopping = keeper, pause, stopping
-        self.ttl_s = 0.0
         self._thread = threading.Thread(target=self._run, name="pause-guard", daemon=True)
 
-    def start(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
+    def start(self) -> None:
+        """Guard from now on (the contact's TTL is set by then)."""
         self._thread.start()
 
     def due(self) -> str | None:
-        cut_off = self.keeper.cut_off_s(time.monotonic())
-        return pause_reason(cut_off, self.ttl_s, self.keeper.lost.is_set())
+        return self.keeper.contact.pause_due(time.monotonic(), self.keeper.lost.is_set())
 
     def _sleep_s(self) -> float:
         """How long nothing can become due but the lease's loss: until the cut-off reaches the
-        pause share of the TTL (a renewal answered meanwhile only puts that later)."""
-        cut_off = self.keeper.cut_off_s(time.monotonic())
-        return max(GUARD_TICK_S, PAUSE_TTL_SHARE * self.ttl_s - cut_off)
+        pause (a renewal answered meanwhile only puts that later)."""
+        return max(GUARD_TICK_S, self.keeper.contact.pause_in_s(time.monotonic()))
 
     def _run(self) -> None:
         while not self.stopping.is_set():
