@@ -1,6 +1,6 @@
 """End to end: unmodified scripts (no transom import) under `transom run` on 2 nodes and 1 spare
 get hang detection from the worker bootstrap alone: a torchrun-style DDP script
-(tests/scripts/ddp_toy.py) and a Hugging Face `Trainer` script (tests/scripts/hf_unmodified.py).
+(tests/scripts/ddp_toy.py) and a Hugging Face `Trainer` script (examples/hf_trainer_unmodified.py).
 Rank 1's worker SIGSTOPped from outside mid-run is found as a hang naming that rank, with where
 every rank is (stopped, or waiting in the backward pass), a new generation takes the spare, and
 the job finishes with the weights of a fault-free run."""
@@ -11,11 +11,10 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOY, wait_for
+from conftest import REPO, TOY, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +57,9 @@ def assert_hang_found_with_stacks(
         text=True,
         timeout=60,
     )
-    assert "rank 1: stopped; rank 0: in backward" in shown.stdout, shown.stdout + shown.stderr
+    assert re.search(rf"rank 1: stopped; rank 0: {waiting}", shown.stdout), (
+        shown.stdout + shown.stderr
+    )
 
 
 def test_a_stopped_rank_of_an_unmodified_ddp_script_is_found_with_stacks_and_replaced(start_job):
@@ -84,8 +85,8 @@ def test_a_stopped_rank_of_an_unmodified_ddp_script_is_found_with_stacks_and_rep
     assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in theirs["model"])
 
 
-HF = str(Path(__file__).resolve().parent / "scripts" / "hf_unmodified.py")
-HF_ARGS = ["--steps", "60", "--save-steps", "10", "--step-delay", "0.1"]
+HF = str(REPO / "examples" / "hf_trainer_unmodified.py")
+HF_ARGS = ["--steps", "60", "--save-steps", "10", "--data-delay", "0.1"]
 
 
 def test_a_stopped_rank_of_an_unmodified_hf_trainer_script_is_found_and_replaced(start_job):
@@ -97,7 +98,9 @@ def test_a_stopped_rank_of_an_unmodified_hf_trainer_script_is_found_and_replaced
     worker.suspend()
     stopped_at = time.time()
     assert job.wait(timeout=300) == 0, job.output
-    assert_hang_found_with_stacks(job, stopped_at, "hf_unmodified.py", ("backward", "all_gather"))
+    assert_hang_found_with_stacks(
+        job, stopped_at, "hf_trainer_unmodified.py", ("backward", "all_gather")
+    )
     assert "resuming from" in job.log_text("g002/rank0.log")
     reference = start_job("--nnodes", "2", HF, *HF_ARGS, env=env)
     assert reference.wait(timeout=300) == 0, reference.output

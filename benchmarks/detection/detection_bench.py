@@ -1,7 +1,12 @@
 """Detection benchmark: how fast the monitor finds injected faults, whom it blames, what it costs.
 
-For each fault type it runs ONE long `transom run` job of examples/train_gpt.py (--nodes nodes,
-3 by default, x 1 worker) and injects --trials faults of that type into it one after another,
+For each fault type it runs ONE long `transom run` job of a training script (--nodes nodes, 3 by
+default, x 1 worker): examples/train_gpt.py, which uses Transom's monitor API (--script gpt, the
+default), or a plain script with no Transom import that the worker bootstrap instruments
+(transom.monitor.auto): examples/ddp_unmodified.py (--script ddp, torchrun-style DDP) or
+examples/hf_trainer_unmodified.py (--script hf, a Hugging Face Trainer). The plain scripts take
+the fault types that need nothing of the script (not slow or nan, which the worker applies
+through the monitor API). It injects --trials faults of that type into it one after another,
 each at a random rank and a random step (seeded); fault types whose answer is an eviction (hang,
 slow, throttle, log) need a spare per fault and a job has at most as many as nodes, so those run
 in jobs of that many faults. `throttle` slows a rank from outside its process (the agent stops
@@ -20,6 +25,11 @@ A fault-free job with checkpoints and evaluation passes gives false positives pe
 anomaly above info severity, any decision), and single-process runs of train_gpt with the
 monitor on and off (alternating pairs: benchmarks/monitor/overhead.py) give the step-time
 overhead of monitoring with a 95% confidence interval.
+The median step and the slowdowns come from rank 0's `step N [loss L] t=TIME` lines, which all
+three scripts print after each step; a fault's step and its anomaly's are the monitor's numbers
+(train_gpt's own; for a plain script the optimizer hook's, its optimizer's count from 0, one below
+the script's step N: Workload.log_step_offset). The monitor overhead is measured for gpt only
+(an unmodified loop's: `python -m benchmarks.monitor.overhead --auto`).
 Without running anything, the log classifier (transom.monitor.patterns) is measured on the
 corpora in tests/data/log_corpus: precision and recall of its hardware classifications
 (`--patterns-only` measures just that).
@@ -30,6 +40,7 @@ overhead < 1%.
 
     python -m benchmarks.detection --trials 20 --fault-free-minutes 30      # the full run
     python -m benchmarks.detection --json                                   # last line: JSON
+    python -m benchmarks.detection --script ddp --types shapes,hang --nodes 2 --trials 20
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import REPO
@@ -54,7 +67,6 @@ from benchmarks.detection.table import print_table
 from benchmarks.monitor.overhead import measure as measure_overhead
 from transom.testing.jobs import transom_run
 
-SCRIPT = REPO / "examples" / "train_gpt.py"
 LOG_CORPUS = REPO / "tests" / "data" / "log_corpus"
 from transom.common import anomaly_types, env  # noqa: E402
 from transom.common.files import rank_log  # noqa: E402
@@ -99,7 +111,70 @@ TARGETS = {
     "attribution": 0.95,
     "overhead": 0.01,
 }
-STEP_LINE = re.compile(r"^step (\d+) loss \S+ t=(\d+\.\d+)$", re.M)
+STEP_LINE = re.compile(r"^step (\d+)(?: loss \S+)? t=(\d+\.\d+)$", re.M)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A script the benchmark runs: its file and command line, and how its numbers read."""
+
+    name: str
+    path: Path
+    # argv after the script: (steps, the sleep a step, the fault-free job's extras?) -> options
+    options: Callable[[int, float, bool], list[str]]
+    # Uses Transom's monitor API (step sections, the loss): the worker-side slow and nan
+    # faults, which the worker applies there, work only then.
+    api: bool
+    # Rank 0's log numbers a step this many above the monitor (its `step N` lines).
+    log_step_offset: int
+    # A fault-free step with its checkpoints, to size the fault-free job (seconds; on the
+    # low side, so that the job lasts at least as long as asked).
+    fault_free_step_s: float
+
+
+def _gpt_options(steps: int, delay: float, fault_free: bool) -> list[str]:
+    evaluation = ["--eval-every", "100", "--eval-batches", "200"] if fault_free else []
+    return [
+        *("--steps", str(steps), "--ckpt-every", str(CKPT_EVERY)),
+        *("--step-delay", str(delay), "--log-every", "1", *evaluation),
+    ]
+
+
+WORKLOADS = {
+    # A step with its checkpoints and evaluations took 0.13 s on this machine (3 nodes, 12,000
+    # steps in 26.1 minutes, 2026-12-01); 0.12 s leaves margin.
+    "gpt": Workload("gpt", REPO / "examples" / "train_gpt.py", _gpt_options, True, 0, 0.12),
+    # The plain scripts: their steps are the optimizer hook's (from 0), their `step N` from 1;
+    # the sleep is their data delay (a batch arrives that much later), a step of a few tens of
+    # ms besides. A fault-free step took 0.08-0.09 s on 2 nodes here (0.05 s of it the delay).
+    "ddp": Workload(
+        "ddp",
+        REPO / "examples" / "ddp_unmodified.py",
+        lambda steps, delay, _: [
+            *("--steps", str(steps), "--ckpt-every", str(CKPT_EVERY), "--data-delay", str(delay))
+        ],
+        False,
+        1,
+        0.08,
+    ),
+    "hf": Workload(
+        "hf",
+        REPO / "examples" / "hf_trainer_unmodified.py",
+        lambda steps, delay, _: [
+            *("--steps", str(steps), "--save-steps", str(CKPT_EVERY), "--data-delay", str(delay))
+        ],
+        False,
+        1,
+        0.08,
+    ),
+}
+# The fault types a script without the monitor API cannot take (the worker applies them there).
+NEEDS_API = ("slow", "nan")
+
+
+def supported(workload: Workload) -> tuple[str, ...]:
+    """The fault types and shapes `workload` can be measured with."""
+    return tuple(t for t in (*FAULTS, *SHAPES) if workload.api or t not in NEEDS_API)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -116,13 +191,15 @@ def run_job(
     faults: str | None,
     spares: int,
     steps: int,
-    extra: list[str],
+    fault_free: bool = False,
     nodes: int = NODES,
     step_delay_s: float = STEP_DELAY_S,
     log_level: str = "warning",
     timeout_s: float = JOB_TIMEOUT_S,
+    workload: Workload = WORKLOADS["gpt"],
 ) -> list[dict]:
-    """Run one job to its end (stopped after `timeout_s`); its events."""
+    """Run one job of `workload` to its end (stopped after `timeout_s`); its events.
+    `fault_free`: with the script's extra work of the fault-free job (train_gpt's evaluations)."""
     argv = transom_run(
         run_dir,
         "d-" + uuid.uuid4().hex[:6],
@@ -135,16 +212,8 @@ def run_job(
         "--evict-window",
         "0",
         *(["--faults", faults] if faults else []),
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--ckpt-every",
-        str(CKPT_EVERY),
-        "--step-delay",
-        str(step_delay_s),
-        "--log-every",
-        "1",
-        *extra,
+        str(workload.path),
+        *workload.options(steps, step_delay_s, fault_free),
         log_level=log_level,
     )
     with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
@@ -153,7 +222,12 @@ def run_job(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, env.FINGERPRINT_EVERY: str(FINGERPRINT_EVERY)},
+            # Nothing is downloaded: the Hugging Face script builds its model from a config.
+            env={
+                **os.environ,
+                env.FINGERPRINT_EVERY: str(FINGERPRINT_EVERY),
+                "HF_HUB_OFFLINE": "1",
+            },
         )
         try:
             proc.wait(timeout=timeout_s)
@@ -175,10 +249,11 @@ def median_step_s(run_dirs: list[Path]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
+def slowdowns(run_dir: Path, events: list[dict], log_step_offset: int = 0) -> list[float]:
     """Per fired fault: how many times as long the job took for the SLOWDOWN_STEPS steps after
-    the fault as for the SLOWDOWN_STEPS before it (rank 0's log, in the fault's generation). A
-    mean, not a median: a slowdown that hits half of the steps makes the job that much slower."""
+    the fault as for the SLOWDOWN_STEPS before it (rank 0's log, in the fault's generation, whose
+    step numbers are the monitor's plus `log_step_offset`). A mean, not a median: a slowdown that
+    hits half of the steps makes the job that much slower."""
     out = []
     for f in (e for e in events if e["kind"] == "fault" and e.get("step") is not None):
         log = rank_log(run_dir, f.get("generation") or 0, 0)
@@ -187,7 +262,7 @@ def slowdowns(run_dir: Path, events: list[dict]) -> list[float]:
         points = dict(
             (int(s), float(t)) for s, t in STEP_LINE.findall(log.read_text(errors="replace"))
         )
-        at = f["step"]
+        at = f["step"] + log_step_offset
         before = _gaps(points, range(at - SLOWDOWN_STEPS, at))
         after = _gaps(points, range(at + 2, at + 2 + SLOWDOWN_STEPS))
         if len(before) >= 5 and len(after) >= 5:
@@ -289,25 +364,37 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     if step_s and latencies:  # the issue's measure: within 30 x the median step time
         within_s = sum(s <= TARGETS["slow_steps"] * step_s for s in latencies)
         out["within_target_s"] = within_s / len(faults) if faults else None
+        in_median_steps = [s / step_s for s in latencies]
+        out["latency_p50_median_steps"] = percentile(in_median_steps, 0.5)
+        out["latency_max_median_steps"] = max(in_median_steps)
+        for trial in trials:
+            if "latency_s" in trial:
+                trial["latency_median_steps"] = round(trial["latency_s"] / step_s, 1)
     out["trials"] = trials
     return out
 
 
-def fault_free(tmp: Path, minutes: float, nodes: int = NODES) -> dict:
-    """A job without faults, with checkpoints and an evaluation pass every 100 steps."""
-    # Sized to last at least `minutes`: a step with its checkpoints and evaluations took 0.13 s
-    # on this machine (3 nodes, 12,000 steps in 26.1 minutes, 2026-12-01); 0.12 s leaves margin.
-    per_step = 0.12
-    steps = max(60, int(minutes * 60 / per_step))
+def fault_free(
+    tmp: Path,
+    minutes: float,
+    nodes: int = NODES,
+    workload: Workload = WORKLOADS["gpt"],
+    step_delay_s: float = STEP_DELAY_S,
+) -> dict:
+    """A job without faults, with checkpoints (and for train_gpt an evaluation pass every 100
+    steps), sized to last at least `minutes`."""
+    steps = max(60, int(minutes * 60 / workload.fault_free_step_s))
     t0 = time.time()
     events = run_job(
         tmp / "fault-free",
         None,
         0,
         steps,
-        ["--eval-every", "100", "--eval-batches", "200"],
+        True,
         nodes,
+        step_delay_s,
         timeout_s=2 * minutes * 60 + JOB_TIMEOUT_S,
+        workload=workload,
     )
     hours = (time.time() - t0) / 3600
     false = [
@@ -360,7 +447,7 @@ def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.detection",
         description=__doc__.split("\n\n")[0],
@@ -373,10 +460,18 @@ def main() -> int:
         help="faults per type, all in one job per type (default 20)",
     )
     p.add_argument(
+        "--script",
+        choices=tuple(WORKLOADS),
+        default="gpt",
+        help="the script measured: gpt (examples/train_gpt.py, Transom's monitor API; default), "
+        "ddp (examples/ddp_unmodified.py) or hf (examples/hf_trainer_unmodified.py), plain "
+        f"scripts with no Transom import, which take no {' or '.join(NEEDS_API)} faults",
+    )
+    p.add_argument(
         "--types",
-        default=",".join(FAULTS),
-        help="fault types to run (default: all), and slowdown shapes: "
-        f"{', '.join(SHAPES)}, or 'shapes' for all four",
+        default=None,
+        help=f"fault types to run (default: all of {', '.join(FAULTS)} the script takes), and "
+        f"slowdown shapes: {', '.join(SHAPES)}, or 'shapes' for all four",
     )
     p.add_argument(
         "--fault-free-minutes",
@@ -399,8 +494,9 @@ def main() -> int:
         "--step-delay",
         type=float,
         default=STEP_DELAY_S,
-        help=f"train_gpt's sleep after each step (default {STEP_DELAY_S}; a throttled rank "
-        "stopped while it sleeps loses nothing)",
+        help=f"the script's sleep a step (default {STEP_DELAY_S}): train_gpt's after each step, "
+        "the plain scripts' data delay before it (a throttled rank stopped while it sleeps "
+        "loses nothing)",
     )
     p.add_argument(
         "--throttle-factor",
@@ -420,18 +516,44 @@ def main() -> int:
         help="copy each job's run directory here, less its checkpoints, its controllers logging "
         "at debug level (every straggler evaluation), to study a trial",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    workload = WORKLOADS[args.script]
+    if args.types is None:
+        args.types = ",".join(t for t in FAULTS if t in supported(workload))
     unknown = set(args.types.split(",")) - {"", "shapes", *FAULTS, *SHAPES}
     if unknown:
         p.error(f"--types: unknown {', '.join(sorted(unknown))}")
+    refused = sorted(set(args.types.split(",")) - {"", "shapes", *supported(workload)})
+    if refused:  # one line, no usage: the options parsed, the combination is refused
+        print(
+            f"{p.prog}: error: --types {','.join(refused)} needs Transom's monitor API, through "
+            f"which the worker applies it; --script {workload.name} runs a plain script without "
+            "it (use --script gpt)",
+            file=sys.stderr,
+        )
+        return 2
     rng = random.Random(args.seed)
-    result: dict = {"transom": {}, "trials": args.trials, "seed": args.seed, "targets": TARGETS}
+    result: dict = {
+        "script": workload.name,
+        "script_path": str(workload.path.relative_to(REPO)),
+        "transom": {},
+        "trials": args.trials,
+        "seed": args.seed,
+        "targets": TARGETS,
+    }
     result["patterns"] = pattern_scores()
     result["patterns_precision_x"] = result["patterns"]["patterns_precision_x"]
     result["patterns_recall_x"] = result["patterns"]["patterns_recall_x"]
     print(f"patterns: {json.dumps(result['patterns'])}", flush=True)
     if args.patterns_only:
         args.types, args.fault_free_minutes, args.overhead_rounds = "", 0, 0
+    if args.overhead_rounds > 0 and not workload.api:
+        print(
+            f"overhead: not measured for --script {workload.name} (train_gpt's own; an unmodified "
+            "loop's is `python -m benchmarks.monitor.overhead --auto`)",
+            flush=True,
+        )
+        args.overhead_rounds = 0
     with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
         tmp = Path(tmp_name)
         kinds = [t for t in args.types.split(",") if t]
@@ -451,16 +573,18 @@ def main() -> int:
                     spec,
                     spares,
                     steps,
-                    [],
+                    False,
                     args.nodes,
                     args.step_delay,
                     "debug" if args.keep_dir else "warning",
+                    workload=workload,
                 )
                 events += job
-                slowed += slowdowns(dirs[-1], job)
+                slowed += slowdowns(dirs[-1], job, workload.log_step_offset)
             result["transom"][kind] = score(kind, events, median_step_s(dirs))
             result["transom"][kind]["job_s"] = round(time.time() - t0, 1)
             result["transom"][kind]["nodes"] = args.nodes
+            result["transom"][kind]["script"] = workload.name
             if (kind == "throttle" or kind in SHAPES) and slowed:
                 result["transom"][kind]["job_slowdown_p50_x"] = statistics.median(slowed)
                 result["transom"][kind]["job_slowdowns_x"] = slowed
@@ -470,12 +594,17 @@ def main() -> int:
                     result["transom"][kind]["fault"] = "".join(SHAPES[kind])
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
             if args.keep_dir:
-                keep = Path(args.keep_dir) / f"{kind}-{args.nodes}n-{int(time.time())}"
+                keep = (
+                    Path(args.keep_dir) / f"{kind}-{workload.name}-{args.nodes}n-{int(time.time())}"
+                )
                 keep.mkdir(parents=True, exist_ok=True)
                 for d in dirs:  # its events and logs; not its checkpoints
                     shutil.copytree(d, keep / d.name, ignore=shutil.ignore_patterns("checkpoints"))
         if args.fault_free_minutes > 0:
-            result["fault_free"] = fault_free(tmp, args.fault_free_minutes, args.nodes)
+            result["fault_free"] = fault_free(
+                tmp, args.fault_free_minutes, args.nodes, workload, args.step_delay
+            )
+            result["fault_free"]["script"] = workload.name
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:
             result["overhead"] = measure_overhead(tmp, args.overhead_rounds, args.overhead_steps)

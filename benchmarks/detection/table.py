@@ -24,8 +24,13 @@ def print_table(result: dict) -> None:
             f"as warnings; right type for {fmt(pt['type_accuracy_x'], '{:.3f}')} of "
             f"{pt['hardware_corpus_lines']} labelled lines"
         )
-        if not result["transom"]:
+        if not any(result.get(k) for k in ("transom", "fault_free", "overhead")):
             return
+    if "script" in result:
+        print(f"\nscript: {result['script']} ({result.get('script_path', '?')})")
+    if not result["transom"]:
+        print_others(result)
+        return
     print(
         f"\n{'fault':<11} {'fired':>5} {'found':>5} {'recall':>6} {'precision':>9} "
         f"{'right node':>10} "
@@ -59,8 +64,15 @@ def print_table(result: dict) -> None:
         if "within_target_steps" in r:
             print(
                 f"{kind}: found within 30 steps {fmt(r['within_target_steps'])}, within 30 x the "
-                f"median step time {fmt(r.get('within_target_s'))} of {r['faults']} faults"
+                f"median step time {fmt(r.get('within_target_s'))} of {r['faults']} faults "
+                f"(latency in median steps p50 {fmt(r.get('latency_p50_median_steps'), '{:.1f}')}"
+                f", max {fmt(r.get('latency_max_median_steps'), '{:.1f}')})"
             )
+    print_others(result)
+
+
+def print_others(result: dict) -> None:
+    """The fault-free job's line and the monitor overhead's, where they were measured."""
     if "fault_free" in result:
         f = result["fault_free"]
         print(
