@@ -10,8 +10,8 @@ and reports, from rank 0's step lines and psutil samples of every process each j
   startup_delta_s  Transom's time from launch to the first step, less torchrun's
   ramp_delta_s     Transom's ramp less torchrun's: a job's ramp is how much longer it took from
                    its first step to the steady state's than its steady rate would take (what
-                   slows the first steps: warm-up, and under Transom the refill of the warm
-                   interpreter pool, whose imports run while the first steps do). No target;
+                   slows the first steps: warm-up, caches, the first checkpoints' regions).
+                   No target;
                    startup_delta_s + ramp_delta_s is what Transom costs a generation before the
                    steady state
   transom_cpu_x    CPU of Transom's own processes over the steady state, in cores, by kind
@@ -421,8 +421,8 @@ def main() -> int:
         "--no-warm-workers",
         dest="warm_workers",
         action="store_false",
-        help="transom: no warm interpreter pool (`transom run --no-warm-workers`): workers start "
-        "cold, and no refill imports run beside the first steps (see ramp_delta_s)",
+        help="transom: no warm interpreter (`transom run --no-warm-workers`): every worker "
+        "starts cold, importing torch itself",
     )
     parser.add_argument(
         "--isolate-ranks",

@@ -43,6 +43,6 @@ STACKS_DIR = "TRANSOM_STACKS_DIR"
 # limit's warning that Slurm sends to every process of the step, which only the launcher acts on.
 IGNORE_USR1 = "TRANSOM_IGNORE_USR1"
 
-# -- warm interpreters (control/warm.py) ------------------------------------------------------
+# -- the warm interpreter (control/warm.py) ------------------------------------------------------
 WARM_IMPORTS = "TRANSOM_WARM_IMPORTS"
 WARM_IDLE_IMPORTS = "TRANSOM_WARM_IDLE_IMPORTS"

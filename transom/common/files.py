@@ -3,7 +3,7 @@
 RUN_DIR/
   logs/gNNN/rankR.log     each rank's output, per generation
   logs/gNNN/rankR.stacks  each rank's Python stacks, dumped when its node looked hung
-  logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreters)
+  logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreter's)
   logs/controller-HOST-I.log  a controller candidate's log (the candidate id is its name)
   logs/etcd.log, logs/reference.log   the embedded etcd; the demo's fault-free run
   etcd/                   the embedded etcd's data

@@ -1,8 +1,8 @@
 """The worker bootstrap: the code every worker runs before the user's script, on both start paths.
 
-A worker starts either in a warm interpreter (transom.control.warm, which calls `run_script` once
-its job arrives) or cold, as `python -u -m transom.control.bootstrap SCRIPT ARGS`
-(transom.control.workers). Either way `run_script`:
+A worker starts either forked from its node's warm interpreter (transom.control.warm, whose child
+calls `run_script` once its job arrives) or cold, as `python -u -m transom.control.bootstrap
+SCRIPT ARGS` (transom.control.workers). Either way `run_script`:
 
 1. titles the process `python -u SCRIPT ARGS` (setproctitle), as a plain start would show;
 2. registers `faulthandler` on STACKS_SIGNAL, writing every thread's Python stack to the rank's
