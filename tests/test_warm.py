@@ -18,6 +18,7 @@ import json, os, sys
 print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": os.getcwd(),
                   "rank": os.environ.get("RANK"), "path0": sys.path[0],
                   "torch_loaded": "torch" in sys.modules, "policy": os.sched_getscheduler(0),
+                  "cores": sorted(os.sched_getaffinity(0)),
                   "idle_env": [k for k in os.environ if k.startswith("TRANSOM_WARM_IDLE")]}),
       flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -129,8 +130,8 @@ def test_an_empty_pool_hands_out_nothing(tmp_path):
     not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)"
 )
 def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal(tmp_path):
-    """The imports run at SCHED_IDLE; once they are done, the interpreter waits (and forks) at the
-    normal policy, and so do its workers."""
+    """The imports run at SCHED_IDLE, on any core; once they are done, the interpreter waits (and
+    forks) at the normal policy on the agent's cores, and so do its workers."""
     gate = tmp_path / "go"
     (tmp_path / "gated_import.py").write_text(
         f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
@@ -141,21 +142,33 @@ def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal
         "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     pool = WarmPool(1, env, tmp_path / "warm.log")
-    pool.fill()
+    every_core = set(range(os.cpu_count() or 1))
+    mine = os.sched_getaffinity(0)
+    agent_cores = {min(mine)}  # an agent confined to one core, as beside isolated ranks
+    os.sched_setaffinity(0, agent_cores)
+    try:
+        pool.fill()
+    finally:
+        os.sched_setaffinity(0, mine)
     try:
         interpreter = pool.interpreter
         assert interpreter is not None
         wait_for(
-            lambda: os.sched_getscheduler(interpreter.pid) == os.SCHED_IDLE,
+            lambda: (
+                os.sched_getscheduler(interpreter.pid) == os.SCHED_IDLE
+                and os.sched_getaffinity(interpreter.pid) == every_core
+            ),
             30,
-            "the interpreter to import at idle priority",
+            "the interpreter to import at idle priority, on every core",
         )
         gate.touch()
         wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
         assert os.sched_getscheduler(interpreter.pid) == os.SCHED_OTHER
+        assert os.sched_getaffinity(interpreter.pid) == agent_cores
         code, text = run_warm(pool, tmp_path, "0")
         first = json.loads(text.splitlines()[0])
         assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
+        assert first["cores"] == sorted(agent_cores)
     finally:
         pool.close()
 

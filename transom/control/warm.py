@@ -21,8 +21,9 @@ agent uses. A worker lives in a session of its own and dies with the interpreter
 
 The imports run under the SCHED_IDLE scheduling policy where this process may return to the
 normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only CPU time the
-workers leave idle. Once they are done, and as soon as a job arrives before then, the
-interpreter returns to the normal policy, and its workers with it.
+workers leave idle, on any core (the agent's may be confined to a few, the ranks' cores are idle
+before the first workers start). Once they are done, and as soon as a job arrives before then,
+the interpreter returns to the normal policy and to the agent's cores, and its workers with it.
 
 In `ps` and `top` the interpreter is titled `transom warm interpreter (job J, node N)`; each
 worker's title is its command line, `python -u SCRIPT ARGS`, as a cold-started worker's is.
@@ -274,16 +275,21 @@ def _serve() -> int:
     if len(sys.argv) > 1:
         setproctitle.setproctitle(sys.argv[1])
     idle = os.environ.pop(env_names.WARM_IDLE_IMPORTS, "") == "1"
+    cores = os.sched_getaffinity(0)
     if idle:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            # At idle priority the imports may use any core's idle time, the ranks' cores too
+            # (idle before the first workers start); the workers get the agent's cores back.
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         except OSError:
-            idle = False
+            pass  # normal policy, or the agent's cores only: the imports run there
     for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
     if idle:
         set_normal_policy()  # waiting costs nothing; a fork must not wait for idle CPU
+        _set_affinity(cores)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
@@ -309,6 +315,13 @@ def _serve() -> int:
                 os.close(wake_w)
                 return _become_worker(json.loads(line))
             _say(b"P %d\n" % pid)
+
+
+def _set_affinity(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        pass  # a core taken away meanwhile: the kernel's choice stands
 
 
 def _reap() -> None:
