@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from transom.control.warm import TITLE as WARM_TITLE
+
 PIN_EVERY_S = 0.05  # how soon a new rank (or a new thread of one) is moved to its core
 
 
@@ -67,7 +69,7 @@ def thread_ids(pid: int) -> list[int]:
 class RankPinner:
     """Moves every rank of the job under `root` to a core of its own, and records what it saw:
     `ranks` (pid -> the cores its threads may run on) and `rest` (the cores of every other
-    process of the job, together)."""
+    process of the job, together; the warm interpreter's imports, before any rank, aside)."""
 
     def __init__(self, root: int, cores: Cores, is_rank: Callable[[list[str]], bool]):
         self.root, self.cores, self.is_rank = root, cores, is_rank
@@ -108,5 +110,11 @@ class RankPinner:
                     continue  # the thread ended
             if seen:
                 self.ranks[p.pid] = seen
-        elif p.ppid() not in self.core_of:
+        elif p.ppid() not in self.core_of and not _importing(p.cmdline()):
             self.rest |= set(p.cpu_affinity() or [])
+
+
+def _importing(cmdline: list[str]) -> bool:
+    """Whether this is a node's warm interpreter: it imports on any core, but only before its
+    node's first workers (it forks them once its imports are done, back on the agent's cores)."""
+    return bool(cmdline) and cmdline[0].startswith(WARM_TITLE)

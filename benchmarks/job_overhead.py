@@ -56,6 +56,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks import REPO, isolation, stats
+from transom.control.warm import TITLE as WARM_TITLE
 from transom.store import Store  # noqa: E402
 from transom.testing.jobs import (
     Line,
@@ -107,7 +108,7 @@ def kind_of(cmdline: list[str], is_root: bool) -> str:
         return "etcd"
     if "transom.checkpoint.server" in words or "ckpt-server" in words:
         return "ckpt_servers"
-    if "transom warm interpreter" in text or "transom.control.warm" in words:
+    if WARM_TITLE in text or "transom.control.warm" in words:
         return "warm"
     if "train_gpt" in text:
         return "workers"

@@ -38,9 +38,11 @@ CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 NODES = 4
 EXIT_NOT_INSTALLABLE = 3  # slurm_cluster.sh: Slurm is missing and cannot be installed
-# Long enough to stop it mid-run, short enough for a few minutes in all; the default model, so
-# that a step's compute time is not mere scheduling noise (the straggler detector watches it).
-STEPS = 60
+# Long enough to stop it mid-run twice, short enough for a few minutes in all: a job's progress
+# record lags its steps by up to a summary's interval (4 s, some 25 steps here), so a stop asked
+# for at step 25 lands near step 50; the default model, so that a step's compute time is not
+# mere scheduling noise (the straggler detector watches it).
+STEPS = 120
 TRAIN = ["--steps", str(STEPS), "--ckpt-every", "10", "--step-delay", "0.1", "--seed", "3"]
 JOB_TIMEOUT_S = 240
 

@@ -58,6 +58,7 @@ log = logging.getLogger("transom.warm")
 # and torch.use_deterministic_algorithms import, 1.7 s here); env.WARM_IMPORTS overrides.
 DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._inductor.config"
 READY = b"R"
+TITLE = "transom warm interpreter"  # what `ps` shows of it, before "(job J, node N)"
 NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
 # How long a launch waits for imports still under way: less than a cold start takes to import.
 IMPORTS_WAIT_S = 60.0
@@ -137,7 +138,7 @@ class WarmPool:
         node = node_id or env.get(env_names.NODE_ID)
         where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
         where += [f"node {node}"] if node else []
-        self.title = "transom warm interpreter" + (f" ({', '.join(where)})" if where else "")
+        self.title = TITLE + (f" ({', '.join(where)})" if where else "")
         self.interpreter: subprocess.Popen[bytes] | None = None
         self.imported = False  # the interpreter's imports are done
         self.exits: dict[int, int] = {}  # pid -> exit code, reported and not yet taken
@@ -287,9 +288,9 @@ def _serve() -> int:
     for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
-    if idle:
-        set_normal_policy()  # waiting costs nothing; a fork must not wait for idle CPU
+    if idle:  # the agent's cores first: at the normal policy it may use only those
         _set_affinity(cores)
+        set_normal_policy()  # waiting costs nothing; a fork must not wait for idle CPU
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
