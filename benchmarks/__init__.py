@@ -24,9 +24,13 @@ tests; what benchmarks and tests share is in transom/testing/.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,3 +40,21 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
     child finds this package wherever it was started from."""
     path = [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     return {**env, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def run_module(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`python -m benchmarks.ARGS` as a user runs it (from the repository root, `child_env`), its
+    output captured as text (the benchmarks' own tests)."""
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        env=child_env(os.environ),
+    )
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON object a benchmark run with `--json` printed last."""
+    return json.loads(stdout.strip().splitlines()[-1])

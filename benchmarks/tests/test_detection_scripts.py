@@ -5,14 +5,9 @@ their logs, the faults they cannot take refused."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from benchmarks import REPO, child_env
+from benchmarks import last_json, run_module
 from benchmarks.detection import detection_bench as bench
 
 
@@ -44,19 +39,15 @@ def test_step_times_and_slowdowns_read_the_plain_scripts_logs(tmp_path):
 def test_a_throttled_node_of_the_plain_ddp_script_is_named_the_straggler():
     """One 75/25 ms duty cycle on one of 2 nodes of examples/ddp_unmodified.py: the straggler is
     named on the node the fault was on, and the result says which script it measured."""
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.detection", "--script", "ddp"]
+    out = run_module(
+        ["benchmarks.detection", "--script", "ddp"]
         + ["--types", "duty75_25", "--nodes", "2", "--trials", "1", "--seed", "1"]
         + ["--fault-free-minutes", "0", "--overhead-rounds", "0", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=child_env(os.environ),
+        timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "script: ddp (examples/ddp_unmodified.py)" in out.stdout
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = last_json(out.stdout)
     assert result["script"] == "ddp"
     row = result["transom"]["duty75_25"]
     assert row["script"] == "ddp" and row["median_step_s"], row

@@ -3,29 +3,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from benchmarks import REPO, child_env
+from benchmarks import last_json, run_module
 
 
 @pytest.mark.e2e
 def test_a_short_job_prints_its_requests_a_node_a_second_by_method():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.etcd_requests", "--runs", "1", "--steps", "300"]
+    out = run_module(
+        ["benchmarks.etcd_requests", "--runs", "1", "--steps", "300"]
         + ["--requests-every", "0.5", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=child_env(os.environ),
+        timeout_s=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = last_json(out.stdout)
     per_node = result["per_node_s"]
     assert per_node["total"] > 0 and "LeaseKeepAlive" in per_node, per_node
     assert per_node["total"] == pytest.approx(sum(v for k, v in per_node.items() if k != "total"))

@@ -3,14 +3,11 @@ of their own and everything else on the others (the pinning, not the speed)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from benchmarks import REPO, child_env, isolation
+from benchmarks import isolation, last_json, run_module
 
 
 def test_the_last_cores_go_to_the_ranks_and_the_rest_keep_at_least_one():
@@ -32,17 +29,13 @@ def test_isolate_ranks_pins_every_rank_of_both_systems_to_its_own_core(tmp_path)
     process only on the others."""
     available = sorted(os.sched_getaffinity(0))
     cores = isolation.split(available, isolation.ranks_for(available))
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.job_overhead", "--isolate-ranks", "--pairs", "1"]
+    out = run_module(
+        ["benchmarks.job_overhead", "--isolate-ranks", "--pairs", "1"]
         + ["--steps", "400", "--ckpt-every", "100", "--requests-every", "0.5", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=REPO,
-        env=child_env(os.environ),
+        timeout_s=400,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = last_json(out.stdout)
     assert result["isolated"] == cores.to_dict()
     for pinned in result["pinned_pairs"][0]:  # torchrun's job, then Transom's
         assert pinned["ranks"], pinned  # a rank was seen and pinned
