@@ -11,6 +11,7 @@ import pytest
 from conftest import wait_for
 
 from transom.common import env as env_names
+from transom.control import warm
 from transom.control.warm import WarmPool, can_leave_idle_policy
 
 SCRIPT = """
@@ -218,3 +219,39 @@ def test_ps_shows_a_waiting_interpreter_then_the_workers_script_and_arguments(tm
         assert title == f"{sys.executable} -u {script} --steps 5"
     finally:
         pool.close()
+
+
+@pytest.mark.integration
+def test_an_interpreter_that_fails_a_launch_is_retired_until_its_workers_end(
+    pool, tmp_path, monkeypatch
+):
+    """The interpreter stops answering after forking one worker: the next launch is given up
+    (that worker starts cold), the running worker is left alone, the job forked late exits
+    before its script, and the old interpreter ends once its worker has."""
+    monkeypatch.setattr(warm, "FORK_REPLY_S", 1.0)
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
+    first = pool.launch([str(script)], dict(os.environ), tmp_path / "a.log")
+    assert first is not None
+    up = tmp_path / "a.log"
+    wait_for(lambda: up.exists() and "up" in up.read_text(), 30, "the first worker to start")
+    old = pool.interpreter
+    assert old is not None
+    old.send_signal(signal.SIGSTOP)
+    try:
+        assert pool.launch([str(script)], dict(os.environ), tmp_path / "b.log") is None
+        assert pool.interpreter is None and [i.proc for i in pool.retired] == [old]
+        assert first.poll() is None and old.poll() is None  # the worker runs on
+    finally:
+        old.send_signal(signal.SIGCONT)
+    # Continued, it forks the job it was sent: that worker exits before running the script.
+    wait_for(lambda: pool.read_messages(0.1) or pool.retired[0].unwanted, 30, "the late fork")
+    assert not (tmp_path / "b.log").exists()
+    first.kill()
+    assert first.wait(timeout=30) == -signal.SIGKILL  # reported by the retired interpreter
+    wait_for(lambda: pool.read_messages(0.1) or not pool.retired, 30, "the retired one to end")
+    assert old.poll() is not None
+    assert not list(tmp_path.glob(".warm-cancelled-*"))  # its marker went with it
+    pool.fill()
+    assert run_warm(pool, tmp_path, "0")[0] == 0

@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import IO
 
@@ -63,7 +64,10 @@ NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (
 # How long a launch waits for imports still under way: less than a cold start takes to import.
 IMPORTS_WAIT_S = 60.0
 FORK_REPLY_S = 10.0  # how long a launch waits for the pid of the worker it asked for
+# A retired interpreter's worker that no longer runs, its exit unreported this long: killed.
+RETIRED_SILENCE_S = 2.0
 MAX_MESSAGE = 64  # bytes of one line from the interpreter
+CANCELLED = 75  # the exit of a worker forked after its launch was given up
 
 
 def can_leave_idle_policy() -> bool:
@@ -84,7 +88,7 @@ class ForkedWorker:
     """The agent's handle on a worker the warm interpreter forked: `pid`, `returncode`, `poll`,
     `wait` and `kill`, as `subprocess.Popen` has them."""
 
-    def __init__(self, pid: int, pool: WarmPool, interpreter: subprocess.Popen[bytes]) -> None:
+    def __init__(self, pid: int, pool: WarmPool, interpreter: _Interpreter) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._pool = pool
@@ -115,18 +119,62 @@ class ForkedWorker:
 
     def _settle(self) -> None:
         """Take the exit the interpreter reported; with the interpreter gone (its workers die
-        with it, SIGKILL), a worker no longer running counts as killed."""
+        with it, SIGKILL), or retired and silent for RETIRED_SILENCE_S about a worker that no
+        longer runs, the worker counts as killed."""
         code = self._pool.exits.pop(self.pid, None)
         if code is not None:
             self.returncode = code
-        elif self._interpreter.poll() is not None and not _alive(self.pid):
+        elif not _alive(self.pid) and (
+            self._interpreter.proc.poll() is not None or self._interpreter.silent_on(self.pid)
+        ):
             self.returncode = -signal.SIGKILL
+        if self.returncode is not None:
+            self._pool.forget_worker(self._interpreter, self.pid)
+
+
+class _Interpreter:
+    """One warm interpreter as the pool sees it: its process, what it said, and the workers it
+    forked that have not been seen to exit (`live`)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.imported = False  # its imports are done
+        self.forked: list[int] = []  # pids reported, not yet taken by `launch`
+        self.live: set[int] = set()  # pids handed out by `launch`, their exit not yet taken
+        self.unwanted: set[int] = set()  # retired: pids forked for the launch given up
+        self.retired = False  # it failed a launch: it serves only the workers it has
+        self.cancelled: Path | None = None  # retired: the marker that cancels the given-up job
+        self.buffer = b""
+        self._dead_since: dict[int, float] = {}  # retired: a worker seen gone, its exit unsaid
+
+    def silent_on(self, pid: int) -> bool:
+        """Retired, and `pid` (no longer running) has gone unreported for RETIRED_SILENCE_S."""
+        if not self.retired:
+            return False
+        first = self._dead_since.setdefault(pid, time.monotonic())
+        return time.monotonic() - first >= RETIRED_SILENCE_S
+
+    def end(self) -> None:
+        """Kill it (workers still running die with it) and close its pipes."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.cancelled is not None:
+            self.cancelled.unlink(missing_ok=True)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 class WarmPool:
     """The node's warm interpreter, started, used and replaced by the agent; call every method
     from the agent's main thread (PR_SET_PDEATHSIG follows the thread that forks). `size`: the
-    workers a generation starts on this node (what `warm_count` reports once imports are done)."""
+    workers a generation starts on this node (what `warm_count` reports once imports are done).
+
+    An interpreter that fails a launch is replaced; while workers it forked before still run it
+    is retired, not killed (they would die with it, costing their generation a restart): it is
+    ended once the last of them has exited, and a worker it forks late, for the launch given
+    up, is killed at once (that launch started its worker cold)."""
 
     def __init__(
         self, size: int, env: dict[str, str], log_path: Path, node_id: str | None = None
@@ -139,114 +187,164 @@ class WarmPool:
         where = [f"job {env[env_names.JOB_ID]}"] if env.get(env_names.JOB_ID) else []
         where += [f"node {node}"] if node else []
         self.title = TITLE + (f" ({', '.join(where)})" if where else "")
-        self.interpreter: subprocess.Popen[bytes] | None = None
-        self.imported = False  # the interpreter's imports are done
+        self.current: _Interpreter | None = None
+        self.retired: list[_Interpreter] = []
         self.exits: dict[int, int] = {}  # pid -> exit code, reported and not yet taken
-        self._forked: list[int] = []  # pids reported, not yet taken by `launch`
-        self._buffer = b""
         # How the newest `launch` found the interpreter: "warm" (imports done) or "importing".
         self.last_launch = ""
         if can_leave_idle_policy():
             self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
 
+    @property
+    def interpreter(self) -> subprocess.Popen[bytes] | None:
+        """The process of the interpreter that serves launches, if any."""
+        return self.current.proc if self.current is not None else None
+
+    @property
+    def imported(self) -> bool:
+        return self.current is not None and self.current.imported
+
     def fill(self) -> None:
         """Start the interpreter if there is none (the first time, or after it died)."""
-        if self.interpreter is not None and self.interpreter.poll() is None:
+        if self.current is not None and self.current.proc.poll() is None:
             return
         self.read_messages(0.0)  # the exits a dead interpreter reported last
-        self._forget()
+        if self.current is not None:
+            self.current.end()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.interpreter = subprocess.Popen(
-                [sys.executable, "-u", "-m", "transom.control.warm", self.title],
-                env=self.env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                preexec_fn=new_session_dying_with_parent,
+            self.current = _Interpreter(
+                subprocess.Popen(
+                    [sys.executable, "-u", "-m", "transom.control.warm", self.title],
+                    env=self.env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    preexec_fn=new_session_dying_with_parent,
+                )
             )
 
     def warm_count(self) -> int:
         """How many workers can start from finished imports now: `size`, or 0."""
         self.read_messages(0.0)
-        alive = self.interpreter is not None and self.interpreter.poll() is None
+        alive = self.current is not None and self.current.proc.poll() is None
         return self.size if alive and self.imported else 0
 
     def launch(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedWorker | None:
         """Fork a worker from the interpreter, waiting for imports still under way; None when
         there is no interpreter, or it failed (start that worker cold)."""
-        interpreter = self.interpreter
-        if interpreter is None or interpreter.poll() is not None:
+        current = self.current
+        if current is None or current.proc.poll() is not None:
             return None
         self.read_messages(0.0)
-        self.last_launch = "warm" if self.imported else "importing"
-        if not self.imported:
-            set_normal_policy(interpreter.pid)  # perhaps at idle priority: now it is urgent
+        self.last_launch = "warm" if current.imported else "importing"
+        if not current.imported:
+            set_normal_policy(current.proc.pid)  # perhaps at idle priority: now it is urgent
             deadline = time.monotonic() + IMPORTS_WAIT_S
-            while not self.imported and interpreter.poll() is None:
+            while not current.imported and current.proc.poll() is None:
                 if time.monotonic() > deadline:
                     return self._given_up("its imports took too long")
                 self.read_messages(0.1)
+        # A worker forked for a launch given up finds this file and exits before the script.
+        cancel = Path(log_path).parent / f".warm-cancelled-{uuid.uuid4().hex[:12]}"
         job = {"argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+        job["cancel"] = str(cancel)
         try:
-            os.write(_pipe(interpreter.stdin).fileno(), json.dumps(job).encode() + b"\n")
+            os.write(_pipe(current.proc.stdin).fileno(), json.dumps(job).encode() + b"\n")
         except OSError:
             return self._given_up("it is gone")
         deadline = time.monotonic() + FORK_REPLY_S
-        while not self._forked:
-            if interpreter.poll() is not None or time.monotonic() > deadline:
-                return self._given_up("it did not fork the worker")
+        while not current.forked:
+            if current.proc.poll() is not None or time.monotonic() > deadline:
+                return self._given_up("it did not fork the worker", cancel)
             self.read_messages(0.1)
-        return ForkedWorker(self._forked.pop(0), self, interpreter)
+        pid = current.forked.pop(0)
+        current.live.add(pid)
+        return ForkedWorker(pid, self, current)
 
     def read_messages(self, timeout: float) -> None:
-        """Take what the interpreter said: ready, a pid forked, a pid's exit."""
-        if self.interpreter is None or self.interpreter.stdout is None:
-            return
-        out = self.interpreter.stdout.fileno()
+        """Take what the interpreters said (ready, a pid forked, a pid's exit), waiting up to
+        `timeout` for the first word; end a retired one whose workers have all exited."""
+        interpreters = [i for i in (self.current, *self.retired) if i is not None]
+        streams = {i.proc.stdout.fileno(): i for i in interpreters if i.proc.stdout is not None}
         try:
-            readable = select.select([out], [], [], timeout)[0]
-            data = os.read(out, 65536) if readable else b""
+            readable = select.select(list(streams), [], [], timeout)[0] if streams else []
         except (OSError, ValueError):
             return
-        self._buffer += data
-        if not self.imported and self._buffer.startswith(READY):
-            self.imported = True
-            self._buffer = self._buffer[len(READY) :]
-        *lines, self._buffer = self._buffer.split(b"\n")
-        self._buffer = self._buffer[-MAX_MESSAGE:]
+        for fd in readable:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                continue
+            self._take(streams[fd], data)
+        # A retired one is ended once its workers have exited, or when it died (they with it).
+        for done in [i for i in self.retired if not i.live or i.proc.poll() is not None]:
+            self.retired.remove(done)
+            done.end()
+
+    def _take(self, interpreter: _Interpreter, data: bytes) -> None:
+        buffer = interpreter.buffer + data
+        if not interpreter.imported and buffer.startswith(READY):
+            interpreter.imported = True
+            buffer = buffer[len(READY) :]
+        *lines, buffer = buffer.split(b"\n")
+        interpreter.buffer = buffer[-MAX_MESSAGE:]
         for line in lines:
             parts = line.split()
             try:
                 if len(parts) == 2 and parts[0] == b"P":
-                    self._forked.append(int(parts[1]))
+                    pid = int(parts[1])
+                    if interpreter.retired:  # a launch given up, forked late: started cold
+                        log.warning("killing worker %d, forked after its launch was given up", pid)
+                        interpreter.unwanted.add(pid)
+                        _kill(pid)
+                    else:
+                        interpreter.forked.append(pid)
                 elif len(parts) == 3 and parts[0] == b"X":
-                    self.exits[int(parts[1])] = int(parts[2])
+                    pid = int(parts[1])
+                    if pid not in interpreter.unwanted:
+                        self.exits[pid] = int(parts[2])
             except ValueError:
                 continue  # not a message of ours: nothing to take from it
 
-    def close(self) -> None:
-        """End the interpreter (its workers, if any are left, die with it)."""
-        if self.interpreter is not None:
-            if self.interpreter.poll() is None:
-                self.interpreter.kill()
-            self.interpreter.wait()
-            for stream in (self.interpreter.stdin, self.interpreter.stdout):
-                if stream is not None:
-                    stream.close()
-        self._forget()
-        self.interpreter = None
+    def forget_worker(self, interpreter: _Interpreter, pid: int) -> None:
+        """A worker's exit was taken: its interpreter no longer serves it."""
+        interpreter.live.discard(pid)
 
-    def _given_up(self, why: str) -> ForkedWorker | None:
-        """None, and the interpreter that failed a launch ended (the next `fill` starts another)."""
+    def close(self) -> None:
+        """End every interpreter (workers, if any are left, die with them)."""
+        for interpreter in [i for i in (self.current, *self.retired) if i is not None]:
+            interpreter.end()
+        self.current = None
+        self.retired = []
+
+    def _given_up(self, why: str, cancel: Path | None = None) -> ForkedWorker | None:
+        """None, and the interpreter that failed a launch ended, or retired while workers it
+        forked run (the next `fill` starts another); `cancel`: the marker that makes the job it
+        was sent exit at once, if forked late."""
         log.warning("warm interpreter not used (%s): starting the worker cold", why)
-        self.close()
+        current, self.current = self.current, None
+        if current is not None:
+            self.read_messages(0.0)
+            if current.live and current.proc.poll() is None:
+                current.retired = True
+                if cancel is not None:
+                    cancel.touch()
+                    current.cancelled = cancel
+                for pid in current.forked:  # forked meanwhile, never handed out
+                    _kill(pid)
+                current.forked.clear()
+                self.retired.append(current)
+            else:
+                current.end()
         return None
 
-    def _forget(self) -> None:
-        self.imported = False
-        self._forked.clear()
-        self._buffer = b""
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
@@ -354,6 +452,9 @@ def _become_worker(job: dict[str, object]) -> int:
     die_with_parent()
     if os.getppid() != parent:
         os._exit(1)  # the interpreter died before we could follow it
+    cancel = job.get("cancel")
+    if isinstance(cancel, str) and os.path.exists(cancel):
+        os._exit(CANCELLED)  # forked after the agent gave this launch up: it started cold
     log_fd = os.open(str(job["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
