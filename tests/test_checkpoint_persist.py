@@ -61,6 +61,28 @@ def test_closing_persists_the_newest_memory_only_step(tmp_path: Path) -> None:
         assert (engine.last_load.tier, engine.last_load.step) == ("storage", 3)
 
 
+def test_a_memory_only_save_persisted_later_reaches_storage_and_an_evicted_one_cannot(
+    tmp_path: Path,
+) -> None:
+    """`SaveHandle.persist`: a framework snapshotting every step persists the step its own
+    checkpoint schedule saves, without saving it twice."""
+    root = tmp_path / "store"
+    with checkpoint.Engine(storage_dir=root, keep=2) as engine:
+        first = engine.save(1, _state(1), persist=False)
+        first.wait("memory", timeout=30)
+        later = engine.save(2, _state(2), persist=False, overlap=True)
+        later.persist()  # waits for the overlapped copy, then queues it for storage
+        later.wait("storage", timeout=30)
+        assert storage.complete_steps(root) == [2]
+        for step in (3, 4, 5):
+            engine.save(step, _state(step), persist=False).wait("memory", timeout=30)
+        with pytest.raises(checkpoint.CheckpointError, match="not held"):
+            first.persist()  # evicted: nothing to persist, and it says so
+    with checkpoint.Engine(storage_dir=root) as engine:
+        assert torch.equal(engine.load(2)["w"], _state(2)["w"])
+        assert engine.last_load.tier == "storage"
+
+
 def test_a_commit_whose_persist_is_not_a_boolean_is_refused(tmp_path: Path) -> None:
     with checkpoint.Engine(storage_dir=tmp_path / "store") as engine:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # raw messages

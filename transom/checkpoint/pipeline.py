@@ -201,6 +201,20 @@ class SavePipeline:
         for s in queued:
             self.persist_q.put(s)
 
+    def persist_later(self, step: int, rank: int) -> bool:
+        """Send shard (step, rank), saved here memory-only, to storage too (a worker's `Persist`:
+        a framework that snapshots every step saves a checkpoint of the same step); False when
+        memory does not hold it."""
+        with self.lock:
+            shard = self.memory.shards.get((step, rank))
+            if shard is None or shard.origin != LOCAL or shard.state == RESERVED:
+                return False
+            shard.persist = True  # a shard still being checksummed is queued by the finaliser
+            queued = shard.failed.pop(Tier.STORAGE, None) == MEMORY_ONLY
+        if queued:
+            self.persist_q.put(shard)
+        return True
+
     def _to_storage(self, shard: Shard) -> None:
         """Queue a committed shard for storage, unless its writer made it memory-only."""
         with self.lock:  # decided under the lock a drain's `_persist_newest` takes

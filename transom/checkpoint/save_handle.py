@@ -3,6 +3,7 @@
     h = engine.save(step, state)
     h.ok, h.error, h.blocking_s          # refused at once? why; how long the save blocked
     h.wait("peer"); h.wait("storage")    # until the shard reached that tier (or could not)
+    h.persist()                          # a save made with persist=False: to storage too
 
 `wait` reads the commit's reply first (engine.py sends it without waiting), then asks the
 node's server in rounds of WAIT_POLL_S on a connection of its own, so a server that stops
@@ -18,7 +19,7 @@ from typing import Protocol
 
 from transom.checkpoint.client import CheckpointError, ServerConnection
 from transom.checkpoint.protocol import deadline_in
-from transom.checkpoint.worker_protocol import Failed, Wait
+from transom.checkpoint.worker_protocol import Failed, Persist, Wait
 from transom.common.states import Tier
 
 # The tier names of earlier releases, accepted by `SaveHandle.wait` with a DeprecationWarning.
@@ -86,6 +87,16 @@ class SaveHandle:
             raise CheckpointError(
                 f"step {self.step} rank {self.rank} did not reach {tier}: {reply.error}"
             )
+
+    def persist(self) -> None:
+        """Send this save, made with `persist=False`, to storage too, in the background as a save
+        with `persist` (every rank must, for the step to be complete in storage); once its copy
+        is in memory. SaveRefused when the save failed, CheckpointError when the server no
+        longer holds it (evicted)."""
+        self.wait(Tier.MEMORY)
+        reply = self.engine.connection.request(Persist(self.step, self.rank), fresh=True)
+        if isinstance(reply, Failed):
+            raise CheckpointError(f"step {self.step} not persisted: {reply.error}")
 
 
 def _tier(tier: Tier | str) -> Tier:

@@ -11,6 +11,7 @@ also names the record its successful reply is (`read_reply`); a reply whose "ok"
     Reserve  -> Region     a region to copy a shard into (refused for an older generation)
     Commit   -> Done       the copy is done; the save pipeline takes over
     Abort    -> Done       the copy failed: give the region back
+    Persist  -> Done       a shard saved memory-only goes to storage too (Failed: not held)
     Wait     -> Reached    once the shard reached a tier (a timeout is a Failed with `timeout`)
     Locate   -> Located    where the shard can be read, fastest first (`Source` records)
     Prepare  -> Region     a populated spare region for the rank's next save
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 
 from transom.checkpoint.protocol import MAX_SHARD_BYTES, field_int
 from transom.checkpoint.shard_header import ShardHeader
@@ -348,15 +349,24 @@ class Commit(Request[Done]):
 
 
 @dataclass(frozen=True)
-class Abort(Request[Done]):
-    op = "abort"
-    reply = Done
+class ShardRequest(Request[Done]):
+    reply = Done  # a request about one shard, answered by Done
     step: int
     rank: int
 
     @classmethod
-    def parse(cls, msg: dict[str, Any]) -> Abort:
+    def parse(cls, msg: dict[str, Any]) -> Self:
         return cls(field_int(msg, "step"), field_int(msg, "rank"))
+
+
+@dataclass(frozen=True)
+class Abort(ShardRequest):
+    op = "abort"
+
+
+@dataclass(frozen=True)
+class Persist(ShardRequest):
+    op = "persist"
 
 
 @dataclass(frozen=True)
@@ -470,13 +480,13 @@ class StatusRequest(Request[Status]):
         return cls()
 
 
-WorkerRequest = (
-    Reserve | Commit | Abort | Wait | Locate | Prepare | Held | Steps | Event | StatusRequest
-)
-
+SaveRequest = Reserve | Commit | Abort | Persist | Wait | Prepare  # a save's requests
+OtherRequest = Locate | Held | Steps | Event | StatusRequest  # a load's, and the rest
+WorkerRequest = SaveRequest | OtherRequest
+_SAVES = (Reserve, Commit, Abort, Persist, Wait, Prepare)
+_OTHERS = (Locate, Held, Steps, Event, StatusRequest)
 PARSERS: dict[str, Callable[[dict[str, Any]], WorkerRequest]] = {
-    kind.op: kind.parse
-    for kind in (Reserve, Commit, Abort, Wait, Locate, Prepare, Held, Steps, Event, StatusRequest)
+    kind.op: kind.parse for kind in (*_SAVES, *_OTHERS)
 }
 
 

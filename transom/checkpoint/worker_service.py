@@ -7,6 +7,7 @@ checked (types, bounds, a shard at most MAX_SHARD_BYTES) before anything here se
     Commit   the copy is done (the save pipeline takes over); persist false: memory and peer only;
              its header's tables may be the ones sent before on the connection (header_tables.py)
     Abort    the copy failed: give the region back
+    Persist  a shard saved memory-only goes to storage too (pipeline.persist_later)
     Wait     once the shard reached (or failed) a `Tier`
     Locate   where the shard can be read, fastest first (after a prefetch of it under way,
              prefetch.py, at most PREFETCH_WAIT_S)
@@ -56,6 +57,7 @@ from transom.checkpoint.worker_protocol import (
     Held,
     Locate,
     Located,
+    Persist,
     Prepare,
     Reply,
     Reserve,
@@ -143,6 +145,10 @@ class WorkerService:
                 aborted = reserved.pop((request.step, request.rank), None)
                 if aborted is not None:
                     self.memory.abort(request.step, request.rank, aborted)
+                return Done()
+            case Persist():
+                if not self.pipeline.persist_later(request.step, request.rank):
+                    return Failed(f"step {request.step} rank {request.rank} is not held here")
                 return Done()
             case Wait():
                 return self.pipeline.wait(request.step, request.rank, request.tier, request.timeout)
