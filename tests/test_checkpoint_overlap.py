@@ -60,6 +60,60 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_the_step_saved_is_unchan
         engine.close()
 
 
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_a_step_given_a_closure_runs_it_beside_the_copy_and_waits_before_changing_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_keyword: bool
+) -> None:
+    """Lightning's automatic optimisation (and LBFGS) run the forward and backward inside the
+    step, in its closure: the closure runs while the copy is held, the update only after it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    release, copying, closed = threading.Event(), threading.Event(), threading.Event()
+    real_copy = flatten.copy_into
+
+    def held_copy(plan, data, non_blocking=False):
+        copying.set()
+        assert release.wait(30), "the test never released the copy"
+        real_copy(plan, data, non_blocking)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 64)).sum()
+        loss.backward()
+        closed.set()
+        return loss
+
+    monkeypatch.setattr(engine_module.flatten, "copy_into", held_copy)
+    engine = _engine(tmp_path)
+    try:
+        handle = engine.save(1, {"model": model.state_dict()}, overlap=True)
+        assert handle.ok and copying.wait(30)
+        step = (
+            (lambda: optimizer.step(closure=closure))
+            if as_keyword
+            else (lambda: optimizer.step(closure))
+        )
+        losses: list[torch.Tensor] = []
+        stepper = threading.Thread(target=lambda: losses.append(step()))
+        stepper.start()
+        assert closed.wait(30)  # the forward and backward ran while the copy was held...
+        stepper.join(0.5)
+        assert stepper.is_alive()  # ...and the update waits for the copy
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        release.set()
+        stepper.join(30)
+        assert not stepper.is_alive() and losses and losses[0] is not None  # the closure's loss
+        assert not torch.equal(model.weight, before["weight"])
+        handle.wait("memory", timeout=30)
+        loaded = engine.load(step=1)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in before.items())
+    finally:
+        release.set()
+        engine.close()
+
+
 def test_a_failed_overlapped_copy_is_a_failed_save_and_the_next_one_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

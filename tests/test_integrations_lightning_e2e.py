@@ -58,3 +58,36 @@ def test_a_nan_is_rolled_back_and_a_node_death_resumes_from_memory_bit_identical
     assert sorted(e["tier"] for e in restored) == ["memory", "peer"], restored
     weights = final_weights(death)
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_every_step_snapshots_lose_at_most_the_step_in_flight_bit_identical(start_job):
+    """`TransomCheckpoints` under `transom run`: a node's death restores the newest step every
+    rank holds, from memory and the peer, and the job ends bit-identical to a fault-free run; a
+    NaN rolls back to a step before it."""
+    snapped = [*ARGS, "--snapshots", "--step-data"]
+    reference = start_job("--nnodes", "2", SCRIPT, *snapped)
+    assert reference.wait(timeout=300) == 0, reference.output
+    expected = final_weights(reference)
+
+    death = start_job(
+        *("--nnodes", "2", "--spares", "1", "--faults", "kill@step=23:node=node1"),
+        SCRIPT,
+        *snapped,
+    )
+    assert death.wait(timeout=300) == 0, death.output
+    restored = [e for e in events(death, "checkpoint") if e.get("action") == "restored"]
+    # The newest step both ranks finished: 23, or 24 when the node went down during it (the kill
+    # comes when step 23 is reported); never ModelCheckpoint's step 20.
+    steps = {e["step"] for e in restored}
+    assert len(steps) == 1 and min(steps) >= 22, restored
+    assert sorted(e["tier"] for e in restored) == ["memory", "peer"], restored
+    weights = final_weights(death)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+    nan = start_job("--nnodes", "2", SCRIPT, *snapped, "--nan-step", "22")
+    assert nan.wait(timeout=300) == 0, nan.output
+    assert [e["rollback_before"] for e in events(nan, "rollback")] == [22]
+    restored = [e for e in events(nan, "checkpoint") if e.get("action") == "restored"]
+    assert restored and all(e["step"] < 22 for e in restored), restored
+    weights = final_weights(nan)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)

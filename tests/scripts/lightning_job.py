@@ -3,7 +3,9 @@ gives it (torchrun's environment), `TransomCallback()`, `TransomCheckpointIO()` 
 `ckpt_path=resume_path(...)` (the step the controller chose to restore, or a fresh start).
 
 --nan-step N makes rank 1's loss NaN at step N in the first generation only (a blow-up that a
-rollback leaves behind); the final weights go to TRANSOM_CHECKPOINT_DIR/final.pt.
+rollback leaves behind); --snapshots adds `TransomCheckpoints()` (a snapshot every step);
+--step-data draws each step's batch from its step and rank (exact after a restore mid-epoch);
+the final weights go to TRANSOM_CHECKPOINT_DIR/final.pt.
 """
 
 import argparse
@@ -15,11 +17,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from transom.integrations.lightning import TransomCallback, TransomCheckpointIO, resume_path
+from transom.integrations.lightning import (
+    TransomCallback,
+    TransomCheckpointIO,
+    TransomCheckpoints,
+    resume_path,
+)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--nan-step", type=int, default=-1)
+parser.add_argument("--snapshots", action="store_true", help="TransomCheckpoints: every step")
+parser.add_argument(
+    "--step-data", action="store_true", help="each step's batch drawn from its step and rank"
+)
 parser.add_argument("--step-delay", type=float, default=0.0)
 args = parser.parse_args()
 out = os.environ.get("TRANSOM_CHECKPOINT_DIR", ".")
@@ -34,6 +45,10 @@ class Regression(pl.LightningModule):
         )
 
     def training_step(self, batch, batch_idx):
+        if args.step_data:  # data chosen by the step: exact after a restore mid-epoch
+            g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+            x = torch.randn(len(batch[0]), 8, generator=g)
+            batch = (x, x.sum(dim=1, keepdim=True))
         time.sleep(args.step_delay)
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
@@ -63,6 +78,7 @@ trainer = pl.Trainer(
     enable_model_summary=False,
     callbacks=[
         TransomCallback(),
+        *([TransomCheckpoints()] if args.snapshots else []),
         ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1),
     ],
     plugins=[TransomCheckpointIO()],

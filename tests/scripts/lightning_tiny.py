@@ -3,7 +3,8 @@
 
 --ckpt-every N saves a checkpoint every N steps (ModelCheckpoint, through the plugin);
 --resume-step S resumes from the checkpoint of step S; --nan-step N makes the loss NaN at
-training step N; the final weights go to --weights.
+training step N; --snapshots adds `TransomCheckpoints()` (a snapshot every step); --step-data
+draws each step's batch from its step number; the final weights go to --weights.
 """
 
 import argparse
@@ -16,7 +17,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from transom import checkpoint
-from transom.integrations.lightning import TransomCallback, TransomCheckpointIO, write_marker
+from transom.integrations.lightning import (
+    TransomCallback,
+    TransomCheckpointIO,
+    TransomCheckpoints,
+    write_marker,
+)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
@@ -24,6 +30,10 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--ckpt-every", type=int, default=0)
 parser.add_argument("--resume-step", type=int, default=-1)
 parser.add_argument("--nan-step", type=int, default=-1)
+parser.add_argument("--snapshots", action="store_true", help="TransomCheckpoints: every step")
+parser.add_argument(
+    "--step-data", action="store_true", help="each step's batch drawn from its step and rank"
+)
 parser.add_argument("--weights", default="")
 args = parser.parse_args()
 
@@ -37,6 +47,10 @@ class Regression(pl.LightningModule):
         self.calls = 0
 
     def training_step(self, batch, batch_idx):
+        if args.step_data:  # data chosen by the step: exact after a restore mid-epoch
+            g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+            x = torch.randn(len(batch[0]), 8, generator=g)
+            batch = (x, x.sum(dim=1, keepdim=True))
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.global_step + 1 == args.nan_step:
@@ -53,7 +67,7 @@ data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
 loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=False)  # 5 steps an epoch
 torch.manual_seed(0)
 model = Regression()
-callbacks = [TransomCallback()]
+callbacks = [TransomCallback(), *([TransomCheckpoints()] if args.snapshots else [])]
 if args.ckpt_every:
     callbacks.append(
         ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)

@@ -6,8 +6,10 @@ says) and reserves the region before it returns, as any save does; only the copy
 bytes into the region, and the commit after it, run here. The tensors a save holds must not
 change until the copy is done: an optimizer's step changes them in place, so every optimizer
 step waits for the copy in flight first (a global optimizer pre-step hook, registered while an
-engine has copies in flight). The state's other tensors must not change in between either (a
-forward pass that updates BatchNorm statistics does: save such a model without `overlap`).
+engine has copies in flight; a step given a closure waits when the closure returns, after the
+forward and backward it runs, before any parameter changes). The state's other tensors must
+not change in between either (a forward pass that updates BatchNorm statistics does: save such a
+model without `overlap`).
 torch's CPU copy releases the GIL, so the copy runs beside the next step's forward and backward.
 One copy is in flight at a time: a save, a load and `close` wait for the one before.
 
@@ -103,10 +105,30 @@ def _run(
             finished.set()
 
 
-def _waiting_for(ref: weakref.ReferenceType[CopyInFlight]) -> Callable[..., None]:
-    def before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _waiting_for(ref: weakref.ReferenceType[CopyInFlight]) -> Callable[..., Any]:
+    """The optimizer pre-step hook: wait for the copy in flight, or, for a step given a closure
+    (Lightning's automatic optimisation, LBFGS: the closure runs the forward and backward inside
+    the step), wait when the closure first returns, before the step changes any parameter, so
+    the copy still runs beside the forward and backward."""
+
+    def before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         inflight = ref()
-        if inflight is not None:
+        if inflight is None:
+            return None
+        # `args` are the step's own: the optimizer, then the closure if given by position.
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1:2] or [None])[0]
+        if not callable(closure):
             inflight.wait_copied()
+            return None
+
+        def closure_then_wait() -> Any:
+            try:
+                return closure()
+            finally:
+                inflight.wait_copied()
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     return before_optimizer_step
