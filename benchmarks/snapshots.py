@@ -18,10 +18,14 @@ and reports
                       over the snapshot segments; the bar: under 0.05
   blocking_ms, step_ms  those medians
   copy_wait_ms        median time the optimizer step waited for the copy (0 when it was done)
-The first WARMUP steps of each segment are left out. A step here is one process's: a rank of a
-real job also waits for its peers, which makes the save's share smaller, not larger.
+With --closure the forward and backward run in a closure given to the optimizer step, as
+Lightning's automatic optimisation runs them (the copy's wait then comes when the closure
+returns: overlap.py). The first WARMUP steps of each segment are left out. A step here is one
+process's: a rank of a real job also waits for its peers, which makes the save's share smaller,
+not larger.
 
     python -m benchmarks.snapshots --json        # the table, then JSON on the last line
+    python -m benchmarks.snapshots --closure     # the optimizer step given a closure
 
 This module starts two checkpoint servers and stops them; it never changes what a save does.
 """
@@ -51,10 +55,21 @@ TARGET_RATE_X = 0.98
 TARGET_BLOCKING = 0.05
 
 
-def segment(steps: int, first: int, train, engine=None, model=None, optimizer=None) -> dict:
-    """Train `steps` steps from step `first`, saving each one when `engine` is given."""
-    waits: list[float] = []
-    if engine is not None:
+def segment(
+    steps: int,
+    first: int,
+    train,
+    engine=None,
+    model=None,
+    optimizer=None,
+    waits: list[float] | None = None,
+) -> dict:
+    """Train `steps` steps from step `first`, saving each one when `engine` is given. `waits`:
+    the copy's waits, timed by the closure's end (--closure); else timed by a pre-step hook."""
+    hooked = waits is None
+    waits = [] if waits is None else waits
+    waits.clear()
+    if engine is not None and hooked:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         hook = register_optimizer_step_pre_hook(
@@ -73,14 +88,14 @@ def segment(steps: int, first: int, train, engine=None, model=None, optimizer=No
                 blocking.append(handle.blocking_s)
             times.append(time.perf_counter() - t0)
     finally:
-        if engine is not None:
+        if engine is not None and hooked:
             hook.remove()
     kept = times[WARMUP:]
     return {
         "steps_per_s": len(kept) / sum(kept),
         "step_s": statistics.median(kept),
         "blocking_s": statistics.median(blocking[WARMUP:]) if blocking else None,
-        "copy_wait_s": statistics.median(waits[WARMUP:]) if waits else None,
+        "copy_wait_s": statistics.median(waits[WARMUP:]) if engine is not None else None,
     }
 
 
@@ -90,7 +105,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run(pairs: int, steps: int) -> dict:
+def run(pairs: int, steps: int, closure: bool = False) -> dict:
     from transom import checkpoint
     from transom.utils.procs import stop_process
 
@@ -109,17 +124,19 @@ def run(pairs: int, steps: int) -> dict:
             psutil.Process(p.pid).cpu_affinity(rest)
         os.sched_setaffinity(0, rank_core)
         torch.set_num_threads(1)
-        model, optimizer, train = make_trainer()
         engine = checkpoint.Engine(
             socket_path=sock, rank=0, world_size=1, secret=SECRET.encode(), storage_dir=work
         )
+        waits: list[float] | None = [] if closure else None
+        timed_wait = (lambda: waits.append(_timed(engine._copy.wait_copied))) if closure else None
+        model, optimizer, train = make_trainer(after_closure=timed_wait)
         rows = []
         step = 1
         for i in range(pairs):
             pair = {}
             for kind in ("baseline", "snapshots") if i % 2 == 0 else ("snapshots", "baseline"):
                 saving = engine if kind == "snapshots" else None
-                pair[kind] = segment(steps, step, train, saving, model, optimizer)
+                pair[kind] = segment(steps, step, train, saving, model, optimizer, waits)
                 step += steps
             rows.append(pair)
             print(
@@ -141,6 +158,7 @@ def run(pairs: int, steps: int) -> dict:
     return {
         "pairs": pairs,
         "steps": steps,
+        "closure": closure,
         "rank_core": rank_core,
         "server_cores": rest,
         "step_rate_x": statistics.fmean(ratios),
@@ -164,11 +182,14 @@ def main() -> int:
     )
     parser.add_argument("--pairs", type=int, default=6, help="alternating pairs (6)")
     parser.add_argument("--steps", type=int, default=200, help="steps a segment (200)")
+    parser.add_argument(
+        "--closure", action="store_true", help="forward and backward in the step's closure"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = parser.parse_args()
     if args.pairs < 1 or args.steps <= WARMUP:
         parser.error(f"--pairs must be positive and --steps above {WARMUP}")
-    result = run(args.pairs, args.steps)
+    result = run(args.pairs, args.steps, args.closure)
     low, high = result["step_rate_x_ci95"]
     print(
         f"step_rate_x {result['step_rate_x']:.3f} ({low:.3f} to {high:.3f}: "
