@@ -184,7 +184,10 @@ class NodeAgent:
             # The job id makes warm interpreters findable as the job's own processes.
             warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: spec.job_id}
             self.warm = WarmPool(
-                spec.nproc_per_node, warm_env, files.warm_log(self.run_dir, self.node_id)
+                spec.nproc_per_node,
+                warm_env,
+                files.warm_log(self.run_dir, self.node_id),
+                self.node_id,  # in its title: `ps` on a machine of several nodes tells them apart
             )
             self.warm.fill()
         self.reports.hang_floor_s = spec.hang_floor_s  # bounds how long a summary may stand
