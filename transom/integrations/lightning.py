@@ -98,6 +98,9 @@ class TransomCheckpoints(pl.Callback):
         self.enabled = True
         self._step: int | None = None
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._step = int(trainer.global_step)  # restored, not taken again
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
