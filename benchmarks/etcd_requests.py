@@ -2,12 +2,14 @@
 
 Runs the overhead benchmark's Transom job alone (`benchmarks.job_overhead.transom`: examples/
 train_gpt.py, `--nnodes 2 --nproc-per-node 1`, a checkpoint every --ckpt-every steps, all of
-them persisted) --runs times, reads the embedded etcd's request counts by method (its /metrics,
-every --requests-every seconds) over each run's steady state, and prints them a second and a
-node a second, by method, with the mean over the runs. Which of Transom's writes a method is
+them persisted, or with --persist-every P those of multiples of P) --runs times, reads the
+embedded etcd's request counts by method (its /metrics, every --requests-every seconds) over
+each run's steady state, and prints them a second and a node a second, by method, with the mean
+over the runs. Which of Transom's writes a method is
 made of is in docs/control-plane.md ("What a node agent asks of etcd").
 
     python -m benchmarks.etcd_requests --runs 3 --json
+    python -m benchmarks.etcd_requests --ckpt-every 1 --persist-every 200   # snapshots
 
 It measures only: it never changes the job it runs.
 """
@@ -34,6 +36,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1200, help="steps per job (1200)")
     parser.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (20)")
     parser.add_argument(
+        "--persist-every",
+        type=int,
+        default=0,
+        help="persist only the checkpoints of multiples of this step (0: every one)",
+    )
+    parser.add_argument(
         "--requests-every",
         type=float,
         default=job_overhead.REQUESTS_EVERY_S,
@@ -44,7 +52,7 @@ def main() -> int:
     job_args = argparse.Namespace(
         steps=args.steps,
         ckpt_every=args.ckpt_every,
-        persist_every=0,
+        persist_every=args.persist_every,
         warm_workers=True,
         requests_every=args.requests_every,
     )
@@ -71,7 +79,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({
             "per_node_s": mean, "runs": runs, "nodes": job_overhead.NODES, "steps": args.steps,
-            "ckpt_every": args.ckpt_every, "target_per_node_s": TARGET_PER_NODE_S,
+            "ckpt_every": args.ckpt_every, "persist_every": args.persist_every,
+            "target_per_node_s": TARGET_PER_NODE_S,
             "step_rates": step_rates,
         }))  # fmt: skip
     return 0

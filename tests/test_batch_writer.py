@@ -1,6 +1,7 @@
 """`BatchWriter` (transom/store/batch_writer.py) against a real embedded etcd: a burst of writes
 costs etcd one request, writes that trickle in cost one request a SPACING_S at most, an urgent
-write (or `hurry`) does not wait for the spacing, the last
+write (or `hurry`) does not wait for the spacing, a lazy write waits for a send to go with (or
+LAZY_S) and `flush` sends at once, a delete of a put never sent cancels it, the last
 write of a name wins, writes queued through an etcd stall arrive after it, a put under a lease
 etcd no longer has is dropped and the rest still sent, `close` sends what is queued."""
 
@@ -14,8 +15,8 @@ import time
 import pytest
 from conftest import etcd_requests, running_etcd, wait_for
 
-from transom.store import Store
-from transom.store.batch_writer import SPACING_S, BatchWriter
+from transom.store import Store, batch_writer
+from transom.store.batch_writer import LINGER_S, SPACING_S, BatchWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +66,49 @@ def test_an_urgent_write_does_not_wait_for_the_spacing(store):
         writer.hurry()
         wait_for(lambda: writer.sends == 3, SPACING_S / 2, "a hurried send")
         assert store.get("events/later") == 4
+    finally:
+        writer.close()
+
+
+def test_a_lazy_write_goes_with_the_next_send_or_after_lazy_s(store, monkeypatch):
+    """Memory listings of snapshots are lazy: alone they wait LAZY_S; another write, a flush
+    or LAZY_S takes them along."""
+    monkeypatch.setattr(batch_writer, "LAZY_S", 3.0)
+    writer = BatchWriter(store)
+    try:
+        writer.put("ckpt/a", 1, lazy=True)
+        writer.delete("ckpt/gone", lazy=True)
+        quiet = threading.Event()
+        assert not quiet.wait(1.0) and writer.sends == 0  # nothing sent for it alone
+        writer.put("events/e", 2)  # a write that starts a send takes the lazy ones along
+        wait_for(lambda: writer.sends == 1 and not writer.pending, 5, "the send")
+        assert store.get("ckpt/a") == 1 and store.get("events/e") == 2
+        writer.put("ckpt/b", 3, lazy=True)
+        began = time.monotonic()
+        wait_for(lambda: store.get("ckpt/b") == 3, 10, "the lazy write, alone, after LAZY_S")
+        assert time.monotonic() - began >= 3.0 - 0.1
+        writer.put("ckpt/c", 4, lazy=True)
+        writer.flush()  # at once: no LAZY_S, no SPACING_S, no LINGER_S
+        began = time.monotonic()
+        wait_for(lambda: store.get("ckpt/c") == 4, 5, "the flushed write")
+        assert time.monotonic() - began < LINGER_S
+    finally:
+        writer.close()
+
+
+def test_a_delete_of_a_put_never_sent_cancels_it_and_one_sent_is_deleted(store):
+    writer = BatchWriter(store)
+    try:
+        writer.put("ckpt/kept", 1)
+        wait_for(lambda: store.get("ckpt/kept") == 1, 5, "the first put")
+        writer.put("ckpt/brief", 2, lazy=True)
+        writer.delete("ckpt/brief", lazy=True)  # listed and evicted between two sends
+        assert writer.pending == 0  # neither goes
+        store.put("ckpt/brief", "someone else's")  # a name this writer never sent
+        writer.delete("ckpt/brief")
+        writer.delete("ckpt/kept")
+        wait_for(lambda: writer.pending == 0, 5, "the deletes sent")
+        assert store.get("ckpt/brief") is None and store.get("ckpt/kept") is None
     finally:
         writer.close()
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import running_etcd, wait_for
 
+from transom.checkpoint import catalog
 from transom.common import keys
 from transom.common.records import (
     JobRecord,
@@ -253,6 +254,41 @@ def test_a_member_whose_lease_expires_is_replaced_in_a_new_plan(store):
         at = {e["kind"]: e["time"] for e in store.get_prefix(keys.EVENTS).values()}
         # the plan's tick follows the deciding one at once, not TICK_S later
         assert at["generation"] - at["diagnosis"] < TICK_S / 2, at
+    finally:
+        ctl.stop()
+        for agent in agents.values():
+            agent.stopping.set()
+
+
+def test_the_next_plan_waits_for_the_members_checkpoint_servers_to_send_their_holdings(store):
+    """Memory listings are lazy (batch_writer.LAZY_S): the restore step is read only once each
+    surviving member with a registered checkpoint server said it sent what it holds
+    (`catalog.Flushed`, written here 0.8 s after the server sees RECOVERING)."""
+    running_job(store, ["node0", "node1"], nnodes_min=2, nnodes_max=2, spares=1, settle_s=0.5)
+    agents = {n: FakeAgent(store, n) for n in ("node0", "node1", "node2")}
+    for n in agents:
+        publish(store, n, running=n != "node2")
+    lease = agents["node0"].lease
+    catalog.register_server(store, "node0", "127.0.0.1:1", lease)
+    flushed_at: list[float] = []
+
+    def server() -> None:  # node0's server: its word, a while after the recovery began
+        poll(lambda: (store.get(keys.PLAN) or {}).get("job_state") == "RECOVERING", 30, "it")
+        time.sleep(0.8)  # a slow flush (settle_s is 0.5), not a synchronisation
+        store.put(keys.ckpt_flushed("node0"), catalog.Flushed(1).to_dict(), lease=lease)
+        flushed_at.append(time.time())
+
+    flusher = threading.Thread(target=server, daemon=True)
+    flusher.start()
+    ctl = ControllerThread(store, "ctl-f")
+    try:
+        poll(lambda: store.get(keys.LEADER) == "ctl-f", 20, "ctl-f leads")
+        agents["node1"].die()
+        poll(lambda: plan_generation(store) == 2, 15, "the plan of generation 2")
+        flusher.join(10)
+        at = {e["kind"]: e["time"] for e in store.get_prefix(keys.EVENTS).values()}
+        assert flushed_at and at["generation"] >= flushed_at[0], (at, flushed_at)
+        assert at["generation"] - flushed_at[0] < 0.5  # at once after the word, polled
     finally:
         ctl.stop()
         for agent in agents.values():

@@ -92,3 +92,32 @@ def test_the_steps_retention_removed_are_withdrawn_in_the_listing_batch_without_
             assert list(catalog.holders(store, 3, rank)) == [catalog.memory_holder("node0")]
     finally:
         publisher.stop()
+
+
+def test_a_recovery_flushes_the_lazy_memory_listings_with_word_of_it(store):
+    """Memory listings after a generation's first wait (lazy); a plan in RECOVERING sends them
+    at once, with `catalog.Flushed` in the same transaction: once the controller reads that
+    word, the catalog holds what the server's memory held."""
+    store.put(keys.PLAN, plan(1))
+    publisher = Publisher(store, "node0", lease_ttl_s=30)
+    publisher.start("")
+    stopping = threading.Event()
+    control = threading.Thread(target=publisher.follow, args=(stopping,), daemon=True)
+    control.start()
+    try:
+        wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+        publisher.list_memory(held_shard(3, 0))  # the generation's first listing: at once
+        wait_for(lambda: catalog.holders(store, 3, 0), 5, "step 3 listed")
+        publisher.list_memory(held_shard(4, 0))
+        publisher.unlist_memory(held_shard(3, 0))
+        assert not stopping.wait(1.5)  # a window to see nothing sent in, not a synchronisation
+        assert not catalog.holders(store, 4, 0) and catalog.holders(store, 3, 0)
+        assert catalog.flushed(store) == {}
+        recovering = Plan(1, ["node0", "node1"], JobState.RECOVERING).to_dict()
+        store.put(keys.PLAN, recovering)
+        wait_for(lambda: catalog.flushed(store) == {"node0": 1}, 5, "the server's word")
+        assert catalog.holders(store, 4, 0) and not catalog.holders(store, 3, 0)
+    finally:
+        stopping.set()
+        control.join(10)
+        publisher.stop()

@@ -2,6 +2,8 @@
 
 Keys under the job's prefix (values JSON):
     ckpt/servers/<node>                      a checkpoint server's peer address (under its lease)
+    ckpt/flushed/<node>                      a `Flushed`: the server sent what it holds when the
+                                             generation's recovery began (the plan waits for it)
     ckpt/discarded                           steps discarded as poisoned: a list of
                                              {first_bad_step, generation}, DISCARDS_KEPT newest
     ckpt/shards/<step:012d>/<rank:06d>/<holder>
@@ -35,6 +37,7 @@ from transom.store import Store
 
 SHARDS = keys.CKPT_SHARDS
 SERVERS = keys.CKPT_SERVERS
+FLUSHED = keys.CKPT_FLUSHED
 STORAGE_HOLDER = "storage"
 shard_key = keys.ckpt_shard
 DISCARDS_KEPT = 16
@@ -248,6 +251,21 @@ class ServerRecord(Record):
 
     node: str
     addr: str
+
+
+@dataclass
+class Flushed(Record):
+    """A checkpoint server's word (`ckpt/flushed/<node>`, under its lease) that the catalog holds
+    what its memory held when it saw `generation`'s recovery begin: its memory listings wait up
+    to LAZY_S otherwise (store/batch_writer.py), and the plan's restore step is read from them."""
+
+    generation: int
+
+
+def flushed(store: Store) -> dict[str, int]:
+    """node -> the newest generation whose recovery its server flushed for (invalid ones left
+    out)."""
+    return {node: f.generation for node, f in parse_all(Flushed, store.get_prefix(FLUSHED)).items()}
 
 
 def servers(store: Store) -> dict[str, ServerRecord]:

@@ -10,9 +10,14 @@ The control thread follows, through etcd watches, the controller's plan (its mem
 ring peer, its restore step never evicted) and the discarded steps. Its events and its
 catalog listings and withdrawals go to etcd in batches (store/batch_writer.py: a save's
 listing, its replica's, its persisted copy's, the evicted step's withdrawals and their events
-are one or two requests, not eight); the ring peer's address is read once, and again only after
-a push to it failed. Without a store every method is a no-op but the log line of an event.
-This module never touches shard bytes and never decides what the server keeps.
+are one or two requests, not eight). Memory listings and withdrawals after a generation's first
+are lazy: they go with the next batch, or LAZY_S after they were queued (a server taking a
+snapshot every step costs etcd a request every LAZY_S, not every second), because only a
+recovery reads them: when the plan says RECOVERING, the server sends everything queued at once,
+with a `catalog.Flushed` word in the same transaction, and the controller reads the restore
+step only after every member's word (or FLUSH_WAIT_S). The ring peer's address is read once,
+and again only after a push to it failed. Without a store every method is a no-op but the log
+line of an event. This module never touches shard bytes and never decides what the server keeps.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from transom.checkpoint.budget import Shard
 from transom.checkpoint.reshard_steps import reshardable
 from transom.common import keys
 from transom.common.records import Plan, RecordError
-from transom.common.states import Tier
+from transom.common.states import JobState, Tier
 from transom.store import Store, StoreError
 from transom.store.batch_writer import BatchWriter
 from transom.store.etcd_client import REFRESHES_PER_TTL
@@ -49,6 +54,7 @@ class PlanView:
     members: list[str] = field(default_factory=list)
     restore_step: int | None = None
     previous_members: list[str] = field(default_factory=list)
+    recovering: bool = False  # the job is between generations: a restore is being planned
 
 
 def plan_view(value: Any) -> PlanView:
@@ -65,7 +71,11 @@ def plan_view(value: Any) -> PlanView:
     except RecordError:
         return PlanView()
     return PlanView(
-        plan.generation, list(plan.members), plan.restore_step, list(plan.previous_members)
+        plan.generation,
+        list(plan.members),
+        plan.restore_step,
+        list(plan.previous_members),
+        plan.job_state is JobState.RECOVERING,
     )
 
 
@@ -209,6 +219,8 @@ class Publisher:
                             # A new generation's workers look up the catalog as they start:
                             # the listings that wait for the spacing go now.
                             self.writes.hurry()
+                        if plan.recovering and plan.generation is not None:
+                            self._flush_for(plan.generation)
                         self.plan = plan
                         self.on_plan(self.plan)
                     if ttl_s is None:
@@ -224,6 +236,16 @@ class Publisher:
         finally:
             plans.stop()
             marks.stop()
+
+    def _flush_for(self, generation: int) -> None:
+        """A recovery began: send what memory holds now, with word of it (`catalog.Flushed`, in
+        the same transaction) that the controller waits for before it plans the restore step
+        (the memory listings of snapshots otherwise wait up to LAZY_S)."""
+        if self.writes is None or self.lease is None:
+            return
+        ack = catalog.Flushed(generation).to_dict()
+        self.writes.put(keys.ckpt_flushed(self.node), ack, lease=self.lease)
+        self.writes.flush()
 
     def peer_addr(self, peer: str, fresh: bool = False) -> str | None:
         """The address `peer`'s server registered (None without a store or a registration): as
@@ -288,10 +310,12 @@ class Publisher:
         )
         name, value = catalog.entry(holder, listing)
         # A generation's first listing goes at once (the batch writer's spacing would hold it up
-        # to SPACING_S): a restart soon after it looks for it.
+        # to SPACING_S): a restart soon after it looks for it. The other memory listings are
+        # lazy: a recovery is what reads them, and it flushes them first (`_flush_for`).
         urgent = shard.generation > self._listed_generation
         self._listed_generation = max(self._listed_generation, shard.generation)
-        self.writes.put(name, value, lease=lease, urgent=urgent)
+        lazy = tier is Tier.MEMORY
+        self.writes.put(name, value, lease=lease, urgent=urgent, lazy=lazy)
         self._unless_discarded(shard, name)
 
     def _unless_discarded(self, shard: Shard, name: str) -> None:
@@ -306,7 +330,7 @@ class Publisher:
         """Withdraw an evicted shard, in the background (called with the memory lock held)."""
         if self.writes is not None:
             key = catalog.shard_key(shard.step, shard.rank, catalog.memory_holder(self.node))
-            self.writes.delete(key)
+            self.writes.delete(key, lazy=True)
 
     def withdraw(self, step: int, rank: int, holder: str) -> None:
         """Withdraw one listing now, not batched (a copy found corrupt: the next plan must not

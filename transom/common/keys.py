@@ -18,6 +18,7 @@ with string literals of its own.
   exporter          the leading controller's Prometheus endpoint
   ckpt/secret       the checkpoint peers' shared secret
   ckpt/servers/<node>            a checkpoint server's peer address, under its lease
+  ckpt/flushed/<node>            the generation whose recovery the server sent its holdings for
   ckpt/shards/<step>/<rank>/<holder>  where a shard is held (memory of a node, or storage)
   slurm/drained/<node>           a Slurm node --slurm-drain drained (transom.cluster)
 
@@ -42,6 +43,8 @@ FAULTS_FIRED = "faults/fired/"
 CKPT_SECRET = "ckpt/secret"
 CKPT_SERVERS = "ckpt/servers/"
 CKPT_SHARDS = "ckpt/shards/"
+# A checkpoint server's word that it sent what it holds, at a recovery (catalog.Flushed).
+CKPT_FLUSHED = "ckpt/flushed/"
 SLURM_DRAINED = "slurm/drained/"
 # Steps discarded as poisoned (a list of {first_bad_step, generation}): servers drop them.
 CKPT_DISCARDED = "ckpt/discarded"
@@ -92,6 +95,10 @@ def events_before(time_s: float) -> str:
 
 def ckpt_server(node_id: str) -> str:
     return CKPT_SERVERS + node_id
+
+
+def ckpt_flushed(node_id: str) -> str:
+    return CKPT_FLUSHED + node_id
 
 
 def ckpt_shard(step: int, rank: int, holder: str) -> str:

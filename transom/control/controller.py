@@ -35,7 +35,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from transom.checkpoint.catalog import discard_poisoned, newest_restorable
+from transom.checkpoint.catalog import discard_poisoned, flushed, newest_restorable, servers
 from transom.common import keys
 from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
 from transom.common.states import JobState
@@ -71,6 +71,10 @@ STEPS_PER_TICK = 4
 # job revokes its lease on exit, and the leader key's delete wakes the standby at once.
 STANDBY_RETRY_S = 30.0
 STOP_CHECK_S = 0.25  # a wait checks `stopping` this often (setting it need not wake the loop)
+# Before it reads a next generation's restore step, the leader waits for the members' checkpoint
+# servers to send what they hold (catalog.Flushed): this long at most, looking this often.
+FLUSH_WAIT_S = 1.0
+FLUSH_POLL_S = 0.01
 # The leader deletes from etcd the events older than EVENTS_KEPT_S, every EVENTS_PRUNE_S (one
 # request): a job writes three a node a save for weeks, which would fill etcd's quota (and every
 # reader of all events); the mirroring launcher's events.jsonl keeps them all.
@@ -115,6 +119,9 @@ class Controller:
         # When (time.monotonic) this controller took the lead of a job another had led, until
         # its first snapshot after that (see snapshot).
         self.took_over: float | None = None
+        # (generation, when, whose) the leader began to wait for its members' flushes, and the
+        # members it waits for: those with a checkpoint server registered (snapshot).
+        self._flush_wait: tuple[int, float, list[str]] | None = None
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
         self.contact = StoreContact(
@@ -324,6 +331,12 @@ class Controller:
             summaries={n: s for n, s in published.summaries.items() if n in members},
             preflight=published.preflight,
         )
+        nxt = job.next_generation
+        if nxt is not None and not job.state.terminal:
+            awaited = [m for m in job.members if m in published.nodes and m not in nxt.lost]
+            snap.holdings_pending = self._awaiting_flushes(job.generation, awaited)
+            if snap.holdings_pending:  # no tick: nothing below is taken from the I/O loop yet
+                return snap
         with self.contact.lock:
             now = time.monotonic()
             snap.summary_ages = self.observed.summary_ages(
@@ -333,7 +346,6 @@ class Controller:
             snap.since_store_gap_s = self.observed.since_gap(now)
         if self.took_over is not None:  # the first snapshot as leader
             snap.since_takeover_s, self.took_over = now - self.took_over, None
-        nxt = job.next_generation
         if nxt is not None and not job.state.terminal:
             snap.restore_step = newest_restorable(
                 self.store,
@@ -342,6 +354,32 @@ class Controller:
                 lost=[*nxt.lost, *job.evicted],
             )
         return snap
+
+    def _awaiting_flushes(self, generation: int, members: list[str]) -> bool:
+        """Whether the checkpoint servers of `members` have yet to send what they held when
+        `generation`'s recovery began (their memory listings are lazy: batch_writer.py), for at
+        most FLUSH_WAIT_S: one that does not answer (its server restarting) leaves its listings
+        as they are, at most LAZY_S old, and the ranks still agree on the newest step they all
+        hold at or after the plan's (checkpoint/agreement.py). Only members with a server
+        registered are waited for."""
+        now = time.monotonic()
+        try:
+            if self._flush_wait is None or self._flush_wait[0] != generation:
+                registered = servers(self.store) if members else {}
+                self._flush_wait = (generation, now, [m for m in members if m in registered])
+            awaited = self._flush_wait[2]
+            done = flushed(self.store) if awaited else {}
+        except StoreError:
+            return False  # etcd cannot say: plan with the catalog as it is (read next)
+        missing = [m for m in awaited if done.get(m, -1) < generation]
+        if missing and now - self._flush_wait[1] >= FLUSH_WAIT_S:
+            log.warning(
+                "planning without the checkpoint holdings of %s (no word within %.1f s)",
+                ", ".join(missing),
+                FLUSH_WAIT_S,
+            )
+            return False
+        return bool(missing)
 
     def _step(self) -> None:
         assert self.job is not None and self.spec is not None
@@ -355,6 +393,9 @@ class Controller:
         if not self.contact.confirm(self.view.node_deleted_at, STALE_S):
             return
         snap = self.snapshot()
+        if snap.holdings_pending:  # the restore step is read once the servers have flushed
+            self._due = time.monotonic() + FLUSH_POLL_S
+            return
         self._step_s = median_step_s(
             r.step_s for s in snap.summaries.values() for r in s.ranks.values()
         )

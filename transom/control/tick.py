@@ -50,6 +50,9 @@ class Snapshot:
     # The newest checkpoint step every rank of `job.next_generation` can restore (None: fresh);
     # read from the checkpoint catalog only when a next generation is pending.
     restore_step: int | None = None
+    # Set while the members' checkpoint servers have yet to send what they hold (the I/O loop
+    # waits, up to controller.FLUSH_WAIT_S, before it reads `restore_step`): no tick then.
+    holdings_pending: bool = False
     # Measured by the controller on its own clock (transom.control.observed): seconds since it
     # saw each member's summary change; its newest gap in reaching etcd and how long ago it
     # ended (None: no gap seen).

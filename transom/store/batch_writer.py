@@ -14,10 +14,16 @@ goes after LINGER_S alone. What must not wait for the spacing is sent after LING
 listings a restart will look for (a restarted worker loads from the fastest tier the catalog
 lists: a listing 2 s late had workers restarted right after a save load from the peer or
 storage instead of their node's memory, tests/test_checkpoint_e2e.py,
-test_checkpoint_prefetch.py), and everything at `close()`.
+test_checkpoint_prefetch.py), and everything at `close()`. `flush()` sends at once, without
+even LINGER_S (a checkpoint server's holdings when a recovery begins: the controller plans the
+restore from them). A `lazy` write (a memory listing of a snapshot taken every step: only a
+recovery reads it, and the owner flushes then) starts no send of its own: it goes with the next
+send, or LAZY_S after it was queued, so a server that only snapshots costs etcd a request every
+LAZY_S, not every SPACING_S.
 Writes of one name keep their order (the last one queued is the one sent); writes of different
 names may land in any order, and later than requests made directly, so it must not carry a write
-whose order against another name's matters. Nothing is lost to an etcd outage: writes that could
+whose order against another name's matters. A delete of a name this writer queued and never
+sent cancels that put: neither goes. Nothing is lost to an etcd outage: writes that could
 not be sent stay queued (in order) and go with the next attempt, after RETRY_S; only past
 MAX_QUEUED writes are the oldest dropped, with a warning. A put under a lease that etcd no
 longer has would fail its whole transaction forever: such puts are dropped (those under a lease
@@ -49,6 +55,7 @@ SPACING_S = 1.0
 RETRY_S = 1.0  # after a failed send
 MAX_QUEUED = 10_000  # writes kept through an outage; beyond, the oldest are dropped
 CLOSE_DEADLINE_S = 2.0
+LAZY_S = 10.0  # the longest a lazy write waits for a send to go with
 _ABSENT = object()
 
 
@@ -71,14 +78,25 @@ class BatchWriter:
         self._wake = threading.Event()  # something is queued
         self._nudge = threading.Event()  # hurried or closing: cut the wait short
         self._hurried = threading.Event()  # send after LINGER_S, whatever the spacing
+        self._flushing = threading.Event()  # send now, not even after LINGER_S
+        self._lazy: dict[str, float] = {}  # names queued lazily -> when
+        self._sent: set[str] = set()  # names this writer put and has not deleted since
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, name: str, value: Any, lease: Lease | None = None, urgent: bool = False) -> None:
+    def put(
+        self,
+        name: str,
+        value: Any,
+        lease: Lease | None = None,
+        urgent: bool = False,
+        lazy: bool = False,
+    ) -> None:
         """Queue a write of `name` (under `lease`); it reaches etcd within about LINGER_S (or
-        SPACING_S after the previous send, unless `urgent`: then `hurry()`)."""
-        self._queue(name, (value, lease))
+        SPACING_S after the previous send, unless `urgent`: then `hurry()`; `lazy`: with the
+        next send, LAZY_S at most)."""
+        self._queue(name, (value, lease), lazy and not urgent)
         if urgent:
             self.hurry()
 
@@ -89,18 +107,50 @@ class BatchWriter:
         self._nudge.set()
         self._wake.set()
 
-    def delete(self, name: str) -> None:
-        """Queue the deletion of `name`; it reaches etcd as a put would."""
-        self._queue(name, None)
+    def flush(self) -> None:
+        """Send what is queued now: no LINGER_S, no SPACING_S; it never waits for the send."""
+        self._flushing.set()
+        self.hurry()
 
-    def _queue(self, name: str, write: tuple[Any, Lease | None] | None) -> None:
+    def delete(self, name: str, lazy: bool = False) -> None:
+        """Queue the deletion of `name`; it reaches etcd as a put would."""
+        self._queue(name, None, lazy)
+
+    def _queue(self, name: str, write: tuple[Any, Lease | None] | None, lazy: bool) -> None:
         with self._lock:
+            if write is None and name not in self._sent and self._queued.get(name) is not None:
+                # Deleting what this writer queued and never sent: neither goes (a snapshot
+                # listed and evicted between two sends costs etcd nothing).
+                del self._queued[name]
+                self._lazy.pop(name, None)
+                return
             self._queued.pop(name, None)  # the newest write of a name goes last
             self._queued[name] = write
+            if lazy:
+                self._lazy.setdefault(name, time.monotonic())
+            else:
+                self._lazy.pop(name, None)
             if len(self._queued) > MAX_QUEUED:
-                del self._queued[next(iter(self._queued))]
+                oldest = next(iter(self._queued))
+                del self._queued[oldest]
+                self._lazy.pop(oldest, None)
                 self._dropped += 1
-        self._wake.set()
+        if not lazy:
+            self._wake.set()
+
+    def _lazy_due(self) -> float | None:
+        """When the oldest lazy write queued must go (monotonic), None when there is none."""
+        with self._lock:
+            return min(self._lazy.values()) + LAZY_S if self._lazy else None
+
+    def _wait_for_writes(self) -> None:
+        """Until a write that starts a send is queued (or a hurry, a flush, a close), or the
+        oldest lazy one is due; a lazy write queued meanwhile is seen within a second."""
+        while True:
+            due = self._lazy_due()
+            wait = 1.0 if due is None else min(1.0, max(0.0, due - time.monotonic()))
+            if self._wake.wait(wait) or (due is not None and time.monotonic() >= due):
+                return
 
     @property
     def pending(self) -> int:
@@ -119,7 +169,7 @@ class BatchWriter:
         """Wait LINGER_S for the rest of a burst, and until SPACING_S after the previous send
         (`sent_at`) unless hurried; not at all when closing."""
         linger_until = time.monotonic() + LINGER_S
-        while not self._closing.is_set():
+        while not self._closing.is_set() and not self._flushing.is_set():
             until = linger_until
             if not self._hurried.is_set():
                 until = max(until, sent_at + SPACING_S)
@@ -132,10 +182,11 @@ class BatchWriter:
     def _run(self) -> None:
         sent_at = -math.inf  # when the newest successful send began
         while True:
-            self._wake.wait()
+            self._wait_for_writes()
             self._linger(sent_at)  # let the rest of a burst come
             self._wake.clear()
             self._hurried.clear()  # what is queued now goes in this send
+            self._flushing.clear()
             with self._lock:
                 batch, dropped = dict(self._queued), self._dropped
                 self._dropped = 0
@@ -160,9 +211,14 @@ class BatchWriter:
                 self._closing.wait(RETRY_S)
                 continue
             with self._lock:
-                for name in batch:
-                    if self._queued.get(name, _ABSENT) is batch[name]:
+                for name, write in batch.items():
+                    if write is None:
+                        self._sent.discard(name)
+                    else:
+                        self._sent.add(name)
+                    if self._queued.get(name, _ABSENT) is write:
                         del self._queued[name]
+                        self._lazy.pop(name, None)
             if self._closing.is_set() and not self._queued:
                 return
 
@@ -176,6 +232,7 @@ class BatchWriter:
             for name in dead:
                 if self._queued.get(name, _ABSENT) is batch[name]:
                     del self._queued[name]
+                    self._lazy.pop(name, None)
         self.dead_lease_drops += len(dead)
         if dead:
             log.info("%d puts dropped: etcd no longer has their lease", len(dead))
