@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from conftest import etcd_requests, held_shard, wait_for
@@ -19,6 +21,24 @@ from transom.common.states import JobState
 from transom.store.etcd_client import REFRESHES_PER_TTL
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@contextmanager
+def following(publisher: Publisher) -> Iterator[threading.Event]:
+    """`publisher` started, its control thread following until the block ends (then stopped);
+    the event that stops the thread."""
+    publisher.start("")
+    stopping = threading.Event()
+    control = threading.Thread(target=publisher.follow, args=(stopping,), daemon=True)
+    control.start()
+    try:
+        wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+        yield stopping
+    finally:
+        stopping.set()
+        control.join(10)
+        publisher.stop()
+    assert not control.is_alive()
 
 
 def plan(generation: int, restore_step: int | None = None) -> dict:
@@ -37,12 +57,7 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
     publisher = Publisher(store, "node0", lease_ttl_s=ttl_s)
     discards: list[list[dict]] = []
     publisher.on_discard = discards.append
-    publisher.start("")
-    stopping = threading.Event()
-    control = threading.Thread(target=publisher.follow, args=(stopping,), daemon=True)
-    control.start()
-    try:
-        wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+    with following(publisher) as stopping:
         followers = (publisher.plans, publisher.marks)
         wait_for(lambda: all(f and f.watch.healthy for f in followers), 10, "both watches up")
         window_s = 4.0
@@ -63,11 +78,6 @@ def test_plans_and_discards_come_pushed_and_the_lease_refresh_is_the_only_steady
         wait_for(lambda: discards, 5, "the discarded steps")
         expected = [catalog.Discard(first_bad_step=9, generation=2)]
         assert discards == [expected] and publisher.discards == expected
-    finally:
-        stopping.set()
-        control.join(10)
-        publisher.stop()
-    assert not control.is_alive()
 
 
 def test_the_steps_retention_removed_are_withdrawn_in_the_listing_batch_without_a_read(store):
@@ -100,12 +110,7 @@ def test_a_recovery_flushes_the_lazy_memory_listings_with_word_of_it(store):
     word, the catalog holds what the server's memory held."""
     store.put(keys.PLAN, plan(1))
     publisher = Publisher(store, "node0", lease_ttl_s=30)
-    publisher.start("")
-    stopping = threading.Event()
-    control = threading.Thread(target=publisher.follow, args=(stopping,), daemon=True)
-    control.start()
-    try:
-        wait_for(lambda: publisher.plan.generation == 1, 10, "the first plan")
+    with following(publisher) as stopping:
         publisher.list_memory(held_shard(3, 0))  # the generation's first listing: at once
         wait_for(lambda: catalog.holders(store, 3, 0), 5, "step 3 listed")
         publisher.list_memory(held_shard(4, 0))
@@ -117,7 +122,3 @@ def test_a_recovery_flushes_the_lazy_memory_listings_with_word_of_it(store):
         store.put(keys.PLAN, recovering)
         wait_for(lambda: catalog.flushed(store) == {"node0": 1}, 5, "the server's word")
         assert catalog.holders(store, 4, 0) and not catalog.holders(store, 3, 0)
-    finally:
-        stopping.set()
-        control.join(10)
-        publisher.stop()
