@@ -112,10 +112,7 @@ class ForkedWorker:
 
     def kill(self) -> None:
         if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill(self.pid)
 
     def _settle(self) -> None:
         """Take the exit the interpreter reported; with the interpreter gone (its workers die
@@ -129,7 +126,7 @@ class ForkedWorker:
         ):
             self.returncode = -signal.SIGKILL
         if self.returncode is not None:
-            self._pool.forget_worker(self._interpreter, self.pid)
+            self._interpreter.live.discard(self.pid)  # its interpreter no longer serves it
 
 
 class _Interpreter:
@@ -306,10 +303,6 @@ class WarmPool:
                         self.exits[pid] = int(parts[2])
             except ValueError:
                 continue  # not a message of ours: nothing to take from it
-
-    def forget_worker(self, interpreter: _Interpreter, pid: int) -> None:
-        """A worker's exit was taken: its interpreter no longer serves it."""
-        interpreter.live.discard(pid)
 
     def close(self) -> None:
         """End every interpreter (workers, if any are left, die with them)."""
