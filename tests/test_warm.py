@@ -12,7 +12,8 @@ from conftest import wait_for
 
 from transom.common import env as env_names
 from transom.control import warm
-from transom.control.warm import WarmPool, can_leave_idle_policy
+from transom.control.warm import WarmPool
+from transom.utils import idle_priority
 
 SCRIPT = """
 import json, os, sys
@@ -20,6 +21,8 @@ print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "cwd": o
                   "rank": os.environ.get("RANK"), "path0": sys.path[0],
                   "torch_loaded": "torch" in sys.modules, "policy": os.sched_getscheduler(0),
                   "cores": sorted(os.sched_getaffinity(0)),
+                  "autogroup": open("/proc/self/autogroup").read() if os.path.exists(
+                      "/proc/self/autogroup") else None,
                   "idle_env": [k for k in os.environ if k.startswith("TRANSOM_WARM_IDLE")]}),
       flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -128,11 +131,14 @@ def test_an_empty_pool_hands_out_nothing(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.skipif(
-    not can_leave_idle_policy(), reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)"
+    not idle_priority.can_leave(),
+    reason="may not leave SCHED_IDLE here (not root, RLIMIT_NICE < 20)",
 )
 def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal(tmp_path):
-    """The imports run at SCHED_IDLE, on any core; once they are done, the interpreter waits (and
-    forks) at the normal policy on the agent's cores, and so do its workers."""
+    """The imports run at SCHED_IDLE, on any core, their session's autogroup (where the kernel
+    has them) niced to 19; once they are done, the interpreter waits (and forks) at the normal
+    policy, nice 0, on the agent's cores, and so do its workers."""
+    grouped = idle_priority.autogroup_nice() is not None
     gate = tmp_path / "go"
     (tmp_path / "gated_import.py").write_text(
         f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
@@ -158,6 +164,7 @@ def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal
             lambda: (
                 os.sched_getscheduler(interpreter.pid) == os.SCHED_IDLE
                 and os.sched_getaffinity(interpreter.pid) == every_core
+                and (not grouped or idle_priority.autogroup_nice(interpreter.pid) == 19)
             ),
             30,
             "the interpreter to import at idle priority, on every core",
@@ -166,10 +173,12 @@ def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal
         wait_for(lambda: pool.warm_count() == 1, 30, "the interpreter to finish its imports")
         assert os.sched_getscheduler(interpreter.pid) == os.SCHED_OTHER
         assert os.sched_getaffinity(interpreter.pid) == agent_cores
+        assert idle_priority.autogroup_nice(interpreter.pid) == (0 if grouped else None)
         code, text = run_warm(pool, tmp_path, "0")
         first = json.loads(text.splitlines()[0])
         assert code == 0 and first["policy"] == os.SCHED_OTHER and first["idle_env"] == []
         assert first["cores"] == sorted(agent_cores)
+        assert not grouped or first["autogroup"].split()[-1] == "0"
     finally:
         pool.close()
 

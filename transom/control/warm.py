@@ -19,8 +19,9 @@ negative for a signal). `ForkedWorker` is the agent's handle on one, with the `P
 agent uses. A worker lives in a session of its own and dies with the interpreter
 (PR_SET_PDEATHSIG), which dies with the agent: no worker outlives its agent.
 
-The imports run under the SCHED_IDLE scheduling policy where this process may return to the
-normal policy afterwards (root, or RLIMIT_NICE of at least 20): they then use only CPU time the
+The imports run at idle priority (transom.utils.idle_priority: SCHED_IDLE, and its session's
+autogroup niced) where this process may return to the normal policy afterwards (root, or
+RLIMIT_NICE of at least 20): they then use only CPU time the
 workers leave idle, on any core (the agent's may be confined to a few, the ranks' cores are idle
 before the first workers start). Once they are done, and as soon as a job arrives before then,
 the interpreter returns to the normal policy and to the agent's cores, and its workers with it.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import select
 import signal
 import subprocess
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO
 
 from transom.common import env as env_names
+from transom.utils import idle_priority
 from transom.utils.procs import die_with_parent, new_session_dying_with_parent
 
 log = logging.getLogger("transom.warm")
@@ -60,7 +61,6 @@ log = logging.getLogger("transom.warm")
 DEFAULT_IMPORTS = "torch,torch.distributed,torch.nn.parallel,torch.optim,torch._inductor.config"
 READY = b"R"
 TITLE = "transom warm interpreter"  # what `ps` shows of it, before "(job J, node N)"
-NICE_CEILING = 20  # RLIMIT_NICE needed to leave SCHED_IDLE without privileges (nice 0)
 # How long a launch waits for imports still under way: less than a cold start takes to import.
 IMPORTS_WAIT_S = 60.0
 FORK_REPLY_S = 10.0  # how long a launch waits for the pid of the worker it asked for
@@ -68,20 +68,6 @@ FORK_REPLY_S = 10.0  # how long a launch waits for the pid of the worker it aske
 RETIRED_SILENCE_S = 2.0
 MAX_MESSAGE = 64  # bytes of one line from the interpreter
 CANCELLED = 75  # the exit of a worker forked after its launch was given up
-
-
-def can_leave_idle_policy() -> bool:
-    """Whether a process here may switch from SCHED_IDLE back to the normal policy."""
-    return hasattr(os, "SCHED_IDLE") and (
-        os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= NICE_CEILING
-    )
-
-
-def set_normal_policy(pid: int = 0) -> None:
-    try:
-        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-    except OSError:
-        pass  # gone, or not allowed: it keeps its policy
 
 
 class ForkedWorker:
@@ -189,7 +175,7 @@ class WarmPool:
         self.exits: dict[int, int] = {}  # pid -> exit code, reported and not yet taken
         # How the newest `launch` found the interpreter: "warm" (imports done) or "importing".
         self.last_launch = ""
-        if can_leave_idle_policy():
+        if idle_priority.can_leave():
             self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
 
     @property
@@ -236,7 +222,7 @@ class WarmPool:
         self.read_messages(0.0)
         self.last_launch = "warm" if current.imported else "importing"
         if not current.imported:
-            set_normal_policy(current.proc.pid)  # perhaps at idle priority: now it is urgent
+            idle_priority.leave(current.proc.pid)  # perhaps at idle priority: now it is urgent
             deadline = time.monotonic() + IMPORTS_WAIT_S
             while not current.imported and current.proc.poll() is None:
                 if time.monotonic() > deadline:
@@ -368,20 +354,16 @@ def _serve() -> int:
         setproctitle.setproctitle(sys.argv[1])
     idle = os.environ.pop(env_names.WARM_IDLE_IMPORTS, "") == "1"
     cores = os.sched_getaffinity(0)
-    if idle:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            # At idle priority the imports may use any core's idle time, the ranks' cores too
-            # (idle before the first workers start); the workers get the agent's cores back.
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError:
-            pass  # normal policy, or the agent's cores only: the imports run there
+    if idle and idle_priority.enter():
+        # At idle priority the imports may use any core's idle time, the ranks' cores too
+        # (idle before the first workers start); the workers get the agent's cores back.
+        _set_affinity(set(range(os.cpu_count() or 1)))  # refused: the agent's cores only
     for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
         if name.strip():
             importlib.import_module(name.strip())
     if idle:  # the agent's cores first: at the normal policy it may use only those
         _set_affinity(cores)
-        set_normal_policy()  # waiting costs nothing; a fork must not wait for idle CPU
+        idle_priority.leave()  # waiting costs nothing; a fork must not wait for idle CPU
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
