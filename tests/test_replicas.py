@@ -13,7 +13,7 @@ from transom.control.policy import on_anomaly
 from transom.faults import parse_schedule
 from transom.faults.worker_side import flip_bits
 from transom.job_spec import ConfigError
-from transom.monitor import fingerprint
+from transom.monitor import auto, fingerprint
 from transom.monitor.replicas import ReplicaDetector, Split
 
 
@@ -101,12 +101,50 @@ def test_a_bit_flip_changes_the_fingerprint_and_makes_no_nan():
 
 def test_fingerprints_are_taken_at_the_first_step_then_every_interval(monkeypatch):
     monkeypatch.setenv("TRANSOM_FINGERPRINT_EVERY", "25")
-    assert fingerprint.every() == 25
+    assert fingerprint.configured() == 25
     assert [s for s in range(7, 80) if fingerprint.due(s, 25, first=s == 7)] == [7, 25, 50, 75]
     monkeypatch.setenv("TRANSOM_FINGERPRINT_EVERY", "0")
-    assert not fingerprint.due(7, fingerprint.every(), first=True)
+    assert not fingerprint.due(7, fingerprint.interval(fingerprint.configured(), 0.01), True)
     monkeypatch.setenv("TRANSOM_FINGERPRINT_EVERY", "often")
-    assert fingerprint.every() == fingerprint.DEFAULT_EVERY
+    assert fingerprint.configured() is None
+    monkeypatch.delenv("TRANSOM_FINGERPRINT_EVERY")
+    assert fingerprint.configured() is None
+
+
+def test_the_default_interval_doubles_until_its_steps_take_the_minimum_period():
+    assert fingerprint.interval(None, None) == fingerprint.DEFAULT_EVERY == 50
+    assert fingerprint.interval(None, 1.0) == 50  # 50 s: a real job's steps
+    assert fingerprint.interval(None, 0.03) == 400  # 12 s, where 200 steps take 6 s
+    assert fingerprint.interval(None, 1e-6) == fingerprint.MAX_EVERY
+    assert fingerprint.interval(5, 0.001) == 5  # a configured interval is kept as it is
+
+
+def due_steps(counter: auto.StepCounter, step_s: float | None, steps: range) -> list[int]:
+    counter.fingerprinted = None
+    counter.periods.clear()
+    if step_s is not None:
+        counter.periods.extend([step_s] * auto.PERIODS_KEPT)
+    due = []
+    for step in steps:
+        if counter.fingerprint_due(step):
+            due.append(step)
+            counter.fingerprinted = step
+    return due
+
+
+def test_ranks_whose_step_times_straddle_a_doubling_still_fingerprint_common_steps(monkeypatch):
+    monkeypatch.delenv("TRANSOM_FINGERPRINT_EVERY", raising=False)
+    counter = auto.StepCounter()
+    steps = range(3, 2000)
+    unknown = due_steps(counter, None, steps)  # a generation's first steps: not timed yet
+    assert unknown[:3] == [3, 50, 100]
+    faster = due_steps(counter, 0.0399, steps)  # 200 steps take 7.98 s: every 400
+    slower = due_steps(counter, 0.0401, steps)  # 200 steps take 8.02 s: every 200
+    assert faster == [3, 400, 800, 1200, 1600]
+    assert slower == [3, 200, 400, 600, 800, 1000, 1200, 1400, 1600, 1800]
+    assert set(faster) <= set(slower) <= set(unknown)
+    monkeypatch.setenv("TRANSOM_FINGERPRINT_EVERY", "7")
+    assert due_steps(auto.StepCounter(), 0.001, range(3, 30)) == [3, 7, 14, 21, 28]
 
 
 def test_the_corrupt_fault_takes_its_bits():

@@ -36,7 +36,9 @@ none, and a hook the user registers later replaces ours' all-reduce, still timed
 
 from __future__ import annotations
 
+import collections
 import functools
+import statistics
 import threading
 import time
 import weakref
@@ -63,6 +65,7 @@ COLLECTIVES = (
     "scatter",
 )
 _WRAPPED = "__transom_timed__"
+PERIODS_KEPT = 16  # steps whose times set the default fingerprint interval
 
 
 class StepCounter:
@@ -81,8 +84,12 @@ class StepCounter:
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
         self.timing: dict[str, float] = {}
-        self.fingerprint_every = fingerprint.every()
+        self.fingerprint_every = fingerprint.configured()  # None: the default, by step time
         self.fingerprinted: int | None = None  # the step of the newest fingerprint sent
+        # The times between the newest counted steps' hooks (the step time the default
+        # fingerprint interval is set from), and the newest hook's perf_counter().
+        self.periods: collections.deque[float] = collections.deque(maxlen=PERIODS_KEPT)
+        self.last_hook: float | None = None
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
@@ -109,6 +116,10 @@ class StepCounter:
             own = optimizer_step(optimizer)
             step = self.count if own is None else own
             self.count = step + 1
+            hooked = time.perf_counter()
+            if self.last_hook is not None:
+                self.periods.append(hooked - self.last_hook)
+            self.last_hook = hooked
             if ch.explicit_steps and not self.framework:
                 self.check_replica(ch, optimizer, step)
                 return  # the script reports its own steps
@@ -142,9 +153,21 @@ class StepCounter:
         if state.corrupt_bits:
             bits, state.corrupt_bits = state.corrupt_bits, 0
             flip_bits(_parameters(optimizer), bits, seed=step)
-        if fingerprint.due(step, self.fingerprint_every, first=self.fingerprinted is None):
+        if self.fingerprint_due(step):
             self.fingerprinted = step
             ch.send("fingerprint", step=step, fp=fingerprint.of_parameters(_parameters(optimizer)))
+
+    def fingerprint_due(self, step: int) -> bool:
+        """Whether `step` is fingerprinted (fingerprint.due), at the configured interval or the
+        default one for this rank's median step time over its newest steps."""
+        first = self.fingerprinted is None
+        every = self.fingerprint_every
+        if every is None:  # every default interval is a multiple of DEFAULT_EVERY
+            if not first and step % fingerprint.DEFAULT_EVERY:
+                return False
+            typical = statistics.median(self.periods) if len(self.periods) >= PERIODS_KEPT else None
+            every = fingerprint.interval(None, typical)
+        return fingerprint.due(step, every, first)
 
     def take_timing(self) -> dict[str, float]:
         """The newest optimizer step's dur, comm and compute (once), for a framework callback."""

@@ -9,8 +9,13 @@ its optimizer steps, in their fixed order, with xxh3 over their bytes, and sends
 with the step's number; the controller compares the ranks' digests of the same step
 (transom.monitor.replicas).
 
-TRANSOM_FINGERPRINT_EVERY sets the interval in steps (DEFAULT_EVERY; 0 turns it off). A
-parameter on a GPU is copied to the host to be hashed, which waits for the device: its cost is
+TRANSOM_FINGERPRINT_EVERY sets the interval in steps (0 turns it off). Unset, it is
+DEFAULT_EVERY, doubled (100, 200, ... up to MAX_EVERY) while that many of the rank's steps take
+less than MIN_PERIOD_S (`interval`): each fingerprint is an etcd write of its node's summary, and
+a job of 30 ms steps would otherwise write one every 1.5 s a node (issue 44: at most one request
+a node a second in all). The intervals are nested, so ranks whose step times straddle a doubling
+still fingerprint common steps (those of the coarser interval), which the controller compares.
+A parameter on a GPU is copied to the host to be hashed, which waits for the device: its cost is
 measured in benchmarks, and the interval keeps it small.
 
 This module must never change a parameter, and never raise into training (callers catch).
@@ -27,17 +32,32 @@ import xxhash
 from transom.common import env
 
 DEFAULT_EVERY = 50
+# The default interval's fingerprints come at least this far apart (two summary keep-alives:
+# transom.monitor.detectors.SUMMARY_KEEPALIVE_S), within MAX_EVERY steps.
+MIN_PERIOD_S = 8.0
+MAX_EVERY = DEFAULT_EVERY << 6  # 3,200 steps
 MAX_DIGEST = 32  # characters of a digest that crossed a process boundary
 
 
-def every() -> int:
-    """The interval in steps from the environment (DEFAULT_EVERY when unset or not a number;
-    0: off)."""
+def configured() -> int | None:
+    """The interval in steps TRANSOM_FINGERPRINT_EVERY sets (0: off); None when it is unset or
+    not a number (the default: `interval`)."""
     try:
-        value = int(os.environ.get(env.FINGERPRINT_EVERY, DEFAULT_EVERY))
-    except ValueError:
-        return DEFAULT_EVERY
-    return max(0, value)
+        return max(0, int(os.environ[env.FINGERPRINT_EVERY]))
+    except (KeyError, ValueError):
+        return None
+
+
+def interval(configured_every: int | None, step_s: float | None) -> int:
+    """The interval in steps: `configured_every` where set, else DEFAULT_EVERY doubled while that
+    many steps of `step_s` (the rank's typical step time; None: not known yet) take less than
+    MIN_PERIOD_S, at most MAX_EVERY."""
+    if configured_every is not None:
+        return configured_every
+    every = DEFAULT_EVERY
+    while step_s is not None and every * step_s < MIN_PERIOD_S and every < MAX_EVERY:
+        every *= 2
+    return every
 
 
 def due(step: int, interval: int, first: bool) -> bool:
