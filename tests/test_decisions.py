@@ -244,13 +244,29 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
     assert waiting.job.next_generation is None
     assert waiting.due == T0 + 2 + s.node_ttl_s + 1.0  # the controller ticks then
     assert run(job, Snapshot(live, peer_only), s, T0 + 2 + 11.0).job.next_generation is not None
-    # its own fault: diagnose after settle_s
-    own = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
+    # its own fault: diagnose after settle_s (the others may raise the same exception)
+    own = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[_raised(0)])}
     waiting = run(job, Snapshot(live, own), s, T0 + 2.4)
     assert waiting.job.next_generation is None and waiting.due == T0 + 2 + s.settle_s
     d = run(job, Snapshot(live, own), s, T0 + 2.5)
     assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
     assert d.job.next_generation is not None and d.due == T0 + 2.5  # its plan: at once
+    # a worker SIGKILLed: its node's fault whatever the others say, diagnosed at once
+    killed = peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[crash(0)])}
+    d = run(job, Snapshot(live, killed), s, T0 + 2.01)
+    assert kinds(d)[0] == "diagnosis" and d.events[0].blamed == ["node0"]
+    assert d.job.next_generation is not None
+    # ... but not a SIGABRT (a collective's watchdog aborts a rank that waited for a peer)
+    aborted = replace(crash(0), signal="SIGABRT", exitcode=-6, describe="rank 0 SIGABRT")
+    waiting = run(
+        job,
+        Snapshot(
+            live, peer_only | {"node0": status("node0", 1, NodeState.FAILED, failures=[aborted])}
+        ),
+        s,
+        T0 + 2.01,
+    )
+    assert waiting.job.next_generation is None and waiting.due == T0 + 2 + s.settle_s
     # every member reported: no wait at all
     both = own | {"node1": status("node1", 1, NodeState.FAILED, failures=[crash(1, True)])}
     assert run(job, Snapshot(live, both), s, T0 + 2.01).job.next_generation is not None

@@ -197,7 +197,7 @@ class JobSpec(Record):
         metadata=option(
             "--settle-time",
             "after the first failure report, how long to wait for the other nodes' reports "
-            "before deciding whom to blame",
+            "before deciding whom to blame (none after a worker's SIGKILL)",
             group=GROUP_TOLERANCE,
             metavar="SECONDS",
         ),

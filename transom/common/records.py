@@ -161,6 +161,11 @@ class FailureReport(Record):
     signature: str | None = None  # the exception line its log ends with, e.g. "ValueError: bad"
     log: str = ""  # the worker's log file
 
+    def killed(self) -> bool:
+        """A worker SIGKILLed (the OOM killer, a person, its node going down): it failed by
+        itself, never because a peer did (a collective's watchdog aborts with SIGABRT)."""
+        return self.kind is FailureKind.WORKER and self.signal == "SIGKILL" and not self.peer_error
+
 
 @dataclass
 class NodeStatus(Record):

@@ -275,6 +275,9 @@ class _Rules(Tick):
         # node was lost or never started), and in any case once a silent node's lease would
         # have expired (a silent node is then alive but stuck).
         cause_known = bool(own_fault or lost or incident.stuck)
+        # A worker SIGKILLed is its node's fault whatever the others report, and their reports
+        # cannot change the diagnosis (policy.same_error leaves signal deaths out): no settling.
+        killed = any(f.killed() for report in failed.values() for f in report.failures)
         # Every member but the silent ones lost its workers to a peer: the silent ones are
         # taken for dead before their leases expire, where spares can take their places
         # (transom.control.set_aside).
@@ -282,6 +285,7 @@ class _Rules(Tick):
         set_aside = take_for_dead(silent, elapsed) if replace else []
         ready = (
             not silent
+            or killed
             or (elapsed >= spec.settle_s and cause_known)
             or bool(set_aside)
             or elapsed >= spec.node_ttl_s + 1.0
