@@ -238,7 +238,9 @@ def test_settle_waits_for_silent_members_unless_the_cause_is_known():
         "node0": status("node0", 1, NodeState.FAILED, failures=[crash(0, peer_error=True)]),
         "node1": status("node1", 1, NodeState.RUNNING),
     }
-    job = run(running(["node0", "node1"], s), Snapshot(live, peer_only), s, T0 + 2).job
+    incident = run(running(["node0", "node1"], s), Snapshot(live, peer_only), s, T0 + 2)
+    assert kinds(incident) == ["incident"] and incident.due == T0 + 2  # diagnosed next, at once
+    job = incident.job
     # only a peer error so far: wait for node1's report (up to the lease time)
     waiting = run(job, Snapshot(live, peer_only), s, T0 + 3)
     assert waiting.job.next_generation is None

@@ -179,6 +179,7 @@ class _Rules(Tick):
                 detection=self.now,
             )
             self.write_plan()
+            self.decision.due = self.now  # the diagnosis: next tick, at once (recover() waits)
             return
         if len(self.reports(NodeState.SUCCEEDED)) == len(j.members):
             pending = resolved_by(self)
