@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 from transom.store import EmbeddedEtcd, Store
 from transom.store.watch import PrefixWatch, Update, WatchEvent
@@ -94,6 +95,20 @@ def test_a_slow_caller_loses_nothing(store):
         for i in range(12):
             store.put(f"s/{i}", i)
         assert [e.value for e in events(watch, 12)] == list(range(12))
+
+
+def test_wake_ends_a_wait_at_once_and_hides_no_update_behind_it(store):
+    with PrefixWatch(store, "w/") as watch:
+        watch.start()
+        threading.Timer(0.2, watch.wake).start()
+        started = time.monotonic()
+        assert watch.get(timeout=30) is None  # woken, not timed out
+        assert time.monotonic() - started < 10
+        watch.wake()  # a wake queued before an update: a get that finds both takes the update
+        store.put("w/a", 1)
+        wait_for(lambda: watch.updates.qsize() == 2, 20, "the update queued behind the wake")
+        update = watch.get(timeout=0)
+        assert update is not None and [e.value for e in update.events] == [1]
 
 
 def test_a_compacted_revision_gives_a_full_re_read(store):

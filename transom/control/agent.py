@@ -427,7 +427,7 @@ class NodeAgent:
         self.monitor.expect_ranks(local_ranks, stacks_dir)
         spec = self.spec
         self.group = WorkerGroup(assignment, spec.script, spec.script_args, log_dir, extra_env)
-        self.group.start(self.warm)
+        self.group.start(self.warm, on_exit=lambda pid: self.plan.wake())  # no tick's wait
         self.group_started_at = time.monotonic()
         how = self.group.started_as  # warm, importing or cold: what the start-up cost
         log.info("generation %d: started ranks %s %s", self.generation, local_ranks, how)

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,16 @@ from typing import Any
 from transom.common.records import FailureReport
 from transom.control.failures import classify_exit
 from transom.control.warm import ForkedWorker, WarmPool
+from transom.utils.exit_watch import ExitWatch
 from transom.utils.net import interface_of, listening_socket
 from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
 
 log = logging.getLogger("transom.workers")
 
 STOP_GRACE_S = 5.0
+# How long `poll` waits for the exit code of a worker its ExitWatch saw exit (a forked worker's
+# comes from the warm interpreter, which reaps it a moment later).
+EXIT_REPORT_S = 0.05
 # gloo listens on the address of this interface (torch reads it; without it, on the address the
 # machine's host name resolves to, which may be any interface).
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -172,13 +177,20 @@ class WorkerGroup:
         # Per local rank, how its worker started: in a "warm" interpreter, one still "importing",
         # or "cold" (for the agent's log: a restart's start-up depends on it).
         self.started_as: list[str] = []
+        self._exits: ExitWatch | None = None
 
-    def start(self, pool: WarmPool | None = None) -> None:
-        """Spawn the workers, in warm interpreters from `pool` where it has them.
+    def start(
+        self, pool: WarmPool | None = None, on_exit: Callable[[int], None] | None = None
+    ) -> None:
+        """Spawn the workers, in warm interpreters from `pool` where it has them; `on_exit` is
+        called (from another thread) with the pid of each that exits, as it exits
+        (utils.exit_watch), so that the agent's loop need not wait for its next tick to `poll`.
 
         Call from the agent's main thread (PDEATHSIG follows the forking thread)."""
         with self._lock:
             self._start(pool)
+            if on_exit is not None:
+                self._exits = ExitWatch([p.pid for p in self.processes], on_exit)
 
     def _start(self, pool: WarmPool | None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -212,6 +224,10 @@ class WorkerGroup:
     def poll(self) -> tuple[str, list[FailureReport]]:
         """('running' | 'succeeded' | 'failed', failures so far)."""
         codes = [p.poll() for p in self.processes]
+        exited = self._exits.exited if self._exits is not None else set()
+        for i, p in enumerate(self.processes):
+            if codes[i] is None and p.pid in exited:  # its exit is on its way (a warm worker's
+                codes[i] = _wait(p, EXIT_REPORT_S)  # from its interpreter): take it now
         failures = [
             classify_exit(self.assignment.global_rank(i), i, code, self.log_paths[i])
             for i, code in enumerate(codes)
@@ -241,6 +257,8 @@ class WorkerGroup:
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """End every worker's process tree (SIGTERM, then SIGKILL) and reap them; a paused group
         is SIGKILLed at once, so it never runs again."""
+        if self._exits is not None:
+            self._exits.close()
         with self._lock:
             alive = [p.pid for p in self.processes if p.poll() is None]
             if self.paused_at is not None:
@@ -253,3 +271,10 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _wait(p: subprocess.Popen[bytes] | ForkedWorker, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None

@@ -99,6 +99,10 @@ class KeyFollower(Followed):
         if update is not None:
             self._apply(update)
 
+    def wake(self) -> None:
+        """Make a `wait` under way (or the next) return at once; from any thread."""
+        self.watch.wake()
+
     def refresh(self, now: float) -> Any | None:
         """Take in what the watch delivered (or read directly while it is down); the value."""
         super().refresh(now)

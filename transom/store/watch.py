@@ -23,6 +23,7 @@ its own (a failure to reach etcd is retried; `healthy` says whether the stream i
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import queue
@@ -64,6 +65,9 @@ class Update:
     revision: int  # every change up to this revision is in this update or an earlier one
     events: tuple[WatchEvent, ...] = ()
     snapshot: dict[str, Any] | None = field(default=None)  # set: replace your view with this
+
+
+_WAKE = Update(revision=-1)  # put by `wake`: `get` returns None for it, never hands it over
 
 
 def _b64(text: str) -> str:
@@ -141,11 +145,20 @@ class PrefixWatch:
         self._thread.start()
 
     def get(self, timeout: float | None = None) -> Update | None:
-        """The next update, or None if none came within `timeout` seconds."""
+        """The next update, or None if none came within `timeout` seconds (or `wake` was
+        called)."""
         try:
-            return self.updates.get(timeout=timeout)
+            update = self.updates.get(timeout=timeout)
+            while update is _WAKE:  # woken: an update queued behind it, else none
+                update = self.updates.get_nowait()
         except queue.Empty:
             return None
+        return update
+
+    def wake(self) -> None:
+        """Make a `get` waiting now (or the next one) return None at once; from any thread."""
+        with contextlib.suppress(queue.Full):  # full: `get` returns at once anyway
+            self.updates.put_nowait(_WAKE)
 
     def reconnect(self) -> None:
         """Drop the stream now; the thread resumes from the revision after the last one it
