@@ -25,7 +25,7 @@ from transom.control.policy import LEASE_EXPIRED
 from transom.control.tick import Tick
 
 # A member that has not reported this long after its peers lost their workers to one of them is
-# taken for dead with its workers (a live agent reports its workers' exit within its 0.2 s tick
+# taken for dead with its workers (a live agent reports its workers' exit as it happens
 # and one etcd write; workers that failed on a dead peer exit within 0.1 s of each other since
 # the bootstrap skips the interpreter's teardown, where they took 1-3 s each before).
 SILENT_AGENT_S = 1.0
