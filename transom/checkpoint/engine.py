@@ -49,9 +49,7 @@ from transom.checkpoint import (
     agreement,
     flatten,
     layout,
-    replication,
     reshard,
-    shard_format,
     tiers,
 )
 from transom.checkpoint import worker_protocol as wire
@@ -351,6 +349,13 @@ class Engine:
             found = {s for tier in tiers.REGISTERED for s in tier.steps(ctx, self.world_size)}
             return sorted(found, reverse=True)
 
+    def restore_candidates(self, floor: int | None) -> list[int]:
+        """The steps a restore tries in turn (agreement.agree): every step held, newest first;
+        with the plan's step `floor`, the newer ones held, then it and older ones (it may have
+        gone)."""
+        held = self.steps()
+        return held if floor is None else [*self.newer_held(floor), *(s for s in held if s < floor)]
+
     def load(
         self,
         step: int | None = None,
@@ -384,9 +389,7 @@ class Engine:
             state = load_step(floor)  # the plan's step: no group to agree on a newer one with
         else:  # the newest step every rank holds (at or after the plan's): agreement.py
             size = self.world_size if rank is None else 1  # one given rank's shard: no peers
-            candidates = self.steps()
-            if floor is not None:  # newer ones held, the plan's, older ones (it may have gone)
-                candidates = [*self.newer_held(floor), *(s for s in candidates if s < floor)]
+            candidates = self.restore_candidates(floor)
             agreed = agreement.agree(candidates, load_step, size, self.storage_dir)
             if agreed is None:
                 return None
@@ -412,41 +415,28 @@ class Engine:
             log.warning("%s; reading the tiers the loader reaches itself", e)
             located = []
         ctx = LoaderContext(self.storage_dir, self.secret, located)
-        problems = []
-        for source_tier in tiers.REGISTERED:
-            if tier is not None and source_tier.name != tier:
-                continue
-            for source in source_tier.locate(ctx, step, rank):
-                name = str(source_tier.name)
-                try:
-                    header, data = source_tier.read(ctx, source, step, rank)
-                    state = layout.rebuild(header, data)
-                except (shard_format.ShardError, replication.ReplicationError, OSError) as e:
-                    problems.append(f"{name}: {e}")
-                    corrupt = isinstance(e, shard_format.ShardError)  # not just unreachable
-                    bad = BadCopy(step, rank, name, str(e), source.node, corrupt)
-                    self.report_event(
-                        BAD_COPY,
-                        f"rank {rank} step {step}: bad copy in {name} ({e}); trying the next tier",
-                        **bad.to_dict(),
-                    )
-                    continue
-                took = time.perf_counter() - t0
-                self.last_load = LoadRecord(step, name, took)
-                self.last_shard = reshard.load_info(header)
-                self.report_event(
-                    "restored",
-                    f"rank {rank} restored step {step} from {name} in {took:.3f} s",
-                    step=step,
-                    rank=rank,
-                    tier=name,
-                    duration_s=took,
-                )
-                return state
-        raise CheckpointError(
-            f"step {step} rank {rank}: no good copy in any tier "
-            f"({'; '.join(problems) or 'no tier holds it'})"
+
+        def bad(copy: BadCopy) -> None:
+            self.report_event(
+                BAD_COPY,
+                f"rank {rank} step {step}: bad copy in {copy.tier} ({copy.error}); "
+                "trying the next tier",
+                **copy.to_dict(),
+            )
+
+        name, header, state = tiers.first_good(ctx, step, rank, tier, layout.rebuild, bad)
+        took = time.perf_counter() - t0
+        self.last_load = LoadRecord(step, name, took)
+        self.last_shard = reshard.load_info(header)
+        self.report_event(
+            "restored",
+            f"rank {rank} restored step {step} from {name} in {took:.3f} s",
+            step=step,
+            rank=rank,
+            tier=name,
+            duration_s=took,
         )
+        return state
 
     def report_event(self, action: str, message: str, **fields: Any) -> None:
         """Log `message` and send it to the node's server as a checkpoint event (`action`,

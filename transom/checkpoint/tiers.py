@@ -23,14 +23,20 @@ This module must never import torch at run time; only a tier's `read` talks to a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from transom.checkpoint import replication, shard_format, storage
+from transom.checkpoint.bad_copy import BadCopy
+from transom.checkpoint.client import CheckpointError
 from transom.checkpoint.shard_format import ShardHeader
 from transom.checkpoint.shm import anonymous_buffer, populated_map
 from transom.checkpoint.worker_protocol import Source
 from transom.common.states import Tier
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,3 +147,34 @@ REGISTERED: list[LoadTier] = [
 ]
 
 __all__ = ["REGISTERED", "LoadTier", "LoaderContext", "MemoryTier", "PeerTier", "StorageTier"]
+
+
+def first_good(
+    ctx: LoaderContext,
+    step: int,
+    rank: int,
+    only: str | None,
+    build: Callable[[ShardHeader, memoryview], T],
+    bad: Callable[[BadCopy], None],
+) -> tuple[str, ShardHeader, T]:
+    """Walk REGISTERED (fastest first; `only`: the tier of that name alone) and every copy each
+    locates of rank `rank`'s shard of `step`, until one verifies and `build` takes it: (the
+    tier's name, the header, what `build` made of it). Each copy that fails is handed to `bad`
+    first; CheckpointError naming each when none is good."""
+    problems = []
+    for tier in REGISTERED:
+        if only is not None and tier.name != only:
+            continue
+        for source in tier.locate(ctx, step, rank):
+            name = str(tier.name)
+            try:
+                header, data = tier.read(ctx, source, step, rank)
+                return name, header, build(header, data)
+            except (shard_format.ShardError, replication.ReplicationError, OSError) as e:
+                problems.append(f"{name}: {e}")
+                corrupt = isinstance(e, shard_format.ShardError)  # not just unreachable
+                bad(BadCopy(step, rank, name, str(e), source.node, corrupt))
+    raise CheckpointError(
+        f"step {step} rank {rank}: no good copy in any tier "
+        f"({'; '.join(problems) or 'no tier holds it'})"
+    )

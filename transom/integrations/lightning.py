@@ -191,7 +191,7 @@ class TransomCheckpointIO(CheckpointIO):
         from transom.checkpoint import agreement
 
         engine = self.engine
-        candidates = [*engine.newer_held(floor), *(s for s in engine.steps() if s < floor)]
+        candidates = engine.restore_candidates(floor)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         agreed = agreement.agree(
             candidates,
