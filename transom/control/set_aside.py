@@ -3,7 +3,7 @@
 Part of one `decisions.decide` tick (pure: no etcd, no clock). A node's death is its lease's
 expiry, up to a node TTL (8 s by default) after the fact. Its peers know sooner: their workers
 fail on it within a fraction of a second. So when every other member has reported its workers'
-failure on a peer and a member's agent, which reports its own workers' exit within its poll, has
+failure on a peer and a member's agent, which reports its own workers' exit as it happens, has
 said nothing for SILENT_AGENT_S, that member is taken for dead (`take_for_dead`) and a spare
 takes its place at once (decisions.recover, tick.restart). Only where a spare can: a job is never
 shrunk on that guess.
@@ -25,10 +25,11 @@ from transom.control.policy import LEASE_EXPIRED
 from transom.control.tick import Tick
 
 # A member that has not reported this long after its peers lost their workers to one of them is
-# taken for dead with its workers (a live agent reports its workers' exit as it happens
-# and one etcd write; workers that failed on a dead peer exit within 0.1 s of each other since
-# the bootstrap skips the interpreter's teardown, where they took 1-3 s each before).
-SILENT_AGENT_S = 1.0
+# taken for dead with its workers: a live agent reports its workers' exit as it happens (a
+# pidfd wakes it: utils/exit_watch.py) in one etcd write, and workers that failed on a dead peer
+# exit within 0.1 s of each other since the bootstrap skips the interpreter's teardown (1 s
+# while agents found exits at their 0.2 s tick; 1-3 s before the fast exit).
+SILENT_AGENT_S = 0.5
 
 
 def take_for_dead(silent: list[str], elapsed_s: float) -> list[str]:
