@@ -28,6 +28,7 @@ from transom.common.records import (
 from transom.common.states import JobState, NodeState
 from transom.control.decisions import DISCARD_AFTER_S, PREFLIGHT_WAIT_S, decide
 from transom.control.grace import REREGISTER_MARGIN_S
+from transom.control.monitor_rules import NUMERICS_SETTLE_S
 from transom.control.policy import LEASE_EXPIRED
 from transom.control.set_aside import SILENT_AGENT_S
 from transom.control.tick import Decision, Memory, Snapshot, Tick
@@ -546,6 +547,7 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     snap = Snapshot(live, up, summaries)
     held = run(job, snap, s, T0 + 5.2)  # NaN reports are held for a moment: the earliest wins
     assert held.job.state is JobState.RUNNING and held.job.rollback_before is None
+    assert held.due == T0 + 5.2 + NUMERICS_SETTLE_S  # the tick that decides: then, not later
     d = run(job, snap, s, T0 + 6, held.memory)  # held from when the controller first saw them
     assert kinds(d) == ["decision", "rollback", "incident"]
     assert d.job.rollback_before == 30 and d.job.numerics_steps == [30]

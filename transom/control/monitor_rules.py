@@ -89,7 +89,10 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     seen = tick.decision.memory.first_seen
     for a in nans:
         seen.setdefault(a.id, tick.now)
-    if tick.now - min(seen[a.id] for a in nans) < NUMERICS_SETTLE_S:
+    settled_at = min(seen[a.id] for a in nans) + NUMERICS_SETTLE_S
+    if tick.now < settled_at:
+        due = tick.decision.due
+        tick.decision.due = settled_at if due is None else min(due, settled_at)  # not a tick late
         return [a for a in found if a.type != "nan"]
     first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
     tick.job.handled_anomalies.extend(a.id for a in nans if a is not first)
