@@ -130,7 +130,8 @@ class StandInGroup:
     def resume(self) -> None:
         self.paused_at = None
 
-    def start(self, warm) -> None:
+    def start(self, warm, on_exit=None) -> None:
+        """No processes: nothing exits, so `on_exit` is never called."""
         self.started = time.monotonic()
 
     def step(self) -> int:
