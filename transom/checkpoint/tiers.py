@@ -1,9 +1,9 @@
 """Where a worker loads checkpoints from: the tiers, in the order `Engine.load` tries them.
 
-`Engine.load` walks `REGISTERED` in order (fastest first: local memory, a peer's memory,
-storage), tries every copy each tier locates, and takes the first whose checksums verify; a bad
-or unreachable copy is reported and the next one tried. A new tier (e.g. an object store) is a
-`LoadTier` subclass plus one line in `REGISTERED`.
+`first_good` walks `REGISTERED` in order for `Engine.load` (fastest first: local memory, a
+peer's memory, storage), tries every copy each tier locates, and takes the first whose checksums
+verify; a bad or unreachable copy is reported and the next one tried. A new tier (e.g. an
+object store) is a `LoadTier` subclass plus one line in `REGISTERED`.
 
 A tier's `read` must verify what it returns (the shard format's checksums, `shard_format`) and
 raise `ShardError` for a bad copy or `OSError` (`ConnectionError` included) for one it cannot

@@ -84,7 +84,7 @@ class StepCounter:
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
         self.timing: dict[str, float] = {}
-        self.fingerprint_every = fingerprint.configured()  # None: the default, by step time
+        self.fingerprint_configured = fingerprint.configured()  # None: the default, by step time
         self.fingerprinted: int | None = None  # the step of the newest fingerprint sent
         # The times between the newest counted steps' hooks (the step time the default
         # fingerprint interval is set from), and the newest hook's perf_counter().
@@ -161,7 +161,7 @@ class StepCounter:
         """Whether `step` is fingerprinted (fingerprint.due), at the configured interval or the
         default one for this rank's median step time over its newest steps."""
         first = self.fingerprinted is None
-        every = self.fingerprint_every
+        every = self.fingerprint_configured
         if every is None:  # every default interval is a multiple of DEFAULT_EVERY
             if not first and step % fingerprint.DEFAULT_EVERY:
                 return False
