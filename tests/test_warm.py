@@ -138,7 +138,6 @@ def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal
     """The imports run at SCHED_IDLE, on any core, their session's autogroup (where the kernel
     has them) niced to 19; once they are done, the interpreter waits (and forks) at the normal
     policy, nice 0, on the agent's cores, and so do its workers."""
-    grouped = idle_priority.autogroup_nice() is not None
     gate = tmp_path / "go"
     (tmp_path / "gated_import.py").write_text(
         f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.02)\n"
@@ -160,6 +159,9 @@ def test_imports_run_at_idle_priority_then_the_interpreter_and_workers_at_normal
     try:
         interpreter = pool.interpreter
         assert interpreter is not None
+        # Whether the kernel groups sessions, asked of the interpreter (a session of its own): a
+        # test run from init's session has no autogroup of its own to read (an empty file).
+        grouped = idle_priority.autogroup_nice(interpreter.pid) is not None
         wait_for(
             lambda: (
                 os.sched_getscheduler(interpreter.pid) == os.SCHED_IDLE
