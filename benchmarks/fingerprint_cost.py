@@ -5,9 +5,10 @@ benchmarks/snapshots.py) in this process, on one thread. Each round trains a seg
 steps without fingerprints (the baseline) and one segment for each interval of --every, in an
 order that rotates each round so that a drift of the machine's load hits every arm alike. A
 fingerprinted segment does what the worker's optimizer hook (transom/monitor/auto.py) adds to a
-step: `fingerprint.due` every step and, when due, `fingerprint.of_parameters` over the
-optimizer's parameters and the fingerprint datagram sent to a listening socket (a Unix datagram
-socket drained by a thread, here in both arms). It reports, per interval:
+step: `fingerprint.due` every step and, when due, the digest of the optimizer's parameters, the
+replica evidence kept of them (transom.monitor.evidence: a file in a temporary folder) and the
+fingerprint datagram sent to a listening socket (a Unix datagram socket drained by a thread,
+here in both arms). It reports, per interval:
 
   step_rate_x        steps/s fingerprinted / baseline of the same round, mean over the rounds
                      with its 95% bootstrap interval (stats.py); the issue's bar: a cost under
@@ -29,17 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks import stats
 from benchmarks.demo_model import make_trainer
-from transom.monitor import fingerprint
+from transom.monitor import evidence, fingerprint
 
 WARMUP = 10
 TARGET_RATE_X = 0.995
@@ -79,27 +83,37 @@ class Listener:
         self.recv_end.close()
 
 
-def segment(steps: int, first: int, train, optimizer, every: int, listener: Listener) -> dict:
-    """Train `steps` steps from step `first`, fingerprinting every `every` steps (0: never)."""
+def segment(
+    steps: int, first: int, train, optimizer, every: int, listener: Listener, folder: Path
+) -> dict:
+    """Train `steps` steps from step `first`, fingerprinting every `every` steps (0: never),
+    the evidence kept in `folder`."""
     params = parameters(optimizer)
     times: list[float] = []
     for n in range(first, first + steps):
         t0 = time.perf_counter()
         train(n)
         if fingerprint.due(n, every, first=n == first):
-            listener.send(n, fingerprint.of_parameters(params))
+            listener.send(n, fingerprinted(params, n, folder))
         times.append(time.perf_counter() - t0)
     kept = times[WARMUP:]
     return {"steps_per_s": len(kept) / sum(kept), "step_s": statistics.median(kept)}
 
 
-def fingerprint_time(optimizer, calls: int = FINGERPRINT_CALLS) -> float:
+def fingerprinted(params: list, step: int, folder: Path) -> str:
+    """What the hook does at a due step: the digest, and the evidence kept in `folder`."""
+    tensors = fingerprint.on_host(params)
+    evidence.record(folder, 0, "fingerprint-cost", step, tensors)
+    return fingerprint.digest(tensors)
+
+
+def fingerprint_time(optimizer, folder: Path, calls: int = FINGERPRINT_CALLS) -> float:
     """Median seconds of one fingerprint of the optimizer's parameters."""
     params = parameters(optimizer)
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        fingerprint.of_parameters(params)
+        fingerprinted(params, 0, folder)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -108,6 +122,7 @@ def run(rounds: int, steps: int, intervals: list[int], device: str) -> dict:
     torch.set_num_threads(1)
     _, optimizer, train = make_trainer(device)
     listener = Listener()
+    folder = Path(tempfile.mkdtemp(prefix="transom-fingerprint-cost-"))
     arms = [0, *intervals]
     rows = []
     step = 1
@@ -117,14 +132,15 @@ def run(rounds: int, steps: int, intervals: list[int], device: str) -> dict:
             order = arms[i % len(arms) :] + arms[: i % len(arms)]
             row = {}
             for every in order:
-                row[str(every)] = segment(steps, step, train, optimizer, every, listener)
+                row[str(every)] = segment(steps, step, train, optimizer, every, listener, folder)
                 step += steps
             rows.append(row)
             rates = ", ".join(f"{e or 'never'}: {row[str(e)]['steps_per_s']:.2f}" for e in arms)
             print(f"round {i + 1}/{rounds}: steps/s {rates}", file=sys.stderr)
-        one = fingerprint_time(optimizer)
+        one = fingerprint_time(optimizer, folder)
     finally:
         listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
     step_s = statistics.median(r["0"]["step_s"] for r in rows)
     result: dict = {
         "device": device,

@@ -50,7 +50,7 @@ def valid(kind: str = "step", **values) -> dict:
         "beat": {"step": 9, "phase": None},
         "phase": {"step": 9, "phase": "checkpoint"},
         "fault": {"step": 9, "fault": {"id": "f0", "type": "nan", "step": 9}},
-        "fingerprint": {"step": 9, "fp": "9f2c4e1a07b3d865"},
+        "fingerprint": {"step": 9, "fp": "9f2c4e1a07b3d865", "dev": [[3, 12.5], [40, 1.0]]},
     }[kind]
     return base | defaults | values
 
@@ -167,6 +167,15 @@ BAD_FIELDS = [
     (valid("fault") | {"fault": {"id": 3, "type": "nan"}}, None),
     (valid("fault") | {"fault": None}, None),
     ({kk: v for kk, v in valid("fault").items() if kk != "fault"}, None),
+    (valid("fingerprint") | {"dev": None}, None),
+    (valid("fingerprint") | {"dev": [[1, 2.0]] * (datagram.MAX_DEVIATIONS + 1)}, None),
+    (valid("fingerprint") | {"dev": [[1.5, 2.0]]}, None),
+    (valid("fingerprint") | {"dev": [[-1, 2.0]]}, None),
+    (valid("fingerprint") | {"dev": [[1, 0.0]]}, None),
+    (valid("fingerprint") | {"dev": [[1, float("inf")]]}, None),
+    (valid("fingerprint") | {"dev": [[1, True]]}, None),
+    (valid("fingerprint") | {"dev": [[1, 2.0, 3]]}, None),
+    (valid("fingerprint") | {"dev": {"1": 2.0}}, None),
     # a batch of steps: one bad record refuses it all, and no record speaks for another rank
     (valid("steps") | {"steps": []}, None),
     (valid("steps") | {"steps": [batched(1)] * (datagram.MAX_BATCH + 1)}, None),

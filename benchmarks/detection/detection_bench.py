@@ -346,6 +346,11 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
             trial["blamed"] = blamed(verdicts[verdict])
             if kind == "nan" or blamed(verdicts[verdict]) == [f["node"]]:
                 right += 1
+        if kind == "corrupt" and not hits[0].get("nodes"):  # 2 replicas: the replay names it
+            replays = [a for a in hits[1:] if a.get("severity") == "info"]
+            if replays:
+                trial["replay_named"] = replays[0].get("nodes", [])
+    replayed = [t for t in trials if "replay_named" in t]
     out = {
         "faults": len(faults),
         "detected": detected,
@@ -357,6 +362,12 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         "latency_max_s": max(latencies) if latencies else None,
         "median_step_s": step_s,
     }
+    if replayed:  # a split without a majority, then its replay (transom.monitor.replicas)
+        out["replays"] = len(replayed)
+        out["replay_right_node"] = sum(t["replay_named"] == [t["node"]] for t in replayed)
+        out["replay_wrong_node"] = sum(
+            bool(t["replay_named"]) and t["replay_named"] != [t["node"]] for t in replayed
+        )
     if latency_steps:
         out["latency_p50_steps"] = percentile(latency_steps, 0.5)
         out["latency_max_steps"] = max(latency_steps)

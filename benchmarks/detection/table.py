@@ -61,6 +61,12 @@ def print_table(result: dict) -> None:
                 f"{r['job_slowdown_p50_x']:.2f}x as long (median over the faults of the mean "
                 "step time after the fault over before it)"
             )
+        if "replays" in r:
+            print(
+                f"{kind}: {r['replays']} splits without a majority replayed; the replay named "
+                f"the right node in {r['replay_right_node']} of {r['faults']} faults, a wrong "
+                f"one in {r['replay_wrong_node']}"
+            )
         if "within_target_steps" in r:
             print(
                 f"{kind}: found within 30 steps {fmt(r['within_target_steps'])}, within 30 x the "

@@ -37,6 +37,9 @@ FINGERPRINT_EVERY = "TRANSOM_FINGERPRINT_EVERY"
 # thread's stack to when the agent sends it transom.monitor.stacks.STACKS_SIGNAL (unset: no
 # handler is registered and the agent never sends it).
 STACKS_DIR = "TRANSOM_STACKS_DIR"
+# The node's folder where a rank keeps its parameters at its fingerprint steps, for a replay to
+# compare with (transom.monitor.evidence; unset: none kept).
+EVIDENCE_DIR = "TRANSOM_EVIDENCE_DIR"
 
 # -- Slurm (transom.cluster) -------------------------------------------------------------------
 # Set for the processes `transom run` starts in a Slurm step: they ignore SIGUSR1, the time

@@ -3,6 +3,8 @@
 RUN_DIR/
   logs/gNNN/rankR.log     each rank's output, per generation
   logs/gNNN/rankR.stacks  each rank's Python stacks, dumped when its node looked hung
+  evidence/NODE/          each rank's parameters at its newest fingerprint steps
+                          (transom.monitor.evidence)
   logs/agent-NODE.log     a node agent's log (warm-NODE.log: its warm interpreter's)
   logs/controller-HOST-I.log  a controller candidate's log (the candidate id is its name)
   logs/etcd.log, logs/reference.log   the embedded etcd; the demo's fault-free run
@@ -29,6 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 LOGS = "logs"
+EVIDENCE = "evidence"
 EVENTS = "events.jsonl"
 STATUS = "status.json"
 PROGRESS = "progress.jsonl"
@@ -46,7 +49,18 @@ REFERENCE = "reference.json"
 PREVIOUS_RUNS = "previous"
 LAUNCHER_LOCK = ".launcher.lock"
 # What a run on one machine leaves in its folder that a rerun there must not mix with its own.
-RUN_STATE = (ETCD, ETCD_TLS, EVENTS, STATUS, PROGRESS, LOGS, REPORT_PNG, REPORT_MD, REPORT_JSON)
+RUN_STATE = (
+    ETCD,
+    ETCD_TLS,
+    EVENTS,
+    STATUS,
+    PROGRESS,
+    LOGS,
+    EVIDENCE,
+    REPORT_PNG,
+    REPORT_MD,
+    REPORT_JSON,
+)
 
 
 def generation_logs(run_dir: Path, generation: int) -> Path:
@@ -55,6 +69,10 @@ def generation_logs(run_dir: Path, generation: int) -> Path:
 
 def rank_log(run_dir: Path, generation: int, rank: int) -> Path:
     return generation_logs(run_dir, generation) / f"rank{rank}.log"
+
+
+def evidence_dir(run_dir: Path, node_id: str) -> Path:
+    return run_dir / EVIDENCE / node_id
 
 
 def stacks_name(rank: int) -> str:

@@ -422,7 +422,8 @@ class NodeAgent:
         }
         log_dir = files.generation_logs(self.run_dir, self.generation)
         stacks_dir = log_dir if self.spec.auto_monitor else None  # and the zero-code monitor
-        extra_env.update(bootstrap.instrumentation_env(stacks_dir))
+        evidence = files.evidence_dir(self.run_dir, self.node_id)
+        extra_env.update(bootstrap.instrumentation_env(stacks_dir, evidence))
         self.waiting_for_master = None
         self.monitor.expect_ranks(local_ranks, stacks_dir)
         spec = self.spec

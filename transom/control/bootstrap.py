@@ -51,12 +51,13 @@ def worker_title(argv: list[str]) -> str:
     return " ".join([sys.executable, "-u", *argv])
 
 
-def instrumentation_env(stacks_dir: Path | None) -> dict[str, str]:
+def instrumentation_env(stacks_dir: Path | None, evidence_dir: Path) -> dict[str, str]:
     """The variables a worker's bootstrap reads: where to write its stacks (and with it the
-    zero-code monitor), or, when `stacks_dir` is None (`--no-auto-monitor`), neither."""
+    zero-code monitor) and its replica evidence (transom.monitor.evidence), or, when
+    `stacks_dir` is None (`--no-auto-monitor`), none of them."""
     if stacks_dir is None:
         return {env.AUTO_MONITOR: "0"}
-    return {env.STACKS_DIR: str(stacks_dir)}
+    return {env.STACKS_DIR: str(stacks_dir), env.EVIDENCE_DIR: str(evidence_dir)}
 
 
 def register_stack_dump() -> bool:

@@ -19,7 +19,8 @@ already has (all installed by `install()`, from transom.control.bootstrap):
   backward pass). A step's wait is its `comm`, the rest its `compute`, as `monitor.step`'s
   `sync` section would give them, so "the rank the others wait for" works unmodified;
 - replica fingerprints: every few steps the same hook hashes the parameters it steps
-  (transom.monitor.fingerprint) for the controller's replica check, and applies an injected
+  (transom.monitor.fingerprint) for the controller's replica check, keeps them on the node for
+  a replay of that step to compare with (transom.monitor.evidence), and applies an injected
   `corrupt` fault's bit flips (tests, demos) right after the optimizer step.
 
 A script that also uses the explicit API (`monitor.step`, `monitor.report`) keeps its own,
@@ -38,14 +39,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import statistics
 import threading
 import time
 import weakref
 from typing import Any
 
+from transom.common import env
 from transom.faults.worker_side import flip_bits
-from transom.monitor import fingerprint, reporter
+from transom.monitor import evidence, fingerprint, reporter
 
 # The Python-level collectives of torch.distributed whose synchronous calls are timed as wait.
 COLLECTIVES = (
@@ -155,7 +158,23 @@ class StepCounter:
             flip_bits(_parameters(optimizer), bits, seed=step)
         if self.fingerprint_due(step):
             self.fingerprinted = step
-            ch.send("fingerprint", step=step, fp=fingerprint.of_parameters(_parameters(optimizer)))
+            tensors = fingerprint.on_host(_parameters(optimizer))
+            found = self.kept(step, tensors)
+            extra = {} if found is None else {"dev": [list(d) for d in found]}
+            ch.send("fingerprint", step=step, fp=fingerprint.digest(tensors), **extra)
+
+    def kept(self, step: int, tensors: list[Any]) -> evidence.Deviations | None:
+        """Keep the fingerprinted parameters as the node's evidence (transom.monitor.evidence),
+        and return their deviations from an earlier process's of the same step (a replay)."""
+        folder = evidence.directory()
+        if folder is None:
+            return None
+        try:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            job = os.environ.get(env.JOB_ID, "")
+            return evidence.record(folder, local_rank, job, step, tensors)
+        except (OSError, ValueError, RuntimeError):
+            return None  # no evidence this time; the fingerprint still goes out
 
     def fingerprint_due(self, step: int) -> bool:
         """Whether `step` is fingerprinted (fingerprint.due), at the configured interval or the

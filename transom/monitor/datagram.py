@@ -12,7 +12,9 @@ sender's wall time). The other fields of each kind are in SCHEMA:
     beat   step, phase (a liveness heartbeat)
     phase  step, phase (entering / leaving a checkpoint save, an evaluation, ...)
     fault  step, fault (an injected fault that fired: an object with a string id and type)
-    fingerprint  step, fp (a digest of the rank's parameters: transom.monitor.fingerprint)
+    fingerprint  step, fp (a digest of the rank's parameters: transom.monitor.fingerprint), and
+           dev when the step was fingerprinted before (a replay): up to MAX_DEVIATIONS pairs
+           [element index, rounding units] (transom.monitor.evidence)
 
 Numbers must be finite and in range (a step's comm and compute no longer than its dur), except
 `loss` (a NaN or infinite loss is what the numerics detector is for) and the worker's own
@@ -42,6 +44,8 @@ MAX_TOKENS = 1e15
 MAX_NAME = 64
 MAX_PHASES = 8
 MAX_METRICS = 16
+MAX_DEVIATIONS = 32
+MAX_ELEMENT = 1 << 53
 
 # Rejection reasons (also the names of the node's counters, with "accepted" and the listener's).
 OVERSIZE = "oversize"
@@ -53,7 +57,9 @@ INVALID = "invalid"
 class Spec:
     """What one field may hold: its type, whether null is allowed, and its range."""
 
-    type: str  # "int", "float", "name", "names" (a list of names), "fault", "batch" (of steps)
+    # "int", "float", "name", "names" (a list of names), "fault", "batch" (of steps),
+    # "deviations" ([index, units] pairs)
+    type: str
     required: bool = False
     nullable: bool = True
     lo: float = 0.0
@@ -89,6 +95,7 @@ SCHEMA: dict[str, dict[str, Spec]] = {
     "fingerprint": {
         "step": _int(MAX_STEP, required=True),
         "fp": Spec("name", required=True, nullable=False),
+        "dev": Spec("deviations", nullable=False),
     },
 }
 KINDS = frozenset(SCHEMA)
@@ -263,6 +270,12 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
         if not all(isinstance(record, dict) for record in value):
             raise _Invalid(f"{name} holds something else than objects")
         return value  # each record is checked by _batched_step
+    if spec.type == "deviations":
+        if not isinstance(value, list) or len(value) > MAX_DEVIATIONS:
+            raise _Invalid(f"{name} is not a list of at most {MAX_DEVIATIONS} pairs")
+        if not all(_is_deviation(v) for v in value):
+            raise _Invalid(f"{name} holds something else than [index, units] pairs")
+        return [[int(i), float(u)] for i, u in value]
     if spec.type == "fault":
         if (
             not isinstance(value, dict)
@@ -277,3 +290,16 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
 def _is_name(value: Any) -> bool:
     """A name (of a phase, a metric, a fault): a printable string of at most MAX_NAME characters."""
     return isinstance(value, str) and len(value) <= MAX_NAME and value.isprintable()
+
+
+def _is_deviation(value: Any) -> bool:
+    """An [element index, rounding units] pair: an index in range, units positive and finite."""
+    if not isinstance(value, list) or len(value) != 2:
+        return False
+    index, units = value
+    return (
+        type(index) is int
+        and 0 <= index < MAX_ELEMENT
+        and type(units) in (int, float)
+        and 0 < units < math.inf
+    )

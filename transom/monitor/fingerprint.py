@@ -68,12 +68,25 @@ def due(step: int, interval: int, first: bool) -> bool:
 
 def of_parameters(parameters: Iterable[Any]) -> str:
     """The xxh3-64 hex digest of the parameters' bytes, in order."""
-    import torch
+    return digest(on_host(parameters))
 
-    digest = xxhash.xxh3_64()
+
+def on_host(parameters: Iterable[Any]) -> list[Any]:
+    """The parameters' values as contiguous host tensors, in order (a device's are copied)."""
+    out = []
     for p in parameters:
         t = p.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        digest.update(t.contiguous().reshape(-1).view(dtype=torch.uint8).numpy())
-    return digest.hexdigest()
+        out.append(t.contiguous())
+    return out
+
+
+def digest(tensors: Iterable[Any]) -> str:
+    """The xxh3-64 hex digest of contiguous host tensors' bytes, in order."""
+    import torch
+
+    h = xxhash.xxh3_64()
+    for t in tensors:
+        h.update(t.reshape(-1).view(dtype=torch.uint8).numpy())
+    return h.hexdigest()

@@ -202,7 +202,7 @@ class NodeMonitor:
         elif d.kind == "step":
             self._step(d.rank, r, v, now, d.t)
         elif d.kind == "fingerprint":
-            r.add_fingerprint(v["step"], v["fp"])
+            r.add_fingerprint(v["step"], v["fp"], v.get("dev"))
         elif d.kind == "steps":
             for record in v["steps"]:
                 self._step(d.rank, r, record.values, now, record.t)

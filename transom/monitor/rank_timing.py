@@ -58,6 +58,8 @@ class RankTrack:
         # (The newest STALL_WINDOW, for stalls; the timing window is the newest TIMING_WINDOW.)
         self.busies: deque[float] = deque(maxlen=STALL_WINDOW)
         self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
+        # step -> a replayed fingerprint step's deviations (transom.monitor.evidence), of those
+        self.deviations: dict[str, list[list[float]]] = {}
         self.sent_at: float | None = None  # the sender's time of the last step datagram
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
         self.tokens_per_s: float | None = None
@@ -111,10 +113,17 @@ class RankTrack:
         kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
         return round(sum(kept) / len(self.busies), 5)
 
-    def add_fingerprint(self, step: int, digest: str) -> None:
+    def add_fingerprint(
+        self, step: int, digest: str, deviations: list[list[float]] | None = None
+    ) -> None:
         self.fingerprints[str(step)] = digest
+        self.deviations.pop(str(step), None)
+        if deviations is not None:
+            self.deviations[str(step)] = deviations
         while len(self.fingerprints) > FINGERPRINTS_KEPT:
-            del self.fingerprints[min(self.fingerprints, key=int)]
+            oldest = min(self.fingerprints, key=int)
+            del self.fingerprints[oldest]
+            self.deviations.pop(oldest, None)
 
     def view(self, now: float, where: str | None = None) -> RankSummary:
         return RankSummary(
@@ -129,6 +138,7 @@ class RankTrack:
             busy_s=self.busy_s(),
             stall_s=self.stall_s(),
             fingerprints=dict(self.fingerprints),
+            deviations=dict(self.deviations),
             tokens_per_s=self.tokens_per_s,
         )
 

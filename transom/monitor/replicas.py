@@ -16,10 +16,14 @@ The replay classifies the split (`Split`: the controller hands it to the next ge
 detector). Training is deterministic, so the replay of the step from the agreeing snapshot is
 the step as it should have been:
 - every node agrees in the replay: the split was transient, an `sdc` of severity INFO says so
-  (for the record, nothing to act on). It names the nodes whose digest differed from the
-  replay's only when another node's equalled it: in data-parallel training the gradients'
+  (for the record, nothing to act on), naming the nodes whose digest differed from the replay's
+  when another node's equalled it. Usually none did: in data-parallel training the gradients'
   all-reduce carries one replica's corruption into the others' next updates, so a fingerprint
-  taken a step or more after the flip finds every replica off the replay and names nobody;
+  taken a step or more after the flip finds every replica off the replay. Then the values
+  decide: each node's replay compared its parameters with those it had at that step
+  (transom.monitor.evidence), and the node whose list of deviations shows elements no other
+  node's does is named (`odd_ones_out`): the replicas still differ exactly where one was
+  corrupted, and there the others hold the replay's values within rounding;
 - the replay splits again, some nodes reproducing their digests and the others not: those
   others computed something else twice, a persistent corruption, a critical `sdc` naming them
   (evicted where they can be replaced). The same spread makes this rare past the flip's own
@@ -35,13 +39,20 @@ short string or a step that is not a number is ignored. This module must never a
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 from transom.common import anomaly_types
 from transom.common.records import Anomaly, Severity
+from transom.monitor import evidence
+from transom.monitor.evidence import Deviations
 from transom.monitor.fingerprint import MAX_DIGEST
+
+# Units within this share of each other are the same element's deviation seen by two replicas
+# (lists cross a process boundary as JSON, rounded to 6 digits: transom.monitor.evidence).
+SAME_UNITS = 1e-4
 
 
 class RankViews(Protocol):
@@ -80,14 +91,19 @@ class ReplicaDetector:
         self.agreed: int | None = None  # the newest step on which every rank agreed
         self.replicas: bool | None = None  # None until the first comparison says
         self.split = split  # the previous generation's split, to compare with its replay
+        # step -> node -> its replay's deviations from its earlier parameters (evidence)
+        self.deviations: dict[int, dict[str, Deviations]] = {}
 
     def update(self, view: RankViews) -> Anomaly | None:
         if self.replicas is False or len(view.ranks) < 2:
             return None
         by_step: dict[int, dict[int, tuple[str, str]]] = {}  # step -> rank -> (digest, node)
+        self.deviations = {}
         for v in view.ranks:
             for step, digest in _fingerprints(v.get("fingerprints")):
                 by_step.setdefault(step, {})[v["rank"]] = (digest, v["node"])
+            for step, pairs in _deviations(v.get("deviations")):
+                self.deviations.setdefault(step, {})[v["node"]] = pairs
         complete = [
             s
             for s, seen in by_step.items()
@@ -151,22 +167,30 @@ class ReplicaDetector:
         (CRITICAL, naming who is wrong again), or None when it cannot tell."""
         now = {node: digest for digest, node in seen.values()}
         ranks = {node: r for r, (_, node) in seen.items()}
-        evidence = {"split": split.digests, "replay": now, "last_agreeing_step": self.agreed}
+        evidence: dict = {"split": split.digests, "replay": now, "last_agreeing_step": self.agreed}
         if len(set(now.values())) == 1:
             self.replicas, self.agreed = True, step
             good = next(iter(now.values()))
             right = [n for n, d in split.digests.items() if d == good]
             wrong = sorted(n for n, d in split.digests.items() if d != good) if right else []
+            how = f"{', '.join(wrong)} had computed other numbers"
+            if not wrong:
+                found = self.deviations.get(step, {})
+                wrong = odd_ones_out(found) if found.keys() >= split.digests.keys() else []
+                evidence["deviations"] = {n: found[n][:4] for n in sorted(found)}
+                how = (
+                    f"{', '.join(wrong)} had other numbers where the replicas differ, the others "
+                    "those of the replay within rounding"
+                    if wrong
+                    else "no replica's digest of it was the replay's (the gradients' all-reduce "
+                    "carries one replica's corruption to the others), nor its values where "
+                    "they differ: no node to name"
+                )
             return Anomaly(
                 anomaly_types.SDC,
                 Severity.INFO,
                 f"the replay of step {step} agrees on every replica: the split was transient; "
-                + (
-                    f"{', '.join(wrong)} had computed other numbers"
-                    if wrong
-                    else "no replica's digest of it was the replay's (the gradients' all-reduce "
-                    "carries one replica's corruption to the others): no node to name"
-                ),
+                + how,
                 wrong,
                 sorted(ranks[n] for n in wrong if n in ranks),
                 evidence,
@@ -189,6 +213,59 @@ class ReplicaDetector:
             evidence,
             step=step,
         )
+
+
+def odd_ones_out(found: dict[str, Deviations]) -> list[str]:
+    """The nodes whose replay found an element off that no other node's found (see the module's
+    text), when some nodes, not all, have one; else none.
+
+    Every replica's deviations list the same elements with the same units (they differ from
+    the common replay alike) except where a replica was corrupted. An element of one node's
+    list is that node's own when every other list lacks it (or has it with other units) and
+    that list, holding the TOP largest of its node, ends below it: had the other node been as
+    far off there, its list would have shown it."""
+    named = []
+    for node, mine in sorted(found.items()):
+        others = [dict(theirs) for other, theirs in found.items() if other != node]
+        if any(_own(index, units, others) for index, units in mine):
+            named.append(node)
+    return named if len(named) < len(found) else []
+
+
+def _own(index: int, units: float, others: list[dict[int, float]]) -> bool:
+    """Whether no other list shows element `index` `units` off, nor would have (odd_ones_out)."""
+    for theirs in others:
+        if index in theirs and abs(theirs[index] - units) <= SAME_UNITS * units:
+            return False
+        if len(theirs) >= evidence.TOP and units <= min(theirs.values()):
+            return False
+    return True
+
+
+def _deviations(value: object) -> list[tuple[int, Deviations]]:
+    """(step, deviations) pairs of a rank view's `deviations`, each checked; others left out."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for step, pairs in list(value.items())[:8]:
+        if not (isinstance(step, str) and step.isdigit() and isinstance(pairs, list)):
+            continue
+        if len(pairs) <= evidence.TOP and all(_is_pair(p) for p in pairs):
+            out.append((int(step), [(int(i), float(u)) for i, u in pairs]))
+    return out
+
+
+def _is_pair(value: object) -> bool:
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return False
+    index, units = value
+    return (
+        isinstance(index, int | float)
+        and float(index).is_integer()
+        and 0 <= index
+        and isinstance(units, int | float)
+        and 0 < units < math.inf
+    )
 
 
 def _fingerprints(value: object) -> list[tuple[int, str]]:
