@@ -175,6 +175,7 @@ def test_the_detector_names_the_node_from_the_replays_deviations():
     assert found.evidence["deviations"]["node0"] == [(5, 1.0), (9, 400.0)]
     # malformed lists from a summary are left out: nobody named
     replay = ReplicaDetector(split)
+    replay.update(_views({10: "s"}, {10: "s"}))
     bad = [[[5, "x"]], [[-1, 2.0]]]
     found = replay.update(_views({20: "c"}, {20: "c"}, deviations=bad))
     assert found is not None and found.nodes == [] and "no node to name" in found.message

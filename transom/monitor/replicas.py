@@ -14,7 +14,10 @@ reported the same step, the detector compares them:
 
 The replay classifies the split (`Split`: the controller hands it to the next generation's
 detector). Training is deterministic, so the replay of the step from the agreeing snapshot is
-the step as it should have been:
+the step as it should have been. A generation whose first fingerprinted step is past the last
+agreeing one did not replay from it (a script that resumes from its own newest checkpoint,
+saved after the split, may skip the rollback): its step is compared as any other, never as a
+replay. A replay's verdict:
 - every node agrees in the replay: the split was transient, an `sdc` of severity INFO says so
   (for the record, nothing to act on), naming the nodes whose digest differed from the replay's
   when another node's equalled it. Usually none did: in data-parallel training the gradients'
@@ -69,18 +72,28 @@ class Split:
 
     step: int
     digests: dict[str, str]  # node -> digest
+    agreed: int | None = None  # the last step the replicas agreed on before it
 
     @classmethod
     def of(cls, anomaly: Anomaly) -> Split | None:
         """The split an `sdc` naming no node saw (None for any other anomaly)."""
         fingerprints = anomaly.evidence.get("fingerprints")
         nodes = anomaly.evidence.get("nodes")
+        agreed = anomaly.evidence.get("last_agreeing_step")
         if anomaly.type != anomaly_types.SDC or anomaly.nodes or anomaly.step is None:
             return None
         if not isinstance(fingerprints, dict) or not isinstance(nodes, dict):
             return None
         digests = {nodes[r]: d for r, d in fingerprints.items() if r in nodes}
-        return cls(anomaly.step, digests) if len(set(digests.values())) > 1 else None
+        if len(set(digests.values())) < 2:
+            return None
+        return cls(anomaly.step, digests, agreed if isinstance(agreed, int) else None)
+
+    def replayed_by(self, first_step: int | None) -> bool:
+        """Whether a generation whose first fingerprinted step is `first_step` replays the split
+        step from the last agreeing one (restored at it or before). A script that resumes from
+        its own newest checkpoint may have skipped the rollback: its step is no replay."""
+        return first_step is not None and self.agreed is not None and first_step <= self.agreed + 1
 
 
 class ReplicaDetector:
@@ -88,6 +101,7 @@ class ReplicaDetector:
 
     def __init__(self, split: Split | None = None) -> None:
         self.checked: int | None = None  # the newest step compared
+        self.first: int | None = None  # the first step compared (the generation's first)
         self.agreed: int | None = None  # the newest step on which every rank agreed
         self.replicas: bool | None = None  # None until the first comparison says
         self.split = split  # the previous generation's split, to compare with its replay
@@ -117,11 +131,14 @@ class ReplicaDetector:
         return None
 
     def _compare(self, step: int, seen: dict[int, tuple[str, str]]) -> Anomaly | None:
+        if self.first is None:
+            self.first = step
         if self.split is not None and step >= self.split.step:
             split, self.split = self.split, None
-            replayed = self._replayed(split, step, seen) if step == split.step else None
-            if replayed is not None:
-                return replayed
+            if step == split.step and split.replayed_by(self.first):
+                replayed = self._replayed(split, step, seen)
+                if replayed is not None:
+                    return replayed
         counts = Counter(digest for digest, _ in seen.values())
         digest, most = counts.most_common(1)[0]
         if most == len(seen):
