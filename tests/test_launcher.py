@@ -177,6 +177,25 @@ def _candidates(job_id: str) -> list[str]:
     return sorted(found)
 
 
+def _roles(machine) -> dict[str, list[int]]:
+    """The pids of what one machine's launcher started, by what `ps` shows them as."""
+    roles: dict[str, list[int]] = {"agent": [], "server": [], "controller": [], "worker": []}
+    for p in psutil.Process(machine.process.pid).children(recursive=True):
+        try:
+            words = p.cmdline()
+        except psutil.Error:
+            continue
+        if "transom.checkpoint.server" in words:
+            roles["server"].append(p.pid)
+        elif "controller" in words and "--candidate-id" in words:
+            roles["controller"].append(p.pid)
+        elif "agent" in words and "transom" in words:
+            roles["agent"].append(p.pid)
+        elif str(TOY) in " ".join(words):  # a worker's title: setproctitle, one string
+            roles["worker"].append(p.pid)
+    return roles
+
+
 def test_only_the_first_nodes_run_candidates_and_a_dead_ones_next_is_promoted(start_job, tmp_path):
     """Four machines, --controllers 2: controllers on 2 of them only; the leader's machine dies
     (its launcher and everything it started): a third machine's node is promoted, the job goes
@@ -205,6 +224,20 @@ def test_only_the_first_nodes_run_candidates_and_a_dead_ones_next_is_promoted(st
         wait_for(lambda: nodes() == first, 60, lambda: f"{first}'s only: {nodes()}")
         logs = lambda: "".join(m.log_text() for m in machines.values())  # noqa: E731
         wait_for(lambda: "step 5 " in logs(), 90, "training to reach step 5")
+        # What `ps` shows of each machine: its agent, its checkpoint server, its workers (not
+        # on the spare), and a controller only on the candidates' machines (issue 44).
+        roles = wait_for(
+            lambda: (
+                (r := {node: _roles(machine) for node, machine in machines.items()})
+                and sum(bool(r[n]["worker"]) for n in r) == 3
+                and r
+            ),
+            30,
+            "a worker on each of the 3 members",
+        )
+        for node, seen in roles.items():
+            assert (len(seen["agent"]), len(seen["server"])) == (1, 1), (node, seen)
+            assert len(seen["controller"]) == (1 if node in first else 0), (node, seen)
         leader = wait_for(
             lambda: (c := store.get(keys.LEADER)) and node_of(c) in first and c,
             30,
