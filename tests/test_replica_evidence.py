@@ -123,10 +123,14 @@ def test_evidence_of_another_job_step_or_layout_or_a_torn_file_is_not_compared(
 
 def test_only_the_newest_steps_are_kept_and_large_parameters_not_at_all(monkeypatch, tmp_path):
     small = [torch.ones(4)]
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / ".local0.step5.bin.99999").write_bytes(b"half")  # a killed writer's
+    (tmp_path / ".local1.step5.bin.99999").write_bytes(b"half")  # another local rank's
     for step in range(evidence.KEPT + 3):
         evidence.record(tmp_path, 0, "job-1", step, small)
     kept = sorted(p.name for p in tmp_path.iterdir())
-    assert kept == sorted(f"local0.step{s}.bin" for s in range(3, evidence.KEPT + 3))
+    expected = [f"local0.step{s}.bin" for s in range(3, evidence.KEPT + 3)]
+    assert kept == sorted([*expected, ".local1.step5.bin.99999"])
     monkeypatch.setattr(evidence, "MAX_BYTES", 8)
     assert evidence.record(tmp_path / "big", 0, "job-1", 1, small) is None
     assert not (tmp_path / "big").exists()

@@ -37,9 +37,13 @@ from typing import Any
 
 from transom.common import env
 
-# Parameters larger than this are not kept: the copy is written in the training thread (about
-# 0.5 ms for the demo's 0.8 MB, so some 20 ms for 32 MiB, at most every 8 s at the default
-# fingerprint interval: 0.25%). A larger model's 2-replica splits name no node.
+# Parameters larger than this are not kept: the copy is written in the training thread. Measured
+# here (caches cold, as after a step): 0.4 MB (the demo's model) costs its step about 1 ms and
+# the next few 0.1-0.3 ms each; 8 MiB 2.2 ms, 32 MiB 8 ms, 128 MiB 0.4 s (the kernel throttles
+# the writer of that many dirty pages). At the default interval (at least 8 s between
+# fingerprints) 32 MiB costs 0.1%. (A thread of its own to write the file saved nothing: what
+# the step no longer paid the next ones did, in the GIL and the memory bandwidth.) A larger
+# model's 2-replica splits name no node.
 MAX_BYTES = 32 << 20
 KEPT = 8  # fingerprint steps kept a rank: a split is decided a few fingerprints after its step
 TOP = 32  # deviations a rank reports
@@ -140,11 +144,14 @@ def _compare(
 
 
 def _prune(folder: Path, local_rank: int) -> None:
-    """Leave the newest KEPT steps' files of this local rank."""
+    """Leave the newest KEPT steps' files of this local rank (and no temporary file that a
+    killed process of it left)."""
     steps = []
     for entry in folder.iterdir():
         m = _NAME.fullmatch(entry.name)
         if m and int(m.group(1)) == local_rank:
             steps.append((int(m.group(2)), entry))
+        elif entry.name.startswith(f".local{local_rank}.step"):
+            entry.unlink(missing_ok=True)  # this process's own is renamed by now
     for _, entry in sorted(steps)[:-KEPT]:
         entry.unlink(missing_ok=True)
