@@ -284,7 +284,7 @@ class RankSummary(Record):
     fingerprints: dict[str, str] = field(default_factory=dict)
     # Of those fingerprinted again (a replay): step -> the largest differences from the rank's
     # earlier parameters of that step, [element index, rounding units] (transom.monitor.evidence).
-    deviations: dict[str, list[list[float]]] = field(default_factory=dict)
+    deviations: dict[str, list[list[int | float]]] = field(default_factory=dict)
     tokens_per_s: float | None = None
     # Where the rank is while its node looks hung (transom.monitor.stacks): "stopped", "exited"
     # or "in all_reduce at train.py:57"; None while it makes progress.

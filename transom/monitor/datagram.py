@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from transom.monitor import evidence
+
 MAX_BYTES = 16384
 MAX_BATCH = 64  # step records in one steps datagram
 MAX_RANK = 1 << 20
@@ -44,8 +46,7 @@ MAX_TOKENS = 1e15
 MAX_NAME = 64
 MAX_PHASES = 8
 MAX_METRICS = 16
-MAX_DEVIATIONS = 32
-MAX_ELEMENT = 1 << 53
+MAX_DEVIATIONS = evidence.TOP
 
 # Rejection reasons (also the names of the node's counters, with "accepted" and the listener's).
 OVERSIZE = "oversize"
@@ -273,7 +274,7 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
     if spec.type == "deviations":
         if not isinstance(value, list) or len(value) > MAX_DEVIATIONS:
             raise _Invalid(f"{name} is not a list of at most {MAX_DEVIATIONS} pairs")
-        if not all(_is_deviation(v) for v in value):
+        if not all(evidence.is_deviation(v) for v in value):
             raise _Invalid(f"{name} holds something else than [index, units] pairs")
         return [[int(i), float(u)] for i, u in value]
     if spec.type == "fault":
@@ -290,16 +291,3 @@ def _check(name: str, value: Any, spec: Spec) -> Any:
 def _is_name(value: Any) -> bool:
     """A name (of a phase, a metric, a fault): a printable string of at most MAX_NAME characters."""
     return isinstance(value, str) and len(value) <= MAX_NAME and value.isprintable()
-
-
-def _is_deviation(value: Any) -> bool:
-    """An [element index, rounding units] pair: an index in range, units positive and finite."""
-    if not isinstance(value, list) or len(value) != 2:
-        return False
-    index, units = value
-    return (
-        type(index) is int
-        and 0 <= index < MAX_ELEMENT
-        and type(units) in (int, float)
-        and 0 < units < math.inf
-    )

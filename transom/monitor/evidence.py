@@ -29,6 +29,7 @@ catch).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -48,9 +49,24 @@ MAX_BYTES = 32 << 20
 KEPT = 8  # fingerprint steps kept a rank: a split is decided a few fingerprints after its step
 TOP = 32  # deviations a rank reports
 HEADER_MAX = 1 << 20  # bytes of a file's JSON header line
+MAX_ELEMENT = 1 << 53  # an element index that crossed a process boundary is below this
 _NAME = re.compile(r"local(\d+)\.step(\d+)\.bin")
 
 Deviations = list[tuple[int, float]]
+
+
+def is_deviation(value: Any) -> bool:
+    """Whether `value`, which crossed a process boundary (a datagram, a summary), is one
+    [element index, rounding units] pair: an index in range, units positive and finite."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return False
+    index, units = value
+    return (
+        type(index) is int
+        and 0 <= index < MAX_ELEMENT
+        and type(units) in (int, float)
+        and 0 < units < math.inf
+    )
 
 
 def directory() -> Path | None:

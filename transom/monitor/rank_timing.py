@@ -59,7 +59,7 @@ class RankTrack:
         self.busies: deque[float] = deque(maxlen=STALL_WINDOW)
         self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
         # step -> a replayed fingerprint step's deviations (transom.monitor.evidence), of those
-        self.deviations: dict[str, list[list[float]]] = {}
+        self.deviations: dict[str, list[list[int | float]]] = {}
         self.sent_at: float | None = None  # the sender's time of the last step datagram
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
         self.tokens_per_s: float | None = None
@@ -114,7 +114,7 @@ class RankTrack:
         return round(sum(kept) / len(self.busies), 5)
 
     def add_fingerprint(
-        self, step: int, digest: str, deviations: list[list[float]] | None = None
+        self, step: int, digest: str, deviations: list[list[int | float]] | None = None
     ) -> None:
         self.fingerprints[str(step)] = digest
         self.deviations.pop(str(step), None)

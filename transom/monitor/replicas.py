@@ -42,7 +42,6 @@ short string or a step that is not a number is ignored. This module must never a
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -105,19 +104,18 @@ class ReplicaDetector:
         self.agreed: int | None = None  # the newest step on which every rank agreed
         self.replicas: bool | None = None  # None until the first comparison says
         self.split = split  # the previous generation's split, to compare with its replay
-        # step -> node -> its replay's deviations from its earlier parameters (evidence)
-        self.deviations: dict[int, dict[str, Deviations]] = {}
 
     def update(self, view: RankViews) -> Anomaly | None:
         if self.replicas is False or len(view.ranks) < 2:
             return None
         by_step: dict[int, dict[int, tuple[str, str]]] = {}  # step -> rank -> (digest, node)
-        self.deviations = {}
+        # step -> node -> its replay's deviations from its earlier parameters (evidence)
+        deviations: dict[int, dict[str, Deviations]] = {}
         for v in view.ranks:
             for step, digest in _fingerprints(v.get("fingerprints")):
                 by_step.setdefault(step, {})[v["rank"]] = (digest, v["node"])
             for step, pairs in _deviations(v.get("deviations")):
-                self.deviations.setdefault(step, {})[v["node"]] = pairs
+                deviations.setdefault(step, {})[v["node"]] = pairs
         complete = [
             s
             for s, seen in by_step.items()
@@ -125,18 +123,20 @@ class ReplicaDetector:
         ]
         for step in sorted(complete):
             self.checked = step
-            found = self._compare(step, by_step[step])
+            found = self._compare(step, by_step[step], deviations.get(step, {}))
             if found is not None:
                 return found
         return None
 
-    def _compare(self, step: int, seen: dict[int, tuple[str, str]]) -> Anomaly | None:
+    def _compare(
+        self, step: int, seen: dict[int, tuple[str, str]], deviations: dict[str, Deviations]
+    ) -> Anomaly | None:
         if self.first is None:
             self.first = step
         if self.split is not None and step >= self.split.step:
             split, self.split = self.split, None
             if step == split.step and split.replayed_by(self.first):
-                replayed = self._replayed(split, step, seen)
+                replayed = self._replayed(split, step, seen, deviations)
                 if replayed is not None:
                     return replayed
         counts = Counter(digest for digest, _ in seen.values())
@@ -178,7 +178,11 @@ class ReplicaDetector:
         )
 
     def _replayed(
-        self, split: Split, step: int, seen: dict[int, tuple[str, str]]
+        self,
+        split: Split,
+        step: int,
+        seen: dict[int, tuple[str, str]],
+        deviations: dict[str, Deviations],
     ) -> Anomaly | None:
         """The replay of the split step: transient (INFO, naming who was wrong), persistent
         (CRITICAL, naming who is wrong again), or None when it cannot tell."""
@@ -192,9 +196,9 @@ class ReplicaDetector:
             wrong = sorted(n for n, d in split.digests.items() if d != good) if right else []
             how = f"{', '.join(wrong)} had computed other numbers"
             if not wrong:
-                found = self.deviations.get(step, {})
-                wrong = odd_ones_out(found) if found.keys() >= split.digests.keys() else []
-                evidence["deviations"] = {n: found[n][:4] for n in sorted(found)}
+                known = deviations.keys() >= split.digests.keys()
+                wrong = odd_ones_out(deviations) if known else []
+                evidence["deviations"] = {n: deviations[n][:4] for n in sorted(deviations)}
                 how = (
                     f"{', '.join(wrong)} had other numbers where the replicas differ, the others "
                     "those of the replay within rounding"
@@ -267,22 +271,9 @@ def _deviations(value: object) -> list[tuple[int, Deviations]]:
     for step, pairs in list(value.items())[:8]:
         if not (isinstance(step, str) and step.isdigit() and isinstance(pairs, list)):
             continue
-        if len(pairs) <= evidence.TOP and all(_is_pair(p) for p in pairs):
-            out.append((int(step), [(int(i), float(u)) for i, u in pairs]))
+        if len(pairs) <= evidence.TOP and all(evidence.is_deviation(p) for p in pairs):
+            out.append((int(step), [(i, float(u)) for i, u in pairs]))
     return out
-
-
-def _is_pair(value: object) -> bool:
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        return False
-    index, units = value
-    return (
-        isinstance(index, int | float)
-        and float(index).is_integer()
-        and 0 <= index
-        and isinstance(units, int | float)
-        and 0 < units < math.inf
-    )
 
 
 def _fingerprints(value: object) -> list[tuple[int, str]]:
