@@ -89,7 +89,7 @@ def record(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"local{local_rank}.step{step}.bin"
     layout = [[str(t.dtype), list(t.shape)] for t in tensors]
-    found = _compare(path, job, step, layout, tensors)
+    found = _compare(path, job, step, layout, tensors, size)
     header = json.dumps({"job": job, "step": step, "pid": os.getpid(), "layout": layout})
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     with open(partial, "wb") as f:
@@ -129,10 +129,10 @@ def deviations(old: Sequence[Any], new: Sequence[Any], top: int = TOP) -> Deviat
 
 
 def _compare(
-    path: Path, job: str, step: int, layout: list, tensors: Sequence[Any]
+    path: Path, job: str, step: int, layout: list, tensors: Sequence[Any], size: int
 ) -> Deviations | None:
-    """The deviations from the file at `path` if it is this job's, of `step` and `layout`, and
-    was kept by another process; None otherwise."""
+    """The deviations from the file at `path` if it is this job's, of `step` and `layout` (of
+    `size` bytes), and was kept by another process; None otherwise."""
     import torch
 
     try:
@@ -148,7 +148,7 @@ def _compare(
             data = f.read()
     except (OSError, ValueError):
         return None
-    if len(data) != sum(t.numel() * t.element_size() for t in tensors):
+    if len(data) != size:
         return None
     old, offset = [], 0
     for t in tensors:
