@@ -118,6 +118,10 @@ class Job:
     ckpt_every: int = 0  # a checkpoint (a phase, then a barrier) every this many steps
     ckpt_s: float = 0.3
     ckpt_aftermath: bool = False  # the step after a checkpoint slower on some ranks (its I/O)
+    # An unmodified script's save (a Hugging Face Trainer's): rank 0 alone writes, the others
+    # wait in a barrier, and no rank reports it as a phase, so the save's step is compared.
+    ckpt_rank0_only: bool = False
+    saves_timed: bool = False  # the worker bootstrap times such a save and leaves it out
     runners: dict[int, Free] = field(default_factory=dict)  # rank -> its CPU (Free by default)
 
 
@@ -152,17 +156,18 @@ def simulate(job: Job, steps: int, seed: int = 0, stop_at_straggler: bool = True
         exits = [runners[r].resume(done) for r in range(job.nodes)]
         ends = [runners[r].run(exits[r], job.post_s) for r in range(job.nodes)]
         ckpt = job.ckpt_every > 0 and step % job.ckpt_every == 0
+        ends_before_save = list(ends)
         if ckpt:
-            saved = max(
-                runners[r].run(ends[r], job.ckpt_s * rng.uniform(0.5, 1.5))
-                for r in range(job.nodes)
-            )
+            savers = [0] if job.ckpt_rank0_only else range(job.nodes)
+            saved = max(runners[r].run(ends[r], job.ckpt_s * rng.uniform(0.5, 1.5)) for r in savers)
             ends = [runners[r].resume(saved) for r in range(job.nodes)]
         for r in range(job.nodes):
             aftermath[r] = rng.uniform(0.0, 0.5) if ckpt and job.ckpt_aftermath else 0.0
             dur, comm = ends[r] - starts[r], exits[r] - arrive[r]
+            if ckpt and job.ckpt_rank0_only and (r or job.saves_timed):
+                comm += ends[r] - ends_before_save[r]  # in the barrier while rank 0 saves
             values = {"dur": dur, "comm": comm, "compute": max(0.0, dur - comm)}
-            if ckpt:
+            if ckpt and not job.ckpt_rank0_only:
                 values["phase"] = ["checkpoint"]
             datagrams.append((ends[r], r, step, values))
             clock[r] = runners[r].resume(ends[r] + job.sleep_s)

@@ -17,7 +17,7 @@ import torch
 from conftest import TOY, monitored_ranks, rank_logs, ranks_finished, wait_for
 
 from transom.common import env
-from transom.monitor import stacks
+from transom.monitor import auto, detectors, stacks
 
 pytestmark = pytest.mark.integration  # real worker processes and gloo
 
@@ -64,6 +64,49 @@ def test_python_level_collectives_are_timed_as_the_wait(tmp_path):
     slow, fast = summary.ranks["0"], summary.ranks["1"]
     assert fast.wait_s is not None and slow.wait_s is not None
     assert fast.wait_s > 0.05 and slow.wait_s < 0.03, (fast, slow)
+
+
+def test_a_rank_that_saves_slowly_is_not_the_one_waited_for(tmp_path):
+    """Rank 0 alone writes a checkpoint after every step, 80 ms longer than it takes (a slow
+    file system), as a Trainer's rank 0 does: rank 1 waits for it, but the save's time is left
+    out of rank 0's compared time, so neither rank's compute stands out."""
+    args = ["--steps", "30", "--save-s", "0.08", "--ckpt-dir", "ck"]
+    with monitored_ranks(tmp_path, TOY, args) as (monitor, procs):
+        ranks_finished(procs, tmp_path)
+        wait_for(lambda: monitor.steps() == {0: 29, 1: 29}, 10, "every step")
+        summary, _ = monitor.collect()
+    saver, other = summary.ranks["0"], summary.ranks["1"]
+    assert saver.wait_s is not None and other.wait_s is not None
+    assert saver.wait_s > 0.05 and other.wait_s > 0.05, (saver, other)  # its save; the wait
+    assert saver.compute_s is not None and other.compute_s is not None
+    assert abs(saver.compute_s - other.compute_s) < 0.03, (saver, other)
+
+
+def test_a_save_longer_than_the_hang_timeout_is_a_checkpoint_phase_not_a_hang(tmp_path):
+    """Rank 0's save of step 15 takes 4 s, the hang floor is 1 s: the agent hears of a
+    checkpoint phase, and the controller's hang rule on that summary finds no hang (the same
+    summary without the phase would be one)."""
+    args = ["--steps", "25", "--step-delay", "0.02", "--save-s", "4", "--save-s-at", "15"]
+    with monitored_ranks(tmp_path, TOY, [*args, "--ckpt-dir", "ck"], hang_floor_s=1.0) as (
+        monitor,
+        procs,
+    ):
+
+        def saving_long():
+            summary, _ = monitor.collect()
+            saver = summary.ranks.get("0")
+            quiet = min((r.step_age or 0.0 for r in summary.ranks.values()), default=0.0)
+            if saver is None or saver.phase != auto.CHECKPOINT_PHASE or quiet < 2.0:
+                return None
+            return summary
+
+        summary = wait_for(saving_long, 30, "rank 0 in a save for 2 s")
+        ranks_finished(procs, tmp_path)
+    views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
+    assert detectors.hang(views, 1.0) is None
+    unmarked = [{**v, "phase": None} for v in views]
+    found = detectors.hang(unmarked, 1.0)
+    assert found is not None and found.type == "hang"
 
 
 EXPLICIT = """

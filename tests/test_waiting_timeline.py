@@ -2,7 +2,8 @@
 timing tracks, summaries published as the agents publish them and the controller's detectors
 every tick. It pins how many steps a one-rank slowdown from outside that makes the job 1.5x
 slower takes to be found, on 2 and 4 nodes, and that a noisy fault-free job (jitter, hiccups,
-slow first steps, checkpoints that every rank waits for) never has a straggler.
+slow first steps, checkpoints that every rank waits for) never has a straggler, nor one whose
+rank 0 alone saves every few steps once the bootstrap times its saves.
 """
 
 from __future__ import annotations
@@ -103,3 +104,15 @@ def test_a_slowdown_of_every_rank_at_once_blames_no_node():
     outcome = step_sim.simulate(job, 200, seed=1, stop_at_straggler=False)
     assert outcome.straggler is None
     assert outcome.drop is None or outcome.drop[1] == []
+
+
+def test_rank_0_saving_every_few_steps_is_no_straggler_once_its_saves_are_timed():
+    """An unmodified script whose rank 0 alone writes a checkpoint every 3 steps (0.1 s, the
+    others waiting): the worker bootstrap times the save and leaves it out of the step's compared
+    time (transom.monitor.auto), so no node is named; compared with the save, rank 0 would be."""
+    saving = {"nodes": 2, "ckpt_every": 3, "ckpt_s": 0.1, "ckpt_rank0_only": True}
+    for seed in range(8):
+        timed = step_sim.simulate(step_sim.Job(**saving, saves_timed=True), 300, seed=seed)
+        assert timed.straggler is None, (seed, timed.straggler)
+    compared = step_sim.simulate(step_sim.Job(**saving), 300, seed=0)
+    assert compared.straggler is not None and compared.straggler[1] == ["node0"]

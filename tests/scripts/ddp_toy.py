@@ -3,7 +3,9 @@
 Prints its world and resumes from a torch.save checkpoint in --ckpt-dir, so restarts are
 visible. --step-delay makes steps slow enough for a test to kill something mid-run;
 --slow-rank R --slow-s S makes rank R compute S seconds longer each step (the others wait for
-it); --sync allreduce averages the gradients with torch.distributed.all_reduce instead of DDP.
+it); --sync allreduce averages the gradients with torch.distributed.all_reduce instead of DDP;
+--save-s S makes rank 0's torch.save of each step take S seconds longer (a slow file system),
+--save-s-at STEP only that step's.
 """
 
 import argparse
@@ -20,6 +22,8 @@ parser.add_argument("--step-delay", type=float, default=0.0)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--slow-s", type=float, default=0.0)
 parser.add_argument("--sync", choices=("ddp", "allreduce"), default="ddp")
+parser.add_argument("--save-s", type=float, default=0.0)
+parser.add_argument("--save-s-at", type=int, default=None)
 parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
 args = parser.parse_args()
 
@@ -41,6 +45,24 @@ if os.path.exists(path):
     net.load_state_dict(state["model"])
     start = state["step"]
 print(f"resumed step={start} rank={rank}", flush=True)
+
+
+class SlowFile:
+    """A file whose first write waits `delay` seconds (a slow file system)."""
+
+    def __init__(self, f, delay):
+        self.f, self.delay = f, delay
+
+    def write(self, b):
+        if self.delay:
+            time.sleep(self.delay)
+            self.delay = 0.0
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
 for step in range(start + 1, args.steps + 1):
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 100 + rank))
     if rank == args.slow_rank:
@@ -55,7 +77,9 @@ for step in range(start + 1, args.steps + 1):
     opt.step()
     if rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
-        torch.save({"model": net.state_dict(), "step": step}, path + ".tmp")
+        slow = args.save_s if args.save_s_at in (None, step) else 0.0
+        with open(path + ".tmp", "wb") as f:
+            torch.save({"model": net.state_dict(), "step": step}, SlowFile(f, slow))
         os.replace(path + ".tmp", path)
         print(f"step {step} loss {loss.item():.4f}", flush=True)
     time.sleep(args.step_delay)

@@ -18,6 +18,11 @@ already has (all installed by `install()`, from transom.control.bootstrap):
   bucket's launch to its completion: the time this rank waited for its peers at the end of the
   backward pass). A step's wait is its `comm`, the rest its `compute`, as `monitor.step`'s
   `sync` section would give them, so "the rank the others wait for" works unmodified;
+- saves: `torch.save` and safetensors' `save_file`/`save_model` called from the main thread run
+  inside `monitor.phase("checkpoint")` (a save longer than a hang's timeout is no hang: the
+  controller waits detectors.PHASE_HANG_S while a rank is in a phase), and their time is left out
+  of the step's compared time like a wait: a script whose rank 0 alone writes every few steps
+  (a Trainer's checkpoint) does not make rank 0 look like the rank the others wait for;
 - replica fingerprints: every few steps the same hook hashes the parameters it steps
   (transom.monitor.fingerprint) for the controller's replica check, keeps them on the node for
   a replay of that step to compare with (transom.monitor.evidence), and applies an injected
@@ -67,6 +72,9 @@ COLLECTIVES = (
     "reduce_scatter_tensor",
     "scatter",
 )
+# The functions that write a checkpoint, (module, name): their calls are a save (`_wrap_saves`).
+SAVES = (("torch", "save"), ("safetensors.torch", "save_file"), ("safetensors.torch", "save_model"))
+CHECKPOINT_PHASE = "checkpoint"
 _WRAPPED = "__transom_timed__"
 PERIODS_KEPT = 16  # steps whose times set the default fingerprint interval
 
@@ -78,7 +86,7 @@ class StepCounter:
         self.count = 0
         self.primary: weakref.ref | None = None  # the optimizer whose steps are counted
         self.last_end: float | None = None  # perf_counter() of the last counted step's end
-        self.wait_s = 0.0  # time in timed collectives since then
+        self.wait_s = 0.0  # time in timed collectives and saves since then
         # DDP's gradient all-reduce of the current step: last bucket's launch, last completion.
         self.ddp_launch: float | None = None
         self.ddp_done: float | None = None
@@ -216,7 +224,12 @@ def install() -> bool:
         except Exception:  # noqa: BLE001
             return False
         _counter = StepCounter()
-        for install_one in (_install_optimizer_hook, _wrap_collectives, _install_ddp_hook):
+        for install_one in (
+            _install_optimizer_hook,
+            _wrap_collectives,
+            _install_ddp_hook,
+            _wrap_saves,
+        ):
             try:
                 install_one(_counter)
             except Exception:  # noqa: BLE001 - a torch without this hook: go on without it
@@ -278,6 +291,50 @@ def _timed(original: Any, steps: StepCounter) -> Any:
 
     setattr(timed, _WRAPPED, True)
     return timed
+
+
+def _wrap_saves(steps: StepCounter) -> None:
+    """Make each of SAVES that can be imported (safetensors is an optional package) a save: a
+    checkpoint phase, its time left out of the step like a wait (`_saving`)."""
+    import importlib
+
+    for module_name, name in SAVES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        original = getattr(module, name, None)
+        if original is not None and not getattr(original, _WRAPPED, False):
+            setattr(module, name, _saving(original, steps))
+
+
+def _saving(original: Any, steps: StepCounter) -> Any:
+    """`original` run as a save when called from the main thread and not from inside another
+    save (torch.save within a library's save is timed once); as it is otherwise (a background
+    writer's save does not hold up the steps)."""
+
+    @functools.wraps(original)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread() or _in_save.active:
+            return original(*args, **kwargs)
+        _in_save.active = True
+        start = time.perf_counter()
+        try:
+            with reporter.phase(CHECKPOINT_PHASE):
+                return original(*args, **kwargs)
+        finally:
+            _in_save.active = False
+            steps.add_wait(time.perf_counter() - start)
+
+    setattr(save, _WRAPPED, True)
+    return save
+
+
+class _InSave(threading.local):
+    active = False
+
+
+_in_save = _InSave()
 
 
 class _DDPHookState:
