@@ -21,6 +21,11 @@ throttle. Then it reads the jobs' event logs:
                       fault was injected on
   precision, recall   decisions that answer an injected fault / all decisions; faults detected
                       within DETECTION_WINDOW_S / faults fired
+  overlapped          a slowdown from outside (throttle, quota) lasts until its worker exits:
+                      a fault fired while an earlier one still slowed another node (not yet
+                      found and evicted) is scored apart, recall, right node and latency being
+                      over the others (such faults are also spaced PERSISTENT_SPACING_STEPS
+                      apart, so that most are found before the next one fires)
 A fault-free job with checkpoints and evaluation passes gives false positives per hour (any
 anomaly above info severity, any decision), and single-process runs of train_gpt with the
 monitor on and off (alternating pairs: benchmarks/monitor/overhead.py) give the step-time
@@ -80,6 +85,12 @@ FIRST_FAULT_STEP = 25
 FAULT_SPACING_STEPS = (
     50  # between faults: room for detection, the restart and a checkpoint to resume from
 )
+# A slowdown from outside goes on until its worker exits (an eviction, a new generation): one
+# not yet found when the next fault fires slows its node beside the next one's. Such faults are
+# spaced further apart, and a trial fired while an earlier one still ran is scored apart
+# (`score`: "overlapped"), so a find of the earlier node is not counted as the later one's.
+PERSISTENT = ("throttle", "quota")
+PERSISTENT_SPACING_STEPS = 100
 DETECTION_WINDOW_S = 60.0
 JOB_TIMEOUT_S = 1800
 # The fault types measured (what detects each: transom.faults.DETECTORS), and those whose
@@ -290,10 +301,11 @@ def schedule(
         "corrupt": ":bits=2",
     }
     fault_type, option = SHAPES.get(kind, (kind, options.get(kind, "")))
+    spacing = PERSISTENT_SPACING_STEPS if fault_type in PERSISTENT else FAULT_SPACING_STEPS
     for _ in range(trials):
         at = step + rng.randint(0, 9)
         items.append(f"{fault_type}@step={at}:rank={rng.randrange(nodes)}{option}")
-        step += FAULT_SPACING_STEPS
+        step += spacing
     return ",".join(items), step + 15
 
 
@@ -310,9 +322,24 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
     latencies, latency_steps, right, detected = [], [], 0, 0
     answered: set[int] = set()
     trials: list[dict] = []  # one per fault: where it was, when and whom it was found on
+    persistent = (SHAPES[kind][0] if kind in SHAPES else kind) in PERSISTENT
+    restarts = [e["time"] for e in events if e["kind"] == "generation"]
     for i, f in enumerate(faults):
         trial = {"node": f.get("node"), "step": f.get("step"), "found": False}
         trials.append(trial)
+        # Earlier slowdowns of another node still going on (no new generation since): this
+        # trial's job has two slowed nodes, scored apart.
+        overlapped = sorted(
+            {
+                g["node"]
+                for g in faults[:i]
+                if persistent
+                and g.get("node") != f.get("node")
+                and not any(g["time"] < t < f["time"] for t in restarts)
+            }
+        )
+        if overlapped:
+            trial["overlapped"] = overlapped
         end = faults[i + 1]["time"] if i + 1 < len(faults) else f["time"] + DETECTION_WINDOW_S
         hits = [
             a
@@ -321,16 +348,10 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         ]
         if not hits:
             continue
-        detected += 1
-        latencies.append(max(0.0, hits[0]["time"] - f["time"]))
-        trial.update(
-            found=True,
-            anomaly_nodes=hits[0].get("nodes"),
-            latency_s=round(latencies[-1], 2),
-        )
+        latency = max(0.0, hits[0]["time"] - f["time"])
+        trial.update(found=True, anomaly_nodes=hits[0].get("nodes"), latency_s=round(latency, 2))
         if kind in SLOWED and hits[0].get("step") is not None and f.get("step") is not None:
-            latency_steps.append(hits[0]["step"] - f["step"])
-            trial["latency_steps"] = latency_steps[-1]
+            trial["latency_steps"] = hits[0]["step"] - f["step"]
         verdict = next(
             (
                 j
@@ -342,19 +363,27 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
             None,
         )
         if verdict is not None:
-            answered.add(verdict)
+            answered.add(verdict)  # it answers a fault, whichever of the slowed nodes it names
             trial["blamed"] = blamed(verdicts[verdict])
-            if kind == "nan" or blamed(verdicts[verdict]) == [f["node"]]:
-                right += 1
+        if overlapped:
+            continue
+        detected += 1
+        latencies.append(latency)
+        if "latency_steps" in trial:
+            latency_steps.append(trial["latency_steps"])
+        if kind == "nan" or trial.get("blamed") == [f["node"]]:
+            right += verdict is not None
         if kind == "corrupt" and not hits[0].get("nodes"):  # 2 replicas: the replay names it
             replays = [a for a in hits[1:] if a.get("severity") == "info"]
             if replays:
                 trial["replay_named"] = replays[0].get("nodes", [])
+    clean = len(faults) - sum("overlapped" in t for t in trials)
     replayed = [t for t in trials if "replay_named" in t]
     out = {
         "faults": len(faults),
+        "overlapped": len(faults) - clean,
         "detected": detected,
-        "recall": detected / len(faults) if faults else None,
+        "recall": detected / clean if clean else None,
         "precision": len(answered) / len(verdicts) if verdicts else None,
         "attribution": right / detected if detected else None,
         "latency_p50_s": percentile(latencies, 0.5),
@@ -372,10 +401,10 @@ def score(kind: str, events: list[dict], step_s: float | None) -> dict:
         out["latency_p50_steps"] = percentile(latency_steps, 0.5)
         out["latency_max_steps"] = max(latency_steps)
         within = sum(s <= TARGETS["slow_steps"] for s in latency_steps)
-        out["within_target_steps"] = within / len(faults) if faults else None
+        out["within_target_steps"] = within / clean if clean else None
     if step_s and latencies:  # the issue's measure: within 30 x the median step time
         within_s = sum(s <= TARGETS["slow_steps"] * step_s for s in latencies)
-        out["within_target_s"] = within_s / len(faults) if faults else None
+        out["within_target_s"] = within_s / clean if clean else None
         in_median_steps = [s / step_s for s in latencies]
         out["latency_p50_median_steps"] = percentile(in_median_steps, 0.5)
         out["latency_max_median_steps"] = max(in_median_steps)
