@@ -54,6 +54,23 @@ def test_a_stall_every_few_steps_counts_where_the_trimmed_mean_drops_it():
     assert hiccups.stall_s == 0.0
 
 
+def test_a_stall_every_five_steps_is_held_by_the_longer_window():
+    """Stopped about 0.3 s in one step of five (a 300/300 ms duty cycle on 68 ms steps, a
+    Trainer job's): 16 steps hold 3 stalls, 1 counted once the 2 hiccups are left out, which is
+    the bar itself; 24 steps hold 4, 2 counted."""
+    pattern = ([0.05] * 4 + [0.33]) * 5
+    assert track_of(pattern[:16]).view(0.0).stall_s == pytest.approx(0.28 / 16, abs=1e-4)
+    assert track_of(pattern[:24]).view(0.0).stall_s == pytest.approx(2 * 0.28 / 24, abs=1e-4)
+
+
+def test_stalls_are_counted_only_over_a_full_window():
+    """A generation's first steps are slower by different amounts on each rank: until 16
+    comparable steps are in, no stall is measured."""
+    slow_start = track_of([0.4, 0.3, 0.3, 0.2, 0.2] + [0.05] * 10)
+    assert slow_start.view(0.0).stall_s is None
+    assert feed(slow_start, [0.05]).view(0.0).stall_s is not None
+
+
 def test_a_phase_or_warm_up_step_is_not_timed():
     track = RankTrack()
     assert not track.add_timing(1, {"dur": 0.1}, None, None, 1.0)  # warm-up

@@ -4,12 +4,17 @@ The agent (transom.monitor.node) feeds each checked step datagram of a rank to i
 step duration, compute and sync-section ("wait") times, and the rank's *busy* time (from the end of
 one step to the end of the next, less the wait: what its peers wait for). Over TIMING_WINDOW steps
 it keeps medians and trimmed means (a delay that hits only some steps counts in proportion, the
-machine's hiccups are left out); over the longer STALL_WINDOW it counts *stalls*, steps whose busy
-time stands above the rank's median by STALL_FRACTION of a step: a rank stopped for 300 ms every
-600 ms (a duty cycle longer than a step) is late in one step of four, which the trimmed mean drops
-as hiccups. `stall_s` is the stalls' excess busy time per step over the long window, less the
-HICCUPS_IGNORED largest stalls: a machine's hiccups (one or two a window) count for nothing, a
-stall that recurs every few steps for nearly all of its time. The controller compares it across
+machine's hiccups are left out); over the longer STALL_WINDOWS it counts *stalls*, steps whose
+busy time stands above the rank's median by STALL_FRACTION of a step: a rank stopped for 300 ms
+every 600 ms (a duty cycle longer than a step) is late in one step of four or five, which the
+trimmed mean drops as hiccups. `stall_s` is the stalls' excess busy time per step over a long
+window, less the HICCUPS_IGNORED largest stalls: a machine's hiccups (one or two a window) count
+for nothing, a stall that recurs every few steps for nearly all of its time. Two windows, the
+larger result: 16 steps find a stall that recurs every 3-4 steps soon; one every 5 steps leaves
+16 steps with 3 stalls, 1 counted, which for a 300 ms stop in 68 ms steps is the bar itself (a
+Trainer job's 300/300 ms shape sat there, found in 9 of 17), where 24 steps hold 4-5 (1.9x the
+bar). A window counts once full (a generation's first steps are slower by different amounts on
+each rank, which a part-full long window took for stalls). The controller compares it across
 nodes like the busy time (transom.monitor.waiting). It also keeps the rank's FINGERPRINTS_KEPT
 newest replica fingerprints (transom.monitor.fingerprint) for the summary.
 
@@ -32,10 +37,10 @@ MIN_TIMING_SAMPLES = 5
 # (of a full window; as many in proportion of one not yet full).
 TRIM_HIGH = 3
 TRIM_LOW = 1
-# Stalls: over the last STALL_WINDOW steps, a step whose busy time is above the window's median
-# busy time by STALL_FRACTION of the median step time; the HICCUPS_IGNORED largest count for
-# nothing.
-STALL_WINDOW = 16
+# Stalls: over the last W steps, a step whose busy time is above the window's median busy time
+# by STALL_FRACTION of the median step time; the HICCUPS_IGNORED largest count for nothing. For
+# each W of STALL_WINDOWS, once that many steps are in: the larger result.
+STALL_WINDOWS = (16, 24)
 STALL_FRACTION = 0.5
 HICCUPS_IGNORED = 2
 FINGERPRINTS_KEPT = 3
@@ -55,8 +60,9 @@ class RankTrack:
         self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
         # Time between the ends of consecutive steps less the wait: compute and anything the rank
         # did (or was stopped in) between steps; its peers wait for this much.
-        # (The newest STALL_WINDOW, for stalls; the timing window is the newest TIMING_WINDOW.)
-        self.busies: deque[float] = deque(maxlen=STALL_WINDOW)
+        # (The newest max(STALL_WINDOWS), for stalls; the timing window is the newest
+        # TIMING_WINDOW.)
+        self.busies: deque[float] = deque(maxlen=max(STALL_WINDOWS))
         self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
         # step -> a replayed fingerprint step's deviations (transom.monitor.evidence), of those
         self.deviations: dict[str, list[list[int | float]]] = {}
@@ -103,15 +109,23 @@ class RankTrack:
         return _trimmed_mean(list(self.busies)[-TIMING_WINDOW:])
 
     def stall_s(self) -> float | None:
-        """The stalls' excess busy time per step over the long window, less the HICCUPS_IGNORED
-        largest stalls (None before MIN_TIMING_SAMPLES steps)."""
-        if len(self.busies) < MIN_TIMING_SAMPLES or not self.durations:
+        """The stalls' excess busy time per step over each of STALL_WINDOWS, less the
+        HICCUPS_IGNORED largest stalls: the largest result (None before the shortest window is
+        full: a generation's first steps are slow by different amounts on each rank)."""
+        busies = list(self.busies)
+        if len(busies) < min(STALL_WINDOWS) or not self.durations:
             return None
-        typical = statistics.median(self.busies)
         floor = STALL_FRACTION * statistics.median(self.durations)
-        stalls = sorted(b - typical for b in self.busies if b - typical >= floor)
-        kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
-        return round(sum(kept) / len(self.busies), 5)
+        worst = 0.0
+        for window in STALL_WINDOWS:
+            if len(busies) < window:
+                continue
+            recent = busies[-window:]
+            typical = statistics.median(recent)
+            stalls = sorted(b - typical for b in recent if b - typical >= floor)
+            kept = stalls[: max(0, len(stalls) - HICCUPS_IGNORED)]
+            worst = max(worst, sum(kept) / window)
+        return round(worst, 5)
 
     def add_fingerprint(
         self, step: int, digest: str, deviations: list[list[int | float]] | None = None
