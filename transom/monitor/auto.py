@@ -91,6 +91,7 @@ class StepCounter:
         self.ddp_launch: float | None = None
         self.ddp_done: float | None = None
         self._lock = threading.Lock()  # DDP's completions run on the process group's thread
+        self.saving = False  # the main thread is in a save (`_saving`); a nested one is not timed
         # A framework callback (transom.integrations) reports the steps, with their numbers and
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
@@ -315,26 +316,19 @@ def _saving(original: Any, steps: StepCounter) -> Any:
 
     @functools.wraps(original)
     def save(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread() is not threading.main_thread() or _in_save.active:
+        if threading.current_thread() is not threading.main_thread() or steps.saving:
             return original(*args, **kwargs)
-        _in_save.active = True
+        steps.saving = True
         start = time.perf_counter()
         try:
             with reporter.phase(CHECKPOINT_PHASE):
                 return original(*args, **kwargs)
         finally:
-            _in_save.active = False
+            steps.saving = False
             steps.add_wait(time.perf_counter() - start)
 
     setattr(save, _WRAPPED, True)
     return save
-
-
-class _InSave(threading.local):
-    active = False
-
-
-_in_save = _InSave()
 
 
 class _DDPHookState:
