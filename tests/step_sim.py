@@ -217,8 +217,8 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
                 and newest is not None
                 and newest > (step or 0)
             )
-            shifted = advanced and track.shifted(before)
-            if shifted and track.shifted(before, slower_only=True):
+            shifted = advanced and track.shifted(before, now)
+            if shifted and track.shifted(before, now, slower_only=True):
                 attentive_until[index] = now + node.ATTENTIVE_S
             due = (
                 now - at >= node_reports.SUMMARY_HEARTBEAT_S

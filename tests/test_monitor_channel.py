@@ -324,11 +324,11 @@ def test_a_step_queued_while_a_batch_is_being_sent_does_not_wait_for_the_send(
     entered, release = threading.Event(), threading.Event()
     encode_steps = datagram.encode_steps
 
-    def slow_encode(rank, generation, records):
+    def slow_encode(rank, generation, records, stopped=None):
         if records[0][1]["step"] == 1:  # the first batch: held mid-encode by the test
             entered.set()
             release.wait(10)
-        return encode_steps(rank, generation, records)
+        return encode_steps(rank, generation, records, stopped)
 
     monkeypatch.setattr(datagram, "encode_steps", slow_encode)
     monkeypatch.setenv("RANK", "0")

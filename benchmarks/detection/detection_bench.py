@@ -421,9 +421,11 @@ def fault_free(
     nodes: int = NODES,
     workload: Workload = WORKLOADS["gpt"],
     step_delay_s: float = STEP_DELAY_S,
+    log_level: str = "warning",
 ) -> dict:
     """A job without faults, with checkpoints (and for train_gpt an evaluation pass every 100
-    steps), sized to last at least `minutes`."""
+    steps), sized to last at least `minutes` (at `log_level` debug its controllers log every
+    straggler evaluation)."""
     steps = max(60, int(minutes * 60 / workload.fault_free_step_s))
     t0 = time.time()
     events = run_job(
@@ -434,6 +436,7 @@ def fault_free(
         True,
         nodes,
         step_delay_s,
+        log_level,
         timeout_s=2 * minutes * 60 + JOB_TIMEOUT_S,
         workload=workload,
     )
@@ -643,8 +646,21 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copytree(d, keep / d.name, ignore=shutil.ignore_patterns("checkpoints"))
         if args.fault_free_minutes > 0:
             result["fault_free"] = fault_free(
-                tmp, args.fault_free_minutes, args.nodes, workload, args.step_delay
+                tmp,
+                args.fault_free_minutes,
+                args.nodes,
+                workload,
+                args.step_delay,
+                "debug" if args.keep_dir else "warning",
             )
+            if args.keep_dir:
+                keep = (
+                    Path(args.keep_dir)
+                    / f"fault-free-{workload.name}-{args.nodes}n-{int(time.time())}"
+                )
+                shutil.copytree(
+                    tmp / "fault-free", keep, ignore=shutil.ignore_patterns("checkpoints")
+                )
             result["fault_free"]["script"] = workload.name
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:

@@ -280,6 +280,7 @@ class RankSummary(Record):
     wait_s: float | None = None  # median time in the sync section (waiting for the slowest rank)
     busy_s: float | None = None  # time between steps' ends less the wait, trimmed mean (waiting)
     stall_s: float | None = None  # recurring stalls' excess busy time a step (rank_timing)
+    stopped_s: float | None = None  # time a step its process did not run (stopped_time)
     # The newest replica fingerprints: step (as a string) -> digest (transom.monitor.fingerprint).
     fingerprints: dict[str, str] = field(default_factory=dict)
     # Of those fingerprinted again (a replay): step -> the largest differences from the rank's

@@ -74,6 +74,9 @@ def _int(hi: float, required: bool = False) -> Spec:
 
 SECONDS = Spec("float", hi=MAX_SECONDS)
 NAME_OR_NULL = Spec("name")
+# The seconds the sender's process did not run, so far (transom.monitor.stopped_time): on the
+# datagrams its sender thread writes (steps, beats, phases).
+STOPPED = Spec("float", hi=MAX_WALL_TIME)
 COMMON: dict[str, Spec] = {
     "rank": _int(MAX_RANK - 1, required=True),
     "gen": _int(MAX_GENERATION - 1, required=True),
@@ -89,9 +92,9 @@ SCHEMA: dict[str, dict[str, Spec]] = {
         "loss": Spec("float", lo=-math.inf, finite=False),
         "tokens": Spec("float", hi=MAX_TOKENS),
     },
-    "steps": {"steps": Spec("batch", required=True, nullable=False)},
-    "beat": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
-    "phase": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL},
+    "steps": {"steps": Spec("batch", required=True, nullable=False), "stopped": STOPPED},
+    "beat": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL, "stopped": STOPPED},
+    "phase": {"step": _int(MAX_STEP), "phase": NAME_OR_NULL, "stopped": STOPPED},
     "fault": {"step": _int(MAX_STEP), "fault": Spec("fault", required=True, nullable=False)},
     "fingerprint": {
         "step": _int(MAX_STEP, required=True),
@@ -140,10 +143,14 @@ def encode(kind: str, rank: int, generation: int, t: float, /, **values: Any) ->
     return _dump(message)
 
 
-def encode_steps(rank: int, generation: int, records: list[tuple[float, dict]]) -> bytes:
-    """One steps datagram of (time, values) step records: at most MAX_BATCH of them."""
+def encode_steps(
+    rank: int, generation: int, records: list[tuple[float, dict]], stopped: float | None = None
+) -> bytes:
+    """One steps datagram of (time, values) step records: at most MAX_BATCH of them (with
+    `stopped`, the sender's stopped seconds so far)."""
     steps = [{"t": t, **_fields("step", values)} for t, values in records[:MAX_BATCH]]
-    return _dump({"k": "steps", "rank": rank, "gen": generation, "steps": steps})
+    message = {"k": "steps", "rank": rank, "gen": generation, "steps": steps}
+    return _dump(message if stopped is None else message | {"stopped": stopped})
 
 
 def _fields(kind: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -193,6 +193,8 @@ class NodeMonitor:
         r = self.ranks.setdefault(d.rank, RankTrack())
         r.beat_at = now
         v = d.values
+        if v.get("stopped") is not None:  # of a steps, beat or phase datagram
+            r.add_stopped(now, v["stopped"])
         if d.kind in ("beat", "phase"):
             r.phase = v.get("phase")
         elif d.kind == "fault":
@@ -381,10 +383,10 @@ class NodeMonitor:
                 if track.fingerprints
             ):
                 return True
-            if advanced and any(track.shifted(view) for track, view in views):
+            if advanced and any(track.shifted(view, now) for track, view in views):
                 # Attentive only when a rank got slower: one that got faster again (noise, or a
                 # straggler recovering) is news once, and lags nobody.
-                if any(track.shifted(view, slower_only=True) for track, view in views):
+                if any(track.shifted(view, now, slower_only=True) for track, view in views):
                     self._attentive_until = now + ATTENTIVE_S
                 return True
             if now >= self._attentive_until or now - self._published_at < ATTENTIVE_MIN_PERIOD_S:

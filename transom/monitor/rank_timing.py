@@ -15,8 +15,10 @@ larger result: 16 steps find a stall that recurs every 3-4 steps soon; one every
 Trainer job's 300/300 ms shape sat there, found in 9 of 17), where 24 steps hold 4-5 (1.9x the
 bar). A window counts once full (a generation's first steps are slower by different amounts on
 each rank, which a part-full long window took for stalls). The controller compares it across
-nodes like the busy time (transom.monitor.waiting). It also keeps the rank's FINGERPRINTS_KEPT
-newest replica fingerprints (transom.monitor.fingerprint) for the summary.
+nodes like the busy time (transom.monitor.waiting), and so is its stopped time
+(transom.monitor.stopped_time, a step as long as the mean of its latest cycles). It also keeps
+the rank's FINGERPRINTS_KEPT newest replica fingerprints (transom.monitor.fingerprint) for the
+summary.
 
 This module must never do I/O or act: it keeps numbers and summarises them.
 """
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 from transom.common.records import RankSummary
 from transom.monitor import datagram, detectors, waiting
+from transom.monitor.stopped_time import StoppedTime
 
 WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
 TIMING_WINDOW = 8  # comparable steps in a rank's timing statistics
@@ -63,6 +66,7 @@ class RankTrack:
         # (The newest max(STALL_WINDOWS), for stalls; the timing window is the newest
         # TIMING_WINDOW.)
         self.busies: deque[float] = deque(maxlen=max(STALL_WINDOWS))
+        self.cycles: deque[float] = deque(maxlen=max(STALL_WINDOWS))  # the same, with the wait
         self.fingerprints: dict[str, str] = {}  # step -> digest, the newest FINGERPRINTS_KEPT
         # step -> a replayed fingerprint step's deviations (transom.monitor.evidence), of those
         self.deviations: dict[str, list[list[int | float]]] = {}
@@ -70,6 +74,7 @@ class RankTrack:
         self.losses: deque[float] = deque(maxlen=detectors.LOSS_WINDOW)
         self.tokens_per_s: float | None = None
         self.gap_raised = False
+        self.stopped = StoppedTime()  # the time its process did not run (stopped_time)
 
     def add_timing(
         self,
@@ -95,13 +100,33 @@ class RankTrack:
             cycle = sent - previous_sent  # one sender's clock: the two ends of consecutive steps
             if 0.0 <= cycle <= datagram.MAX_SECONDS:
                 self.busies.append(max(0.0, cycle - wait))
+                self.cycles.append(cycle)
         return True
 
-    def shifted(self, published: RankSummary | None, slower_only: bool = False) -> bool:
-        """Whether its timings shifted since `published`, its view in the node's last summary
-        (with `slower_only`: grew, waiting.timings_shifted)."""
+    def add_stopped(self, now: float, total: float) -> None:
+        """Its sender's stopped seconds so far, received at `now`: counted once past warm-up."""
+        self.stopped.add(now, total, counting=bool(self.durations))
+
+    def stopped_s(self, now: float) -> float | None:
+        """Its stopped seconds a step over the window ending at `now`: a step as long as the
+        mean time between the ends of its latest steps (stops lengthen it; the median step
+        duration would not see one stop in five steps)."""
+        if self.cycles:
+            return self.stopped.per_step(now, statistics.fmean(self.cycles))
+        return self.stopped.per_step(
+            now, statistics.median(self.durations) if self.durations else None
+        )
+
+    def shifted(self, published: RankSummary | None, now: float, slower_only: bool = False) -> bool:
+        """Whether its timings shifted by `now` since `published`, its view in the node's last
+        summary (with `slower_only`: grew, waiting.timings_shifted)."""
         return waiting.timings_shifted(
-            published, self.busy_s(), _trimmed_mean(self.computes), self.stall_s(), slower_only
+            published,
+            self.busy_s(),
+            _trimmed_mean(self.computes),
+            self.stall_s(),
+            self.stopped_s(now),
+            slower_only,
         )
 
     def busy_s(self) -> float | None:
@@ -151,6 +176,7 @@ class RankTrack:
             wait_s=_median(self.waits),
             busy_s=self.busy_s(),
             stall_s=self.stall_s(),
+            stopped_s=self.stopped_s(now),
             fingerprints=dict(self.fingerprints),
             deviations=dict(self.deviations),
             tokens_per_s=self.tokens_per_s,

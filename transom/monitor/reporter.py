@@ -12,7 +12,8 @@ monitor channel, a Unix socket only the job's user can reach (transom.monitor.ch
 naming this rank and generation. A background thread sends a heartbeat after HEARTBEAT_S in
 which nothing else went (any datagram tells the agent the rank lives), so the agent can tell a
 rank that is alive but stuck (heartbeat goes on, steps stop) from one that is stopped or dead
-(heartbeat stops). The same thread sends a fast job's steps, together as one steps datagram
+(heartbeat stops). Its late wakes are the rank's stopped time (transom.monitor.stopped_time),
+which its datagrams carry. The same thread sends a fast job's steps, together as one steps datagram
 every BATCH_S: encoding and sending right after a step's compute cost about 0.1 ms (the code
 gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
 further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
@@ -41,11 +42,12 @@ from contextlib import contextmanager
 
 from transom.common import env
 from transom.faults.worker import WorkerFaults, parse_worker_faults
-from transom.monitor import datagram
+from transom.monitor import datagram, stopped_time
 
 HEARTBEAT_S = 0.5
-# Steps waiting go as one steps datagram every BATCH_S, or when BATCH_STEPS wait.
-BATCH_S = 0.1
+# Steps waiting go as one steps datagram every BATCH_S (the sender thread's round, whose late
+# wakes are the rank's stopped time), or when BATCH_STEPS wait.
+BATCH_S = stopped_time.SENDER_PERIOD_S
 BATCH_STEPS = 32
 # A phase is told to the agent (a "phase" datagram) once it lasted this long: the sender thread
 # wakes every BATCH_S. Told that late, a phase still comes long before a hang could be found
@@ -85,6 +87,7 @@ class _Channel:
         self.send_next_step = False
         self.queued_at = -math.inf  # time.time() the last step was queued
         self.sent_at = -math.inf  # time.monotonic() a datagram last left: it beats for this rank
+        self.stops = stopped_time.StopMeter()  # the sender thread's late wakes
         atexit.register(self.flush)  # a worker that ends normally sends its last steps
         self.faults = WorkerFaults(
             parse_worker_faults(os.environ.get(env.FAULTS), self.rank), self._announce_fault
@@ -143,7 +146,10 @@ class _Channel:
 
     def _send_batch(self, records: list[tuple[float, dict]]) -> None:
         """One steps datagram, or halves of the batch where it is too long for one."""
-        data = self._encode(lambda: datagram.encode_steps(self.rank, self.generation, records))
+        stopped = round(self.stops.total_s, 4)
+        data = self._encode(
+            lambda: datagram.encode_steps(self.rank, self.generation, records, stopped)
+        )
         if data is not None and len(data) > datagram.MAX_BYTES and len(records) > 1:
             half = len(records) // 2
             self._send_batch(records[:half])
@@ -192,13 +198,19 @@ class _Channel:
                     self.flush()
             except Exception:  # noqa: BLE001 - without this thread the rank would look hung
                 pass
-            self._closed.wait(min(BATCH_S, HEARTBEAT_S))
+            asked = min(BATCH_S, HEARTBEAT_S)
+            before = time.monotonic()
+            if self._closed.wait(asked):
+                return
+            # In a phase, or one began or ended meanwhile: a save may hold Python's lock.
+            in_phase = self.phase is not None or self.phase_since >= before
+            self.stops.woke(time.monotonic() - before, asked, in_phase)
 
     def tell_phase(self, kind: str) -> None:
         """Send a "beat" or "phase" datagram: this rank's newest step and current phase."""
         with self._send_lock:
             phase = self.phase
-            self.send(kind, step=self.last_step, phase=phase)
+            self.send(kind, step=self.last_step, phase=phase, stopped=round(self.stops.total_s, 4))
             self.phase_told = phase
 
     def phase_ended(self, previous: str | None) -> None:

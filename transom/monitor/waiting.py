@@ -92,9 +92,11 @@ def timings_shifted(
     busy_s: float | None,
     compute_s: float | None,
     stall_s: float | None = None,
+    stopped_s: float | None = None,
     slower_only: bool = False,
 ) -> bool:
-    """Whether a rank's busy, compute or stall time (now `busy_s`, `compute_s`, `stall_s`) moved
+    """Whether a rank's busy, compute, stall or stopped time (now `busy_s`, `compute_s`,
+    `stall_s`, `stopped_s`) moved
     by TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with);
     with `slower_only`, grew by that much (a rank beginning to lag)."""
     if before is None or not before.step_s:
@@ -108,6 +110,7 @@ def timings_shifted(
             (busy_s, before.busy_s),
             (compute_s, before.compute_s),
             (stall_s, before.stall_s),
+            (stopped_s, before.stopped_s),
         )
     )
 
@@ -115,7 +118,7 @@ def timings_shifted(
 def summary_shifted(before: MonitorSummary, after: MonitorSummary) -> bool:
     """Whether some rank's timings shifted from one summary of a node to the next."""
     return any(
-        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s, r.stall_s)
+        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s, r.stall_s, r.stopped_s)
         for rank, r in after.ranks.items()
     )
 
@@ -128,10 +131,13 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
     """node -> (its delay in seconds, its latest rank, its evidence when asked), for nodes with
     timings.
 
-    A rank's delay is max(lateness, compute excess, stall excess), each against the ranks of the
-    other nodes; its lateness is its busy time (between the ends of its steps, less its wait)
-    above theirs, its stall excess its recurring stalls' time a step (transom.monitor.rank_timing)
-    above theirs: a duty cycle longer than a step, which the trimmed busy time leaves out.
+    A rank's delay is max(lateness, compute excess, stall excess, stopped excess), each against
+    the ranks of the other nodes; its lateness is its busy time (between the ends of its steps,
+    less its wait) above theirs, its stall excess its recurring stalls' time a step
+    (transom.monitor.rank_timing) above theirs: a duty cycle longer than a step, which the
+    trimmed busy time leaves out; its stopped excess the time a step its process did not run
+    (transom.monitor.stopped_time) above theirs: a stop that falls in the collective, where it
+    makes every rank wait and none late.
     The medians of the other nodes' ranks come from one sorted list per measure (`_Others`), so
     a thousand nodes cost a sort, not a million comparisons; the evidence (rounded numbers and
     the others' wait) is worked out only for the node a caller names.
@@ -147,6 +153,8 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
     busy_peers = {node: busy.median(node) for node in nodes} if busy is not None else {}
     stall = _Others(timed, "stall_s")
     stall_peers = {node: stall.median(node) for node in nodes}
+    stop = _Others(timed, "stopped_s")
+    stop_peers = {node: stop.median(node) for node in nodes}
     # node -> its worst rank's delay, view, lateness, compute excess, others' compute
     worst: dict[str, tuple[float, dict, float, float, float]] = {}
     for v in timed:
@@ -163,6 +171,9 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
         others_stalled = stall_peers[node]
         if stalled is not None and others_stalled is not None:
             late = max(late, stalled - others_stalled)
+        stopped, others_stopped = v.get("stopped_s"), stop_peers[node]
+        if stopped is not None and others_stopped is not None:
+            late = max(late, stopped - others_stopped)
         delay = max(late, excess)
         if node not in worst or delay > worst[node][0]:
             worst[node] = (delay, v, late, excess, others_compute)
@@ -175,6 +186,7 @@ def node_delays(views: list[dict]) -> dict[str, tuple[float, int, Callable[[], d
             "peers_compute_s": round(others_compute, 4),
             "late_s": round(late, 4),
             "compute_excess_s": round(excess, 4),
+            "stopped_s": _round(v.get("stopped_s")),
         }
 
     return {
@@ -403,12 +415,14 @@ class StragglerTracker:
             "step_s": job_step_s(views),
             "baseline_s": baseline_s,
             "named": named,
-            "ranks": {  # rank: busy, wait, compute, step time
-                v["rank"]: [_round(v.get(k)) for k in ("busy_s", "wait_s", "compute_s", "step_s")]
-                for v in views
+            "ranks": {  # rank: busy, wait, compute, step, stall and stopped time
+                v["rank"]: [_round(v.get(k)) for k in EVALUATION_MEASURES] for v in views
             },
             "streak": [self.node, self.since, self.named, self.missed],
         }
+
+
+EVALUATION_MEASURES = ("busy_s", "wait_s", "compute_s", "step_s", "stall_s", "stopped_s")
 
 
 class ThroughputTracker:

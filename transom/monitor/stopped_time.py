@@ -1,0 +1,82 @@
+"""Stopped time: how long a rank's process did not run when it wanted to, wherever it was.
+
+A rank stopped from outside (SIGSTOP, a cgroup's CPU quota used up, a starved CPU) is late in
+its busy time only when the stop falls in its compute: one that falls in the all-reduce makes
+both ranks wait there and neither look late. A 300 ms stop every 600 ms in a job of 60 ms steps
+comes back at the same point of the step each time, so such a rank can hide for good. What a
+stop always shows: the worker's monitor sender thread (transom.monitor.reporter), which sleeps
+SENDER_PERIOD_S between its rounds, wakes late. Each wake later than STOPPED_MIN_S past its time
+is counted as stopped (outside a phase: a checkpoint's pickling may hold Python's lock that
+long), and the total so far rides on the datagrams that thread sends (`stopped`). A rank that
+waits in a collective sleeps in C with the lock let go: its sender wakes on time. Scheduling
+noise and Python's lock switches (5 ms) are under STOPPED_MIN_S and count for nothing.
+
+The node agent keeps each rank's `StoppedTime`: the growth of that total, as it arrived, over
+the last STOPPED_WINDOW_S (or STOPPED_WINDOW_STEPS steps, whichever is longer), less the
+LARGEST_IGNORED largest increments (one hiccup of the machine), as seconds a step (`per_step`):
+the controller compares it across nodes like the busy time (transom.monitor.waiting).
+
+What crosses the process boundary is checked: the total is a finite number >= 0 (the datagram
+schema), a total that went down starts over, and no increment counts for more than the agent's
+own time since the sender's previous datagram (plus a sender period). This module must never do
+I/O or act: it keeps numbers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+SENDER_PERIOD_S = 0.1  # the sender thread's round (transom.monitor.reporter.BATCH_S)
+STOPPED_MIN_S = 0.02  # a later wake than this is a stop (scheduling noise is a few ms)
+STOPPED_WINDOW_S = 2.0
+STOPPED_WINDOW_STEPS = 16
+LARGEST_IGNORED = 1
+INCREMENTS_KEPT = 256  # of a rank's newest increments (a 300 ms stop every 600 ms: 3-4 a window)
+
+
+class StopMeter:
+    """The worker's side: the sender thread's late wakes, added up (one thread calls it)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+
+    def woke(self, slept_s: float, asked_s: float, in_phase: bool) -> None:
+        """The thread slept `slept_s` where it asked for `asked_s`."""
+        late = slept_s - asked_s
+        if late >= STOPPED_MIN_S and not in_phase:
+            self.total_s += late
+
+
+class StoppedTime:
+    """The agent's side: one rank's stopped seconds as its datagrams told them."""
+
+    def __init__(self) -> None:
+        self.total: float | None = None  # the sender's total as last seen
+        self.seen_at: float | None = None  # when (the agent's monotonic clock)
+        self.since: float | None = None  # counting since (the first counted datagram)
+        self.increments: deque[tuple[float, float]] = deque(maxlen=INCREMENTS_KEPT)
+
+    def add(self, now: float, total: float, counting: bool) -> None:
+        """The sender's total `total`, received at `now`; counted only while `counting` (the
+        rank is past its warm-up: a generation's start is slow in many ways)."""
+        previous, seen_at = self.total, self.seen_at
+        self.total, self.seen_at = total, now
+        if not counting or previous is None or seen_at is None or total < previous:
+            return
+        if self.since is None:
+            self.since = now
+        grown = min(total - previous, now - seen_at + SENDER_PERIOD_S)
+        if grown > 0:
+            self.increments.append((now, grown))
+
+    def per_step(self, now: float, step_s: float | None) -> float | None:
+        """Stopped seconds a step of `step_s` over the window ending at `now` (None until the
+        rank has been counted for a whole window)."""
+        if step_s is None or self.since is None:
+            return None
+        window = max(STOPPED_WINDOW_S, STOPPED_WINDOW_STEPS * step_s)
+        if now - self.since < window:
+            return None
+        recent = sorted(d for t, d in self.increments if t >= now - window)
+        kept = recent[: max(0, len(recent) - LARGEST_IGNORED)]
+        return round(sum(kept) / window * step_s, 5)
