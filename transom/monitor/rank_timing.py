@@ -112,10 +112,10 @@ class RankTrack:
         mean time between the ends of its latest steps (stops lengthen it; the median step
         duration would not see one stop in five steps)."""
         if self.cycles:
-            return self.stopped.per_step(now, statistics.fmean(self.cycles))
-        return self.stopped.per_step(
-            now, statistics.median(self.durations) if self.durations else None
-        )
+            step_s: float | None = statistics.fmean(self.cycles)
+        else:
+            step_s = statistics.median(self.durations) if self.durations else None
+        return self.stopped.per_step(now, step_s)
 
     def shifted(self, published: RankSummary | None, now: float, slower_only: bool = False) -> bool:
         """Whether its timings shifted by `now` since `published`, its view in the node's last

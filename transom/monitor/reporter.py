@@ -13,9 +13,9 @@ naming this rank and generation. A background thread sends a heartbeat after HEA
 which nothing else went (any datagram tells the agent the rank lives), so the agent can tell a
 rank that is alive but stuck (heartbeat goes on, steps stop) from one that is stopped or dead
 (heartbeat stops). Its late wakes are the rank's stopped time (transom.monitor.stopped_time),
-which its datagrams carry. The same thread sends a fast job's steps, together as one steps datagram
-every BATCH_S: encoding and sending right after a step's compute cost about 0.1 ms (the code
-gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
+which its datagrams carry. The same thread sends a fast job's steps, together as one steps
+datagram every BATCH_S: encoding and sending right after a step's compute cost about 0.1 ms
+(the code gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
 further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
 waiting steps go before any other datagram and at a normal exit. Each step keeps its own time, so
 the agent's timings are the same. A phase is told to the agent by that thread too, once it

@@ -96,9 +96,9 @@ def timings_shifted(
     slower_only: bool = False,
 ) -> bool:
     """Whether a rank's busy, compute, stall or stopped time (now `busy_s`, `compute_s`,
-    `stall_s`, `stopped_s`) moved
-    by TIMING_SHIFT_FRACTION of its step time since `before` (None: nothing to compare with);
-    with `slower_only`, grew by that much (a rank beginning to lag)."""
+    `stall_s`, `stopped_s`) moved by TIMING_SHIFT_FRACTION of its step time since `before`
+    (None: nothing to compare with); with `slower_only`, grew by that much (a rank beginning to
+    lag)."""
     if before is None or not before.step_s:
         return False
     bar = TIMING_SHIFT_FRACTION * before.step_s
