@@ -491,6 +491,15 @@ def pattern_scores(corpus: Path = LOG_CORPUS) -> dict:
     }
 
 
+def keep_runs(keep_dir: Path, label: str, dirs: list[Path]) -> None:
+    """Copy the run directories `dirs` (their events and logs, not their checkpoints) into a
+    new folder of `keep_dir` named after `label` and the time."""
+    keep = keep_dir / f"{label}-{int(time.time())}"
+    keep.mkdir(parents=True, exist_ok=True)
+    for d in dirs:
+        shutil.copytree(d, keep / d.name, ignore=shutil.ignore_patterns("checkpoints"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.detection",
@@ -600,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overhead_rounds = 0
     with tempfile.TemporaryDirectory(prefix="transom-detection-") as tmp_name:
         tmp = Path(tmp_name)
+        log_level = "debug" if args.keep_dir else "warning"  # debug: every straggler evaluation
         kinds = [t for t in args.types.split(",") if t]
         if "shapes" in kinds:
             kinds[kinds.index("shapes") : kinds.index("shapes") + 1] = list(SHAPES)
@@ -620,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     False,
                     args.nodes,
                     args.step_delay,
-                    "debug" if args.keep_dir else "warning",
+                    log_level,
                     workload=workload,
                 )
                 events += job
@@ -638,12 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                     result["transom"][kind]["fault"] = "".join(SHAPES[kind])
             print(f"{kind}: {json.dumps(result['transom'][kind])}", flush=True)
             if args.keep_dir:
-                keep = (
-                    Path(args.keep_dir) / f"{kind}-{workload.name}-{args.nodes}n-{int(time.time())}"
-                )
-                keep.mkdir(parents=True, exist_ok=True)
-                for d in dirs:  # its events and logs; not its checkpoints
-                    shutil.copytree(d, keep / d.name, ignore=shutil.ignore_patterns("checkpoints"))
+                keep_runs(Path(args.keep_dir), f"{kind}-{workload.name}-{args.nodes}n", dirs)
         if args.fault_free_minutes > 0:
             result["fault_free"] = fault_free(
                 tmp,
@@ -651,16 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.nodes,
                 workload,
                 args.step_delay,
-                "debug" if args.keep_dir else "warning",
+                log_level,
             )
             if args.keep_dir:
-                keep = (
-                    Path(args.keep_dir)
-                    / f"fault-free-{workload.name}-{args.nodes}n-{int(time.time())}"
-                )
-                shutil.copytree(
-                    tmp / "fault-free", keep, ignore=shutil.ignore_patterns("checkpoints")
-                )
+                label = f"fault-free-{workload.name}-{args.nodes}n"
+                keep_runs(Path(args.keep_dir), label, [tmp / "fault-free"])
             result["fault_free"]["script"] = workload.name
             print(f"fault-free: {json.dumps(result['fault_free'])}", flush=True)
         if args.overhead_rounds > 0:
