@@ -216,8 +216,10 @@ def test_a_node_cut_off_from_etcd_enters_an_outage_and_its_cut_off_time_reaches_
 # -- writes only when something changes ---------------------------------------------------------
 
 
-def summary(t: float, step: int, beat_age: float = 0.2, anomalies=()) -> MonitorSummary:
-    rank = RankSummary(step=step, step_age=0.1, beat_age=beat_age, step_s=0.1)
+def summary(
+    t: float, step: int, beat_age: float = 0.2, anomalies=(), step_age: float = 0.1
+) -> MonitorSummary:
+    rank = RankSummary(step=step, step_age=step_age, beat_age=beat_age, step_s=0.1)
     return MonitorSummary("node0", 1, t, {"0": rank}, anomalies=list(anomalies))
 
 
@@ -225,7 +227,7 @@ def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(st
     node = node_reports.NodeReports(store, "node0", "inc", lambda: (1, 5, 0))
     node.hang_floor_s = JobSpec(script="train.py").hang_floor_s
     times = []
-    for i in range(51):  # 5 s of collections every 0.1 s, a step each
+    for i in range(101):  # 10 s of collections every 0.1 s, a step each
         now = 100.0 + i * 0.1
         before = dict(node._unsent)
         node.summary(summary(now, i), [], now)
@@ -233,16 +235,24 @@ def test_a_training_node_writes_its_summary_at_the_heartbeat_and_news_at_once(st
             times.append(now)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     allowed = node_reports.allowance(summary(0, 0), node.hang_floor_s)
-    assert len(times) == 2 and gaps[0] >= allowed - 1e-9 >= 3.5  # progress waits: no news
+    assert allowed == node_reports.SUMMARY_HEARTBEAT_S  # a stepping rank: the whole keep-alive
+    assert len(times) == 2 and gaps[0] >= allowed - 1e-9  # progress waits: no news
     node.flush()
     anomaly = Anomaly("nan", Severity.CRITICAL, "nan", ["node0"], [0])
     anomaly.id = "a1"
-    node.summary(summary(103.2, 33, anomalies=[anomaly]), [], 103.2)
+    node.summary(summary(110.2, 33, anomalies=[anomaly]), [], 110.2)
     assert keys.monitor("node0") in node._unsent  # news: at once, not at the heartbeat
     node.flush()
     assert store.get(keys.monitor("node0"))["anomalies"][0]["id"] == "a1"
-    node.summary(summary(103.3, 34, beat_age=2.6, anomalies=[anomaly]), [], 103.3)
+    node.summary(summary(110.3, 34, beat_age=2.6, anomalies=[anomaly]), [], 110.3)
     assert keys.monitor("node0") in node._unsent  # a heartbeat stopped: at once
+    node.flush()
+    # A rank that stops stepping (its step older than STEPPING_MIN_S here) is news at once, and
+    # such a summary stands half the hang floor at most (its step ages truly meanwhile).
+    quiet = summary(110.4, 34, beat_age=2.6, anomalies=[anomaly], step_age=1.5)
+    node.summary(quiet, [], 110.4)
+    assert keys.monitor("node0") in node._unsent
+    assert node_reports.allowance(quiet, node.hang_floor_s) == node.hang_floor_s / 2
 
 
 def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
@@ -250,13 +260,21 @@ def test_the_heartbeat_keeps_the_controllers_extrapolated_view_true():
     assert node_reports.SUMMARY_HEARTBEAT_S + 1.0 < SUMMARY_GAP_S  # never a telemetry gap
     for beat_age in (0.0, 0.5, 1.0, 1.5):
         allowed = node_reports.allowance(summary(0, 1, beat_age), floor)
-        assert allowed <= floor / 2 or allowed == node_reports.SUMMARY_FLOOR_S  # never a false hang
-        # A rank that beats on never looks stopped to the controller, even when the next write
-        # comes a margin late: its heartbeat ages only past the keep-alive.
+        assert allowed == node_reports.SUMMARY_HEARTBEAT_S  # a stepping rank: the keep-alive
+        # A rank that steps and beats on never looks stuck or stopped to the controller, even
+        # when the next write comes a margin late: its step and heartbeat age only past the
+        # keep-alive (the agent writes at once when either stops).
         late = allowed + detectors.BEAT_MARGIN_S / 2
         [view] = detectors.rank_views({"node0": summary(0, 1, beat_age)}, 1, 0.0, {"node0": late})
         assert view["beat_age"] < HEARTBEAT_GAP_S
-    assert node_reports.allowance(summary(0, 1, 0.2), 1.0) == node_reports.SUMMARY_FLOOR_S
+        assert view["step_age"] < detectors.STEPPING_MIN_S + detectors.BEAT_MARGIN_S < floor
+    # A rank not stepping: its summary stands half the hang floor at most (SUMMARY_FLOOR_S at
+    # least), and its step ages truly meanwhile: never a false hang, nor a late one.
+    quiet = summary(0, 1, step_age=1.5)
+    assert node_reports.allowance(quiet, floor) == floor / 2
+    assert node_reports.allowance(quiet, 1.0) == node_reports.SUMMARY_FLOOR_S
+    [view] = detectors.rank_views({"node0": quiet}, 1, 0.0, {"node0": 2.0})
+    assert view["step_age"] == 3.5
     # A beat the agent said stopped ages truly between writes: found HEARTBEAT_GAP_S after it.
     stopped = summary(0, 1, detectors.BEAT_STOPPED_S)
     [view] = detectors.rank_views({"node0": stopped}, 1, 0.0, {"node0": detectors.BEAT_MARGIN_S})
@@ -339,7 +357,8 @@ def test_a_cut_off_node_waits_on_one_write_at_most_and_writes_the_rest_when_back
         assert node.held and node.failure is not None
         first = time.monotonic() - started
         for i in range(10):  # what an agent's loop queues meanwhile: none of it waits on etcd
-            node.summary(summary(i * 5.0, i), [], i * 5.0)  # each one due
+            due = i * (node_reports.SUMMARY_HEARTBEAT_S + 1.0)
+            node.summary(summary(due, i), [], due)  # each one due
             node.flush()
             node.status(NodeState.FAILED, failures=[FailureReport(FailureKind.FENCED)])
         assert time.monotonic() - started < first + 0.5

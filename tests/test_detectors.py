@@ -10,6 +10,7 @@ from transom.common.records import (
     FailureReport,
     MonitorSummary,
     PreflightResult,
+    RankSummary,
     Severity,
 )
 from transom.control.policy import on_anomaly
@@ -175,6 +176,22 @@ def test_rank_views_add_the_publication_lag_to_ages():
     later = 100.0 + detectors.SUMMARY_KEEPALIVE_S + 2.0
     [view] = detectors.rank_views(summaries, 2, now=later)
     assert view["step_age"] == later - 99.0 and view["beat_age"] == 2.5
+
+
+def test_a_stepping_rank_ages_only_past_the_keep_alive():
+    """A summary that says a rank steps (its step younger than two step times, 1 s at least)
+    stands for "stepping" until the agent writes again: its step ages only past the keep-alive;
+    one step older than that ages by the whole lag."""
+    fast = RankSummary(step=5, step_age=0.3, beat_age=0.2, step_s=0.1)
+    slow = RankSummary(step=5, step_age=5.0, beat_age=0.2, step_s=3.0)
+    quiet = RankSummary(step=5, step_age=1.2, beat_age=0.2, step_s=0.1)
+    assert detectors.stepping(fast) and detectors.stepping(slow) and not detectors.stepping(quiet)
+    assert not detectors.stepping(RankSummary(step=5, step_age=0.3))  # no step time yet
+    ranks = {"0": fast, "1": slow, "2": quiet}
+    summaries = {"node0": MonitorSummary("node0", 2, 100.0, ranks)}
+    lag = detectors.SUMMARY_KEEPALIVE_S + 1.0
+    views = detectors.rank_views(summaries, 2, now=100.0 + lag)
+    assert [v["step_age"] for v in views] == [1.3, 6.0, 1.2 + lag]
 
 
 # -- logs and GPUs --------------------------------------------------------------------------------

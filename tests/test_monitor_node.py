@@ -15,6 +15,7 @@ from conftest import wait_for
 from transom.common import env
 from transom.faults import DEFAULT_LOG_LINE, MockNvml
 from transom.monitor import datagram, reporter
+from transom.monitor import node as node_module
 from transom.monitor.node import NodeMonitor
 from transom.monitor.rank_timing import WARMUP_STEPS
 
@@ -267,3 +268,48 @@ def test_time_the_agent_paused_the_workers_is_not_counted_against_them(node):
     node.excuse(30.0)  # the agent held the workers paused (SIGSTOP) for 30 s
     # (the heartbeat's time moves the same way, but the background heartbeat may renew it)
     assert track.step_at == step_at + 30.0
+
+
+def test_fast_steps_go_out_once_the_oldest_waited_the_batch_period(node, monkeypatch):
+    """The sender thread wakes every ROUND_S (its late wakes are the stopped time) but sends a
+    fast job's steps only once the oldest waited BATCH_S: each datagram wakes the agent."""
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # only steps go out
+    batches: list[int] = []
+    send_batch = reporter._Channel._send_batch
+
+    def counted(self, records):
+        if self is reporter._channel:
+            batches.append(len(records))
+        send_batch(self, records)
+
+    monkeypatch.setattr(reporter._Channel, "_send_batch", counted)
+    work = threading.Event()  # never set: each wait is a step's compute
+    started = time.monotonic()
+    for step in range(1, 61):
+        reporter.report(step)
+        work.wait(0.01)
+    wait_for(lambda: node.steps().get(3) == 60, 5, "every step to arrive")
+    elapsed = time.monotonic() - started
+    assert sum(batches) == 60
+    assert len(batches) <= elapsed / (reporter.BATCH_S - reporter.ROUND_S / 2) + 2, batches
+    assert len(batches) < 60 / 4  # several steps a datagram
+
+
+def test_news_wakes_the_agents_loop_and_steps_that_are_not_news_do_not(node, monkeypatch):
+    """The listener wakes the agent's loop for what the agent must publish now (a NaN's anomaly
+    here); steps that make no summary due wake nothing: the agent's loop may tick slowly."""
+    monkeypatch.setattr(node_module, "SUMMARY_MIN_PERIOD_S", 60.0)  # no steps due once published
+    woken = threading.Event()
+    node.wake = woken.set
+    for step in range(1, 4):
+        reporter.report(step, loss=2.0)
+    wait_for(lambda: node.steps().get(3) == 3, 5, "the first steps")
+    node.collect()  # the agent published them
+    woken.clear()
+    reporter.report(4, loss=2.0)
+    reporter._channel.flush()  # type: ignore[union-attr]
+    wait_for(lambda: node.steps().get(3) == 4, 5, "the next step")
+    assert not woken.is_set()
+    reporter.report(5, loss=float("nan"))  # goes at once
+    assert woken.wait(5)
+    assert [a.type for a in node._pending] == ["nan"]

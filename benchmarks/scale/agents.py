@@ -154,7 +154,8 @@ class StandInMonitor:
         hang_floor_s: float = float("inf"),
         script: str = "",
         nvml=None,
-    ) -> None:  # NodeMonitor's parameters, as the agent passes them
+        wake=None,
+    ) -> None:  # NodeMonitor's parameters, as the agent passes them (no datagram wakes it)
         self.node_id = node_id
         self.socket_path = Path("/nonexistent")
         self.generation = 0

@@ -258,7 +258,8 @@ class TurnSweep:
     """Runs each simulated agent's loop turns, as its own loop would (a turn, then until
     TICK_S later or a plan update arrives), from SWEEPERS threads instead of one per agent:
     hundreds of threads each waking five times a second would cost the simulator more than
-    the turns themselves. An agent's turns are all run by the same thread, one after another."""
+    the turns themselves. An agent's turns are all run by the same thread, one after another.
+    (A real agent whose workers train steadily turns every STEADY_TICK_S; here every TICK_S.)"""
 
     def __init__(self) -> None:
         self.sweepers = [_Sweeper(i) for i in range(SWEEPERS)]

@@ -1,5 +1,5 @@
 """`python -m benchmarks.etcd_requests`: one short job, its requests a node a second by method
-(the machinery, not the number)."""
+and its control plane's CPU a node by kind (the machinery, not the numbers)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,9 @@ def test_a_short_job_prints_its_requests_a_node_a_second_by_method():
     assert per_node["total"] > 0 and "LeaseKeepAlive" in per_node, per_node
     assert per_node["total"] == pytest.approx(sum(v for k, v in per_node.items() if k != "total"))
     assert "requests a node a second" in out.stdout
+    cores = result["cores_per_node"]  # the control plane's CPU a node, by kind and in all
+    assert set(cores) == {"etcd", "agents", "controllers", "launcher", "total"}, cores
+    assert cores["agents"] > 0 and cores["total"] == pytest.approx(
+        sum(v for k, v in cores.items() if k != "total")
+    )
+    assert "control plane, cores a node" in out.stdout

@@ -37,18 +37,24 @@ log = logging.getLogger("transom.controller")
 # one that stops hands over at once). 6 s, not 3 (issue 44: its renewal every 0.75 s was a
 # third of a 2-node job's etcd requests).
 LEADER_TTL_S = 6
-# One call this often: the leader's lease is refreshed every 2 s, a third of its TTL (more often
-# than REFRESHES_PER_TTL, store.etcd_client, as the same call keeps the leader's view confirmed,
-# STALE_S). `confirm` makes a call of its own when the last is older than STALE_S.
-PROBE_S = LEADER_TTL_S / (REFRESHES_PER_TTL + 1)
+# One call this often: the leader's lease is refreshed every 3 s, REFRESHES_PER_TTL times a TTL
+# as every lease is (store.etcd_client); the same call keeps the leader's view confirmed
+# (STALE_S). `confirm` makes a call of its own when the last is older than STALE_S. (Every 2 s
+# before issue 44's last cut: on a 2-node job that third renewal was 0.08 etcd requests a node a
+# second.)
+PROBE_S = LEADER_TTL_S / REFRESHES_PER_TTL
 # A standby's call: its watch on the leader key is what wakes it; this read is a safety net
 # under the watch (15 s, not 5: issue 44).
 STANDBY_PROBE_S = 15.0
 # Without an answer this long, what the watches show may be old: a probe period and half a
 # second for its answer, so that the steady probe keeps every tick's view confirmed without a
 # call of its own (a tick a second made one a second at 1 s, issue 44). It bounds how much of an
-# etcd stall a summary's age, as the controller acts on it, may hold: with an agent's keep-alive
-# (half the hang floor at most, transom.control.node_reports) it stays under the hang floor.
+# etcd stall a summary's age, as the controller acts on it, may hold. A hang needs every rank
+# quiet for the hang floor (8 s by default) and HANG_STEP_FACTOR steps at least: a rank the
+# summary said was stepping ages only past the agent's keep-alive, so in a stall it looks at
+# most its stepping threshold (transom.monitor.detectors.stepping: 2 steps, 1 s at least) and
+# STALE_S old, and a summary of ranks not stepping stands half the hang floor at most
+# (transom.control.node_reports): both stay under the default hang timeout.
 STALE_S = PROBE_S + MIN_GAP_S / 2
 
 

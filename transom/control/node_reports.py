@@ -20,12 +20,12 @@ new to learn from it, or at a slow heartbeat, never on a timer alone:
   `_allowance` of the last written one is used up. The
   controller ages a summary on its own clock from when it saw it change
   (transom.control.observed) and adds that age to the summary's step and heartbeat ages
-  (transom.monitor.detectors.rank_views): between two writes a rank that goes on stepping looks
-  as if it stopped when the last was written, except its heartbeat while the agent said it beats,
-  which ages only once SUMMARY_HEARTBEAT_S ran out (the agent writes at once when a beat stops).
-  The allowance keeps that view true enough: never a false hang (half the hang floor, 1 s at
-  least), never a stopped heartbeat of a rank that beats (detectors.HEARTBEAT_GAP_S), never a
-  telemetry gap (monitor_rules.SUMMARY_GAP_S, 7 s); and it is never shorter than
+  (transom.monitor.detectors.rank_views), except while the agent said a rank steps or beats:
+  those age only once SUMMARY_HEARTBEAT_S ran out, as the agent writes at once when a rank
+  stops stepping (detectors.stepping) or its beat stops. The allowance keeps that view true
+  enough: never a false hang (while a rank with a step is not stepping, half the hang floor, 1 s
+  at least), never a stopped heartbeat of a rank that beats (detectors.HEARTBEAT_GAP_S), never
+  a telemetry gap (monitor_rules.SUMMARY_GAP_S, 11 s); and it is never shorter than
   SUMMARY_FLOOR_S, the period every summary was written at before issue 44.
 - events (the anomalies'): with the summary that announces them.
 What an agent's turn queues (`batch`: its status, summary and events) is written together at the
@@ -49,11 +49,11 @@ from typing import Any
 from transom.common import keys
 from transom.common.records import Event, MonitorSummary, NodeStatus
 from transom.common.states import NodeState
-from transom.monitor.detectors import BEAT_STOPPED_S, SUMMARY_KEEPALIVE_S
+from transom.monitor.detectors import BEAT_STOPPED_S, SUMMARY_KEEPALIVE_S, stepping
 from transom.monitor.node import SUMMARY_PERIOD_S
 from transom.store import Store, StoreError
 
-# A summary that says nothing new is written at most this often (every 4 s, not 2: issue 44).
+# A summary that says nothing new is written at most this often (every 8 s, not 2: issue 44).
 # The controller ages a beating rank's heartbeat only from when this keep-alive runs out
 # (detectors.rank_views), and the telemetry-gap bound is this and 3 s
 # (monitor_rules.SUMMARY_GAP_S).
@@ -77,6 +77,7 @@ def signature(summary: MonitorSummary) -> tuple[Any, ...]:
                 r.phase,
                 r.step is None,
                 r.beat_age is None or r.beat_age >= BEAT_STOPPED_S,
+                stepping(r),
                 r.where,
             )
             for rank, r in sorted(summary.ranks.items())
@@ -85,8 +86,11 @@ def signature(summary: MonitorSummary) -> tuple[Any, ...]:
 
 
 def allowance(summary: MonitorSummary, hang_floor_s: float) -> float:
-    """How long `summary` may stand before the next must be written (see the module doc)."""
-    return max(SUMMARY_FLOOR_S, min(SUMMARY_HEARTBEAT_S, hang_floor_s / 2))
+    """How long `summary` may stand before the next must be written (see the module doc): the
+    keep-alive while every rank with a step is stepping, else half the hang floor at most."""
+    steady = all(stepping(r) for r in summary.ranks.values() if r.step is not None)
+    cap = SUMMARY_HEARTBEAT_S if steady else min(SUMMARY_HEARTBEAT_S, hang_floor_s / 2)
+    return max(SUMMARY_FLOOR_S, cap)
 
 
 class NodeReports:

@@ -51,6 +51,14 @@ class FaultInjector:
         if self.schedule:
             self.fired = set(self.store.get_prefix(keys.FAULTS_FIRED))
 
+    def agent_faults_left(self) -> bool:
+        """Whether an agent-side fault that may be this node's has yet to fire (the agent then
+        ticks at its quicker pace, so that it fires close to its step)."""
+        return any(
+            self._where(f) == AGENT and f.id not in self.fired and f.node in (None, self.node_id)
+            for f in self.schedule
+        )
+
     # -- hooks ----------------------------------------------------------------------------------
     def on_preflight(self) -> float:
         """How many times slower this node's compute benchmark must run (1.0: no fault)."""

@@ -14,7 +14,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from transom.common.records import Anomaly, FailureReport, MonitorSummary, Severity
+from transom.common.records import Anomaly, FailureReport, MonitorSummary, RankSummary, Severity
 from transom.monitor import stacks
 
 __all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the detectors' users
@@ -32,11 +32,19 @@ BEAT_MARGIN_S = 1.0
 # summary at once when a rank's beat passes this age (or comes back), so until it does, the
 # summary it last wrote stands for "beating".
 BEAT_STOPPED_S = HEARTBEAT_GAP_S - BEAT_MARGIN_S
+# A rank whose newest step is younger than STEPPING_STEPS of its step times (STEPPING_MIN_S at
+# least) is stepping, as far as its node's agent goes: the agent writes its summary at once when
+# a rank stops or starts stepping (`stepping`, transom.control.node_reports), so until it does,
+# the summary it last wrote stands for "stepping". A hang's timeout is HANG_STEP_FACTOR steps and
+# the hang floor at least: a stepping rank is far from it.
+STEPPING_STEPS = 2.0
+STEPPING_MIN_S = 1.0
 # An agent writes its summary at least this often while it says nothing new (the keep-alive,
-# transom.control.node_reports; issue 44: every write is an etcd request on every node). An
-# observer ages a summary from when it saw it change, but a beating rank's heartbeat only from
-# when this keep-alive ran out (`rank_views`): the agent would have said so had it stopped.
-SUMMARY_KEEPALIVE_S = 4.0
+# transom.control.node_reports; issue 44: every write is an etcd request on every node; 8 s, not
+# 4, since a stepping rank is news when it stops). An observer ages a summary from when it saw it
+# change, but a beating rank's heartbeat, and a stepping rank's step, only from when this
+# keep-alive ran out (`rank_views`): the agent would have said so had either stopped.
+SUMMARY_KEEPALIVE_S = 8.0
 # A live, not stopped, rank without heartbeat for this long is a telemetry gap (a process can hold
 # Python's lock for seconds, e.g. while tearing down its process group at exit).
 TELEMETRY_GAP_S = 10.0
@@ -161,6 +169,14 @@ def log_signature(node: str, rank: int, pattern, line: str) -> Anomaly:
 # -- across nodes (controller) ------------------------------------------------------------------
 
 
+def stepping(r: RankSummary) -> bool:
+    """Whether a summary shows rank `r` stepping: its newest step younger than STEPPING_STEPS of
+    its step times, and than STEPPING_MIN_S at least."""
+    if r.step_age is None or r.step_s is None:
+        return False
+    return r.step_age < max(STEPPING_MIN_S, STEPPING_STEPS * r.step_s)
+
+
 def rank_views(
     summaries: dict[str, MonitorSummary],
     generation: int,
@@ -171,15 +187,16 @@ def rank_views(
 
     `ages`: each summary's age on the observer's clock (since it saw it change); without it
     (or a node in it), `now - s.t`, which is right only when both clocks agree. A step's age
-    grows by the summary's; a heartbeat's too if the agent said it had stopped, else only by
-    what is past SUMMARY_KEEPALIVE_S (the agent writes at once when a beat stops, so a beating
-    rank's heartbeat is known to within its margin until the keep-alive is due)."""
+    grows by the summary's, and a heartbeat's, unless the summary said the rank was stepping
+    (`stepping`) or beating: then only by what is past SUMMARY_KEEPALIVE_S (the agent writes at
+    once when a rank stops stepping or its beat stops, so until the keep-alive is due, the rank's
+    step and heartbeat are known to within their thresholds)."""
     views = []
     for node, s in summaries.items():
         if s.generation != generation:
             continue
         lag = ages[node] if ages is not None and node in ages else max(0.0, now - s.t)
-        beating_lag = max(0.0, lag - SUMMARY_KEEPALIVE_S)
+        kept_lag = max(0.0, lag - SUMMARY_KEEPALIVE_S)  # what is past the keep-alive
         for rank, r in s.ranks.items():
             beating = r.beat_age is not None and r.beat_age < BEAT_STOPPED_S
             views.append(
@@ -187,10 +204,12 @@ def rank_views(
                     **vars(r),  # a RankSummary holds scalars only: its fields are its dict
                     "node": node,
                     "rank": int(rank),
-                    "step_age": (r.step_age + lag) if r.step_age is not None else None,
+                    "step_age": None
+                    if r.step_age is None
+                    else r.step_age + (kept_lag if stepping(r) else lag),
                     "beat_age": None
                     if r.beat_age is None
-                    else r.beat_age + (beating_lag if beating else lag),
+                    else r.beat_age + (kept_lag if beating else lag),
                 }
             )
     return views

@@ -14,6 +14,9 @@ publishes a compact summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S,
 there is a new anomaly): per rank the newest step, the ages of the last step and heartbeat, the
 phase, and median step, compute and wait (sync section) times. The controller compares nodes
 from these summaries (who the others wait for: transom.monitor.waiting).
+A datagram that brings news (an anomaly, a fired fault, or steps that make a summary due) calls
+`wake`, so that the agent's loop publishes it at once rather than at its next tick: the agent
+can then tick slowly while its workers run steadily (issue 44).
 
 This module never stops or restarts anything: it reports, the controller decides.
 """
@@ -26,6 +29,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -94,10 +98,13 @@ class NodeMonitor:
         hang_floor_s: float = math.inf,
         script: str = "",
         nvml=None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         """`scope` (the job's run directory) and the node id name the channel's directory;
-        the job's hang floor and script tell when and how to take stuck ranks' stacks."""
+        the job's hang floor and script tell when and how to take stuck ranks' stacks; `wake`
+        (called from the listener thread) wakes the agent's loop for news."""
         self.node_id = node_id
+        self.wake = wake
         self.nvml = nvml if nvml is not None else Nvml()
         self.channel = ChannelSocket(node_id, scope)
         self.socket_path = self.channel.path  # what workers get in env.MONITOR_SOCKET
@@ -150,6 +157,8 @@ class NodeMonitor:
                 continue
             if dropped is not None:
                 self._log_drop(dropped)
+            elif self.wake is not None and self._news(time.monotonic()):
+                self.wake()
 
     def _handle(self, received: Received, now: float) -> datagram.Rejection | None:
         """Check one datagram and take it in; the rejection if it was dropped."""
@@ -173,6 +182,14 @@ class NodeMonitor:
                     return None
             self.counts[verdict.reason] += 1
             return verdict
+
+    def _news(self, now: float) -> bool:
+        """Whether what arrived is for the agent's loop now: an anomaly, a fired fault, or
+        steps that make a summary due (`steps_due`)."""
+        with self._lock:
+            if self._pending or self.fired_faults:
+                return True
+        return self.steps_due(now)
 
     def _log_drop(self, rejection: datagram.Rejection) -> None:
         now = time.monotonic()

@@ -12,10 +12,12 @@ monitor channel, a Unix socket only the job's user can reach (transom.monitor.ch
 naming this rank and generation. A background thread sends a heartbeat after HEARTBEAT_S in
 which nothing else went (any datagram tells the agent the rank lives), so the agent can tell a
 rank that is alive but stuck (heartbeat goes on, steps stop) from one that is stopped or dead
-(heartbeat stops). Its late wakes are the rank's stopped time (transom.monitor.stopped_time),
-which its datagrams carry. The same thread sends a fast job's steps, together as one steps
-datagram every BATCH_S: encoding and sending right after a step's compute cost about 0.1 ms
-(the code gone from the CPU's caches, the agent's listener woken), 1-2% of a 20 ms step. Steps
+(heartbeat stops). It wakes every ROUND_S; its late wakes are the rank's stopped time
+(transom.monitor.stopped_time), which its datagrams carry. The same thread sends a fast job's
+steps, together as one steps datagram every BATCH_S: encoding and sending right after a step's
+compute cost about 0.1 ms (the code gone from the CPU's caches, the agent's listener woken),
+1-2% of a 20 ms step, and each datagram wakes the agent's listener (issue 44: at a datagram
+every 0.1 s its wakes were half of the agent's CPU). Steps
 further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
 waiting steps go before any other datagram and at a normal exit. Each step keeps its own time, so
 the agent's timings are the same. A phase is told to the agent by that thread too, once it
@@ -45,14 +47,17 @@ from transom.faults.worker import WorkerFaults, parse_worker_faults
 from transom.monitor import datagram, stopped_time
 
 HEARTBEAT_S = 0.5
-# Steps waiting go as one steps datagram every BATCH_S (the sender thread's round, whose late
-# wakes are the rank's stopped time), or when BATCH_STEPS wait.
-BATCH_S = stopped_time.SENDER_PERIOD_S
+# The sender thread's round: its late wakes are the rank's stopped time.
+ROUND_S = stopped_time.SENDER_PERIOD_S
+# Steps waiting go as one steps datagram once the oldest waited BATCH_S (to within half a round),
+# or when BATCH_STEPS wait. The agent's straggler windows are seconds long and its summaries at
+# least 0.5 s apart (transom.monitor.node), so a step that arrives 0.25 s late is seen as soon.
+BATCH_S = 0.25
 BATCH_STEPS = 32
 # A phase is told to the agent (a "phase" datagram) once it lasted this long: the sender thread
-# wakes every BATCH_S. Told that late, a phase still comes long before a hang could be found
+# wakes every ROUND_S. Told that late, a phase still comes long before a hang could be found
 # without it (the hang floor is 1 s at least; in a phase, detectors.PHASE_HANG_S).
-PHASE_TOLD_AFTER_S = BATCH_S
+PHASE_TOLD_AFTER_S = ROUND_S
 RECONNECT_S = 1.0  # how often a rank with no agent socket tries to connect again
 SYNC_SECTION = "sync"
 
@@ -184,7 +189,8 @@ class _Channel:
             self.connected = False  # the agent's socket is gone: reconnect later
 
     def _run(self) -> None:
-        """The sender thread: the steps waiting every BATCH_S, a heartbeat every HEARTBEAT_S.
+        """The sender thread, every ROUND_S: the steps waiting once the oldest waited BATCH_S, a
+        heartbeat HEARTBEAT_S after the last datagram.
         Encoding and sending here, not after the training thread's compute, spares training the
         cost (it runs while a torch operation has let go of the GIL)."""
         while not self._closed.is_set():
@@ -194,11 +200,11 @@ class _Channel:
                     self.tell_phase("phase")
                 elif now - self.sent_at >= HEARTBEAT_S:  # any datagram is a beat to the agent
                     self.tell_phase("beat")
-                elif self.pending:
-                    self.flush()
+                elif self.pending and time.time() - self.pending[0][0] >= BATCH_S - ROUND_S / 2:
+                    self.flush()  # the oldest waited BATCH_S, to within half a round
             except Exception:  # noqa: BLE001 - without this thread the rank would look hung
                 pass
-            asked = min(BATCH_S, HEARTBEAT_S)
+            asked = ROUND_S
             before = time.monotonic()
             if self._closed.wait(asked):
                 return

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 
-SENDER_PERIOD_S = 0.1  # the sender thread's round (transom.monitor.reporter.BATCH_S)
+SENDER_PERIOD_S = 0.1  # the sender thread's round (transom.monitor.reporter.ROUND_S)
 STOPPED_MIN_S = 0.02  # a later wake than this is a stop (scheduling noise is a few ms)
 STOPPED_WINDOW_S = 2.0
 STOPPED_WINDOW_STEPS = 16
