@@ -93,6 +93,7 @@ def test_fast_steps_go_out_together_in_order_and_a_nan_at_once(node, monkeypatch
     then all arrive, in order, with their own times; a NaN loss and any other datagram send the
     waiting steps at once."""
     monkeypatch.setattr(reporter, "BATCH_S", 60.0)
+    monkeypatch.setattr(reporter, "SLOW_STEP_S", 60.0)
     monkeypatch.setattr(reporter, "BATCH_STEPS", 100)
     monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)  # the heartbeat would send them too
     for step in range(1, WARMUP_STEPS + 3):  # a burst within the agent's receive queue
@@ -175,6 +176,7 @@ def test_steps_going_out_are_the_ranks_heartbeat_and_a_stuck_rank_beats_alone(no
 
 def test_a_batch_too_long_for_one_datagram_goes_in_parts(node, monkeypatch):
     monkeypatch.setattr(reporter, "BATCH_S", 60.0)
+    monkeypatch.setattr(reporter, "SLOW_STEP_S", 60.0)
     monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)
     metrics = {f"metric_with_a_long_name_{i:02}": 1.0 / 3 for i in range(16)}
     monkeypatch.setattr(reporter, "BATCH_STEPS", 32)

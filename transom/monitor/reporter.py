@@ -18,7 +18,7 @@ steps, together as one steps datagram every BATCH_S: encoding and sending right 
 compute cost about 0.1 ms (the code gone from the CPU's caches, the agent's listener woken),
 1-2% of a 20 ms step, and each datagram wakes the agent's listener (issue 44: at a datagram
 every 0.1 s its wakes were half of the agent's CPU). Steps
-further apart than BATCH_S, a non-finite metric and the first step after a phase go at once;
+further apart than SLOW_STEP_S, a non-finite metric and the first step after a phase go at once;
 waiting steps go before any other datagram and at a normal exit. Each step keeps its own time, so
 the agent's timings are the same. A phase is told to the agent by that thread too, once it
 lasted PHASE_TOLD_AFTER_S (a checkpoint's memory copy of a few ms costs no datagram: the step it
@@ -56,6 +56,9 @@ ROUND_S = stopped_time.SENDER_PERIOD_S
 # quota slowdown was found in 16-17 of 18-19 trials, against 19-20 of 20 at 0.1 and 0.2 s.
 BATCH_S = 0.2
 BATCH_STEPS = 32
+# A step this long after the one before goes at once: a job of slower steps sends a datagram a
+# round at most, and an agent-side fault (transom.faults) fires as close to its step as before.
+SLOW_STEP_S = ROUND_S
 # A phase is told to the agent (a "phase" datagram) once it lasted this long: the sender thread
 # wakes every ROUND_S. Told that late, a phase still comes long before a hang could be found
 # without it (the hang floor is 1 s at least; in a phase, detectors.PHASE_HANG_S).
@@ -129,13 +132,13 @@ class _Channel:
 
     def send_step(self, values: dict) -> None:
         """Queue a step for the sender thread, which sends those waiting every BATCH_S. Send at
-        once a step that came BATCH_S or more after the one before (a slow job: the send costs
-        it little, and it arrives without delay), BATCH_STEPS waiting, the first step after a
-        phase the agent was told of, and a metric that is not finite (a NaN is found at its
-        step)."""
+        once a step that came SLOW_STEP_S or more after the one before (a slow job: the send costs
+        it little, it arrives without delay, and such steps send a datagram a round at most),
+        BATCH_STEPS waiting, the first step after a phase the agent was told of, and a metric
+        that is not finite (a NaN is found at its step)."""
         now = time.time()
         with self._pending_lock:
-            slow, self.queued_at = now - self.queued_at >= BATCH_S, now
+            slow, self.queued_at = now - self.queued_at >= SLOW_STEP_S, now
             self.pending.append((now, values))
             full = len(self.pending) >= BATCH_STEPS
         finite = all(math.isfinite(v) for v in values.values() if isinstance(v, float))
