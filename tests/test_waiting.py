@@ -362,3 +362,63 @@ def test_the_detector_state_the_controller_copies_each_tick_does_not_grow_with_t
     tracker.update(views(4, 1), 1.0, explain=True)  # the controller's debug log asks
     evaluation = tracker.evaluation()
     assert evaluation is not None and set(evaluation["ranks"]) == {0, 1, 2, 3}
+
+
+def _late_views(step: int, own_step: int | None = None, compute: float = 0.046) -> list[dict]:
+    """Steps of 0.05 s; node1 late by `compute` - 0.03 s (the default, 0.016 s: over the
+    0.0125 s bar, under STRONG_BAR_X times it), its own step `own_step` (default `step`)."""
+    return [
+        {"node": "node0", "rank": 0, "step": step, "step_s": 0.05, "compute_s": 0.03},
+        {
+            "node": "node1",
+            "rank": 1,
+            "step": step if own_step is None else own_step,
+            "step_s": 0.05,
+            "compute_s": compute,
+        },
+    ]
+
+
+def test_a_streak_whose_steps_confirm_it_is_confirmed_at_a_later_tick_once_its_seconds_passed():
+    """No fresh evaluation is needed for the seconds: the controller's next tick confirms it."""
+    tracker = waiting.StragglerTracker()
+    for n, step in enumerate(range(9, 9 + waiting.CONFIRM_SPAN_STEPS + 1)):
+        assert tracker.update(_late_views(step), now=100.0 + 0.01 * n) is None  # 0.08 s lasted
+    last = 9 + waiting.CONFIRM_SPAN_STEPS
+    assert tracker.pending is not None
+    assert tracker.update(_late_views(last), now=100.0 + waiting.CONFIRM_MIN_S - 0.01) is None
+    found = tracker.update(_late_views(last), now=100.0 + waiting.CONFIRM_MIN_S)
+    assert found is not None and found.nodes == ["node1"] and found.step == last
+    assert tracker.update(_late_views(last), now=100.0 + waiting.CONFIRM_MIN_S + 0.5) is None
+
+
+def test_a_pending_streak_ends_with_the_evaluation_that_no_longer_names_its_node():
+    tracker = waiting.StragglerTracker()
+    for n, step in enumerate(range(9, 9 + waiting.CONFIRM_SPAN_STEPS + 1)):
+        assert tracker.update(_late_views(step), now=100.0 + 0.01 * n) is None
+    recovered = 10 + waiting.CONFIRM_SPAN_STEPS
+    assert tracker.update(_late_views(recovered, compute=0.03), now=100.2) is None
+    assert tracker.pending is None
+    assert tracker.update(_late_views(recovered), now=100.0 + 2 * waiting.CONFIRM_MIN_S) is None
+
+
+def test_strong_evidence_in_two_of_the_ranks_own_windows_is_confirmed_after_strong_min_s():
+    strong = 0.03 + waiting.STRONG_BAR_X * waiting.STRAGGLER_LATE_FRACTION * 0.05 + 0.005
+    span = waiting.STRONG_SPAN_STEPS
+    assert waiting.STRONG_MIN_S < waiting.CONFIRM_MIN_S
+
+    # The named rank's step advanced: its second window said so too.
+    tracker = waiting.StragglerTracker()
+    assert tracker.update(_late_views(10, compute=strong), now=100.0) is None
+    late = _late_views(10 + span, compute=strong)
+    assert tracker.update(late, now=100.0 + waiting.STRONG_MIN_S - 0.01) is None
+    found = tracker.update(late, now=100.0 + waiting.STRONG_MIN_S)
+    assert found is not None and found.nodes == ["node1"]
+
+    # Only the other node's step advanced: the same window again waits CONFIRM_MIN_S.
+    tracker = waiting.StragglerTracker()
+    assert tracker.update(_late_views(10, own_step=10, compute=strong), now=100.0) is None
+    again = _late_views(10 + span, own_step=10, compute=strong)
+    assert tracker.update(again, now=100.0 + waiting.STRONG_MIN_S) is None
+    assert tracker.update(again, now=100.0 + waiting.CONFIRM_MIN_S - 0.01) is None
+    assert tracker.update(again, now=100.0 + waiting.CONFIRM_MIN_S) is not None

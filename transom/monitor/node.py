@@ -47,8 +47,9 @@ HARDWARE_PERIOD_S = 5.0
 # all and its timings shifted (waiting.timings_shifted: a rank beginning to lag), at most every
 # SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
 # summaries must not lag many steps behind (a job of 1 s steps still publishes every second).
-# More often than every 0.5 s gains nothing: a straggler is confirmed over 1 s at least
-# (waiting.CONFIRM_MIN_S), and the simulated 1.5x slowdown is found as soon at 0.5 s as at 0.25 s.
+# More often than every 0.5 s gains nothing: a straggler is confirmed over 0.5 s at least
+# (waiting.STRONG_MIN_S; 1 s unless the evidence is strong), and the simulated 1.5x slowdown is
+# found as soon at 0.5 s as at 0.25 s.
 SUMMARY_STEPS = 4
 SUMMARY_MIN_PERIOD_S = 0.5
 # ... but the SUMMARY_STEPS rule only for this long after a rank's timings shifted (a straggler

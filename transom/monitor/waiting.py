@@ -1,34 +1,34 @@
 """Who the job waits for: straggler attribution by waiting time, and job throughput drops.
 
-In a synchronous step every rank waits in the collective for the slowest one. Each rank reports
-its step's duration, compute time and the time it spent in its communication ("sync") section;
-over a window of steps the agent keeps the median duration and wait (`step_s`, `wait_s`) and a
-trimmed mean (the window less its highest and lowest few, see transom.monitor.node) of the compute
-time and of the *busy* time: from the end of one step to the end of the next, less the wait
-(`compute_s`, `busy_s`). A trimmed mean, not a median: a slowdown from outside (a CPU quota, a
-rank stopped now and then) often hits only some of the steps, which a median ignores until it is
-half of them, while the machine's hiccups are left out. Every rank of a synchronous job has the
-same cycle, so busy time plus wait is the same for all: the rank the others wait for is the one
-whose busy time stands out (it arrives last; its own wait stays small while its peers' grows),
-whether it was slowed in its compute, stopped between its steps, or both. Its *lateness* is its
-busy time minus the median of the other nodes' ranks' (a median of waits would not do, as a wait
-is the distance to the slowest of many noisy ranks). A slowdown inside the compute section also
-shows as compute above the other nodes' (`compute excess`, all there is for a job without a sync
-section or without send times). A node's delay is the larger of the two for its latest rank; it
-is a straggler when that delay is a good share of the step (STRAGGLER_LATE_FRACTION of the job's
-median step time, or of the generation's baseline step time when that is shorter: the ranks' step
-times include waiting for the straggler, which would raise the bar by its own lateness), stands
-out from the other nodes' delays and the same node is named over CONFIRM_SPAN_STEPS steps of the
-job, or over STRONG_SPAN_STEPS while late by STRONG_BAR_X times the bar, and over CONFIRM_MIN_S
-seconds in any case (StragglerTracker; a loaded machine slows a rank for a moment now and then,
-which on a job of short steps is many steps). Once named it need not stand out from a second
-node that is late too (a second node slowed meanwhile must not hide the first), but it must
-from one that is not (two nodes a little late on a loaded machine are noise, not one node to
-blame). It works with 2 nodes as with many: nothing here needs a spread of peers. Its latency
-is bounded in steps: the window fills in a few steps, the agents publish every SUMMARY_STEPS
-steps or as soon as a rank's timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or
-STRONG_SPAN_STEPS for a clear delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found
-within 20 of the job's steps on a simulated job, 30 healthy steps' time).
+In a synchronous step every rank waits in the collective for the slowest one. Each rank reports its
+step's duration, compute time and the time it spent in its communication ("sync") section; over a
+window of steps the agent keeps the median duration and wait (`step_s`, `wait_s`) and a trimmed mean
+(the window less its highest and lowest few, see transom.monitor.node) of the compute time and of
+the *busy* time: from the end of one step to the end of the next, less the wait (`compute_s`,
+`busy_s`). A trimmed mean, not a median: a slowdown from outside (a CPU quota, a rank stopped now
+and then) often hits only some of the steps, which a median ignores until it is half of them, while
+the machine's hiccups are left out. Every rank of a synchronous job has the same cycle, so busy time
+plus wait is the same for all: the rank the others wait for is the one whose busy time stands out
+(it arrives last; its own wait stays small while its peers' grows), whether it was slowed in its
+compute, stopped between its steps, or both. Its *lateness* is its busy time minus the median of the
+other nodes' ranks' (a median of waits would not do, as a wait is the distance to the slowest of
+many noisy ranks). A slowdown inside the compute section also shows as compute above the other
+nodes' (`compute excess`, all there is for a job without a sync section or without send times). A
+node's delay is the larger of the two for its latest rank; it is a straggler when that delay is a
+good share of the step (STRAGGLER_LATE_FRACTION of the job's median step time, or of the
+generation's baseline step time when that is shorter: the ranks' step times include waiting for the
+straggler, which would raise the bar by its own lateness), stands out from the other nodes' delays
+and the same node is named over CONFIRM_SPAN_STEPS steps of the job, or over STRONG_SPAN_STEPS while
+late by STRONG_BAR_X times the bar, and over CONFIRM_MIN_S seconds (STRONG_MIN_S for strong evidence
+in two of the named rank's own windows; StragglerTracker; a loaded machine slows a rank for a moment
+now and then, which on a job of short steps is many steps). Once named it need not stand out from a
+second node that is late too (a second node slowed meanwhile must not hide the first), but it must
+from one that is not (two nodes a little late on a loaded machine are noise, not one node to blame).
+It works with 2 nodes as with many: nothing here needs a spread of peers. Its latency is bounded in
+steps: the window fills in a few steps, the agents publish every SUMMARY_STEPS steps or as soon as a
+rank's timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or STRONG_SPAN_STEPS for a
+clear delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found within 20 of the job's steps
+on a simulated job, 30 healthy steps' time).
 
 The job's throughput drop is judged across nodes too: the median step time of the generation's
 ranks against the generation's baseline. Its cause is named when one node is waited for; when
@@ -72,6 +72,13 @@ STRONG_SPAN_STEPS = 3
 # started on the node); on a job of 0.15 s steps or more it changes nothing. It keeps the 1.5x
 # slowdown of tests/test_waiting_timeline.py within its bounds (median 11.5-13 steps there).
 CONFIRM_MIN_S = 1.0
+# Strong evidence in two of the named rank's own windows lasts STRONG_MIN_S: two summaries of
+# its node, STRONG_SPAN_STEPS or more apart, each with it late by STRONG_BAR_X times the bar in
+# 4 or more of a window's 8 steps, are half a second apart anyway (an agent publishes at most
+# every 0.5 s: transom.monitor.node), so this takes no more than they do. At CONFIRM_MIN_S the
+# DDP script's 50/50 ms duty cycle on 2 nodes (steps of 60 ms) was confirmed 0.6-1.2 s after its
+# evidence was complete.
+STRONG_MIN_S = 0.5
 # Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
 # median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
 THROUGHPUT_DROP_RATIO = 2.0
@@ -325,6 +332,12 @@ def describe_wait(node: str, rank: int, evidence: dict) -> str:
     )
 
 
+def _rank_step(views: list[dict], rank: int, default: int) -> int:
+    """The step of `rank`'s view (`default` when it has none)."""
+    step = next((v.get("step") for v in views if v.get("rank") == rank), None)
+    return default if step is None else step
+
+
 class StragglerTracker:
     """Raises a straggler only once the same node was waited for over CONFIRM_SPAN_STEPS steps.
 
@@ -332,9 +345,15 @@ class StragglerTracker:
     at the first evaluation that names a node and goes on while the evaluations name it, missing
     it at most STRAGGLER_MISSES times in a row; the straggler is raised when the streak spans
     CONFIRM_SPAN_STEPS steps with at least STRAGGLER_CONFIRMATIONS evaluations naming it, and
-    CONFIRM_MIN_S seconds of `now` (when given: the controller's clock). The
-    span is counted in steps, not in evaluations, so that neither summaries arriving often (many
-    near-identical windows) nor seldom (few evaluations) changes what confirms a straggler.
+    CONFIRM_MIN_S seconds of `now` (when given: the controller's clock), or when it named the
+    node STRONG_BAR_X times over the bar at every evaluation over STRONG_SPAN_STEPS steps and
+    lasted CONFIRM_MIN_S, or STRONG_MIN_S once two of the named rank's own windows (its step
+    advanced) said so. The span is counted in steps, not in evaluations, so that neither
+    summaries arriving often (many near-identical windows) nor seldom (few evaluations) changes
+    what confirms a straggler. Its length in seconds is not: a streak whose steps are enough but
+    whose seconds are not yet is *pending*, and a later call confirms it once they are, with or
+    without a fresh evaluation (the controller calls every tick; a summary may come a second
+    later, and one whose rank recovered comes at once, ending the streak).
     """
 
     def __init__(self, span_steps: int = CONFIRM_SPAN_STEPS) -> None:
@@ -345,7 +364,11 @@ class StragglerTracker:
         self.since_at: float | None = None  # and `now` then
         self.named = 0  # evaluations of the streak that named its node
         self.missed = 0  # evaluations in a row since that did not
-        self.strong_since: int | None = None  # the newest step when strong namings began
+        # The newest step, and the named rank's, when strong namings began.
+        self.strong_since: tuple[int, int] | None = None
+        # A streak whose steps confirm it and whose seconds do not yet: its straggler, and the
+        # seconds the streak must last (CONFIRM_MIN_S, or STRONG_MIN_S).
+        self.pending: tuple[Anomaly, float] | None = None
         self.baseline = Baseline()  # the job's step time in the first evaluations
         # What the newest evaluation saw (views, baseline, the node named), for `evaluation()`,
         # when asked to explain it: kept otherwise, a thousand ranks' views would be copied with
@@ -360,8 +383,9 @@ class StragglerTracker:
         keep what a fresh evaluation saw for `evaluation()`."""
         newest = max((v["step"] for v in views if v.get("step") is not None), default=None)
         if newest is None or (self.evaluated_at is not None and newest <= self.evaluated_at):
-            return None  # no new step since the last evaluation
+            return self._lasted(now)  # no new step since the last evaluation
         self.evaluated_at = newest
+        self.pending = None
         step_s = job_step_s(views)
         if step_s:
             self.baseline.add(step_s)
@@ -369,6 +393,7 @@ class StragglerTracker:
         found = straggler_candidate(views, baseline_s, named=self.node)
         self._last = (views, baseline_s, found[0] if found else None) if explain else None
         strong = found is not None and (found[2]["bar_x"] or 0.0) >= STRONG_BAR_X
+        own = newest if found is None else _rank_step(views, found[1], newest)
         if found is None or found[0] != self.node:
             self.missed += 1
             self.strong_since = None
@@ -377,23 +402,25 @@ class StragglerTracker:
                 self.since_at = now
                 if found is not None:
                     self.node, self.named = found[0], 1
-                    self.strong_since = newest if strong else None
+                    self.strong_since = (newest, own) if strong else None
             return None
         self.named += 1
         self.missed = 0
         if not strong:
             self.strong_since = None
         elif self.strong_since is None:
-            self.strong_since = newest
-        lasted = now is None or self.since_at is None or now - self.since_at >= CONFIRM_MIN_S
-        confirmed = lasted and (
-            (newest - self.since >= self.span_steps and self.named >= STRAGGLER_CONFIRMATIONS)
-            or (self.strong_since is not None and newest - self.strong_since >= STRONG_SPAN_STEPS)
+            self.strong_since = (newest, own)
+        spanned = newest - self.since >= self.span_steps and self.named >= STRAGGLER_CONFIRMATIONS
+        strongly = (
+            self.strong_since is not None and newest - self.strong_since[0] >= STRONG_SPAN_STEPS
         )
-        if not confirmed:
+        if not (spanned or strongly):
             return None
+        # STRONG_MIN_S takes two of the named rank's own windows: one evaluated again as another
+        # node's summary advanced the job's newest step may be a hiccup its next summary ends.
+        twice = strongly and self.strong_since is not None and own > self.strong_since[1]
         node, rank, evidence = found
-        return Anomaly(
+        anomaly = Anomaly(
             anomaly_types.STRAGGLER,
             Severity.WARNING,
             describe_wait(node, rank, evidence),
@@ -402,6 +429,19 @@ class StragglerTracker:
             {**evidence, "confirmed_over_steps": newest - self.since},
             step=newest,
         )
+        self.pending = (anomaly, STRONG_MIN_S if twice else CONFIRM_MIN_S)
+        return self._lasted(now)
+
+    def _lasted(self, now: float | None) -> Anomaly | None:
+        """The pending straggler once its streak lasted its seconds by `now` (then no longer
+        pending: a later fresh evaluation confirms it again), else None."""
+        if self.pending is None:
+            return None
+        anomaly, min_s = self.pending
+        if now is not None and self.since_at is not None and now - self.since_at < min_s:
+            return None
+        self.pending = None
+        return anomaly
 
     def evaluation(self) -> dict | None:
         """What the newest evaluation saw and the streak after it, in a loggable form (built
