@@ -7,9 +7,9 @@ waits in, its work after the all-reduce, a sleep between steps, a checkpoint wit
 `rank_timing.RankTrack.add_timing`, each
 node's summary (`RankTrack.view`) is published at the agent's ticks when written (as
 `NodeMonitor.steps_due` and the agent's keep-alive: when its timings shifted, after
-SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S; at most every ATTENTIVE_MIN_PERIOD_S) within
-ATTENTIVE_S of a shift that slowed it or of the generation's start, else every
-`node_reports.SUMMARY_HEARTBEAT_S`),
+SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S) within ATTENTIVE_S of a shift that slowed it,
+of the generation's start or of a summary slower than the spell's first (`node.slower_than`),
+else every `node_reports.SUMMARY_HEARTBEAT_S`),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
 (stopped for part of every period, `DutyCycle`) or as a CPU quota would (`CpuQuota`).
@@ -198,6 +198,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
     last_summary: dict[int, tuple[float, int | None]] = {}  # node -> (when, newest step)
     last_view: dict[int, node.RankSummary] = {}  # node -> its rank's view in that summary
     attentive_until = dict.fromkeys(range(job.nodes), node.ATTENTIVE_S)  # a new generation
+    spell_views: dict[int, dict[str, node.RankSummary] | None] = {}  # the spell's first summary
     straggler_detector, drop_detector = cluster.StragglerDetector(), cluster.ThroughputDetector()
     straggler = drop = None
     while events:
@@ -225,7 +226,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
                 or shifted
                 or (
                     now < attentive_until[index]
-                    and now - at >= node.ATTENTIVE_MIN_PERIOD_S
+                    and now - at >= node.SUMMARY_MIN_PERIOD_S
                     and newest is not None
                     and (
                         (advanced and newest >= (step or 0) + node.SUMMARY_STEPS)
@@ -236,6 +237,15 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
             if due:  # as NodeMonitor.steps_due and NodeReports.summary
                 last_summary[index] = (now, newest)
                 last_view[index] = track.view(now)
+                views = {str(index): last_view[index]}
+                first = spell_views.get(index)
+                if now >= attentive_until[index]:  # as NodeMonitor._attend
+                    spell_views[index] = None
+                elif first is None:
+                    spell_views[index] = views
+                elif node.slower_than(first, views):
+                    attentive_until[index] = now + node.ATTENTIVE_S
+                    spell_views[index] = views
                 published[index] = [
                     {**last_view[index].to_dict(), "node": f"node{index}", "rank": index}
                 ]

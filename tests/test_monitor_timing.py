@@ -88,17 +88,17 @@ def test_a_summary_goes_out_every_few_steps_while_attentive_as_well_as_every_per
         t = time.monotonic()
         rank = monitor.ranks.setdefault(0, RankTrack())
         rank.step = node.SUMMARY_STEPS - 1
-        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)  # too few new steps
+        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)  # too few new steps
         assert monitor.due(t + node.SUMMARY_PERIOD_S + 0.01)  # but every period
         rank.step = node.SUMMARY_STEPS
-        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S - 0.01)  # not more often
-        assert monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
+        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S - 0.01)  # not more often
+        assert monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
         monitor.collect()
         t = time.monotonic()
         rank.step = 2 * node.SUMMARY_STEPS - 1
-        assert not monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
+        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
         rank.step = 2 * node.SUMMARY_STEPS
-        assert monitor.steps_due(t + node.ATTENTIVE_MIN_PERIOD_S + 0.01)
+        assert monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
         # Once nothing shifted for ATTENTIVE_S, steps alone are no news: the keep-alive goes.
         assert not monitor.steps_due(t + node.ATTENTIVE_S + 0.01)
     finally:
@@ -136,3 +136,30 @@ def test_a_new_replica_fingerprint_goes_out_in_the_next_summary():
         assert not monitor.steps_due(time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01)
     finally:
         monitor.close()
+
+
+def test_a_slowdown_that_grows_a_little_at_each_summary_keeps_the_node_attentive():
+    """In the generation's first seconds (attentive: a summary every few steps) a rank slowed by
+    a bit less than the bar at each summary never shifted from one summary to the next; slower
+    by the bar than in the spell's first summary, it extends the spell."""
+    for creep in (0.0, 0.008):  # the bar: a quarter of the 0.06 s step, 0.015 s
+        monitor = NodeMonitor("nodeT", nvml=MockNvml())
+        try:
+            monitor.new_generation(1)
+            spell_ends = monitor._attentive_until
+            monitor.ranks[0] = track_of([0.05] * 8)
+            monitor.collect()
+            busy = 0.05
+            for n in range(3):
+                busy += creep
+                feed(monitor.ranks[0], [busy] * 8)
+                before = time.monotonic()
+                monitor.collect()
+                if creep and n == 1:  # 0.016 s slower than in the spell's first summary
+                    assert monitor._attentive_until >= before + node.ATTENTIVE_S
+                    spell_ends = monitor._attentive_until
+                assert monitor._attentive_until == spell_ends, (creep, n)
+            feed(monitor.ranks[0], [busy] * node.SUMMARY_STEPS)
+            assert monitor.steps_due(spell_ends - 0.01) and not monitor.steps_due(spell_ends)
+        finally:
+            monitor.close()

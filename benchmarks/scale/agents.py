@@ -82,8 +82,8 @@ from transom.common.records import MonitorSummary, PreflightResult, RankSummary 
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
 from transom.monitor.node import (  # noqa: E402
-    ATTENTIVE_MIN_PERIOD_S,
     ATTENTIVE_S,
+    SUMMARY_MIN_PERIOD_S,
     SUMMARY_PERIOD_S,
     SUMMARY_STEPS,
 )
@@ -198,7 +198,7 @@ class StandInMonitor:
     def steps_due(self, now: float) -> bool:
         """As the real monitor: SUMMARY_STEPS new steps since the last summary, while attentive
         (its steps' timings never shift: for ATTENTIVE_S after a generation's start)."""
-        if now >= self._attentive_until or now - self._published_at < ATTENTIVE_MIN_PERIOD_S:
+        if now >= self._attentive_until or now - self._published_at < SUMMARY_MIN_PERIOD_S:
             return False
         newest = self.newest_step()
         return newest is not None and newest >= (self._published_step or 0) + SUMMARY_STEPS
