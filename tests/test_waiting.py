@@ -13,6 +13,7 @@ import statistics
 from collections import deque
 
 from transom.monitor import rank_timing, waiting
+from transom.monitor.throughput import ThroughputTracker
 
 COMPUTE_S = 0.10
 COMM_S = 0.02
@@ -180,7 +181,7 @@ def test_no_one_is_blamed_when_every_rank_is_slow_in_the_collective():
 
 
 def throughput(series):
-    tracker = waiting.ThroughputTracker()
+    tracker = ThroughputTracker()
     for _, views in series:
         found = tracker.update(views)
         if found is not None:
@@ -208,7 +209,7 @@ def test_throughput_drop_names_the_node_waited_for():
 
 def test_throughput_drop_is_raised_once_and_not_without_a_drop():
     assert throughput(simulate(3, 200, noise=0.2)) is None
-    tracker = waiting.ThroughputTracker()
+    tracker = ThroughputTracker()
 
     def views(step, step_s):
         return [{"node": f"n{r}", "rank": r, "step": step, "step_s": step_s} for r in range(2)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from transom.common.records import Anomaly
-from transom.monitor import detectors, waiting
+from transom.monitor import detectors, throughput, waiting
 from transom.monitor.replicas import ReplicaDetector, Split
 
 log = logging.getLogger("transom.monitor.cluster")
@@ -66,7 +66,7 @@ class ThroughputDetector:
     """The job's step time doubled: blamed on the node waited for, else job-wide."""
 
     def __init__(self) -> None:
-        self.tracker = waiting.ThroughputTracker()
+        self.tracker = throughput.ThroughputTracker()
 
     def update(self, view: ClusterView) -> Anomaly | None:
         return None if view.finishing else self.tracker.update(view.ranks)

@@ -30,11 +30,6 @@ rank's timings shift, and the confirmation spans CONFIRM_SPAN_STEPS, or STRONG_S
 clear delay (tests/test_waiting_timeline.py pins a 1.5x slowdown found within 20 of the job's steps
 on a simulated job, 30 healthy steps' time).
 
-The job's throughput drop is judged across nodes too: the median step time of the generation's
-ranks against the generation's baseline. Its cause is named when one node is waited for; when
-every node slowed at once and none is waited for, the drop is job-wide (the machine is loaded,
-the storage or network is slow for everyone) and no node is blamed.
-
 This module must never act or do I/O: it returns anomalies, the policy decides.
 """
 
@@ -79,10 +74,6 @@ CONFIRM_MIN_S = 1.0
 # DDP script's 50/50 ms duty cycle on 2 nodes (steps of 60 ms) was confirmed 0.6-1.2 s after its
 # evidence was complete.
 STRONG_MIN_S = 0.5
-# Throughput drop: the job's median step time above THROUGHPUT_DROP_RATIO x its baseline, the
-# median over the generation's first BASELINE_EVALUATIONS fresh evaluations.
-THROUGHPUT_DROP_RATIO = 2.0
-BASELINE_EVALUATIONS = 5
 # A rank's timings shifted when its busy or compute time moved by this fraction of its step time
 # (the bar itself): its agent then publishes at once (transom.monitor.node) and the controller
 # takes that summary as a change, not as progress (transom.control.cluster_view), so a rank that
@@ -91,7 +82,9 @@ BASELINE_EVALUATIONS = 5
 # (steps of 50 ms) at nearly every summary, two etcd writes a node a second; with the bar, the
 # simulated slowdowns are found as soon (tests/test_waiting_timeline.py).
 TIMING_SHIFT_FRACTION = STRAGGLER_LATE_FRACTION
-THROUGHPUT_DROP = "throughput_drop"
+# A generation's baseline step time: the median over its first BASELINE_EVALUATIONS fresh
+# evaluations.
+BASELINE_EVALUATIONS = 5
 
 
 def timings_shifted(
@@ -130,7 +123,8 @@ def summary_shifted(before: MonitorSummary, after: MonitorSummary) -> bool:
     )
 
 
-def _fresh_key(views: list[dict]) -> tuple:
+def fresh_key(views: list[dict]) -> tuple:
+    """The views' (node, rank, step)s, sorted: what makes an evaluation fresh."""
     return tuple(sorted((v["node"], v["rank"], v.get("step")) for v in views))
 
 
@@ -463,68 +457,3 @@ class StragglerTracker:
 
 
 EVALUATION_MEASURES = ("busy_s", "wait_s", "compute_s", "step_s", "stall_s", "stopped_s")
-
-
-class ThroughputTracker:
-    """The job's median step time against this generation's baseline; raised once a drop."""
-
-    def __init__(self) -> None:
-        self.baseline = Baseline()
-        self.raised = False
-        # The hash of the newest views' (node, rank, step)s: not the thousand tuples themselves,
-        # which the controller would copy with its detector state at every tick.
-        self.last_key: int | None = None
-
-    def update(self, views: list[dict]) -> Anomaly | None:
-        key = hash(_fresh_key(views))
-        if key == self.last_key:
-            return None
-        self.last_key = key
-        timed = [v for v in views if v.get("step_s")]
-        if not timed or len(timed) < len(views):
-            return None  # some rank has no comparable steps yet
-        now = job_step_s(timed)
-        if now is None:
-            return None
-        if not self.baseline.full:
-            self.baseline.add(now)
-            return None
-        base = self.baseline.value() or 0.0
-        dropped = base > 0 and now > THROUGHPUT_DROP_RATIO * base
-        was_raised, self.raised = self.raised, dropped
-        if not dropped or was_raised:
-            return None
-        return throughput_drop(views, base, now)
-
-
-def throughput_drop(views: list[dict], base: float, now: float) -> Anomaly:
-    """A drop from `base` to `now` seconds a step, blamed on the node waited for if there is one."""
-    what = f"median step time {now:.3f} s, {now / base:.1f}x the generation's baseline {base:.3f} s"
-    evidence: dict = {"baseline_step_s": round(base, 4), "recent_step_s": round(now, 4)}
-    found = straggler_candidate(views, base)
-    if found is not None:
-        node, rank, wait = found
-        return Anomaly(
-            THROUGHPUT_DROP,
-            Severity.WARNING,
-            f"{what}: {describe_wait(node, rank, wait)}",
-            [node],
-            [rank],
-            {**evidence, "cause": "waited_for", "waiting": wait},
-        )
-    nodes = sorted({v["node"] for v in views})
-    cause = "job-wide" if len(nodes) > 1 else "unknown"
-    why = (
-        "every node slowed at once and none is waited for: a job-wide slowdown "
-        "(the machine loaded, a shared resource slow), no node to blame"
-        if len(nodes) > 1
-        else "one node: whether the node or its surroundings slowed is not known"
-    )
-    return Anomaly(
-        THROUGHPUT_DROP,
-        Severity.WARNING,
-        f"{what}; {why}",
-        [],
-        [],
-        {**evidence, "cause": cause, "nodes": nodes},
-    )
