@@ -325,6 +325,49 @@ def test_a_cgroup_quota_caps_the_worker_to_a_share_of_what_it_used_and_goes_with
     assert not thread.is_alive() and not group.exists()  # the worker gone, its cgroup too
 
 
+@pytest.mark.integration
+@pytest.mark.skipif(not cpu_quota.available(), reason="no writable cpu cgroup here")
+def test_a_quotas_event_carries_the_time_it_took_hold_and_the_step_seen_before_it(tmp_path):
+    """The quota measures the rank's CPU for USAGE_WINDOW_S before capping it: its `fault` event
+    says when the cap took hold (detection is timed from there) and the step the agent saw last
+    before that, and the agent ticks quickly until it holds."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    store = DictStore()
+    injector = FaultInjector(store, "node0", parse_schedule("quota@step=3:rank=1:factor=2", 2))
+    logs = {1: tmp_path / "log"}
+    ticks: list[tuple[float, float, int]] = []  # (began, ended, step)
+
+    def tick() -> list[dict]:
+        step = 3 + len(ticks)
+        began = time.time()
+        injector.on_agent_tick({1: step}, {1: child.pid}, logs)
+        ticks.append((began, time.time(), step))
+        injector.write_held()
+        return store.events()
+
+    try:
+        assert not tick() and injector.agent_faults_left()  # fired, measuring, not yet held
+        (event,) = wait_for(tick, 15, "the quota's event")
+    finally:
+        child.kill()
+        child.wait()
+    held = event["time"]
+    assert held >= ticks[0][0] + cpu_quota.USAGE_WINDOW_S and "capped to 1/2" in event["message"]
+    # the newest step seen before the cap took hold: never one the rank reached after it
+    assert max(s for _, end, s in ticks if end <= held) <= event["step"]
+    assert event["step"] <= max(s for begin, _, s in ticks if begin <= held)
+    assert not injector.agent_faults_left()
+
+
+@pytest.mark.skipif(not cpu_quota.available(), reason="no writable cpu cgroup here")
+def test_a_quota_that_cannot_be_played_says_so_in_its_event(tmp_path):
+    store = DictStore()
+    injector = FaultInjector(store, "node0", parse_schedule("quota@step=3:rank=1:factor=2", 2))
+    injector.on_agent_tick({1: 3}, {1: 2**22 + 12345}, {1: tmp_path / "log"})  # no such process
+    (event,) = wait_for(lambda: injector.write_held() or store.events(), 15, "the event")
+    assert "not played: could not cap worker" in event["message"] and event["step"] == 3
+
+
 def test_a_quota_that_cannot_be_applied_is_logged_not_raised(caplog):
     thread = cpu_quota.cap(2**22 + 12345, 2.0, "transom-test-none")  # no such process
     thread.join(timeout=5)

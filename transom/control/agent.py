@@ -475,6 +475,7 @@ class NodeAgent:
                 steps = self.monitor.steps()
                 self.faults.on_agent_tick({r: steps.get(r) for r in ranks}, pids, logs)
                 self.monitor.check(pids, logs)
+            self.faults.write_held()
             for fault, rank, step, when in self.monitor.take_fired_faults():
                 self.faults.on_worker_fired(fault, rank, step, when)
         except StoreError as e:  # a fault's record is test machinery: never stop for it

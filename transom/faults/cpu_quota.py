@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -87,17 +88,24 @@ def limit(pid: int, cpus: float, name: str) -> Path:
     return group
 
 
-def cap(pid: int, factor: float, name: str) -> threading.Thread:
-    """In a thread: measure what `pid` uses, cap it to 1/`factor` of that, and remove the cgroup
-    once the process is gone. A failure is logged: a fault that cannot be played must not take
-    the agent down."""
+def cap(
+    pid: int,
+    factor: float,
+    name: str,
+    took_hold: Callable[[float, str | None], None] = lambda when, failure: None,
+) -> threading.Thread:
+    """In a thread: measure what `pid` uses, cap it to 1/`factor` of that (then
+    `took_hold(time, None)`), and remove the cgroup once the process is gone. A failure is logged
+    and given to `took_hold`: a fault that cannot be played must not take the agent down."""
 
     def run() -> None:
         try:
             group = limit(pid, cpu_use(pid) / factor, name)
         except (OSError, psutil.Error) as e:
             log.warning("could not cap worker %d: %s", pid, e)
+            took_hold(time.time(), f"could not cap worker {pid}: {e}")
             return
+        took_hold(time.time(), None)
         log.info("worker %d capped in %s", pid, group)
         while Path(f"/proc/{pid}").exists() and _members(group):
             time.sleep(WATCH_S)
@@ -136,6 +144,7 @@ class CpuQuota(FaultType):
     where = AGENT
     detected_by = (anomaly_types.STRAGGLER,)
     description = "a worker is capped by a cgroup quota to 1/FACTOR of the CPU it used"
+    holds_later = True  # USAGE_WINDOW_S after it fires
 
     def note(self, fault: Fault) -> str:
         return f" (capped to 1/{fault.factor:g} of the CPU it used)"
@@ -146,7 +155,7 @@ class CpuQuota(FaultType):
         return None if available() else "needs a writable cpu cgroup on this machine"
 
     def fire_agent(self, fault: Fault, target: AgentTarget) -> None:
-        cap(target.pid, float(fault.factor), f"transom-{fault.id}-{target.pid}")
+        cap(target.pid, float(fault.factor), f"transom-{fault.id}-{target.pid}", target.took_hold)
 
     def describe(self, fault: Fault) -> str:
         return f"a worker is capped by a cgroup quota to 1/{fault.factor:g} of the CPU it used"

@@ -11,6 +11,7 @@ This module must never fire anything itself: it only defines the interface.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,10 +33,13 @@ PREFLIGHT_EXCLUSION = "pre-flight exclusion"
 
 @dataclass
 class AgentTarget:
-    """The worker an agent-side fault hits: its process and its log file."""
+    """The worker an agent-side fault hits: its process and its log file. A type that
+    `holds_later` calls `took_hold(time, None)` once the fault is in effect, or
+    `took_hold(time, why)` when it could not be played (from any thread)."""
 
     pid: int
     log_path: Path
+    took_hold: Callable[[float, str | None], None] = lambda when, failure: None
 
 
 @dataclass
@@ -57,6 +61,9 @@ class FaultType:
     worker_hook: ClassVar[str] = ON_STEP  # WORKER types: when they fire
     needs_step: ClassVar[bool] = True  # False: fires when its place is reached, step ignored
     in_random: ClassVar[bool] = False  # drawn by `random` schedules
+    # AGENT types whose fire_agent only starts the fault (the quota first measures the rank's CPU
+    # for a second): the fault event then carries the time it took hold, not the time it fired.
+    holds_later: ClassVar[bool] = False
 
     def validate(self, fault: Fault) -> str | None:
         """Why `fault` is not valid for this type, or None."""

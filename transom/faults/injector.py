@@ -5,17 +5,23 @@
     injector.link_delay_s                                           # set by on_preflight
     env[FAULTS] = injector.on_generation(generation, local_ranks)   # when workers start
     injector.on_agent_tick(steps, pids, log_paths)                  # every agent tick
+    injector.write_held()                                           # every agent tick
     injector.on_worker_fired(fault, rank, step, when)               # a worker says it fired one
 
 A fault fires once in the whole job, across restarts: the first firing creates
 `faults/fired/<id>` in etcd and writes a `fault` event with its time, type, node, rank and step.
+A type that `holds_later` (the quota) gets its event once it holds, with that time and the step
+the agent last saw before it (never a step beyond the one in flight).
 This module must never fire a fault that is not in the schedule.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import deque
+from functools import partial
 from pathlib import Path
 
 from transom.common import keys
@@ -26,6 +32,7 @@ from transom.faults.registry import FAULT_TYPES
 from transom.faults.schedule import read_fault
 
 EVENT_SOURCE_SUFFIX = "-fault"
+SEEN_TICKS = 4  # the ticks' steps kept to name the step at which a late fault took hold
 
 
 class FaultInjector:
@@ -38,6 +45,10 @@ class FaultInjector:
         self.schedule = list(schedule)
         self.fired: set[str] = set()
         self.link_delay_s = 0.0  # each pre-flight link-test send waits this long (slow_link)
+        self.awaiting: set[str] = set()  # fired faults that hold later, not yet held
+        self._held: list[tuple[Fault, int, float, str | None]] = []  # from their threads
+        self._held_lock = threading.Lock()
+        self._seen: deque[tuple[float, dict[int, int | None]]] = deque(maxlen=SEEN_TICKS)
 
     def _where(self, fault: Fault) -> str:
         return FAULT_TYPES[fault.type].where
@@ -54,7 +65,7 @@ class FaultInjector:
     def agent_faults_left(self) -> bool:
         """Whether an agent-side fault that may be this node's has yet to fire (the agent then
         ticks at its quicker pace, so that it fires close to its step)."""
-        return any(
+        return bool(self.awaiting) or any(
             self._where(f) == AGENT and f.id not in self.fired and f.node in (None, self.node_id)
             for f in self.schedule
         )
@@ -90,6 +101,7 @@ class FaultInjector:
         self, steps: dict[int, int | None], pids: dict[int, int], log_paths: dict[int, Path]
     ) -> None:
         """Fire every agent-side fault whose target rank has reported its trigger step."""
+        self._seen.append((time.time(), dict(steps)))
         for f in self.schedule:
             if self._where(f) != AGENT or f.id in self.fired:
                 continue
@@ -97,9 +109,34 @@ class FaultInjector:
                 step = steps.get(rank)
                 if step is None or step < f.step:
                     continue
-                if self._record(f, rank, step):
-                    FAULT_TYPES[f.type].fire_agent(f, AgentTarget(pids[rank], log_paths[rank]))
+                kind = FAULT_TYPES[f.type]
+                target = AgentTarget(pids[rank], log_paths[rank])
+                if kind.holds_later and self._claim(f, rank, step):
+                    self.awaiting.add(f.id)
+                    target.took_hold = partial(self._took_hold, f, rank)
+                    kind.fire_agent(f, target)
+                elif not kind.holds_later and self._record(f, rank, step):
+                    kind.fire_agent(f, target)  # after the event: a kill takes the agent along
                 break
+
+    def _took_hold(self, fault: Fault, rank: int, when: float, failure: str | None) -> None:
+        with self._held_lock:
+            self._held.append((fault, rank, when, failure))
+
+    def write_held(self) -> None:
+        """Write the events of the faults that took hold since the last call (the agent's
+        thread: the faults' own threads only queue them)."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        for fault, rank, when, failure in held:
+            self.awaiting.discard(fault.id)
+            self._write_event(fault, rank, self._step_before(rank, when), when, failure)
+
+    def _step_before(self, rank: int, when: float) -> int | None:
+        """The step `rank` had reported at the last tick before `when` (the oldest kept tick's
+        when none was before)."""
+        before = [steps for seen, steps in self._seen if seen <= when] or [self._seen[0][1]]
+        return before[-1].get(rank)
 
     def on_worker_fired(
         self, fault: dict, rank: int | None, step: int | None, when: float | None = None
@@ -119,15 +156,30 @@ class FaultInjector:
         self, fault: Fault, rank: int | None, step: int | None, when: float | None = None
     ) -> bool:
         """Mark `fault` fired (False if it already was) and write its `fault` event."""
+        if not self._claim(fault, rank, step):
+            return False
+        self._write_event(fault, rank, step, when or time.time())
+        return True
+
+    def _claim(self, fault: Fault, rank: int | None, step: int | None) -> bool:
+        """Mark `fault` fired in etcd: True for the one caller in the whole job that fires it."""
         if fault.id in self.fired:
             return False
         self.fired.add(fault.id)
-        if not self.store.create(
+        return self.store.create(
             keys.fault_fired(fault.id), {"node": self.node_id, "rank": rank, "step": step}
-        ):
-            return False
-        when = when or time.time()
+        )
+
+    def _write_event(
+        self,
+        fault: Fault,
+        rank: int | None,
+        step: int | None,
+        when: float,
+        failure: str | None = None,
+    ) -> None:
         where = f" rank {rank} at step {step}" if rank is not None or step is not None else ""
+        note = f" (not played: {failure})" if failure else FAULT_TYPES[fault.type].note(fault)
         self.store.put(
             keys.event(when, self.node_id + EVENT_SOURCE_SUFFIX),
             {
@@ -139,8 +191,6 @@ class FaultInjector:
                 "node": self.node_id,
                 "rank": rank,
                 "step": step,
-                "message": f"injected {fault.type} on {self.node_id}{where}"
-                + FAULT_TYPES[fault.type].note(fault),
+                "message": f"injected {fault.type} on {self.node_id}{where}{note}",
             },
         )
-        return True
