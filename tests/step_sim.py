@@ -8,7 +8,7 @@ waits in, its work after the all-reduce, a sleep between steps, a checkpoint wit
 node's summary (`RankTrack.view`) is published at the agent's ticks when written (as
 `NodeMonitor.steps_due` and the agent's keep-alive: when its timings shifted, after
 SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S) within ATTENTIVE_S of a shift that slowed it,
-of the generation's start or of a summary slower than the spell's first (`node.slower_than`),
+of the generation's start or of a summary slower than the spell's first (`node.attend`),
 else every `node_reports.SUMMARY_HEARTBEAT_S`),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
@@ -237,15 +237,12 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
             if due:  # as NodeMonitor.steps_due and NodeReports.summary
                 last_summary[index] = (now, newest)
                 last_view[index] = track.view(now)
-                views = {str(index): last_view[index]}
-                first = spell_views.get(index)
-                if now >= attentive_until[index]:  # as NodeMonitor._attend
-                    spell_views[index] = None
-                elif first is None:
-                    spell_views[index] = views
-                elif node.slower_than(first, views):
-                    attentive_until[index] = now + node.ATTENTIVE_S
-                    spell_views[index] = views
+                attentive_until[index], spell_views[index] = node.attend(
+                    attentive_until[index],
+                    spell_views.get(index),
+                    {str(index): last_view[index]},
+                    now,
+                )
                 published[index] = [
                     {**last_view[index].to_dict(), "node": f"node{index}", "rank": index}
                 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -122,6 +123,22 @@ def test_a_killed_worker_reports_its_signal_and_the_workers_die_with_the_interpr
     assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
     pool.fill()  # a new interpreter replaces the dead one
     assert run_warm(pool, tmp_path, "0")[0] == 0
+
+
+@pytest.mark.integration
+def test_a_worker_first_run_after_its_interpreter_died_exits_before_the_script(tmp_path):
+    """The child checks its parent against the pid that forked it, taken before the fork: one
+    first scheduled after the interpreter died (reparented meanwhile) never runs the script."""
+    ran = tmp_path / "ran"
+    script = tmp_path / "x.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    job = {"env": {}, "argv": [str(script)], "log": str(tmp_path / "l"), "cwd": str(tmp_path)}
+    become = "import json, os; from transom.control import warm; "
+    become += "warm._become_worker(json.loads(os.environ['JOB']), 1)"  # "forked" by pid 1
+    orphan = subprocess.run(
+        [sys.executable, "-c", become], env={**os.environ, "JOB": json.dumps(job)}, timeout=60
+    )
+    assert orphan.returncode == 1 and not ran.exists() and not (tmp_path / "l").exists()
 
 
 def test_an_empty_pool_hands_out_nothing(tmp_path):

@@ -383,11 +383,12 @@ def _serve() -> int:
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
+            interpreter = os.getpid()
             pid = os.fork()
             if pid == 0:
                 os.close(wake_r)
                 os.close(wake_w)
-                return _become_worker(json.loads(line))
+                return _become_worker(json.loads(line), interpreter)
             _say(b"P %d\n" % pid)
 
 
@@ -416,16 +417,17 @@ def _say(message: bytes) -> None:
         pass  # the agent is gone: we die with it
 
 
-def _become_worker(job: dict[str, object]) -> int:
-    """In the forked child: take on the job's environment and output, then run the script."""
+def _become_worker(job: dict[str, object], interpreter: int) -> int:
+    """In the forked child: take on the job's environment and output, then run the script.
+    `interpreter`: the pid that forked it, taken before the fork (a child first scheduled after
+    the interpreter died would see its new parent in getppid)."""
     from transom.control import bootstrap
 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    parent = os.getppid()
     os.setsid()
     die_with_parent()
-    if os.getppid() != parent:
+    if os.getppid() != interpreter:
         os._exit(1)  # the interpreter died before we could follow it
     cancel = job.get("cancel")
     if isinstance(cancel, str) and os.path.exists(cancel):

@@ -58,7 +58,7 @@ SUMMARY_MIN_PERIOD_S = 0.5
 # keep-alive (issue 44: every 0.5 s was two etcd requests a node a second on a fast job).
 # While attentive, a rank that advanced at all is also news every ATTENTIVE_PERIOD_S (the
 # keep-alive's period before issue 44: a job of slow steps is confirmed as fast as then). A rank
-# slower, by the bar, than in the spell's first summary extends the spell (`slower_than`): a
+# slower, by the bar, than in the spell's first summary extends the spell (`attend`): a
 # slowdown that grew a little at each summary never shifted from one to the next. On a loaded
 # 2-core machine a fault-free job of 50 ms steps shifts by noise every few seconds, so these
 # bound what noise costs etcd. The SUMMARY_STEPS rule went at most every second while attentive
@@ -129,7 +129,7 @@ class NodeMonitor:
         self._published_views: dict[str, RankSummary] = {}  # rank -> its view in the last summary
         self._attentive_until = -math.inf  # the SUMMARY_STEPS rule holds until then (monotonic)
         # The ranks' views in the first summary of this attentive spell (or since it was last
-        # extended): a rank slower than there by the bar extends it (`_attend`).
+        # extended): a rank slower than there by the bar extends it (`attend`).
         self._attentive_views: dict[str, RankSummary] | None = None
         self._hardware_at = 0.0
         self._gpus: list[dict] = []
@@ -449,41 +449,39 @@ class NodeMonitor:
             )
         self._published_at = now_mono
         self._published_views = dict(summary.ranks)
-        self._attend(summary.ranks, now_mono)
+        self._attentive_until, self._attentive_views = attend(
+            self._attentive_until, self._attentive_views, summary.ranks, now_mono
+        )
         self._published_step = max(
             (int(r.step) for r in summary.ranks.values() if r.step is not None), default=None
         )
         events = [Event.of_anomaly(a, now, writer=self.node_id) for a in new]
         return summary, events
 
-    def _attend(self, views: dict[str, RankSummary], now: float) -> None:
-        """Extend the attentive spell when a rank got slower, by the bar, over the summaries
-        published in it (a slowdown that grew a little at each summary, never a shift from one to
-        the next: the generation's first seconds publish every few steps, and a rank slowed then
-        was published a bit slower every half second, then at the keep-alive once the spell
-        ended, while the controller waited for its next window to confirm it)."""
-        if now >= self._attentive_until:
-            self._attentive_views = None
-        elif self._attentive_views is None:
-            self._attentive_views = dict(views)
-        elif slower_than(self._attentive_views, views):
-            self._attentive_until = now + ATTENTIVE_S
-            self._attentive_views = dict(views)
-
     def close(self) -> None:
         self._stop.set()
         self.channel.close()
 
 
-def slower_than(before: dict[str, RankSummary], views: dict[str, RankSummary]) -> bool:
-    """Whether a rank's view in `views` is slower, by the bar, than its view in `before` (rank
-    -> view; waiting.timings_shifted with slower_only)."""
-    return any(
-        waiting.timings_shifted(
-            before.get(rank), v.busy_s, v.compute_s, v.stall_s, v.stopped_s, slower_only=True
-        )
-        for rank, v in views.items()
-    )
+def attend(
+    until: float,
+    spell: dict[str, RankSummary] | None,
+    views: dict[str, RankSummary],
+    now: float,
+) -> tuple[float, dict[str, RankSummary] | None]:
+    """The attentive spell (its end, and the ranks' views in its first summary) after a summary
+    of `views` published at `now`: extended when a rank is slower, by the bar, than in the
+    spell's first summary. That is a slowdown that grew a little at each summary, never a shift
+    from one to the next: the generation's first seconds publish every few steps, and a rank
+    slowed then was published a bit slower every half second, then at the keep-alive once the
+    spell ended, while the controller waited for its next window to confirm it."""
+    if now >= until:
+        return until, None
+    if spell is None:
+        return until, dict(views)
+    if waiting.ranks_shifted(spell, views, slower_only=True):
+        return now + ATTENTIVE_S, dict(views)
+    return until, spell
 
 
 def _process_state(pid: int) -> str | None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import functools
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from transom.common import anomaly_types
 from transom.common.records import Anomaly, MonitorSummary, RankSummary, Severity
@@ -117,9 +117,19 @@ def timings_shifted(
 
 def summary_shifted(before: MonitorSummary, after: MonitorSummary) -> bool:
     """Whether some rank's timings shifted from one summary of a node to the next."""
+    return ranks_shifted(before.ranks, after.ranks)
+
+
+def ranks_shifted(
+    before: Mapping[str, RankSummary], after: Mapping[str, RankSummary], slower_only: bool = False
+) -> bool:
+    """Whether some rank's timings shifted from its view in `before` to its view in `after`
+    (rank -> view; with `slower_only`: grew, see timings_shifted)."""
     return any(
-        timings_shifted(before.ranks.get(rank), r.busy_s, r.compute_s, r.stall_s, r.stopped_s)
-        for rank, r in after.ranks.items()
+        timings_shifted(
+            before.get(rank), r.busy_s, r.compute_s, r.stall_s, r.stopped_s, slower_only
+        )
+        for rank, r in after.items()
     )
 
 
