@@ -16,7 +16,7 @@ import pytest
 from conftest import wait_for
 
 from transom.common import env
-from transom.faults import MockNvml
+from transom.faults import MockNvml, cpu_quota
 from transom.monitor import datagram, waiting
 from transom.monitor.node import NodeMonitor
 from transom.monitor.stopped_time import (
@@ -142,6 +142,57 @@ def test_a_process_stopped_while_it_waits_in_c_is_counted_and_a_waiting_one_is_n
             proc.kill()
             proc.wait(10)
         node.close()
+
+
+SPINNING_RANK = """
+from transom.monitor import reporter
+assert reporter._get() is not None
+print("ready", flush=True)
+while True:  # computing, as a rank between its collectives
+    sum(range(10_000))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not cpu_quota.available(), reason="no writable cpu cgroup here")
+def test_a_rank_held_by_a_cpu_quota_is_counted_by_its_run_queue_wait():
+    """Rank 3 computes under a cgroup quota of a fifth of a CPU (held 80 ms of each 100 ms
+    period, a rhythm the sender's 0.1 s round can lock onto); rank 4 waits in C, as a rank in a
+    collective, and waits on no run queue."""
+    node = NodeMonitor("nodeX", nvml=MockNvml())
+    node.expect_ranks([3, 4])
+    procs, group = [], None
+    try:
+        for rank, script in ((3, SPINNING_RANK), (4, WAITING_RANK)):
+            child_env = os.environ | {
+                env.MONITOR_SOCKET: str(node.socket_path),
+                "RANK": str(rank),
+                env.GENERATION: "0",
+            }
+            proc = subprocess.Popen(
+                [sys.executable, "-c", script], env=child_env, stdout=subprocess.PIPE, text=True
+            )
+            procs.append(proc)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        wait_for(lambda: {3, 4} <= node.ranks.keys(), 10, "both ranks' first beats")
+        start = {r: node.ranks[r].stopped.total or 0.0 for r in (3, 4)}
+        capped_at = time.monotonic()
+        group = cpu_quota.limit(procs[0].pid, 0.2, f"transom-test-runq-{procs[0].pid}")
+        wait_for(
+            lambda: all((node.ranks[r].beat_at or 0) > capped_at + 2.0 for r in (3, 4)),
+            15,
+            "beats from both 2 s into the cap",
+        )
+        grown = {r: (node.ranks[r].stopped.total or 0.0) - start[r] for r in (3, 4)}
+        assert grown[3] >= 0.8, grown  # 80% of 2 s or more, less what the round missed
+        assert grown[4] < 0.2, grown
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+        node.close()
+        if group is not None:
+            cpu_quota.remove(group)
 
 
 def test_a_rank_stopped_in_the_collective_is_the_one_waited_for():

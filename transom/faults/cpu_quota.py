@@ -83,7 +83,7 @@ def limit(pid: int, cpus: float, name: str) -> Path:
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         (group / "cgroup.procs").write_text(str(pid))
     except OSError:
-        _remove(group)
+        remove(group)
         raise
     return group
 
@@ -109,7 +109,7 @@ def cap(
         log.info("worker %d capped in %s", pid, group)
         while Path(f"/proc/{pid}").exists() and _members(group):
             time.sleep(WATCH_S)
-        _remove(group)
+        remove(group)
 
     thread = threading.Thread(target=run, name=f"transom-quota-{pid}", daemon=True)
     thread.start()
@@ -123,7 +123,7 @@ def _members(group: Path) -> bool:
         return False
 
 
-def _remove(group: Path) -> None:
+def remove(group: Path) -> None:
     """rmdir the cgroup once empty (a process still exiting keeps it busy a moment)."""
     for _ in range(50):
         try:

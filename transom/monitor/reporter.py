@@ -97,7 +97,10 @@ class _Channel:
         self.send_next_step = False
         self.queued_at = -math.inf  # time.time() the last step was queued
         self.sent_at = -math.inf  # time.monotonic() a datagram last left: it beats for this rank
-        self.stops = stopped_time.StopMeter()  # the sender thread's late wakes
+        # The sender thread's late wakes and the training thread's run-queue waits: the main
+        # thread, whose id is the pid (also in a warm worker, where threading's main_thread()
+        # keeps the id of the interpreter that forked it).
+        self.stops = stopped_time.StopMeter(os.getpid())
         atexit.register(self.flush)  # a worker that ends normally sends its last steps
         self.faults = WorkerFaults(
             parse_worker_faults(os.environ.get(env.FAULTS), self.rank), self._announce_fault

@@ -11,6 +11,16 @@ long), and the total so far rides on the datagrams that thread sends (`stopped`)
 waits in a collective sleeps in C with the lock let go: its sender wakes on time. Scheduling
 noise and Python's lock switches (5 ms) are under STOPPED_MIN_S and count for nothing.
 
+A CPU quota (a Kubernetes CPU limit, a cgroup's CFS bandwidth) holds the rank for part of each
+100 ms period, a rhythm the sender's 0.1 s round can lock onto and never see, and the throttled
+time falls mostly in the collective, where no rank looks late. What shows it: the training
+thread's wait on the run queue (runnable, not running: /proc schedstat's run_delay), which a
+quota's throttled time, or a CPU starved by a neighbour, adds to and a SIGSTOP does not. A round
+counts the larger of its late wake and the training thread's run-queue wait over the round, the
+latter from RUNQ_MIN_S: a 2-core machine running three ranks keeps each waiting 10-24 ms a round
+(90% of rounds), a quota of half what the rank used 50-70 ms. Waiting for Python's lock is not
+run-queue time: a save in a phase adds none.
+
 The node agent keeps each rank's `StoppedTime`: the growth of that total, as it arrived, over
 the last STOPPED_WINDOW_S (or STOPPED_WINDOW_STEPS steps, whichever is longer), less the
 LARGEST_IGNORED largest increments (one hiccup of the machine), as seconds a step (`per_step`):
@@ -34,17 +44,38 @@ LARGEST_IGNORED = 1
 INCREMENTS_KEPT = 256  # of a rank's newest increments (a 300 ms stop every 600 ms: 3-4 a window)
 
 
-class StopMeter:
-    """The worker's side: the sender thread's late wakes, added up (one thread calls it)."""
+RUNQ_MIN_S = 0.03  # a round's run-queue wait of the training thread counts from this
 
-    def __init__(self) -> None:
+
+def run_queue_s(tid: int) -> float | None:
+    """The seconds thread `tid` of this process has waited on a run queue (schedstat's second
+    field, in ns); None where the kernel does not say (no schedstats, another OS)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StopMeter:
+    """The worker's side: the sender thread's late wakes and the training thread's (native id
+    `tid`) run-queue waits, the larger of the two each round, added up (one thread calls it)."""
+
+    def __init__(self, tid: int | None = None) -> None:
         self.total_s = 0.0
+        self.tid = tid
+        self.waited_s = None if tid is None else run_queue_s(tid)  # run-queue total so far
 
     def woke(self, slept_s: float, asked_s: float, in_phase: bool) -> None:
         """The thread slept `slept_s` where it asked for `asked_s`."""
         late = slept_s - asked_s
-        if late >= STOPPED_MIN_S and not in_phase:
-            self.total_s += late
+        counted = late if late >= STOPPED_MIN_S and not in_phase else 0.0
+        if self.tid is not None:
+            before, self.waited_s = self.waited_s, run_queue_s(self.tid)
+            if before is not None and self.waited_s is not None:
+                waited = self.waited_s - before
+                counted = max(counted, waited if waited >= RUNQ_MIN_S else 0.0)
+        self.total_s += counted
 
 
 class StoppedTime:
