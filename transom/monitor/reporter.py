@@ -12,8 +12,9 @@ monitor channel, a Unix socket only the job's user can reach (transom.monitor.ch
 naming this rank and generation. A background thread sends a heartbeat after HEARTBEAT_S in
 which nothing else went (any datagram tells the agent the rank lives), so the agent can tell a
 rank that is alive but stuck (heartbeat goes on, steps stop) from one that is stopped or dead
-(heartbeat stops). It wakes every ROUND_S; its late wakes are the rank's stopped time
-(transom.monitor.stopped_time), which its datagrams carry. The same thread sends a fast job's
+(heartbeat stops). It wakes every ROUND_S; its late wakes, and the training thread's run-queue
+waits, are the rank's stopped time (transom.monitor.stopped_time), which its datagrams carry.
+The same thread sends a fast job's
 steps, together as one steps datagram every BATCH_S: encoding and sending right after a step's
 compute cost about 0.1 ms (the code gone from the CPU's caches, the agent's listener woken),
 1-2% of a 20 ms step, and each datagram wakes the agent's listener (issue 44: at a datagram
@@ -47,7 +48,8 @@ from transom.faults.worker import WorkerFaults, parse_worker_faults
 from transom.monitor import datagram, stopped_time
 
 HEARTBEAT_S = 0.5
-# The sender thread's round: its late wakes are the rank's stopped time.
+# The sender thread's round: its late wakes (and the training thread's run-queue waits over it)
+# are the rank's stopped time.
 ROUND_S = stopped_time.SENDER_PERIOD_S
 # Steps waiting go as one steps datagram once the oldest waited BATCH_S (to within half a round),
 # or when BATCH_STEPS wait: every other round. The agent's straggler windows are seconds long and
