@@ -21,6 +21,12 @@ __all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the 
 
 # Hang: no rank made progress for max(spec.hang_floor_s, HANG_STEP_FACTOR x median step time).
 HANG_STEP_FACTOR = 4.0
+# While a rank's process is stopped (SIGSTOP, a tracer), its peers can only be waiting for it: a
+# hang once no rank progressed for this long, and for stacks.SUSPECT_FRACTION of the learned
+# timeout's steps (`suspect_after_s`). A duty cycle that stops a rank now and then (a straggler,
+# transom.monitor.stopped_time) never holds every rank this long; the hang floor is for ranks
+# that can run, which may be in a long collective or a slow step.
+STOPPED_HANG_S = 2.0
 # While a rank is in a phase (checkpoint save, evaluation) a hang takes this long.
 PHASE_HANG_S = 300.0
 # A rank whose heartbeat is older than this is stopped or dead (the heartbeat beats every 0.5 s).
@@ -215,19 +221,33 @@ def rank_views(
     return views
 
 
+def hang_timeout_s(floor_s: float, step_times: Sequence[float]) -> float:
+    """The learned hang timeout: max(`floor_s`, HANG_STEP_FACTOR x the median step time)."""
+    return max(floor_s, HANG_STEP_FACTOR * statistics.median(step_times)) if step_times else floor_s
+
+
+def suspect_after_s(timeout_s: float, step_times: Sequence[float]) -> float:
+    """How long no rank may progress before the agents collect their ranks' stacks, and before
+    a hang is declared where one of them is stopped: stacks.SUSPECT_FRACTION of the timeout, or
+    of its steps alone (STOPPED_HANG_S at least) where that is shorter. A stopped rank of a job
+    of 60 ms steps under an 8 s floor is a hang after 2 s, not 4 s."""
+    steps = HANG_STEP_FACTOR * statistics.median(step_times) if step_times else 0.0
+    fraction = stacks.SUSPECT_FRACTION
+    return min(fraction * timeout_s, max(STOPPED_HANG_S, fraction * steps))
+
+
 def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     """No rank progressed for the learned timeout (at least `floor_s`, the spec's hang floor),
-    or for stacks.SUSPECT_FRACTION of it while a rank's process is stopped (SIGSTOP, a tracer:
-    its peers can only be waiting for it) and every rank's agent has said where its ranks are;
-    blame the ranks that stopped, else those behind."""
+    or for `suspect_after_s` while a rank's process is stopped (SIGSTOP, a tracer: its peers can
+    only be waiting for it) and every rank's agent has said where its ranks are; blame the ranks
+    that stopped, else those behind."""
     stepping = [v for v in views if v.get("step") is not None and v.get("step_age") is not None]
     if not stepping or len(stepping) < len(views):
         return None  # some rank has not finished a first step yet: start-up, not a hang
     step_times = [v["step_s"] for v in stepping if v.get("step_s")]
-    timeout = (
-        max(floor_s, HANG_STEP_FACTOR * statistics.median(step_times)) if step_times else floor_s
-    )
-    if any(v.get("phase") for v in views):
+    timeout = hang_timeout_s(floor_s, step_times)
+    in_phase = any(v.get("phase") for v in views)
+    if in_phase:
         timeout = max(timeout, PHASE_HANG_S)
     quiet = min(v["step_age"] for v in stepping)
     # Where each rank is, from its agent's stack dump (transom.monitor.stacks), bounded: it
@@ -240,11 +260,18 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     halted = (  # every rank's place is known (each node's agent has collected), one is stopped
         stacks.STOPPED in where.values()
         and len(where) == len(views)
-        and quiet >= stacks.SUSPECT_FRACTION * timeout
+        and quiet
+        >= (stacks.SUSPECT_FRACTION * timeout if in_phase else suspect_after_s(timeout, step_times))
     )
     if quiet < timeout and not halted:
         return None
-    stopped = [v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S]
+    stopped = [  # its heartbeat stopped, or its agent found its process stopped or gone
+        v
+        for v in views
+        if v.get("beat_age") is None
+        or v["beat_age"] >= HEARTBEAT_GAP_S
+        or where.get(v["rank"]) in (stacks.STOPPED, stacks.GONE)
+    ]
     newest = max(v["step"] for v in stepping)
     behind = [v for v in stepping if v["step"] < newest]
     suspects, why = (

@@ -346,8 +346,8 @@ class NodeMonitor:
 
     def _check_stuck(self, pids: dict[int, int], now: float) -> None:
         """Ask for the ranks' stacks once per stuck step: when every rank of the node finished a
-        first step and none finished one for stacks.SUSPECT_FRACTION of the hang timeout (as the
-        controller's hang rule computes it from these ranks' step times)."""
+        first step and none finished one for detectors.suspect_after_s (as the controller's hang
+        rule computes it from these ranks' step times)."""
         with self._lock:
             tracks = [self.ranks.get(rank) for rank in pids]
             if (
@@ -358,13 +358,12 @@ class NodeMonitor:
                 return
             known = [r for r in tracks if r is not None and r.step is not None]
             step_times = [statistics.median(r.durations) for r in known if r.durations]
-            timeout = max(
-                self.hang_floor_s,
-                detectors.HANG_STEP_FACTOR * statistics.median(step_times) if step_times else 0.0,
-            )
+            timeout = detectors.hang_timeout_s(self.hang_floor_s, step_times)
             quiet = min(now - r.step_at for r in known if r.step_at is not None)
             key = (self.generation, max(r.step for r in known if r.step is not None))
-            if quiet < stacks.SUSPECT_FRACTION * timeout or any(r.phase for r in known):
+            if quiet < detectors.suspect_after_s(timeout, step_times) or any(
+                r.phase for r in known
+            ):
                 return
             self._stuck_key = key
             where = self.stacks_dir

@@ -3,14 +3,15 @@
 The worker bootstrap (transom.control.bootstrap) registers `faulthandler` on STACKS_SIGNAL (SIGURG),
 writing every thread's stack to the rank's stacks file (RUN_DIR/logs/gNNN/rankR.stacks) after
 a first line `READY<pid>`. When no rank of its node finished a step for half the time that
-would make a hang (`suspect_after`), the agent's monitor asks a `StackCollector` for the ranks'
-stacks: a rank whose process is stopped (SIGSTOP, a debugger) or gone is named as such and not
-signalled; each other rank is sent STACKS_SIGNAL once, its new stack text read back (at most
-MAX_DUMP_BYTES, waiting at most DUMP_WAIT_S), and summed up in one line by `where`: "in
-all_reduce at train.py:57" (the library call the script's innermost frame is in, and that
-frame's line). The node's monitor summary carries that line per rank, so the controller's hang
-anomaly can say "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57"; the full stacks
-stay in the files.
+would make a hang, or 2 s if half of that time's steps is shorter
+(transom.monitor.detectors.suspect_after_s), the agent's monitor asks a `StackCollector` for
+the ranks' stacks: a rank whose process is stopped (SIGSTOP, a debugger) or gone is named as
+such and not signalled; each other rank is sent STACKS_SIGNAL once, its new stack text read
+back (at most MAX_DUMP_BYTES, waiting at most DUMP_WAIT_S), and summed up in one line by
+`where`: "in all_reduce at train.py:57" (the library call the script's innermost frame is in,
+and that frame's line). The node's monitor summary carries that line per rank, so the
+controller's hang anomaly can say "rank 1: stopped; ranks 0, 2: in all_reduce at train.py:57";
+the full stacks stay in the files.
 
 What it must never do: signal a process that did not register the handler (only a stacks file
 whose first line names that very pid is signalled, and only while the process catches the
@@ -42,7 +43,8 @@ DUMP_WAIT_S = 2.0
 POLL_S = 0.02
 MAX_WHERE = 160
 # The agent collects stacks once no rank of its node finished a step for this fraction of the
-# hang timeout (so they are in its summary before the controller declares the hang).
+# hang timeout, or of its steps alone (detectors.suspect_after_s), so they are in its summary
+# before the controller declares the hang.
 SUSPECT_FRACTION = 0.5
 
 STOPPED = "stopped"
