@@ -3,6 +3,11 @@ the script's line, and ranks in the same place together, stopped ones first."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import threading
+
 import pytest
 
 from transom.monitor import stacks
@@ -43,3 +48,22 @@ def test_group_where_puts_ranks_in_the_same_place_together():
         {2: "in all_reduce at t.py:5", 1: "stopped", 0: "in all_reduce at t.py:5"}
     )
     assert text == "rank 1: stopped; ranks 0, 2: in all_reduce at t.py:5"
+
+
+@pytest.mark.integration
+def test_the_collector_names_a_stopped_and_a_gone_rank_and_says_when_it_is_done(tmp_path):
+    stopped = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    done = threading.Event()
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        collector = stacks.StackCollector(done=done.set)
+        ranks = {0: (stopped.pid, tmp_path / "rank0.stacks"), 1: (gone.pid, tmp_path / "r1")}
+        assert collector.request(("g1", 7), ranks, "train.py")
+        assert done.wait(10), "the collector never said it was done"
+        assert collector.results(("g1", 7)) == {0: stacks.STOPPED, 1: stacks.GONE}
+        assert not collector.request(("g1", 7), ranks, "train.py")  # once per stuck step
+    finally:
+        stopped.kill()
+        stopped.wait()

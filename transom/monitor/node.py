@@ -14,9 +14,10 @@ publishes a compact summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S,
 there is a new anomaly): per rank the newest step, the ages of the last step and heartbeat, the
 phase, and median step, compute and wait (sync section) times. The controller compares nodes
 from these summaries (who the others wait for: transom.monitor.waiting).
-A datagram that brings news (an anomaly, a fired fault, or steps that make a summary due) calls
-`wake`, so that the agent's loop publishes it at once rather than at its next tick: the agent
-can then tick slowly while its workers run steadily (issue 44).
+A datagram that brings news (an anomaly, a fired fault, or steps that make a summary due), and
+stuck ranks' stacks once collected, call `wake`, so that the agent's loop publishes them at once
+rather than at its next tick: the agent can then tick slowly while its workers run steadily
+(issue 44).
 
 This module never stops or restarts anything: it reports, the controller decides.
 """
@@ -140,7 +141,7 @@ class NodeMonitor:
         self.stacks_dir: Path | None = None
         self.script = script
         self.hang_floor_s = hang_floor_s
-        self.stacks = stacks.StackCollector()
+        self.stacks = stacks.StackCollector(done=wake)  # collected: publish it at once
         self._stuck_key: tuple[int, int] | None = None  # (generation, newest step) collected for
         self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
         self.listener.start()

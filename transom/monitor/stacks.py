@@ -28,6 +28,7 @@ import signal
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,9 +212,11 @@ def process_state(pid: int) -> str | None:
 
 
 class StackCollector:
-    """Collects a node's ranks' `where` lines in a thread of its own, once per request."""
+    """Collects a node's ranks' `where` lines in a thread of its own, once per request; `done`
+    (called from that thread) is told when a collection's results are in."""
 
-    def __init__(self) -> None:
+    def __init__(self, done: Callable[[], None] | None = None) -> None:
+        self.done = done
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.where: dict[int, str] = {}
@@ -245,8 +248,11 @@ class StackCollector:
             except Exception:  # noqa: BLE001 - a rank we cannot read is left out
                 continue
         with self._lock:
-            if self.key == key:
+            current = self.key == key
+            if current:
                 self.where = {r: w for r, w in found.items() if w}
+        if current and self.done is not None:
+            self.done()
 
     def results(self, key: object) -> dict[int, str]:
         with self._lock:
