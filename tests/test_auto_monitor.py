@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -256,3 +257,37 @@ def test_a_scripts_own_ddp_hook_is_kept_before_or_after_the_first_forward(tmp_pa
         ranks_finished(procs, tmp_path)
         wait_for(lambda: monitor.steps() == {0: 5, 1: 5}, 10, "every step")
     assert rank_logs(tmp_path).count(f"calls={calls}") == 2, rank_logs(tmp_path)
+
+
+def test_a_stopped_ranks_place_is_a_summary_due_at_once(tmp_path, monkeypatch):
+    """Rank 1 stopped (SIGSTOP), rank 0 waiting for it: once the agent's monitor has collected
+    where both are, a summary is due at once to carry it (the controller's hang rule for a
+    stopped rank waits for every rank's place), not at the next summary period."""
+    from transom.monitor import node
+
+    monkeypatch.setattr(node, "SUMMARY_PERIOD_S", 1e6)  # due only for news
+    monkeypatch.setattr(node, "ATTENTIVE_PERIOD_S", 1e6)
+    monkeypatch.setattr(detectors, "HEARTBEAT_GAP_S", 1e6)  # no telemetry gap: the place alone
+    args = ["--steps", "100000", "--step-delay", "0.02"]
+    with monitored_ranks(tmp_path, TOY, args, hang_floor_s=1.0) as (monitor, procs):
+
+        def stepped() -> bool:
+            steps = monitor.steps()
+            return len(steps) == 2 and all((s or 0) >= 10 for s in steps.values())
+
+        wait_for(stepped, 60, "10 steps of each rank")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        pids = {rank: p.pid for rank, p in enumerate(procs)}
+        monitor.collect()  # the last summary, before the stop
+        assert not monitor.due(time.monotonic())
+
+        def due():
+            monitor.check(pids, {})
+            return monitor.due(time.monotonic())
+
+        wait_for(due, 20, "a summary due for the stuck ranks' places")
+        summary, events = monitor.collect()
+        assert events == []
+        assert summary.ranks["1"].where == stacks.STOPPED
+        assert (summary.ranks["0"].where or "").startswith("in "), summary.ranks["0"]
+        assert not monitor.due(time.monotonic())  # published: nothing new

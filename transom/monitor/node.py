@@ -380,9 +380,13 @@ class NodeMonitor:
         return self.stacks.results(key) if (self.generation, newest) == key else {}
 
     def due(self, now: float) -> bool:
-        """Whether a summary is to be collected: new anomalies, its period, or `steps_due`."""
+        """Whether a summary is to be collected: new anomalies, stuck ranks' places the last one
+        did not carry (a stopped rank's hang waits for them), its period, or `steps_due`."""
         with self._lock:
             if self._pending or now - self._published_at >= SUMMARY_PERIOD_S:
+                return True
+            shown = {r: v.where for r, v in self._published_views.items()}
+            if any(w != shown.get(str(r)) for r, w in self._where().items()):
                 return True
         return self.steps_due(now)
 
