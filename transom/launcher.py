@@ -45,6 +45,7 @@ from transom.common import files, keys
 from transom.common.records import Event, EventKind, JobRecord, RecordError
 from transom.common.states import JobState
 from transom.control.candidacy import DEFAULT_CANDIDATES, Candidacy, demote_after_s
+from transom.control.warm_template import Template
 from transom.job_spec import ConfigError, JobSpec
 from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
@@ -122,6 +123,7 @@ class Launcher:
         self._run_dir_lock: int | None = None  # on one machine: the run directory's lock file
         self.candidacy: Candidacy | None = None  # with --store: which nodes here run a candidate
         self._promotions = 0
+        self.template: Template | None = None  # several nodes here: their warm template
 
     @property
     def connected(self) -> Store:
@@ -134,6 +136,7 @@ class Launcher:
         L = self.launch
         if L.store is None:
             self._run_dir_lock = hold_run_dir(L.run_dir)
+            self._start_template()  # the run directory is ours: its imports overlap etcd's start
             self.etcd = EmbeddedEtcd(
                 L.run_dir / files.ETCD,
                 log_path=files.log_file(L.run_dir, "etcd"),
@@ -182,10 +185,23 @@ class Launcher:
             spec = parse_spec(self.connected.get(keys.SPEC), L.spec.job_id, check_script=True)
         log.info("joining job %s (spec written by another machine)", spec.job_id)
 
+    def _agent_count(self) -> int:
+        """How many node agents this launcher runs on its machine."""
+        L, spec = self.launch, self.launch.spec
+        return L.local_nodes or (spec.nnodes_max + spec.spares if L.store is None else 1)
+
+    def _start_template(self) -> None:
+        """Several nodes on this machine: their warm interpreters fork from one template's
+        imports (control/warm_template.py) instead of each importing torch on the same cores."""
+        L = self.launch
+        if self.template is None and L.spec.warm_workers and self._agent_count() > 1:
+            self.template = Template(L.spec.job_id, files.log_file(L.run_dir, "warm-template"))
+            self.template.start()
+
     def _children(self) -> list[Child]:
         L, spec = self.launch, self.launch.spec
         simulated = L.store is None
-        n_agents = L.local_nodes or (spec.nnodes_max + spec.spares if simulated else 1)
+        n_agents = self._agent_count()
         prefix = L.node_prefix or ("node" if simulated else socket.gethostname())
         children = []
         if not simulated:
@@ -214,7 +230,9 @@ class Launcher:
     def _agent(self, name: str) -> Child:
         L = self.launch
         argv = [*self._argv("agent"), "--node-id", name, "--run-dir", str(L.run_dir)]
-        return Child(name, "agent", [*argv, "--host", L.host], files.agent_log(L.run_dir, name))
+        env = self.template.agent_env() if self.template is not None else None
+        log_path = files.agent_log(L.run_dir, name)
+        return Child(name, "agent", [*argv, "--host", L.host], log_path, env=env)
 
     # -- running ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -231,6 +249,7 @@ class Launcher:
         signal.signal(signal.SIGTERM, interrupt)
         try:
             self.store = self._connect()
+            self._start_template()
             self._publish_spec()
             self.children = self._children()
             for child in self.children:
@@ -450,6 +469,9 @@ class Launcher:
             except StoreError:
                 pass
         self.children = []
+        if self.template is not None:
+            self.template.stop()
+            self.template = None
         for node in (
             self._local_nodes
         ):  # a node agent killed with SIGKILL left its checkpoint memory behind

@@ -49,3 +49,6 @@ IGNORE_USR1 = "TRANSOM_IGNORE_USR1"
 # -- the warm interpreter (control/warm.py) ------------------------------------------------------
 WARM_IMPORTS = "TRANSOM_WARM_IMPORTS"
 WARM_IDLE_IMPORTS = "TRANSOM_WARM_IDLE_IMPORTS"
+# Set by a launcher that runs several nodes on its machine, for their agents: the socket of its
+# warm template (control/warm_template.py), which forks each node's warm interpreter.
+WARM_TEMPLATE = "TRANSOM_WARM_TEMPLATE"

@@ -26,6 +26,11 @@ workers leave idle, on any core (the agent's may be confined to a few, the ranks
 before the first workers start). Once they are done, and as soon as a job arrives before then,
 the interpreter returns to the normal policy and to the agent's cores, and its workers with it.
 
+Where a launcher runs several nodes on one machine, the interpreter is forked from the machine's
+warm template instead (transom.control.warm_template: one import of torch, not one a node); it
+is then the template's child, not the agent's, and ends when the agent closes its stdin (or
+dies), as it does here; the pool falls back to starting its own when the template cannot serve.
+
 In `ps` and `top` the interpreter is titled `transom warm interpreter (job J, node N)`; each
 worker's title is its command line, `python -u SCRIPT ARGS`, as a cold-started worker's is.
 
@@ -51,8 +56,10 @@ from pathlib import Path
 from typing import IO
 
 from transom.common import env as env_names
+from transom.control.warm_template import TemplateInterpreter
+from transom.control.warm_template import request as template_request
 from transom.utils import idle_priority
-from transom.utils.procs import die_with_parent, new_session_dying_with_parent
+from transom.utils.procs import die_with_parent, new_session_dying_with_parent, running
 
 log = logging.getLogger("transom.warm")
 
@@ -107,7 +114,7 @@ class ForkedWorker:
         code = self._pool.exits.pop(self.pid, None)
         if code is not None:
             self.returncode = code
-        elif not _alive(self.pid) and (
+        elif not running(self.pid) and (
             self._interpreter.proc.poll() is not None or self._interpreter.silent_on(self.pid)
         ):
             self.returncode = -signal.SIGKILL
@@ -119,7 +126,7 @@ class _Interpreter:
     """One warm interpreter as the pool sees it: its process, what it said, and the workers it
     forked that have not been seen to exit (`live`)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | TemplateInterpreter) -> None:
         self.proc = proc
         self.imported = False  # its imports are done
         self.forked: list[int] = []  # pids reported, not yet taken by `launch`
@@ -160,9 +167,17 @@ class WarmPool:
     up, is killed at once (that launch started its worker cold)."""
 
     def __init__(
-        self, size: int, env: dict[str, str], log_path: Path, node_id: str | None = None
+        self,
+        size: int,
+        env: dict[str, str],
+        log_path: Path,
+        node_id: str | None = None,
     ) -> None:
         self.size = size
+        # The machine's warm template (its socket), when the launcher runs one: interpreters
+        # are forked from its imports (transom.control.warm_template); None: each imports.
+        self.template = env.get(env_names.WARM_TEMPLATE)
+        env = {k: v for k, v in env.items() if k != env_names.WARM_TEMPLATE}
         self.env = env
         self.log_path = Path(log_path)
         # What `ps` shows while it waits (the job and node, where known).
@@ -179,7 +194,7 @@ class WarmPool:
             self.env = {**env, env_names.WARM_IDLE_IMPORTS: "1"}
 
     @property
-    def interpreter(self) -> subprocess.Popen[bytes] | None:
+    def interpreter(self) -> subprocess.Popen[bytes] | TemplateInterpreter | None:
         """The process of the interpreter that serves launches, if any."""
         return self.current.proc if self.current is not None else None
 
@@ -193,7 +208,15 @@ class WarmPool:
             return
         self.read_messages(0.0)  # the exits a dead interpreter reported last
         if self.current is not None:
+            if isinstance(self.current.proc, TemplateInterpreter) and self.current.proc.refused:
+                self.template = None  # it refused this node: import as without it
             self.current.end()
+        if self.template is not None:
+            forked = template_request(self.template, self.title, self.env, self.log_path)
+            if forked is not None:
+                self.current = _Interpreter(forked)
+                return
+            self.template = None  # not reached: gone with its launcher, or never there
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.current = _Interpreter(
@@ -209,6 +232,7 @@ class WarmPool:
 
     def warm_count(self) -> int:
         """How many workers can start from finished imports now: `size`, or 0."""
+        self._unless_refused()
         self.read_messages(0.0)
         alive = self.current is not None and self.current.proc.poll() is None
         return self.size if alive and self.imported else 0
@@ -216,13 +240,15 @@ class WarmPool:
     def launch(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedWorker | None:
         """Fork a worker from the interpreter, waiting for imports still under way; None when
         there is no interpreter, or it failed (start that worker cold)."""
+        self._unless_refused()
         current = self.current
         if current is None or current.proc.poll() is not None:
             return None
         self.read_messages(0.0)
         self.last_launch = "warm" if current.imported else "importing"
         if not current.imported:
-            idle_priority.leave(current.proc.pid)  # perhaps at idle priority: now it is urgent
+            if isinstance(current.proc, subprocess.Popen):  # a template's imports are not idle
+                idle_priority.leave(current.proc.pid)  # perhaps at idle priority: now urgent
             deadline = time.monotonic() + IMPORTS_WAIT_S
             while not current.imported and current.proc.poll() is None:
                 if time.monotonic() > deadline:
@@ -244,6 +270,12 @@ class WarmPool:
         pid = current.forked.pop(0)
         current.live.add(pid)
         return ForkedWorker(pid, self, current)
+
+    def _unless_refused(self) -> None:
+        """The template refused this node's interpreter: start one of its own now."""
+        proc = self.current.proc if self.current is not None else None
+        if isinstance(proc, TemplateInterpreter) and proc.poll() is not None and proc.refused:
+            self.fill()
 
     def read_messages(self, timeout: float) -> None:
         """Take what the interpreters said (ready, a pid forked, a pid's exit), waiting up to
@@ -332,22 +364,11 @@ def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
     return stream
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie no longer does)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 # -- the interpreter itself -----------------------------------------------------------------------
 
 
 def _serve() -> int:
     """Import, then fork one worker per job line until stdin closes; report forks and exits."""
-    import importlib
-
     import setproctitle
 
     if len(sys.argv) > 1:
@@ -358,12 +379,25 @@ def _serve() -> int:
         # At idle priority the imports may use any core's idle time, the ranks' cores too
         # (idle before the first workers start); the workers get the agent's cores back.
         _set_affinity(set(range(os.cpu_count() or 1)))  # refused: the agent's cores only
-    for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
-        if name.strip():
-            importlib.import_module(name.strip())
+    import_modules()
     if idle:  # the agent's cores first: at the normal policy it may use only those
         _set_affinity(cores)
         idle_priority.leave()  # waiting costs nothing; a fork must not wait for idle CPU
+    return serve_forks()
+
+
+def import_modules() -> None:
+    """The imports every worker shares (env.WARM_IMPORTS, else DEFAULT_IMPORTS)."""
+    import importlib
+
+    for name in os.environ.get(env_names.WARM_IMPORTS, DEFAULT_IMPORTS).split(","):
+        if name.strip():
+            importlib.import_module(name.strip())
+
+
+def serve_forks() -> int:
+    """With the imports done: say READY, then fork one worker per job line on stdin until it
+    closes, reporting each fork and exit on stdout (returns in each worker, with its code)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
@@ -378,8 +412,8 @@ def _serve() -> int:
         if 0 not in readable:
             continue
         data = os.read(0, 65536)
-        if not data:
-            return 0  # the agent closed the pool; workers still running die with us
+        if not data:  # the agent closed the pool, or died: workers still running die with us,
+            os._exit(0)  # at once (an interpreter's teardown with torch loaded takes a second)
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:

@@ -7,6 +7,7 @@ process by itself.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ class Child:
     process: subprocess.Popen | None = None
     node: str | None = None  # with --store: the node whose candidate this controller is
     restarts: int = 0  # a restarted controller's id is its first name with ".<restarts>"
+    env: dict[str, str] | None = None  # variables added to the launcher's own
 
     def __post_init__(self) -> None:
         self.base = self.name
@@ -37,6 +39,7 @@ class Child:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env} if self.env else None,
                 preexec_fn=die_with_parent,
             )
 

@@ -35,6 +35,15 @@ def new_session_dying_with_parent(signum: int = signal.SIGKILL) -> None:
     die_with_parent(signum)
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie no longer does)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def process_tree(pid: int) -> list[psutil.Process]:
     """The process and all its descendants that exist now."""
     try:
