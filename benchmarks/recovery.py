@@ -57,7 +57,14 @@ from pathlib import Path
 import psutil
 
 from benchmarks import REPO
-from transom.testing.jobs import agent_process, finish, parse, transom_run, wait_for
+from transom.testing.jobs import (
+    agent_process,
+    finish,
+    node_processes,
+    parse,
+    transom_run,
+    wait_for,
+)
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 300
@@ -191,9 +198,10 @@ def run_transom(fault: str, work: Path) -> dict:
             victims = [find_process(lambda p: p.pid == rank_pid(run_dir, 1))]
         else:
             agent = wait_for(lambda: agent_process(job_id, "node1"), 30, "node1's agent")
-            # A machine's death: its processes all at once, the agent's children first, so that
-            # none outlives the agent for a moment.
-            victims = [*agent.children(recursive=True), agent] if fault == "node_death" else [agent]
+            # A machine's death: its processes all at once (its warm interpreter and workers
+            # too, children of the launcher's warm template), the agent last, so that none
+            # outlives the agent for a moment.
+            victims = node_processes(job_id, "node1") if fault == "node_death" else [agent]
         fault_time = time.time()
         for victim in victims:
             with contextlib.suppress(psutil.NoSuchProcess):

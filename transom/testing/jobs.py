@@ -11,6 +11,7 @@ never starts a job.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import psutil
 
 from transom.common import files
+from transom.control import warm
 from transom.store import StoreAccess
 from transom.store.tls import CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE
 
@@ -152,6 +154,25 @@ def job_processes(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def node_processes(marker: str, node: str) -> list[psutil.Process]:
+    """Every process of `node` in the job `marker` names, the agent last: its children, and
+    its warm interpreter and workers, which are the machine's warm template's children where
+    the launcher runs several nodes (transom.control.warm_template)."""
+    agent = agent_process(marker, node)
+    if agent is None:
+        return []
+    title = f"{warm.TITLE} (job "
+    found = []
+    for p in job_processes(marker):
+        with contextlib.suppress(psutil.Error):
+            words = " ".join(p.cmdline())
+            if words.startswith(title) and words.endswith(f", node {node})"):
+                found += [*p.children(recursive=True), p]
+    with contextlib.suppress(psutil.Error):
+        found += agent.children(recursive=True)
+    return [*{p.pid: p for p in found}.values(), agent]
 
 
 def agent_process(marker: str, node: str) -> psutil.Process | None:
