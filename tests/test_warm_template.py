@@ -181,6 +181,8 @@ def ask(path: str, payload: bytes, fds: list[int]) -> bytes:
 
 def test_forged_requests_are_refused_and_the_template_keeps_serving(template, tmp_path):
     null = os.open(os.devnull, os.O_RDWR)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.connect(template.socket_path)  # connects, sends nothing: the template moves on
     try:
         assert ask(template.socket_path, b"not json", [null, null, null]).startswith(b"E ")
         settings = {"title": "x", "env": agent_env(template), "cwd": os.getcwd(), "cores": [0]}
@@ -192,6 +194,7 @@ def test_forged_requests_are_refused_and_the_template_keeps_serving(template, tm
         assert ask(template.socket_path, json.dumps(bad).encode(), [null] * 3).startswith(b"E ")
     finally:
         os.close(null)
+        silent.close()
     pool = WarmPool(1, agent_env(template), tmp_path / "warm.log")
     try:
         pool.fill()

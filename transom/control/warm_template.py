@@ -53,6 +53,7 @@ MAX_REPLY = 256
 ENV_PREFIX = "TRANSOM_"  # variables that may differ between the template and an agent
 STARTED_S = 10.0  # how long a launcher waits for its template to listen
 CONNECT_S = 2.0  # how long an agent waits to hand in its request (the template may be importing)
+REQUEST_S = 1.0  # how long the template waits for a request once a peer connected
 _PID_REPLY = re.compile(rb"P (\d{1,10})")
 
 
@@ -253,6 +254,7 @@ def serve(path: str) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its interpreters are reaped by the kernel
     while True:
         conn, _ = listener.accept()
+        conn.settimeout(REQUEST_S)  # a peer that connects and sends nothing holds nobody up
         fds: list[int] = []
         try:
             uid = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8]
