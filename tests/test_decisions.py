@@ -572,6 +572,28 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     assert run(d.job, Snapshot(live, up2, trained), s, T0 + 11).discard_poisoned is None  # once
 
 
+def test_nan_reports_are_decided_as_soon_as_every_rank_has_reported_one():
+    s = spec()
+    job = running(["node0", "node1"], s)
+    live = nodes("node0", "node1")
+    up = statuses(1, NodeState.RUNNING, "node0", "node1")
+    first = _nan("node0", 31, T0 + 5)
+    first.ranks = [0]
+    summaries = {"node0": _summary("node0", 1, T0 + 5, first)}
+    held = run(job, Snapshot(live, up, summaries), s, T0 + 5.1)
+    assert held.job.rollback_before is None  # rank 1 has not said yet: its step may be earlier
+    second = _nan("node1", 30, T0 + 5.1)
+    second.ranks = [1]
+    summaries["node1"] = _summary("node1", 1, T0 + 5.1, second)
+    d = run(job, Snapshot(live, up, summaries), s, T0 + 5.2, held.memory)
+    assert kinds(d) == ["decision", "rollback", "incident"]  # at once, not at T0 + 5.6
+    assert d.job.rollback_before == 30
+    forged = _nan("node1", 30, T0 + 5.1)
+    forged.ranks = [7]  # a rank outside the world counts for nobody
+    summaries["node1"] = _summary("node1", 1, T0 + 5.1, forged)
+    assert run(job, Snapshot(live, up, summaries), s, T0 + 5.2).job.rollback_before is None
+
+
 def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():
     # An abandoned history (a generation that saved steps 15 and 18 and then lost a node before
     # they were complete) must never mix with the steps 15 and 18 this generation saves again.

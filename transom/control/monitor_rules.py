@@ -77,7 +77,9 @@ def watch_monitor(tick: Tick) -> None:
 
 
 def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
-    """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the earliest step's.
+    """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the earliest step's;
+    no longer than until every rank of the generation has reported one (each reports its first
+    bad step, so the earliest is known then).
 
     A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
     must go before the first bad step, which the slowest reporter may hold.
@@ -90,7 +92,9 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     for a in nans:
         seen.setdefault(a.id, tick.now)
     settled_at = min(seen[a.id] for a in nans) + NUMERICS_SETTLE_S
-    if tick.now < settled_at:
+    world = range(len(tick.job.members) * tick.spec.nproc_per_node)
+    every_rank = set(world) <= {rank for a in nans for rank in a.ranks}
+    if tick.now < settled_at and not every_rank:
         due = tick.decision.due
         tick.decision.due = settled_at if due is None else min(due, settled_at)  # not a tick late
         return [a for a in found if a.type != "nan"]
