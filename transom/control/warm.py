@@ -59,7 +59,12 @@ from transom.common import env as env_names
 from transom.control.warm_template import TemplateInterpreter
 from transom.control.warm_template import request as template_request
 from transom.utils import idle_priority
-from transom.utils.procs import die_with_parent, new_session_dying_with_parent, running
+from transom.utils.procs import (
+    die_with_parent,
+    new_session_dying_with_parent,
+    running,
+    wait_polled,
+)
 
 log = logging.getLogger("transom.warm")
 
@@ -94,14 +99,7 @@ class ForkedWorker:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = 0.1 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
-            self._pool.read_messages(min(left, 0.1))
-        assert self.returncode is not None
-        return self.returncode
+        return wait_polled(self.poll, self._pool.read_messages, timeout, self.pid)
 
     def kill(self) -> None:
         if self.returncode is None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from transom.common import env as env_names
-from transom.utils.procs import die_with_parent, running
+from transom.utils.procs import die_with_parent, running, wait_polled
 
 log = logging.getLogger("transom.warm")
 
@@ -100,15 +100,12 @@ class TemplateInterpreter:
             pass
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = 0.1 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
-            watched = [fd for fd in (self._pidfd, self._conn_fd()) if fd is not None]
-            select.select(watched, [], [], min(left, 0.1))
-        assert self.returncode is not None
-        return self.returncode
+        return wait_polled(self.poll, self._news, timeout, self.pid or 0)
+
+    def _news(self, seconds: float) -> None:
+        """Wait up to `seconds` for its exit or the template's reply."""
+        watched = [fd for fd in (self._pidfd, self._conn_fd()) if fd is not None]
+        select.select(watched, [], [], seconds)
 
     def _conn_fd(self) -> int | None:
         return self.conn.fileno() if self.conn is not None else None

@@ -12,6 +12,8 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 
 import psutil
 
@@ -33,6 +35,21 @@ def new_session_dying_with_parent(signum: int = signal.SIGKILL) -> None:
     (by `signum`, as `die_with_parent`)."""
     os.setsid()
     die_with_parent(signum)
+
+
+def wait_polled(
+    poll: Callable[[], int | None], pause: Callable[[float], None], timeout: float | None, pid: int
+) -> int:
+    """`Popen.wait` for a process known by `poll` (its exit code, None while it runs) that is not
+    this process's child: `pause(s)` waits at most s seconds for news; TimeoutExpired after
+    `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (code := poll()) is None:
+        left = 0.1 if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired([str(pid)], timeout or 0.0)
+        pause(min(left, 0.1))
+    return code
 
 
 def running(pid: int) -> bool:
