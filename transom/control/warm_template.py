@@ -266,14 +266,19 @@ def serve(path: str) -> int:
                 os.close(fd)
             conn.close()
             continue
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:  # no process to spare now: that agent imports by itself
+            pid = -1
+            _reply(conn, b"E cannot fork: " + str(e).encode()[:200])
         if pid == 0:
             listener.close()
             conn.close()
             return _become_interpreter(settings, fds)
         for fd in fds:
             os.close(fd)
-        _reply(conn, b"P %d" % pid)
+        if pid > 0:
+            _reply(conn, b"P %d" % pid)
         conn.close()
 
 
