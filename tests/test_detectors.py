@@ -122,7 +122,7 @@ def test_a_stopped_rank_is_a_hang_after_2_s_of_short_steps_and_nothing_else_is()
     quiet[2]["where"] = "in all_reduce at train.py:57"
     a = hang(quiet)
     assert a is not None and a.nodes == ["node1"] and a.evidence["timeout_s"] == HANG_FLOOR_S
-    assert "rank 1: stopped" in a.message
+    assert "rank 1: stopped" in a.message and a.evidence["why"] == "process stopped"
     running = [dict(v, where="in all_reduce at train.py:57") for v in quiet]
     assert hang(running) is None  # every rank can run: the whole timeout
     early = [dict(v, step_age=1.5) for v in quiet]

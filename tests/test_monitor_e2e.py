@@ -76,14 +76,11 @@ def test_hang_is_detected_blamed_on_the_stopped_rank_and_its_generation_replaced
     )
     assert job.wait() == 0, job.output  # the hung generation was stopped, or the job could not end
     fault = first(job, "fault", fault="hang")
-    gap = first(job, "anomaly", type="telemetry_gap")
-    assert gap["ranks"] == [1] and gap["evidence"]["process_state"] == "stopped"
     hang = first(job, "anomaly", type="hang")
-    assert (
-        hang["nodes"] == ["node1"]
-        and hang["ranks"] == [1]
-        and hang["evidence"]["why"] == "heartbeat stopped"
-    )
+    # Found stopped by its agent (2 s without progress), before or after its heartbeat's 3 s gap.
+    assert hang["nodes"] == ["node1"] and hang["ranks"] == [1], hang
+    assert hang["evidence"]["why"] in ("heartbeat stopped", "process stopped"), hang
+    assert hang["evidence"]["where"]["1"] == "stopped", hang
     # The target, max(10 s, 5 x median step), is measured by
     # benchmarks/detection/detection_bench.py; here only that the hang detector, not some later
     # timeout, caught it.

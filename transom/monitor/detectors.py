@@ -265,17 +265,19 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     )
     if quiet < timeout and not halted:
         return None
-    stopped = [  # its heartbeat stopped, or its agent found its process stopped or gone
+    beat_stopped = [
+        v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S
+    ]
+    # ... or its agent found its process stopped or gone (its heartbeat may be younger than that)
+    stopped = [
         v
         for v in views
-        if v.get("beat_age") is None
-        or v["beat_age"] >= HEARTBEAT_GAP_S
-        or where.get(v["rank"]) in (stacks.STOPPED, stacks.GONE)
+        if v in beat_stopped or where.get(v["rank"]) in (stacks.STOPPED, stacks.GONE)
     ]
     newest = max(v["step"] for v in stepping)
     behind = [v for v in stepping if v["step"] < newest]
     suspects, why = (
-        (stopped, "heartbeat stopped")
+        (stopped, "heartbeat stopped" if beat_stopped else "process stopped")
         if stopped
         else (behind, "behind the others")
         if behind
