@@ -9,6 +9,7 @@ import subprocess
 import threading
 
 import pytest
+from conftest import wait_for
 
 from transom.monitor import stacks
 
@@ -57,7 +58,8 @@ def test_the_collector_names_a_stopped_and_a_gone_rank_and_says_when_it_is_done(
     gone.wait()  # reaped: its pid names no process now
     done = threading.Event()
     try:
-        os.kill(stopped.pid, signal.SIGSTOP)
+        os.kill(stopped.pid, signal.SIGSTOP)  # delivered asynchronously: wait for it to hold
+        wait_for(lambda: stacks.process_state(stopped.pid) == stacks.STOPPED, 10, "the stop")
         collector = stacks.StackCollector(done=done.set)
         ranks = {0: (stopped.pid, tmp_path / "rank0.stacks"), 1: (gone.pid, tmp_path / "r1")}
         assert collector.request(("g1", 7), ranks, "train.py")
