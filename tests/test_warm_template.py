@@ -18,7 +18,7 @@ from conftest import REPO, wait_for
 
 from transom.common import env as env_names
 from transom.control.warm import WarmPool
-from transom.control.warm_template import Template
+from transom.control.warm_template import Template, interpreter_env
 from transom.utils.procs import running
 
 pytestmark = pytest.mark.integration  # real processes: the template, interpreters, workers
@@ -42,8 +42,7 @@ def launcher_env() -> dict[str, str]:
 
 def agent_env(template: Template) -> dict[str, str]:
     """An agent's warm environment, as transom.control.agent builds it under this launcher."""
-    base = {"OMP_NUM_THREADS": "1", **launcher_env(), env_names.JOB_ID: "job-t"}
-    return {**base, **template.agent_env()}
+    return {**interpreter_env(launcher_env(), "job-t"), **template.agent_env()}
 
 
 def launch(pool: WarmPool, tmp_path, seconds: float = 0.0):

@@ -53,6 +53,7 @@ from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import failed_checks, joining_checks
 from transom.control.warm import WarmPool
+from transom.control.warm_template import interpreter_env
 from transom.control.workers import Assignment, TorchStore, WorkerGroup
 from transom.faults import FaultInjector
 from transom.job_spec import JobSpec
@@ -193,11 +194,9 @@ class NodeAgent:
             self.node_id, str(self.run_dir), spec.hang_floor_s, spec.script, wake=self.plan.wake
         )
         if spec.warm_workers:
-            # The job id makes warm interpreters findable as the job's own processes.
-            warm_env = {"OMP_NUM_THREADS": "1", **os.environ, env.JOB_ID: spec.job_id}
             self.warm = WarmPool(
                 spec.nproc_per_node,
-                warm_env,
+                interpreter_env(os.environ, spec.job_id),
                 files.warm_log(self.run_dir, self.node_id),
                 self.node_id,  # in its title: `ps` on a machine of several nodes tells them apart
             )

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ STARTED_S = 10.0  # how long a launcher waits for its template to listen
 CONNECT_S = 2.0  # how long an agent waits to hand in its request (the template may be importing)
 REQUEST_S = 1.0  # how long the template waits for a request once a peer connected
 _PID_REPLY = re.compile(rb"P (\d{1,10})")
+
+
+def interpreter_env(base: Mapping[str, str], job_id: str) -> dict[str, str]:
+    """The environment a warm interpreter imports with, from its agent's (or, for the template,
+    its launcher's) `base`: one definition, so that the two compare equal (`comparable`). The
+    job id makes warm interpreters findable as the job's own processes."""
+    return {"OMP_NUM_THREADS": "1", **base, env_names.JOB_ID: job_id}
 
 
 def comparable(env: dict[str, str]) -> dict[str, str]:
@@ -312,8 +320,7 @@ class Template:
     def start(self) -> None:
         """Start it with the environment the agents give their interpreters (warm.py), and wait
         (STARTED_S at most) until it listens: an agent that finds no socket imports by itself."""
-        base = os.environ if self.env is None else self.env
-        env = {"OMP_NUM_THREADS": "1", **base, env_names.JOB_ID: self.job_id}
+        env = interpreter_env(os.environ if self.env is None else self.env, self.job_id)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
