@@ -594,6 +594,30 @@ def test_nan_reports_are_decided_as_soon_as_every_rank_has_reported_one():
     assert run(job, Snapshot(live, up, summaries), s, T0 + 5.2).job.rollback_before is None
 
 
+def test_nan_reports_are_decided_at_once_when_every_other_rank_finished_the_step_before():
+    # The demo's NaN rank holds its peers in the all-reduce: they never report a NaN, but their
+    # nodes' summaries say they finished the step before, so none of theirs can be earlier.
+    s = spec()
+    job = running(["node0", "node1"], s)
+    live = nodes("node0", "node1")
+    up = statuses(1, NodeState.RUNNING, "node0", "node1")
+    first = _nan("node0", 31, T0 + 5)
+    first.ranks = [0]
+
+    def decided(node1_step: int, speaker: str = "node1") -> bool:
+        summaries = {"node0": _summary("node0", 1, T0 + 5, first)}
+        other = MonitorSummary(speaker, 1, T0 + 5, ranks={"1": RankSummary(step=node1_step)})
+        if speaker == "node0":
+            other.anomalies = [first]
+        summaries[speaker] = other
+        d = run(job, Snapshot(live, up, summaries), s, T0 + 5.1)
+        return d.job.rollback_before is not None
+
+    assert decided(30)  # rank 1 is past step 30 without a NaN: the earliest is 31's
+    assert not decided(29)  # rank 1 may still report one at step 30
+    assert not decided(30, speaker="node0")  # node0 cannot speak for node1's rank
+
+
 def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():
     # An abandoned history (a generation that saved steps 15 and 18 and then lost a node before
     # they were complete) must never mix with the steps 15 and 18 this generation saves again.

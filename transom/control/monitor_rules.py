@@ -78,11 +78,15 @@ def watch_monitor(tick: Tick) -> None:
 
 def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     """Hold NaN reports for NUMERICS_SETTLE_S after the first, then keep the earliest step's;
-    no longer than until every rank of the generation has reported one (each reports its first
-    bad step, so the earliest is known then).
+    no longer than until every rank of the generation has either reported one (each reports its
+    first bad step) or been seen past the step before the earliest reported without one (its
+    node's summary says it finished that step, and lists its NaN report if it had one): the
+    earliest is known then.
 
     A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
-    must go before the first bad step, which the slowest reporter may hold.
+    must go before the first bad step, which the slowest reporter may hold. The demo's NaN rank
+    holds its peers in the all-reduce: none of them ever reports one, but each has finished the
+    step before.
     """
     nans = [a for a in found if a.type == "nan"]
     if not nans:
@@ -93,7 +97,8 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
         seen.setdefault(a.id, tick.now)
     settled_at = min(seen[a.id] for a in nans) + NUMERICS_SETTLE_S
     world = range(len(tick.job.members) * tick.spec.nproc_per_node)
-    every_rank = set(world) <= {rank for a in nans for rank in a.ranks}
+    said = {rank for a in nans for rank in a.ranks} | _clean_before(tick, nans)
+    every_rank = set(world) <= said
     if tick.now < settled_at and not every_rank:
         due = tick.decision.due
         tick.decision.due = settled_at if due is None else min(due, settled_at)  # not a tick late
@@ -101,6 +106,32 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
     tick.job.handled_anomalies.extend(a.id for a in nans if a is not first)
     return [a for a in found if a.type != "nan" or a is first]
+
+
+def _clean_before(tick: Tick, nans: list[Anomaly]) -> set[int]:
+    """The ranks whose node's summary (this generation's) shows them finished with the step
+    before the earliest NaN reported, and lists no NaN of theirs: none of theirs comes earlier.
+    A node speaks for its own ranks only (the plan's: its place among the members)."""
+    steps = [a.step for a in nans if a.step is not None]
+    if not steps:
+        return set()
+    before, per_node = min(steps) - 1, tick.spec.nproc_per_node
+    clean: set[int] = set()
+    for place, node in enumerate(tick.job.members):
+        s = tick.snap.summaries.get(node)
+        if s is None or s.generation != tick.job.generation:
+            continue
+        bad = {rank for a in s.anomalies if a.type == "nan" for rank in a.ranks}
+        own = range(place * per_node, (place + 1) * per_node)
+        clean.update(
+            rank
+            for rank in own
+            if rank not in bad
+            and (view := s.ranks.get(str(rank))) is not None
+            and view.step is not None
+            and view.step >= before
+        )
+    return clean
 
 
 def controller_anomaly(tick: Tick, anomaly: Anomaly) -> None:
