@@ -213,6 +213,23 @@ def test_goodput_numbers_are_exact(tmp_path):
     assert s["incidents"][1]["cause"] == "n0 lost; blamed: n0"
 
 
+def test_a_generation_trains_from_when_its_step_was_reached_not_when_the_launcher_wrote_it(
+    tmp_path,
+):
+    # Generation 3's first sample was written at 17.0 for a step its nodes' agents saw reached at
+    # 16.4: the 0.6 s between is training, not downtime. A step_at later than the record's own
+    # time (an agent's clock ahead) or not a number is the record's time, as before step_at was.
+    run_dir = write_synthetic_run(tmp_path / "run")
+    progress = synthetic_progress()
+    progress[7]["step_at"] = T0 + 16.4
+    progress[4]["step_at"] = T0 + 99.0  # generation 2's first sample: ahead, so 10.0 stands
+    progress[5]["step_at"] = "soon"
+    write_lines(run_dir / "progress.jsonl", progress)
+    g = build_summary(read_run(run_dir))["goodput"]
+    assert g["downtime_s"] == pytest.approx((10.0 - 6.5) + (16.4 - 12.2))
+    assert g["effective_training_s"] == pytest.approx(1.0 + 1.5 + 1.6)
+
+
 def test_a_generation_resumes_from_the_step_its_ranks_restored_not_the_plans(tmp_path):
     # The plan of generation 2 names step 20 (the catalog's newest when it was made); its ranks
     # agreed on step 30, the newest they all held: one step lost, not eleven.

@@ -30,6 +30,7 @@ def test_progress_is_the_step_every_member_of_the_current_generation_finished():
         "state": "RUNNING",
         "generation": 3,
         "step": 40,
+        "step_at": 99.0,  # node1's status (written at its generation's first step) says when
         "members": ["node0", "node1"],
         "spares": ["node3"],
         "evicted": ["node2"],
@@ -38,6 +39,9 @@ def test_progress_is_the_step_every_member_of_the_current_generation_finished():
     assert progress_record(_snap({"node0": (3, 42), "node1": (2, 80)}))["step"] is None
     assert progress_record(_snap({"node0": (3, 42), "node1": (3, None)}))["step"] is None
     assert progress_record({"time": 1.0, "job": None}) is None
+    done = _snap({"node0": (3, 42), "node1": (3, 40)})
+    done["statuses"]["node1"]["state"] = "succeeded"  # written when its workers exited
+    assert progress_record(done)["step"] == 40 and progress_record(done)["step_at"] is None
 
 
 def test_a_nodes_step_is_its_status_or_its_newer_summary_of_the_same_generation():
@@ -49,6 +53,10 @@ def test_a_nodes_step_is_its_status_or_its_newer_summary_of_the_same_generation(
         "node3": {"node": "node3", "generation": 2, "t": 50.0, "ranks": {"2": {"step": 99}}},
     }
     assert progress_record(snap)["step"] == 55  # every member finished 55
+    assert progress_record(snap)["step_at"] is None  # no step ages: when is unknown
+    snap["monitor"]["node0"]["ranks"]["0"]["step_age"] = 0.5
+    snap["monitor"]["node1"]["ranks"]["1"]["step_age"] = 0.25
+    assert progress_record(snap)["step_at"] == 98.75  # node1 reached 55 at 99.0 - 0.25
     steps = {row["node"]: row["step"] for row in node_rows(snap)}
     assert steps == {"node0": 57, "node1": 55, "node2": None, "node3": 10}  # node3's is stale
     assert status_summary(snap)["newest_step"] == 57

@@ -19,7 +19,8 @@ spec's `store_outage_s` ends the job, deliberately and with its reason (exit 1, 
 "bad input" exit 2). Its embedded etcd is restarted from its data directory when it dies, and
 kept compacted and defragmented (store/upkeep.py). With `refill_spares` (simulated
 nodes only) it plays the cluster's scheduler too: every node the controller evicts is replaced
-by a newly started one, which joins as a spare, so the pool of spares stays full.
+by a newly started one, which joins as a spare, so the pool of spares stays full (once the job
+trains again: transom.spare_refill).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from transom.control.warm_template import Template
 from transom.job_spec import ConfigError, JobSpec
 from transom.rerun import hold_run_dir, hold_storage, resume
 from transom.run_mirror import JobFollower, RunMirror
+from transom.spare_refill import SpareRefill
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.embedded import ONE_MACHINE_GO_THREADS
 from transom.store.reachability import StoreOutage
@@ -117,7 +119,7 @@ class Launcher:
         self.mirror: RunMirror | JobFollower | None = None  # the job, followed (run_mirror.py)
         self.children: list[Child] = []
         self._local_nodes: list[str] = []
-        self._replaced: set[str] = set()  # evicted nodes a refill already replaced
+        self.refill = SpareRefill()  # when an evicted node is replaced (refill_spares)
         self._unrecorded: list[Event] = []  # events etcd did not take yet, oldest first
         self.claim: Claim | None = None  # this job's hold on its checkpoint storage
         self._run_dir_lock: int | None = None  # on one machine: the run directory's lock file
@@ -383,12 +385,10 @@ class Launcher:
         return True
 
     def _refill(self, job: JobRecord | None) -> None:
-        """Play the cluster's scheduler: a new simulated node for each evicted one."""
-        evicted = job.evicted if job else {}
-        for node in sorted(set(evicted) - self._replaced):
-            if node not in self._local_nodes:
-                continue
-            self._replaced.add(node)
+        """Play the cluster's scheduler: a new simulated node for each evicted one, once the job
+        trains again (transom.spare_refill)."""
+        trained = self.mirror.trained_generation if isinstance(self.mirror, RunMirror) else None
+        for node in self.refill.due(job, self._local_nodes, trained, time.time()):
             child = self._agent(f"{self.launch.node_prefix or 'node'}{len(self._local_nodes)}")
             self._local_nodes.append(child.name)
             self.children.append(child)

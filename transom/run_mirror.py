@@ -76,6 +76,8 @@ class RunMirror:
         self._events_seen: set[str] = set()
         self._event_filter = EventFilter()
         self._last_progress: dict | None = None
+        # The newest generation whose members all finished a step (None: none seen yet).
+        self.trained_generation: int | None = None
         self._shown: tuple[int, Any] | None = None  # (mirror revision, job record) last written
         self._shown_at = -math.inf
 
@@ -120,7 +122,9 @@ class RunMirror:
         (self.run_dir / files.STATUS).write_text(json.dumps(snap, separators=(",", ":")))
         record = progress_record(snap)
         if record is not None:
-            shown = {k: v for k, v in record.items() if k != "time"}
+            if record["step"] is not None:
+                self.trained_generation = record["generation"]
+            shown = {k: v for k, v in record.items() if k not in ("time", "step_at")}
             if shown != self._last_progress:
                 self._last_progress = shown
                 with open(self.run_dir / files.PROGRESS, "a") as f:

@@ -88,35 +88,57 @@ def node_step(status: NodeStatus | None, summary: MonitorSummary | None) -> int 
     """A node's newest finished step: its status's (written when its state changes and at a
     generation's first step) or, when newer, its monitor summary's (written every few steps),
     of the status's generation."""
+    return node_step_at(status, summary)[0]
+
+
+def node_step_at(
+    status: NodeStatus | None, summary: MonitorSummary | None
+) -> tuple[int | None, float | None]:
+    """`node_step`, and when the node reached it as its agent saw it: a running status's time, or
+    the summary's time less the rank's step age (None where unknown: a final status is written
+    when the workers exited, not at their last step)."""
     if status is None:
-        return None
-    steps = [status.step]
+        return None, None
+    reached: list[tuple[int, float | None]] = []
+    if status.step is not None:  # a running status is written at its generation's first step
+        reached.append((status.step, status.time if status.state is NodeState.RUNNING else None))
     if summary is not None and summary.generation == status.generation:
-        steps += [r.step for r in summary.ranks.values()]
-    known = [step for step in steps if step is not None]
-    return max(known) if known else None
+        reached += [
+            (r.step, summary.t - r.step_age if r.step_age is not None else None)
+            for r in summary.ranks.values()
+            if r.step is not None
+        ]
+    if not reached:
+        return None, None
+    newest = max(step for step, _ in reached)
+    times = [at for step, at in reached if step == newest and at is not None]
+    return newest, min(times) if times else None
 
 
-def node_steps(snap: dict) -> dict[str, tuple[int, int | None]]:
-    """Each node's (generation, newest step) in a snapshot (`node_step`)."""
+def node_steps(snap: dict) -> dict[str, tuple[int, int | None, float | None]]:
+    """Each node's (generation, newest step, when it reached it) in a snapshot (`node_step_at`)."""
     statuses = parse_all(NodeStatus, snap.get("statuses") or {})
     summaries = parse_all(MonitorSummary, snap.get("monitor") or {})
-    return {n: (s.generation, node_step(s, summaries.get(n))) for n, s in statuses.items()}
+    return {n: (s.generation, *node_step_at(s, summaries.get(n))) for n, s in statuses.items()}
 
 
 def progress_record(snap: dict) -> dict | None:
     """One line of progress.jsonl: the job's state, its step (the newest step every member of the
-    current generation has finished; None until each has reported one) and its membership."""
+    current generation has finished; None until each has reported one), when the last of them
+    reached it (`step_at`, as their agents saw it; None where unknown) and its membership."""
     job = _job(snap)
     if job is None:
         return None
     members, generation = job.members, job.generation
     nodes = node_steps(snap)
     known = [
-        step
+        (step, nodes[m][2])
         for m in members
         if m in nodes and nodes[m][0] == generation and (step := nodes[m][1]) is not None
     ]
+    step = min(s for s, _ in known) if members and len(known) == len(members) else None
+    times = [at for s, at in known if s == step]
+    timed = [at for at in times if at is not None]
     evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
@@ -125,7 +147,8 @@ def progress_record(snap: dict) -> dict | None:
         "time": snap.get("time", time.time()),
         "state": job.state.value,
         "generation": generation,
-        "step": min(known) if members and len(known) == len(members) else None,
+        "step": step,
+        "step_at": max(timed) if step is not None and len(timed) == len(times) else None,
         "members": members,
         "spares": spares,
         "evicted": evicted,
@@ -205,7 +228,7 @@ def monitor_columns(summary: MonitorSummary | None, generation: int | None) -> d
 def status_summary(snap: dict) -> dict:
     job = _job(snap)
     spec = snap.get("spec") or {}
-    steps = [step for _, step in node_steps(snap).values() if step is not None]
+    steps = [step for _, step, _ in node_steps(snap).values() if step is not None]
     used = job.restarts_used if job else 0
     return {
         "job_id": snap.get("job_id"),

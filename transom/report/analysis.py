@@ -8,7 +8,8 @@ Definitions (the markdown report repeats them):
 * A generation g restores step r_g (0 when it starts fresh). It "trains again" at the first
   progress sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a
   progress sample of g shows (r_g when it shows none). A progress sample's step is the newest step
-  every rank of the generation has finished; a fault injected in g counts as a sample too (the
+  every rank of the generation has finished, timed when the last of them finished it (its
+  `step_at`, else when it was written); a fault injected in g counts as a sample too (the
   step its target rank had reached), and so does an sdc anomaly (the fingerprinted step every
   rank had finished: numbered by the optimizer from 0, a step at most one below the script's),
   since progress is sampled every half second or so and a fault often strikes after the last
@@ -161,9 +162,9 @@ def generations(events: list[Event], progress: list[dict] | None) -> list[Genera
     restored_steps(events, gens)
     # Progress samples, and with them each fault injection: the step its target rank had reached
     # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
-    # one). Each as (time, generation, step).
+    # one). Each as (time, generation, step), a sample's time being when its step was reached.
     points = [
-        (p["time"], p.get("generation"), p["step"])
+        (_reached_at(p), p.get("generation"), p["step"])
         for p in progress or []
         if p.get("step") is not None
     ]
@@ -176,8 +177,17 @@ def generations(events: list[Event], progress: list[dict] | None) -> list[Genera
     for t, generation, step in sorted(points, key=lambda p: p[0]):
         g = gens.get(int(generation or 0))  # generations count from 1
         if g is not None and (not g.samples or step > g.samples[-1][1]):  # a new step's first
-            g.samples.append((t, step))
+            g.samples.append((max(t, g.started_at), step))
     return [gens[n] for n in sorted(gens)]
+
+
+def _reached_at(sample: dict) -> float:
+    """When a progress sample's step was reached: its `step_at`, no later than the sample's own
+    time (which lags by the agents' summary period and the launcher's poll, up to a second)."""
+    at, written = sample.get("step_at"), sample["time"]
+    if isinstance(at, int | float) and not isinstance(at, bool) and math.isfinite(at):
+        return min(float(at), written)
+    return written
 
 
 def _fingerprinted(event: Event) -> bool:
@@ -255,20 +265,10 @@ def goodput(
     """Wall time, steps, and the wall time split into effective, start-up, lost, downtime and
     shutdown."""
     wall = end - start
-    result = {
-        "wall_s": wall,
-        "steps_completed": None,
-        "effective_training_s": None,
-        "effective_ratio_x": None,
-        "startup_s": None,
-        "lost_compute_s": None,
-        "downtime_s": None,
-        "shutdown_s": None,
-        "lost_steps": None,
-        "reference_wall_s": None,
-        "slowdown_x": None,
-        "progress_available": have_progress,
-    }
+    unknown = "steps_completed effective_training_s effective_ratio_x startup_s lost_compute_s"
+    unknown += " downtime_s shutdown_s lost_steps reference_wall_s slowdown_x"
+    result: dict = {"wall_s": wall, **dict.fromkeys(unknown.split())}
+    result["progress_available"] = have_progress
     if reference and reference.get("wall_s"):
         reference_wall = float(reference["wall_s"])
         result["reference_wall_s"] = reference_wall

@@ -1,0 +1,52 @@
+"""When the launcher replaces an evicted simulated node (transom.spare_refill)."""
+
+from __future__ import annotations
+
+from transom.common.records import Eviction, JobRecord
+from transom.common.states import JobState
+from transom.spare_refill import RUNNING_S, WAIT_S, SpareRefill
+
+T0 = 1_000.0
+LOCAL = ["node0", "node1", "node2"]
+
+
+def job(state: JobState, generation: int, since: float, *evicted: str) -> JobRecord:
+    return JobRecord(
+        state,
+        generation,
+        ["node0", "node2"],
+        since,
+        evicted={n: Eviction("hang", T0, generation - 1) for n in evicted},
+    )
+
+
+def test_a_replacement_waits_until_the_new_generation_trained_then_starts_once():
+    refill = SpareRefill()
+    restarting = job(JobState.WARMUP, 3, T0, "node1")
+    assert refill.due(restarting, LOCAL, trained_generation=2, now=T0) == []
+    running = job(JobState.RUNNING, 3, T0 + 0.2, "node1")
+    assert refill.due(running, LOCAL, trained_generation=2, now=T0 + 0.3) == []  # no step yet
+    assert refill.due(running, LOCAL, trained_generation=3, now=T0 + 0.9) == ["node1"]
+    assert refill.due(running, LOCAL, trained_generation=3, now=T0 + 1.0) == []  # once
+
+
+def test_without_progress_a_generation_running_for_a_while_counts_as_training():
+    refill = SpareRefill()
+    running = job(JobState.RUNNING, 3, T0, "node1")
+    assert refill.due(running, LOCAL, None, T0 + RUNNING_S / 2) == []
+    assert refill.due(running, LOCAL, None, T0 + RUNNING_S) == ["node1"]
+
+
+def test_a_job_waiting_for_nodes_gets_its_replacement_at_once_and_a_stuck_one_soon():
+    assert SpareRefill().due(job(JobState.PENDING, 3, T0, "node1"), LOCAL, 2, T0) == ["node1"]
+    refill = SpareRefill()
+    stuck = job(JobState.WARMUP, 3, T0, "node1")
+    assert refill.due(stuck, LOCAL, 2, T0) == []
+    assert refill.due(stuck, LOCAL, 2, T0 + WAIT_S / 2) == []
+    assert refill.due(stuck, LOCAL, 2, T0 + WAIT_S) == ["node1"]  # from when it was first seen
+
+
+def test_only_this_launchers_nodes_are_replaced():
+    running = job(JobState.RUNNING, 3, T0, "node1", "other-machine-node")
+    assert SpareRefill().due(running, LOCAL, 3, T0) == ["node1"]
+    assert SpareRefill().due(None, LOCAL, 3, T0) == []
