@@ -17,6 +17,8 @@ second from every node; the rules that read them (hang and telemetry-gap ages, s
 time-based, so the controller's timer takes them in. A summary with an anomaly or in which a
 rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted), a status
 with a new state, generation or failure, any registration or pre-flight change wakes it at once.
+An incident's first news, a status that turned FAILED or a registration deleted, also sets
+`incident` (the controller's loop then ticks without waiting out its tick floor).
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -45,6 +47,7 @@ from transom.common.records import (
     PreflightResult,
     parse_all,
 )
+from transom.common.states import NodeState
 from transom.monitor import waiting
 from transom.store import Store
 from transom.store.watch import PrefixWatch, Update
@@ -85,6 +88,21 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
     return False
 
 
+def _incident(name: str, before: Any | None, after: Any | None, event: Any) -> bool:
+    """Whether a change is an incident's first news: a registration deleted (a node's lease
+    ended), or a node's status that turned FAILED."""
+    if name == keys.NODES:
+        return bool(event.deleted)
+    failed = isinstance(after, NodeStatus) and after.state is NodeState.FAILED
+    was_failed = (
+        isinstance(before, NodeStatus)
+        and before.state is NodeState.FAILED
+        and isinstance(after, NodeStatus)
+        and before.generation == after.generation
+    )
+    return failed and not was_failed
+
+
 def read_direct(store: Store) -> Published:
     """The same records read with one prefix read per name (StoreError if etcd cannot answer)."""
     registered = store.get_prefix(keys.NODES)
@@ -100,9 +118,15 @@ def read_direct(store: Store) -> Published:
 class WatchedCluster:
     """The watched records of one job; `start` it, read it with `published`, `stop` it."""
 
-    def __init__(self, store: Store, changed: threading.Event | None = None):
+    def __init__(
+        self,
+        store: Store,
+        changed: threading.Event | None = None,
+        incident: threading.Event | None = None,
+    ):
         self.store = store
         self.changed = changed if changed is not None else threading.Event()
+        self.incident = incident if incident is not None else threading.Event()
         self._lock = threading.Lock()
         self._records: dict[str, dict[str, Any]] = {name: {} for name in WATCHED}
         self.summary_changed_at: dict[str, float] = {}  # node -> when its summary arrived
@@ -170,12 +194,13 @@ class WatchedCluster:
             self._replace(name, update.snapshot)
             return
         now = time.monotonic()
-        urgent = False
+        urgent = incident = False
         with self._lock:
             records = self._records[name]
             for event in update.events:
                 record = None if event.deleted else self._parse(name, event.name, event.value)
                 urgent = urgent or not _progress_only(records.get(event.name), record)
+                incident = incident or _incident(name, records.get(event.name), record, event)
                 if event.deleted or (record is None and name != keys.NODES):
                     records.pop(event.name, None)
                     if name == keys.NODES:
@@ -184,5 +209,7 @@ class WatchedCluster:
                     records[event.name] = record  # a registration counts, valid or not
                 if name == keys.MONITOR:
                     self.summary_changed_at[event.name] = now
+        if incident:
+            self.incident.set()
         if urgent:
             self.changed.set()
