@@ -110,9 +110,9 @@ def test_hang_blames_the_rank_whose_heartbeat_stopped():
     assert a.evidence["timeout_s"] == HANG_FLOOR_S
 
 
-def test_a_stopped_rank_is_a_hang_after_2_s_of_short_steps_and_nothing_else_is():
+def test_a_stopped_rank_is_a_hang_after_1_s_of_short_steps_and_nothing_else_is():
     # Quiet for 2.5 s of 0.2 s steps under an 8 s timeout: the agents have collected the stacks.
-    assert detectors.suspect_after_s(HANG_FLOOR_S, [0.2]) == detectors.STOPPED_HANG_S == 2.0
+    assert detectors.suspect_after_s(HANG_FLOOR_S, [0.2]) == detectors.STOPPED_HANG_S == 1.0
     quiet = [view(f"node{i}", i, 50, step_age=2.5, beat_age=0.3) for i in range(3)]
     assert hang(quiet) is None
     for v, where in zip(quiet, ("in all_reduce at train.py:57", "stopped", None), strict=True):
@@ -125,14 +125,14 @@ def test_a_stopped_rank_is_a_hang_after_2_s_of_short_steps_and_nothing_else_is()
     assert "rank 1: stopped" in a.message and a.evidence["why"] == "process stopped"
     running = [dict(v, where="in all_reduce at train.py:57") for v in quiet]
     assert hang(running) is None  # every rank can run: the whole timeout
-    early = [dict(v, step_age=1.5) for v in quiet]
-    assert hang(early) is None  # stopped, but not for 2 s
+    early = [dict(v, step_age=0.9) for v in quiet]
+    assert hang(early) is None  # stopped, but not for 1 s (a 300 ms stop of a duty cycle)
     # Steps of 1.5 s: half of the timeout's 4 steps (3 s), and never more than half the timeout.
     assert detectors.suspect_after_s(HANG_FLOOR_S, [1.5]) == 3.0
     slow = [dict(v, step_s=1.5) for v in quiet]
     assert hang(slow) is None
     assert hang([dict(v, step_age=3.1) for v in slow]) is not None
-    assert detectors.suspect_after_s(3.0, [0.2]) == 1.5  # a floor of 3 s: half of it
+    assert detectors.suspect_after_s(1.5, [0.2]) == 0.75  # a floor of 1.5 s: half of it
     in_phase = [dict(v, step_age=100.0, phase="checkpoint") for v in quiet]
     assert hang(in_phase) is None  # a phase: half of its own timeout (150 s)
 

@@ -24,9 +24,10 @@ HANG_STEP_FACTOR = 4.0
 # While a rank's process is stopped (SIGSTOP, a tracer), its peers can only be waiting for it: a
 # hang once no rank progressed for this long, and for stacks.SUSPECT_FRACTION of the learned
 # timeout's steps (`suspect_after_s`). A duty cycle that stops a rank now and then (a straggler,
-# transom.monitor.stopped_time) never holds every rank this long; the hang floor is for ranks
-# that can run, which may be in a long collective or a slow step.
-STOPPED_HANG_S = 2.0
+# transom.monitor.stopped_time) never holds every rank this long (the issue's longest stop is
+# 300 ms); the hang floor is for ranks that can run, which may be in a long collective or a slow
+# step. 2 s until the demo's hang showed the second as a fifth of its downtime.
+STOPPED_HANG_S = 1.0
 # While a rank is in a phase (checkpoint save, evaluation) a hang takes this long.
 PHASE_HANG_S = 300.0
 # A rank whose heartbeat is older than this is stopped or dead (the heartbeat beats every 0.5 s).
@@ -230,7 +231,7 @@ def suspect_after_s(timeout_s: float, step_times: Sequence[float]) -> float:
     """How long no rank may progress before the agents collect their ranks' stacks, and before
     a hang is declared where one of them is stopped: stacks.SUSPECT_FRACTION of the timeout, or
     of its steps alone (STOPPED_HANG_S at least) where that is shorter. A stopped rank of a job
-    of 60 ms steps under an 8 s floor is a hang after 2 s, not 4 s."""
+    of 60 ms steps under an 8 s floor is a hang after 1 s, not 4 s."""
     steps = HANG_STEP_FACTOR * statistics.median(step_times) if step_times else 0.0
     fraction = stacks.SUSPECT_FRACTION
     return min(fraction * timeout_s, max(STOPPED_HANG_S, fraction * steps))
