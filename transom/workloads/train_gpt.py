@@ -110,6 +110,7 @@ from transom.workloads.gpt_checkpoints import (  # noqa: E402
 from transom.workloads.gpt_model import (  # noqa: E402
     GPT,
     average_gradients,
+    encode,
     evaluate,
     get_batch,
     lr_at,
@@ -265,8 +266,7 @@ def main(argv=None):
     # Data
     text = make_corpus()
     chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    data = encode(text, chars)
 
     # Model and optimizer, then the checkpoint (if any) on top
     torch.manual_seed(args.seed)
