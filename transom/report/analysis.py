@@ -6,15 +6,14 @@ Definitions (the markdown report repeats them):
 * Wall time: from the run's first event to its `succeeded`/`failed` event (the last event, or
   progress sample, when the run did not finish).
 * A generation g restores step r_g (0 when it starts fresh). It "trains again" at the first
-  progress sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a
-  progress sample of g shows (r_g when it shows none). A progress sample's step is the newest step
-  every rank of the generation has finished, timed when the last of them finished it (its
-  `step_at`, else when it was written); a fault injected in g counts as a sample too (the
-  step its target rank had reached), and so does an sdc anomaly (the fingerprinted step every
-  rank had finished: numbered by the optimizer from 0, a step at most one below the script's),
-  since progress is sampled every half second or so and a fault often strikes after the last
-  sample. The time g reached a step between two samples is
-  interpolated linearly between them.
+  sample of g whose step is beyond r_g; it "reaches" step m_g, the highest step a sample of g
+  shows (r_g when it shows none). A sample is a step every rank of g had finished by its time
+  (transom.report.step_points): a progress record's (the newest step every rank finished, timed
+  when the last of them finished it), a fault injected in g (the step its target rank had
+  reached), an sdc anomaly (the fingerprinted step every rank had finished: numbered by the
+  optimizer from 0, a step at most one below the script's) or a step every rank saved (at the
+  last save); none later than the final event. The time g reached a step between two samples
+  is interpolated linearly between them.
 * Incident: the end of generation g followed by generation g+1. Its lost steps are m_g - r_{g+1}
   (steps computed but not kept, to be computed again); lost steps in total sum over incidents.
 * Effective training time: the time spent computing the steps that are in the final model. A
@@ -59,6 +58,7 @@ from itertools import pairwise
 
 from transom.common.records import Event, EventKind
 from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
+from transom.report.step_points import step_points
 
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
@@ -160,39 +160,15 @@ def generations(events: list[Event], progress: list[dict] | None) -> list[Genera
         elif e.kind == EventKind.RUNNING and e.generation in gens:
             gens[e.generation].running_at = gens[e.generation].running_at or e.time
     restored_steps(events, gens)
-    # Progress samples, and with them each fault injection: the step its target rank had reached
-    # then (progress is sampled at most every 0.5 s, so a fault often struck steps after the last
-    # one). Each as (time, generation, step), a sample's time being when its step was reached.
-    points = [
-        (_reached_at(p), p.get("generation"), p["step"])
-        for p in progress or []
-        if p.get("step") is not None
-    ]
-    if points:
-        points += [
-            (e.time, e.generation, e.step)
-            for e in events
-            if (e.kind == EventKind.FAULT or _fingerprinted(e)) and e.step is not None
-        ]
+    points = step_points(events, progress, [(g.number, g.started_at) for g in gens.values()])
+    # A sample written after the job ended (its last step comes with the final status) was
+    # reached by the end at the latest.
+    ended = next((e.time for e in events if e.kind in FINAL_KINDS), math.inf)
     for t, generation, step in sorted(points, key=lambda p: p[0]):
         g = gens.get(int(generation or 0))  # generations count from 1
         if g is not None and (not g.samples or step > g.samples[-1][1]):  # a new step's first
-            g.samples.append((max(t, g.started_at), step))
+            g.samples.append((min(max(t, g.started_at), ended), step))
     return [gens[n] for n in sorted(gens)]
-
-
-def _reached_at(sample: dict) -> float:
-    """When a progress sample's step was reached: its `step_at`, no later than the sample's own
-    time (which lags by the agents' summary period and the launcher's poll, up to a second)."""
-    at, written = sample.get("step_at"), sample["time"]
-    if isinstance(at, int | float) and not isinstance(at, bool) and math.isfinite(at):
-        return min(float(at), written)
-    return written
-
-
-def _fingerprinted(event: Event) -> bool:
-    """An sdc anomaly: every rank had finished its step (the fingerprints of all were in)."""
-    return event.kind == EventKind.ANOMALY and event.type == "sdc"
 
 
 def restored_steps(events: list[Event], gens: dict[int, Generation]) -> None:
