@@ -280,12 +280,16 @@ def test_a_stopped_ranks_place_is_a_summary_due_at_once(tmp_path, monkeypatch):
         pids = {rank: p.pid for rank, p in enumerate(procs)}
         monitor.collect()  # the last summary, before the stop
         assert not monitor.due(time.monotonic())
+        monitor.check(pids, {})
+        at = monitor.stuck_check_at  # the agent ticks then, not at its next steady tick
+        assert at is not None and at <= time.monotonic() + 0.5  # half the 1 s hang floor
 
         def due():
             monitor.check(pids, {})
             return monitor.due(time.monotonic())
 
         wait_for(due, 20, "a summary due for the stuck ranks' places")
+        assert monitor.stuck_check_at is None  # collected: nothing more is due
         summary, events = monitor.collect()
         assert events == []
         assert summary.ranks["1"].where == stacks.STOPPED

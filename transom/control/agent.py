@@ -8,9 +8,10 @@ checkpoint server starts while it registers and runs its pre-flight checks, once
 It reports what its workers do to `status/<node>` and `monitor/<node>`, each written only when
 it changed or at a slow heartbeat (transom.control.node_reports). Its loop ticks every TICK_S to
 watch its workers, every STEADY_TICK_S while they train steadily (a tick then checks only what
-is measured in seconds); a tick costs etcd nothing unless something is to be written. What
-cannot wait wakes the loop: a new plan, a worker's exit, a datagram with news
-(transom.monitor.node). The controller decides, the agent never restarts workers on its own.
+is measured in seconds), and when its ranks' stacks are due (a stopped rank's hang waits for
+them); a tick costs etcd nothing unless something is to be written. What cannot wait wakes the
+loop: a new plan, a worker's exit, a datagram with news (transom.monitor.node). The controller
+decides, the agent never restarts workers on its own.
 
 A fault of the control plane never ends the agent: an etcd call that fails (`StoreError`, after
 the store's own retries), or a lease renewal that fails or goes unanswered, is an outage; the
@@ -176,11 +177,14 @@ class NodeAgent:
         return 0
 
     def _tick_s(self) -> float:
-        """STEADY_TICK_S while the workers run and nothing here is under way; else TICK_S."""
+        """STEADY_TICK_S while the workers run and nothing here is under way, else TICK_S; less
+        when the ranks' stacks are due sooner (NodeMonitor.stuck_check_at)."""
         under_way = self._resync or self.contact.in_outage or self.waiting_for_master is not None
         faults = self.faults is not None and self.faults.agent_faults_left()  # fire near a step
         running = self.group is not None and self.group_state is NodeState.RUNNING
-        return STEADY_TICK_S if running and not (under_way or faults) else TICK_S
+        tick = STEADY_TICK_S if running and not (under_way or faults) else TICK_S
+        due = self.monitor.stuck_check_at if self.monitor is not None else None
+        return tick if due is None else min(tick, max(0.01, due - time.monotonic()))
 
     def _join(self) -> None:
         """Start the node's parts, register it and follow the plan (each until done or stopped)."""
@@ -221,14 +225,10 @@ class NodeAgent:
             ("stop the checkpoint server", lambda: self.ckpt.stop() if self.ckpt else None),
             ("close the warm pool", lambda: self.warm.close() if self.warm else None),
             ("close the monitor", lambda: self.monitor.close() if self.monitor else None),
-            ("close the link-test port", self._close_link_server),
+            ("close the link port", lambda: self.link_server.close() if self.link_server else None),
             ("stop following the plan", self.plan.stop),
             ("deregister", self._deregister),
         )
-
-    def _close_link_server(self) -> None:
-        if self.link_server is not None:
-            self.link_server.close()
 
     def _deregister(self) -> None:
         """Not during an outage: each call would wait out the store's deadline, and the lease

@@ -15,7 +15,8 @@ except progress reports: a monitor summary without anomalies, or a status that s
 the node's newest step (or warm interpreters, or its time) moved. Those arrive about every
 second from every node; the rules that read them (hang and telemetry-gap ages, stragglers) are
 time-based, so the controller's timer takes them in. A summary with an anomaly or in which a
-rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted), a status
+rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted) or whose
+ranks' places changed (a stuck node's stacks, which a stopped rank's hang waits for), a status
 with a new state, generation or failure, any registration or pre-flight change wakes it at once.
 An incident's first news, a status that turned FAILED or a registration deleted, also sets
 `incident` (the controller's loop then ticks without waiting out its tick floor).
@@ -81,7 +82,7 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
     status's time, step, warm count)."""
     if isinstance(after, MonitorSummary):
         shifted = isinstance(before, MonitorSummary) and waiting.summary_shifted(before, after)
-        return not after.anomalies and not shifted
+        return not after.anomalies and not shifted and _places(before) == _places(after)
     if isinstance(before, NodeStatus) and isinstance(after, NodeStatus):
         same = dataclasses.replace(after, time=before.time, step=before.step, warm=before.warm)
         return same == before
@@ -101,6 +102,13 @@ def _incident(name: str, before: Any | None, after: Any | None, event: Any) -> b
         and before.generation == after.generation
     )
     return failed and not was_failed
+
+
+def _places(summary: Any | None) -> dict[str, str | None]:
+    """Where a summary's ranks are while their node looks hung (none while they progress)."""
+    if not isinstance(summary, MonitorSummary):
+        return {}
+    return {rank: r.where for rank, r in summary.ranks.items() if r.where is not None}
 
 
 def read_direct(store: Store) -> Published:

@@ -143,6 +143,7 @@ class NodeMonitor:
         self.hang_floor_s = hang_floor_s
         self.stacks = stacks.StackCollector(done=wake)  # collected: publish it at once
         self._stuck_key: tuple[int, int] | None = None  # (generation, newest step) collected for
+        self.stuck_check_at: float | None = None  # when the stacks are due if no rank progresses
         self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
         self.listener.start()
 
@@ -350,6 +351,7 @@ class NodeMonitor:
         first step and none finished one for detectors.suspect_after_s (as the controller's hang
         rule computes it from these ranks' step times)."""
         with self._lock:
+            self.stuck_check_at = None
             tracks = [self.ranks.get(rank) for rank in pids]
             if (
                 self.stacks_dir is None
@@ -362,9 +364,9 @@ class NodeMonitor:
             timeout = detectors.hang_timeout_s(self.hang_floor_s, step_times)
             quiet = min(now - r.step_at for r in known if r.step_at is not None)
             key = (self.generation, max(r.step for r in known if r.step is not None))
-            if quiet < detectors.suspect_after_s(timeout, step_times) or any(
-                r.phase for r in known
-            ):
+            suspect = detectors.suspect_after_s(timeout, step_times)
+            self.stuck_check_at = now + suspect - quiet if quiet < suspect else None
+            if quiet < suspect or any(r.phase for r in known):
                 return
             self._stuck_key = key
             where = self.stacks_dir
