@@ -212,7 +212,9 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         stuck = MonitorSummary("a", 1, 9.5, ranks={"0": RankSummary(step=9, where="stopped")})
         store.put(keys.monitor("a"), stuck.to_dict())  # a stuck node's places: the hang rule's
         assert view.changed.wait(10)
+        assert view.incident.is_set()
         view.changed.clear()
+        view.incident.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
         assert view.changed.wait(10)
         assert view.incident.is_set()  # a failure: the controller ticks without its floor

@@ -18,8 +18,8 @@ time-based, so the controller's timer takes them in. A summary with an anomaly o
 rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted) or whose
 ranks' places changed (a stuck node's stacks, which a stopped rank's hang waits for), a status
 with a new state, generation or failure, any registration or pre-flight change wakes it at once.
-An incident's first news, a status that turned FAILED or a registration deleted, also sets
-`incident` (the controller's loop then ticks without waiting out its tick floor).
+An incident's first news, a status that turned FAILED, a registration deleted or a stuck node's
+new places, also sets `incident` (the controller's loop then ticks without its tick floor).
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -91,9 +91,11 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
 
 def _incident(name: str, before: Any | None, after: Any | None, event: Any) -> bool:
     """Whether a change is an incident's first news: a registration deleted (a node's lease
-    ended), or a node's status that turned FAILED."""
+    ended), a node's status that turned FAILED, or a summary with new places of stuck ranks."""
     if name == keys.NODES:
         return bool(event.deleted)
+    if isinstance(after, MonitorSummary):
+        return bool(_places(after)) and _places(after) != _places(before)
     failed = isinstance(after, NodeStatus) and after.state is NodeState.FAILED
     was_failed = (
         isinstance(before, NodeStatus)
