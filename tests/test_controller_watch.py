@@ -207,27 +207,30 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         assert not view.changed.is_set()
         store.put(keys.monitor("a"), summary(9.0, 0.22))  # by more (waiting.TIMING_SHIFT_FRACTION)
         assert view.changed.wait(10)
-        assert not view.incident.is_set()  # a lagging rank is no incident
+        assert not view.pressing.is_set()  # a lagging rank is no incident
         view.changed.clear()
         stuck = MonitorSummary("a", 1, 9.5, ranks={"0": RankSummary(step=9, where="stopped")})
         store.put(keys.monitor("a"), stuck.to_dict())  # a stuck node's places: the hang rule's
         assert view.changed.wait(10)
-        assert view.incident.is_set()
+        assert view.pressing.is_set()
         view.changed.clear()
-        view.incident.clear()
+        view.pressing.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
         assert view.changed.wait(10)
-        assert view.incident.is_set()  # a failure: the controller ticks without its floor
-        view.incident.clear()
+        assert view.pressing.is_set()  # a failure: the controller ticks without its floor
+        view.pressing.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 4.0, step=7).to_dict())
         poll(lambda: view.published().statuses["a"].time == 4.0, 10, "the failure again")
-        assert not view.incident.is_set()  # the same failure is no new incident
+        assert not view.pressing.is_set()  # the same failure is no new incident
+        store.put(keys.status("a"), NodeStatus("a", 2, NodeState.SUCCEEDED, 5.0).to_dict())
+        assert poll(view.pressing.is_set, 10, "done")  # its workers all done: the job may end
+        view.pressing.clear()
 
         deleted_before = view.node_deleted_at
         store.delete(keys.node("a"))
         poll(lambda: "a" not in view.published().nodes, 10, "a's registration deleted")
         assert view.node_deleted_at > deleted_before
-        assert view.incident.is_set()  # a node gone
+        assert view.pressing.is_set()  # a node gone
 
         server.stop()
         poll(lambda: not view.current, 10, "the view knows it is stale")

@@ -18,8 +18,10 @@ time-based, so the controller's timer takes them in. A summary with an anomaly o
 rank's timings shifted (a rank begins to lag: transom.monitor.waiting.timings_shifted) or whose
 ranks' places changed (a stuck node's stacks, which a stopped rank's hang waits for), a status
 with a new state, generation or failure, any registration or pre-flight change wakes it at once.
-An incident's first news, a status that turned FAILED, a registration deleted or a stuck node's
-new places, also sets `incident` (the controller's loop then ticks without its tick floor).
+News that cannot wait, an incident's first (a status that turned FAILED, a registration
+deleted, a stuck node's new places) or a node's workers all done (a status that turned
+SUCCEEDED: the job may have ended), also sets `pressing` (the controller's loop then ticks
+without its tick floor).
 
 `current` says whether every stream is up: the view is then as new as etcd's watch delivery.
 While a stream is down (etcd restarted, unreachable) the view is stale and the controller must
@@ -55,6 +57,8 @@ from transom.store.watch import PrefixWatch, Update
 
 log = logging.getLogger("transom.controller")
 
+# A node's status that turned one of these is pressing news (`_pressing`).
+PRESSING_STATES = (NodeState.FAILED, NodeState.SUCCEEDED)
 # The record type of each watched name.
 WATCHED = {
     keys.NODES: NodeRegistration,
@@ -89,21 +93,22 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
     return False
 
 
-def _incident(name: str, before: Any | None, after: Any | None, event: Any) -> bool:
-    """Whether a change is an incident's first news: a registration deleted (a node's lease
-    ended), a node's status that turned FAILED, or a summary with new places of stuck ranks."""
+def _pressing(name: str, before: Any | None, after: Any | None, event: Any) -> bool:
+    """Whether a change cannot wait for the controller's tick floor: a registration deleted (a
+    node's lease ended), a summary with new places of stuck ranks, or a node's status that
+    turned FAILED or SUCCEEDED."""
     if name == keys.NODES:
         return bool(event.deleted)
     if isinstance(after, MonitorSummary):
         return bool(_places(after)) and _places(after) != _places(before)
-    failed = isinstance(after, NodeStatus) and after.state is NodeState.FAILED
-    was_failed = (
+    if not isinstance(after, NodeStatus) or after.state not in PRESSING_STATES:
+        return False
+    same = (
         isinstance(before, NodeStatus)
-        and before.state is NodeState.FAILED
-        and isinstance(after, NodeStatus)
+        and before.state is after.state
         and before.generation == after.generation
     )
-    return failed and not was_failed
+    return not same
 
 
 def _places(summary: Any | None) -> dict[str, str | None]:
@@ -132,11 +137,11 @@ class WatchedCluster:
         self,
         store: Store,
         changed: threading.Event | None = None,
-        incident: threading.Event | None = None,
+        pressing: threading.Event | None = None,
     ):
         self.store = store
         self.changed = changed if changed is not None else threading.Event()
-        self.incident = incident if incident is not None else threading.Event()
+        self.pressing = pressing if pressing is not None else threading.Event()
         self._lock = threading.Lock()
         self._records: dict[str, dict[str, Any]] = {name: {} for name in WATCHED}
         self.summary_changed_at: dict[str, float] = {}  # node -> when its summary arrived
@@ -204,13 +209,13 @@ class WatchedCluster:
             self._replace(name, update.snapshot)
             return
         now = time.monotonic()
-        urgent = incident = False
+        urgent = pressing = False
         with self._lock:
             records = self._records[name]
             for event in update.events:
                 record = None if event.deleted else self._parse(name, event.name, event.value)
                 urgent = urgent or not _progress_only(records.get(event.name), record)
-                incident = incident or _incident(name, records.get(event.name), record, event)
+                pressing = pressing or _pressing(name, records.get(event.name), record, event)
                 if event.deleted or (record is None and name != keys.NODES):
                     records.pop(event.name, None)
                     if name == keys.NODES:
@@ -219,7 +224,7 @@ class WatchedCluster:
                     records[event.name] = record  # a registration counts, valid or not
                 if name == keys.MONITOR:
                     self.summary_changed_at[event.name] = now
-        if incident:
-            self.incident.set()
+        if pressing:
+            self.pressing.set()
         if urgent:
             self.changed.set()

@@ -124,9 +124,9 @@ class Controller:
         self._flush_wait: tuple[int, float, list[str]] | None = None
         self.terminated = False  # SIGTERM: hand leadership over and exit 0
         self.wake = threading.Event()  # something changed: tick (or try to lead) now
-        # An incident's first news (a failure, a node gone): while the job runs, tick without
-        # waiting out TICK_S (the crash demo's failure waited 0.2 s behind its anomaly's tick).
-        self.incident = threading.Event()
+        # News that cannot wait (a failure, a node gone, a node done: cluster_view._pressing):
+        # while the job runs, tick without waiting out TICK_S (the demo's crash waited 0.2 s).
+        self.pressing = threading.Event()
         self.contact = StoreContact(
             self._probe,
             self.observed,
@@ -281,7 +281,7 @@ class Controller:
         floor, limit = tick_wait(started, time.monotonic(), self._due)
         job = self.job
         running = job is not None and job.state is JobState.RUNNING
-        if self._wait_floor(floor, self.incident if running else None):
+        if self._wait_floor(floor, self.pressing if running else None):
             return
         steady = (
             job is not None
@@ -294,16 +294,16 @@ class Controller:
             steady_s = min(steady_s, max(TICK_S, STEPS_PER_TICK * self._step_s))
         self._wait_woken(min(limit, steady_s if steady else TICK_S))
         self.wake.clear()
-        self.incident.clear()
+        self.pressing.clear()
 
-    def _wait_floor(self, floor: float, incident: threading.Event | None) -> bool:
-        """Wait out the tick floor, or until `incident` is set; whether `stopping` was set."""
-        if incident is None:
+    def _wait_floor(self, floor: float, pressing: threading.Event | None) -> bool:
+        """Wait out the tick floor, or until `pressing` is set; whether `stopping` was set."""
+        if pressing is None:
             return self.stopping.wait(floor)
         deadline = time.monotonic() + floor
         while not self.stopping.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or incident.wait(min(left, STOP_CHECK_S)):
+            if left <= 0 or pressing.wait(min(left, STOP_CHECK_S)):
                 return False
         return True
 
@@ -400,7 +400,7 @@ class Controller:
     def _step(self) -> None:
         assert self.job is not None and self.spec is not None
         if self.view is None:
-            view = WatchedCluster(self.store, self.wake, self.incident)
+            view = WatchedCluster(self.store, self.wake, self.pressing)
             view.start()  # StoreError: retried at the next tick
             self.view = view
         # Act only on a view etcd answered for lately, and after the newest lease expiry the
