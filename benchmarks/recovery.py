@@ -207,11 +207,16 @@ def run_transom(fault: str, work: Path) -> dict:
             with contextlib.suppress(psutil.NoSuchProcess):
                 victim.send_signal(signal.SIGKILL)
         succeeded = recovered(logs, fault_time, process)
-        # The launcher copies etcd's events to events.jsonl each tick.
-        if succeeded and fault != "worker_crash":
+        # The launcher copies etcd's events to events.jsonl each tick (0.5 s): the incident may
+        # not be there yet when the first step after the fault is (0.6 s after a crash).
+        if succeeded:
             deadline = time.monotonic() + EVENTS_WAIT_S
             while time.monotonic() < deadline:
-                if replacement_load(run_events(run_dir), fault_time)["replacement_tier"]:
+                events = run_events(run_dir)
+                if incident_after(events, fault_time) is not None and (
+                    fault == "worker_crash"
+                    or replacement_load(events, fault_time)["replacement_tier"]
+                ):
                     break
                 time.sleep(0.2)
     finally:
@@ -228,11 +233,20 @@ def run_transom(fault: str, work: Path) -> dict:
         )
         return NOT_RECOVERED | {"warm_ready": warm_ready}
     events = run_events(run_dir)
-    detected = min(e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time)
+    detected = incident_after(events, fault_time)
+    if detected is None:
+        print(f"transom job {job_id}: no incident in its events after the {fault}", file=sys.stderr)
+        return NOT_RECOVERED | {"warm_ready": warm_ready}
     row = split(parse(logs()), fault_time, detected) | {"warm_ready": warm_ready}
     if fault != "worker_crash":
         row |= replacement_load(events, fault_time)
     return row
+
+
+def incident_after(events: list[dict], fault_time: float) -> float | None:
+    """When the first incident after the fault began (None: none in the events yet)."""
+    times = [e["time"] for e in events if e["kind"] == "incident" and e["time"] > fault_time]
+    return min(times, default=None)
 
 
 def run_events(run_dir: Path) -> list[dict]:
