@@ -37,8 +37,14 @@ def test_without_progress_a_generation_running_for_a_while_counts_as_training():
     assert refill.due(running, LOCAL, None, T0 + RUNNING_S) == ["node1"]
 
 
-def test_a_job_waiting_for_nodes_gets_its_replacement_at_once_and_a_stuck_one_soon():
+def test_a_job_waiting_for_nodes_or_on_an_incident_gets_its_replacement_at_once():
+    # The kill torture: an agent died while the job recovered from another's death, with no
+    # spare; the replacement it waited for would have been too late.
     assert SpareRefill().due(job(JobState.PENDING, 3, T0, "node1"), LOCAL, 2, T0) == ["node1"]
+    assert SpareRefill().due(job(JobState.RECOVERING, 3, T0, "node1"), LOCAL, 3, T0) == ["node1"]
+
+
+def test_a_generation_that_does_not_train_gets_its_replacement_soon_all_the_same():
     refill = SpareRefill()
     stuck = job(JobState.WARMUP, 3, T0, "node1")
     assert refill.due(stuck, LOCAL, 2, T0) == []

@@ -4,11 +4,13 @@ Simulated nodes share one machine's cores. A new node's start (its agent's and c
 server's imports, its pre-flight benchmark, its warm interpreter) costs a few seconds of CPU, and
 started at the eviction it competes with the restart that the eviction began: the new
 generation's workers start, restore and take their first step on the same cores. The demo's
-restarts that evicted a node took 0.5-1 s longer than the one that did not. So a replacement
-starts once the job trains again: the generation after the eviction has finished a step (or,
-for a launcher that follows the job record alone, has run for RUNNING_S). It starts at once when
-the job waits for nodes (PENDING), and at the latest WAIT_S after the eviction was seen, so a
-restart that needs the node never waits on this rule for long.
+restarts that evicted a node took 0.5-1 s longer than the one that did not. So while a new
+generation starts (WARMUP, or RUNNING before its first step), a replacement waits until the
+job trains again: the generation has finished a step (or, for a launcher that follows the job
+record alone, has run for RUNNING_S); at the latest WAIT_S after the eviction was seen. While
+the job waits for nodes or on an incident (PENDING, RECOVERING) it starts at once: the restart
+may need it (the kill torture: a second agent died while the first one's replacement waited,
+and the job, left with one node of its two, failed).
 
 This module only decides when; the launcher starts the node. It must never replace a node twice
 or one that this launcher did not start.
@@ -48,15 +50,14 @@ class SpareRefill:
         waiting = [n for n in sorted(job.evicted) if n in local_nodes and n not in self.replaced]
         for node in waiting:
             self.seen_at.setdefault(node, now)
-        training = job.state is JobState.RUNNING and (
-            trained_generation == job.generation
-            if trained_generation is not None
-            else now - job.since >= RUNNING_S
+        starting = job.state is JobState.WARMUP or (
+            job.state is JobState.RUNNING
+            and (
+                trained_generation != job.generation
+                if trained_generation is not None
+                else now - job.since < RUNNING_S
+            )
         )
-        due = [
-            n
-            for n in waiting
-            if training or job.state is JobState.PENDING or now - self.seen_at[n] >= WAIT_S
-        ]
+        due = [n for n in waiting if not starting or now - self.seen_at[n] >= WAIT_S]
         self.replaced.update(due)
         return due
