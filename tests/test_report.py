@@ -248,6 +248,19 @@ def test_a_step_every_rank_saved_is_a_sample_at_the_last_save(tmp_path):
     assert g["effective_training_s"] == pytest.approx(1.0 + 1.5 + 0.6)
 
 
+def test_a_last_step_known_only_after_the_end_is_timed_at_the_generations_pace(tmp_path):
+    # The final status brought step 62 in a record written at 18.9, after the job's end (18.5),
+    # and no save timed it: generation 3 made 10 steps a second, so 62 came at 18.2.
+    run_dir = write_synthetic_run(tmp_path / "run")
+    progress = synthetic_progress()
+    progress.append({**progress[-1], "time": T0 + 18.9, "state": "SUCCEEDED", "step": 62})
+    write_lines(run_dir / "progress.jsonl", progress)
+    g = build_summary(read_run(run_dir))["goodput"]
+    assert g["steps_completed"] == 62
+    assert g["shutdown_s"] == pytest.approx(18.5 - 18.2)
+    assert g["effective_training_s"] == pytest.approx(1.0 + 1.5 + 1.2)
+
+
 def test_a_generation_resumes_from_the_step_its_ranks_restored_not_the_plans(tmp_path):
     # The plan of generation 2 names step 20 (the catalog's newest when it was made); its ranks
     # agreed on step 30, the newest they all held: one step lost, not eleven.

@@ -12,7 +12,8 @@ Definitions (the markdown report repeats them):
   when the last of them finished it), a fault injected in g (the step its target rank had
   reached), an sdc anomaly (the fingerprinted step every rank had finished: numbered by the
   optimizer from 0, a step at most one below the script's) or a step every rank saved (at the
-  last save); none later than the final event. The time g reached a step between two samples
+  last save); none later than the final event (a step first seen after it was reached at the
+  generation's pace since its last two samples). The time g reached a step between two samples
   is interpolated linearly between them.
 * Incident: the end of generation g followed by generation g+1. Its lost steps are m_g - r_{g+1}
   (steps computed but not kept, to be computed again); lost steps in total sum over incidents.
@@ -162,11 +163,14 @@ def generations(events: list[Event], progress: list[dict] | None) -> list[Genera
     restored_steps(events, gens)
     points = step_points(events, progress, [(g.number, g.started_at) for g in gens.values()])
     # A sample written after the job ended (its last step comes with the final status) was
-    # reached by the end at the latest.
+    # reached by the end at the latest: at the generation's pace since its last two samples.
     ended = next((e.time for e in events if e.kind in FINAL_KINDS), math.inf)
     for t, generation, step in sorted(points, key=lambda p: p[0]):
         g = gens.get(int(generation or 0))  # generations count from 1
         if g is not None and (not g.samples or step > g.samples[-1][1]):  # a new step's first
+            if t > ended and len(g.samples) >= 2:
+                (t0, s0), (t1, s1) = g.samples[-2:]
+                t = t1 + (step - s1) * (t1 - t0) / (s1 - s0)
             g.samples.append((min(max(t, g.started_at), ended), step))
     return [gens[n] for n in sorted(gens)]
 
