@@ -56,3 +56,14 @@ def test_only_this_launchers_nodes_are_replaced():
     running = job(JobState.RUNNING, 3, T0, "node1", "other-machine-node")
     assert SpareRefill().due(running, LOCAL, 3, T0) == ["node1"]
     assert SpareRefill().due(None, LOCAL, 3, T0) == []
+
+
+def test_a_node_set_aside_is_replaced_without_waiting_for_its_lease():
+    # Taken for dead while its lease holds (evicted only when it expires, up to a TTL later): a
+    # second death in that time must find its replacement on the way.
+    recovering = job(JobState.RECOVERING, 4, T0)
+    recovering.set_aside = {"node2": T0}
+    refill = SpareRefill()
+    assert refill.due(recovering, LOCAL, 3, T0) == ["node2"]
+    recovering.evicted = {"node2": Eviction("node lost", T0 + 8, 4)}
+    assert refill.due(recovering, LOCAL, 3, T0 + 8) == []  # once

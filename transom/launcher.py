@@ -18,9 +18,9 @@ once when it ends (and an event says how long it lasted); only an outage longer 
 spec's `store_outage_s` ends the job, deliberately and with its reason (exit 1, never the
 "bad input" exit 2). Its embedded etcd is restarted from its data directory when it dies, and
 kept compacted and defragmented (store/upkeep.py). With `refill_spares` (simulated
-nodes only) it plays the cluster's scheduler too: every node the controller evicts is replaced
-by a newly started one, which joins as a spare, so the pool of spares stays full (once the job
-trains again: transom.spare_refill).
+nodes only) it plays the cluster's scheduler too: every node the controller evicts or sets
+aside is replaced by a newly started one, which joins as a spare, so the pool of spares stays
+full (when: transom.spare_refill).
 """
 
 from __future__ import annotations
@@ -385,10 +385,11 @@ class Launcher:
         return True
 
     def _refill(self, job: JobRecord | None) -> None:
-        """Play the cluster's scheduler: a new simulated node for each evicted one, once the job
-        trains again (transom.spare_refill)."""
+        """Play the cluster's scheduler: a new simulated node for each lost one (evicted or set
+        aside), when transom.spare_refill says."""
         trained = self.mirror.trained_generation if isinstance(self.mirror, RunMirror) else None
         for node in self.refill.due(job, self._local_nodes, trained, time.time()):
+            lost = "evicted" if job is not None and node in job.evicted else "set-aside"
             child = self._agent(f"{self.launch.node_prefix or 'node'}{len(self._local_nodes)}")
             self._local_nodes.append(child.name)
             self.children.append(child)
@@ -396,7 +397,7 @@ class Launcher:
             event = Event(
                 time.time(),
                 EventKind.PROVISION,
-                f"cluster: new node {child.name} started to replace evicted {node}; "
+                f"cluster: new node {child.name} started to replace {lost} {node}; "
                 f"it joins as a spare (--refill-spares)",
                 node=child.name,
                 extra={"replaces": node},

@@ -1,4 +1,11 @@
-"""When the launcher, playing the cluster's scheduler (`--refill-spares`), replaces an evicted node.
+"""When the launcher, playing the cluster's scheduler (`--refill-spares`), replaces a lost node.
+
+A node is lost to the job when the controller evicts it, or sets it aside: taken for dead
+before its lease expired (transom.control.set_aside), which evicts it only at that expiry, up to
+a node TTL later. The kill torture (an elastic job of 2 to 3 nodes, no spare) failed where a
+second agent died within that TTL: both leases expired in one tick, one node was left, and the
+replacement for the first, started only then, came too late. A set-aside node is replaced at
+once; if it was alive after all, it is a spare, and so is its replacement.
 
 Simulated nodes share one machine's cores. A new node's start (its agent's and checkpoint
 server's imports, its pre-flight benchmark, its warm interpreter) costs a few seconds of CPU, and
@@ -43,11 +50,12 @@ class SpareRefill:
         trained_generation: int | None,
         now: float,
     ) -> list[str]:
-        """The evicted local nodes to replace now (each once); `trained_generation`: the newest
+        """The lost local nodes to replace now (each once); `trained_generation`: the newest
         generation whose members all finished a step (None when unknown)."""
         if job is None:
             return []
-        waiting = [n for n in sorted(job.evicted) if n in local_nodes and n not in self.replaced]
+        lost = sorted(set(job.evicted) | set(job.set_aside))
+        waiting = [n for n in lost if n in local_nodes and n not in self.replaced]
         for node in waiting:
             self.seen_at.setdefault(node, now)
         starting = job.state is JobState.WARMUP or (
