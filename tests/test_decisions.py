@@ -572,13 +572,17 @@ def test_rollback_is_recorded_then_cleared_with_a_discard_once_the_next_generati
     assert run(d.job, Snapshot(live, up2, trained), s, T0 + 11).discard_poisoned is None  # once
 
 
-def test_nan_reports_are_decided_as_soon_as_every_rank_has_reported_one():
+def _two_nodes_with_a_nan() -> tuple[JobSpec, JobRecord, dict, dict, Anomaly]:
+    """A running job of node0 (rank 0) and node1 (rank 1), and rank 0's NaN at step 31."""
     s = spec()
-    job = running(["node0", "node1"], s)
-    live = nodes("node0", "node1")
-    up = statuses(1, NodeState.RUNNING, "node0", "node1")
     first = _nan("node0", 31, T0 + 5)
     first.ranks = [0]
+    up = statuses(1, NodeState.RUNNING, "node0", "node1")
+    return s, running(["node0", "node1"], s), nodes("node0", "node1"), up, first
+
+
+def test_nan_reports_are_decided_as_soon_as_every_rank_has_reported_one():
+    s, job, live, up, first = _two_nodes_with_a_nan()
     summaries = {"node0": _summary("node0", 1, T0 + 5, first)}
     held = run(job, Snapshot(live, up, summaries), s, T0 + 5.1)
     assert held.job.rollback_before is None  # rank 1 has not said yet: its step may be earlier
@@ -597,12 +601,7 @@ def test_nan_reports_are_decided_as_soon_as_every_rank_has_reported_one():
 def test_nan_reports_are_decided_at_once_when_every_other_rank_finished_the_step_before():
     # The demo's NaN rank holds its peers in the all-reduce: they never report a NaN, but their
     # nodes' summaries say they finished the step before, so none of theirs can be earlier.
-    s = spec()
-    job = running(["node0", "node1"], s)
-    live = nodes("node0", "node1")
-    up = statuses(1, NodeState.RUNNING, "node0", "node1")
-    first = _nan("node0", 31, T0 + 5)
-    first.ranks = [0]
+    s, job, live, up, first = _two_nodes_with_a_nan()
 
     def decided(node1_step: int, speaker: str = "node1") -> bool:
         summaries = {"node0": _summary("node0", 1, T0 + 5, first)}
