@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--refill-spares",
         action="store_true",
-        help="simulated nodes only: start a new node whenever one is evicted, as a cluster's "
-        "scheduler would, so the pool of spares stays full",
+        help="simulated nodes only: start a new node whenever one is evicted or taken for dead, "
+        "as a cluster's scheduler would, so the pool of spares stays full (while a restart "
+        "starts its workers, once they train)",
     )
     run.add_argument(
         "--fresh",
