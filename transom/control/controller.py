@@ -300,19 +300,17 @@ class Controller:
         """Wait out the tick floor, or until `pressing` is set; whether `stopping` was set."""
         if pressing is None:
             return self.stopping.wait(floor)
-        deadline = time.monotonic() + floor
-        while not self.stopping.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or pressing.wait(min(left, STOP_CHECK_S)):
-                return False
-        return True
+        self._wait_woken(floor, pressing)
+        return self.stopping.is_set()
 
-    def _wait_woken(self, timeout: float) -> None:
-        """Until `wake` is set, `stopping` is set (checked every STOP_CHECK_S) or `timeout`."""
+    def _wait_woken(self, timeout: float, event: threading.Event | None = None) -> None:
+        """Until `event` (`wake`) is set, `stopping` is set (checked every STOP_CHECK_S) or
+        `timeout`."""
+        event = event or self.wake
         deadline = time.monotonic() + timeout
         while not self.stopping.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or self.wake.wait(min(left, STOP_CHECK_S)):
+            if left <= 0 or event.wait(min(left, STOP_CHECK_S)):
                 return
 
     def _close_view(self) -> None:
