@@ -96,3 +96,26 @@ def test_a_script_that_finishes_or_exits_with_a_message_ends_as_plain_python_doe
         )
         assert lines.index("atexit ran") < lines.index("teardown ran")  # __main__ after atexit
         assert ("gave up: no data" in out) == (arg == "text") == ("gave up: no data" in plain[1])
+
+
+@pytest.mark.integration
+def test_flushing_files_at_the_exit_reads_no_attribute_of_the_scripts_objects(tmp_path):
+    """Some objects intercept every attribute read (torch.distributed's deprecated `reduce_op`
+    warns on each): the files are found by their type, never by asking an object its class."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "class Noisy:\n"
+        "    def __getattribute__(self, name):\n"
+        "        print('read', name, flush=True)\n"
+        "        return object.__getattribute__(self, name)\n"
+        "kept = [Noisy()]\n"
+        "print('done', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-u", "-m", "transom.control.bootstrap", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TRANSOM_AUTO_MONITOR": "0"},
+    )
+    assert done.returncode == 0 and done.stdout.splitlines() == ["done"], done.stdout
