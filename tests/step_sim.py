@@ -8,7 +8,7 @@ waits in, its work after the all-reduce, a sleep between steps, a checkpoint wit
 node's summary (`RankTrack.view`) is published at the agent's ticks when written (as
 `NodeMonitor.steps_due` and the agent's keep-alive: when its timings shifted, after
 SUMMARY_STEPS new steps (or ATTENTIVE_PERIOD_S) within ATTENTIVE_S of a shift that slowed it,
-of the generation's start or of a summary slower than the spell's first (`node.attend`),
+of the generation's start or of a summary slower than the spell's first (`pace.attend`),
 else every `node_reports.SUMMARY_HEARTBEAT_S`),
 and every controller tick the views of the latest summaries go to `cluster.StragglerDetector` and
 `cluster.ThroughputDetector`. A rank can be throttled from outside as the `throttle` fault does
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from transom.control import node_reports
 from transom.monitor import cluster, node, rank_timing
+from transom.monitor import summary_pace as pace
 
 CONTROLLER_TICK_S = 0.2  # transom.control.controller.TICK_S
 AGENT_TICK_S = 0.2  # transom.control.agent.TICK_S: a summary is published at a tick when due
@@ -197,7 +198,7 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
     published: dict[int, list[dict]] = {}
     last_summary: dict[int, tuple[float, int | None]] = {}  # node -> (when, newest step)
     last_view: dict[int, node.RankSummary] = {}  # node -> its rank's view in that summary
-    attentive_until = dict.fromkeys(range(job.nodes), node.ATTENTIVE_S)  # a new generation
+    attentive_until = dict.fromkeys(range(job.nodes), pace.ATTENTIVE_S)  # a new generation
     spell_views: dict[int, dict[str, node.RankSummary] | None] = {}  # the spell's first summary
     straggler_detector, drop_detector = cluster.StragglerDetector(), cluster.ThroughputDetector()
     straggler = drop = None
@@ -214,30 +215,30 @@ def _monitor(job: Job, datagrams: list, rng: random.Random, stop_at_straggler: b
             track, (at, step) = tracks[index], last_summary.get(index, (-math.inf, None))
             newest, before = track.step, last_view.get(index)
             advanced = (
-                now - at >= node.SUMMARY_MIN_PERIOD_S
+                now - at >= pace.SUMMARY_MIN_PERIOD_S
                 and newest is not None
                 and newest > (step or 0)
             )
             shifted = advanced and track.shifted(before, now)
             if shifted and track.shifted(before, now, slower_only=True):
-                attentive_until[index] = now + node.ATTENTIVE_S
+                attentive_until[index] = now + pace.ATTENTIVE_S
             due = (
                 now - at >= node_reports.SUMMARY_HEARTBEAT_S
                 or shifted
                 or (
                     now < attentive_until[index]
-                    and now - at >= node.SUMMARY_MIN_PERIOD_S
+                    and now - at >= pace.SUMMARY_MIN_PERIOD_S
                     and newest is not None
                     and (
-                        (advanced and newest >= (step or 0) + node.SUMMARY_STEPS)
-                        or now - at >= node.ATTENTIVE_PERIOD_S
+                        (advanced and newest >= (step or 0) + pace.SUMMARY_STEPS)
+                        or now - at >= pace.ATTENTIVE_PERIOD_S
                     )
                 )
             )
             if due:  # as NodeMonitor.steps_due and NodeReports.summary
                 last_summary[index] = (now, newest)
                 last_view[index] = track.view(now)
-                attentive_until[index], spell_views[index] = node.attend(
+                attentive_until[index], spell_views[index] = pace.attend(
                     attentive_until[index],
                     spell_views.get(index),
                     {str(index): last_view[index]},

@@ -30,6 +30,7 @@ from transom.common.records import (
     Plan,
     RankSummary,
     Severity,
+    SummaryRequest,
 )
 from transom.common.states import JobState, NodeState
 from transom.control import agent as agent_module
@@ -38,9 +39,11 @@ from transom.control.agent import NodeAgent
 from transom.control.lease_keeper import LeaseKeeper
 from transom.control.monitor_rules import SUMMARY_GAP_S
 from transom.control.plan_follow import PlanFollower
+from transom.faults import MockNvml
 from transom.job_spec import JobSpec
 from transom.monitor import detectors
 from transom.monitor.detectors import HEARTBEAT_GAP_S
+from transom.monitor.node import NodeMonitor
 from transom.store import Store, StoreAccess, key_follow
 from transom.testing.store_proxy import StoreProxy
 
@@ -126,6 +129,35 @@ def test_the_master_address_reaches_the_other_members_on_the_plan_watch_without_
         assert follower.master(4) == MasterAddress("10.0.0.4", 29504)
         assert follower.reads == 1  # everything came pushed
     finally:
+        follower.stop()
+
+
+def test_a_summary_request_reaches_the_agent_on_the_plan_watch_and_is_answered_once(store):
+    """The controller's NaN hold asks every member for its ranks' steps now (`plan/summaries`):
+    pushed on the plan's watch, answered by the next summary (which names it), once."""
+    store.put(keys.PLAN, plan(1))
+    follower = PlanFollower(store)
+    monitor = NodeMonitor("node0", nvml=MockNvml())
+    try:
+        follower.start(time.monotonic())
+        monitor.new_generation(1)
+        assert follower.summary_request() is None
+        wait_for(lambda: follower.watch.healthy, 10, "the watch stream to be up")
+        store.put(keys.SUMMARY_REQUEST, SummaryRequest(1, "node1-1-3").to_dict())
+        wait_for(lambda: follower.wait(0.2) or follower.summary_request(), 10, "the push")
+        asked = follower.summary_request()
+        assert asked == SummaryRequest(1, "node1-1-3")
+        assert monitor.answer(asked) and not monitor.answer(asked)  # the next summary, once
+        assert monitor.collect()[0].answers == "node1-1-3"
+        assert not monitor.answer(SummaryRequest(2, "node1-2-1"))  # another generation's
+        store.put(keys.SUMMARY_REQUEST, {"generation": "one"})  # forged: not a request
+        wait_for(
+            lambda: follower.wait(0.2) or follower.summary_request() is None, 10, "the forgery"
+        )
+        assert follower.current(time.monotonic()).generation == 1  # the plan is not disturbed
+        assert follower.reads == 1  # everything came pushed
+    finally:
+        monitor.close()
         follower.stop()
 
 

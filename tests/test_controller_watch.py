@@ -215,6 +215,22 @@ def test_the_view_follows_puts_deletes_and_an_etcd_restart(tmp_path):
         assert view.pressing.is_set()
         view.changed.clear()
         view.pressing.clear()
+        # A new replica fingerprint: a corrupted rank trains on until the steps' are compared.
+        printed = RankSummary(step=10, fingerprints={"10": "00" * 8})
+        store.put(keys.monitor("a"), MonitorSummary("a", 1, 9.7, ranks={"0": printed}).to_dict())
+        assert view.changed.wait(10)
+        assert view.pressing.is_set()
+        view.changed.clear()
+        view.pressing.clear()
+        store.put(keys.monitor("a"), MonitorSummary("a", 1, 9.8, ranks={"0": printed}).to_dict())
+        poll(lambda: view.published().summaries["a"].t == 9.8, 10, "the same fingerprint again")
+        assert not view.pressing.is_set() and not view.changed.is_set()
+        answer = MonitorSummary("a", 1, 9.9, ranks={"0": printed}, answers="b-1-1")
+        store.put(keys.monitor("a"), answer.to_dict())  # a NaN's hold waits for it
+        assert view.changed.wait(10)
+        assert view.pressing.is_set()
+        view.changed.clear()
+        view.pressing.clear()
         store.put(keys.status("a"), NodeStatus("a", 1, NodeState.FAILED, 3.0, step=7).to_dict())
         assert view.changed.wait(10)
         assert view.pressing.is_set()  # a failure: the controller ticks without its floor

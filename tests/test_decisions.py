@@ -23,6 +23,7 @@ from transom.common.records import (
     PreflightResult,
     RankSummary,
     Severity,
+    SummaryRequest,
     parse_all,
 )
 from transom.common.states import JobState, NodeState
@@ -615,6 +616,23 @@ def test_nan_reports_are_decided_at_once_when_every_other_rank_finished_the_step
     assert decided(30)  # rank 1 is past step 30 without a NaN: the earliest is 31's
     assert not decided(29)  # rank 1 may still report one at step 30
     assert not decided(30, speaker="node0")  # node0 cannot speak for node1's rank
+
+
+def test_a_held_nan_asks_every_member_for_a_fresh_summary_once():
+    # Rank 1's summary is from before the NaN: it may still report an earlier one. The hold
+    # asks the members for their newest steps now (their keep-alive may be seconds away).
+    s, job, live, up, first = _two_nodes_with_a_nan()
+    stale = MonitorSummary("node1", 1, T0 + 4, ranks={"1": RankSummary(step=27)})
+    summaries = {"node0": _summary("node0", 1, T0 + 5, first), "node1": stale}
+    held = run(job, Snapshot(live, up, summaries), s, T0 + 5.1)
+    assert held.job.rollback_before is None
+    assert held.ask == SummaryRequest(generation=1, id=first.id)
+    again = run(job, Snapshot(live, up, summaries), s, T0 + 5.2, held.memory)
+    assert again.ask is None and again.job.rollback_before is None  # asked once per NaN
+    summaries["node1"] = MonitorSummary("node1", 1, T0 + 5.2, ranks={"1": RankSummary(step=31)})
+    summaries["node1"].answers = first.id
+    d = run(job, Snapshot(live, up, summaries), s, T0 + 5.25, again.memory)
+    assert d.job.rollback_before == 31 and d.ask is None  # the answer decides it, at once
 
 
 def test_a_running_generation_forgets_the_steps_after_its_restore_step_saved_before_it():

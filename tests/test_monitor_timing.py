@@ -7,7 +7,8 @@ import time
 import pytest
 
 from transom.faults import MockNvml
-from transom.monitor import node, rank_timing
+from transom.monitor import rank_timing
+from transom.monitor import summary_pace as pace
 from transom.monitor.node import NodeMonitor
 from transom.monitor.rank_timing import RankTrack
 
@@ -87,20 +88,20 @@ def test_a_summary_goes_out_every_few_steps_while_attentive_as_well_as_every_per
         monitor.collect()
         t = time.monotonic()
         rank = monitor.ranks.setdefault(0, RankTrack())
-        rank.step = node.SUMMARY_STEPS - 1
-        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)  # too few new steps
-        assert monitor.due(t + node.SUMMARY_PERIOD_S + 0.01)  # but every period
-        rank.step = node.SUMMARY_STEPS
-        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S - 0.01)  # not more often
-        assert monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        rank.step = pace.SUMMARY_STEPS - 1
+        assert not monitor.steps_due(t + pace.SUMMARY_MIN_PERIOD_S + 0.01)  # too few new steps
+        assert monitor.due(t + pace.SUMMARY_PERIOD_S + 0.01)  # but every period
+        rank.step = pace.SUMMARY_STEPS
+        assert not monitor.steps_due(t + pace.SUMMARY_MIN_PERIOD_S - 0.01)  # not more often
+        assert monitor.steps_due(t + pace.SUMMARY_MIN_PERIOD_S + 0.01)
         monitor.collect()
         t = time.monotonic()
-        rank.step = 2 * node.SUMMARY_STEPS - 1
-        assert not monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
-        rank.step = 2 * node.SUMMARY_STEPS
-        assert monitor.steps_due(t + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        rank.step = 2 * pace.SUMMARY_STEPS - 1
+        assert not monitor.steps_due(t + pace.SUMMARY_MIN_PERIOD_S + 0.01)
+        rank.step = 2 * pace.SUMMARY_STEPS
+        assert monitor.steps_due(t + pace.SUMMARY_MIN_PERIOD_S + 0.01)
         # Once nothing shifted for ATTENTIVE_S, steps alone are no news: the keep-alive goes.
-        assert not monitor.steps_due(t + node.ATTENTIVE_S + 0.01)
+        assert not monitor.steps_due(t + pace.ATTENTIVE_S + 0.01)
     finally:
         monitor.close()
 
@@ -111,12 +112,12 @@ def test_a_summary_goes_out_at_once_when_a_rank_begins_to_lag():
         monitor.ranks[0] = track_of([0.05] * 8 + [0.12] * 2)
         before = time.monotonic()
         monitor.collect()  # its busy time does not show it yet (the 3 highest are left out)
-        later = time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01
+        later = time.monotonic() + pace.SUMMARY_MIN_PERIOD_S + 0.01
         feed(monitor.ranks[0], [0.12])
         assert not monitor.due(later)  # one step more, its trimmed means as they were
         feed(monitor.ranks[0], [0.12])
-        assert 2 < node.SUMMARY_STEPS and monitor.due(later)  # they moved: no wait for 4 steps
-        assert not monitor.due(before + node.SUMMARY_MIN_PERIOD_S / 2)  # not sooner than this
+        assert 2 < pace.SUMMARY_STEPS and monitor.due(later)  # they moved: no wait for 4 steps
+        assert not monitor.due(before + pace.SUMMARY_MIN_PERIOD_S / 2)  # not sooner than this
     finally:
         monitor.close()
 
@@ -128,12 +129,19 @@ def test_a_new_replica_fingerprint_goes_out_in_the_next_summary():
     try:
         monitor.ranks[0] = track_of([0.05] * 8)
         monitor.collect()
-        t = time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01
+        t = time.monotonic() + pace.SUMMARY_MIN_PERIOD_S + 0.01
         assert not monitor.steps_due(t)  # steady: nothing new
         monitor.ranks[0].add_fingerprint(10, "00" * 8)
         assert monitor.steps_due(t)
+        # ... without waiting out the summaries' period: each step a corruption goes unfound is
+        # computed again; FINGERPRINT_MIN_PERIOD_S apart at most.
+        assert pace.FINGERPRINT_MIN_PERIOD_S < pace.SUMMARY_MIN_PERIOD_S
+        published = time.monotonic()
+        assert monitor.steps_due(published + pace.FINGERPRINT_MIN_PERIOD_S + 0.01)
+        monitor._published_at = published  # as if a summary just went
+        assert not monitor.steps_due(published + pace.FINGERPRINT_MIN_PERIOD_S - 0.01)
         monitor.collect()
-        assert not monitor.steps_due(time.monotonic() + node.SUMMARY_MIN_PERIOD_S + 0.01)
+        assert not monitor.steps_due(time.monotonic() + pace.SUMMARY_MIN_PERIOD_S + 0.01)
     finally:
         monitor.close()
 
@@ -156,10 +164,10 @@ def test_a_slowdown_that_grows_a_little_at_each_summary_keeps_the_node_attentive
                 before = time.monotonic()
                 monitor.collect()
                 if creep and n == 1:  # 0.016 s slower than in the spell's first summary
-                    assert monitor._attentive_until >= before + node.ATTENTIVE_S
+                    assert monitor._attentive_until >= before + pace.ATTENTIVE_S
                     spell_ends = monitor._attentive_until
                 assert monitor._attentive_until == spell_ends, (creep, n)
-            feed(monitor.ranks[0], [busy] * node.SUMMARY_STEPS)
+            feed(monitor.ranks[0], [busy] * pace.SUMMARY_STEPS)
             assert monitor.steps_due(spell_ends - 0.01) and not monitor.steps_due(spell_ends)
         finally:
             monitor.close()

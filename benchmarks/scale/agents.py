@@ -81,7 +81,7 @@ from benchmarks.scale.sharing import (  # noqa: E402
 from transom.common.records import MonitorSummary, PreflightResult, RankSummary  # noqa: E402
 from transom.common.states import NodeState  # noqa: E402
 from transom.control import agent as agent_module  # noqa: E402
-from transom.monitor.node import (  # noqa: E402
+from transom.monitor.summary_pace import (  # noqa: E402
     ATTENTIVE_S,
     SUMMARY_MIN_PERIOD_S,
     SUMMARY_PERIOD_S,

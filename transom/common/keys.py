@@ -10,6 +10,8 @@ with string literals of its own.
   plan              what every agent must run: generation, members, restore step
   plan/master/<gen> the master address and port chosen by the master node's agent (under the
                     plan's name: agents following the plan get it on the same watch)
+  plan/summaries    the controller's request for a fresh monitor summary from every member
+                    (`SummaryRequest`; under the plan's name for the same reason)
   events/<seq>      the decision log, one event per key, in time order
   monitor/<node>    the agent's monitor summary: per-rank step, ages, timings; its anomalies
   preflight/<node>  the node's pre-flight result (checks, compute benchmark score, link scores)
@@ -38,6 +40,7 @@ MONITOR = "monitor/"
 PREFLIGHT = "preflight/"
 LINKS = "links/"
 MASTER = PLAN + "/master/"
+SUMMARY_REQUEST = PLAN + "/summaries"
 EVENTS = "events/"
 FAULTS_FIRED = "faults/fired/"
 CKPT_SECRET = "ckpt/secret"

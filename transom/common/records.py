@@ -305,6 +305,19 @@ class MonitorSummary(Record):
     gpus: list[dict[str, Any]] = field(default_factory=list)
     # The monitor channel's counters: datagrams accepted and dropped by reason, since the start.
     datagrams: dict[str, int] = field(default_factory=dict)
+    # The id of the newest `SummaryRequest` this node's summaries answered ("": none).
+    answers: str = ""
+
+
+@dataclass
+class SummaryRequest(Record):
+    """The controller asks every member of generation `generation` for a fresh monitor summary
+    (`plan/summaries`): a rule that waits on what every rank did (the earliest step of a NaN)
+    learns it now, not at the summaries' next keep-alive. `id` names the request (the anomaly
+    that made it); each summary written for it says so in `MonitorSummary.answers`."""
+
+    generation: int
+    id: str
 
 
 # -- events ---------------------------------------------------------------------------------------

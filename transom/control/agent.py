@@ -481,7 +481,8 @@ class NodeAgent:
             log.warning("cannot record a fault: %s", e)
         now = time.monotonic()
         running = g is not None
-        progress = self.monitor.steps_due(now)  # the straggler detector counts in steps
+        # A rule of the controller waits for an answer (`|`: always taken); stragglers, for steps.
+        progress = self.monitor.answer(self.plan.summary_request()) | self.monitor.steps_due(now)
         if not (progress or self.monitor.due(now) or (running and self.reports.summary_due(now))):
             return
         summary, events = self.monitor.collect()

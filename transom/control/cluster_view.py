@@ -86,7 +86,13 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
     status's time, step, warm count)."""
     if isinstance(after, MonitorSummary):
         shifted = isinstance(before, MonitorSummary) and waiting.summary_shifted(before, after)
-        return not after.anomalies and not shifted and _places(before) == _places(after)
+        return (
+            not after.anomalies
+            and not shifted
+            and _places(before) == _places(after)
+            and not _new_fingerprints(before, after)
+            and not _answers(before, after)
+        )
     if isinstance(before, NodeStatus) and isinstance(after, NodeStatus):
         same = dataclasses.replace(after, time=before.time, step=before.step, warm=before.warm)
         return same == before
@@ -95,12 +101,14 @@ def _progress_only(before: Any | None, after: Any | None) -> bool:
 
 def _pressing(name: str, before: Any | None, after: Any | None, event: Any) -> bool:
     """Whether a change cannot wait for the controller's tick floor: a registration deleted (a
-    node's lease ended), a summary with new places of stuck ranks, or a node's status that
-    turned FAILED or SUCCEEDED."""
+    node's lease ended), a summary with new places of stuck ranks, a new replica fingerprint
+    (a corrupted rank trains on until found) or the answer to a request (a rule waits for it), or
+    a node's status that turned FAILED or SUCCEEDED."""
     if name == keys.NODES:
         return bool(event.deleted)
     if isinstance(after, MonitorSummary):
-        return bool(_places(after)) and _places(after) != _places(before)
+        moved = bool(_places(after)) and _places(after) != _places(before)
+        return moved or _new_fingerprints(before, after) or _answers(before, after)
     if not isinstance(after, NodeStatus) or after.state not in PRESSING_STATES:
         return False
     same = (
@@ -109,6 +117,22 @@ def _pressing(name: str, before: Any | None, after: Any | None, event: Any) -> b
         and before.generation == after.generation
     )
     return not same
+
+
+def _new_fingerprints(before: Any | None, after: MonitorSummary) -> bool:
+    """Whether `after` carries a replica fingerprint its node's `before` did not (the controller
+    compares a step's as soon as every rank's is in: transom.monitor.replicas)."""
+    old = before.ranks if isinstance(before, MonitorSummary) else {}
+    return any(
+        r.fingerprints
+        and not r.fingerprints.keys() <= getattr(old.get(rank), "fingerprints", {}).keys()
+        for rank, r in after.ranks.items()
+    )
+
+
+def _answers(before: Any | None, after: MonitorSummary) -> bool:
+    """Whether `after` answers a summary request `before` did not (SummaryRequest)."""
+    return bool(after.answers) and after.answers != getattr(before, "answers", "")
 
 
 def _places(summary: Any | None) -> dict[str, str | None]:

@@ -37,7 +37,14 @@ from typing import Any
 
 from transom.checkpoint.catalog import discard_poisoned, flushed, newest_restorable, servers
 from transom.common import keys
-from transom.common.records import Event, EventKind, JobRecord, Plan, RecordError
+from transom.common.records import (
+    Event,
+    EventKind,
+    JobRecord,
+    Plan,
+    RecordError,
+    SummaryRequest,
+)
 from transom.common.states import JobState
 from transom.control.cluster_view import WatchedCluster, read_direct
 from transom.control.contact import (
@@ -197,6 +204,14 @@ class Controller:
         if not self.store.put_if_leader(self.candidate_id, values):
             log.warning("lost leadership; not writing")
             self.leading.clear()
+
+    def _ask(self, request: SummaryRequest) -> None:
+        """Ask the members for fresh monitor summaries, fenced on leadership; a failure only
+        costs the rule that waits for them its longest wait."""
+        try:
+            self.store.put_if_leader(self.candidate_id, {keys.SUMMARY_REQUEST: request.to_dict()})
+        except StoreError as e:
+            log.info("cannot ask for fresh summaries: %s", e)
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -425,6 +440,8 @@ class Controller:
             self.job = d.job
             self._commit(d.events, d.plan)
             self.wake.set()  # a decision often leads to the next (RECOVERING, then the plan)
+        if d.ask is not None:
+            self._ask(d.ask)
         if d.due is not None:
             self._due = time.monotonic() + max(0.0, d.due - now)
         self._prune_events(time.monotonic())

@@ -9,7 +9,7 @@ transom.control.observed), never an agent's timestamp subtracted from the contro
 
 from __future__ import annotations
 
-from transom.common.records import Anomaly, Event, EventKind, Severity
+from transom.common.records import Anomaly, Event, EventKind, Severity, SummaryRequest
 from transom.common.states import JobState, NodeState
 from transom.control.policy import on_anomaly
 from transom.control.tick import Tick
@@ -86,7 +86,8 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     A NaN poisons every rank's weights within a step, so several nodes report one; the rollback
     must go before the first bad step, which the slowest reporter may hold. The demo's NaN rank
     holds its peers in the all-reduce: none of them ever reports one, but each has finished the
-    step before.
+    step before. Their summaries said so only at their next keep-alive (the hold ran out first):
+    the hold asks every member for a fresh one (`Decision.ask`), answered within a tick.
     """
     nans = [a for a in found if a.type == "nan"]
     if not nans:
@@ -99,11 +100,14 @@ def earliest_numerics(tick: Tick, found: list[Anomaly]) -> list[Anomaly]:
     world = range(len(tick.job.members) * tick.spec.nproc_per_node)
     said = {rank for a in nans for rank in a.ranks} | _clean_before(tick, nans)
     every_rank = set(world) <= said
+    first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
     if tick.now < settled_at and not every_rank:
         due = tick.decision.due
         tick.decision.due = settled_at if due is None else min(due, settled_at)  # not a tick late
+        if first.id != tick.decision.memory.asked:
+            tick.decision.memory.asked = first.id
+            tick.decision.ask = SummaryRequest(tick.job.generation, first.id)
         return [a for a in found if a.type != "nan"]
-    first = min(nans, key=lambda a: (a.step is None, a.step or 0, a.time))
     tick.job.handled_anomalies.extend(a.id for a in nans if a is not first)
     return [a for a in found if a.type != "nan" or a is first]
 

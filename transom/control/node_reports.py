@@ -50,7 +50,7 @@ from transom.common import keys
 from transom.common.records import Event, MonitorSummary, NodeStatus
 from transom.common.states import NodeState
 from transom.monitor.detectors import BEAT_STOPPED_S, SUMMARY_KEEPALIVE_S, stepping
-from transom.monitor.node import SUMMARY_PERIOD_S
+from transom.monitor.summary_pace import SUMMARY_PERIOD_S
 from transom.store import Store, StoreError
 
 # A summary that says nothing new is written at most this often (every 8 s, not 2: issue 44).

@@ -12,6 +12,9 @@ The master node's agent publishes the generation's rendezvous address under the 
 start their workers the moment it arrives, with no read of their own (they used to read it
 every tick until it appeared: a thousand nodes' polls at once on every restart).
 
+The controller's requests for fresh monitor summaries (`keys.SUMMARY_REQUEST`, a NaN's hold
+waiting to learn every rank's step) come the same way: `summary_request()`.
+
 It only reads etcd; a direct read that fails raises StoreError to the caller (an outage).
 """
 
@@ -21,7 +24,7 @@ import logging
 from typing import Any
 
 from transom.common import keys
-from transom.common.records import MasterAddress, Plan, RecordError
+from transom.common.records import MasterAddress, Plan, RecordError, SummaryRequest
 from transom.store import Store
 from transom.store.key_follow import KeyFollower
 from transom.store.watch import Update
@@ -29,6 +32,7 @@ from transom.store.watch import Update
 log = logging.getLogger("transom.agent")
 
 MASTER_NAME = keys.MASTER[len(keys.PLAN) :]  # a master key's name under the plan's
+REQUEST_NAME = keys.SUMMARY_REQUEST[len(keys.PLAN) :]  # the summary request's
 
 
 class PlanFollower(KeyFollower):
@@ -36,6 +40,7 @@ class PlanFollower(KeyFollower):
         super().__init__(store, keys.PLAN)
         self._parsed: tuple[int, Plan | None] = (-1, None)  # (revision, its plan)
         self._masters: dict[int, Any] = {}  # generation -> its published address, unparsed
+        self._request: Any = None  # the newest summary request, unparsed
 
     def current(self, now: float) -> Plan | None:
         """The newest plan known (None: none yet, or an invalid one, logged once)."""
@@ -67,22 +72,38 @@ class PlanFollower(KeyFollower):
             del self._masters[generation]
             return None
 
+    def summary_request(self) -> SummaryRequest | None:
+        """The controller's newest request for fresh summaries, as of the last `current()` or
+        `wait()` (None: none, or an invalid one, logged and dropped)."""
+        if self._request is None:
+            return None
+        try:
+            return SummaryRequest.from_dict(self._request)
+        except RecordError as e:
+            log.warning("ignoring an invalid summary request: %s", e)
+            self._request = None
+            return None
+
     def _take_read(self, values: dict[str, Any], revision: int) -> None:
         super()._take_read(values, revision)
         for name, value in values.items():
-            self._take_master(name, value)
+            self._take_named(name, value)
 
     def _apply(self, update: Update) -> None:
         super()._apply(update)
         for name, value in (update.snapshot or {}).items():
-            self._take_master(name, value)
+            self._take_named(name, value)
         for event in update.events:
             if not event.deleted:
-                self._take_master(event.name, event.value)
+                self._take_named(event.name, event.value)
 
-    def _take_master(self, name: str, value: Any) -> None:
-        """Keep `value` if `name` is a master key (dropped once a newer plan arrives, whatever
-        else was written under the name: the current generation's is never pushed out)."""
+    def _take_named(self, name: str, value: Any) -> None:
+        """Keep `value` if `name` is the summary request or a master key (dropped once a newer
+        plan arrives, whatever else was written under the name: the current generation's is
+        never pushed out)."""
+        if name == REQUEST_NAME:
+            self._request = value
+            return
         if not name.startswith(MASTER_NAME):
             return
         try:

@@ -27,6 +27,7 @@ from transom.common.records import (
     NodeStatus,
     Plan,
     PreflightResult,
+    SummaryRequest,
 )
 from transom.common.states import JobState, NodeState
 from transom.control.policy import SameError, slow_outliers
@@ -89,6 +90,7 @@ class Memory:
     # 2 replicas split without a majority and the job rolled back: the next generation's replica
     # detector compares the replay of that step with it (transom.monitor.replicas).
     sdc_split: Split | None = None
+    asked: str = ""  # the id of the newest SummaryRequest written
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Decision:
     # at once when a generation was decided (its plan follows), or when a rule that waits now
     # decides (an incident's settle time). None: when something changes or the timer runs out.
     due: float | None = None
+    # Ask every member for a fresh monitor summary (`plan/summaries`; None: no need).
+    ask: SummaryRequest | None = None
 
     changed: bool = False  # something to commit (the record, the plan or events)
 

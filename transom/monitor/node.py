@@ -36,38 +36,29 @@ from pathlib import Path
 import psutil
 
 from transom.common import files
-from transom.common.records import Anomaly, Event, MonitorSummary, RankSummary, Severity
-from transom.monitor import datagram, detectors, stacks, waiting
+from transom.common.records import (
+    Anomaly,
+    Event,
+    MonitorSummary,
+    RankSummary,
+    Severity,
+    SummaryRequest,
+)
+from transom.monitor import datagram, detectors, stacks
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 from transom.monitor.rank_timing import RankTrack
+from transom.monitor.summary_pace import (
+    ATTENTIVE_PERIOD_S,
+    ATTENTIVE_S,
+    FINGERPRINT_MIN_PERIOD_S,
+    SUMMARY_MIN_PERIOD_S,
+    SUMMARY_PERIOD_S,
+    SUMMARY_STEPS,
+    attend,
+)
 
-SUMMARY_PERIOD_S = 1.0
 HARDWARE_PERIOD_S = 5.0
-# A summary also goes out once a rank advanced SUMMARY_STEPS steps since the last, or advanced at
-# all and its timings shifted (waiting.timings_shifted: a rank beginning to lag), at most every
-# SUMMARY_MIN_PERIOD_S: the straggler detector's latency is counted in steps, so a fast job's
-# summaries must not lag many steps behind (a job of 1 s steps still publishes every second).
-# More often than every 0.5 s gains nothing: a straggler is confirmed over 0.5 s at least
-# (waiting.STRONG_MIN_S; 1 s unless the evidence is strong), and the simulated 1.5x slowdown is
-# found as soon at 0.5 s as at 0.25 s.
-SUMMARY_STEPS = 4
-SUMMARY_MIN_PERIOD_S = 0.5
-# ... but the SUMMARY_STEPS rule only for this long after a rank's timings shifted (a straggler
-# being confirmed, or cleared, over the next steps): in a steady job whose timings do not move,
-# steps alone are no news to the straggler detector, and the summaries go at the agent's
-# keep-alive (issue 44: every 0.5 s was two etcd requests a node a second on a fast job).
-# While attentive, a rank that advanced at all is also news every ATTENTIVE_PERIOD_S (the
-# keep-alive's period before issue 44: a job of slow steps is confirmed as fast as then). A rank
-# slower, by the bar, than in the spell's first summary extends the spell (`attend`): a
-# slowdown that grew a little at each summary never shifted from one to the next. On a loaded
-# 2-core machine a fault-free job of 50 ms steps shifts by noise every few seconds, so these
-# bound what noise costs etcd. The SUMMARY_STEPS rule went at most every second while attentive
-# until the DDP script's 50/50 ms duty cycle on 2 nodes showed the controller waiting for the
-# straggler's next window (found in 1.7 s at the median, not 2.2; etcd requests unchanged, 0.87
-# a node a second in benchmarks.etcd_requests).
-ATTENTIVE_S = 5.0
-ATTENTIVE_PERIOD_S = 2.0
 ANOMALIES_KEPT = 20
 FIRED_FAULTS_KEPT = 100  # fired faults waiting for the agent's next tick
 DROP_LOG_PERIOD_S = 60.0
@@ -113,6 +104,7 @@ class NodeMonitor:
         self.channel = ChannelSocket(node_id, scope)
         self.socket_path = self.channel.path  # what workers get in env.MONITOR_SOCKET
         self.generation = 0
+        self.answers = ""  # the newest summary request answered (MonitorSummary.answers)
         self.expected_ranks: frozenset[int] = frozenset()
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._dropped_logged_at = -DROP_LOG_PERIOD_S
@@ -392,14 +384,22 @@ class NodeMonitor:
                 return True
         return self.steps_due(now)
 
+    def answer(self, asked: SummaryRequest | None) -> bool:
+        """Whether the next summary answers `asked`, the controller's newest request (this
+        generation's, not answered yet); it then carries its id."""
+        if asked is None or asked.generation != self.generation or asked.id == self.answers:
+            return False
+        self.answers = asked.id
+        return True
+
     def steps_due(self, now: float) -> bool:
-        """Whether a rank has a replica fingerprint the last summary did not carry, or advanced at
-        all and its timings shifted (RankTrack.shifted), or, within
-        ATTENTIVE_S of a shift that slowed a rank (or of the generation's start), advanced
-        SUMMARY_STEPS steps since the last summary (or ATTENTIVE_PERIOD_S passed since it); at
-        most every SUMMARY_MIN_PERIOD_S: such a summary
-        is written even if nothing else in it changed."""
-        if now - self._published_at < SUMMARY_MIN_PERIOD_S:
+        """Whether a rank has a replica fingerprint the last summary did not carry (at most
+        every FINGERPRINT_MIN_PERIOD_S), or, at most every SUMMARY_MIN_PERIOD_S: advanced at all
+        and its timings shifted (RankTrack.shifted), or, within ATTENTIVE_S of a shift that
+        slowed a rank (or of the generation's start), advanced SUMMARY_STEPS steps since the
+        last summary (or ATTENTIVE_PERIOD_S passed since it). Such a summary is written even if
+        nothing else in it changed."""
+        if now - self._published_at < FINGERPRINT_MIN_PERIOD_S:
             return False
         with self._lock:
             newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
@@ -413,6 +413,8 @@ class NodeMonitor:
                 if track.fingerprints
             ):
                 return True
+            if now - self._published_at < SUMMARY_MIN_PERIOD_S:
+                return False
             if advanced and any(track.shifted(view, now) for track, view in views):
                 # Attentive only when a rank got slower: one that got faster again (noise, or a
                 # straggler recovering) is news once, and lags nobody.
@@ -452,6 +454,7 @@ class NodeMonitor:
                     for g in self._gpus
                 ],
                 datagrams=dict(self.counts),
+                answers=self.answers,
             )
         self._published_at = now_mono
         self._published_views = dict(summary.ranks)
@@ -467,27 +470,6 @@ class NodeMonitor:
     def close(self) -> None:
         self._stop.set()
         self.channel.close()
-
-
-def attend(
-    until: float,
-    spell: dict[str, RankSummary] | None,
-    views: dict[str, RankSummary],
-    now: float,
-) -> tuple[float, dict[str, RankSummary] | None]:
-    """The attentive spell (its end, and the ranks' views in its first summary) after a summary
-    of `views` published at `now`: extended when a rank is slower, by the bar, than in the
-    spell's first summary. That is a slowdown that grew a little at each summary, never a shift
-    from one to the next: the generation's first seconds publish every few steps, and a rank
-    slowed then was published a bit slower every half second, then at the keep-alive once the
-    spell ended, while the controller waited for its next window to confirm it."""
-    if now >= until:
-        return until, None
-    if spell is None:
-        return until, dict(views)
-    if waiting.ranks_shifted(spell, views, slower_only=True):
-        return now + ATTENTIVE_S, dict(views)
-    return until, spell
 
 
 def _process_state(pid: int) -> str | None:
