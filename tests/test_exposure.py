@@ -9,7 +9,9 @@ its processes (what `ss -ltunp` shows) while it trains.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from prometheus_client import generate_latest
 from transom.checkpoint import server_options
 from transom.common.records import JobRecord, MonitorSummary, RankSummary
 from transom.common.states import JobState
-from transom.control.workers import GLOO_IFNAME, Assignment, TorchStore, worker_env
+from transom.control.store_host import TorchStore
+from transom.control.workers import GLOO_IFNAME, Assignment, worker_env
 from transom.monitor.exporter import MonitorExporter
 from transom.utils.net import (
     bind_address,
@@ -134,29 +137,46 @@ def test_no_gloo_interface_when_no_interface_carries_the_address(monkeypatch):
     assert GLOO_IFNAME not in worker_env(_assignment("no-such-host.invalid"), 0, {})
 
 
-def test_the_generations_torch_store_listens_on_the_nodes_address_only():
+@pytest.mark.integration
+def test_the_generations_torch_store_is_served_on_the_nodes_address_by_its_host_only(tmp_path):
+    """The agent never imports torch: it makes the store's socket and a host process serves it
+    (started cold here; forked from the warm interpreter in a job)."""
     import datetime
 
     from torch.distributed import TCPStore
 
-    host = TorchStore("127.0.0.1")
-    try:
-        # A rank may connect before the store is up: it waits in the socket's backlog.
-        client = TCPStore(
-            "127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    store = TorchStore("127.0.0.1")
+    clients: list[TCPStore] = []
+    early = threading.Thread(
+        target=lambda: clients.append(
+            TCPStore(
+                "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60)
+            )
         )
+    )
+    handoff = os.path.join(store._dir, "handoff.sock")
+    intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        early.start()  # a rank that connects before the store is up waits in its backlog
+        intruder.connect(handoff)  # first in line, but not the host: it gets no socket
+        store.start(None, tmp_path / "torch-store.log")
+        early.join(90)
+        client = clients[0]
         client.set("rendezvous", "here")
         assert client.get("rendezvous") == b"here"
-        mine = [s for s in _listening(psutil.Process()) if s[2] == host.port]
-        assert mine == [("tcp", "127.0.0.1", host.port)]
-        del client
+        intruder.settimeout(30)
+        _message, fds, _flags, _addr = socket.recv_fds(intruder, 16, 1)
+        assert fds == []
+        assert store.proc is not None
+        served = [s for s in _listening(psutil.Process(store.proc.pid)) if s[2] == store.port]
+        assert served == [("tcp", "127.0.0.1", store.port)]
+        assert not [s for s in _listening(psutil.Process()) if s[2] == store.port]  # handed over
+        del client, clients[:]
     finally:
-        host.close()
-    wait_for(
-        lambda: not [s for s in _listening(psutil.Process()) if s[2] == host.port],
-        10,
-        "the store to stop listening",
-    )
+        intruder.close()
+        store.close()
+    assert store.proc.poll() is not None  # the host ends with its generation
+    assert not os.path.exists(handoff)
 
 
 def test_every_rank_is_a_client_of_the_agents_torch_store():

@@ -249,6 +249,10 @@ class StandInCheckpointServer:
 class StandInTorchStore:
     def __init__(self, host: str) -> None:
         self.port = 1
+        self.proc = None
+
+    def start(self, pool, log_path) -> None:
+        self.proc = SimpleNamespace(pid=0)
 
     def close(self) -> None:
         pass

@@ -67,6 +67,10 @@ def generation_logs(run_dir: Path, generation: int) -> Path:
     return run_dir / LOGS / f"g{generation:03d}"
 
 
+# The master node's torch store host's output, in its generation's logs (control.store_host).
+TORCH_STORE_LOG = "torch-store.log"
+
+
 def rank_log(run_dir: Path, generation: int, rank: int) -> Path:
     return generation_logs(run_dir, generation) / f"rank{rank}.log"
 

@@ -53,9 +53,10 @@ from transom.control.node_contact import NodeContact
 from transom.control.node_reports import STARTING_QUIET_S, NodeReports
 from transom.control.plan_follow import PlanFollower
 from transom.control.preflight import failed_checks, joining_checks
+from transom.control.store_host import TorchStore
 from transom.control.warm import WarmPool
 from transom.control.warm_template import interpreter_env
-from transom.control.workers import Assignment, TorchStore, WorkerGroup
+from transom.control.workers import Assignment, WorkerGroup
 from transom.faults import FaultInjector
 from transom.job_spec import JobSpec
 from transom.monitor import detectors
@@ -361,11 +362,7 @@ class NodeAgent:
         assert self.preflight_result is not None
         checked = self.preflight_result
         if not checked.passed:
-            self._report(
-                NodeState.FAILED,
-                preflight=checked,
-                failures=[failed_checks(checked)],
-            )
+            self._report(NodeState.FAILED, preflight=checked, failures=[failed_checks(checked)])
             return
         if plan.members[0] == self.node_id:
             self.torch_store = TorchStore(self.host)  # the generation's rendezvous, on our address
@@ -438,6 +435,8 @@ class NodeAgent:
         self.waiting_for_master = None
         self.monitor.expect_ranks(local_ranks, stacks_dir)
         spec = self.spec
+        if self.torch_store is not None and self.torch_store.proc is None:  # before the ranks
+            self.torch_store.start(self.warm, log_dir / files.TORCH_STORE_LOG)
         self.group = WorkerGroup(assignment, spec.script, spec.script_args, log_dir, extra_env)
         self.group.start(self.warm, on_exit=lambda pid: self.plan.wake())  # no tick's wait
         self.group_started_at = time.monotonic()

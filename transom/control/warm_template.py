@@ -5,10 +5,13 @@ about 3 s of CPU. On a real cluster every node does that on CPUs of its own; but
 runs several nodes on one machine (`transom run --nnodes 4` without `--store`, `transom demo`,
 `--local-nodes N`) had all of them import at once on the same cores: the demo's 5 interpreters
 took 5 of its 8 s of start-up on 2 cores, and each node started later to replace an evicted one
-imported again beside the training. Such a launcher starts this template first: it imports once,
-then forks each node's warm interpreter on request (about 10 ms), which from then on is exactly
-what `python -m transom.control.warm` is after its imports: its own session, the agent's
-environment, working directory and cores, its stdin, stdout and log the agent's pipes and file.
+imported again beside the training. Such a launcher starts this template first, in a session of
+its own: with the kernel's autogroups it then has a core to itself while the agents, servers and
+controllers start (in the launcher's session it had a share of one, and its 2 s of import were
+the start-up's critical path, the other core idle at its end). It imports once, then forks each
+node's warm interpreter on request (about 10 ms), which from then on is exactly what `python -m
+transom.control.warm` is after its imports: its own session, the agent's environment, working
+directory and cores, its stdin, stdout and log the agent's pipes and file.
 
 The request (`request`, from the agent's WarmPool): one datagram on a Unix SEQPACKET socket in a
 private directory, the interpreter's settings as JSON with its three descriptors (SCM_RIGHTS);
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from transom.common import env as env_names
-from transom.utils.procs import die_with_parent, running, wait_polled
+from transom.utils.procs import new_session_dying_with_parent, running, wait_polled
 
 log = logging.getLogger("transom.warm")
 
@@ -329,7 +332,7 @@ class Template:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                preexec_fn=new_session_dying_with_parent,
             )
         deadline = time.monotonic() + STARTED_S
         while not os.path.exists(self.socket_path) and self.process.poll() is None:

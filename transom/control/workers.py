@@ -11,31 +11,28 @@ trees (SIGSTOP) while the agent cannot tell whether the job went on without this
 group is resumed, or killed without running again (`stop()`).
 
 Nothing of a generation listens beyond the node's address: the generation's torch store is
-hosted by the master node's agent (`TorchStore`, as torchrun's agent hosts it; hosted by rank 0
-it would listen on every interface, since TCPStore takes no address), and gloo listens on the
-interface that carries the node's address (GLOO_SOCKET_IFNAME: `lo` in a single-machine job).
+served on the master node's address by a process of the agent's (transom.control.store_host),
+and gloo listens on the interface that carries the node's address (GLOO_SOCKET_IFNAME: `lo` in
+a single-machine job).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from transom.common.records import FailureReport
 from transom.control.failures import classify_exit
 from transom.control.warm import ForkedWorker, WarmPool
 from transom.utils.exit_watch import ExitWatch
-from transom.utils.net import interface_of, listening_socket
+from transom.utils.net import interface_of
 from transom.utils.procs import new_session_dying_with_parent, signal_trees, stop_tree
 
 log = logging.getLogger("transom.workers")
@@ -93,7 +90,7 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
             "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
             "TORCHELASTIC_RUN_ID": a.job_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of TorchStore
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client (store_host)
             "TRANSOM_JOB_ID": a.job_id,
             "TRANSOM_NODE_ID": a.node_id,
             "TRANSOM_GENERATION": str(a.generation),
@@ -105,53 +102,6 @@ def worker_env(a: Assignment, local_rank: int, extra: dict[str, str]) -> dict[st
         if interface is not None:  # else gloo picks the address the host name resolves to
             env[GLOO_IFNAME] = interface
     return env
-
-
-class TorchStore:
-    """The torch.distributed store (c10d TCPStore) of one generation, on the master node.
-
-    Its socket is bound to the node's address and listening before the address is published,
-    so the port cannot be taken in between and ranks that connect early wait in its backlog
-    while torch is imported (in a thread, the first time: the agent imports torch nowhere else).
-    `close()` stops it; a generation's store never outlives the generation."""
-
-    def __init__(self, host: str) -> None:
-        self.host = host
-        self._socket: socket.socket | None = listening_socket(host)
-        self.port: int = self._socket.getsockname()[1]
-        self._store: Any = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._serve, name="torch-store", daemon=True).start()
-
-    def _serve(self) -> None:
-        from torch.distributed import TCPStore  # seconds, once per agent
-
-        with self._lock:
-            if self._socket is None:
-                return  # closed before torch was imported
-            fd = self._socket.detach()  # the store owns the descriptor from here on
-            self._socket = None
-            try:
-                self._store = TCPStore(
-                    self.host,
-                    self.port,
-                    is_master=True,
-                    wait_for_workers=False,
-                    master_listen_fd=fd,
-                    use_libuv=True,
-                )
-            except (RuntimeError, ValueError) as e:
-                # Refuse the ranks' connections, so they fail now instead of at their timeout.
-                log.warning("cannot host the torch store on %s:%d: %s", self.host, self.port, e)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._socket is not None:
-                self._socket.close()
-                self._socket = None
-            self._store = None  # the server stops with its last reference
 
 
 class WorkerGroup:
