@@ -230,6 +230,22 @@ def test_a_generation_trains_from_when_its_step_was_reached_not_when_the_launche
     assert g["effective_training_s"] == pytest.approx(1.0 + 1.5 + 1.6)
 
 
+def test_a_generation_trains_from_its_first_step_not_from_its_first_progress_record(tmp_path):
+    # Generation 2's first record (10.0) shows step 25, but its members' statuses said they had
+    # all finished step 21, their first, by 9.7: the 0.3 s between is training, not downtime.
+    # A first step that is not a number, or without a time, is no sample.
+    run_dir = write_synthetic_run(tmp_path / "run")
+    before = build_summary(read_run(run_dir))["goodput"]
+    progress = synthetic_progress()
+    progress[4].update(first_step=21, first_step_at=T0 + 9.7)
+    progress[5].update(first_step="21", first_step_at=T0 + 9.0)
+    progress[6].update(first_step=21, first_step_at=None)
+    write_lines(run_dir / "progress.jsonl", progress)
+    g = build_summary(read_run(run_dir))["goodput"]
+    assert g["downtime_s"] == pytest.approx(before["downtime_s"] - 0.3)
+    assert g["effective_training_s"] == pytest.approx(before["effective_training_s"] + 0.3)
+
+
 def test_a_step_every_rank_saved_is_a_sample_at_the_last_save(tmp_path):
     # Generation 3's ranks both saved step 60 by 17.6 (the progress record of 60 came at 18.0):
     # the job ended 0.9 s after its last step, not 0.5 s. A step one rank alone saved (61) is

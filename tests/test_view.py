@@ -31,6 +31,8 @@ def test_progress_is_the_step_every_member_of_the_current_generation_finished():
         "generation": 3,
         "step": 40,
         "step_at": 99.0,  # node1's status (written at its generation's first step) says when
+        "first_step": 40,  # the statuses' steps: every member finished 40 by 99.0
+        "first_step_at": 99.0,
         "members": ["node0", "node1"],
         "spares": ["node3"],
         "evicted": ["node2"],
@@ -57,6 +59,13 @@ def test_a_nodes_step_is_its_status_or_its_newer_summary_of_the_same_generation(
     snap["monitor"]["node0"]["ranks"]["0"]["step_age"] = 0.5
     snap["monitor"]["node1"]["ranks"]["1"]["step_age"] = 0.25
     assert progress_record(snap)["step_at"] == 98.75  # node1 reached 55 at 99.0 - 0.25
+    # The generation's first step stays where the statuses put it, its time the last member's.
+    snap["statuses"]["node1"]["time"] = 99.5
+    record = progress_record(snap)
+    assert (record["first_step"], record["first_step_at"]) == (10, 99.5)
+    snap["statuses"]["node1"]["state"] = "starting"  # not at a step of this generation yet
+    record = progress_record(snap)
+    assert record["first_step"] is record["first_step_at"] is None
     steps = {row["node"]: row["step"] for row in node_rows(snap)}
     assert steps == {"node0": 57, "node1": 55, "node2": None, "node3": 10}  # node3's is stale
     assert status_summary(snap)["newest_step"] == 57

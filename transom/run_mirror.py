@@ -65,6 +65,10 @@ class JobFollower:
         return self.job.refresh(now)
 
 
+# A progress record's times: a record that differs only in these is not written again.
+TIMES = ("time", "step_at", "first_step_at")
+
+
 class RunMirror:
     """The job's keys, followed, written into `run_dir` and shown on `console`."""
 
@@ -124,7 +128,7 @@ class RunMirror:
         if record is not None:
             if record["step"] is not None:
                 self.trained_generation = record["generation"]
-            shown = {k: v for k, v in record.items() if k not in ("time", "step_at")}
+            shown = {k: v for k, v in record.items() if k not in TIMES}
             if shown != self._last_progress:
                 self._last_progress = shown
                 with open(self.run_dir / files.PROGRESS, "a") as f:

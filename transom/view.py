@@ -125,7 +125,10 @@ def node_steps(snap: dict) -> dict[str, tuple[int, int | None, float | None]]:
 def progress_record(snap: dict) -> dict | None:
     """One line of progress.jsonl: the job's state, its step (the newest step every member of the
     current generation has finished; None until each has reported one), when the last of them
-    reached it (`step_at`, as their agents saw it; None where unknown) and its membership."""
+    reached it (`step_at`, as their agents saw it; None where unknown), the generation's first
+    step the same way (`first_step`, `first_step_at`: each member's running status is written at
+    its first step, and records are written twice a second, so the newest step has moved on by
+    then) and its membership."""
     job = _job(snap)
     if job is None:
         return None
@@ -139,6 +142,7 @@ def progress_record(snap: dict) -> dict | None:
     step = min(s for s, _ in known) if members and len(known) == len(members) else None
     times = [at for s, at in known if s == step]
     timed = [at for at in times if at is not None]
+    first_step, first_step_at = _first_step(snap, members, generation)
     evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
@@ -149,10 +153,29 @@ def progress_record(snap: dict) -> dict | None:
         "generation": generation,
         "step": step,
         "step_at": max(timed) if step is not None and len(timed) == len(times) else None,
+        "first_step": first_step,
+        "first_step_at": first_step_at,
         "members": members,
         "spares": spares,
         "evicted": evicted,
     }
+
+
+def _first_step(snap: dict, members: list[str], generation: int) -> tuple[int | None, float | None]:
+    """(step, time): by then every member had finished that step of `generation`, as their
+    running statuses (written at each one's first step) say; (None, None) until all have."""
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+    firsts = [
+        (s.step, s.time)
+        for m in members
+        if (s := statuses.get(m)) is not None
+        and s.generation == generation
+        and s.state is NodeState.RUNNING
+        and s.step is not None
+    ]
+    if not members or len(firsts) != len(members):
+        return None, None
+    return min(step for step, _ in firsts), max(at for _, at in firsts)
 
 
 def _job(snap: dict) -> JobRecord | None:

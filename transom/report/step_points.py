@@ -4,7 +4,9 @@ Each point is (time, generation, step): the time by which every rank of that gen
 finished that step. They come from
 - the launcher's progress records (`progress.jsonl`): at their `step_at`, when the members'
   agents saw the step reached, else when the record was written (which lags by the agents'
-  summary period and the launcher's poll, up to a second at every restart);
+  summary period and the launcher's poll, up to a second at every restart); and the generation's
+  first step at its `first_step_at` (the records come twice a second: the first one of a
+  generation is often several steps past its first);
 - fault injections (the step their target rank had reached) and sdc anomalies (every rank had
   finished the fingerprinted step);
 - checkpoint saves (`checkpoint` events, action `saved`): a step every rank of the generation
@@ -35,6 +37,7 @@ def step_points(
     ]
     if not points:
         return []
+    points += [first for p in progress or [] if (first := _first_point(p)) is not None]
     points += [
         (e.time, e.generation, e.step)
         for e in events
@@ -50,6 +53,17 @@ def _reached_at(sample: dict) -> float:
     if isinstance(at, int | float) and not isinstance(at, bool) and math.isfinite(at):
         return min(float(at), written)
     return written
+
+
+def _first_point(sample: dict) -> Point | None:
+    """A progress record's first step of its generation, where it names one and a time (no later
+    than the record's own), each of the right type; else None."""
+    step, at, written = sample.get("first_step"), sample.get("first_step_at"), sample["time"]
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
+        return None
+    return min(float(at), written), sample.get("generation"), step
 
 
 def _fingerprinted(event: Event) -> bool:
