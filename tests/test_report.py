@@ -246,6 +246,21 @@ def test_a_generation_trains_from_its_first_step_not_from_its_first_progress_rec
     assert g["effective_training_s"] == pytest.approx(before["effective_training_s"] + 0.3)
 
 
+def test_the_launch_before_the_first_event_is_shown_and_not_counted_in_the_wall_time(tmp_path):
+    run_dir = write_synthetic_run(tmp_path / "run")
+    before = build_summary(read_run(run_dir))
+    assert before["goodput"]["launch_s"] is None  # no launched_at: unknown
+    status = {"job_id": "job-synthetic", "job": {"state": "SUCCEEDED"}, "launched_at": T0 - 2.5}
+    (run_dir / "status.json").write_text(json.dumps(status))
+    s = build_summary(read_run(run_dir))
+    assert s["goodput"]["launch_s"] == pytest.approx(2.5)
+    assert s["goodput"]["wall_s"] == before["goodput"]["wall_s"]
+    assert "(launched 2.5 s before)" in s["text"].splitlines()[0]
+    for forged in ("soon", True, T0 + 1.0):  # not a number, or after the first event
+        (run_dir / "status.json").write_text(json.dumps({**status, "launched_at": forged}))
+        assert build_summary(read_run(run_dir))["goodput"]["launch_s"] is None
+
+
 def test_a_step_every_rank_saved_is_a_sample_at_the_last_save(tmp_path):
     # Generation 3's ranks both saved step 60 by 17.6 (the progress record of 60 came at 18.0):
     # the job ended 0.9 s after its last step, not 0.5 s. A step one rank alone saved (61) is

@@ -49,7 +49,7 @@ from transom.control.candidacy import DEFAULT_CANDIDATES, Candidacy, demote_afte
 from transom.control.warm_template import Template
 from transom.job_spec import ConfigError, JobSpec
 from transom.rerun import hold_run_dir, hold_storage, resume
-from transom.run_mirror import JobFollower, RunMirror
+from transom.run_mirror import JobFollower, RunMirror, with_launch
 from transom.spare_refill import SpareRefill
 from transom.store import EmbeddedEtcd, Store, StoreAccess, StoreError
 from transom.store.embedded import ONE_MACHINE_GO_THREADS
@@ -465,7 +465,7 @@ class Launcher:
         if self.store is not None and self.etcd is not None and self.children:
             try:
                 (self.launch.run_dir / files.STATUS).write_text(
-                    json.dumps(snapshot(self.store), indent=1)
+                    json.dumps(with_launch(snapshot(self.store)), indent=1)
                 )
             except StoreError:
                 pass

@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 from rich.live import Live
 
@@ -63,6 +64,12 @@ class JobFollower:
         if now - max(self.job.heard_at, heard_at) >= PROBE_S:
             self.job.read(now)
         return self.job.refresh(now)
+
+
+def with_launch(snap: dict) -> dict:
+    """`snap` with `launched_at`, when this launcher process started: the run report shows the
+    launch before the controller's first event (etcd, the template's imports, the agents)."""
+    return {**snap, "launched_at": psutil.Process().create_time()}
 
 
 # A progress record's times: a record that differs only in these is not written again.
@@ -123,7 +130,8 @@ class RunMirror:
     def _write(self, snap: dict, new: list[dict], live: Live | None) -> None:
         # Compact: json's C encoder serves no indent (a third of the time, twice a second). The
         # launcher writes the job's last snapshot indented when it ends.
-        (self.run_dir / files.STATUS).write_text(json.dumps(snap, separators=(",", ":")))
+        compact = json.dumps(with_launch(snap), separators=(",", ":"))
+        (self.run_dir / files.STATUS).write_text(compact)
         record = progress_record(snap)
         if record is not None:
             if record["step"] is not None:

@@ -12,7 +12,9 @@ top-level keys (times are unix seconds, durations `*_s`, ratios `*_x`; None wher
   end_at        its succeeded/failed event (its last record if it did not finish)
   goodput       {wall_s, steps_completed, effective_training_s, effective_ratio_x, startup_s,
                  downtime_s, lost_compute_s, shutdown_s, lost_steps, reference_wall_s, slowdown_x,
-                 progress_available}
+                 progress_available, launch_s}; launch_s is the launcher's time before the first
+                 event (etcd, imports, the agents), not in wall_s (None when status.json has no
+                 `launched_at`)
   faults        one dict per injected fault: {id, type, node, rank, step, generation, injected_at,
                  detected_by, detected_at, detection_s, detected_step, recovered_in_generation,
                  running_at, recovered_at, recovery_s, lost_steps, status}; status is

@@ -146,6 +146,16 @@ def time_span(events: list[Event], progress: list[dict] | None) -> tuple[float, 
     return start, final
 
 
+def launch_s(status: dict | None, start: float) -> float | None:
+    """The launch before the run's first event (status.json's `launched_at`, when the launcher
+    process started: etcd, the warm template's imports, the agents; not in the wall time), where
+    it is a number no later than the first event; None where unknown."""
+    at = (status or {}).get("launched_at")
+    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
+        return None
+    return start - at if at <= start else None
+
+
 def generations(events: list[Event], progress: list[dict] | None) -> list[Generation]:
     """The job's generations in order, each with its progress samples."""
     gens: dict[int, Generation] = {}
@@ -454,7 +464,10 @@ def analyse(
         "outcome": outcome(events, status),
         "start_at": start,
         "end_at": end,
-        "goodput": goodput(start, end, gens, incident_rows, have_progress, reference),
+        "goodput": {
+            **goodput(start, end, gens, incident_rows, have_progress, reference),
+            "launch_s": launch_s(status, start),
+        },
         "faults": rows,
         "fault_counts": fault_counts(rows),
         "generations": [

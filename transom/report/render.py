@@ -235,6 +235,8 @@ def render_text(summary: dict) -> str:
     """A few plain lines, each under 80 characters, for a terminal (what `transom demo` shows)."""
     g, outcome, counts = summary["goodput"], summary["outcome"], summary["fault_counts"]
     first = f"{outcome['state']} after {g['wall_s']:.1f} s"
+    if g.get("launch_s") is not None:
+        first += f" (launched {g['launch_s']:.1f} s before)"
     if g["reference_wall_s"] is not None:
         first += f"; the fault-free run took {g['reference_wall_s']:.1f} s ({g['slowdown_x']:.2f}x)"
     lines = [first]
