@@ -165,6 +165,7 @@ class StandInMonitor:
         self._published_at = 0.0
         self._published_step: int | None = None
         self._attentive_until = -float("inf")
+        self.answers = ""  # the newest summary request answered
 
     def new_generation(self, generation: int) -> None:
         self.generation, self.expected = generation, []
@@ -195,6 +196,14 @@ class StandInMonitor:
     def due(self, now: float) -> bool:
         return now - self._published_at >= SUMMARY_PERIOD_S or self.steps_due(now)
 
+    def answer(self, asked) -> bool:
+        """As the real monitor: the controller's newest summary request, once (this
+        generation's); the next summary names it."""
+        if asked is None or asked.generation != self.generation or asked.id == self.answers:
+            return False
+        self.answers = asked.id
+        return True
+
     def steps_due(self, now: float) -> bool:
         """As the real monitor: SUMMARY_STEPS new steps since the last summary, while attentive
         (its steps' timings never shift: for ATTENTIVE_S after a generation's start)."""
@@ -217,7 +226,9 @@ class StandInMonitor:
             )
             for rank, step in self.steps().items()
         }
-        return MonitorSummary(self.node_id, self.generation, time.time(), ranks=ranks), []
+        summary = MonitorSummary(self.node_id, self.generation, time.time(), ranks=ranks)
+        summary.answers = self.answers
+        return summary, []
 
     def close(self) -> None:
         pass
