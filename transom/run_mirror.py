@@ -20,6 +20,7 @@ It only reads etcd, and writes nothing but the run directory's files and the con
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -66,10 +67,15 @@ class JobFollower:
         return self.job.refresh(now)
 
 
+@functools.cache
+def _launched_at() -> float:
+    return psutil.Process().create_time()
+
+
 def with_launch(snap: dict) -> dict:
     """`snap` with `launched_at`, when this launcher process started: the run report shows the
     launch before the controller's first event (etcd, the template's imports, the agents)."""
-    return {**snap, "launched_at": psutil.Process().create_time()}
+    return {**snap, "launched_at": _launched_at()}
 
 
 # A progress record's times: a record that differs only in these is not written again.

@@ -115,9 +115,13 @@ def node_step_at(
     return newest, min(times) if times else None
 
 
-def node_steps(snap: dict) -> dict[str, tuple[int, int | None, float | None]]:
-    """Each node's (generation, newest step, when it reached it) in a snapshot (`node_step_at`)."""
-    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+def node_steps(
+    snap: dict, statuses: dict[str, NodeStatus] | None = None
+) -> dict[str, tuple[int, int | None, float | None]]:
+    """Each node's (generation, newest step, when it reached it) in a snapshot (`node_step_at`);
+    `statuses`: the snapshot's, parsed already."""
+    if statuses is None:
+        statuses = parse_all(NodeStatus, snap.get("statuses") or {})
     summaries = parse_all(MonitorSummary, snap.get("monitor") or {})
     return {n: (s.generation, *node_step_at(s, summaries.get(n))) for n, s in statuses.items()}
 
@@ -133,7 +137,8 @@ def progress_record(snap: dict) -> dict | None:
     if job is None:
         return None
     members, generation = job.members, job.generation
-    nodes = node_steps(snap)
+    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
+    nodes = node_steps(snap, statuses)
     known = [
         (step, nodes[m][2])
         for m in members
@@ -142,7 +147,7 @@ def progress_record(snap: dict) -> dict | None:
     step = min(s for s, _ in known) if members and len(known) == len(members) else None
     times = [at for s, at in known if s == step]
     timed = [at for at in times if at is not None]
-    first_step, first_step_at = _first_step(snap, members, generation)
+    first_step, first_step_at = _first_step(statuses, members, generation)
     evicted = sorted(job.evicted, key=natural_key)
     spares = sorted(
         (n for n in snap.get("nodes", {}) if n not in members and n not in evicted), key=natural_key
@@ -161,10 +166,11 @@ def progress_record(snap: dict) -> dict | None:
     }
 
 
-def _first_step(snap: dict, members: list[str], generation: int) -> tuple[int | None, float | None]:
+def _first_step(
+    statuses: dict[str, NodeStatus], members: list[str], generation: int
+) -> tuple[int | None, float | None]:
     """(step, time): by then every member had finished that step of `generation`, as their
     running statuses (written at each one's first step) say; (None, None) until all have."""
-    statuses = parse_all(NodeStatus, snap.get("statuses") or {})
     firsts = [
         (s.step, s.time)
         for m in members

@@ -59,7 +59,7 @@ from itertools import pairwise
 
 from transom.common.records import Event, EventKind
 from transom.faults import DETECTORS, NODE_LOST, PREFLIGHT_EXCLUSION
-from transom.report.step_points import step_points
+from transom.report.step_points import finite_time, step_points
 
 RECOVERED = "detected+recovered"
 NOT_RECOVERED = "detected, not recovered"
@@ -150,10 +150,8 @@ def launch_s(status: dict | None, start: float) -> float | None:
     """The launch before the run's first event (status.json's `launched_at`, when the launcher
     process started: etcd, the warm template's imports, the agents; not in the wall time), where
     it is a number no later than the first event; None where unknown."""
-    at = (status or {}).get("launched_at")
-    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
-        return None
-    return start - at if at <= start else None
+    at = finite_time((status or {}).get("launched_at"))
+    return start - at if at is not None and at <= start else None
 
 
 def generations(events: list[Event], progress: list[dict] | None) -> list[Generation]:

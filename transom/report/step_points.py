@@ -46,24 +46,27 @@ def step_points(
     return points + _saved_points(events, started)
 
 
+def finite_time(value: object) -> float | None:
+    """`value` as a time where a run's file holds a finite number there (not a bool); else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _reached_at(sample: dict) -> float:
     """When a progress record's step was reached: its `step_at` where that is a number, no later
     than the record's own time; else the record's time."""
-    at, written = sample.get("step_at"), sample["time"]
-    if isinstance(at, int | float) and not isinstance(at, bool) and math.isfinite(at):
-        return min(float(at), written)
-    return written
+    at, written = finite_time(sample.get("step_at")), sample["time"]
+    return written if at is None else min(at, written)
 
 
 def _first_point(sample: dict) -> Point | None:
     """A progress record's first step of its generation, where it names one and a time (no later
     than the record's own), each of the right type; else None."""
-    step, at, written = sample.get("first_step"), sample.get("first_step_at"), sample["time"]
-    if not isinstance(step, int) or isinstance(step, bool):
+    step, at = sample.get("first_step"), finite_time(sample.get("first_step_at"))
+    if not isinstance(step, int) or isinstance(step, bool) or at is None:
         return None
-    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
-        return None
-    return min(float(at), written), sample.get("generation"), step
+    return min(at, sample["time"]), sample.get("generation"), step
 
 
 def _fingerprinted(event: Event) -> bool:
