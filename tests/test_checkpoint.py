@@ -669,6 +669,34 @@ def test_a_model_s_state_dict_saved_again_reuses_its_tables_and_copies_its_bytes
     assert torch.equal(layout.rebuild(other.header, data)["model"]["0.weight"], model[0].weight)
 
 
+def test_a_region_copied_into_again_holds_the_state_s_bytes_now() -> None:
+    # A save every step copies into the same few regions with the same tables: the views of the
+    # region made for the first copy are reused, each copied from the tensor itself (a
+    # parameter, a 0-dim step, an int buffer) or from a byte view of its span (a transposed
+    # tensor), and the copy records nothing for autograd.
+    weight = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+    state = {
+        "weight": weight,
+        "step": torch.tensor(3.0),
+        "count": torch.arange(5, dtype=torch.int64),
+        "flag": torch.tensor([True, False]),
+        "transposed": torch.arange(6.0, dtype=torch.float64).view(2, 3).t(),
+    }
+    data = torch.zeros(4096, dtype=torch.uint8)
+    for step in (1, 2):
+        with torch.no_grad():
+            for t in state.values():
+                if t.dtype == torch.bool:
+                    t.logical_not_()
+                else:
+                    t.add_(step)
+        plan = flatten.plan_state(state, step, 0, 1)
+        flatten.copy_into(plan, data)
+        assert not data.requires_grad and data.grad_fn is None
+        rebuilt = layout.rebuild(plan.header, data)
+        assert all(torch.equal(rebuilt[k], v.detach()) for k, v in state.items())
+
+
 def test_planning_keeps_no_tensor_of_a_state_alive() -> None:
     import gc
     import weakref

@@ -265,7 +265,8 @@ def test_a_server_that_dies_while_holding_a_region_reserved_ahead_costs_one_save
         for step in (1, 2, 3):
             t.fill_(float(step))
             assert engine.save(step, {"t": t}, overlap=True).ok
-        engine._copy.wait_finished()  # step 4's region is reserved ahead now
+        engine._copy.wait_finished()
+        engine.connection.settle()  # the reply: step 4's region is reserved ahead now
         old.kill()
         shutil.rmtree(old.shm_dir, ignore_errors=True)
         servers("node0", "jra")  # the agent's new server, on the same socket

@@ -11,6 +11,7 @@ This module never decides what a timeout means for a save or a load (engine.py d
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import threading
@@ -42,6 +43,9 @@ class RequestTimeout(CheckpointError):
 
 
 R = TypeVar("R", bound=Reply)
+# `send` requests whose replies may wait to be read at once (a save every step sends two: its
+# commit and the next step's reservation).
+MAX_UNANSWERED = 4
 # What reads a `send` request's reply (or the error that stands for it), once it comes.
 _Receiver = Callable[[dict[str, Any] | CheckpointError], None]
 
@@ -54,8 +58,8 @@ class ServerConnection:
         self._sock: socket.socket | None = None
         # How many connections it closed or lost: what one of them reserved is no longer held.
         self.dropped = 0
-        # The `send` request whose reply is still to be read: (its receiver, its op).
-        self._unanswered: tuple[_Receiver, str] | None = None
+        # The `send` requests whose replies are still to be read, oldest first: (receiver, op).
+        self._unanswered: collections.deque[tuple[_Receiver, str]] = collections.deque()
 
     def _connect(self, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -112,9 +116,11 @@ class ServerConnection:
     ) -> None:
         """Write `request` on the shared connection and return without waiting for its reply,
         which `on_reply` gets later (see the module's docstring), in the thread that reads it;
-        it must not make a request on this connection. A failure to write, or a reply not read
-        within the time limit once it is awaited, reaches `on_reply` as the error request()
-        raises (never retried: the request may have reached the server)."""
+        it must not make a request on this connection. Replies are read in the order the
+        requests were sent; at most MAX_UNANSWERED wait to be read (a send past them reads the
+        oldest first). A failure to write, or a reply not read within the time limit once it is
+        awaited, reaches `on_reply` as the error request() raises (never retried: the request
+        may have reached the server); so does a connection lost before its reply was read."""
 
         def receive(answer: dict[str, Any] | CheckpointError) -> None:
             if isinstance(answer, CheckpointError):
@@ -137,7 +143,8 @@ class ServerConnection:
             )
             return
         try:
-            self._settle()
+            while len(self._unanswered) >= MAX_UNANSWERED:
+                self._settle_one(None)
             try:
                 if self._sock is None:
                     self._sock = self._connect(deadline)
@@ -146,10 +153,11 @@ class ServerConnection:
                 receive(e)
                 return
             except (ProtocolError, OSError) as e:
-                self._drop()
-                receive(_failure(e, f"{msg.get('op')!r} not sent within {limit:g} s"))
+                failure = _failure(e, f"{msg.get('op')!r} not sent within {limit:g} s")
+                self._drop(failure)
+                receive(failure)
                 return
-            self._unanswered = (receive, request.op)
+            self._unanswered.append((receive, request.op))
         finally:
             self._lock.release()
 
@@ -167,34 +175,47 @@ class ServerConnection:
             self._lock.release()
 
     def _settle(self, within: float | None = None) -> None:
-        """(Holding the lock.) Hand the unanswered `send` request its reply or error; see
-        `settle` for `within`."""
-        if self._unanswered is None:
-            return
+        """(Holding the lock.) Hand each unanswered `send` request its reply or error, oldest
+        first; see `settle` for `within`."""
+        deadline = None if within is None else time.monotonic() + within
+        while self._unanswered:
+            left = None if deadline is None else deadline - time.monotonic()
+            if not self._settle_one(left):
+                return
+
+    def _settle_one(self, within: float | None) -> bool:
+        """(Holding the lock.) Hand the oldest unanswered `send` request its reply or error;
+        False when `within` (shorter than timeout_s) passed first."""
         assert self._sock is not None  # sent on it, and dropped only with its answer
         if within is not None and within < self.timeout_s:
             if not select.select([self._sock], [], [], max(0.0, within))[0]:
-                return
-        on_reply, op = self._unanswered
-        self._unanswered = None
-        answer: dict[str, Any] | CheckpointError
+                return False
+        on_reply, op = self._unanswered.popleft()
         try:
             answer = recv_msg(self._sock, time.monotonic() + self.timeout_s)
         except (ProtocolError, OSError) as e:
-            self._drop()
             late = f"no answer to {op!r} from the checkpoint server within {self.timeout_s:g} s"
-            answer = _failure(e, late)
+            failure = _failure(e, late)
+            on_reply(failure)
+            self._drop(failure)  # and the requests sent after it
+            return True
         on_reply(answer)
+        return True
 
-    def _drop(self) -> None:
-        """Close the shared connection (a late reply must not answer the next request)."""
+    def _drop(self, error: CheckpointError | None = None) -> None:
+        """Close the shared connection (a late reply must not answer the next request); the
+        `send` requests still unanswered get `error` (the connection is lost)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
             self.dropped += 1
+        lost = error or CheckpointError("checkpoint server connection closed")
+        while self._unanswered:
+            on_reply, _ = self._unanswered.popleft()
+            on_reply(lost)
 
     def close(self) -> None:
-        """Read the unanswered `send` request's reply, then disconnect."""
+        """Read the unanswered `send` requests' replies, then disconnect."""
         with self._lock:
             self._settle()
             self._drop()

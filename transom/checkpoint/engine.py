@@ -184,6 +184,7 @@ class Engine:
         `refused` event). Training goes on; the next save reaches the new server."""
         t0 = time.perf_counter()
         self._copy.wait_finished()  # an overlapped save before it: one in flight, in step order
+        self.settle()
         plan = reshard.plan_state(
             state, step, self.rank, self.world_size, replicated, self.timeline()
         )
@@ -255,11 +256,12 @@ class Engine:
         self, handle: SaveHandle, plan: flatten.Plan, persist: bool, wait: bool = True
     ) -> None:
         """Tell the server the copy of `handle`'s shard is done (its header's tables once per
-        connection: header_tables.py). Without `wait` only the request is written, in full:
-        its reply comes with the connection's next request (or `handle.wait`)."""
+        connection: header_tables.py). Without `wait` only the request is written: its reply
+        comes with the connection's next request (or `settle`, which `handle.wait` calls)."""
         request = wire.Commit(handle.step, self.rank, plan.header.to_json(), persist, plan.tables)
+        answered = functools.partial(self._commit_answered, handle)
         if not wait:
-            self.connection.send(request, functools.partial(self._commit_answered, handle))
+            self._tables.send(self.connection, request, answered)
             return
         try:
             reply: wire.Done | wire.Failed | CheckpointError = self._tables.commit(
@@ -267,7 +269,16 @@ class Engine:
             )
         except CheckpointError as e:
             reply = e
-        self._commit_answered(handle, reply)
+        answered(reply)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Once the copy in flight has sent its commit, read the replies of the commits sent
+        without waiting, and send in full those whose server lacked their tables (within
+        `timeout` s, as far as the copy and the replies go)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._copy.wait_finished(timeout)
+        self.connection.settle(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._tables.resend(self.connection)
 
     def _commit_answered(
         self, handle: SaveHandle, reply: wire.Done | wire.Failed | CheckpointError
@@ -309,7 +320,7 @@ class Engine:
             self._abort(handle.step)
             failed = CheckpointError(f"step {handle.step}: the copy failed: {error!r}")
             return self._commit_answered(handle, failed)  # `wait` raises it
-        self._commit(handle, plan, persist)
+        self._commit(handle, plan, persist, wait=False)  # its reply is read by the next save
         if handle.ok:
             self._ahead.after(handle.step, reserved.nbytes, reserved.world_size, self.generation)
 
@@ -466,7 +477,7 @@ class Engine:
         for thread in self._pending:
             thread.join()
         self._next.wait()
-        self.connection.settle()  # the server has the last commit before it drains
+        self.settle()  # the server has the last commit before it drains
         if self.server is not None and wait:
             self.server.drain()
         self.connection.close()

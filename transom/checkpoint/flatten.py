@@ -35,25 +35,36 @@ class StorageRange:
     """The span of one tensor storage that the saved tensors cover, and where it goes in the
     data."""
 
-    source: torch.Tensor  # uint8 view of the span, on the tensor's device
+    # On the tensor's device: the tensor itself when it spans these bytes alone and contiguously,
+    # else a uint8 view of them (`_source`).
+    source: torch.Tensor
     offset: int  # in the data region
     nbytes: int
 
 
 @dataclass
 class Plan:
-    """A state flattened: the header without checksums and the byte ranges to copy."""
+    """A state flattened: the header without checksums and the byte ranges to copy, as what
+    each is copied from (`StorageRange.source`) and where it goes (`spans`), in two lists: a
+    save every step copies them in one call, nothing made per range."""
 
     header: ShardHeader
-    ranges: list[StorageRange] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (offset in the data, bytes)
     data_len: int = 0
     # The number of its tensor and storage tables while they are kept for the next plans (the
     # server is sent them once: header_tables.py); None when they are not.
     tables: int | None = None
+    cuda: frozenset[torch.device] = frozenset()  # the GPUs it copies from
+
+    @property
+    def ranges(self) -> list[StorageRange]:
+        """The byte ranges to copy (none of 0 bytes)."""
+        return [StorageRange(t, o, n) for t, (o, n) in zip(self.sources, self.spans, strict=True)]
 
     def cuda_devices(self) -> set[torch.device]:
         """The GPUs it copies from (none: a CPU save)."""
-        return {r.source.device for r in self.ranges if r.source.is_cuda}
+        return set(self.cuda)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -123,6 +134,17 @@ def _described(t: torch.Tensor) -> Described:
     return (str(t.device), storage.data_ptr(), storage.nbytes()), lo, hi, entry
 
 
+def _spans_alone(example: torch.Tensor, lo: int, nbytes: int) -> bool:
+    """`example` is contiguous and spans bytes [lo, lo + nbytes) of its storage exactly (a
+    model's or an optimizer's tensors): they are copied from it as it is, no view made."""
+    size = example.element_size()
+    return (
+        example.storage_offset() * size == lo
+        and example.numel() * size == nbytes
+        and example.is_contiguous()
+    )
+
+
 def _source(example: torch.Tensor, lo: int, nbytes: int) -> torch.Tensor:
     """A uint8 view of bytes [lo, lo + nbytes) of `example`'s storage; the one made before for
     the same span while `example` lives and views the same memory (a save every step copies
@@ -160,16 +182,22 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 @dataclass
 class _Tables:
     """The tensor and storage tables of a state's tensors, and its storage ranges as (the index
-    of a tensor in the storage, first byte, bytes, offset in the data): what `plan_state` reuses
+    of a tensor in the storage, first byte, bytes, offset in the data, whether that tensor
+    `_spans_alone` the bytes: then it is what they are copied from): what `plan_state` reuses
     while a state's tensors have the same `_view_key`s (a save every step plans the same
     tensors every step; a model's `state_dict()` gives new tensor objects each time)."""
 
     keys: list[tuple[Any, ...]]
     tensors: tuple[dict[str, Any], ...]
     storages: tuple[tuple[int, int], ...]  # (offset, nbytes) in the data
-    ranges: list[tuple[int, int, int, int]]
+    ranges: list[tuple[int, int, int, int, bool]]  # of the storages with bytes to copy
     data_len: int
     number: int | None = None  # kept for the next plans: `Plan.tables`
+    cuda: frozenset[torch.device] = frozenset()  # the GPUs the ranges are on
+    spans: list[tuple[int, int]] = field(init=False)  # (offset in the data, bytes) of each range
+
+    def __post_init__(self) -> None:
+        self.spans = [(offset, nbytes) for _, _, nbytes, offset, _ in self.ranges]
 
 
 _NUMBERS = itertools.count(1)
@@ -198,16 +226,35 @@ def plan_state(
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             leaves.append(v)
             return {"T": len(leaves) - 1}
-        if kind is dict:
-            return {"d": [[encode(k), encode(x)] for k, x in v.items()]}
+        if kind is dict or kind is OrderedDict:
+            items = []
+            for k, x in v.items():  # str and int keys, tensor values here: no call for them
+                key = k if type(k) is str else {"i": str(k)} if type(k) is int else encode(k)
+                inner = type(x)
+                if inner is torch.Tensor or inner is torch.nn.Parameter:
+                    leaves.append(x)
+                    items.append([key, {"T": len(leaves) - 1}])
+                else:
+                    items.append([key, encode(x)])
+            if kind is dict:
+                return {"d": items}
+            node = {"od": items}
+            meta = getattr(v, "_metadata", None)  # nn.Module.state_dict() versions
+            if meta is not None:
+                node["meta"] = encode(meta)
+            return node
         if kind is str or kind is bool or v is None:
             return v
         if kind is int:
             return {"i": str(v)}
         if kind is float:
             return {"f": v.hex()}
-        if kind is list or kind is tuple:
-            return {"l" if kind is list else "t": [encode(x) for x in v]}
+        if kind is list or kind is tuple:  # an optimizer's parameter numbers: ints, inline
+            return {
+                "l" if kind is list else "t": [
+                    {"i": str(x)} if type(x) is int else encode(x) for x in v
+                ]
+            }
         if isinstance(v, torch.Tensor):
             if divert is not None and isinstance(v, divert):
                 raise Diverted(type(v).__name__)
@@ -264,11 +311,11 @@ def plan_state(
         storages=tables.storages,
         timeline=timeline,
     )
-    ranges = [
-        StorageRange(_source(leaves[i], lo, nbytes), offset, nbytes)
-        for i, lo, nbytes, offset in tables.ranges
+    sources = [
+        leaves[i] if alone else _source(leaves[i], lo, nbytes)
+        for i, lo, nbytes, _, alone in tables.ranges
     ]
-    return Plan(header, ranges, tables.data_len, tables.number)
+    return Plan(header, sources, tables.spans, tables.data_len, tables.number, tables.cuda)
 
 
 def _tables(leaves: list[torch.Tensor]) -> _Tables:
@@ -299,12 +346,14 @@ def _plan_tables(leaves: list[torch.Tensor], keys: list[tuple[Any, ...]] | None)
         group["tensors"].append(index)
         tensors.append(dict(entry))  # its own: "storage" and "byte" are set below
     storage_table: list[tuple[int, int]] = []
-    ranges: list[tuple[int, int, int, int]] = []
+    ranges: list[tuple[int, int, int, int, bool]] = []
     offset = 0
     for group in storages.values():
         lo = group["lo"] // 16 * 16  # keeps every tensor's offset a multiple of its element size
         nbytes = group["hi"] - lo
-        ranges.append((group["first"], lo, nbytes, offset))
+        if nbytes:
+            first = group["first"]
+            ranges.append((first, lo, nbytes, offset, _spans_alone(leaves[first], lo, nbytes)))
         index = len(storage_table)
         storage_table.append((offset, nbytes))
         for i in group["tensors"]:
@@ -312,15 +361,55 @@ def _plan_tables(leaves: list[torch.Tensor], keys: list[tuple[Any, ...]] | None)
             tensors[i]["byte"] -= lo
         offset = align(offset + nbytes, STORAGE_ALIGN)
     number = next(_NUMBERS) if keys is not None else None
-    tables = _Tables(keys or [], tuple(tensors), tuple(storage_table), ranges, offset, number)
+    cuda = frozenset(leaves[r[0]].device for r in ranges if leaves[r[0]].is_cuda)
+    tables = _Tables(keys or [], tuple(tensors), tuple(storage_table), ranges, offset, number, cuda)
     if keys is not None:
         _TABLES.insert(0, tables)
         del _TABLES[KEPT_TABLES:]
     return tables
 
 
+# The views of a data region that `copy_into` made for kept tables, by the id of the region's
+# tensor, while it lives: (its weak reference, its data pointer then, the tables' number, the
+# views). A save every step rotates through a few regions with the same tables.
+_DESTINATIONS: dict[int, tuple[weakref.ref[torch.Tensor], int, int, list[torch.Tensor]]] = {}
+
+
 def copy_into(plan: Plan, data: torch.Tensor, non_blocking: bool = False) -> None:
-    """Copy every storage range of `plan` into `data` (a uint8 tensor of at least plan.data_len)."""
-    for r in plan.ranges:
-        if r.nbytes:
-            data[r.offset : r.offset + r.nbytes].copy_(r.source, non_blocking=non_blocking)
+    """Copy every storage range of `plan` into `data` (a uint8 tensor of at least plan.data_len).
+    From CPU tensors in one call (`torch._foreach_copy_`: no Python per tensor), into the views
+    of `data` made for the plan's tables before when they are kept."""
+    with torch.no_grad():  # a parameter's bytes are copied, not recorded for its gradient
+        if plan.cuda:
+            for source, (offset, nbytes) in zip(plan.sources, plan.spans, strict=True):
+                _into(data, source, offset, nbytes).copy_(source, non_blocking=non_blocking)
+        elif plan.sources:
+            torch._foreach_copy_(_destinations(plan, data), plan.sources)
+
+
+def _into(data: torch.Tensor, source: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The view of `data` that `source` is copied into: bytes [offset, offset + nbytes), as the
+    source's dtype and shape (each range starts at a multiple of STORAGE_ALIGN: any dtype can
+    view it)."""
+    return data[offset : offset + nbytes].view(source.dtype).view(source.shape)
+
+
+def _destinations(plan: Plan, data: torch.Tensor) -> list[torch.Tensor]:
+    """The views of `data` that `plan`'s sources are copied into: those made before for the
+    same tables and the same region, else made now (and kept while `data` lives, when the
+    tables are)."""
+    key, pointer = id(data), data.data_ptr()
+    known = _DESTINATIONS.get(key)
+    if known is not None and known[0]() is data and known[1:3] == (pointer, plan.tables):
+        return known[3]
+    views = [
+        _into(data, source, offset, nbytes)
+        for source, (offset, nbytes) in zip(plan.sources, plan.spans, strict=True)
+    ]
+    if plan.tables is not None:
+
+        def forget(_: weakref.ref[torch.Tensor]) -> None:
+            _DESTINATIONS.pop(key, None)
+
+        _DESTINATIONS[key] = (weakref.ref(data, forget), pointer, plan.tables, views)
+    return views

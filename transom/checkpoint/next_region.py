@@ -14,9 +14,11 @@ pay two requests and a thread a step), until the size changes or a load comes.
 
 A job that saves every step pays the reserve request's round trip to the server on every step,
 on the training thread. `ReservedAhead` takes it off: once two saves came one step apart, an
-overlapped save's copy thread reserves the region of the step after it, once its commit is
-answered (so during the next step's forward and backward), and that save takes the region
-without asking. A save of another step or size gives the reservation back and reserves as ever.
+overlapped save's copy thread asks for the region of the step after it once its commit is
+answered (so during the next step's forward and backward), without waiting for the reply
+(`ServerConnection.send`: the thread never sleeps on it), and that save reads the reply, long
+there, and takes the region without asking. A save of another step or size gives the
+reservation back and reserves as ever.
 Only a save every step reserves ahead: a region reserved steps before its save would hold memory
 the node's peers' replicas may need.
 
@@ -91,7 +93,8 @@ class ReservedAhead:
     """The region of the save one step after the last, reserved before that save is made (see
     the module's docstring). `after` runs on the copy thread once a save's commit is answered,
     `take` in the save; the copy thread's work is finished before a save begins, so they never
-    overlap."""
+    overlap. The reply to `after`'s request is read by the connection's next request, or by
+    `take` or `forget`, whichever comes first."""
 
     def __init__(self, connection: ServerConnection, rank: int):
         self.connection = connection
@@ -108,18 +111,21 @@ class ReservedAhead:
         if not regular or nbytes <= 0:
             return
         request = Reserve(step + 1, self.rank, nbytes, world_size, generation, ahead=True)
-        try:
-            reply = self.connection.request(request)
-        except CheckpointError as e:
-            log.debug("no region reserved ahead of step %d: %s", step + 1, e)
-            return
-        if isinstance(reply, Region):
-            self._held = (request, reply, self.connection.dropped)
+        dropped = self.connection.dropped
+
+        def reserved(reply: Region | Failed | CheckpointError) -> None:
+            if isinstance(reply, Region):
+                self._held = (request, reply, dropped)
+            else:
+                log.debug("no region reserved ahead of step %d: %s", step + 1, reply)
+
+        self.connection.send(request, reserved)
 
     def take(self, request: Reserve) -> Region | None:
         """The region reserved ahead for `request`'s save, if one was and its connection still
         holds it (the server gives back what a closed connection reserved); a reservation made
         for another save is given back (None: reserve as ever)."""
+        self.connection.settle()  # the reply to `after`'s request, unless read already
         held, self._held = self._held, None
         if held is None or held[2] != self.connection.dropped:
             return None
@@ -130,6 +136,7 @@ class ReservedAhead:
 
     def forget(self) -> None:
         """Give back a reservation not taken (a load, or the engine closing)."""
+        self.connection.settle()  # the reply to `after`'s request, unless read already
         held, self._held = self._held, None
         self._last = None
         if held is not None and held[2] == self.connection.dropped:

@@ -65,9 +65,9 @@ class CopyInFlight:
         """Until the copy in flight (if any) has finished copying: its tensors may change."""
         self._copied.wait()
 
-    def wait_finished(self) -> None:
-        """Until the copy in flight and its commit are done."""
-        self._finished.wait()
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Until the copy in flight and its commit are done (False: `timeout` passed first)."""
+        return self._finished.wait(timeout)
 
     def close(self) -> None:
         """Wait for the copy in flight, stop the copy thread and stop watching optimizer steps."""

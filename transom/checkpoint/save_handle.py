@@ -35,6 +35,8 @@ class Saver(Protocol):
     connection: ServerConnection
     request_timeout_s: float
 
+    def settle(self, timeout: float | None = None) -> None: ...
+
 
 class SaveRefused(CheckpointError):
     """The node's checkpoint server refused a save (memory budget, or no answer in time);
@@ -66,7 +68,7 @@ class SaveHandle:
         tier = _tier(tier)
         deadline = deadline_in(timeout)
         if not self._committed.is_set():
-            self.engine.connection.settle(timeout)  # the commit's reply, unless read already
+            self.engine.settle(timeout)  # the commit's reply, unless read already
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._committed.wait(left):
             raise TimeoutError(f"step {self.step} not staged within {timeout} s")

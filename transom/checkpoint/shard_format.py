@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from transom.checkpoint.protocol import encode_json
+
 # The header's record is shard_header's; readers import it (and ShardError) from here too.
 from transom.checkpoint.shard_header import DATA_CHUNK as DATA_CHUNK
 from transom.checkpoint.shard_header import FORMAT_VERSION as FORMAT_VERSION
@@ -87,7 +89,7 @@ def verify_data(header: ShardHeader, data: memoryview) -> None:
 
 def encode_header(header: ShardHeader) -> bytes:
     """Prefix + JSON header + padding to DATA_ALIGN: the bytes in front of the data."""
-    body = json.dumps(header.to_json(), separators=(",", ":")).encode()
+    body = encode_json(header.to_json())
     prefix = PREFIX.pack(
         MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body), header.data_len
     )

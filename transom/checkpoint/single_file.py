@@ -37,7 +37,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     buf = anonymous_buffer(plan.data_len)
     data = layout.as_bytes(buf)[: plan.data_len]
     flatten.copy_into(plan, data)
-    if any(r.source.is_cuda for r in plan.ranges):
+    if plan.cuda:
         torch.cuda.synchronize()
     view = memoryview(buf)[: plan.data_len]
     plan.header = plan.header.with_chunks(shard_format.checksum_data(view))
