@@ -225,6 +225,50 @@ def test_a_server_that_sends_a_malformed_reply_is_a_checkpoint_error(tmp_path: P
     assert not thread.is_alive()
 
 
+def test_replies_to_requests_sent_without_waiting_come_in_order_or_fail_with_the_connection(
+    tmp_path: Path,
+) -> None:
+    """A save every step sends its commit and the next step's reservation without waiting
+    (`ServerConnection.send`): the replies are read later, each handed to its own request, in
+    order; when the connection is lost before some are read, each of those gets the error."""
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(3):
+                msg = recv_msg(conn)
+                send_msg(conn, {"ok": True, "path": f"/region-{msg['step']}", "nbytes": 64})
+            recv_msg(conn)
+            recv_msg(conn)  # two more requests, never answered: the server goes away
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    connection = ServerConnection(path, timeout_s=10)
+    got: list[tuple[int, object]] = []
+    try:
+        for step in (1, 2, 3):
+            connection.send(Reserve(step, 0, 64, 1), lambda r, s=step: got.append((s, r)))
+        assert got == []  # nothing read yet
+        connection.settle()
+        assert [(s, r.path) for s, r in got] == [(n, f"/region-{n}") for n in (1, 2, 3)]
+        for step in (4, 5):
+            connection.send(Reserve(step, 0, 64, 1), lambda r, s=step: got.append((s, r)))
+        thread.join(10)
+        connection.settle()
+        assert [s for s, _ in got[3:]] == [4, 5]
+        assert all(isinstance(r, CheckpointError) for _, r in got[3:])
+        assert connection.dropped == 1
+    finally:
+        connection.close()
+        thread.join(10)
+        listener.close()
+    assert not thread.is_alive()
+
+
 def test_the_catalogs_memory_copies_skip_entries_that_are_not_well_formed() -> None:
     entries: dict[str, Any] = {
         "mem-b": {"tier": "memory", "node": "b", "addr": "10.0.0.2:7000"},
