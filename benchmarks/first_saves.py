@@ -7,7 +7,11 @@ state each block <= 1.2x the copy floor"). This runs one rank with an in-process
 server (`checkpoint.Engine()` outside a launcher), prepares its regions (`Engine.prepare`: one for
 each save of the rotation, the steps memory keeps and the save in progress), saves the same state
 `--saves` times `--gap` seconds apart, and prints each save's blocking time against the copy
-floor of the same run (a copy of the state into a buffer already written once: the median of 7).
+floor: a copy of the state into a buffer already written once, timed just before that save (the
+engine up, its regions made, after the same gap). The floor before the engine starts (the median
+of 7) is reported too: on this VM it moves by 1.5x from run to run, and by up to 1.4x once the
+engine's regions (3 GiB more in use) are made, so only a floor timed beside each save tells
+the save's own cost.
 
     python -m benchmarks.first_saves                      # 1 GiB, 6 saves 2 s apart, 3 runs
     python -m benchmarks.first_saves --gib 0.25 --gap 0.5 --runs 5 --json
@@ -42,17 +46,20 @@ def one_run(gib: float, saves: int, gap_s: float, persist: bool) -> dict:
             buffers[k].copy_(v)
         floors.append(time.perf_counter() - t0)
     floor = statistics.median(floors[1:])
-    del buffers
-    blocked = []
+    blocked, floors_before = [], []
     with tempfile.TemporaryDirectory() as storage:
         engine = checkpoint.Engine(storage_dir=storage, rank=0, world_size=1)
         try:
             engine.prepare(state, persist=persist)
             for step in range(1, saves + 1):
+                time.sleep(gap_s)
+                t0 = time.perf_counter()
+                for k, v in state.items():
+                    buffers[k].copy_(v)
+                floors_before.append(time.perf_counter() - t0)
                 handle = engine.save(step, state, persist=persist)
                 blocked.append(handle.blocking_s)
                 handle.wait("memory", timeout=120)
-                time.sleep(gap_s)
         finally:
             engine.close(wait=False)
     # Against the run's own steady saves too (the 4th and later: regions reused, mapped): the
@@ -60,8 +67,10 @@ def one_run(gib: float, saves: int, gap_s: float, persist: bool) -> dict:
     steady = statistics.median(blocked[3:]) if len(blocked) > 3 else None
     return {
         "floor_s": floor,
+        "floors_before_s": floors_before,
         "blocked_s": blocked,
-        "blocked_x": [b / floor for b in blocked],
+        "blocked_x": [b / f for b, f in zip(blocked, floors_before, strict=True)],
+        "blocked_vs_first_floor_x": [b / floor for b in blocked],
         "steady_s": steady,
         "vs_steady_x": [b / steady for b in blocked] if steady else None,
     }
@@ -83,7 +92,12 @@ def main() -> int:
         run = one_run(args.gib, args.saves, args.gap, args.persist)
         runs.append(run)
         shown = " ".join(f"{x:.1f}x" for x in run["blocked_x"])
-        print(f"run {i + 1}: floor {run['floor_s']:.3f} s; save i blocked: {shown}", flush=True)
+        print(
+            f"run {i + 1}: floor {run['floor_s']:.3f} s at the start, "
+            f"{min(run['floors_before_s']):.3f}-{max(run['floors_before_s']):.3f} s before the "
+            f"saves; save i blocked, against the floor before it: {shown}",
+            flush=True,
+        )
     worst = [max(r["blocked_x"][i] for r in runs) for i in range(args.saves)]
     first_three = worst[:3]
     print(

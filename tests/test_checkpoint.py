@@ -710,3 +710,18 @@ def test_planning_keeps_no_tensor_of_a_state_alive() -> None:
     del t
     gc.collect()
     assert ref() is None
+
+
+def test_a_storage_write_calls_between_before_each_block_after_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The persister waits there while a worker copies a save (pipeline.QUIET_BLOCK_WAIT_S at
+    # most): writing a large shard takes seconds, the copy it would slow a tenth of one.
+    monkeypatch.setattr(storage, "WRITE_BLOCK", 4)
+    calls: list[int] = []
+    path = tmp_path / "shard"
+    storage.atomic_write(
+        path, [b"header", memoryview(b"0123456789")], lambda: calls.append(len(calls))
+    )
+    assert path.read_bytes() == b"header0123456789"
+    assert len(calls) == 3  # "head|er", "0123|4567|89": before each block but a part's first

@@ -4,8 +4,9 @@ commit -> the finaliser computes the checksums (the shard is then in the `memory
 listed in the catalog) -> the replicator pushes it to the ring peer's server (`peer`) and the
 persister writes it to storage (`storage`). Each tier reached or failed is recorded on the shard
 (`wait` returns on either) and is an event. Background work waits (QUIET_WAIT_S at most) while a
-worker of this node copies a save, so it does not compete with the copy for memory bandwidth;
-the replicator and the persister skip a step when they are behind and a newer one is queued (a
+worker of this node copies a save, so it does not compete with the copy for memory bandwidth
+(a storage write also between its blocks, QUIET_BLOCK_WAIT_S at most: writing 1 GiB takes
+seconds, a save's copy of it a tenth of one); the replicator and the persister skip a step when they are behind and a newer one is queued (a
 save every step outpaces a slow peer or disk: the newest step is what a restart needs). A save
 its writer made memory-only (`Engine.save(..., persist=False)`) skips storage, except each
 rank's newest one when the server drains (it stops, or an embedded server closes): the newest
@@ -18,6 +19,7 @@ use sendfile, storage writes from the region) and never blocks a worker's save.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -50,6 +52,9 @@ PERSIST_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # progress on this node to finish, so it does not compete with their copies for CPU and memory
 # bandwidth.
 QUIET_WAIT_S = 5.0
+# A storage write waits this long at most between its blocks while a worker copies a save (the
+# copy of 1 GiB takes 0.05-0.1 s here; a worker stopped mid-copy must not stall storage).
+QUIET_BLOCK_WAIT_S = 0.5
 NO_PEER = "no peer"
 MEMORY_ONLY = "not persisted: saved for memory and peer only (persist=False)"
 
@@ -240,8 +245,8 @@ class SavePipeline:
             shard.failed[tier] = reason
             self.lock.notify_all()
 
-    def _quiet(self) -> None:
-        """Wait until no worker of this node is copying a save (at most QUIET_WAIT_S). A region
+    def _quiet(self, limit_s: float = QUIET_WAIT_S) -> None:
+        """Wait until no worker of this node is copying a save (at most `limit_s`). A region
         reserved ahead of its save is no copy under way: with a save every step one always is,
         and each step's checksums and replica waited for the next step's commit (the last
         step's for QUIET_WAIT_S, twice, as the job ended)."""
@@ -252,7 +257,7 @@ class SavePipeline:
                         s.state == RESERVED and not s.ahead for s in self.memory.shards.values()
                     )
                 ),
-                timeout=QUIET_WAIT_S,
+                timeout=limit_s,
             )
 
     # -- memory: checksums -------------------------------------------------------------------
@@ -418,7 +423,13 @@ class SavePipeline:
                 data = shard.region.view()[: shard.header.data_len]
                 timeline = shard.header.timeline
                 path = storage.write_shard(
-                    root, shard.step, shard.rank, shard.header_bytes, data, timeline
+                    root,
+                    shard.step,
+                    shard.rank,
+                    shard.header_bytes,
+                    data,
+                    timeline,
+                    between=functools.partial(self._quiet, QUIET_BLOCK_WAIT_S),
                 )
                 del data
                 removed = storage.complete_step(

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +64,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, parts: Iterable[bytes | memoryview]) -> None:
-    """Write `parts` (bytes-like, in order) to `path` durably: a temporary file, fsync, rename."""
+def atomic_write(
+    path: Path, parts: Iterable[bytes | memoryview], between: Callable[[], None] | None = None
+) -> None:
+    """Write `parts` (bytes-like, in order) to `path` durably: a temporary file, fsync, rename.
+    `between` is called before each WRITE_BLOCK after the first (the persister waits there
+    while a worker copies a save: both would share the node's memory bandwidth)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             for part in parts:
                 for i in range(0, len(part), WRITE_BLOCK):
+                    if i and between is not None:
+                        between()
                     f.write(part[i : i + WRITE_BLOCK])
             f.flush()
             os.fsync(f.fileno())
@@ -107,6 +113,7 @@ def write_shard(
     header_bytes: bytes,
     data: memoryview,
     timeline: Timeline | None = None,
+    between: Callable[[], None] | None = None,
 ) -> Path:
     """Write one shard durably; OSError when the disk is full or not writable, StaleTimeline when
     `step` is complete under a newer generation, or its file of `rank` is of one. A complete step
@@ -133,7 +140,7 @@ def write_shard(
             f"step {step} rank {rank} on disk is of {on_disk}; a shard of the older {timeline} "
             "is not written over it"
         )
-    atomic_write(path, [header_bytes, data])
+    atomic_write(path, [header_bytes, data], between)
     return path
 
 
