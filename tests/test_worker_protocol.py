@@ -4,9 +4,11 @@ and the catalog's memory copies are read from etcd's contents without trusting t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,31 +200,45 @@ def test_a_malformed_reply_is_refused_at_the_boundary(
         request_.read_reply(reply)
 
 
-def test_a_server_that_sends_a_malformed_reply_is_a_checkpoint_error(tmp_path: Path) -> None:
-    """The client turns a reply that does not parse into CheckpointError, which every caller in
-    engine.py already handles as a server that cannot answer."""
+@contextlib.contextmanager
+def _connected_to(
+    tmp_path: Path, serve: Callable[[socket.socket], None]
+) -> Iterator[ServerConnection]:
+    """A worker's connection to a stand-in server that answers it with `serve(connection)`, in
+    a thread; the server has ended when the block does."""
     path = str(tmp_path / "s.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
 
-    def serve() -> None:
+    def accept() -> None:
         conn, _ = listener.accept()
         with conn:
-            recv_msg(conn)
-            send_msg(conn, {"ok": True, "sources": "everywhere"})
+            serve(conn)
 
-    thread = threading.Thread(target=serve, daemon=True)
+    thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     connection = ServerConnection(path, timeout_s=10)
     try:
-        with pytest.raises(CheckpointError, match="bad reply to 'locate'"):
-            connection.request(Locate(1, 0))
+        yield connection
     finally:
         connection.close()
         thread.join(10)
         listener.close()
     assert not thread.is_alive()
+
+
+def test_a_server_that_sends_a_malformed_reply_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """The client turns a reply that does not parse into CheckpointError, which every caller in
+    engine.py already handles as a server that cannot answer."""
+
+    def serve(conn: socket.socket) -> None:
+        recv_msg(conn)
+        send_msg(conn, {"ok": True, "sources": "everywhere"})
+
+    with _connected_to(tmp_path, serve) as connection:
+        with pytest.raises(CheckpointError, match="bad reply to 'locate'"):
+            connection.request(Locate(1, 0))
 
 
 def test_replies_to_requests_sent_without_waiting_come_in_order_or_fail_with_the_connection(
@@ -231,25 +247,18 @@ def test_replies_to_requests_sent_without_waiting_come_in_order_or_fail_with_the
     """A save every step sends its commit and the next step's reservation without waiting
     (`ServerConnection.send`): the replies are read later, each handed to its own request, in
     order; when the connection is lost before some are read, each of those gets the error."""
-    path = str(tmp_path / "s.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
+    answered = threading.Event()
 
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            for _ in range(3):
-                msg = recv_msg(conn)
-                send_msg(conn, {"ok": True, "path": f"/region-{msg['step']}", "nbytes": 64})
-            recv_msg(conn)
-            recv_msg(conn)  # two more requests, never answered: the server goes away
+    def serve(conn: socket.socket) -> None:
+        for _ in range(3):
+            msg = recv_msg(conn)
+            send_msg(conn, {"ok": True, "path": f"/region-{msg['step']}", "nbytes": 64})
+        recv_msg(conn)
+        recv_msg(conn)  # two more requests, never answered: the server goes away
+        answered.set()
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    connection = ServerConnection(path, timeout_s=10)
     got: list[tuple[int, object]] = []
-    try:
+    with _connected_to(tmp_path, serve) as connection:
         for step in (1, 2, 3):
             connection.send(Reserve(step, 0, 64, 1), lambda r, s=step: got.append((s, r)))
         assert got == []  # nothing read yet
@@ -257,16 +266,11 @@ def test_replies_to_requests_sent_without_waiting_come_in_order_or_fail_with_the
         assert [(s, r.path) for s, r in got] == [(n, f"/region-{n}") for n in (1, 2, 3)]
         for step in (4, 5):
             connection.send(Reserve(step, 0, 64, 1), lambda r, s=step: got.append((s, r)))
-        thread.join(10)
+        assert answered.wait(10)
         connection.settle()
         assert [s for s, _ in got[3:]] == [4, 5]
         assert all(isinstance(r, CheckpointError) for _, r in got[3:])
         assert connection.dropped == 1
-    finally:
-        connection.close()
-        thread.join(10)
-        listener.close()
-    assert not thread.is_alive()
 
 
 def test_the_catalogs_memory_copies_skip_entries_that_are_not_well_formed() -> None:

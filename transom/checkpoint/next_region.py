@@ -15,7 +15,7 @@ pay two requests and a thread a step), until the size changes or a load comes.
 A job that saves every step pays the reserve request's round trip to the server on every step,
 on the training thread. `ReservedAhead` takes it off: once two saves came one step apart, an
 overlapped save's copy thread asks for the region of the step after it once its commit is
-answered (so during the next step's forward and backward), without waiting for the reply
+written (so during the next step's forward and backward), without waiting for the reply
 (`ServerConnection.send`: the thread never sleeps on it), and that save reads the reply, long
 there, and takes the region without asking. A save of another step or size gives the
 reservation back and reserves as ever.
@@ -91,7 +91,7 @@ class NextRegion:
 
 class ReservedAhead:
     """The region of the save one step after the last, reserved before that save is made (see
-    the module's docstring). `after` runs on the copy thread once a save's commit is answered,
+    the module's docstring). `after` runs on the copy thread once a save's commit is written,
     `take` in the save; the copy thread's work is finished before a save begins, so they never
     overlap. The reply to `after`'s request is read by the connection's next request, or by
     `take` or `forget`, whichever comes first."""
