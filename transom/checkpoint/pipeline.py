@@ -6,11 +6,11 @@ persister writes it to storage (`storage`). Each tier reached or failed is recor
 (`wait` returns on either) and is an event. Background work waits (QUIET_WAIT_S at most) while a
 worker of this node copies a save, so it does not compete with the copy for memory bandwidth
 (a storage write also between its blocks, QUIET_BLOCK_WAIT_S at most: writing 1 GiB takes
-seconds, a save's copy of it a tenth of one); the replicator and the persister skip a step when they are behind and a newer one is queued (a
-save every step outpaces a slow peer or disk: the newest step is what a restart needs). A save
-its writer made memory-only (`Engine.save(..., persist=False)`) skips storage, except each
-rank's newest one when the server drains (it stops, or an embedded server closes): the newest
-step outlives it.
+seconds, a save's copy of it a tenth of one); the replicator and the persister skip a step
+when they are behind and a newer one is queued (a save every step outpaces a slow peer or
+disk: the newest step is what a restart needs). A save its writer made memory-only
+(`Engine.save(..., persist=False)`) skips storage, except each rank's newest one when the
+server drains (it stops, or an embedded server closes): the newest step outlives it.
 Such a save (a snapshot every step) is no `saved` or `replicated` event, only its failures are.
 
 This module never copies shard bytes in Python (checksums read the region in place, transfers
