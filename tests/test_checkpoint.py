@@ -725,3 +725,16 @@ def test_a_storage_write_calls_between_before_each_block_after_the_first(
     )
     assert path.read_bytes() == b"header0123456789"
     assert len(calls) == 3  # "head|er", "0123|4567|89": before each block but a part's first
+
+
+def test_a_storage_is_copied_as_its_bytes_are_when_a_lazy_view_of_it_comes_first() -> None:
+    # A conjugate or negative view's bits are lazy: copying the view itself would write its
+    # values, not its storage's bytes, which the plain tensor saved beside it reads back.
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    y = torch.tensor([1.0, -2.0])
+    state = {"conj": x.conj(), "x": x, "neg": torch._neg_view(y), "y": y}
+    plan = flatten.plan_state(state, 1, 0, 1)
+    data = torch.zeros(plan.data_len, dtype=torch.uint8)
+    flatten.copy_into(plan, data)
+    rebuilt = layout.rebuild(plan.header, data)
+    assert torch.equal(rebuilt["x"], x) and torch.equal(rebuilt["y"], y)

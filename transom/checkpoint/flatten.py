@@ -31,24 +31,14 @@ STORAGE_ALIGN = 64
 
 
 @dataclass
-class StorageRange:
-    """The span of one tensor storage that the saved tensors cover, and where it goes in the
-    data."""
-
-    # On the tensor's device: the tensor itself when it spans these bytes alone and contiguously,
-    # else a uint8 view of them (`_source`).
-    source: torch.Tensor
-    offset: int  # in the data region
-    nbytes: int
-
-
-@dataclass
 class Plan:
     """A state flattened: the header without checksums and the byte ranges to copy, as what
-    each is copied from (`StorageRange.source`) and where it goes (`spans`), in two lists: a
-    save every step copies them in one call, nothing made per range."""
+    each is copied from and where it goes, in two lists: a save every step copies them in one
+    call, nothing made per range."""
 
     header: ShardHeader
+    # Each range's source, on its tensor's device: the tensor itself when it spans the range's
+    # bytes alone (`_spans_alone`), else a uint8 view of them (`_source`).
     sources: list[torch.Tensor] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (offset in the data, bytes)
     data_len: int = 0
@@ -56,11 +46,6 @@ class Plan:
     # server is sent them once: header_tables.py); None when they are not.
     tables: int | None = None
     cuda: frozenset[torch.device] = frozenset()  # the GPUs it copies from
-
-    @property
-    def ranges(self) -> list[StorageRange]:
-        """The byte ranges to copy (none of 0 bytes)."""
-        return [StorageRange(t, o, n) for t, (o, n) in zip(self.sources, self.spans, strict=True)]
 
     def cuda_devices(self) -> set[torch.device]:
         """The GPUs it copies from (none: a CPU save)."""
@@ -135,13 +120,18 @@ def _described(t: torch.Tensor) -> Described:
 
 
 def _spans_alone(example: torch.Tensor, lo: int, nbytes: int) -> bool:
-    """`example` is contiguous and spans bytes [lo, lo + nbytes) of its storage exactly (a
-    model's or an optimizer's tensors): they are copied from it as it is, no view made."""
+    """`example` is a plain contiguous tensor spanning bytes [lo, lo + nbytes) of its storage
+    exactly (a model's or an optimizer's tensors): they are copied from it as it is, no view
+    made. Not a subclass, a conjugate or a negative view: copying one would not copy its
+    storage's bytes as they are, which the other tensors of the storage may view."""
     size = example.element_size()
     return (
-        example.storage_offset() * size == lo
+        type(example) in (torch.Tensor, torch.nn.Parameter)
+        and example.storage_offset() * size == lo
         and example.numel() * size == nbytes
         and example.is_contiguous()
+        and not example.is_conj()
+        and not example.is_neg()
     )
 
 
