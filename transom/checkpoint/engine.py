@@ -183,8 +183,7 @@ class Engine:
         SaveRefused, a warning is logged (a timeout or a lost region is also reported as a
         `refused` event). Training goes on; the next save reaches the new server."""
         t0 = time.perf_counter()
-        self._copy.wait_finished()  # an overlapped save before it: one in flight, in step order
-        self.settle()
+        self.settle()  # an overlapped save before it done, its replies read: in step order
         plan = reshard.plan_state(
             state, step, self.rank, self.world_size, replicated, self.timeline()
         )

@@ -68,7 +68,7 @@ def atomic_write(
     path: Path, parts: Iterable[bytes | memoryview], between: Callable[[], None] | None = None
 ) -> None:
     """Write `parts` (bytes-like, in order) to `path` durably: a temporary file, fsync, rename.
-    `between` is called before each WRITE_BLOCK after the first (the persister waits there
+    `between` is called before each WRITE_BLOCK but a part's first (the persister waits there
     while a worker copies a save: both would share the node's memory bandwidth)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
