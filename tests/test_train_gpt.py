@@ -157,7 +157,10 @@ def test_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:
     if mode == "torch":
         assert kept == ["step_00000009.pt", "step_00000012.pt"]
     else:  # one folder per step, a shard per rank, the manifest written last
-        assert kept == ["step_000000000009", "step_000000000012"]
+        # Storage skips a step when it is behind and a newer one is queued (the persister's
+        # latest-wins rule), so on a loaded machine the older of the two kept can be 3 or 6.
+        assert kept[-1] == "step_000000000012", kept
+        assert len(kept) == 2 and kept[0] in {f"step_{s:012d}" for s in (3, 6, 9)}, kept
         assert sorted(p.name for p in (tmp_path / "a" / kept[-1]).iterdir()) == [
             "manifest.json",
             "rank_000000.shard",
