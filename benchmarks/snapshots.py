@@ -42,12 +42,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from benchmarks import stats
 from benchmarks.checkpoint import SECRET, start_server
 from benchmarks.demo_model import make_trainer
+from benchmarks.isolation import thread_ids
 
 PERSIST_EVERY = 20
 WARMUP = 10
@@ -114,15 +114,24 @@ def run(pairs: int, steps: int, closure: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="snapshots-"))
     servers = []
     try:
+        # The servers inherit the other cores, every thread of them (an affinity set on a
+        # running process moves its main thread only: its other threads shared the rank's core).
+        os.sched_setaffinity(0, rest)
         peer, _, peer_addr = start_server(work, "node1", 1 << 30, ["--replicas", "0"])
         servers.append(peer)
         own, sock, _ = start_server(
             work, "node0", 1 << 30, ["--peer", peer_addr, "--storage", str(work / "storage")]
         )
         servers.append(own)
-        for p in servers:
-            psutil.Process(p.pid).cpu_affinity(rest)
         os.sched_setaffinity(0, rank_core)
+        shared = [
+            t
+            for p in servers
+            for t in thread_ids(p.pid)
+            if os.sched_getaffinity(t) & set(rank_core)
+        ]
+        if shared:
+            raise RuntimeError(f"server threads {shared} may run on the rank's core {rank_core}")
         torch.set_num_threads(1)
         engine = checkpoint.Engine(
             socket_path=sock, rank=0, world_size=1, secret=SECRET.encode(), storage_dir=work
