@@ -17,7 +17,7 @@ from conftest import wait_for
 
 from transom.common import env
 from transom.faults import MockNvml, cpu_quota
-from transom.monitor import datagram, waiting
+from transom.monitor import datagram, stopped_time, waiting
 from transom.monitor.node import NodeMonitor
 from transom.monitor.stopped_time import (
     STOPPED_MIN_S,
@@ -35,6 +35,21 @@ def test_only_late_wakes_outside_a_phase_count():
     assert meter.total_s == 0.0
     meter.woke(0.4, 0.1, in_phase=False)
     assert meter.total_s == pytest.approx(0.3)
+
+
+def test_run_queue_waits_count_outside_a_phase_only(monkeypatch):
+    """An evaluation's run-queue waits (ranks contending for cores with no pause between their
+    batches) are not a step's: the round in a phase counts nothing, and its wait is not carried
+    into the next round either."""
+    waited = iter([0.0, 0.2, 0.25, 0.45])  # the training thread's run-queue total, seconds
+    monkeypatch.setattr(stopped_time, "run_queue_s", lambda tid: next(waited))
+    meter = StopMeter(tid=1)
+    meter.woke(0.1, 0.1, in_phase=True)  # 0.2 s on the run queue in an evaluation
+    assert meter.total_s == 0.0
+    meter.woke(0.1, 0.1, in_phase=False)  # 0.05 s: counted from where the phase left it
+    assert meter.total_s == pytest.approx(0.05)
+    meter.woke(0.1, 0.1, in_phase=False)  # 0.2 s on the run queue outside a phase
+    assert meter.total_s == pytest.approx(0.25)
 
 
 def test_the_window_counts_after_warm_up_and_leaves_the_largest_out():

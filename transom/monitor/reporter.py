@@ -218,7 +218,7 @@ class _Channel:
             before = time.monotonic()
             if self._closed.wait(asked):
                 return
-            # In a phase, or one began or ended meanwhile: a save may hold Python's lock.
+            # In a phase, or one began or ended meanwhile: not a step's time (stopped_time).
             in_phase = self.phase is not None or self.phase_since >= before
             self.stops.woke(time.monotonic() - before, asked, in_phase)
 
