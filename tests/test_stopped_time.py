@@ -37,19 +37,23 @@ def test_only_late_wakes_outside_a_phase_count():
     assert meter.total_s == pytest.approx(0.3)
 
 
-def test_run_queue_waits_count_outside_a_phase_only(monkeypatch):
+def test_run_queue_waits_count_unless_the_round_was_all_in_a_phase(monkeypatch):
     """An evaluation's run-queue waits (ranks contending for cores with no pause between their
-    batches) are not a step's: the round in a phase counts nothing, and its wait is not carried
-    into the next round either."""
-    waited = iter([0.0, 0.2, 0.25, 0.45])  # the training thread's run-queue total, seconds
+    batches) are not a step's: a round all in a phase counts none, and its wait is not carried
+    into the next round either; a round a short phase (a save) only touched counts its wait."""
+    waited = iter([0.0, 0.2, 0.25, 0.45, 0.5, 0.55])  # the training thread's run-queue total
     monkeypatch.setattr(stopped_time, "run_queue_s", lambda tid: next(waited))
     meter = StopMeter(tid=1)
-    meter.woke(0.1, 0.1, in_phase=True)  # 0.2 s on the run queue in an evaluation
+    meter.woke(0.1, 0.1, in_phase=True, all_in_phase=True)  # 0.2 s waited in an evaluation
     assert meter.total_s == 0.0
     meter.woke(0.1, 0.1, in_phase=False)  # 0.05 s: counted from where the phase left it
     assert meter.total_s == pytest.approx(0.05)
-    meter.woke(0.1, 0.1, in_phase=False)  # 0.2 s on the run queue outside a phase
+    meter.woke(0.1, 0.1, in_phase=True)  # 0.2 s waited in a round a save began in
     assert meter.total_s == pytest.approx(0.25)
+    meter.woke(0.3, 0.1, in_phase=True)  # a late wake there counts for nothing, the wait does
+    assert meter.total_s == pytest.approx(0.30)
+    meter.woke(0.3, 0.1, in_phase=True, all_in_phase=True)  # neither does, all in the phase
+    assert meter.total_s == pytest.approx(0.30)
 
 
 def test_the_window_counts_after_warm_up_and_leaves_the_largest_out():

@@ -218,9 +218,11 @@ class _Channel:
             before = time.monotonic()
             if self._closed.wait(asked):
                 return
-            # In a phase, or one began or ended meanwhile: not a step's time (stopped_time).
+            # In a phase, or one began or ended meanwhile: a save may hold Python's lock. In
+            # one all along: not a step's time (stopped_time).
             in_phase = self.phase is not None or self.phase_since >= before
-            self.stops.woke(time.monotonic() - before, asked, in_phase)
+            all_in_phase = self.phase is not None and self.phase_since < before
+            self.stops.woke(time.monotonic() - before, asked, in_phase, all_in_phase)
 
     def tell_phase(self, kind: str) -> None:
         """Send a "beat" or "phase" datagram: this rank's newest step and current phase."""

@@ -6,10 +6,10 @@ both ranks wait there and neither look late. A 300 ms stop every 600 ms in a job
 comes back at the same point of the step each time, so such a rank can hide for good. What a
 stop always shows: the worker's monitor sender thread (transom.monitor.reporter), which sleeps
 SENDER_PERIOD_S between its rounds, wakes late. Each wake later than STOPPED_MIN_S past its time
-is counted as stopped (outside a phase: see below), and the total so far rides on the
-datagrams that thread sends (`stopped`). A rank that waits in a collective sleeps in C with the
-lock let go: its sender wakes on time. Scheduling noise and Python's lock switches (5 ms) are
-under STOPPED_MIN_S and count for nothing.
+is counted as stopped (outside a phase: a checkpoint's pickling may hold Python's lock that long),
+and the total so far rides on the datagrams that thread sends (`stopped`). A rank that waits in a
+collective sleeps in C with the lock let go: its sender wakes on time. Scheduling noise and Python's
+lock switches (5 ms) are under STOPPED_MIN_S and count for nothing.
 
 A CPU quota (a Kubernetes CPU limit, a cgroup's CFS bandwidth) holds the rank for part of each
 100 ms period, a rhythm the sender's 0.1 s round can lock onto and never see, and the throttled
@@ -21,14 +21,15 @@ latter from RUNQ_MIN_S: a 2-core machine running three ranks keeps each waiting 
 (90% of rounds), a quota of half what the rank used 50-70 ms. Waiting for Python's lock is not
 run-queue time.
 
-A round in a phase (or one that began or ended in it) counts for nothing: a phase's time is not a
-step's, so neither is its stopped time. A checkpoint's pickling may hold Python's lock for a late
-wake's length, and an evaluation is compute without the step's pauses: three ranks on two cores
-evaluating at once wait on the run queue 30 ms and more a round, and whichever rank the scheduler
-served least looked stopped for the window after it: in a fault-free 16-minute train_gpt run
-(3 nodes, an evaluation every 100 steps) 44 of its 100 evaluations were followed by a node named
-the one waited for, none for long enough to be confirmed; the false stragglers of a half hour
-on a slower day (late, not slow in their compute) were most likely these.
+A round spent all in a phase counts no run-queue wait: a long phase's time is not a step's. An
+evaluation is compute without the step's pauses: three ranks on two cores evaluating at once
+wait on the run queue 30 ms and more a round, and whichever rank the scheduler served least
+looked stopped for the window after it: in a fault-free 16-minute train_gpt run (3 nodes, an
+evaluation every 100 steps) 44 of its 100 evaluations were followed by a node named the one
+waited for, none for long enough to be confirmed; the false stragglers of a half hour on a
+slower day (late, not slow in their compute) were most likely these. A phase shorter than a
+round (a save every few steps) leaves its rounds counted: a quota's throttled time in them is
+a step's.
 
 The node agent keeps each rank's `StoppedTime`: the growth of that total, as it arrived, over
 the last STOPPED_WINDOW_S (or STOPPED_WINDOW_STEPS steps, whichever is longer), less the
@@ -75,18 +76,20 @@ class StopMeter:
         self.tid = tid
         self.waited_s = None if tid is None else run_queue_s(tid)  # run-queue total so far
 
-    def woke(self, slept_s: float, asked_s: float, in_phase: bool) -> None:
-        """The thread slept `slept_s` where it asked for `asked_s`; a round `in_phase` counts
-        for nothing (its run-queue wait is taken as seen all the same)."""
+    def woke(
+        self, slept_s: float, asked_s: float, in_phase: bool, all_in_phase: bool = False
+    ) -> None:
+        """The thread slept `slept_s` where it asked for `asked_s`; `in_phase`: a phase was on
+        at some time of the round (its late wake counts for nothing), `all_in_phase`: all of
+        it (nor does its run-queue wait, which is taken as seen all the same)."""
         late = slept_s - asked_s
-        counted = late if late >= STOPPED_MIN_S else 0.0
+        counted = late if late >= STOPPED_MIN_S and not in_phase else 0.0
         if self.tid is not None:
             before, self.waited_s = self.waited_s, run_queue_s(self.tid)
-            if before is not None and self.waited_s is not None:
+            if before is not None and self.waited_s is not None and not all_in_phase:
                 waited = self.waited_s - before
                 counted = max(counted, waited if waited >= RUNQ_MIN_S else 0.0)
-        if not in_phase:
-            self.total_s += counted
+        self.total_s += counted
 
 
 class StoppedTime:
