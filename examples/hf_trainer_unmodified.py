@@ -14,9 +14,11 @@ one-line integration with the Trainer's own step numbers is transom.integrations
 
 A step is a few tens of milliseconds on one CPU thread (the default --width 64, 2 layers,
 sequences of 64 tokens, 8 a batch). --data-delay S makes each batch take S seconds more to arrive
-(the data collator waits), as a data pipeline would. A plain `TrainerCallback` prints
-`step N t=TIME` on the main process after each step (N the Trainer's global step, TIME
-time.time()); the final model goes to OUT/final.
+(the data collator waits), as a data pipeline would. --eval-steps N evaluates on 64 held-out
+samples every N steps, each of them --eval-delay S seconds to load (a slow validation set). A
+plain `TrainerCallback` prints `step N t=TIME` on the main process after each step (N the
+Trainer's global step, TIME time.time()) and `eval step N loss L` after each evaluation; the
+final model goes to OUT/final.
 """
 
 import argparse
@@ -43,6 +45,8 @@ parser.add_argument("--save-steps", type=int, default=10)
 parser.add_argument("--width", type=int, default=64)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--data-delay", type=float, default=0.0)
+parser.add_argument("--eval-steps", type=int, default=0)
+parser.add_argument("--eval-delay", type=float, default=0.0)
 args = parser.parse_args()
 
 VOCAB, LENGTH = 256, 64
@@ -73,6 +77,17 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+class HeldOut(Tokens):
+    """64 samples, none of the training set's first million, each slow to load."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(args.eval_delay)
+        return super().__getitem__(1_000_000 + i)
+
+
 def collate(samples):
     time.sleep(args.data_delay)
     return default_data_collator(samples)
@@ -83,6 +98,11 @@ class PrintSteps(TrainerCallback):
         if state.is_world_process_zero:
             print(f"step {state.global_step} t={time.time():.3f}", flush=True)
 
+    def on_evaluate(self, training_args, state, control, metrics=None, **kwargs):
+        if state.is_world_process_zero:
+            loss = (metrics or {}).get("eval_loss", float("nan"))
+            print(f"eval step {state.global_step} loss {loss:.4f}", flush=True)
+
 
 training = TrainingArguments(
     output_dir=args.out,
@@ -92,6 +112,10 @@ training = TrainingArguments(
     logging_steps=50,
     save_strategy="steps",
     save_steps=args.save_steps,
+    eval_strategy="steps" if args.eval_steps else "no",
+    eval_steps=args.eval_steps or None,
+    per_device_eval_batch_size=8,
+    prediction_loss_only=True,
     report_to="none",
     use_cpu=True,
     disable_tqdm=True,
@@ -103,6 +127,7 @@ trainer = Trainer(
     model=model,
     args=training,
     train_dataset=Tokens(),
+    eval_dataset=HeldOut() if args.eval_steps else None,
     data_collator=collate,
     callbacks=[PrintSteps()],
 )

@@ -18,7 +18,7 @@ import torch
 from conftest import TOY, monitored_ranks, rank_logs, ranks_finished, wait_for
 
 from transom.common import env
-from transom.monitor import auto, detectors, stacks
+from transom.monitor import auto, detectors, eval_phase, stacks
 
 pytestmark = pytest.mark.integration  # real worker processes and gloo
 
@@ -103,6 +103,40 @@ def test_a_save_longer_than_the_hang_timeout_is_a_checkpoint_phase_not_a_hang(tm
 
         summary = wait_for(saving_long, 30, "rank 0 in a save for 2 s")
         ranks_finished(procs, tmp_path)
+    views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
+    assert detectors.hang(views, 1.0) is None
+    unmarked = [{**v, "phase": None} for v in views]
+    found = detectors.hang(unmarked, 1.0)
+    assert found is not None and found.type == "hang"
+
+
+def test_an_evaluation_longer_than_the_hang_timeout_is_an_eval_phase_not_a_hang(tmp_path):
+    """After step 15 both ranks evaluate for 4 s (the model in eval mode, forward passes and
+    all_reduces, no optimizer step), the hang floor is 1 s: the agent hears of the eval phase
+    from the model's eval() alone, and the controller's hang rule on that summary finds no hang
+    (the same summary without the phase would be one)."""
+    args = ["--steps", "25", "--step-delay", "0.02", "--eval-every", "15", "--eval-s", "4"]
+    with monitored_ranks(tmp_path, TOY, [*args, "--ckpt-dir", "ck"], hang_floor_s=1.0) as (
+        monitor,
+        procs,
+    ):
+
+        def evaluating_long():
+            summary, _ = monitor.collect()
+            ranks = summary.ranks.values()
+            quiet = min((r.step_age or 0.0 for r in ranks), default=0.0)
+            if len(ranks) < 2 or quiet < 2.0:
+                return None
+            if any(r.phase != eval_phase.EVAL_PHASE for r in ranks):
+                return None
+            return summary
+
+        summary = wait_for(evaluating_long, 30, "both ranks in an evaluation for 2 s")
+        ranks_finished(procs, tmp_path)
+        # Training went on after it: the phase ended with the model's train().
+        wait_for(lambda: monitor.steps() == {0: 24, 1: 24}, 10, "every step")
+        after, _ = monitor.collect()
+        assert all(r.phase is None for r in after.ranks.values()), after.ranks
     views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
     assert detectors.hang(views, 1.0) is None
     unmarked = [{**v, "phase": None} for v in views]

@@ -27,6 +27,17 @@ def steps_logged(job) -> int:
     return int(found[-1]) if found else 0
 
 
+def alarms(job) -> list[dict]:
+    """The job's events a fault-free run must not have: anomalies above info, decisions,
+    warnings and incidents."""
+    return [
+        e
+        for e in job.events()
+        if (e["kind"] == "anomaly" and e.get("severity") != "info")
+        or e["kind"] in ("decision", "warning", "incident")
+    ]
+
+
 def assert_hang_found_with_stacks(
     job, stopped_at: float, script: str, waits: tuple[str, ...] = ("backward",)
 ) -> None:
@@ -135,3 +146,37 @@ def test_a_throttled_node_of_an_unmodified_ddp_script_is_the_straggler_the_other
     assert 0 < straggler["step"] - fault["step"] <= 30, (fault["step"], straggler["step"])
     assert "node1" in job.status()["job"]["evicted"]
     assert not [e for e in job.events() if e.get("type") == "hang"]
+
+
+def test_an_unmodified_scripts_long_evaluation_is_no_hang(start_job):
+    """Three times in the run both ranks evaluate for 5 s (the model in eval mode, forward
+    passes and all_reduces, no optimizer step; a framework's evaluation loop does the same), with
+    a hang floor of 2 s and a spare to evict to: the bootstrap sees the evaluation from the model's
+    eval() alone, and the job trains through them in one generation, with no anomaly."""
+    job = start_job(
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        TOY,
+        *("--steps", "30", "--step-delay", "0.05", "--eval-every", "10", "--eval-s", "5"),
+    )
+    assert job.wait() == 0, job.output
+    assert len(re.findall(r"^eval step \d+", job.log_text("g001/rank0.log"), re.M)) == 3
+    assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
+    assert job.status()["job"]["generation"] == 1
+
+
+def test_an_unmodified_hf_trainers_long_evaluation_is_no_hang(start_job):
+    """The real Trainer evaluates every 10 steps, each evaluation 32 slow samples a rank (about
+    5 s: the Trainer's evaluation loop, its model in eval mode, its loss gathered across ranks),
+    with a hang floor of 2 s and a spare: one generation, no anomaly, every evaluation done."""
+    job = start_job(
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        HF,
+        *("--steps", "30", "--save-steps", "10", "--data-delay", "0.05"),
+        *("--eval-steps", "10", "--eval-delay", "0.15"),
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert job.wait(timeout=300) == 0, job.output
+    evaluations = re.findall(r"^eval step (\d+) loss", job.log_text("g001/rank0.log"), re.M)
+    assert evaluations == ["10", "20", "30"], job.log_text("g001/rank0.log")[-2000:]
+    assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
+    assert job.status()["job"]["generation"] == 1

@@ -5,7 +5,9 @@ visible. --step-delay makes steps slow enough for a test to kill something mid-r
 --slow-rank R --slow-s S makes rank R compute S seconds longer each step (the others wait for
 it); --sync allreduce averages the gradients with torch.distributed.all_reduce instead of DDP;
 --save-s S makes rank 0's torch.save of each step take S seconds longer (a slow file system),
---save-s-at STEP only that step's.
+--save-s-at STEP only that step's; --eval-every N --eval-s S evaluates after every N-th step
+for S seconds (the model in eval mode, a forward pass and an all_reduce of its loss every 50 ms,
+no optimizer step), as a framework's evaluation loop does.
 """
 
 import argparse
@@ -24,6 +26,8 @@ parser.add_argument("--slow-s", type=float, default=0.0)
 parser.add_argument("--sync", choices=("ddp", "allreduce"), default="ddp")
 parser.add_argument("--save-s", type=float, default=0.0)
 parser.add_argument("--save-s-at", type=int, default=None)
+parser.add_argument("--eval-every", type=int, default=0)
+parser.add_argument("--eval-s", type=float, default=0.0)
 parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
 args = parser.parse_args()
 
@@ -82,6 +86,21 @@ for step in range(start + 1, args.steps + 1):
             torch.save({"model": net.state_dict(), "step": step}, SlowFile(f, slow))
         os.replace(path + ".tmp", path)
         print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if args.eval_every and step % args.eval_every == 0:
+        model.eval()
+        until, val = time.monotonic() + args.eval_s, torch.zeros(())
+        with torch.no_grad():
+            while True:  # every rank runs as many batches as rank 0 says
+                go = torch.tensor([float(time.monotonic() < until)])
+                dist.broadcast(go, 0)
+                if not go.item():
+                    break
+                val = model(torch.randn(16, 8)).pow(2).mean()
+                dist.all_reduce(val)
+                time.sleep(0.05)
+        if rank == 0:
+            print(f"eval step {step} loss {val.item() / world:.4f}", flush=True)
+        model.train()
     time.sleep(args.step_delay)
 dist.barrier()
 print(f"done rank={rank}", flush=True)

@@ -23,6 +23,9 @@ already has (all installed by `install()`, from transom.control.bootstrap):
   controller waits detectors.PHASE_HANG_S while a rank is in a phase), and their time is left out
   of the step's compared time like a wait: a script whose rank 0 alone writes every few steps
   (a Trainer's checkpoint) does not make rank 0 look like the rank the others wait for;
+- evaluations: the trained model's `eval()` to its `train()` (or the next step) is the `eval`
+  phase (transom.monitor.eval_phase): an evaluation longer than a hang's timeout is no hang, and
+  the step that held it is left out of the timing windows;
 - replica fingerprints: every few steps the same hook hashes the parameters it steps
   (transom.monitor.fingerprint) for the controller's replica check, keeps them on the node for
   a replay of that step to compare with (transom.monitor.evidence), and applies an injected
@@ -53,7 +56,7 @@ from typing import Any
 
 from transom.common import env
 from transom.faults.worker_side import flip_bits
-from transom.monitor import evidence, fingerprint, reporter
+from transom.monitor import eval_phase, evidence, fingerprint, reporter
 
 # The Python-level collectives of torch.distributed whose synchronous calls are timed as wait.
 COLLECTIVES = (
@@ -102,6 +105,8 @@ class StepCounter:
         # fingerprint interval is set from), and the newest hook's perf_counter().
         self.periods: collections.deque[float] = collections.deque(maxlen=PERIODS_KEPT)
         self.last_hook: float | None = None
+        # The trained model's evaluations (eval() to train()): a phase the next step ends.
+        self.evaluating = eval_phase.EvalPhase(lambda: self.primary and self.primary())
 
     def add_wait(self, seconds: float) -> None:
         with self._lock:
@@ -125,6 +130,7 @@ class StepCounter:
                 self.primary = weakref.ref(optimizer)
             elif self.primary() is not optimizer:
                 return  # a second optimizer of the same loop: its step is the same step
+            evaluated = self.evaluating.take_seen()  # a step: any evaluation is over
             own = optimizer_step(optimizer)
             step = self.count if own is None else own
             self.count = step + 1
@@ -147,6 +153,8 @@ class StepCounter:
                 comm = min(wait, duration)
                 message.update(dur=duration, comm=comm, compute=duration - comm)
             self.last_end = now
+            if evaluated and not self.framework:  # its time held an evaluation: not comparable
+                message["phase"] = [eval_phase.EVAL_PHASE]
             if self.framework:
                 self.timing = {k: v for k, v in message.items() if k != "step"}
                 self.check_replica(ch, optimizer, step)
@@ -227,6 +235,7 @@ def install() -> bool:
         _counter = StepCounter()
         for install_one in (
             _install_optimizer_hook,
+            _install_eval_phase,
             _wrap_collectives,
             _install_ddp_hook,
             _wrap_saves,
@@ -265,6 +274,10 @@ def _install_optimizer_hook(steps: StepCounter) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(steps.after_step)
+
+
+def _install_eval_phase(steps: StepCounter) -> None:
+    eval_phase.install(steps.evaluating)
 
 
 def _wrap_collectives(steps: StepCounter) -> None:

@@ -287,17 +287,33 @@ def report(step: int, **metrics: float) -> None:
 @contextmanager
 def phase(name: str):
     """Mark a stretch (checkpoint save, evaluation) whose step timing is not comparable."""
-    ch = _get()
-    previous = ch.phase if ch else None
-    name = str(name)[: datagram.MAX_NAME]
-    if ch:
-        ch.phase, ch.phase_since = name, time.monotonic()
-        ch.phases_seen.add(name)
+    previous = enter_phase(name)
     try:
         yield
     finally:
-        if ch:
-            ch.phase_ended(previous)
+        leave_phase(previous)
+
+
+def enter_phase(name: str) -> str | None:
+    """Begin phase `name` (as `phase` does, for a stretch that does not end in the same
+    function); returns the phase it interrupts, for `leave_phase`."""
+    ch = _get()
+    if ch is None:
+        return None
+    previous = ch.phase
+    name = str(name)[: datagram.MAX_NAME]
+    ch.phase, ch.phase_since = name, time.monotonic()
+    ch.phases_seen.add(name)
+    return previous
+
+
+def leave_phase(previous: str | None, name: str | None = None) -> None:
+    """End the current phase, back to `previous` (what `enter_phase` returned); given its
+    `name`, only if the current phase is still that one (not one the script entered since and
+    left)."""
+    ch = _get()
+    if ch is not None and (name is None or ch.phase == name):
+        ch.phase_ended(previous)
 
 
 class StepTimer:
