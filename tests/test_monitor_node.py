@@ -157,6 +157,23 @@ def test_a_short_phase_sends_nothing_and_a_long_one_is_told_its_end_and_next_ste
     assert channel.pending == []
 
 
+def test_a_long_phases_end_is_progress(node, monkeypatch):
+    """The step age, which the hang rule measures, counts from the end of a phase the agent was
+    told of, not from the step before it: a 5 s evaluation that ends is not 5 s without
+    progress (at the job's end, no step follows it)."""
+    monkeypatch.setattr(reporter, "HEARTBEAT_S", 60.0)
+    for step in range(1, 4):
+        with reporter.step(step):
+            pass
+    wait_for(lambda: node.steps().get(3) == 3, 5, "the steps to arrive")
+    with reporter.phase("eval"):
+        wait_for(lambda: node.ranks[3].phase == "eval", 5, "the long phase to be told")
+        time.sleep(0.5)  # the phase lasts: the step age grows (nothing else to wait for)
+        assert published(node)[0]["ranks"]["3"]["step_age"] >= 0.5
+    wait_for(lambda: node.ranks[3].phase is None, 5, "the end of the phase to arrive")
+    assert published(node)[0]["ranks"]["3"]["step_age"] < 0.4
+
+
 def test_steps_going_out_are_the_ranks_heartbeat_and_a_stuck_rank_beats_alone(node, monkeypatch):
     """Any datagram tells the agent the rank lives: while steps go out no heartbeat is sent
     besides them; once steps stop (stuck in one) the heartbeat goes every HEARTBEAT_S."""

@@ -255,8 +255,12 @@ def serve(path: str) -> int:
 
     setproctitle.setproctitle(f"{TITLE} ({path})")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)  # before the imports: agents may hand in requests at once
+    # Before the imports: agents may hand in requests at once. Bound under another name and
+    # renamed once it listens: a peer that finds `path` (Template.start waits for it) and
+    # connects between a bind and its listen is refused, and its agent imports by itself.
+    listener.bind(path + ".new")
     listener.listen(64)
+    os.rename(path + ".new", path)
     started = comparable(dict(os.environ))
     warm.import_modules()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its interpreters are reaped by the kernel

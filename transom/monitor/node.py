@@ -213,7 +213,13 @@ class NodeMonitor:
         if v.get("stopped") is not None:  # of a steps, beat or phase datagram
             r.add_stopped(now, v["stopped"])
         if d.kind in ("beat", "phase"):
+            ended = r.phase is not None and v.get("phase") is None
             r.phase = v.get("phase")
+            if ended and r.step_at is not None:
+                # A phase's end is progress: the hang clock starts again from it, not from the
+                # step before the phase (a long evaluation's end would be a hang at once, and a
+                # script whose last step came before it ends without another).
+                r.step_at = max(r.step_at, now)
         elif d.kind == "fault":
             if len(self.fired_faults) < FIRED_FAULTS_KEPT:
                 when = d.t if d.t is not None else time.time()
