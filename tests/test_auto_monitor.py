@@ -83,6 +83,28 @@ def test_a_rank_that_saves_slowly_is_not_the_one_waited_for(tmp_path):
     assert abs(saver.compute_s - other.compute_s) < 0.03, (saver, other)
 
 
+def long_phase(monitor, phase: str, ranks: tuple[str, ...]):
+    """The monitor's summary once `ranks` are all in `phase` and no rank progressed for 2 s."""
+
+    def seen():
+        summary, _ = monitor.collect()
+        quiet = min((r.step_age or 0.0 for r in summary.ranks.values()), default=0.0)
+        phases = [getattr(summary.ranks.get(rank), "phase", None) for rank in ranks]
+        return summary if quiet >= 2.0 and phases == [phase] * len(ranks) else None
+
+    return wait_for(seen, 30, f"ranks {', '.join(ranks)} in phase {phase} for 2 s")
+
+
+def assert_the_phase_spares_a_hang(summary) -> None:
+    """The controller's hang rule (a 1 s floor) finds no hang on `summary`, and would on the
+    same summary without its phases."""
+    views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
+    assert detectors.hang(views, 1.0) is None
+    unmarked = [{**v, "phase": None} for v in views]
+    found = detectors.hang(unmarked, 1.0)
+    assert found is not None and found.type == "hang"
+
+
 def test_a_save_longer_than_the_hang_timeout_is_a_checkpoint_phase_not_a_hang(tmp_path):
     """Rank 0's save of step 15 takes 4 s, the hang floor is 1 s: the agent hears of a
     checkpoint phase, and the controller's hang rule on that summary finds no hang (the same
@@ -92,22 +114,9 @@ def test_a_save_longer_than_the_hang_timeout_is_a_checkpoint_phase_not_a_hang(tm
         monitor,
         procs,
     ):
-
-        def saving_long():
-            summary, _ = monitor.collect()
-            saver = summary.ranks.get("0")
-            quiet = min((r.step_age or 0.0 for r in summary.ranks.values()), default=0.0)
-            if saver is None or saver.phase != auto.CHECKPOINT_PHASE or quiet < 2.0:
-                return None
-            return summary
-
-        summary = wait_for(saving_long, 30, "rank 0 in a save for 2 s")
+        summary = long_phase(monitor, auto.CHECKPOINT_PHASE, ("0",))
         ranks_finished(procs, tmp_path)
-    views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
-    assert detectors.hang(views, 1.0) is None
-    unmarked = [{**v, "phase": None} for v in views]
-    found = detectors.hang(unmarked, 1.0)
-    assert found is not None and found.type == "hang"
+    assert_the_phase_spares_a_hang(summary)
 
 
 def test_an_evaluation_longer_than_the_hang_timeout_is_an_eval_phase_not_a_hang(tmp_path):
@@ -120,28 +129,13 @@ def test_an_evaluation_longer_than_the_hang_timeout_is_an_eval_phase_not_a_hang(
         monitor,
         procs,
     ):
-
-        def evaluating_long():
-            summary, _ = monitor.collect()
-            ranks = summary.ranks.values()
-            quiet = min((r.step_age or 0.0 for r in ranks), default=0.0)
-            if len(ranks) < 2 or quiet < 2.0:
-                return None
-            if any(r.phase != eval_phase.EVAL_PHASE for r in ranks):
-                return None
-            return summary
-
-        summary = wait_for(evaluating_long, 30, "both ranks in an evaluation for 2 s")
+        summary = long_phase(monitor, eval_phase.EVAL_PHASE, ("0", "1"))
         ranks_finished(procs, tmp_path)
         # Training went on after it: the phase ended with the model's train().
         wait_for(lambda: monitor.steps() == {0: 24, 1: 24}, 10, "every step")
         after, _ = monitor.collect()
         assert all(r.phase is None for r in after.ranks.values()), after.ranks
-    views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
-    assert detectors.hang(views, 1.0) is None
-    unmarked = [{**v, "phase": None} for v in views]
-    found = detectors.hang(unmarked, 1.0)
-    assert found is not None and found.type == "hang"
+    assert_the_phase_spares_a_hang(summary)
 
 
 EXPLICIT = """
