@@ -180,3 +180,22 @@ def test_an_unmodified_hf_trainers_long_evaluation_is_no_hang(start_job):
     assert evaluations == ["10", "20", "30"], job.log_text("g001/rank0.log")[-2000:]
     assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
     assert job.status()["job"]["generation"] == 1
+
+
+@pytest.mark.parametrize("where", ["main", "child"])
+def test_an_unmodified_scripts_long_work_outside_a_step_is_no_hang(start_job, where):
+    """Three times in the run rank 0 works 5 s outside a step while the other rank waits at a
+    barrier, with a hang floor of 2 s and a spare to evict to: in its main thread (samples from
+    the model, which is not in eval mode), or in a DataLoader's worker process (an epoch's slow
+    first batch). No phase marks either; the agents' looks find rank 0 at work, and the job
+    trains through them in one generation, with no anomaly."""
+    job = start_job(
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        TOY,
+        *("--steps", "30", "--step-delay", "0.05", "--busy-every", "10", "--busy-s", "5"),
+        *("--busy-in", where),
+    )
+    assert job.wait() == 0, job.output
+    assert len(re.findall(r"^busy after step \d+", job.log_text("g001/rank0.log"), re.M)) == 3
+    assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
+    assert job.status()["job"]["generation"] == 1

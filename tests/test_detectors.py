@@ -16,7 +16,7 @@ from transom.common.records import (
 from transom.control.policy import on_anomaly
 from transom.faults import MockNvml
 from transom.job_spec import JobSpec
-from transom.monitor import detectors, patterns
+from transom.monitor import busy, detectors, patterns
 from transom.monitor.collect import gpu_problems
 
 MEMBERS = ["node0", "node1", "node2"]
@@ -135,6 +135,12 @@ def test_a_stopped_rank_is_a_hang_after_1_s_of_short_steps_and_nothing_else_is()
     assert detectors.suspect_after_s(1.5, [0.2]) == 0.75  # a floor of 1.5 s: half of it
     in_phase = [dict(v, step_age=100.0, phase="checkpoint") for v in quiet]
     assert hang(in_phase) is None  # a phase: half of its own timeout (150 s)
+    # A rank its agent found at work outside a step is no reason to wait for a stopped one.
+    busy_peer = [dict(v, phase=busy.BUSY_PHASE if v["rank"] == 0 else None) for v in quiet]
+    assert hang(busy_peer) is not None
+    working = [dict(v, where="in f at t.py:3", step_age=20.0) for v in busy_peer]  # none stopped
+    assert hang(working) is None  # past the 8 s timeout, but rank 0 is at work: a phase's 300 s
+    assert hang([dict(v, phase=None) for v in working]) is not None
 
 
 def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():

@@ -64,7 +64,8 @@ def test_the_collector_names_a_stopped_and_a_gone_rank_and_says_when_it_is_done(
         ranks = {0: (stopped.pid, tmp_path / "rank0.stacks"), 1: (gone.pid, tmp_path / "r1")}
         assert collector.request(("g1", 7), ranks, "train.py")
         assert done.wait(10), "the collector never said it was done"
-        assert collector.results(("g1", 7)) == {0: stacks.STOPPED, 1: stacks.GONE}
+        found = collector.results(("g1", 7))
+        assert found == stacks.Collection({0: stacks.STOPPED, 1: stacks.GONE}, frozenset())
         assert not collector.request(("g1", 7), ranks, "train.py")  # once per stuck step
     finally:
         stopped.kill()

@@ -7,7 +7,10 @@ it); --sync allreduce averages the gradients with torch.distributed.all_reduce i
 --save-s S makes rank 0's torch.save of each step take S seconds longer (a slow file system),
 --save-s-at STEP only that step's; --eval-every N --eval-s S evaluates after every N-th step
 for S seconds (the model in eval mode, a forward pass and an all_reduce of its loss every 50 ms,
-no optimizer step), as a framework's evaluation loop does.
+no optimizer step), as a framework's evaluation loop does; --busy-every N --busy-s S makes
+rank 0 work S seconds outside a step after every N-th step while the others wait at a barrier:
+--busy-in main generates samples from the model in Python (not in eval mode), --busy-in child
+waits for a DataLoader's worker process that prepares one slow batch (an epoch's start).
 """
 
 import argparse
@@ -28,6 +31,9 @@ parser.add_argument("--save-s", type=float, default=0.0)
 parser.add_argument("--save-s-at", type=int, default=None)
 parser.add_argument("--eval-every", type=int, default=0)
 parser.add_argument("--eval-s", type=float, default=0.0)
+parser.add_argument("--busy-every", type=int, default=0)
+parser.add_argument("--busy-s", type=float, default=0.0)
+parser.add_argument("--busy-in", choices=("main", "child"), default="main")
 parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
 args = parser.parse_args()
 
@@ -49,6 +55,35 @@ if os.path.exists(path):
     net.load_state_dict(state["model"])
     start = state["step"]
 print(f"resumed step={start} rank={rank}", flush=True)
+
+
+class SlowBatch(torch.utils.data.Dataset):
+    """One batch that takes `seconds` of CPU to prepare, as an epoch's first batches can."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        until, n = time.monotonic() + self.seconds, 0
+        while time.monotonic() < until:
+            n = (n * 31 + 7) % 1000003
+        return torch.full((8,), float(n % 7))
+
+
+def work_outside_a_step(seconds):
+    """Rank 0's work after a step, which nothing marks: samples or a slow first batch."""
+    if args.busy_in == "child":
+        loader = torch.utils.data.DataLoader(SlowBatch(seconds), num_workers=1)
+        return sum(float(b.sum()) for b in loader)
+    until, text = time.monotonic() + seconds, []
+    with torch.no_grad():
+        while time.monotonic() < until:
+            out = net(torch.randn(4, 8))
+            text.append(" ".join(f"{v:.3f}" for v in out.flatten().tolist()))
+    return len(text)
 
 
 class SlowFile:
@@ -101,6 +136,10 @@ for step in range(start + 1, args.steps + 1):
         if rank == 0:
             print(f"eval step {step} loss {val.item() / world:.4f}", flush=True)
         model.train()
+    if args.busy_every and step % args.busy_every == 0:
+        if rank == 0:
+            print(f"busy after step {step}: {work_outside_a_step(args.busy_s)}", flush=True)
+        dist.barrier()
     time.sleep(args.step_delay)
 dist.barrier()
 print(f"done rank={rank}", flush=True)

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 
 from transom.common.records import Anomaly, FailureReport, MonitorSummary, RankSummary, Severity
-from transom.monitor import stacks
+from transom.monitor import busy, stacks
 
 __all__ = ["Anomaly"]  # defined in transom.common.records; re-exported for the detectors' users
 
@@ -250,6 +250,9 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     in_phase = any(v.get("phase") for v in views)
     if in_phase:
         timeout = max(timeout, PHASE_HANG_S)
+    # A phase a worker reported (a save, an evaluation) may hold a stopped rank's peers too;
+    # a rank its agent found at work (busy) cannot be what a stopped rank waits for.
+    reported_phase = any(v.get("phase") not in (None, busy.BUSY_PHASE) for v in views)
     quiet = min(v["step_age"] for v in stepping)
     # Where each rank is, from its agent's stack dump (transom.monitor.stacks), bounded: it
     # crossed a process boundary.
@@ -262,7 +265,11 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
         stacks.STOPPED in where.values()
         and len(where) == len(views)
         and quiet
-        >= (stacks.SUSPECT_FRACTION * timeout if in_phase else suspect_after_s(timeout, step_times))
+        >= (
+            stacks.SUSPECT_FRACTION * timeout
+            if reported_phase
+            else suspect_after_s(timeout, step_times)
+        )
     )
     if quiet < timeout and not halted:
         return None

@@ -12,8 +12,9 @@ The agent calls `tick()` every loop: it scans new worker log lines against the f
 patterns, checks heartbeats and GPUs, writes an `anomaly` event for each new anomaly, and
 publishes a compact summary to `monitor/<node>` (at most every SUMMARY_PERIOD_S, at once when
 there is a new anomaly): per rank the newest step, the ages of the last step and heartbeat, the
-phase, and median step, compute and wait (sync section) times. The controller compares nodes
-from these summaries (who the others wait for: transom.monitor.waiting).
+phase (`busy` for a rank found at work outside a step: transom.monitor.stuck_ranks), and median
+step, compute and wait (sync section) times. The controller compares nodes from these summaries
+(who the others wait for: transom.monitor.waiting).
 A datagram that brings news (an anomaly, a fired fault, or steps that make a summary due), and
 stuck ranks' stacks once collected, call `wake`, so that the agent's loop publishes them at once
 rather than at its next tick: the agent can then tick slowly while its workers run steadily
@@ -27,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +35,6 @@ from pathlib import Path
 
 import psutil
 
-from transom.common import files
 from transom.common.records import (
     Anomaly,
     Event,
@@ -44,10 +43,11 @@ from transom.common.records import (
     Severity,
     SummaryRequest,
 )
-from transom.monitor import datagram, detectors, stacks
+from transom.monitor import busy, datagram, detectors
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 from transom.monitor.rank_timing import RankTrack
+from transom.monitor.stuck_ranks import StuckRanks
 from transom.monitor.summary_pace import (
     ATTENTIVE_PERIOD_S,
     ATTENTIVE_S,
@@ -128,14 +128,9 @@ class NodeMonitor:
         self._gpus: list[dict] = []
         self._host: dict = {}
         self._seq = 0
-        # Stacks of ranks that look hung (transom.monitor.stacks): where the workers' dump
-        # handler writes (None: no handler, never signalled), the script, the job's hang floor.
-        self.stacks_dir: Path | None = None
-        self.script = script
-        self.hang_floor_s = hang_floor_s
-        self.stacks = stacks.StackCollector(done=wake)  # collected: publish it at once
-        self._stuck_key: tuple[int, int] | None = None  # (generation, newest step) collected for
-        self.stuck_check_at: float | None = None  # when the stacks are due if no rank progresses
+        # Where stuck ranks are and which are at work (transom.monitor.stuck_ranks); a
+        # collection's results wake the agent's loop, to publish them at once.
+        self.stuck = StuckRanks(hang_floor_s, script, done=wake)
         self.listener = threading.Thread(target=self._serve, name="monitor-listener", daemon=True)
         self.listener.start()
 
@@ -237,6 +232,9 @@ class NodeMonitor:
         step = m["step"]
         previous, previous_sent = r.step, r.sent_at
         r.step, r.step_at, r.sent_at = step, now, sent
+        if r.busy_until > -math.inf:  # the step that held work outside a step: not comparable
+            r.busy_until = -math.inf
+            m = {**m, "phase": [busy.BUSY_PHASE]}
         if r.first_step is None:
             r.first_step = step
         loss = m.get("loss")
@@ -266,15 +264,14 @@ class NodeMonitor:
             self._attentive_views = None
             self.anomalies = []
             self._pending.clear()
-            self._stuck_key = None
-        self.stacks.reset()
+            self.stuck.reset()
 
     def expect_ranks(self, ranks: list[int], stacks_dir: Path | None = None) -> None:
         """This node's global ranks in the current generation: datagrams of others are dropped.
         `stacks_dir`: where their bootstrap's stack dump handler writes (None: there is none)."""
         with self._lock:
             self.expected_ranks = frozenset(ranks)
-            self.stacks_dir = stacks_dir
+            self.stuck.stacks_dir = stacks_dir
 
     def excuse(self, seconds: float) -> None:
         """The agent paused the workers for `seconds`: their silence then is not theirs (no
@@ -345,39 +342,16 @@ class NodeMonitor:
             self._gpus = gpus
 
     def _check_stuck(self, pids: dict[int, int], now: float) -> None:
-        """Ask for the ranks' stacks once per stuck step: when every rank of the node finished a
-        first step and none finished one for detectors.suspect_after_s (as the controller's hang
-        rule computes it from these ranks' step times)."""
+        """Look at the ranks while none steps (transom.monitor.stuck_ranks)."""
         with self._lock:
-            self.stuck_check_at = None
-            tracks = [self.ranks.get(rank) for rank in pids]
-            if (
-                self.stacks_dir is None
-                or not pids
-                or any(r is None or r.step is None or r.step_at is None for r in tracks)
-            ):
-                return
-            known = [r for r in tracks if r is not None and r.step is not None]
-            step_times = [statistics.median(r.durations) for r in known if r.durations]
-            timeout = detectors.hang_timeout_s(self.hang_floor_s, step_times)
-            quiet = min(now - r.step_at for r in known if r.step_at is not None)
-            key = (self.generation, max(r.step for r in known if r.step is not None))
-            suspect = detectors.suspect_after_s(timeout, step_times)
-            self.stuck_check_at = now + suspect - quiet if quiet < suspect else None
-            if quiet < suspect or any(r.phase for r in known):
-                return
-            self._stuck_key = key
-            where = self.stacks_dir
-        ranks = {rank: (pid, where / files.stacks_name(rank)) for rank, pid in pids.items()}
-        self.stacks.request(key, ranks, self.script)
+            request = self.stuck.due(self.ranks, pids, self.generation, now)
+        if request is not None:
+            self.stuck.look(request)
 
-    def _where(self) -> dict[int, str]:
-        """The collected stacks' lines, while the node is still at the step they were taken at."""
-        key = self._stuck_key
-        if key is None:
-            return {}
-        newest = max((r.step for r in self.ranks.values() if r.step is not None), default=None)
-        return self.stacks.results(key) if (self.generation, newest) == key else {}
+    @property
+    def stuck_check_at(self) -> float | None:
+        """When the agent must tick for the next look at its ranks, if none steps till then."""
+        return self.stuck.check_at
 
     def due(self, now: float) -> bool:
         """Whether a summary is to be collected: new anomalies, stuck ranks' places the last one
@@ -385,8 +359,7 @@ class NodeMonitor:
         with self._lock:
             if self._pending or now - self._published_at >= SUMMARY_PERIOD_S:
                 return True
-            shown = {r: v.where for r, v in self._published_views.items()}
-            if any(w != shown.get(str(r)) for r, w in self._where().items()):
+            if self.stuck.news(self.ranks, self.generation, self._published_views, now):
                 return True
         return self.steps_due(now)
 
@@ -444,7 +417,7 @@ class NodeMonitor:
                 new.append(a)
             self._pending.clear()
             self.anomalies = (self.anomalies + new)[-ANOMALIES_KEPT:]
-            where = self._where()
+            where = self.stuck.where(self.ranks, self.generation)
             summary = MonitorSummary(
                 node=self.node_id,
                 generation=self.generation,

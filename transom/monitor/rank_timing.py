@@ -25,12 +25,13 @@ This module must never do I/O or act: it keeps numbers and summarises them.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 
 from transom.common.records import RankSummary
-from transom.monitor import datagram, detectors, waiting
+from transom.monitor import busy, datagram, detectors, waiting
 from transom.monitor.stopped_time import StoppedTime
 
 WARMUP_STEPS = 5  # the first steps of each generation are not compared (start-up, caches)
@@ -58,6 +59,9 @@ class RankTrack:
         self.step_at: float | None = None  # monotonic time of the last step report
         self.beat_at: float | None = None
         self.phase: str | None = None
+        # Until when (monotonic) the rank counts as at work outside a step, as its agent's last
+        # looks at it found (transom.monitor.busy); -inf: not seen at work since its step.
+        self.busy_until = -math.inf
         self.durations: deque[float] = deque(maxlen=TIMING_WINDOW)
         self.computes: deque[float] = deque(maxlen=TIMING_WINDOW)
         self.waits: deque[float] = deque(maxlen=TIMING_WINDOW)  # time in the sync section
@@ -168,7 +172,7 @@ class RankTrack:
         return RankSummary(
             where=where,
             step=self.step,
-            phase=self.phase,
+            phase=self.phase or (busy.BUSY_PHASE if now < self.busy_until else None),
             step_age=round(now - self.step_at, 3) if self.step_at is not None else None,
             beat_age=round(now - self.beat_at, 3) if self.beat_at is not None else None,
             step_s=round(statistics.median(self.durations), 5) if self.durations else None,

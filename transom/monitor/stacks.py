@@ -22,6 +22,7 @@ block the agent's loop (the collection runs in a thread of its own), or trust th
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from transom.monitor import busy
+
+log = logging.getLogger("transom.monitor")
 
 # A signal whose default action is to be ignored: a library that resets every handler (as
 # Lightning's signal connector does at its teardown) leaves the process safe from it. Nothing in
@@ -166,36 +171,48 @@ def catches(pid: int, signum: int) -> bool:
     return False
 
 
-def dump(pid: int, path: Path, script: str, timeout_s: float = DUMP_WAIT_S) -> str | None:
-    """Signal `pid` to dump its stacks into `path`; its main thread's `where`, or None when
-    the handler is not there (never registered, or reset since) or nothing came within
-    `timeout_s`."""
-    if not handler_ready(path, pid) or not catches(pid, STACKS_SIGNAL):
-        return None
-    try:
-        before = path.stat().st_size
-        os.kill(pid, STACKS_SIGNAL)
-    except OSError:
-        return None
-    deadline = time.monotonic() + timeout_s
-    size, settled = before, 0
-    while time.monotonic() < deadline and settled < 3:
-        time.sleep(POLL_S)
+def dump_many(
+    targets: dict[int, tuple[int, Path]], script: str, timeout_s: float = DUMP_WAIT_S
+) -> dict[int, list[Frame]]:
+    """Signal each target (key -> (pid, its stacks file)) to dump its stacks, all at once, and
+    read back each one's main thread (`main_thread`); a target is left out when its handler is
+    not there (never registered, or reset since) or nothing came within `timeout_s`."""
+    started: dict[int, tuple[Path, int]] = {}
+    for key, (pid, path) in targets.items():
+        if not handler_ready(path, pid) or not catches(pid, STACKS_SIGNAL):
+            continue
         try:
-            now = path.stat().st_size
+            before = path.stat().st_size
+            os.kill(pid, STACKS_SIGNAL)
         except OSError:
-            return None
-        settled = settled + 1 if now == size and now > before else 0
-        size = now
-    if size <= before:
-        return None
-    try:
-        with open(path, "rb") as f:
-            f.seek(before)
-            text = f.read(MAX_DUMP_BYTES).decode(errors="replace")
-    except OSError:
-        return None
-    return where(main_thread(parse_dump(text), script))
+            continue
+        started[key] = (path, before)
+    sizes = {key: before for key, (_, before) in started.items()}
+    settled = dict.fromkeys(started, 0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(n < 3 for n in settled.values()):
+        time.sleep(POLL_S)
+        for key, (path, before) in started.items():
+            if settled[key] >= 3:
+                continue
+            try:
+                now = path.stat().st_size
+            except OSError:
+                now = before
+            settled[key] = settled[key] + 1 if now == sizes[key] and now > before else 0
+            sizes[key] = now
+    found: dict[int, list[Frame]] = {}
+    for key, (path, before) in started.items():
+        if sizes[key] <= before:
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.seek(before)
+                text = f.read(MAX_DUMP_BYTES).decode(errors="replace")
+        except OSError:
+            continue
+        found[key] = main_thread(parse_dump(text), script)
+    return found
 
 
 def process_state(pid: int) -> str | None:
@@ -211,16 +228,41 @@ def process_state(pid: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Collection:
+    """What one collection found: each rank's `where` line (STOPPED or GONE for a rank that
+    cannot run), and the ranks that worked between its looks (transom.monitor.busy)."""
+
+    where: dict[int, str]
+    busy: frozenset[int]
+
+
+def _look(targets: dict[int, tuple[int, Path]], script: str) -> dict[int, busy.Look]:
+    """A look at each target: its CPU times now, then its main thread's stack."""
+    t = time.monotonic()
+    cpu = {
+        rank: (busy.main_thread_cpu_s(pid), busy.children_cpu_s(pid))
+        for rank, (pid, _) in targets.items()
+    }
+    frames = dump_many(targets, script)
+    return {
+        rank: busy.Look(t, tuple((f.file, f.line, f.function) for f in stack), *cpu[rank])
+        for rank, stack in frames.items()
+    }
+
+
 class StackCollector:
-    """Collects a node's ranks' `where` lines in a thread of its own, once per request; `done`
-    (called from that thread) is told when a collection's results are in."""
+    """Collects a node's ranks' `where` lines in a thread of its own, once per request, from
+    busy.LOOKS looks busy.LOOK_GAP_S apart, so that it also tells which ranks are at work
+    (transom.monitor.busy); `done` (called from that thread) is told when a collection's
+    results are in."""
 
     def __init__(self, done: Callable[[], None] | None = None) -> None:
         self.done = done
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.where: dict[int, str] = {}
-        self.key: object = None  # what the last request was for (generation and step)
+        self.found: Collection | None = None
+        self.key: object = None  # what the last request was for
 
     def request(self, key: object, ranks: dict[int, tuple[int, Path]], script: str) -> bool:
         """Collect for `ranks` (rank -> (pid, stacks file)) unless already done for `key` or
@@ -229,7 +271,7 @@ class StackCollector:
             if key == self.key or (self._thread is not None and self._thread.is_alive()):
                 return False
             self.key = key
-            self.where = {}
+            self.found = None
             self._thread = threading.Thread(
                 target=self._collect,
                 args=(key, dict(ranks), script),
@@ -240,25 +282,57 @@ class StackCollector:
             return True
 
     def _collect(self, key: object, ranks: dict[int, tuple[int, Path]], script: str) -> None:
-        found: dict[int, str] = {}
-        for rank, (pid, path) in sorted(ranks.items()):
-            try:
+        """Where each rank is from a first look, published at once (a stopped rank's hang
+        waits for it), then which ranks worked from busy.LOOKS looks busy.LOOK_GAP_S apart."""
+        places: dict[int, str] = {}
+        runnable: dict[int, tuple[int, Path]] = {}
+        try:
+            for rank, (pid, path) in sorted(ranks.items()):
                 state = process_state(pid)
-                found[rank] = state if state is not None else dump(pid, path, script) or ""
-            except Exception:  # noqa: BLE001 - a rank we cannot read is left out
-                continue
-        with self._lock:
-            current = self.key == key
-            if current:
-                self.where = {r: w for r, w in found.items() if w}
-        if current and self.done is not None:
-            self.done()
+                if state is None:
+                    runnable[rank] = (pid, path)
+                else:
+                    places[rank] = state
+            first = _look(runnable, script)
+            for rank, seen in first.items():
+                places[rank] = where([Frame(*f) for f in seen.stack])
+            if not self._found(key, Collection(dict(places), frozenset())) or not first:
+                return
+            looks = {rank: [seen] for rank, seen in first.items()}
+            for n in range(1, busy.LOOKS):
+                taken = min(seen.t for seen in first.values()) + n * busy.LOOK_GAP_S
+                time.sleep(max(0.0, taken - time.monotonic()))
+                for rank, seen in _look({r: runnable[r] for r in looks}, script).items():
+                    looks[rank].append(seen)
+            for rank, seen_all in looks.items():
+                places[rank] = where([Frame(*f) for f in seen_all[-1].stack])
+            working = frozenset(r for r, seen_all in looks.items() if busy.working(seen_all))
+            self._found(key, Collection(places, working))
+        except Exception:  # noqa: BLE001 - what could not be read is left out
+            log.exception("stack collection failed")
 
-    def results(self, key: object) -> dict[int, str]:
+    def _found(self, key: object, found: Collection) -> bool:
+        """Keep `found` as `key`'s collection and say so (`done`); False when a newer request
+        or a reset came since."""
         with self._lock:
-            return dict(self.where) if self.key == key else {}
+            if self.key != key:
+                return False
+            self.found = Collection({r: w for r, w in found.where.items() if w}, found.busy)
+        if self.done is not None:
+            self.done()
+        return True
+
+    def collecting(self) -> bool:
+        """Whether a collection is under way."""
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
+    def results(self, key: object) -> Collection | None:
+        """The collection for `key`, once it is done."""
+        with self._lock:
+            return self.found if self.key == key else None
 
     def reset(self) -> None:
         with self._lock:
             self.key = None
-            self.where = {}
+            self.found = None
