@@ -15,10 +15,12 @@ one-line integration with the Trainer's own step numbers is transom.integrations
 A step is a few tens of milliseconds on one CPU thread (the default --width 64, 2 layers,
 sequences of 64 tokens, 8 a batch). --data-delay S makes each batch take S seconds more to arrive
 (the data collator waits), as a data pipeline would. --eval-steps N evaluates on 64 held-out
-samples every N steps, each of them --eval-delay S seconds to load (a slow validation set). A
-plain `TrainerCallback` prints `step N t=TIME` on the main process after each step (N the
-Trainer's global step, TIME time.time()) and `eval step N loss L` after each evaluation; the
-final model goes to OUT/final.
+samples every N steps, each of them --eval-delay S seconds to load (a slow validation set).
+--after-save-s S makes the main process write sample completions from the model for S seconds
+after each save (a plain callback, as scripts do to watch a run), while the other ranks wait for
+it in the next step's all-reduce. A plain `TrainerCallback` prints `step N t=TIME` on the main
+process after each step (N the Trainer's global step, TIME time.time()) and `eval step N loss L`
+after each evaluation; the final model goes to OUT/final.
 """
 
 import argparse
@@ -47,6 +49,7 @@ parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--data-delay", type=float, default=0.0)
 parser.add_argument("--eval-steps", type=int, default=0)
 parser.add_argument("--eval-delay", type=float, default=0.0)
+parser.add_argument("--after-save-s", type=float, default=0.0)
 args = parser.parse_args()
 
 VOCAB, LENGTH = 256, 64
@@ -104,6 +107,21 @@ class PrintSteps(TrainerCallback):
             print(f"eval step {state.global_step} loss {loss:.4f}", flush=True)
 
 
+class WriteSamples(TrainerCallback):
+    """After each save, the main process writes sample completions for --after-save-s seconds."""
+
+    def on_save(self, training_args, state, control, model=None, **kwargs):
+        if not (state.is_world_process_zero and args.after_save_s and model is not None):
+            return
+        until, written = time.monotonic() + args.after_save_s, 0
+        prompt = torch.zeros((1, 4), dtype=torch.long)
+        with torch.no_grad():
+            while time.monotonic() < until:
+                model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+                written += 1
+        print(f"samples after step {state.global_step}: {written}", flush=True)
+
+
 training = TrainingArguments(
     output_dir=args.out,
     max_steps=args.steps,
@@ -129,7 +147,7 @@ trainer = Trainer(
     train_dataset=Tokens(),
     eval_dataset=HeldOut() if args.eval_steps else None,
     data_collator=collate,
-    callbacks=[PrintSteps()],
+    callbacks=[PrintSteps(), WriteSamples()],
 )
 last = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
 print(f"resuming from {last}", flush=True)

@@ -199,3 +199,22 @@ def test_an_unmodified_scripts_long_work_outside_a_step_is_no_hang(start_job, wh
     assert len(re.findall(r"^busy after step \d+", job.log_text("g001/rank0.log"), re.M)) == 3
     assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
     assert job.status()["job"]["generation"] == 1
+
+
+def test_an_unmodified_hf_trainers_long_work_after_a_save_is_no_hang(start_job):
+    """The real Trainer saves every 10 steps, and a plain callback of the script makes the main
+    process write sample completions for 5 s after each save (the model's generate, not in eval
+    mode), while the other rank waits in the next step's all-reduce; a hang floor of 2 s and a
+    spare: one generation, no anomaly, every save's samples written."""
+    job = start_job(
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        HF,
+        *("--steps", "30", "--save-steps", "10", "--data-delay", "0.05"),
+        *("--after-save-s", "5"),
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert job.wait(timeout=300) == 0, job.output
+    written = re.findall(r"^samples after step (\d+): \d+", job.log_text("g001/rank0.log"), re.M)
+    assert written == ["10", "20", "30"], job.log_text("g001/rank0.log")[-2000:]
+    assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
+    assert job.status()["job"]["generation"] == 1
