@@ -218,3 +218,25 @@ def test_an_unmodified_hf_trainers_long_work_after_a_save_is_no_hang(start_job):
     assert written == ["10", "20", "30"], job.log_text("g001/rank0.log")[-2000:]
     assert not alarms(job), [(e["kind"], e["message"]) for e in alarms(job)]
     assert job.status()["job"]["generation"] == 1
+
+
+@pytest.mark.parametrize("how", ["sleep", "spin", "poll"])
+def test_a_rank_that_waits_forever_outside_a_step_is_a_hang_whatever_its_shape(start_job, how):
+    """Rank 0 waits forever after step 5 (in a blocking call, a spin inside one call, a polling
+    loop) while rank 1 waits at a barrier, under a hang floor of 2 s and no restart allowed: the
+    agents' looks find no rank at work, and the hang is declared within the timeout and the
+    looks' few seconds, not after a phase's 300 s; its event says where rank 0 waits."""
+    job = start_job(
+        *("--nnodes", "2", "--hang-floor", "2", "--max-restarts", "0"),
+        TOY,
+        *("--steps", "30", "--step-delay", "0.05", "--wait-forever-at", "5", "--wait-how", how),
+    )
+    assert job.wait(timeout=120) != 0, job.output
+    log = job.log_text("g001/rank0.log")
+    began = float(re.search(r"^waiting forever t=([\d.]+)", log, re.M).group(1))
+    hang = next((e for e in job.events() if e.get("type") == "hang"), None)
+    assert hang is not None, [(e["kind"], e["message"]) for e in job.events()]
+    assert 0 < hang["time"] - began < 8.0, (hang["time"] - began, hang["message"])
+    assert "in wait_forever at ddp_toy.py" in hang["evidence"]["where"]["0"] or re.fullmatch(
+        r"at ddp_toy.py:\d+ in wait_forever", hang["evidence"]["where"]["0"]
+    ), hang

@@ -10,7 +10,10 @@ for S seconds (the model in eval mode, a forward pass and an all_reduce of its l
 no optimizer step), as a framework's evaluation loop does; --busy-every N --busy-s S makes
 rank 0 work S seconds outside a step after every N-th step while the others wait at a barrier:
 --busy-in main generates samples from the model in Python (not in eval mode), --busy-in child
-waits for a DataLoader's worker process that prepares one slow batch (an epoch's start).
+waits for a DataLoader's worker process that prepares one slow batch (an epoch's start);
+--wait-forever-at STEP makes rank 0 wait forever after that step while the others wait at a
+barrier, in a blocking call (--wait-how sleep), a spin inside one call (spin) or a polling loop
+(poll): a hang, whatever its shape.
 """
 
 import argparse
@@ -34,6 +37,8 @@ parser.add_argument("--eval-s", type=float, default=0.0)
 parser.add_argument("--busy-every", type=int, default=0)
 parser.add_argument("--busy-s", type=float, default=0.0)
 parser.add_argument("--busy-in", choices=("main", "child"), default="main")
+parser.add_argument("--wait-forever-at", type=int, default=0)
+parser.add_argument("--wait-how", choices=("sleep", "spin", "poll"), default="sleep")
 parser.add_argument("--ckpt-dir", default=os.environ.get("TRANSOM_CHECKPOINT_DIR", "checkpoints"))
 args = parser.parse_args()
 
@@ -86,6 +91,19 @@ def work_outside_a_step(seconds):
     return len(text)
 
 
+def wait_forever():
+    """Rank 0 waits for something that never comes, in the shape --wait-how names."""
+    print(f"waiting forever t={time.time():.3f}", flush=True)
+    if args.wait_how == "sleep":
+        time.sleep(10**6)
+    elif args.wait_how == "spin":
+        while True:
+            pass  # runs on one line: one stack, as a spin inside a C call shows
+    else:
+        while not os.path.exists(os.path.join(args.ckpt_dir, "never")):
+            time.sleep(0.01)
+
+
 class SlowFile:
     """A file whose first write waits `delay` seconds (a slow file system)."""
 
@@ -136,6 +154,10 @@ for step in range(start + 1, args.steps + 1):
         if rank == 0:
             print(f"eval step {step} loss {val.item() / world:.4f}", flush=True)
         model.train()
+    if step == args.wait_forever_at:
+        if rank == 0:
+            wait_forever()
+        dist.barrier()
     if args.busy_every and step % args.busy_every == 0:
         if rank == 0:
             print(f"busy after step {step}: {work_outside_a_step(args.busy_s)}", flush=True)
