@@ -21,6 +21,7 @@ from transom.monitor import datagram, stopped_time, waiting
 from transom.monitor.node import NodeMonitor
 from transom.monitor.stopped_time import (
     STOPPED_MIN_S,
+    STOPPED_MIN_SPAN_S,
     STOPPED_WINDOW_S,
     StopMeter,
     StoppedTime,
@@ -69,6 +70,16 @@ def test_the_window_counts_after_warm_up_and_leaves_the_largest_out():
     assert stopped.per_step(t, 0.1) is not None  # counted for a whole window (2.4 s)
     # Within the last 2 s: 4 stops of 0.3 s (told at 1.6, 2.2, 2.8, 3.4), the largest left out.
     assert stopped.per_step(t, 0.1) == pytest.approx(0.9 / STOPPED_WINDOW_S * 0.1)
+    # A slowdown that began inside the window is measured from its first stop (1 s at least):
+    # two stops of 0.3 s 0.6 s apart, after a quiet window, read 0.3 s over 1 s, not over 2 s.
+    began = StoppedTime()
+    began.add(0.0, 0.0, counting=True)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5):
+        began.add(t, 0.0, counting=True)
+    began.add(2.8, 0.3, counting=True)  # stopped from 2.5 to 2.8
+    began.add(3.4, 0.6, counting=True)  # and from 3.1 to 3.4
+    assert began.per_step(3.4, 0.1) == pytest.approx(0.3 / STOPPED_MIN_SPAN_S * 0.1)
+    assert began.per_step(4.3, 0.1) == pytest.approx(0.3 / 1.8 * 0.1, abs=1e-5)  # since 2.5
     # One hiccup alone counts for nothing.
     lone = StoppedTime()
     lone.add(0.0, 0.0, counting=True)

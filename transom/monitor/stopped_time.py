@@ -34,7 +34,12 @@ a step's.
 The node agent keeps each rank's `StoppedTime`: the growth of that total, as it arrived, over
 the last STOPPED_WINDOW_S (or STOPPED_WINDOW_STEPS steps, whichever is longer), less the
 LARGEST_IGNORED largest increments (one hiccup of the machine), as seconds a step (`per_step`):
-the controller compares it across nodes like the busy time (transom.monitor.waiting).
+the controller compares it across nodes like the busy time (transom.monitor.waiting). The rate
+is taken over the part of the window since its first stop began, STOPPED_MIN_SPAN_S at least:
+a slowdown that began inside the window is not diluted by the time before it. A 300 ms stop
+every 600 ms then reads its own rate (half a second a second) from its second stop on, 0.9 s
+after it began, where over the whole window it read a quarter of that and crossed the
+straggler bar only with its third or fourth stop.
 
 What crosses the process boundary is checked: the total is a finite number >= 0 (the datagram
 schema), a total that went down starts over, and no increment counts for more than the agent's
@@ -51,6 +56,8 @@ STOPPED_MIN_S = 0.02  # a later wake than this is a stop (scheduling noise is a 
 STOPPED_WINDOW_S = 2.0
 STOPPED_WINDOW_STEPS = 16
 LARGEST_IGNORED = 1
+# The stopped seconds are a rate over this much of the window at least (`per_step`).
+STOPPED_MIN_SPAN_S = 1.0
 INCREMENTS_KEPT = 256  # of a rank's newest increments (a 300 ms stop every 600 ms: 3-4 a window)
 
 
@@ -115,13 +122,18 @@ class StoppedTime:
             self.increments.append((now, grown))
 
     def per_step(self, now: float, step_s: float | None) -> float | None:
-        """Stopped seconds a step of `step_s` over the window ending at `now` (None until the
-        rank has been counted for a whole window)."""
+        """Stopped seconds a step of `step_s` over the window ending at `now`, from the
+        window's first stop on (module doc; None until the rank has been counted for a whole
+        window)."""
         if step_s is None or self.since is None:
             return None
         window = max(STOPPED_WINDOW_S, STOPPED_WINDOW_STEPS * step_s)
         if now - self.since < window:
             return None
-        recent = sorted(d for t, d in self.increments if t >= now - window)
-        kept = recent[: max(0, len(recent) - LARGEST_IGNORED)]
-        return round(sum(kept) / window * step_s, 5)
+        recent = [(t, d) for t, d in self.increments if t >= now - window]
+        kept = sorted(d for _, d in recent)[: max(0, len(recent) - LARGEST_IGNORED)]
+        if not kept:
+            return 0.0
+        began = min(t - d for t, d in recent)  # when the window's first stop began
+        span = min(window, max(STOPPED_MIN_SPAN_S, now - began))
+        return round(sum(kept) / span * step_s, 5)
