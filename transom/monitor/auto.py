@@ -98,8 +98,7 @@ class StepCounter:
         # A framework callback (transom.integrations) reports the steps, with their numbers and
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
-        # The newest step's timing for it; None: that step held an evaluation (not comparable).
-        self.timing: dict[str, float] | None = {}
+        self.timing: dict[str, float] = {}
         self.fingerprint_configured = fingerprint.configured()  # None: the default, by step time
         self.fingerprinted: int | None = None  # the step of the newest fingerprint sent
         # The times between the newest counted steps' hooks (the step time the default
@@ -157,8 +156,7 @@ class StepCounter:
             if evaluated and not self.framework:  # its time held an evaluation: not comparable
                 message["phase"] = [eval_phase.EVAL_PHASE]
             if self.framework:
-                timed = {k: v for k, v in message.items() if k != "step"}
-                self.timing = None if evaluated else timed
+                self.timing = {k: v for k, v in message.items() if k != "step"}
                 self.check_replica(ch, optimizer, step)
                 return
             ch.faults.on_step(step)  # injected faults (tests, demos) fire at counted steps too
@@ -207,9 +205,8 @@ class StepCounter:
             every = fingerprint.interval(None, typical)
         return fingerprint.due(step, every, first)
 
-    def take_timing(self) -> dict[str, float] | None:
-        """The newest optimizer step's dur, comm and compute (once), for a framework callback;
-        None when its time held an evaluation (the step is then reported without a timing)."""
+    def take_timing(self) -> dict[str, float]:
+        """The newest optimizer step's dur, comm and compute (once), for a framework callback."""
         timing, self.timing = self.timing, {}
         return timing
 
