@@ -17,6 +17,8 @@ from conftest import (
     wait_for,
 )
 
+from transom.monitor import rank_timing
+
 skip_unless_installed("transformers")
 
 HF = Path(__file__).resolve().parent / "scripts" / "hf_tiny.py"
@@ -37,6 +39,23 @@ def test_the_trainer_reports_its_steps_once_with_their_loss(tmp_path):
     # Timed by the optimizer hook: a step time for the monitor's statistics.
     assert summary.ranks["0"].step_s is not None and summary.ranks["0"].step_s > 0
     assert not [e for e in events if e.to_dict().get("type") == "nan"]
+
+
+@pytest.mark.integration
+def test_a_step_that_held_an_evaluation_is_reported_without_its_timing(tmp_path):
+    """An evaluation of 8 samples of 0.15 s each after step 8: step 9, whose time held it, is
+    reported (its number, its loss) but left out of the step times, as the hook's own steps
+    that hold an evaluation are (transom.monitor.eval_phase)."""
+    args = ["--out", str(tmp_path / "out"), "--steps", "16"]
+    args += ["--eval-steps", "8", "--eval-delay", "0.15"]
+    with monitored_ranks(tmp_path, HF, args, world=1) as (monitor, procs):
+        ranks_finished(procs, tmp_path, timeout=180)
+        wait_for(lambda: monitor.steps() == {0: 16}, 10, "the last step")
+        track = monitor.ranks[0]
+    assert len(track.losses) == 16  # every step reported
+    # The timing window holds the newest 8 comparable steps: 8 and 10..16, not step 9.
+    assert len(track.durations) == rank_timing.TIMING_WINDOW == 8
+    assert max(track.durations) < 1.0, list(track.durations)
 
 
 @pytest.mark.integration

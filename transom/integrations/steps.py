@@ -4,8 +4,9 @@ the step's timing as the zero-code optimizer hook measured it (transom.monitor.a
 `attach()` (when training begins) turns the hook into the callback's timer: from then on it sends
 no step of its own, so nothing is counted twice; `report_step` sends one step datagram with the
 hook's dur, comm and compute (the callback's own duration where no hook is installed, e.g.
-`--no-auto-monitor`), and the loss. Outside Transom (no agent) both do nothing. Neither may ever
-raise into training.
+`--no-auto-monitor`; none for a step whose time held an evaluation, which is then left out of
+the timing windows as the hook's own steps are: transom.monitor.eval_phase), and the loss.
+Outside Transom (no agent) both do nothing. Neither may ever raise into training.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def report_step(step: int, loss: float | None, duration_s: float | None = None) 
     try:
         steps = auto.counter()
         timing = steps.take_timing() if steps is not None and steps.framework else {}
-        if not timing and duration_s is not None and duration_s >= 0:
+        if timing is None:  # the step's time held an evaluation: no timing, not comparable
+            timing = {}
+        elif not timing and duration_s is not None and duration_s >= 0:
             timing = {"dur": duration_s}
         metrics: dict[str, float] = dict(timing)
         if loss is not None:

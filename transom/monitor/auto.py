@@ -98,7 +98,8 @@ class StepCounter:
         # A framework callback (transom.integrations) reports the steps, with their numbers and
         # loss: the hook then only keeps the newest step's timing for it (`take_timing`).
         self.framework = False
-        self.timing: dict[str, float] = {}
+        # The newest step's timing for it; None: that step held an evaluation (not comparable).
+        self.timing: dict[str, float] | None = {}
         self.fingerprint_configured = fingerprint.configured()  # None: the default, by step time
         self.fingerprinted: int | None = None  # the step of the newest fingerprint sent
         # The times between the newest counted steps' hooks (the step time the default
@@ -156,7 +157,8 @@ class StepCounter:
             if evaluated and not self.framework:  # its time held an evaluation: not comparable
                 message["phase"] = [eval_phase.EVAL_PHASE]
             if self.framework:
-                self.timing = {k: v for k, v in message.items() if k != "step"}
+                timed = {k: v for k, v in message.items() if k != "step"}
+                self.timing = None if evaluated else timed
                 self.check_replica(ch, optimizer, step)
                 return
             ch.faults.on_step(step)  # injected faults (tests, demos) fire at counted steps too
@@ -205,8 +207,9 @@ class StepCounter:
             every = fingerprint.interval(None, typical)
         return fingerprint.due(step, every, first)
 
-    def take_timing(self) -> dict[str, float]:
-        """The newest optimizer step's dur, comm and compute (once), for a framework callback."""
+    def take_timing(self) -> dict[str, float] | None:
+        """The newest optimizer step's dur, comm and compute (once), for a framework callback;
+        None when its time held an evaluation (the step is then reported without a timing)."""
         timing, self.timing = self.timing, {}
         return timing
 

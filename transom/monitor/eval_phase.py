@@ -12,7 +12,7 @@ run-queue waits count as stopped time (transom.monitor.stopped_time). So the wor
 trained model to eval mode enters the EVAL_PHASE phase (transom.monitor.reporter), in which the
 controller waits detectors.PHASE_HANG_S before it calls a hang, and switching it back, or the
 next optimizer step, leaves it; that step is marked as in a phase, out of the timing windows
-(not a step a framework callback reports: transom.integrations sends its own timing).
+(a step a framework callback reports goes without its timing: transom.integrations.steps).
 
 The trained model is a module with a parameter the stepping optimizer steps, or before the first
 step any module with parameters (an evaluation before training is a phase too). A frozen module
