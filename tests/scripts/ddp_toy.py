@@ -12,8 +12,9 @@ rank 0 work S seconds outside a step after every N-th step while the others wait
 --busy-in main generates samples from the model in Python (not in eval mode), --busy-in child
 waits for a DataLoader's worker process that prepares one slow batch (an epoch's start);
 --wait-forever-at STEP makes rank 0 wait forever after that step while the others wait at a
-barrier, in a blocking call (--wait-how sleep), a spin inside one call (spin) or a polling loop
-(poll): a hang, whatever its shape.
+barrier, in a blocking call (--wait-how sleep), a spin inside one long call (spin: a large
+matrix product, its stack still while it runs) or a polling loop (poll): a hang, whatever its
+shape.
 """
 
 import argparse
@@ -96,9 +97,10 @@ def wait_forever():
     print(f"waiting forever t={time.time():.3f}", flush=True)
     if args.wait_how == "sleep":
         time.sleep(10**6)
-    elif args.wait_how == "spin":
+    elif args.wait_how == "spin":  # one long call into C that runs, as a GPU sync spins
+        a = torch.ones(8000, 8000)
         while True:
-            pass  # runs on one line: one stack, as a spin inside a C call shows
+            a @ a  # noqa: B018 - seconds a call, on one line: one stack
     else:
         while not os.path.exists(os.path.join(args.ckpt_dir, "never")):
             time.sleep(0.01)

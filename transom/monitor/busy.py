@@ -16,10 +16,15 @@ The node's agent (transom.monitor.node) shows a busy rank in the phase BUSY_PHAS
 then waits for it as it waits for a save (detectors.PHASE_HANG_S since its last step at most).
 Once its work stops without a step, its busy mark lapses (transom.monitor.stuck_ranks) and the
 hang is declared: its quiet time counts from its last step.
+Unlike a phase its worker reported, busy work only holds the hang rule off: the step that ends
+it keeps its timing, as a node whose steps stall at work now and then (a slow DataLoader) is a
+straggler to find, not a phase to excuse.
 
 Work whose stack is the same at every look (one long call into C: a tokenizer over a whole
 dataset, a socket send) is not seen; a script marks it with `transom.monitor.phase`, or the job
-takes a longer `--hang-floor`.
+takes a longer `--hang-floor`. The other way round, a Python loop that spins without sleeping
+(`while not done: pass`) runs and moves between its lines: it looks like work, and if what it
+waits for never comes, the hang is declared after the phase's 300 s, not the hang timeout.
 
 What it must never do: call a rank busy from one look (one stack cannot tell a still rank from
 a moving one), count the CPU of any process but the rank's and its descendants', or raise: a

@@ -43,7 +43,7 @@ from transom.common.records import (
     Severity,
     SummaryRequest,
 )
-from transom.monitor import busy, datagram, detectors
+from transom.monitor import datagram, detectors
 from transom.monitor.channel import ChannelSocket, Received
 from transom.monitor.collect import LogScanner, Nvml, gpu_problems, host_metrics
 from transom.monitor.rank_timing import RankTrack
@@ -232,9 +232,9 @@ class NodeMonitor:
         step = m["step"]
         previous, previous_sent = r.step, r.sent_at
         r.step, r.step_at, r.sent_at = step, now, sent
-        if r.busy_until > -math.inf:  # the step that held work outside a step: not comparable
-            r.busy_until = -math.inf
-            m = {**m, "phase": [busy.BUSY_PHASE]}
+        # A step ends the rank's work outside a step. That step keeps its timing: a node whose
+        # steps stall now and then at work (a slow DataLoader) is a straggler to find.
+        r.busy_until = -math.inf
         if r.first_step is None:
             r.first_step = step
         loss = m.get("loss")
