@@ -97,10 +97,10 @@ def long_phase(monitor, phase: str, ranks: tuple[str, ...]):
 
 def assert_the_phase_spares_a_hang(summary) -> None:
     """The controller's hang rule (a 1 s floor) finds no hang on `summary`, and would on the
-    same summary without its phases."""
+    same summary without its phases, once the agent's looks said where each rank is."""
     views = detectors.rank_views({"nodeA": summary}, summary.generation, summary.t)
     assert detectors.hang(views, 1.0) is None
-    unmarked = [{**v, "phase": None} for v in views]
+    unmarked = [{**v, "phase": None, "where": "in all_reduce at ddp_toy.py:1"} for v in views]
     found = detectors.hang(unmarked, 1.0)
     assert found is not None and found.type == "hang"
 

@@ -185,12 +185,12 @@ def test_an_unmodified_hf_trainers_long_evaluation_is_no_hang(start_job):
 @pytest.mark.parametrize("where", ["main", "child"])
 def test_an_unmodified_scripts_long_work_outside_a_step_is_no_hang(start_job, where):
     """Three times in the run rank 0 works 5 s outside a step while the other rank waits at a
-    barrier, with a hang floor of 2 s and a spare to evict to: in its main thread (samples from
-    the model, which is not in eval mode), or in a DataLoader's worker process (an epoch's slow
-    first batch). No phase marks either; the agents' looks find rank 0 at work, and the job
-    trains through them in one generation, with no anomaly."""
+    barrier, with a hang floor of 4 s (three looks before the timeout) and a spare to evict to: in
+    its main thread (samples from the model, which is not in eval mode), or in a DataLoader's
+    worker process (an epoch's slow first batch). No phase marks either; the agents' looks find
+    rank 0 at work, and the job trains through them in one generation, with no anomaly."""
     job = start_job(
-        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "4"),
         TOY,
         *("--steps", "30", "--step-delay", "0.05", "--busy-every", "10", "--busy-s", "5"),
         *("--busy-in", where),
@@ -204,10 +204,11 @@ def test_an_unmodified_scripts_long_work_outside_a_step_is_no_hang(start_job, wh
 def test_an_unmodified_hf_trainers_long_work_after_a_save_is_no_hang(start_job):
     """The real Trainer saves every 10 steps, and a plain callback of the script makes the main
     process write sample completions for 5 s after each save (the model's generate, not in eval
-    mode), while the other rank waits in the next step's all-reduce; a hang floor of 2 s and a
-    spare: one generation, no anomaly, every save's samples written."""
+    mode), while the other rank waits in the next step's all-reduce; a hang floor of 4 s (three
+    looks before the timeout) and a spare: one generation, no anomaly, every save's samples
+    written."""
     job = start_job(
-        *("--nnodes", "2", "--spares", "1", "--hang-floor", "2"),
+        *("--nnodes", "2", "--spares", "1", "--hang-floor", "4"),
         HF,
         *("--steps", "30", "--save-steps", "10", "--data-delay", "0.05"),
         *("--after-save-s", "5"),

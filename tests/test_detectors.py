@@ -149,8 +149,12 @@ def test_hang_blames_the_laggard_when_every_heartbeat_is_alive():
         view("node1", 1, 49, step_age=9.5),
         view("node2", 2, 50, step_age=9),
     ]
+    assert hang(views) is None  # every heartbeat alive: the agents' looks first
+    views = [dict(v, where="in all_reduce at t.py:5") for v in views]
     assert hang(views).nodes == ["node1"]
-    same = [view(f"node{i}", i, 50, step_age=9) for i in range(3)]
+    # ... or, where a node's places never come (no dump handler), PLACES_WAIT_S later
+    assert hang([dict(v, where=None, step_age=8 + detectors.PLACES_WAIT_S) for v in views])
+    same = [dict(view(f"node{i}", i, 50, step_age=9), where="in f at t.py:1") for i in range(3)]
     a = hang(same)
     assert a.nodes == [] and "collective" in a.evidence["why"]
 

@@ -30,6 +30,11 @@ HANG_STEP_FACTOR = 4.0
 STOPPED_HANG_S = 1.0
 # While a rank is in a phase (checkpoint save, evaluation) a hang takes this long.
 PHASE_HANG_S = 300.0
+# A hang waits this much past its timeout for every rank's place (transom.monitor.stacks): the
+# agents' looks began at half the timeout, and a rank they find at work outside a step
+# (transom.monitor.busy) is no hang. Their verdict comes with the places, 0.4 s or so after the
+# looks began; a node whose workers have no dump handler never sends places.
+PLACES_WAIT_S = 2.0
 # A rank whose heartbeat is older than this is stopped or dead (the heartbeat beats every 0.5 s).
 HEARTBEAT_GAP_S = 3.0
 # Room left under HEARTBEAT_GAP_S for a late agent tick (0.2 s; more on a busy machine), the
@@ -276,6 +281,9 @@ def hang(views: list[dict], floor_s: float) -> Anomaly | None:
     beat_stopped = [
         v for v in views if v.get("beat_age") is None or v["beat_age"] >= HEARTBEAT_GAP_S
     ]
+    places_due = len(where) < len(views) and quiet < timeout + PLACES_WAIT_S
+    if not (halted or beat_stopped) and places_due:
+        return None  # the agents' looks say where each rank is, and which are at work
     # ... or its agent found its process stopped or gone (its heartbeat may be younger than that)
     stopped = [
         v

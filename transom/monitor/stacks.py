@@ -282,8 +282,8 @@ class StackCollector:
             return True
 
     def _collect(self, key: object, ranks: dict[int, tuple[int, Path]], script: str) -> None:
-        """Where each rank is from a first look, published at once (a stopped rank's hang
-        waits for it), then which ranks worked from busy.LOOKS looks busy.LOOK_GAP_S apart."""
+        """Where each rank is, and which ranks worked over busy.LOOKS looks busy.LOOK_GAP_S
+        apart; where a rank is stopped or gone, the places of the first look go out at once."""
         places: dict[int, str] = {}
         runnable: dict[int, tuple[int, Path]] = {}
         try:
@@ -296,7 +296,15 @@ class StackCollector:
             first = _look(runnable, script)
             for rank, seen in first.items():
                 places[rank] = where([Frame(*f) for f in seen.stack])
-            if not self._found(key, Collection(dict(places), frozenset())) or not first:
+            # A stopped rank's hang waits for every place: those go out at once. Otherwise the
+            # places go out with the looks' verdict, so that the controller, which waits for
+            # every place before it calls a hang, never sees a rank at work as idle.
+            halted = any(p in (STOPPED, GONE) for p in places.values())
+            if (halted or not first) and not self._found(
+                key, Collection(dict(places), frozenset())
+            ):
+                return
+            if not first:
                 return
             looks = {rank: [seen] for rank, seen in first.items()}
             for n in range(1, busy.LOOKS):
