@@ -76,6 +76,7 @@ class RankPinner:
         self.core_of: dict[int, int] = {}  # rank pid -> its core
         self.ranks: dict[int, set[int]] = {}
         self.rest: set[int] = set()
+        self.ranks_own: set[int] = set()  # pids seen below a rank (theirs, even once reparented)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rank-pinner", daemon=True)
 
@@ -110,7 +111,9 @@ class RankPinner:
                     continue  # the thread ended
             if seen:
                 self.ranks[p.pid] = seen
-        elif p.ppid() not in self.core_of and not _importing(p.cmdline()):
+        elif p.pid in self.ranks_own or any(a.pid in self.core_of for a in p.parents()):
+            self.ranks_own.add(p.pid)  # a rank's child or deeper (a compiler a build runs)
+        elif not _importing(p.cmdline()):
             self.rest |= set(p.cpu_affinity() or [])
 
 
