@@ -35,6 +35,8 @@ def look(t, stack, main, children):
         ([look(0.0, (), 1.0, 0.0), look(0.25, B, 1.2, 0.0)], False),  # no first stack
         ([look(0.25, A, 1.0, 0.0), look(0.25, B, 1.2, 0.0)], False),  # no time between
         ([look(0.0, A, 1.0, 0.0)], False),  # one look
+        ([look(0.0, A + B, 1.0, 0.0), look(0.25, A, 1.2, 0.0)], False),  # a dump cut short
+        ([look(0.0, A + B, 1.0, 0.0), look(0.25, B + B, 1.2, 0.0)], True),  # as deep, moved
     ],
 )
 def test_working_needs_a_moving_stack_that_runs_or_children_that_run(looks, expected):

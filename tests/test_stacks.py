@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
 from conftest import wait_for
 
+from transom.common import env
 from transom.monitor import stacks
 
 
@@ -70,3 +72,57 @@ def test_the_collector_names_a_stopped_and_a_gone_rank_and_says_when_it_is_done(
     finally:
         stopped.kill()
         stopped.wait()
+
+
+CHURN = """
+import sys, threading, time
+from transom.control import bootstrap
+assert bootstrap.register_stack_dump()
+
+
+def churn():  # threads that start and end all the time (a checkpoint's helpers, a reporter)
+    while True:
+        t = threading.Thread(target=lambda: sum(range(100)))
+        t.start()
+        t.join()
+
+
+def wait_in_main():
+    time.sleep(600)
+
+
+threading.Thread(target=churn, daemon=True).start()
+print("ready", flush=True)
+wait_in_main()
+"""
+
+
+@pytest.mark.integration
+def test_many_dumps_leave_a_rank_whose_threads_come_and_go_alive(tmp_path):
+    """150 dumps of a rank whose other threads start and end threads all the time: the rank
+    lives on (dumping every thread killed such a rank by SIGSEGV once in about 70 dumps), and
+    each dump is of the main thread, where the script waits."""
+    script = tmp_path / "churn.py"
+    script.write_text(CHURN)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, env.STACKS_DIR: str(tmp_path), "RANK": "0"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        target = {0: (proc.pid, tmp_path / "rank0.stacks")}
+
+        def place() -> str:
+            return stacks.where(stacks.dump_many(target, str(script), timeout_s=5).get(0, []))
+
+        waiting = "at churn.py:15 in wait_in_main"
+        wait_for(lambda: place() == waiting or proc.poll() is not None, 10, "its wait")
+        for n in range(150):
+            found = place()
+            assert proc.poll() is None, f"the rank died ({proc.returncode}) at dump {n}"
+            assert found == waiting, (n, found)
+    finally:
+        proc.kill()
+        proc.wait()

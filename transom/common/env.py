@@ -33,7 +33,7 @@ FAULTS = "TRANSOM_FAULTS"
 AUTO_MONITOR = "TRANSOM_AUTO_MONITOR"
 # Replica fingerprints every N steps (transom.monitor.fingerprint; 0: off).
 FINGERPRINT_EVERY = "TRANSOM_FINGERPRINT_EVERY"
-# The directory of the files (common.files.stacks_name) the worker's faulthandler writes every
+# The directory of the files (common.files.stacks_name) the worker's faulthandler writes its main
 # thread's stack to when the agent sends it transom.monitor.stacks.STACKS_SIGNAL (unset: no
 # handler is registered and the agent never sends it).
 STACKS_DIR = "TRANSOM_STACKS_DIR"

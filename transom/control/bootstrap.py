@@ -5,7 +5,7 @@ calls `run_script` once its job arrives) or cold, as `python -u -m transom.contr
 SCRIPT ARGS` (transom.control.workers). Either way `run_script`:
 
 1. titles the process `python -u SCRIPT ARGS` (setproctitle), as a plain start would show;
-2. registers `faulthandler` on STACKS_SIGNAL, writing every thread's Python stack to the rank's
+2. registers `faulthandler` on STACKS_SIGNAL, writing the main thread's Python stack to the rank's
    file in TRANSOM_STACKS_DIR (the agent sends that signal when its ranks look hung, and
    reads the stacks back: transom.monitor.stacks); the dump works even while the rank is inside
    C code, such as a collective;
@@ -64,8 +64,9 @@ def instrumentation_env(stacks_dir: Path | None, evidence_dir: Path) -> dict[str
 
 
 def register_stack_dump() -> bool:
-    """Dump every thread's stack to this rank's file in TRANSOM_STACKS_DIR on STACKS_SIGNAL;
-    False if not asked for (no directory named) or not possible."""
+    """Dump the stack of the thread that takes STACKS_SIGNAL (the agent signals the main thread)
+    to this rank's file in TRANSOM_STACKS_DIR; False if not asked for (no directory named) or not
+    possible. Never every thread's: that dump reads threads' frames as they run, and crashes."""
     global _stacks_file
     directory = os.environ.get(env.STACKS_DIR)
     if not directory or _stacks_file is not None:
@@ -73,7 +74,7 @@ def register_stack_dump() -> bool:
     try:
         path = os.path.join(directory, files.stacks_name(int(os.environ["RANK"])))
         _stacks_file = open(path, "w")  # noqa: SIM115 - lives as long as the process
-        faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+        faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=False, chain=False)
         # The agent signals only a process whose pid this first line names (transom.monitor.stacks)
         _stacks_file.write(f"{READY}{os.getpid()}\n")
         _stacks_file.flush()

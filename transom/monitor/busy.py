@@ -102,6 +102,13 @@ def look(pid: int, t: float, stack: Sequence[tuple[str, int, str]]) -> Look:
     return Look(t, tuple(stack), main_thread_cpu_s(pid), children_cpu_s(pid))
 
 
+def _moved(a: tuple[tuple[str, int, str], ...], b: tuple[tuple[str, int, str], ...]) -> bool:
+    """Whether the stack moved from `a` to `b`; not where one is the other cut short (a dump
+    read while the rank, descheduled, had written only its inner frames), nor where one is empty."""
+    n = min(len(a), len(b))
+    return n > 0 and a[:n] != b[:n]
+
+
 def working(looks: Sequence[Look]) -> bool:
     """Whether a rank seen in `looks` (oldest first) worked between them (module doc)."""
     if len(looks) < 2:
@@ -113,7 +120,7 @@ def working(looks: Sequence[Look]) -> bool:
     if first.children_cpu_s is not None and last.children_cpu_s is not None:
         if last.children_cpu_s - first.children_cpu_s >= MIN_CHILDREN_SHARE * span:
             return True
-    moved = any(a.stack and a.stack != b.stack for a, b in zip(looks, looks[1:], strict=False))
+    moved = any(_moved(a.stack, b.stack) for a, b in zip(looks, looks[1:], strict=False))
     if not moved or first.main_cpu_s is None or last.main_cpu_s is None:
         return False
     return last.main_cpu_s - first.main_cpu_s >= MIN_MAIN_SHARE * span
