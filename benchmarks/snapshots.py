@@ -63,6 +63,7 @@ def segment(
     model=None,
     optimizer=None,
     waits: list[float] | None = None,
+    persist_every: int = PERSIST_EVERY,
 ) -> dict:
     """Train `steps` steps from step `first`, saving each one when `engine` is given. `waits`:
     the copy's waits, timed by the closure's end (--closure); else timed by a pre-step hook."""
@@ -83,7 +84,7 @@ def segment(
             train(n)
             if engine is not None:
                 state = {"step": n, "model": model.state_dict(), "optim": optimizer.state_dict()}
-                persist = n % PERSIST_EVERY == 0
+                persist = persist_every > 0 and n % persist_every == 0
                 handle = engine.save(n, state, persist=persist, overlap=True)
                 blocking.append(handle.blocking_s)
             times.append(time.perf_counter() - t0)
@@ -105,7 +106,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run(pairs: int, steps: int, closure: bool = False) -> dict:
+# What a save reaches (--tiers): the node's memory, a peer's memory, storage every PERSIST_EVERY.
+TIERS = ("all", "peer", "memory")
+
+
+def run(pairs: int, steps: int, closure: bool = False, tiers: str = "all") -> dict:
     from transom import checkpoint
     from transom.utils.procs import stop_process
 
@@ -117,12 +122,14 @@ def run(pairs: int, steps: int, closure: bool = False) -> dict:
         # The servers inherit the other cores, every thread of them (an affinity set on a
         # running process moves its main thread only: its other threads shared the rank's core).
         os.sched_setaffinity(0, rest)
-        peer, _, peer_addr = start_server(work, "node1", 1 << 30, ["--replicas", "0"])
-        servers.append(peer)
-        own, sock, _ = start_server(
-            work, "node0", 1 << 30, ["--peer", peer_addr, "--storage", str(work / "storage")]
-        )
+        extra = ["--replicas", "0"]
+        if tiers != "memory":
+            peer, _, peer_addr = start_server(work, "node1", 1 << 30, ["--replicas", "0"])
+            servers.append(peer)
+            extra = ["--peer", peer_addr, "--storage", str(work / "storage")]
+        own, sock, _ = start_server(work, "node0", 1 << 30, extra)
         servers.append(own)
+        persist_every = PERSIST_EVERY if tiers == "all" else 0
         os.sched_setaffinity(0, rank_core)
         shared = [
             t
@@ -145,7 +152,9 @@ def run(pairs: int, steps: int, closure: bool = False) -> dict:
             pair = {}
             for kind in ("baseline", "snapshots") if i % 2 == 0 else ("snapshots", "baseline"):
                 saving = engine if kind == "snapshots" else None
-                pair[kind] = segment(steps, step, train, saving, model, optimizer, waits)
+                pair[kind] = segment(
+                    steps, step, train, saving, model, optimizer, waits, persist_every
+                )
                 step += steps
             rows.append(pair)
             print(
@@ -168,6 +177,7 @@ def run(pairs: int, steps: int, closure: bool = False) -> dict:
         "pairs": pairs,
         "steps": steps,
         "closure": closure,
+        "tiers": tiers,
         "rank_core": rank_core,
         "server_cores": rest,
         "step_rate_x": statistics.fmean(ratios),
@@ -194,11 +204,19 @@ def main() -> int:
     parser.add_argument(
         "--closure", action="store_true", help="forward and backward in the step's closure"
     )
+    parser.add_argument(
+        "--tiers",
+        choices=TIERS,
+        default="all",
+        help="what a save reaches: all (memory, a peer's memory, storage every "
+        f"{PERSIST_EVERY}th step; the default, as `transom run`), peer (no storage), memory "
+        "(the node's server alone): which part of the pipeline costs the rank",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = parser.parse_args()
     if args.pairs < 1 or args.steps <= WARMUP:
         parser.error(f"--pairs must be positive and --steps above {WARMUP}")
-    result = run(args.pairs, args.steps, args.closure)
+    result = run(args.pairs, args.steps, args.closure, args.tiers)
     low, high = result["step_rate_x_ci95"]
     print(
         f"step_rate_x {result['step_rate_x']:.3f} ({low:.3f} to {high:.3f}: "
