@@ -110,7 +110,9 @@ def _timed(fn) -> float:
 TIERS = ("all", "peer", "memory")
 
 
-def run(pairs: int, steps: int, closure: bool = False, tiers: str = "all") -> dict:
+def run(
+    pairs: int, steps: int, closure: bool = False, tiers: str = "all", copy_on: str = "rank"
+) -> dict:
     from transom import checkpoint
     from transom.utils.procs import stop_process
 
@@ -146,6 +148,13 @@ def run(pairs: int, steps: int, closure: bool = False, tiers: str = "all") -> di
         waits: list[float] | None = [] if closure else None
         timed_wait = (lambda: waits.append(_timed(engine._copy.wait_copied))) if closure else None
         model, optimizer, train = make_trainer(after_closure=timed_wait)
+        if copy_on == "rest":  # a rank of several cores: its copy thread on another than its loop
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            engine.save(0, state, persist=False, overlap=True)  # starts the copy thread
+            engine._copy.wait_finished()
+            thread = engine._copy._thread
+            assert thread is not None and thread.native_id is not None
+            os.sched_setaffinity(thread.native_id, rest)
         rows = []
         step = 1
         for i in range(pairs):
@@ -178,6 +187,7 @@ def run(pairs: int, steps: int, closure: bool = False, tiers: str = "all") -> di
         "steps": steps,
         "closure": closure,
         "tiers": tiers,
+        "copy_on": copy_on,
         "rank_core": rank_core,
         "server_cores": rest,
         "step_rate_x": statistics.fmean(ratios),
@@ -212,11 +222,18 @@ def main() -> int:
         f"{PERSIST_EVERY}th step; the default, as `transom run`), peer (no storage), memory "
         "(the node's server alone): which part of the pipeline costs the rank",
     )
+    parser.add_argument(
+        "--copy-on",
+        choices=("rank", "rest"),
+        default="rank",
+        help="the core of the save's copy thread: rank (the rank's one core, the default) or "
+        "rest (the servers' cores, as a rank of several cores would run it beside its loop)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = parser.parse_args()
     if args.pairs < 1 or args.steps <= WARMUP:
         parser.error(f"--pairs must be positive and --steps above {WARMUP}")
-    result = run(args.pairs, args.steps, args.closure, args.tiers)
+    result = run(args.pairs, args.steps, args.closure, args.tiers, args.copy_on)
     low, high = result["step_rate_x_ci95"]
     print(
         f"step_rate_x {result['step_rate_x']:.3f} ({low:.3f} to {high:.3f}: "
